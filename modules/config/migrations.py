@@ -1,0 +1,37 @@
+"""Ordered migrations of saved configs.
+
+`MIGRATIONS[v]` turns the JSON data of version `v` into version `v + 1`. Files without a
+`__version` key are version 0 (hand-written or from before versioning) and pass through every step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .train_config import CONFIG_VERSION
+
+
+def _v0_to_v1(data: dict) -> dict:
+    # Version 0 is the same schema without the version key: nothing to rename yet.
+    return data
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1}
+
+
+def migrate(data: dict, source: str | None = None, migrations: dict | None = None,
+            target: int = CONFIG_VERSION) -> dict:
+    """Apply every migration from the data's `__version` up to `target`."""
+    from .serialization import VERSION_KEY, ConfigError
+
+    steps = MIGRATIONS if migrations is None else migrations
+    version = data.get(VERSION_KEY, 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ConfigError([f"__version: expected a non-negative integer, got {version!r}."], source)
+    if version > target:
+        raise ConfigError([f"__version: {version} is newer than this Tandem understands ({target}). "
+                           "Update Tandem, or save the config again from this version."], source)
+    while version < target:
+        data = steps[version](data)
+        version += 1
+        data[VERSION_KEY] = version
+    return data

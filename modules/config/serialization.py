@@ -1,0 +1,131 @@
+"""Strict conversion between `TrainConfig` and plain JSON data.
+
+Every problem found while reading is collected and raised together in one `ConfigError`, so that a
+user fixes a file in one go instead of one run per mistake.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import typing
+from pathlib import Path
+from typing import Any
+
+from .migrations import migrate
+from .train_config import CONFIG_VERSION, TrainConfig
+
+VERSION_KEY = "__version"
+
+
+class ConfigError(ValueError):
+    """One or more problems in a config; `problems` lists each as a full sentence."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s){where}:\n{lines}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
+    """Check `value` against the annotation `tp` and convert it; record a problem on mismatch."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected an object (section), got {value!r}.")
+            return tp()
+        return _dataclass_from_dict(tp, value, path, problems)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list, got {value!r}.")
+            return []
+        return [_convert(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a new annotation kind needs handling here
+        raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+    problems.append(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+    return None
+
+
+def _dataclass_from_dict(cls: type, data: dict, path: str, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else key
+        if key not in names:
+            near = [n for n in names if n.lower().replace("_", "") == key.lower().replace("_", "")]
+            hint = f" Did you mean '{near[0]}'?" if near else f" Known fields: {', '.join(names)}."
+            problems.append(f"{key_path}: unknown field.{hint}")
+            continue
+        converted = _convert(value, hints[key], key_path, problems)
+        if converted is not None:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict, source: str | None = None) -> TrainConfig:
+    """Build a `TrainConfig` from JSON data of any known version; missing fields take defaults."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a JSON object, got {type(data).__name__}."], source)
+    data = migrate(dict(data), source)
+    data.pop(VERSION_KEY, None)
+    problems: list[str] = []
+    cfg = _dataclass_from_dict(TrainConfig, data, "", problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    """Plain JSON data for `cfg`, `__version` first."""
+    return {VERSION_KEY: CONFIG_VERSION, **dataclasses.asdict(cfg)}
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"config file not found: {path}. Check the path or pick a preset."], str(path)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}."], str(path)) from None
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """Write `cfg` as JSON atomically: a crash mid-write never leaves a truncated config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config_to_dict(cfg), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

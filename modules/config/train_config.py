@@ -1,0 +1,274 @@
+"""The typed training configuration.
+
+`TrainConfig` is the one description of a training run. The GUI edits it, the launchers pass it
+to every rank, and it is saved as JSON. Each field carries a docstring directly beneath it; the
+GUI shows that text as the field's tooltip (see `modules.config.docs`), so it is written for users.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CONFIG_VERSION = 1
+"""The `__version` written into every saved config; bump it together with a new migration."""
+
+
+@dataclass
+class GeneralConfig:
+    workspace_dir: str = "workspace/run"
+    """Run folder: backups, samples, TensorBoard logs and the resolved config are written here."""
+    cache_dir: str = ""
+    """Folder for cached latents and text embeddings. Empty: `<workspace_dir>/cache`."""
+    seed: int = 42
+    """Seed for model initialisation, noise and augmentation. Each rank derives its own from it."""
+    device: str = "auto"
+    """Where to train: `auto` (CUDA when available, else CPU), `cuda` or `cpu`."""
+    tensorboard: bool = True
+    """Write loss, learning rate, throughput and samples to TensorBoard under the run folder."""
+    continue_from_backup: bool = False
+    """Resume from the newest backup in the run folder instead of starting fresh."""
+
+
+@dataclass
+class ModelConfig:
+    base_model: str = "builtin:demo"
+    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or `builtin:demo`."""
+    model_type: str = "auto"
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2` or `sdxl`."""
+    prediction_type: str = "auto"
+    """Training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`."""
+    vae_path: str = ""
+    """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
+    unet_dtype: str = "fp32"
+    """Storage dtype of UNet weights that are not trained (LoRA base weights): fp32, bf16 or fp16."""
+    text_encoder_dtype: str = "fp32"
+    """Storage dtype of frozen text-encoder weights: fp32, bf16 or fp16."""
+    vae_dtype: str = "fp32"
+    """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
+
+
+@dataclass
+class ConceptConfig:
+    path: str = ""
+    """Folder of images (png, jpg, webp) with same-name `.txt` captions, or `builtin:demo-shapes`."""
+    name: str = ""
+    """Display name of the concept. Empty: the folder name."""
+    enabled: bool = True
+    """Whether this concept is part of the training data."""
+    repeats: int = 1
+    """How many times each image of this concept appears per epoch."""
+    recursive: bool = True
+    """Also read images from sub-folders."""
+    caption_extension: str = ".txt"
+    """Extension of the caption file beside each image. Without one, the file name is the caption."""
+
+
+@dataclass
+class DataConfig:
+    concepts: list[ConceptConfig] = field(default_factory=lambda: [ConceptConfig(path="builtin:demo-shapes")])
+    """The image folders to train on."""
+    resolution: int = 512
+    """Target training resolution in pixels (the side of a square of the same area)."""
+    aspect_bucketing: bool = True
+    """Group images by aspect ratio so that each batch keeps one shape without heavy cropping."""
+    bucket_step: int = 64
+    """Bucket sides are multiples of this many pixels."""
+    random_flip: bool = False
+    """Flip images horizontally at random (not with cached latents: both flips are cached then)."""
+    random_crop: bool = False
+    """Crop at a random position instead of the centre when an image is larger than its bucket."""
+    caption_dropout: float = 0.0
+    """Probability of training on an empty caption (helps classifier-free guidance)."""
+    shuffle_tags: bool = False
+    """Shuffle comma-separated tags in captions each time an image is used."""
+    keep_tags: int = 0
+    """Number of leading tags kept in place when shuffling."""
+    cache_latents: bool = True
+    """Encode every image with the VAE once and train from the cached latents."""
+    cache_text_embeddings: bool = True
+    """Encode captions once (only when the text encoder is frozen and tags are not shuffled)."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    pin_memory: bool = True
+    """Pin host memory so that batches reach the GPU without an extra copy."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    """Optimizer: `adamw`, `adamw_8bit` (needs bitsandbytes), `adafactor` or `sgd`."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.999
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """Momentum for SGD."""
+    fused: bool = True
+    """Use the fused CUDA AdamW kernel when training on CUDA."""
+
+
+@dataclass
+class TrainingConfig:
+    method: str = "lora"
+    """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
+    lora_rank: int = 16
+    """LoRA rank (size of the adapter)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha; the adapter's output is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout inside the LoRA layers."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Names of the UNet modules that get LoRA adapters."""
+    train_text_encoder: bool = False
+    """Also train the text encoder(s) (LoRA or full, as `method` says)."""
+    epochs: int = 10
+    """Number of passes over the data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps. 0: train for `epochs`."""
+    batch_size: int = 1
+    """Images per GPU per micro-batch. The global batch is this x accumulation x number of GPUs."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches summed before each optimizer step."""
+    learning_rate: float = 1e-4
+    """Learning rate for the UNet (before multi-GPU scaling, see `multi_gpu.lr_scaling`)."""
+    text_encoder_learning_rate: float = 0.0
+    """Learning rate for the text encoder. 0: the same as `learning_rate`."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule after warm-up: `constant`, `linear` or `cosine`."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to the learning rate."""
+    precision: str = "bf16"
+    """Mixed precision for the forward pass: `bf16`, `fp16` (with loss scaling) or `fp32`."""
+    tf32: bool = True
+    """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
+    cudnn_benchmark: bool = True
+    """Let cuDNN pick the fastest convolution algorithms for the shapes seen."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this value. 0: no clipping."""
+    ema: bool = False
+    """Keep an exponential moving average of the trained weights."""
+    ema_decay: float = 0.999
+    """EMA decay per optimizer step."""
+    min_snr_gamma: float = 0.0
+    """Min-SNR loss weighting gamma (5 is typical). 0: off."""
+    offset_noise: float = 0.0
+    """Offset-noise strength (0.05-0.1 typical). 0: off."""
+
+
+@dataclass
+class SamplePromptConfig:
+    prompt: str = ""
+    """Text of the sample prompt."""
+    negative_prompt: str = ""
+    """Negative prompt (used with guidance)."""
+    seed: int = 0
+    """Seed of the sample's initial noise, fixed so that samples are comparable over time."""
+    width: int = 0
+    """Width in pixels. 0: the training resolution."""
+    height: int = 0
+    """Height in pixels. 0: the training resolution."""
+
+
+@dataclass
+class SamplingConfig:
+    prompts: list[SamplePromptConfig] = field(default_factory=list)
+    """Prompts rendered during training."""
+    every_n_steps: int = 0
+    """Render samples every this many optimizer steps. 0: off."""
+    every_n_epochs: int = 1
+    """Render samples at the end of every this many epochs. 0: off."""
+    sample_at_start: bool = False
+    """Render samples before the first step, as a baseline."""
+    inference_steps: int = 20
+    """Denoising steps per sample."""
+    guidance_scale: float = 7.0
+    """Classifier-free guidance scale for samples."""
+
+
+@dataclass
+class SaveConfig:
+    output_dir: str = ""
+    """Folder for the trained model. Empty: `<workspace_dir>/output`."""
+    output_name: str = "tandem"
+    """File or folder name of the trained model (without extension)."""
+    lora_format: str = "kohya"
+    """LoRA file layout: `kohya` (ComfyUI, A1111, Forge), `peft` (diffusers) or `both`."""
+    full_format: str = "diffusers"
+    """Full model layout: `diffusers` folder, `single_file` .safetensors, or `both`."""
+    save_dtype: str = "fp16"
+    """dtype of saved weights: fp16, bf16 or fp32."""
+    ema_weights: str = "ema"
+    """With EMA on: save the `ema` weights, the `raw` weights, or `both`."""
+    save_every_n_epochs: int = 0
+    """Also save a numbered copy of the model every this many epochs. 0: only at the end."""
+    save_every_n_steps: int = 0
+    """Also save a numbered copy of the model every this many steps. 0: off."""
+    backup_every_n_steps: int = 0
+    """Write a full training-state backup every this many steps. 0: off."""
+    backup_every_n_epochs: int = 1
+    """Write a full training-state backup every this many epochs. 0: off."""
+    rolling_backup_count: int = 3
+    """Backups kept; older ones are deleted once a newer one is complete."""
+    backup_on_stop: bool = True
+    """Write a backup when training is stopped before the end."""
+
+
+@dataclass
+class MultiGPUConfig:
+    enabled: bool = False
+    """Train on several GPUs (or several CPU processes) with DistributedDataParallel."""
+    num_gpus: int = 0
+    """How many GPUs to use. 0: all visible GPUs (or those in `device_indexes`)."""
+    device_indexes: str = ""
+    """Comma-separated GPU indexes to use, e.g. `0,1,3`. Empty: the first `num_gpus`."""
+    backend: str = "auto"
+    """Communication backend: `auto` (NCCL with CUDA on Linux, else GLOO), `nccl` or `gloo`."""
+    launcher: str = "torchrun"
+    """How worker processes are started: `torchrun` or `spawn` (torch.multiprocessing)."""
+    distributed_data_loading: bool = True
+    """Each rank caches and loads only its share of the data (faster caching, less RAM)."""
+    lr_scaling: str = "none"
+    """Scale the learning rate with the number of GPUs: `none`, `linear` (x N) or `sqrt` (x sqrt N)."""
+    master_addr: str = "127.0.0.1"
+    """Address of rank 0 for the process-group rendezvous."""
+    master_port: int = 0
+    """Port for the rendezvous. 0: pick a free port."""
+    timeout_minutes: float = 10.0
+    """How long ranks wait for each other before the job fails with a message naming the rank."""
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces."""
+    find_unused_parameters: bool = False
+    """Let DDP tolerate parameters that get no gradient in a step (slower; rarely needed)."""
+    static_graph: bool = False
+    """Tell DDP the set of used parameters never changes (enables some optimisations)."""
+    gradient_as_bucket_view: bool = True
+    """Let gradients live inside DDP's communication buckets (saves memory and a copy)."""
+    gradient_compression: str = "none"
+    """Compress gradients for the all-reduce: `none`, `bf16` or `fp16`."""
+
+
+@dataclass
+class TrainConfig:
+    general: GeneralConfig = field(default_factory=GeneralConfig)
+    """Run folder, seed, device and logging."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model and how its frozen parts are stored."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets, resolution, augmentation and caching."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Method, schedule, batch, precision and the objective."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and its hyper-parameters."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sample images during training."""
+    save: SaveConfig = field(default_factory=SaveConfig)
+    """Output model, formats and training-state backups."""
+    multi_gpu: MultiGPUConfig = field(default_factory=MultiGPUConfig)
+    """Distributed training across GPUs or CPU processes."""

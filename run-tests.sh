@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+./install.sh dev
+if ! command -v Xvfb >/dev/null 2>&1; then
+    echo "Installing Xvfb for the GUI tests"
+    (apt-get update -qq && apt-get install -y -qq xvfb >/dev/null) || echo "warning: could not install xvfb; GUI widget tests will fail"
+fi
+exec .venv/bin/python -m pytest -q "$@"
