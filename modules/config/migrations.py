@@ -20,7 +20,12 @@ MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1}
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,
             target: int = CONFIG_VERSION) -> dict:
-    """Apply every migration from the data's `__version` up to `target`."""
+    """Apply every migration from the data's `__version` (missing: 0) up to `target`, in order.
+
+    `migrations` and `target` exist for tests of the mechanism; callers use the defaults.
+    A migration receives the data of its version and returns the data of the next one; it must
+    tolerate missing keys, because presets are sparse overlays and are migrated before merging.
+    """
     from .serialization import VERSION_KEY, ConfigError
 
     steps = MIGRATIONS if migrations is None else migrations
@@ -31,6 +36,10 @@ def migrate(data: dict, source: str | None = None, migrations: dict | None = Non
         raise ConfigError([f"__version: {version} is newer than this Tandem understands ({target}). "
                            "Update Tandem, or save the config again from this version."], source)
     while version < target:
+        if version not in steps:
+            # A programming error, not a user error: a version bump shipped without its migration.
+            raise RuntimeError(f"no config migration from version {version} to {version + 1}; "
+                               f"add MIGRATIONS[{version}] in modules/config/migrations.py.")
         data = steps[version](data)
         version += 1
         data[VERSION_KEY] = version

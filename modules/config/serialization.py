@@ -6,6 +6,7 @@ user fixes a file in one go instead of one run per mistake.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tempfile
@@ -28,6 +29,14 @@ class ConfigError(ValueError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s){where}:\n{lines}")
+
+
+_TYPE_FIXES = {
+    bool: "write true or false",
+    int: "write a whole number such as 4",
+    float: "write a number such as 0.0001 or 1e-4",
+    str: 'write text in quotes, such as "value"',
+}
 
 
 def _type_name(tp: Any) -> str:
@@ -64,8 +73,27 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
             return value
     else:  # pragma: no cover - a new annotation kind needs handling here
         raise TypeError(f"unsupported config annotation {tp!r} at {path}")
-    problems.append(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+    problems.append(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}); "
+                    f"{_TYPE_FIXES[tp]}.")
     return None
+
+
+def closest_name(key: str, names: list[str]) -> str | None:
+    """The name in `names` that `key` most likely misspells (`batch_sise`, `BatchSize`), or None."""
+    squashed = {n.lower().replace("_", ""): n for n in names}
+    near = squashed.get(str(key).lower().replace("_", ""))
+    if near is None:
+        close = difflib.get_close_matches(str(key).lower(), names, n=1, cutoff=0.75)
+        near = close[0] if close else None
+    return near
+
+
+def unknown_key_hint(key: str, names: list[str]) -> str:
+    """' Did you mean ...?' for a near miss, else the list of valid names."""
+    near = closest_name(key, names)
+    if near is not None:
+        return f" Did you mean '{near}'?"
+    return f" Valid fields here: {', '.join(names)}."
 
 
 def _dataclass_from_dict(cls: type, data: dict, path: str, problems: list[str]):
@@ -75,9 +103,7 @@ def _dataclass_from_dict(cls: type, data: dict, path: str, problems: list[str]):
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else key
         if key not in names:
-            near = [n for n in names if n.lower().replace("_", "") == key.lower().replace("_", "")]
-            hint = f" Did you mean '{near[0]}'?" if near else f" Known fields: {', '.join(names)}."
-            problems.append(f"{key_path}: unknown field.{hint}")
+            problems.append(f"{key_path}: unknown field.{unknown_key_hint(key, names)}")
             continue
         converted = _convert(value, hints[key], key_path, problems)
         if converted is not None:

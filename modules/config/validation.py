@@ -1,0 +1,248 @@
+"""Checks of a `TrainConfig`'s values, all reported together.
+
+Reading a file (`serialization`) already guarantees the types; this module checks what the types
+cannot: choices, ranges, relations between fields and paths on disk. Every problem is one sentence
+that names the field path, the offending value and the fix.
+
+Checks that need the machine (CUDA present, free ports, dataset size against the global batch)
+belong to the distributed layer, which knows the world size; they are not done here.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from .serialization import ConfigError
+from .train_config import TrainConfig
+
+BUILTIN_PREFIX = "builtin:"
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+# (section, field) -> allowed values. The GUI offers these as the options of its drop-downs.
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("general", "device"): ("auto", "cuda", "cpu"),
+    ("model", "model_type"): ("auto", "sd1", "sd2", "sdxl"),
+    ("model", "prediction_type"): ("auto", "epsilon", "v_prediction"),
+    ("model", "unet_dtype"): DTYPES,
+    ("model", "text_encoder_dtype"): DTYPES,
+    ("model", "vae_dtype"): DTYPES,
+    ("training", "method"): ("lora", "full"),
+    ("training", "precision"): ("bf16", "fp16", "fp32"),
+    ("training", "lr_scheduler"): ("constant", "linear", "cosine"),
+    ("optimizer", "name"): ("adamw", "adamw_8bit", "adafactor", "sgd"),
+    ("save", "lora_format"): ("kohya", "peft", "both"),
+    ("save", "full_format"): ("diffusers", "single_file", "both"),
+    ("save", "save_dtype"): DTYPES,
+    ("save", "ema_weights"): ("ema", "raw", "both"),
+    ("multi_gpu", "backend"): ("auto", "nccl", "gloo"),
+    ("multi_gpu", "launcher"): ("torchrun", "spawn"),
+    ("multi_gpu", "lr_scaling"): ("none", "linear", "sqrt"),
+    ("multi_gpu", "gradient_compression"): ("none", "bf16", "fp16"),
+}
+
+# (section, field) -> smallest allowed value (inclusive).
+MINIMUMS: dict[tuple[str, str], int | float] = {
+    ("training", "batch_size"): 1,
+    ("training", "gradient_accumulation_steps"): 1,
+    ("training", "lora_rank"): 1,
+    ("training", "max_steps"): 0,
+    ("training", "lr_warmup_steps"): 0,
+    ("training", "text_encoder_learning_rate"): 0,
+    ("training", "max_grad_norm"): 0,
+    ("training", "min_snr_gamma"): 0,
+    ("training", "offset_noise"): 0,
+    ("optimizer", "weight_decay"): 0,
+    ("data", "num_workers"): 0,
+    ("data", "prefetch_factor"): 1,
+    ("data", "keep_tags"): 0,
+    ("sampling", "every_n_steps"): 0,
+    ("sampling", "every_n_epochs"): 0,
+    ("sampling", "inference_steps"): 1,
+    ("sampling", "guidance_scale"): 0,
+    ("save", "save_every_n_epochs"): 0,
+    ("save", "save_every_n_steps"): 0,
+    ("save", "backup_every_n_steps"): 0,
+    ("save", "backup_every_n_epochs"): 0,
+    ("save", "rolling_backup_count"): 1,
+    ("multi_gpu", "num_gpus"): 0,
+    ("multi_gpu", "bucket_cap_mb"): 1,
+}
+
+# (section, field) -> value must be strictly greater than this.
+ABOVE: dict[tuple[str, str], float] = {
+    ("training", "learning_rate"): 0.0,
+    ("training", "lora_alpha"): 0.0,
+    ("optimizer", "eps"): 0.0,
+    ("multi_gpu", "timeout_minutes"): 0.0,
+}
+
+
+def _one_of(path: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    if value in choices:
+        return []
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return [f"{path}: {value!r} is not a valid choice; set it to one of {', '.join(choices)}{hint}."]
+
+
+def _at_least(path: str, value, minimum) -> list[str]:
+    return [] if value >= minimum else [f"{path}: {value!r} is not allowed; set it to {minimum} or more."]
+
+
+def _above(path: str, value, bound) -> list[str]:
+    return [] if value > bound else [f"{path}: {value!r} is not allowed; set it to a value above {bound:g}."]
+
+
+def _between(path: str, value, low, high, *, open_ends: bool = False) -> list[str]:
+    if open_ends:
+        if low < value < high:
+            return []
+        return [f"{path}: {value!r} is not allowed; set it strictly between {low} and {high}."]
+    if low <= value <= high:
+        return []
+    return [f"{path}: {value!r} is not allowed; set it between {low} and {high}."]
+
+
+def _path_problem(path: str, value: str, what: str) -> list[str]:
+    """A problem when `value` is not an existing file or folder; `builtin:` names are exempt."""
+    if value.startswith(BUILTIN_PREFIX):
+        return []
+    if not value.strip():
+        return [f"{path}: empty; set it to {what}."]
+    resolved = Path(value).expanduser()
+    if not resolved.is_absolute():
+        resolved = Path.cwd() / resolved
+    if resolved.exists():
+        return []
+    return [f"{path}: {value!r} does not exist (looked for {resolved}); set it to {what}."]
+
+
+def parse_device_indexes(text: str) -> list[int]:
+    """`"0,1,3"` -> `[0, 1, 3]`; raises ValueError with a user-facing reason on bad syntax."""
+    if not text.strip():
+        return []
+    indexes = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not a non-negative whole number")
+        index = int(part)
+        if index in indexes:
+            raise ValueError(f"GPU {index} is listed twice")
+        indexes.append(index)
+    return indexes
+
+
+def _value_checks(cfg: TrainConfig) -> list[str]:
+    problems = []
+    for (section, name), choices in CHOICES.items():
+        problems += _one_of(f"{section}.{name}", getattr(getattr(cfg, section), name), choices)
+    for (section, name), minimum in MINIMUMS.items():
+        problems += _at_least(f"{section}.{name}", getattr(getattr(cfg, section), name), minimum)
+    for (section, name), bound in ABOVE.items():
+        problems += _above(f"{section}.{name}", getattr(getattr(cfg, section), name), bound)
+    return problems
+
+
+def _training_checks(cfg: TrainConfig) -> list[str]:
+    t = cfg.training
+    problems = []
+    if t.max_steps <= 0 and t.epochs < 1:
+        problems.append(f"training.epochs: {t.epochs!r} is not allowed while training.max_steps is 0; "
+                        "set epochs to 1 or more, or set max_steps.")
+    problems += _between("training.ema_decay", t.ema_decay, 0, 1, open_ends=True)
+    problems += _between("training.lora_dropout", t.lora_dropout, 0.0, 1.0)
+    if t.method == "lora" and not t.lora_target_modules:
+        problems.append("training.lora_target_modules: [] leaves LoRA nothing to train; "
+                        'list module names such as ["to_q", "to_k", "to_v", "to_out.0"].')
+    problems += _between("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
+    problems += _between("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
+    problems += _between("optimizer.momentum", cfg.optimizer.momentum, 0.0, 1.0)
+    return problems
+
+
+def _data_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    d = cfg.data
+    problems = []
+    if d.bucket_step < 8 or d.bucket_step % 8:
+        problems.append(f"data.bucket_step: {d.bucket_step!r} is not allowed; "
+                        "set it to a multiple of 8 (64 is usual).")
+    if d.resolution < 64:
+        problems.append(f"data.resolution: {d.resolution!r} is not allowed; set it to 64 or more.")
+    elif d.bucket_step >= 8 and d.resolution % d.bucket_step:
+        nearest = max(d.bucket_step, round(d.resolution / d.bucket_step) * d.bucket_step)
+        problems.append(f"data.resolution: {d.resolution!r} is not a multiple of data.bucket_step "
+                        f"({d.bucket_step}); set it to {nearest}, for example.")
+    problems += _between("data.caption_dropout", d.caption_dropout, 0.0, 1.0)
+    enabled = [i for i, c in enumerate(d.concepts) if c.enabled]
+    if not enabled:
+        problems.append(f"data.concepts: none of the {len(d.concepts)} concept(s) is enabled; "
+                        "add a concept or set enabled to true on one.")
+    for i, concept in enumerate(d.concepts):
+        problems += _at_least(f"data.concepts[{i}].repeats", concept.repeats, 1)
+        if concept.enabled and check_paths:
+            problems += _path_problem(f"data.concepts[{i}].path", concept.path,
+                                      "a folder of images, or disable the concept")
+    return problems
+
+
+def _output_checks(cfg: TrainConfig) -> list[str]:
+    problems = []
+    if not cfg.general.workspace_dir.strip():
+        problems.append("general.workspace_dir: empty; set a run folder such as 'workspace/run'.")
+    if not cfg.save.output_name.strip():
+        problems.append("save.output_name: empty; set a file name such as 'tandem'.")
+    for i, prompt in enumerate(cfg.sampling.prompts):
+        for name in ("width", "height"):
+            value = getattr(prompt, name)
+            if value < 0 or value % 8:
+                problems.append(f"sampling.prompts[{i}].{name}: {value!r} is not allowed; "
+                                "set it to a multiple of 8, or 0 for the training resolution.")
+    return problems
+
+
+def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
+    m = cfg.multi_gpu
+    problems = _between("multi_gpu.master_port", m.master_port, 0, 65535)
+    try:
+        indexes = parse_device_indexes(m.device_indexes)
+    except ValueError as reason:
+        problems.append(f"multi_gpu.device_indexes: {m.device_indexes!r} is not valid ({reason}); "
+                        "write comma-separated GPU numbers such as '0,1,3', or leave it empty.")
+        return problems
+    if indexes and m.num_gpus > 0 and m.num_gpus != len(indexes):
+        problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
+                        f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
+                        f"{len(indexes)}, or list {m.num_gpus} indexes.")
+    return problems
+
+
+def _model_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    if not check_paths:
+        return []
+    problems = _path_problem("model.base_model", cfg.model.base_model,
+                             "a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
+    if cfg.model.vae_path:
+        problems += _path_problem("model.vae_path", cfg.model.vae_path,
+                                  "a VAE folder or file, or leave it empty for the model's own")
+    return problems
+
+
+def validate(cfg: TrainConfig, check_paths: bool = True) -> list[str]:
+    """Every problem in `cfg`, each a sentence naming the field, the value and the fix.
+
+    `check_paths=False` skips the checks against the file system (base model, VAE, concept
+    folders): presets name models the user has yet to download, and the GUI validates while the
+    user is still typing a path.
+    """
+    return (_value_checks(cfg) + _model_checks(cfg, check_paths) + _data_checks(cfg, check_paths)
+            + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg))
+
+
+def check(cfg: TrainConfig, source: str | None = None, check_paths: bool = True) -> TrainConfig:
+    """Raise `ConfigError` listing every problem of `cfg`; return `cfg` when there is none."""
+    problems = validate(cfg, check_paths=check_paths)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
