@@ -165,12 +165,13 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
 def _data_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
     d = cfg.data
     problems = []
-    if d.bucket_step < 8 or d.bucket_step % 8:
+    bucket_step_ok = d.bucket_step >= 8 and d.bucket_step % 8 == 0
+    if not bucket_step_ok:
         problems.append(f"data.bucket_step: {d.bucket_step!r} is not allowed; "
                         "set it to a multiple of 8 (64 is usual).")
     if d.resolution < 64:
         problems.append(f"data.resolution: {d.resolution!r} is not allowed; set it to 64 or more.")
-    elif d.bucket_step >= 8 and d.resolution % d.bucket_step:
+    elif bucket_step_ok and d.resolution % d.bucket_step:  # a bad step is reported once, above
         nearest = max(d.bucket_step, round(d.resolution / d.bucket_step) * d.bucket_step)
         problems.append(f"data.resolution: {d.resolution!r} is not a multiple of data.bucket_step "
                         f"({d.bucket_step}); set it to {nearest}, for example.")

@@ -1,0 +1,537 @@
+"""Config package: JSON round trip, strict reading, validation, overrides, presets, docs, RunPaths."""
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from modules.config import (CONFIG_VERSION, ConceptConfig, ConfigError, RunPaths, SamplePromptConfig,
+                            TrainConfig, apply_overrides, check, config_from_dict, config_to_dict,
+                            field_docs, list_presets, load_config, load_preset, preset_path,
+                            read_config, read_json, save_config, section_classes, validate)
+from modules.config.presets import PRESETS_DIR, config_from_overlay
+
+
+def custom_config() -> TrainConfig:
+    """A config far from the defaults, lists of sections included."""
+    cfg = TrainConfig()
+    cfg.general.seed = 7
+    cfg.data.concepts = [ConceptConfig(path="builtin:demo-shapes", repeats=3),
+                         ConceptConfig(path="elsewhere", enabled=False, name="off")]
+    cfg.data.resolution = 768
+    cfg.training.learning_rate = 3e-5
+    cfg.training.lora_target_modules = ["to_q", "to_v"]
+    cfg.sampling.prompts = [SamplePromptConfig(prompt="a cat", seed=5, width=512, height=768)]
+    cfg.multi_gpu.enabled = True
+    cfg.multi_gpu.device_indexes = "0,2"
+    cfg.multi_gpu.timeout_minutes = 2.5
+    return cfg
+
+
+# --- round trip -------------------------------------------------------------------------------
+
+def test_save_then_load_gives_the_same_config(tmp_path):
+    cfg = custom_config()
+    path = tmp_path / "run" / "config.json"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert read_config(path) == cfg
+
+
+def test_saved_json_text_is_stable_and_versioned(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    save_config(custom_config(), first)
+    save_config(read_config(first), second)
+    assert first.read_text() == second.read_text()
+    data = json.loads(first.read_text())
+    assert next(iter(data)) == "__version" and data["__version"] == CONFIG_VERSION
+    assert not list(tmp_path.glob(".*")), "the atomic write left a temporary file behind"
+
+
+def test_missing_fields_take_defaults():
+    cfg = config_from_dict({"training": {"batch_size": 4}})
+    assert cfg.training.batch_size == 4
+    assert cfg.training.learning_rate == TrainConfig().training.learning_rate
+    assert cfg.data == TrainConfig().data
+
+
+def test_read_json_reports_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        read_json(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "training": {"batch_size": 2,}\n}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        read_json(bad)
+
+
+# --- strict reading: unknown keys and wrong types ----------------------------------------------
+
+@pytest.mark.parametrize("data, path, hint", [
+    ({"training": {"batch_sise": 2}}, "training.batch_sise", "Did you mean 'batch_size'?"),
+    ({"training": {"BatchSize": 2}}, "training.BatchSize", "Did you mean 'batch_size'?"),
+    ({"trainig": {}}, "trainig", "Did you mean 'training'?"),
+    ({"data": {"concepts": [{"pth": "x"}]}}, "data.concepts[0].pth", "Did you mean 'path'?"),
+    ({"save": {"zzz": 1}}, "save.zzz", "Valid fields here: output_dir, output_name"),
+])
+def test_unknown_keys_are_named_with_a_suggestion(data, path, hint):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(data)
+    (problem,) = error.value.problems
+    assert problem.startswith(f"{path}: unknown field.")
+    assert hint in problem
+
+
+@pytest.mark.parametrize("data, path, expected", [
+    ({"training": {"batch_size": "8"}}, "training.batch_size", "expected int"),
+    ({"training": {"batch_size": 1.5}}, "training.batch_size", "expected int"),
+    ({"training": {"batch_size": True}}, "training.batch_size", "expected int"),
+    ({"multi_gpu": {"enabled": "true"}}, "multi_gpu.enabled", "true or false"),
+    ({"training": {"learning_rate": "fast"}}, "training.learning_rate", "expected float"),
+    ({"model": {"base_model": 3}}, "model.base_model", "expected str"),
+    ({"training": 5}, "training", "expected an object"),
+    ({"data": {"concepts": {"path": "x"}}}, "data.concepts", "expected a list"),
+    ({"training": {"lora_target_modules": ["to_q", 1]}}, "training.lora_target_modules[1]", "expected str"),
+])
+def test_wrong_types_name_the_field(data, path, expected):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(data)
+    (problem,) = error.value.problems
+    assert problem.startswith(f"{path}: ") and expected in problem
+
+
+def test_numbers_convert_where_lossless():
+    cfg = config_from_dict({"training": {"batch_size": 4.0, "learning_rate": 1}})
+    assert cfg.training.batch_size == 4 and isinstance(cfg.training.batch_size, int)
+    assert cfg.training.learning_rate == 1.0 and isinstance(cfg.training.learning_rate, float)
+
+
+def test_reading_problems_are_reported_together(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"training": {"batch_sise": 2, "epochs": "ten"}, "foo": 1}))
+    with pytest.raises(ConfigError) as error:
+        read_config(path)
+    assert len(error.value.problems) == 3
+    assert str(path) in str(error.value) and "3 problem(s)" in str(error.value)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+def valid_config() -> TrainConfig:
+    return TrainConfig()  # builtin model and concept: valid with and without path checks
+
+
+def set_field(cfg: TrainConfig, path: str, value) -> None:
+    section, name = path.split(".")
+    setattr(getattr(cfg, section), name, value)
+
+
+def test_the_defaults_are_valid():
+    assert validate(valid_config()) == []
+
+
+ENUMS = {
+    "model.model_type": ["auto", "sd1", "sd2", "sdxl"],
+    "model.prediction_type": ["auto", "epsilon", "v_prediction"],
+    "model.unet_dtype": ["fp32", "bf16", "fp16"],
+    "model.text_encoder_dtype": ["fp32", "bf16", "fp16"],
+    "model.vae_dtype": ["fp32", "bf16", "fp16"],
+    "training.method": ["lora", "full"],
+    "training.precision": ["bf16", "fp16", "fp32"],
+    "training.lr_scheduler": ["constant", "linear", "cosine"],
+    "optimizer.name": ["adamw", "adamw_8bit", "adafactor", "sgd"],
+    "save.lora_format": ["kohya", "peft", "both"],
+    "save.full_format": ["diffusers", "single_file", "both"],
+    "save.save_dtype": ["fp16", "bf16", "fp32"],
+    "save.ema_weights": ["ema", "raw", "both"],
+    "general.device": ["auto", "cuda", "cpu"],
+    "multi_gpu.backend": ["auto", "nccl", "gloo"],
+    "multi_gpu.launcher": ["torchrun", "spawn"],
+    "multi_gpu.lr_scaling": ["none", "linear", "sqrt"],
+    "multi_gpu.gradient_compression": ["none", "bf16", "fp16"],
+}
+
+
+@pytest.mark.parametrize("path", sorted(ENUMS))
+def test_enum_fields_accept_their_choices_and_reject_others(path):
+    for choice in ENUMS[path]:
+        cfg = valid_config()
+        set_field(cfg, path, choice)
+        assert validate(cfg) == [], f"{path}={choice!r} should be valid"
+    cfg = valid_config()
+    set_field(cfg, path, "bogus")
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"{path}: 'bogus' is not a valid choice")
+    assert all(choice in problem for choice in ENUMS[path])
+
+
+def test_enum_problem_suggests_the_near_choice():
+    cfg = valid_config()
+    cfg.training.precision = "bf61"
+    (problem,) = validate(cfg)
+    assert "did you mean 'bf16'?" in problem
+
+
+RANGE_CASES = [
+    # (field, bad value, words the fix must contain)
+    ("training.batch_size", 0, "1 or more"),
+    ("training.gradient_accumulation_steps", 0, "1 or more"),
+    ("training.learning_rate", 0.0, "above 0"),
+    ("training.learning_rate", -1e-4, "above 0"),
+    ("training.lora_rank", 0, "1 or more"),
+    ("training.ema_decay", 1.0, "between 0 and 1"),
+    ("training.ema_decay", 0.0, "between 0 and 1"),
+    ("training.max_steps", -1, "0 or more"),
+    ("data.resolution", 500, "multiple of data.bucket_step"),
+    ("data.resolution", 0, "64 or more"),
+    ("data.bucket_step", 12, "multiple of 8"),
+    ("data.bucket_step", 0, "multiple of 8"),
+    ("data.caption_dropout", 1.5, "between 0.0 and 1.0"),
+    ("data.caption_dropout", -0.1, "between 0.0 and 1.0"),
+    ("data.num_workers", -1, "0 or more"),
+    ("data.prefetch_factor", 0, "1 or more"),
+    ("save.rolling_backup_count", 0, "1 or more"),
+    ("multi_gpu.master_port", 70000, "between 0 and 65535"),
+    ("multi_gpu.master_port", -1, "between 0 and 65535"),
+    ("multi_gpu.timeout_minutes", 0.0, "above 0"),
+    ("multi_gpu.bucket_cap_mb", 0, "1 or more"),
+    ("multi_gpu.num_gpus", -1, "0 or more"),
+]
+
+
+@pytest.mark.parametrize("path, value, fix", RANGE_CASES, ids=[f"{c[0]}={c[1]}" for c in RANGE_CASES])
+def test_out_of_range_values_are_named_with_value_and_fix(path, value, fix):
+    cfg = valid_config()
+    set_field(cfg, path, value)
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"{path}: {value!r}")
+    assert fix in problem
+
+
+def test_problem_sentence_matches_the_documented_form():
+    cfg = valid_config()
+    cfg.training.batch_size = 0
+    assert validate(cfg) == ["training.batch_size: 0 is not allowed; set it to 1 or more."]
+
+
+def test_small_resolution_with_matching_bucket_step_is_still_too_small():
+    cfg = valid_config()
+    cfg.data.resolution, cfg.data.bucket_step = 32, 32
+    (problem,) = validate(cfg)
+    assert problem.startswith("data.resolution: 32") and "64 or more" in problem
+
+
+def test_epochs_may_be_zero_only_with_max_steps():
+    cfg = valid_config()
+    cfg.training.epochs = 0
+    (problem,) = validate(cfg)
+    assert problem.startswith("training.epochs: 0") and "max_steps" in problem
+    cfg.training.max_steps = 100
+    assert validate(cfg) == []
+
+
+def test_concept_repeats_are_named_by_index():
+    cfg = valid_config()
+    cfg.data.concepts.append(ConceptConfig(path="builtin:demo-shapes", repeats=0))
+    (problem,) = validate(cfg)
+    assert problem.startswith("data.concepts[1].repeats: 0")
+
+
+@pytest.mark.parametrize("concepts", [[], [ConceptConfig(path="builtin:demo-shapes", enabled=False)]])
+def test_at_least_one_concept_must_be_enabled(concepts):
+    cfg = valid_config()
+    cfg.data.concepts = concepts
+    (problem,) = validate(cfg)
+    assert problem.startswith("data.concepts: none of the") and "enabled" in problem
+
+
+def test_missing_concept_folder_is_reported_unless_disabled_or_builtin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "images").mkdir()
+    cfg = valid_config()
+    cfg.data.concepts = [ConceptConfig(path="builtin:demo-shapes"),
+                         ConceptConfig(path="images"),  # relative: resolved against the cwd
+                         ConceptConfig(path="missing"),
+                         ConceptConfig(path="missing-but-off", enabled=False),
+                         ConceptConfig(path="")]
+    problems = validate(cfg)
+    assert len(problems) == 2
+    assert problems[0].startswith("data.concepts[2].path: 'missing' does not exist")
+    assert str(tmp_path / "missing") in problems[0]
+    assert problems[1].startswith("data.concepts[4].path: empty")
+    assert validate(cfg, check_paths=False) == []
+
+
+def test_missing_base_model_and_vae_are_reported(tmp_path):
+    cfg = valid_config()
+    cfg.model.base_model = str(tmp_path / "sd15.safetensors")
+    cfg.model.vae_path = str(tmp_path / "vae")
+    problems = validate(cfg)
+    assert [p.split(":")[0] for p in problems] == ["model.base_model", "model.vae_path"]
+    assert validate(cfg, check_paths=False) == []
+    (tmp_path / "sd15.safetensors").write_bytes(b"")
+    (tmp_path / "vae").mkdir()
+    assert validate(cfg) == []
+
+
+@pytest.mark.parametrize("text", ["0,a", "0,0", "-1", "0,,1", "1.5"])
+def test_bad_device_indexes_are_reported(text):
+    cfg = valid_config()
+    cfg.multi_gpu.device_indexes = text
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"multi_gpu.device_indexes: {text!r} is not valid")
+    assert "'0,1,3'" in problem
+
+
+@pytest.mark.parametrize("indexes, num_gpus, ok", [
+    ("0, 1,3", 0, True), ("0,1,3", 3, True), ("", 4, True), ("0,1", 3, False), ("2", 2, False),
+])
+def test_device_indexes_must_agree_with_num_gpus(indexes, num_gpus, ok):
+    cfg = valid_config()
+    cfg.multi_gpu.device_indexes, cfg.multi_gpu.num_gpus = indexes, num_gpus
+    problems = validate(cfg)
+    if ok:
+        assert problems == []
+    else:
+        (problem,) = problems
+        assert problem.startswith(f"multi_gpu.num_gpus: {num_gpus} does not match")
+
+
+def test_check_raises_with_every_problem_at_once():
+    cfg = valid_config()
+    cfg.training.batch_size = 0
+    cfg.training.precision = "fp8"
+    cfg.data.caption_dropout = 2.0
+    cfg.multi_gpu.master_port = 99999
+    with pytest.raises(ConfigError) as error:
+        check(cfg, source="my.json")
+    fields = sorted(p.split(":")[0] for p in error.value.problems)
+    assert fields == ["data.caption_dropout", "multi_gpu.master_port", "training.batch_size",
+                      "training.precision"]
+    assert "4 problem(s) in my.json" in str(error.value)
+    assert check(valid_config()) == valid_config()
+
+
+def test_load_config_validates(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"training": {"batch_size": 0}}))
+    with pytest.raises(ConfigError, match="training.batch_size: 0"):
+        load_config(path)
+    assert read_config(path).training.batch_size == 0  # reading alone does not validate
+
+
+# --- overrides --------------------------------------------------------------------------------
+
+def test_overrides_parse_json_and_set_nested_fields():
+    base = TrainConfig()
+    cfg = apply_overrides(base, [
+        "training.learning_rate=1e-4",
+        "data.concepts[0].repeats=3",
+        "multi_gpu.enabled=true",
+        "general.device=cpu",
+        'training.lora_target_modules=["to_q", "to_k"]',
+        "training.max_grad_norm=2",
+        "sampling.prompts=[{\"prompt\": \"a cat\", \"seed\": 4}]",
+    ])
+    assert cfg.training.learning_rate == 1e-4 and isinstance(cfg.training.learning_rate, float)
+    assert cfg.data.concepts[0].repeats == 3
+    assert cfg.multi_gpu.enabled is True
+    assert cfg.general.device == "cpu"
+    assert cfg.training.lora_target_modules == ["to_q", "to_k"]
+    assert cfg.training.max_grad_norm == 2.0
+    assert cfg.sampling.prompts == [SamplePromptConfig(prompt="a cat", seed=4)]
+    assert base == TrainConfig(), "apply_overrides must not change its input"
+
+
+def test_text_fields_keep_the_raw_text():
+    cfg = apply_overrides(TrainConfig(), ["multi_gpu.device_indexes=0,1", "save.output_name=123",
+                                          "sampling.prompts[0].prompt=a=b", "general.workspace_dir=true"])
+    assert cfg.multi_gpu.device_indexes == "0,1"
+    assert cfg.save.output_name == "123"
+    assert cfg.sampling.prompts[0].prompt == "a=b"
+    assert cfg.general.workspace_dir == "true"
+
+
+def test_index_one_past_the_end_appends_a_default_entry():
+    cfg = apply_overrides(TrainConfig(), ["data.concepts[1].path=more", "data.concepts[1].repeats=2"])
+    assert cfg.data.concepts[1] == ConceptConfig(path="more", repeats=2)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("training.batch_sise=2", ["training.batch_sise: training has no field 'batch_sise'",
+                               "Did you mean 'batch_size'?", "Valid keys: training.method"]),
+    ("nope.x=1", ["the top level has no field 'nope'", "Valid keys: general, model"]),
+    ("data.concepts[3].path=x", ["data.concepts[3].path: index 3 is out of range", "1 to add one"]),
+    ("training.batch_size[0]=1", ["training.batch_size is not a list"]),
+    ("training.batch_size.x=1", ["training.batch_size has no field 'x'"]),
+    ("training..x=1", ["is not a field name"]),
+    ("training.batch_size", ["expected KEY=VALUE"]),
+    ("training.batch_size=many", ["training.batch_size: expected int, got 'many'"]),
+    ("multi_gpu.enabled=yes", ["multi_gpu.enabled: expected bool", "true or false"]),
+])
+def test_bad_overrides_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(TrainConfig(), [override])
+    (problem,) = error.value.problems
+    for text in expected:
+        assert text in problem
+    assert "--config-value" in str(error.value)
+
+
+def test_bad_overrides_are_reported_together():
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(TrainConfig(), ["training.batch_size=x", "foo=1", "bad"])
+    assert len(error.value.problems) == 3
+
+
+def test_load_config_applies_overrides_before_validating(tmp_path):
+    path = tmp_path / "c.json"
+    save_config(TrainConfig(), path)
+    assert load_config(path, ["training.batch_size=6"]).training.batch_size == 6
+    with pytest.raises(ConfigError, match="training.batch_size: 0 is not allowed"):
+        load_config(path, ["training.batch_size=0"])
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+EXPECTED_PRESETS = {"#demo", "sd15_lora", "sd15_finetune", "sdxl_lora", "sdxl_finetune"}
+
+
+def test_the_expected_presets_exist():
+    assert EXPECTED_PRESETS <= set(list_presets())
+    assert list_presets()[0] == "#demo"
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_loads_and_validates(name):
+    cfg = load_preset(name)
+    assert validate(cfg, check_paths=False) == []
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_presets_are_sparse_overlays(name):
+    """A preset lists only what differs from the defaults (plus what defines it: model and method)."""
+    defining = {("model", "base_model"), ("training", "method")}
+    defaults = config_to_dict(TrainConfig())
+    data = read_json(preset_path(name))
+    assert data.get("__version") == CONFIG_VERSION
+    for section, values in data.items():
+        if section == "__version":
+            continue
+        for key, value in values.items():
+            if (section, key) not in defining:
+                assert value != defaults[section][key], f"{name}: {section}.{key} repeats the default"
+
+
+def test_demo_preset_runs_without_downloads():
+    cfg = load_config("#demo")  # paths checked too: everything is builtin
+    assert cfg.model.base_model == "builtin:demo"
+    assert [c.path for c in cfg.data.concepts] == ["builtin:demo-shapes"]
+    assert (cfg.data.resolution, cfg.data.bucket_step, cfg.training.method) == (64, 64, "full")
+    assert (cfg.training.batch_size, cfg.training.epochs, cfg.training.precision) == (8, 8, "fp32")
+    assert cfg.general.workspace_dir == "workspace/demo"
+    assert all(p.prompt and p.seed for p in cfg.sampling.prompts) and len(cfg.sampling.prompts) >= 2
+    assert (cfg.sampling.every_n_epochs, cfg.save.backup_every_n_epochs) == (2, 4)
+
+
+@pytest.mark.parametrize("name, method, resolution", [
+    ("sd15_lora", "lora", 512), ("sd15_finetune", "full", 512),
+    ("sdxl_lora", "lora", 1024), ("sdxl_finetune", "full", 1024),
+])
+def test_model_presets_have_community_settings(name, method, resolution):
+    cfg = load_preset(name)
+    assert (cfg.training.method, cfg.data.resolution) == (method, resolution)
+    assert not cfg.model.base_model.startswith("builtin:")
+    if method == "full":
+        assert 1e-6 <= cfg.training.learning_rate <= 5e-6
+    else:
+        assert cfg.training.learning_rate == 1e-4
+    if name.startswith("sdxl"):
+        assert cfg.training.gradient_checkpointing and cfg.model.model_type == "sdxl"
+    if name == "sd15_finetune":
+        assert cfg.training.ema
+
+
+def test_a_preset_name_works_where_a_path_is_expected(tmp_path, monkeypatch):
+    assert load_config("demo") == load_config("#demo") == load_config("#demo.json")
+    assert read_config("sd15_lora") == load_preset("sd15_lora")
+    # An existing file wins over a preset of the same name.
+    monkeypatch.chdir(tmp_path)
+    save_config(apply_overrides(TrainConfig(), ["training.batch_size=3"]), tmp_path / "sd15_lora")
+    assert read_config("sd15_lora").training.batch_size == 3
+
+
+def test_unknown_preset_or_path_lists_the_presets():
+    with pytest.raises(ConfigError) as error:
+        load_preset("sd15_lroa")
+    assert "Did you mean 'sd15_lora'?" in str(error.value) and "#demo" in str(error.value)
+    with pytest.raises(ConfigError, match="no preset of that name.*sdxl_lora"):
+        load_config("no/such/config.json")
+
+
+def test_overlay_merges_sections_and_replaces_lists():
+    cfg = config_from_overlay({"__version": CONFIG_VERSION,
+                               "training": {"batch_size": 3},
+                               "data": {"concepts": [{"path": "a"}, {"path": "b", "repeats": 2}]}})
+    assert cfg.training.batch_size == 3
+    assert cfg.training.learning_rate == TrainConfig().training.learning_rate
+    assert cfg.data.concepts == [ConceptConfig(path="a"), ConceptConfig(path="b", repeats=2)]
+    with pytest.raises(ConfigError, match="training.batch_sise: unknown field"):
+        config_from_overlay({"training": {"batch_sise": 3}})
+
+
+def test_presets_directory_is_the_repository_folder():
+    assert PRESETS_DIR == Path(__file__).resolve().parents[1] / "training_presets"
+
+
+# --- field docs -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, cls", sorted(section_classes().items(), key=lambda kv: kv[0]))
+def test_every_field_has_a_docstring(path, cls):
+    docs = field_docs(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert list(docs) == names, f"fields without a docstring in {path or 'TrainConfig'}: " \
+                                f"{sorted(set(names) - set(docs))}"
+    assert all(text.strip() for text in docs.values())
+
+
+def test_field_docs_reads_the_literal_under_each_field():
+    from modules.config import TrainingConfig
+    docs = field_docs(TrainingConfig)
+    assert docs["batch_size"].startswith("Images per GPU per micro-batch.")
+    assert field_docs(TrainingConfig) is docs, "field_docs is cached"
+    with pytest.raises(TypeError):
+        field_docs(int)
+
+
+def test_section_classes_reach_list_items():
+    sections = section_classes()
+    assert sections["data.concepts[]"] is ConceptConfig
+    assert sections["sampling.prompts[]"] is SamplePromptConfig
+    assert sections[""] is TrainConfig and "multi_gpu" in sections
+
+
+# --- RunPaths ---------------------------------------------------------------------------------
+
+def test_run_paths_default_layout():
+    paths = RunPaths(apply_overrides(TrainConfig(), ["general.workspace_dir=runs/a"]))
+    ws = Path("runs/a")
+    assert paths.workspace == ws
+    assert paths.cache == ws / "cache"
+    assert paths.output_dir == ws / "output"
+    assert paths.backups == ws / "backups"
+    assert paths.samples == ws / "samples"
+    assert paths.tensorboard == ws / "tensorboard"
+    assert paths.commands_file == ws / ".tandem" / "commands"
+    assert paths.config_copy == ws / "config.json"
+
+
+def test_run_paths_honour_cache_and_output_dirs(tmp_path):
+    cfg = apply_overrides(TrainConfig(), [f"general.cache_dir={tmp_path / 'c'}",
+                                          f"save.output_dir={tmp_path / 'o'}"])
+    paths = RunPaths(cfg)
+    assert (paths.cache, paths.output_dir) == (tmp_path / "c", tmp_path / "o")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        paths.workspace = tmp_path
