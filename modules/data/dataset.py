@@ -1,0 +1,167 @@
+"""`TrainDataset`: scanned images in buckets, served from the latent/text cache or as pixels.
+
+Randomness per use (crop position without cached latents, flip, caption dropout, tag shuffle)
+comes from an RNG seeded by (seed, epoch, item index) only, so an item looks the same whichever
+rank or DataLoader worker loads it and however many of them there are.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from modules.config.train_config import DataConfig
+
+from .buckets import CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
+from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
+from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts
+
+
+def _rng(*parts) -> random.Random:
+    return random.Random(":".join(str(p) for p in parts))
+
+
+def text_cache_allowed(data_cfg: DataConfig, train_text_encoder: bool) -> bool:
+    """Whether caption embeddings may be cached: the encoder is frozen and every use of a caption
+    gives the same text (no dropout, no tag shuffling)."""
+    return (data_cfg.cache_text_embeddings and not train_text_encoder
+            and data_cfg.caption_dropout == 0.0 and not data_cfg.shuffle_tags)
+
+
+class TrainDataset(Dataset):
+    """Items are images with repeats expanded; `buckets[i]` is item i's bucket id."""
+
+    def __init__(self, scan: ScanResult, bucket_sizes: list[tuple[int, int]], data_cfg: DataConfig,
+                 cache_dir: Path, seed: int):
+        self.images: list[ImageRecord] = scan.images
+        self.item_images: list[int] = scan.item_images
+        self.bucket_sizes = bucket_sizes
+        """Bucket id -> (width, height)."""
+        self.data_cfg = data_cfg
+        self.cache_dir = Path(cache_dir)
+        self.seed = seed
+        self.epoch = 0
+        """Used for plain integer indexes; `make_dataloader` passes the sampler's epoch with each index."""
+        self._image_bucket = [closest_bucket(im.width, im.height, bucket_sizes) for im in self.images]
+        self.buckets: list[int] = [self._image_bucket[j] for j in self.item_images]
+        self._cache: CacheIndex | None = None
+        self._text_cached = False
+
+    def __len__(self) -> int:
+        return len(self.item_images)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def latents_cached(self) -> bool:
+        return self._cache is not None and any(p is not None for p in self._cache.latent_files)
+
+    def _fixed_plan(self, image_index: int) -> CropPlan:
+        """The crop used for cached latents: centre, or a random spot fixed per image content."""
+        image = self.images[image_index]
+        bucket = self.bucket_sizes[self._image_bucket[image_index]]
+        rng = _rng(self.seed, "crop", image.content_hash) if self.data_cfg.random_crop else None
+        return plan_crop(image.width, image.height, bucket, rng)
+
+    def cache(self, encode_images: EncodeImages | None, encode_text: EncodeText | None, fingerprint: str,
+              rank: int = 0, world_size: int = 1, cache_text: bool = False, batch_size: int = 8,
+              progress: bool = True) -> CacheIndex:
+        """Fill this rank's share of the cache (latents if `data.cache_latents`, text if `cache_text`).
+
+        Call a barrier afterwards: items are then read from entries any rank wrote.
+        """
+        cfg = self.data_cfg
+        if cache_text and (cfg.caption_dropout > 0.0 or cfg.shuffle_tags):
+            raise ValueError("Text embeddings cannot be cached with data.caption_dropout > 0 or "
+                             "data.shuffle_tags on (each use gives another caption); pass cache_text=False "
+                             "(see text_cache_allowed()).")
+        items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
+                           with_flipped=cfg.random_flip, caption=im.caption if cache_text else None)
+                 for j, im in enumerate(self.images)]
+        self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
+                                 encode_text if cache_text else None, fingerprint, self.cache_dir,
+                                 rank=rank, world_size=world_size, batch_size=batch_size, progress=progress)
+        self._text_cached = cache_text
+        return self._cache
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+        image_index = self.item_images[index]
+        image = self.images[image_index]
+        cfg = self.data_cfg
+        # Draw in a fixed order (crop, flip, caption) so each draw means the same on every run.
+        rng = _rng(self.seed, epoch, index)
+        item: dict = {"index": index}
+        if self.latents_cached:
+            plan = self._fixed_plan(image_index)
+            flip = cfg.random_flip and rng.random() < 0.5
+            plan = replace(plan, flip=flip)
+            item["latents"] = self._cache.load_latents(image_index, flipped=flip)
+        else:
+            if cfg.random_crop:
+                bucket = self.bucket_sizes[self._image_bucket[image_index]]
+                plan = plan_crop(image.width, image.height, bucket, rng)
+            else:
+                plan = self._fixed_plan(image_index)
+            plan = replace(plan, flip=cfg.random_flip and rng.random() < 0.5)
+            item["pixels"] = load_pixels(image.path, plan)
+        if self._text_cached:
+            item["caption"] = image.caption
+            item["text"] = self._cache.load_text(image_index)
+        else:
+            item["caption"] = process_caption(image.caption, rng, cfg.caption_dropout, cfg.shuffle_tags,
+                                              cfg.keep_tags)
+        item["original_size"] = plan.original_size
+        item["crop_coords"] = plan.crop_coords
+        item["target_size"] = plan.target_size
+        return item
+
+
+def collate(items: Sequence[dict]) -> dict:
+    """Stack items of one bucket into a batch dict (sizes as LongTensor [B, 2], (height, width))."""
+    batch: dict = {"indices": torch.tensor([it["index"] for it in items], dtype=torch.long),
+                   "captions": [it["caption"] for it in items]}
+    for name in ("latents", "pixels"):
+        if name in items[0]:
+            batch[name] = torch.stack([it[name] for it in items])
+    if "text" in items[0]:
+        batch["text"] = {k: torch.stack([it["text"][k] for it in items]) for k in items[0]["text"]}
+    for single, plural in (("original_size", "original_sizes"), ("crop_coords", "crop_coords"),
+                           ("target_size", "target_sizes")):
+        batch[plural] = torch.tensor([list(it[single]) for it in items], dtype=torch.long)
+    return batch
+
+
+def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:
+    """Scan the concepts and assign buckets; needs no model, so data errors show up first."""
+    bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing)
+    return TrainDataset(scan_concepts(data_cfg.concepts), bucket_sizes, data_cfg, cache_dir, seed)
+
+
+class _EpochTaggedBatches:
+    """Sends the sampler's epoch along with each index: persistent workers hold their own copy of
+    the dataset, so setting the epoch on the main process's copy would not reach them."""
+
+    def __init__(self, batch_sampler):
+        self.batch_sampler = batch_sampler
+
+    def __iter__(self):
+        epoch = getattr(self.batch_sampler, "epoch", 0)
+        for indices in self.batch_sampler:
+            yield [(epoch, i) for i in indices]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def make_dataloader(dataset: TrainDataset, batch_sampler, data_cfg: DataConfig, device_is_cuda: bool) -> DataLoader:
+    workers = max(0, data_cfg.num_workers)
+    return DataLoader(dataset, batch_sampler=_EpochTaggedBatches(batch_sampler), collate_fn=collate,
+                      num_workers=workers, pin_memory=data_cfg.pin_memory and device_is_cuda,
+                      prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
+                      persistent_workers=workers > 0)

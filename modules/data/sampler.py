@@ -1,0 +1,182 @@
+"""Bucket-aware distributed batch sampler that resumes mid-epoch, also with another world size.
+
+The unit is the GLOBAL batch: `batch_size x world_size` item indexes from one bucket. Rank r takes
+the r-th contiguous slice of it. The sequence of global batches depends only on the seed, the
+epoch, the global batch size and the buckets, so 2 ranks x batch B see exactly what 1 rank x
+batch 2B sees.
+
+Epoch plan: each bucket's items are shuffled (seeded by seed and epoch only, so the per-bucket
+order does not depend on the batch size), cut into global batches, and the batches are shuffled.
+Remainder rule: the last `len(bucket) % global_batch` items of each bucket's shuffled order are
+left out of this epoch; the order reshuffles every epoch, so it is other items each time.
+
+Position: the sampler does NOT count batches it hands out, because a prefetching DataLoader pulls
+batches ahead of training. The trainer tells it with `mark_consumed(n)` once n global batches
+have been trained on (per optimizer step: n = gradient accumulation steps), and `state_dict()`
+then describes exactly the trained position. A new `__iter__` starts after the consumed batches.
+
+Resume with another global batch size: the batches consumed so far are replayed from the saved
+history, their items removed, and the rest of the epoch is regrouped into the new global batch
+size (remainder rule per bucket again). No item consumed in this epoch comes back in it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections import Counter
+
+log = logging.getLogger(__name__)
+
+
+def _rng(*parts) -> random.Random:
+    # String seeds go through sha512 in CPython, so streams are identical across processes and runs.
+    return random.Random(":".join(str(p) for p in parts))
+
+
+class BucketBatchSampler:
+    """Yields this rank's list of dataset indexes for every global batch of the epoch."""
+
+    def __init__(self, buckets: list[int], batch_size: int, world_size: int = 1, rank: int = 0,
+                 seed: int = 0, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}; it must be 1 or more.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+        self.buckets = list(buckets)
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self._history: list[tuple[int, int]] = []
+        """Earlier segments of this epoch as (global batch size, batches consumed)."""
+        self._consumed = 0
+        """Batches consumed in the current segment (which uses this run's global batch size)."""
+        self._plan_memo: tuple | None = None
+        self._members: dict[int, list[int]] = {}
+        for index, bucket in enumerate(self.buckets):
+            self._members.setdefault(bucket, []).append(index)
+        if len(self) == 0:
+            sizes = ", ".join(f"bucket {b}: {len(m)}" for b, m in sorted(self._members.items()))
+            raise ValueError(
+                f"The dataset gives no full global batch: {len(self.buckets)} items ({sizes}), global batch "
+                f"= batch_size {batch_size} x {world_size} rank(s) = {self.global_batch_size}; every bucket "
+                "is smaller than that. Use fewer GPUs, a smaller training.batch_size, more concept repeats "
+                "or more images (or turn off data.aspect_bucketing to put all images in one bucket).")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Global batches in a full epoch at this global batch size."""
+        return sum(len(m) // self.global_batch_size for m in self._members.values())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order (identical on every rank). A new epoch starts at its beginning;
+        the epoch already set (e.g. by `load_state_dict`) keeps its position."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._history = []
+            self._consumed = 0
+
+    def mark_consumed(self, num_global_batches: int = 1) -> None:
+        """Called by the trainer after training on `num_global_batches` more global batches."""
+        if num_global_batches < 0:
+            raise ValueError(f"num_global_batches={num_global_batches} must not be negative.")
+        remaining = self.batches_remaining()
+        if num_global_batches > remaining:
+            raise ValueError(f"mark_consumed({num_global_batches}) but only {remaining} batches are left "
+                             f"in epoch {self.epoch}; call set_epoch() when a new epoch starts.")
+        self._consumed += num_global_batches
+
+    @property
+    def consumed_batches(self) -> int:
+        """Global batches of the current global batch size consumed in this epoch."""
+        return self._consumed
+
+    def batches_remaining(self) -> int:
+        return len(self._current_plan()) - self._consumed
+
+    def global_batches(self) -> list[list[int]]:
+        """The remaining global batches of this epoch, from the current position."""
+        return self._current_plan()[self._consumed:]
+
+    def __iter__(self):
+        start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for batch in self.global_batches():
+            yield batch[start:stop]
+
+    # -- epoch plan ---------------------------------------------------------------------------
+
+    def _bucket_orders(self) -> dict[int, list[int]]:
+        orders = {}
+        for bucket, members in sorted(self._members.items()):
+            order = list(members)
+            if self.shuffle:
+                _rng(self.seed, self.epoch, "bucket", bucket).shuffle(order)
+            orders[bucket] = order
+        return orders
+
+    def _plan(self, orders: dict[int, list[int]], global_batch: int, segment: int) -> list[list[int]]:
+        batches = []
+        for order in orders.values():
+            usable = len(order) // global_batch * global_batch
+            batches.extend(order[i:i + global_batch] for i in range(0, usable, global_batch))
+        if self.shuffle:
+            _rng(self.seed, self.epoch, "batches", segment).shuffle(batches)
+        return batches
+
+    def _current_plan(self) -> list[list[int]]:
+        # Memoised: the trainer asks for the position every step, the plan only changes with these.
+        key = (self.epoch, self.seed, self.shuffle, self.global_batch_size, tuple(self._history))
+        if self._plan_memo is None or self._plan_memo[0] != key:
+            self._plan_memo = (key, self._build_plan())
+        return self._plan_memo[1]
+
+    def _build_plan(self) -> list[list[int]]:
+        orders = self._bucket_orders()
+        for segment, (global_batch, consumed) in enumerate(self._history):
+            used = {i for batch in self._plan(orders, global_batch, segment)[:consumed] for i in batch}
+            orders = {b: [i for i in order if i not in used] for b, order in orders.items()}
+        return self._plan(orders, self.global_batch_size, len(self._history))
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def _buckets_digest(self) -> str:
+        return hashlib.sha256(",".join(map(str, self.buckets)).encode()).hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
+                "consumed_batches": self._consumed, "global_batch_size": self.global_batch_size,
+                "history": [list(h) for h in self._history], "buckets_digest": self._buckets_digest()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` was taken; the saved seed wins (the consumed items depend on it)."""
+        self.epoch = int(state["epoch"])
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state.get("shuffle", True))
+        self._history, self._consumed = [], 0
+        if state.get("buckets_digest") != self._buckets_digest():
+            log.warning("The dataset changed since the backup was written (other images or buckets); "
+                        "epoch %d restarts from its beginning.", self.epoch)
+            return
+        history = [(int(g), int(c)) for g, c in state.get("history", [])]
+        consumed, saved_global = int(state["consumed_batches"]), int(state["global_batch_size"])
+        if saved_global == self.global_batch_size:
+            self._history, self._consumed = history, consumed
+        else:
+            # Another global batch size: freeze what was consumed and regroup the rest.
+            self._history = history + ([(saved_global, consumed)] if consumed else [])
+            if consumed:
+                log.info("Global batch size changed from %d to %d: the remaining items of epoch %d are "
+                         "regrouped.", saved_global, self.global_batch_size, self.epoch)
+
+    def describe(self) -> str:
+        """One start-up line with the derived numbers."""
+        sizes = Counter(self.buckets)
+        return (f"{len(self.buckets)} items in {len(sizes)} bucket(s), global batch {self.global_batch_size} "
+                f"({self.batch_size} x {self.world_size} ranks), {len(self)} batches per epoch, "
+                f"{len(self.buckets) - len(self) * self.global_batch_size} items left out per epoch")
