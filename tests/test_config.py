@@ -67,6 +67,13 @@ def test_read_json_reports_missing_file_and_bad_json(tmp_path):
         read_json(bad)
 
 
+def test_a_file_that_is_not_an_object_is_rejected(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="top level must be a JSON object, got list"):
+        read_config(path)
+
+
 # --- strict reading: unknown keys and wrong types ----------------------------------------------
 
 @pytest.mark.parametrize("data, path, hint", [
