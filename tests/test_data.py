@@ -1,0 +1,319 @@
+"""Data pipeline: captions, concept scan, buckets, crops, cache invalidation and sharing, dataset,
+DataLoader, demo dataset. Fake encoders stand in for the VAE and text encoder: no model is loaded."""
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from modules.config.train_config import ConceptConfig, DataConfig
+from modules.data import (BucketBatchSampler, EmptyDatasetError, build_dataset, closest_bucket, collate,
+                          ensure_demo_dataset, load_pixels, make_buckets, make_dataloader, plan_crop,
+                          process_caption, read_caption, resolve_concept_path, scan_concepts,
+                          text_cache_allowed)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class FakeEncoders:
+    """Latents = 8x average pool with a 4th (mean) channel; text = caption length features."""
+
+    def __init__(self):
+        self.image_calls = 0
+        self.images = 0
+        self.texts = []
+
+    def encode_images(self, pixels):
+        assert pixels.dim() == 4 and pixels.shape[1] == 3 and pixels.min() >= -1 and pixels.max() <= 1
+        self.image_calls += 1
+        self.images += pixels.shape[0]
+        pooled = F.avg_pool2d(pixels, 8)
+        return torch.cat([pooled, pooled.mean(dim=1, keepdim=True)], dim=1)
+
+    def encode_text(self, captions):
+        self.texts.extend(captions)
+        lengths = torch.tensor([[float(len(c))] for c in captions])
+        return {"encoder_hidden_states": lengths.repeat(1, 6).view(-1, 2, 3), "pooled": lengths}
+
+
+def write_image(path: Path, size=(64, 64), colour=(200, 30, 30), caption: str | None = None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", size, colour)
+    img.putpixel((1, 1), (0, 0, 0))  # not mirror-symmetric, so flips are visible
+    img.save(path)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+
+
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / "images"
+    write_image(root / "red_square.png", caption="a red square, red, square")
+    write_image(root / "blue_thing.png", colour=(20, 20, 200))  # caption from the file name
+    write_image(root / "wide.png", size=(96, 64), colour=(20, 200, 20), caption="a wide green picture")
+    write_image(root / "tall.jpg", size=(64, 96), colour=(200, 200, 20), caption="a tall yellow picture")
+    write_image(root / "sub" / "nested.png", colour=(90, 90, 90), caption="a nested grey square")
+    return root
+
+
+def data_cfg(*folders, **overrides) -> DataConfig:
+    cfg = DataConfig(concepts=[ConceptConfig(path=str(f)) for f in folders], resolution=64, bucket_step=16,
+                     num_workers=0)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+# -- captions ------------------------------------------------------------------------------------
+
+def test_caption_file_else_file_name(folder):
+    assert read_caption(folder / "red_square.png") == "a red square, red, square"
+    assert read_caption(folder / "blue_thing.png") == "blue thing"
+    (folder / "red_square.caption").write_text("other caption")
+    assert read_caption(folder / "red_square.png", ".caption") == "other caption"
+
+
+def test_tag_shuffle_keeps_leading_tags_and_is_reproducible():
+    caption = "trigger, style, a, b, c, d, e, f"
+    results = {process_caption(caption, random.Random(seed), shuffle_tags=True, keep_tags=2) for seed in range(20)}
+    assert len(results) > 1
+    for result in results:
+        tags = result.split(", ")
+        assert tags[:2] == ["trigger", "style"] and sorted(tags[2:]) == ["a", "b", "c", "d", "e", "f"]
+    assert (process_caption(caption, random.Random(3), shuffle_tags=True, keep_tags=2)
+            == process_caption(caption, random.Random(3), shuffle_tags=True, keep_tags=2))
+    assert process_caption(caption, random.Random(0)) == caption
+
+
+def test_caption_dropout():
+    drops = [process_caption("x", random.Random(seed), dropout=0.5) for seed in range(200)]
+    assert 50 < drops.count("") < 150 and set(drops) == {"", "x"}
+    assert process_caption("x", random.Random(0), dropout=1.0) == ""
+
+
+# -- scan ----------------------------------------------------------------------------------------
+
+def test_recursive_scan_repeats_and_disabled_concepts(folder, tmp_path):
+    other = tmp_path / "other"
+    write_image(other / "one.png", caption="one")
+    concepts = [ConceptConfig(path=str(folder), repeats=3), ConceptConfig(path=str(other), enabled=False)]
+    scan = scan_concepts(concepts)
+    names = sorted(im.path.name for im in scan.images)
+    assert names == ["blue_thing.png", "nested.png", "red_square.png", "tall.jpg", "wide.png"]
+    assert len(scan.item_images) == 15 and sorted(set(scan.item_images)) == list(range(5))
+
+    flat = scan_concepts([ConceptConfig(path=str(folder), recursive=False)])
+    assert "nested.png" not in [im.path.name for im in flat.images] and len(flat.images) == 4
+
+
+def test_corrupt_image_skipped_with_one_warning_naming_it(folder, caplog):
+    (folder / "broken.png").write_bytes(b"not an image at all")
+    good = (folder / "red_square.png").read_bytes()
+    (folder / "truncated.png").write_bytes(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING):
+        dataset = build_dataset(data_cfg(folder), folder / "cache", seed=0)
+    assert len(dataset) == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert sum("broken.png" in w for w in warnings) == 1 and sum("truncated.png" in w for w in warnings) == 1
+
+
+def test_empty_dataset_error_names_the_folders(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    with pytest.raises(EmptyDatasetError, match="empty"):
+        build_dataset(data_cfg(empty), tmp_path / "cache", seed=0)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        build_dataset(data_cfg(tmp_path / "missing"), tmp_path / "cache", seed=0)
+
+
+# -- buckets and crops ---------------------------------------------------------------------------
+
+def test_buckets_for_square_landscape_and_portrait():
+    buckets = make_buckets(512, 64)
+    assert (512, 512) in buckets
+    for w, h in buckets:
+        assert w % 64 == 0 and h % 64 == 0 and w * h <= 512 * 512 and w * h >= 0.8 * 512 * 512
+        assert max(w, h) / min(w, h) <= 2.0
+    assert buckets[closest_bucket(1000, 1000, buckets)] == (512, 512)
+    wide = buckets[closest_bucket(1920, 1080, buckets)]
+    tall = buckets[closest_bucket(1080, 1920, buckets)]
+    assert wide[0] > wide[1] and tall == (wide[1], wide[0])
+    assert abs(wide[0] / wide[1] - 16 / 9) < 0.2
+    assert make_buckets(512, 64, aspect_bucketing=False) == [(512, 512)]
+    with pytest.raises(ValueError, match="bucket_step"):
+        make_buckets(512, 12)
+
+
+def test_crop_plan_covers_the_bucket_and_records_sizes():
+    plan = plan_crop(200, 100, (64, 64))
+    assert plan.original_size == (100, 200) and plan.resized_size == (64, 128)
+    assert plan.crop_top_left == (0, 32) and plan.target_size == (64, 64)
+    rng_plans = {plan_crop(200, 100, (64, 64), random.Random(s)).crop_top_left for s in range(10)}
+    assert len(rng_plans) > 1 and all(0 <= left <= 64 for _, left in rng_plans)
+    skewed = plan_crop(200, 100, (64, 64), random.Random(1))
+    from dataclasses import replace
+    mirrored = replace(skewed, flip=True)
+    assert mirrored.crop_coords == (0, 64 - skewed.crop_top_left[1])
+
+
+def test_load_pixels_range_shape_and_flip(folder):
+    plan = plan_crop(96, 64, (80, 48))
+    pixels = load_pixels(folder / "wide.png", plan)
+    assert pixels.shape == (3, 48, 80) and pixels.min() >= -1 and pixels.max() <= 1
+    from dataclasses import replace
+    flipped = load_pixels(folder / "wide.png", replace(plan, flip=True))
+    assert torch.equal(flipped, pixels.flip(-1)) and not torch.equal(flipped, pixels)
+
+
+def test_dataset_assigns_buckets_by_shape(folder):
+    dataset = build_dataset(data_cfg(folder), folder / "cache", seed=0)
+    by_name = {dataset.images[j].path.name: dataset.bucket_sizes[dataset.buckets[i]]
+               for i, j in enumerate(dataset.item_images)}
+    assert by_name["red_square.png"] == (64, 64)
+    assert by_name["wide.png"][0] > by_name["wide.png"][1]
+    assert by_name["tall.jpg"][0] < by_name["tall.jpg"][1]
+    one = build_dataset(data_cfg(folder, aspect_bucketing=False), folder / "cache", seed=0)
+    assert set(one.buckets) == {0} and one.bucket_sizes == [(64, 64)]
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+def cache(dataset, enc, fingerprint="model-a", rank=0, world=1, text=True):
+    return dataset.cache(enc.encode_images, enc.encode_text, fingerprint, rank=rank, world_size=world,
+                         cache_text=text, progress=False)
+
+
+def test_cache_reused_and_invalidated_entry_by_entry(folder, tmp_path):
+    cache_dir = tmp_path / "cache"
+    first = FakeEncoders()
+    cache(build_dataset(data_cfg(folder), cache_dir, 0), first)
+    assert first.images == 5 and len(first.texts) == 5
+
+    again = FakeEncoders()
+    cache(build_dataset(data_cfg(folder), cache_dir, 0), again)
+    assert again.image_calls == 0 and again.texts == []
+
+    write_image(folder / "wide.png", size=(96, 64), colour=(1, 2, 3), caption="a wide green picture")
+    (folder / "tall.txt").write_text("a new caption", encoding="utf-8")
+    edited = FakeEncoders()
+    cache(build_dataset(data_cfg(folder), cache_dir, 0), edited)
+    assert edited.images == 1 and edited.texts == ["a new caption"]
+
+    other_model = FakeEncoders()
+    cache(build_dataset(data_cfg(folder), cache_dir, 0), other_model, fingerprint="model-b")
+    assert other_model.images == 5 and len(other_model.texts) == 5
+
+    other_resolution = FakeEncoders()
+    cache(build_dataset(data_cfg(folder, resolution=128), cache_dir, 0), other_resolution)
+    assert other_resolution.images == 5 and other_resolution.texts == []
+
+
+def test_cache_written_by_two_ranks_is_complete_and_reused_by_one(folder, tmp_path):
+    cache_dir = tmp_path / "cache"
+    cfg = data_cfg(folder)
+    rank_encoders = [FakeEncoders(), FakeEncoders()]
+    for rank, enc in enumerate(rank_encoders):
+        index = cache(build_dataset(cfg, cache_dir, 0), enc, rank=rank, world=2)
+    assert [e.images for e in rank_encoders] == [3, 2]
+    assert not set(rank_encoders[0].texts) & set(rank_encoders[1].texts)
+    assert index.missing() == []
+    single = FakeEncoders()
+    dataset = build_dataset(cfg, cache_dir, 0)
+    cache(dataset, single, world=1)
+    assert single.image_calls == 0 and single.texts == []
+    # What the ranks stored is what the encoder gives for the item's pixels.
+    item = dataset[2]
+    plan_pixels = load_pixels(dataset.images[dataset.item_images[2]].path, dataset._fixed_plan(dataset.item_images[2]))
+    assert torch.allclose(item["latents"], FakeEncoders().encode_images(plan_pixels[None])[0])
+
+
+def test_text_cache_refused_when_captions_change_per_use(folder, tmp_path):
+    cfg = data_cfg(folder, shuffle_tags=True)
+    assert not text_cache_allowed(cfg, train_text_encoder=False)
+    assert text_cache_allowed(data_cfg(folder), train_text_encoder=False)
+    assert not text_cache_allowed(data_cfg(folder), train_text_encoder=True)
+    with pytest.raises(ValueError, match="shuffle_tags"):
+        cache(build_dataset(cfg, tmp_path / "cache", 0), FakeEncoders())
+
+
+# -- dataset items, batches, loader --------------------------------------------------------------
+
+def test_items_and_collate_with_cached_latents_and_text(folder, tmp_path):
+    dataset = build_dataset(data_cfg(folder, random_flip=True), tmp_path / "cache", seed=1)
+    enc = FakeEncoders()
+    cache(dataset, enc)
+    assert enc.images == 10, "both flips are cached with random_flip"
+    square = [i for i, b in enumerate(dataset.buckets) if dataset.bucket_sizes[b] == (64, 64)]
+    batch = collate([dataset[i] for i in square])
+    assert batch["latents"].shape == (3, 4, 8, 8)
+    assert batch["text"]["encoder_hidden_states"].shape == (3, 2, 3) and batch["text"]["pooled"].shape == (3, 1)
+    assert batch["target_sizes"].tolist() == [[64, 64]] * 3 and batch["original_sizes"].dtype == torch.long
+    assert batch["crop_coords"].shape == (3, 2) and len(batch["captions"]) == 3
+    flips = {bool(torch.equal(dataset[(e, square[0])]["latents"], dataset[(0, square[0])]["latents"]))
+             for e in range(12)}
+    assert flips == {True, False}, "random flip picks both cached variants across epochs"
+
+
+def test_pixels_without_cache_and_per_item_randomness(folder, tmp_path):
+    cfg = data_cfg(folder, shuffle_tags=True, keep_tags=1, cache_latents=False)
+    dataset = build_dataset(cfg, tmp_path / "cache", seed=5)
+    red = next(i for i, j in enumerate(dataset.item_images) if dataset.images[j].path.name == "red_square.png")
+    item = dataset[(0, red)]
+    assert item["pixels"].shape == (3, 64, 64) and "latents" not in item
+    assert item["caption"].startswith("a red square")
+    assert dataset[(3, red)]["caption"] == build_dataset(cfg, tmp_path / "cache", seed=5)[(3, red)]["caption"]
+    captions = {dataset[(epoch, red)]["caption"] for epoch in range(10)}
+    assert len(captions) == 2  # "red, square" and "square, red" after the kept tag
+
+
+def test_dataloader_workers_match_single_process_across_epochs(folder, tmp_path):
+    cfg = data_cfg(folder, shuffle_tags=True, caption_dropout=0.3, cache_latents=False, random_flip=True)
+    dataset = build_dataset(cfg, tmp_path / "cache", seed=2)
+    cfg_workers = data_cfg(folder, shuffle_tags=True, caption_dropout=0.3, cache_latents=False,
+                           random_flip=True, num_workers=1, prefetch_factor=1)
+    sampler = BucketBatchSampler([0] * len(dataset), batch_size=1, seed=2)
+    plain = make_dataloader(dataset, sampler, cfg, device_is_cuda=False)
+    workers = make_dataloader(dataset, sampler, cfg_workers, device_is_cuda=False)
+    assert not plain.pin_memory and plain.prefetch_factor is None and workers.persistent_workers
+    assert not make_dataloader(dataset, sampler, cfg_workers, device_is_cuda=False).pin_memory
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        a, b = list(plain), list(workers)
+        assert [x["captions"] for x in a] == [y["captions"] for y in b]
+        assert all(torch.equal(x["pixels"], y["pixels"]) for x, y in zip(a, b))
+        expected = [dataset[(epoch, int(x["indices"][0]))]["caption"] for x in a]
+        assert [x["captions"][0] for x in a] == expected
+    assert len(plain) == len(sampler)
+
+
+# -- demo dataset --------------------------------------------------------------------------------
+
+def test_demo_dataset_is_deterministic_and_resolvable(tmp_path, monkeypatch):
+    first = ensure_demo_dataset(tmp_path / "a")
+    second = ensure_demo_dataset(tmp_path / "b")
+    files = sorted(p.name for p in first.iterdir())
+    assert files == sorted(p.name for p in second.iterdir())
+    pngs = [f for f in files if f.endswith(".png")]
+    assert len(pngs) == 64 and len([f for f in files if f.endswith(".txt")]) == 64
+    for name in files:
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    sizes = {Image.open(first / f).size for f in pngs}
+    assert sizes == {(64, 64), (96, 64), (64, 96)}
+    caption = (first / pngs[0]).with_suffix(".txt").read_text()
+    assert caption.startswith("a ") and "background" in caption
+    stamp = (first / pngs[0]).stat().st_mtime_ns
+    assert ensure_demo_dataset(tmp_path / "a") == first and (first / pngs[0]).stat().st_mtime_ns == stamp
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    resolved = resolve_concept_path("builtin:demo-shapes")
+    assert resolved == tmp_path / "home" / "demo-shapes" and len(list(resolved.glob("*.png"))) == 64
+    with pytest.raises(ValueError, match="demo-shapes"):
+        resolve_concept_path("builtin:nope")
+    dataset = build_dataset(DataConfig(resolution=64, bucket_step=16), tmp_path / "cache", seed=0)
+    assert len(dataset) == 64 and len(set(dataset.buckets)) == 3
