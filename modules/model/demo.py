@@ -1,0 +1,205 @@
+"""The built-in demo model: a tiny Stable-Diffusion-1-shaped diffusers folder with random weights.
+
+It lets every part of Tandem (training loop, multi-GPU, saving, sampling, GUI) run end to end on a
+laptop CPU in seconds and without downloading anything. It is built from a fixed seed, so every
+build is byte-for-byte the same, and written once into a cache folder that `load_model` then reads
+like any other diffusers model.
+
+The weights are random, so the VAE is not a real autoencoder; the demo trains the UNet on the
+latents of that VAE and samples decode through it, which is all the pipeline needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEMO_MODEL_VERSION = 1
+"""Bump when the demo model's architecture or weights change; the marker file records it."""
+
+_MARKER_FILE = "tandem_demo.json"
+_SEED = 1234
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Words of the demo captions ("a red circle on a blue background", ...). Each gets whole-word BPE
+# merges so that captions tokenize to one token per word; any other text still tokenizes, byte by byte.
+DEMO_WORDS = (
+    "a", "an", "the", "on", "in", "of", "and", "with", "at", "to", "photo", "picture", "image",
+    "background", "shape", "shapes", "small", "large", "big", "tiny", "left", "right", "top",
+    "bottom", "center", "centre", "middle", "corner", "red", "green", "blue", "yellow", "orange",
+    "purple", "pink", "white", "black", "gray", "grey", "brown", "cyan", "magenta", "teal",
+    "circle", "square", "triangle", "rectangle", "star", "ellipse", "diamond", "hexagon", "cross",
+    "ring", "dot", "line", "stripe", "stripes", "bright", "dark", "light", "plain", "simple",
+)
+
+
+def default_demo_root() -> Path:
+    """Where the demo model lives: `$TANDEM_HOME/demo-model`, else `<repo>/.cache/demo-model`."""
+    home = os.environ.get("TANDEM_HOME")
+    return Path(home) / "demo-model" if home else _REPO_ROOT / ".cache" / "demo-model"
+
+
+def ensure_demo_model(root: Path | None = None) -> Path:
+    """Return the demo model folder, building it first if it does not exist yet.
+
+    Safe to call from several processes at once (e.g. every rank of a multi-GPU run): each builds
+    into its own temporary folder and renames it into place; a caller that loses the race deletes
+    its copy and uses the finished one, so nobody ever reads a half-written folder.
+    """
+    root = Path(root) if root is not None else default_demo_root()
+    if _is_complete(root):
+        return root
+    if root.exists():
+        raise RuntimeError(
+            f"{root} exists but is not a complete Tandem demo model (no {_MARKER_FILE} of version "
+            f"{DEMO_MODEL_VERSION}). Delete that folder; it is rebuilt automatically."
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}-building-", dir=root.parent))
+    try:
+        _build_into(build_dir)
+        try:
+            os.replace(build_dir, root)
+        except OSError:
+            # Another process finished first (renaming onto a non-empty folder fails); use theirs.
+            if not _is_complete(root):
+                raise
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return root
+
+
+def _is_complete(root: Path) -> bool:
+    marker = root / _MARKER_FILE
+    if not marker.is_file():
+        return False
+    return json.loads(marker.read_text()).get("version") == DEMO_MODEL_VERSION
+
+
+def _build_into(folder: Path) -> None:
+    from diffusers import StableDiffusionPipeline
+
+    tokenizer_dir = folder / "_tokenizer_source"
+    tokenizer = _write_and_load_tokenizer(tokenizer_dir)
+    text_encoder = _text_encoder(tokenizer)
+    unet = _unet()
+    vae = _vae()
+    pipeline = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=_scheduler(),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    # Keep the classic vocab.json + merges.txt beside tokenizer.json so that older transformers
+    # versions (whose slow CLIPTokenizer reads only those) load the folder too.
+    for name in ("vocab.json", "merges.txt"):
+        shutil.move(tokenizer_dir / name, folder / "tokenizer" / name)
+    shutil.rmtree(tokenizer_dir)
+    # Written last: its presence (after the atomic rename) means the folder is complete.
+    (folder / _MARKER_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION, "seed": _SEED}, indent=2))
+
+
+def _write_and_load_tokenizer(folder: Path):
+    """Write a CLIP BPE vocabulary of our own (no download) and load it with `CLIPTokenizer`."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _demo_bpe()
+    folder.mkdir(parents=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=0), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable character table (the byte-level base alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def _demo_bpe() -> tuple[dict[str, int], list[str]]:
+    """Base alphabet (each byte alone and as word end) + left-to-right merges for each demo word."""
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [c + "</w>" for c in alphabet]
+    merges: list[str] = []
+    for word in DEMO_WORDS:
+        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(parts) > 1:
+            merged = parts[0] + parts[1]
+            pair = f"{parts[0]} {parts[1]}"
+            if pair not in merges:
+                merges.append(pair)
+            if merged not in tokens:
+                tokens.append(merged)
+            parts = [merged] + parts[2:]
+    # Special tokens last, so that end-of-text has the highest id (CLIP pools at argmax(input_ids)).
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {token: index for index, token in enumerate(tokens)}, merges
+
+
+def _text_encoder(tokenizer):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(_SEED)
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModel(config).eval()
+
+
+def _unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(_SEED + 1)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
+        attention_head_dim=4, norm_num_groups=32,
+    )
+
+
+def _vae():
+    """A 4-level VAE (8x downsampling, like SD) whose scaling factor gives unit-variance latents."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(_SEED + 2)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8,
+        block_out_channels=(8, 16, 16, 16), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, sample_size=64,
+    )
+    # Real VAEs have a tiny posterior variance; a random one would drown the mean in sampling noise.
+    # Zero the log-variance half of quant_conv and give it a low bias: std = exp(-6) = 0.0025.
+    latent = vae.config.latent_channels
+    with torch.no_grad():
+        vae.quant_conv.weight[latent:].zero_()
+        vae.quant_conv.bias[latent:].fill_(-12.0)
+    # SD scales latents to roughly unit variance (0.18215); measure ours on fixed test images.
+    generator = torch.Generator().manual_seed(_SEED)
+    probe = torch.rand(4, 3, 64, 64, generator=generator) * 2 - 1
+    with torch.no_grad():
+        std = vae.encode(probe).latent_dist.mean.std().item()
+    vae.register_to_config(scaling_factor=round(1.0 / std, 5))
+    return vae.eval()
+
+
+def _scheduler():
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        prediction_type="epsilon", clip_sample=False, steps_offset=1,
+    )

@@ -1,0 +1,217 @@
+"""LoRA adapters (peft) on the UNet and optionally the text encoders, and saving them.
+
+Two file layouts:
+- `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read: keys
+  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and
+  `lora_te_` (SD1/SD2) or `lora_te1_` / `lora_te2_` (SDXL) for the text encoders. Module paths are
+  the diffusers ones, as sd-scripts writes them for SD1.x/2.x; all those tools accept them.
+- `peft`: what diffusers' `save_lora_weights` writes (`unet.` / `text_encoder.` prefixed keys plus
+  the adapter config in the header), loadable with `pipeline.load_lora_weights`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.train_config import TrainingConfig
+
+from .bundle import ModelBundle
+from .files import resolve_save_dtype, save_safetensors_atomically
+
+TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+"""The attention projections of CLIP text encoders, as the diffusers LoRA training scripts target."""
+
+LORA_FORMATS = ("kohya", "peft")
+_KOHYA_BASE_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
+
+
+def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Parameter]:
+    """Attach LoRA adapters and return their parameters (fp32, trainable); the base stays frozen.
+
+    The LoRA "B" matrices start at zero (peft's gaussian init), so the model's output is unchanged
+    until the first optimizer step. Text encoders get adapters when `train_text_encoder` is set.
+    """
+    from peft import LoraConfig
+
+    def config(targets: list[str]) -> "LoraConfig":
+        return LoraConfig(
+            r=training_cfg.lora_rank, lora_alpha=training_cfg.lora_alpha,
+            lora_dropout=training_cfg.lora_dropout, target_modules=list(targets),
+            init_lora_weights="gaussian",
+        )
+
+    if training_cfg.lora_rank < 1:
+        raise ValueError(f"training.lora_rank is {training_cfg.lora_rank}; it must be at least 1")
+    targets = list(training_cfg.lora_target_modules)
+    if not targets:
+        raise ValueError("training.lora_target_modules is empty; name at least one UNet module, e.g. to_q")
+    try:
+        bundle.unet.add_adapter(config(targets))
+    except ValueError as error:
+        raise ValueError(
+            f"training.lora_target_modules {targets} matched no UNet module ({error}); "
+            "use names such as to_q, to_k, to_v, to_out.0, proj_in, ff.net.0.proj"
+        ) from error
+    adapted = [bundle.unet]
+    if training_cfg.train_text_encoder:
+        for encoder in bundle.text_encoders:
+            _add_text_encoder_adapter(encoder, config(TEXT_ENCODER_TARGETS))
+            adapted.append(encoder)
+
+    params = []
+    for module in adapted:
+        for name, param in module.named_parameters():
+            if ".lora_" in name:
+                # Tiny updates to low-precision adapters would round away; keep them fp32 (peft
+                # casts the activations to the adapter's dtype and back).
+                param.data = param.data.to(torch.float32)
+                param.requires_grad_(True)
+                params.append(param)
+    return params
+
+
+def _add_text_encoder_adapter(encoder: nn.Module, config) -> None:
+    """Inject LoRA into a transformers text encoder through peft directly.
+
+    transformers' own `add_adapter` would do the same but refuses peft versions older than the one
+    it was released with; peft's injector has no such check. `peft_config` is recorded the way
+    transformers records it, so peft's and diffusers' helpers find the adapter.
+    """
+    from peft import inject_adapter_in_model
+
+    if getattr(encoder, "peft_config", None):
+        raise ValueError(f"{type(encoder).__name__} already has a LoRA adapter")
+    inject_adapter_in_model(config, encoder, adapter_name="default")
+    encoder.peft_config = {"default": config}
+    encoder._hf_peft_config_loaded = True
+
+
+def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
+    """LoRA weights by component (`unet`, `text_encoder`, `text_encoder_2`), in peft key layout
+    (`<module path>.lora_A.weight` / `.lora_B.weight`, adapter name removed)."""
+    from peft.utils import get_peft_model_state_dict
+
+    found = {}
+    for name, module in bundle.modules().items():
+        if getattr(module, "peft_config", None):
+            state = get_peft_model_state_dict(module)
+            if name.startswith("text_encoder"):
+                state = {_checkpoint_text_encoder_path(key): value for key, value in state.items()}
+            if state:
+                found[name] = state
+    if not found:
+        raise ValueError("the model has no LoRA adapters; call add_lora first")
+    return found
+
+
+def _checkpoint_text_encoder_path(path: str) -> str:
+    """transformers 5 dropped CLIP's `text_model.` wrapper module; checkpoints, kohya files and
+    older diffusers LoRAs all keep it, so saved names put it back (loaders map it either way)."""
+    if path.startswith(("encoder.", "embeddings.", "final_layer_norm.")):
+        return "text_model." + path
+    return path
+
+
+def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
+    """All LoRA weights as one flat dict with `unet.` / `text_encoder.` prefixes (peft layout)."""
+    return {f"{component}.{key}": value for component, state in lora_modules(bundle).items() for key, value in state.items()}
+
+
+def lora_alpha_and_rank(bundle: ModelBundle, component: str = "unet") -> tuple[float, int]:
+    config = bundle.modules()[component].peft_config["default"]
+    return float(config.lora_alpha), int(config.r)
+
+
+def save_lora(
+    bundle: ModelBundle,
+    path: str | Path,
+    fmt: str = "kohya",
+    dtype: str | torch.dtype = "fp16",
+    metadata: dict | None = None,
+) -> Path:
+    """Write the LoRA weights to `path` (.safetensors) in `fmt` layout, atomically; returns the path."""
+    if fmt not in LORA_FORMATS:
+        raise ValueError(f"LoRA format {fmt!r} is not one of {', '.join(LORA_FORMATS)}")
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"LoRA output {path} must end in .safetensors")
+    torch_dtype = resolve_save_dtype(dtype)
+    modules = lora_modules(bundle)
+    if fmt == "kohya":
+        tensors = _kohya_tensors(bundle, modules)
+    else:
+        tensors = _peft_tensors(modules)
+    tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in tensors.items()}
+    header = _header(bundle, fmt, modules, metadata or {})
+    return save_safetensors_atomically(tensors, path, header)
+
+
+def _kohya_prefixes(bundle: ModelBundle) -> dict[str, str]:
+    if bundle.model_type == "sdxl":
+        return {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+    return {"unet": "lora_unet", "text_encoder": "lora_te"}
+
+
+def _kohya_tensors(bundle: ModelBundle, modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    prefixes = _kohya_prefixes(bundle)
+    tensors = {}
+    for component, state in modules.items():
+        alpha, _ = lora_alpha_and_rank(bundle, component)
+        for key, value in state.items():
+            module_path, kind = _split_peft_key(key)
+            kohya_name = f"{prefixes[component]}_{module_path.replace('.', '_')}"
+            tensors[f"{kohya_name}.{'lora_down' if kind == 'lora_A' else 'lora_up'}.weight"] = value
+            tensors[f"{kohya_name}.alpha"] = torch.tensor(alpha)
+    return tensors
+
+
+def _split_peft_key(key: str) -> tuple[str, str]:
+    for kind in ("lora_A", "lora_B"):
+        suffix = f".{kind}.weight"
+        if key.endswith(suffix):
+            return key[: -len(suffix)], kind
+    raise ValueError(f"unexpected LoRA weight name {key!r} (only lora_A/lora_B weights are supported)")
+
+
+def _peft_tensors(modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    # The same conversion diffusers' LoRA training scripts apply before `save_lora_weights`.
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    tensors = {}
+    for component, state in modules.items():
+        for key, value in convert_state_dict_to_diffusers(state).items():
+            tensors[f"{component}.{key}"] = value
+    return tensors
+
+
+def _header(bundle: ModelBundle, fmt: str, modules: dict, metadata: dict) -> dict[str, str]:
+    alpha, rank = lora_alpha_and_rank(bundle)
+    header = {
+        "format": "pt",
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(alpha),
+        "ss_base_model_version": _KOHYA_BASE_VERSION[bundle.model_type],
+        "ss_sd_model_name": Path(bundle.source).name if not bundle.source.startswith("builtin:") else bundle.source,
+        "ss_v2": str(bundle.model_type == "sd2"),
+        "ss_v_parameterization": str(bundle.prediction_type == "v_prediction"),
+        "tandem_base_model": bundle.source,
+        "tandem_model_type": bundle.model_type,
+        "tandem_lora_format": fmt,
+    }
+    if fmt == "peft":
+        # diffusers reads rank/alpha back from here; without it, it would assume alpha == rank.
+        from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+        adapter_configs = {}
+        for component in modules:
+            config = bundle.modules()[component].peft_config["default"].to_dict()
+            for key, value in config.items():
+                adapter_configs[f"{component}.{key}"] = sorted(value) if isinstance(value, set) else value
+        header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=str)
+    for key, value in metadata.items():
+        header[str(key)] = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return header
