@@ -317,3 +317,13 @@ def test_demo_dataset_is_deterministic_and_resolvable(tmp_path, monkeypatch):
         resolve_concept_path("builtin:nope")
     dataset = build_dataset(DataConfig(resolution=64, bucket_step=16), tmp_path / "cache", seed=0)
     assert len(dataset) == 64 and len(set(dataset.buckets)) == 3
+
+
+def test_demo_dataset_built_concurrently_by_several_ranks(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    root = tmp_path / "shared" / "demo-shapes"
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: ensure_demo_dataset(root), range(3)))
+    assert results == [root] * 3
+    assert len(list(root.glob("*.png"))) == 64
+    assert [p.name for p in root.parent.iterdir()] == ["demo-shapes"], "temporary folders left behind"

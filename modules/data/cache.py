@@ -28,7 +28,10 @@ CACHE_FORMAT = 1
 """Part of every key: bump it when the stored layout changes, so old entries are not misread."""
 
 EncodeImages = Callable[[torch.Tensor], torch.Tensor]
+"""CPU float32 pixels in [-1, 1], [B, 3, H, W] -> latents [B, C, H/8, W/8]; moving to the device
+and dtype is the encoder's job. Entries are stored in the dtype it returns."""
 EncodeText = Callable[[list[str]], dict[str, torch.Tensor]]
+"""B captions -> named tensors with the batch dimension first (e.g. `encoder_hidden_states`)."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class TrainDataset(Dataset):
         self.buckets: list[int] = [self._image_bucket[j] for j in self.item_images]
         self._cache: CacheIndex | None = None
         self._text_cached = False
+        self._latents_cached = False
 
     def __len__(self) -> int:
         return len(self.item_images)
@@ -59,7 +60,7 @@ class TrainDataset(Dataset):
 
     @property
     def latents_cached(self) -> bool:
-        return self._cache is not None and any(p is not None for p in self._cache.latent_files)
+        return self._latents_cached
 
     def _fixed_plan(self, image_index: int) -> CropPlan:
         """The crop used for cached latents: centre, or a random spot fixed per image content."""
@@ -87,6 +88,7 @@ class TrainDataset(Dataset):
                                  encode_text if cache_text else None, fingerprint, self.cache_dir,
                                  rank=rank, world_size=world_size, batch_size=batch_size, progress=progress)
         self._text_cached = cache_text
+        self._latents_cached = cfg.cache_latents and encode_images is not None
         return self._cache
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
