@@ -1,0 +1,15 @@
+"""Start the Tandem GUI: `python scripts/train_ui.py` (or start-ui.sh / start-ui.bat)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ui.views.app import TandemApp  # noqa: E402
+
+
+def main() -> None:
+    TandemApp().mainloop()
+
+
+if __name__ == "__main__":
+    main()

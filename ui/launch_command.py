@@ -1,0 +1,47 @@
+"""The command line that starts training for a config, as the GUI runs it.
+
+Training never runs inside the GUI process: a crash, an OOM or a hung NCCL collective must not
+take the window down, and CUDA must not be initialised in a process that later forks.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from modules.config import TrainConfig
+
+from .multi_gpu_summary import world_size
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SINGLE_SCRIPT = REPO_ROOT / "scripts" / "train.py"
+MULTI_SCRIPT = REPO_ROOT / "scripts" / "train_multi_gpu.py"
+
+
+def is_multi_process(cfg: TrainConfig, visible_gpus: int) -> bool:
+    return cfg.multi_gpu.enabled and world_size(cfg, visible_gpus) >= 2
+
+
+def build_command(cfg: TrainConfig, config_path: str | Path, visible_gpus: int,
+                  python: str = sys.executable) -> list[str]:
+    """`python scripts/train.py --config-path X`, or the multi-process launcher with the options
+    of the multi-GPU frame spelled out, so that the log shows exactly what was started.
+
+    CPU processes (the frame's "for trying" mode) are `general.device = "cpu"` with
+    `multi_gpu.num_gpus` processes; they launch with `--device cpu`.
+    """
+    if not is_multi_process(cfg, visible_gpus):
+        return [python, str(SINGLE_SCRIPT), "--config-path", str(config_path)]
+    m = cfg.multi_gpu
+    command = [python, str(MULTI_SCRIPT), "--config-path", str(config_path),
+               "--num-gpus", str(world_size(cfg, visible_gpus))]
+    if m.launcher == "spawn":
+        command.append("--spawn")
+    if m.master_port:
+        command += ["--port", str(m.master_port)]
+    if cfg.general.device == "cpu":
+        command += ["--device", "cpu"]
+    elif m.backend != "auto":
+        command += ["--distributed-backend", m.backend]
+    if m.distributed_data_loading:
+        command.append("--distributed-data-loading")
+    return command

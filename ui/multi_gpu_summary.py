@@ -1,0 +1,83 @@
+"""The numbers behind the multi-GPU frame's live line.
+
+"World size 2 · global batch 16 (8 x 1 x 2) · LR 1e-4 -> 2e-4 (linear)": computed here from the
+config and the GPUs the GUI can see, the same way the trainer derives them, so the user sees the
+effect of batch, accumulation, GPU selection and LR scaling before starting.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from modules.config import TrainConfig
+from modules.config.validation import parse_device_indexes
+
+
+@dataclass(frozen=True)
+class MultiGPUSummary:
+    world_size: int
+    per_gpu_batch: int
+    accumulation: int
+    base_lr: float
+    lr: float
+    scaling: str
+    cpu: bool
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_gpu_batch * self.accumulation * self.world_size
+
+    def line(self) -> str:
+        if self.world_size < 1:
+            return "No GPU visible: choose CPU processes to try multi-process training."
+        unit = "CPU processes" if self.cpu else "World size"
+        lr = f"LR {format_lr(self.base_lr)}"
+        if self.scaling != "none" and self.world_size > 1:
+            lr += f" -> {format_lr(self.lr)} ({self.scaling})"
+        return (f"{unit} {self.world_size} · global batch {self.global_batch} "
+                f"({self.per_gpu_batch} x {self.accumulation} x {self.world_size}) · {lr}")
+
+
+def format_lr(value: float) -> str:
+    """`0.0001` -> `1e-4`, `0.00014142` -> `1.41e-4`, `0.5` -> `0.5`."""
+    if value == 0:
+        return "0"
+    if 1e-2 <= abs(value) < 1e3:
+        return f"{value:.3g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def world_size(cfg: TrainConfig, visible_gpus: int) -> int:
+    """How many processes a start with this config would run (1 without multi-GPU)."""
+    m = cfg.multi_gpu
+    if not m.enabled:
+        return 1
+    if cfg.general.device == "cpu":
+        return max(m.num_gpus, 1)
+    try:
+        indexes = parse_device_indexes(m.device_indexes)
+    except ValueError:
+        indexes = []
+    if indexes:
+        return len(indexes)
+    return m.num_gpus if m.num_gpus > 0 else visible_gpus
+
+
+def scaled_lr(base_lr: float, world: int, scaling: str) -> float:
+    if scaling == "linear":
+        return base_lr * world
+    if scaling == "sqrt":
+        return base_lr * math.sqrt(world)
+    return base_lr
+
+
+def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
+    world = world_size(cfg, visible_gpus)
+    t = cfg.training
+    scaling = cfg.multi_gpu.lr_scaling if cfg.multi_gpu.enabled else "none"
+    return MultiGPUSummary(world_size=world, per_gpu_batch=t.batch_size,
+                           accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
+                           lr=scaled_lr(t.learning_rate, max(world, 1), scaling), scaling=scaling,
+                           cpu=cfg.multi_gpu.enabled and cfg.general.device == "cpu")

@@ -1,0 +1,279 @@
+"""Starts training as a subprocess, follows its output and sends it commands. No Tk in here.
+
+A reader thread turns each output line into an event or a log line and puts it on a queue; the
+GUI calls `poll()` from `after(...)` on its own thread, which applies the queued items to
+`RunState`. Tests call `poll()` the same way, so the whole run cycle is tested without a display.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modules.config import TrainConfig, save_config
+from modules.config.run_paths import RunPaths
+
+from .events import LogLine, TrainingEvent, parse_line
+from .launch_command import build_command
+
+COMMANDS = ("stop", "sample", "backup", "save")
+ERROR_TAIL_LINES = 25
+
+
+@dataclass
+class RunState:
+    status: str = "idle"
+    """idle, running, stopping, finished, stopped or failed."""
+    message: str = ""
+    epoch: int = 0
+    epochs: int = 0
+    step: int = 0
+    total_steps: int = 0
+    images_per_s: float = 0.0
+    eta_s: float | None = None
+    lr: float | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    run_info: dict[str, Any] = field(default_factory=dict)
+    """The trainer's `config` event: world size, global batch, LR after scaling."""
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    backups: list[str] = field(default_factory=list)
+    output: str | None = None
+    error: str | None = None
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("running", "stopping")
+
+    @property
+    def fraction(self) -> float:
+        return min(self.step / self.total_steps, 1.0) if self.total_steps else 0.0
+
+
+@dataclass(frozen=True)
+class _Exited:
+    returncode: int
+
+
+def _exit_reason(returncode: int, log_tail: list[str]) -> str:
+    text = "\n".join(log_tail)
+    if "OutOfMemoryError" in text or "out of memory" in text.lower():
+        return (f"Training ran out of memory (exit code {returncode}). Lower training.batch_size, "
+                "turn on gradient checkpointing or use a lower resolution.")
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else "?"
+        hint = " - possibly killed by the system for lack of memory" if -returncode == 9 else ""
+        return f"Training was killed by signal {-returncode} ({name}){hint}."
+    return f"Training failed with exit code {returncode}."
+
+
+class RunController:
+    def __init__(self, python: str = sys.executable, cwd: str | Path | None = None,
+                 env: dict[str, str] | None = None, stop_timeout_s: float = 120.0, log_limit: int = 5000):
+        self.python = python
+        self.cwd = cwd
+        self.env = env
+        self.stop_timeout_s = stop_timeout_s
+        self.state = RunState()
+        self.log: deque[str] = deque(maxlen=log_limit)
+        self.log_count = 0
+        """Lines ever logged in this run; a view compares it with what it has shown."""
+        self.commands_file: Path | None = None
+        self._process: subprocess.Popen | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._stop_deadline: float | None = None
+        self._terminated = False
+
+    # --- starting --------------------------------------------------------------------------
+    def prepare(self, cfg: TrainConfig) -> Path:
+        """Write the config the run uses and clear stale commands; returns the config's path.
+
+        A `stop` left in the commands file by an earlier run would stop the new one at its first
+        step, so the file is emptied before every start.
+        """
+        paths = RunPaths(cfg)
+        base = Path(self.cwd) if self.cwd else Path.cwd()
+        commands = paths.commands_file if paths.commands_file.is_absolute() else base / paths.commands_file
+        commands.parent.mkdir(parents=True, exist_ok=True)
+        commands.write_text("", encoding="utf-8")
+        self.commands_file = commands
+        config_path = commands.parent / "gui-config.json"
+        save_config(cfg, config_path)
+        return config_path
+
+    def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None) -> list[str]:
+        """Launch training for `cfg`; `command` replaces the built command line (tests use a fake
+        trainer). Returns the command line started."""
+        if self.state.active:
+            raise RuntimeError("a training run is already active; stop it first")
+        config_path = self.prepare(cfg)
+        command = command or build_command(cfg, config_path, visible_gpus, self.python)
+        env = dict(self.env if self.env is not None else os.environ)
+        env["PYTHONUNBUFFERED"] = "1"  # event lines must arrive as they are printed
+        kwargs: dict[str, Any] = {}
+        if os.name == "nt":
+            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
+        else:
+            kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
+        self.state = RunState(status="running", message="Starting", command=list(command))
+        self.log.clear()
+        self.log_count = 0
+        self._log("$ " + subprocess.list2cmdline(command))
+        self._stop_deadline = None
+        self._terminated = False
+        self._queue = queue.Queue()
+        self._process = subprocess.Popen(command, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                         encoding="utf-8", errors="replace", bufsize=1, **kwargs)
+        threading.Thread(target=self._read, args=(self._process, self._queue), daemon=True,
+                         name="tandem-run-reader").start()
+        return command
+
+    @staticmethod
+    def _read(process: subprocess.Popen, out: queue.Queue) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            out.put(parse_line(line))
+        out.put(_Exited(process.wait()))
+
+    def _log(self, text: str) -> None:
+        self.log.append(text)
+        self.log_count += 1
+
+    def new_log_lines(self, shown: int) -> list[str]:
+        """The lines logged after the first `shown` (those that still fit in the buffer)."""
+        fresh = min(self.log_count - shown, len(self.log))
+        return list(self.log)[len(self.log) - fresh:] if fresh > 0 else []
+
+    # --- commands --------------------------------------------------------------------------
+    def send(self, command: str) -> None:
+        """Append a command line for rank 0, which reads the file every step."""
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
+        if not self.state.active or self.commands_file is None:
+            raise RuntimeError(f"no training is running to {command}")
+        with open(self.commands_file, "a", encoding="utf-8") as f:
+            f.write(command + "\n")
+
+    def stop(self) -> None:
+        """Ask every rank to stop at the same step (and back up); if the process is still there
+        after `stop_timeout_s`, `poll()` ends its whole process group."""
+        if self.state.status != "running":
+            return
+        self.send("stop")
+        self.state.status = "stopping"
+        self.state.message = "Stopping after the current step"
+        self._stop_deadline = time.monotonic() + self.stop_timeout_s
+
+    def terminate(self) -> None:
+        """End the training process group now (all ranks, launcher included)."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        self._terminated = True
+        if os.name == "nt":
+            subprocess.run(["taskkill", "/T", "/F", "/PID", str(process.pid)], capture_output=True)
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+    # --- following the run -----------------------------------------------------------------
+    def poll(self, limit: int = 2000) -> list[TrainingEvent | LogLine]:
+        """Apply what the reader thread queued (at most `limit` items) and return it."""
+        items = []
+        for _ in range(limit):
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Exited):
+                self._finish(item.returncode)
+                continue
+            items.append(item)
+            if isinstance(item, LogLine):
+                self._log(item.text)
+            else:
+                self._apply(item)
+        if (self._stop_deadline is not None and self.state.status == "stopping"
+                and time.monotonic() > self._stop_deadline):
+            self._log(f"[gui] training did not stop within {self.stop_timeout_s:g}s; ending it")
+            self._stop_deadline = None
+            self.terminate()
+        return items
+
+    def _apply(self, event: TrainingEvent) -> None:
+        s = self.state
+        if event.type == "config":
+            s.run_info = dict(event.data)
+            s.total_steps = int(event.get("total_steps", s.total_steps) or 0)
+        elif event.type == "status":
+            s.message = str(event.get("text", ""))
+        elif event.type == "progress":
+            s.epoch = int(event.get("epoch", s.epoch))
+            s.epochs = int(event.get("epochs", s.epochs))
+            s.step = int(event.get("step", s.step))
+            s.total_steps = int(event.get("total_steps", s.total_steps))
+            s.images_per_s = float(event.get("images_per_s", 0.0) or 0.0)
+            s.eta_s = event.get("eta_s")
+        elif event.type == "loss":
+            s.losses.append((int(event.get("step", len(s.losses))), float(event.get("loss"))))
+            s.lr = event.get("lr", s.lr)
+        elif event.type == "sample":
+            s.samples.append(dict(event.data))
+        elif event.type == "saved":
+            s.saved.append(str(event.get("path")))
+        elif event.type == "backup":
+            s.backups.append(str(event.get("path")))
+        elif event.type == "error":
+            rank = event.get("rank")
+            where = f" (rank {rank})" if rank is not None else ""
+            s.error = f"{event.get('text', 'unknown error')}{where}"
+        elif event.type == "done":
+            s.output = event.get("output")
+        if event.type not in ("progress", "loss"):  # those arrive every step; the view shows them
+            self._log(f"[{event.type}] " + ", ".join(f"{k}={v}" for k, v in event.data.items()))
+
+    def _finish(self, returncode: int) -> None:
+        s = self.state
+        stopping = s.status == "stopping"
+        self._stop_deadline = None
+        if returncode == 0 and s.error is None:
+            s.status = "stopped" if stopping else "finished"
+            s.message = "Stopped" if stopping else "Finished"
+            return
+        if stopping and self._terminated:
+            s.status = "stopped"
+            s.message = "Stopped (the process was ended after it did not stop in time)"
+            return
+        tail = [line for line in self.log if not line.startswith("$ ")][-ERROR_TAIL_LINES:]
+        reason = _exit_reason(returncode, tail) if returncode != 0 else "Training reported an error."
+        if s.error:
+            reason = f"{s.error}\n{reason}"
+        s.status = "failed"
+        s.message = "Failed"
+        s.error = reason + "\n\nLast log lines:\n" + "\n".join(tail)
+
+    def wait(self, timeout: float) -> bool:
+        """Poll until the run ends or `timeout` seconds pass (for scripts and tests)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            if not self.state.active:
+                return True
+            time.sleep(0.05)
+        return False

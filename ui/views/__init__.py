@@ -1,0 +1,1 @@
+"""customtkinter views: thin layers over the Tk-free controllers in `ui/`."""

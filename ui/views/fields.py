@@ -1,0 +1,166 @@
+"""Widgets bound to config fields by path, and the binder that keeps them in step.
+
+Every editable widget is created here with a field path; the binder writes the widget's value
+into the `ConfigModel` on every change, refreshes the widget when the model changes elsewhere,
+and marks the widget red with the validation message of its field.
+"""
+from __future__ import annotations
+
+import tkinter as tk
+from tkinter import filedialog
+from typing import Callable
+
+import customtkinter as ctk
+
+from ..binding import FieldError, field_doc
+from ..config_model import ConfigModel, problems_by_field
+from .tooltip import Tooltip
+
+ERROR_COLOR = "#d94040"
+
+
+class BoundField:
+    """One widget bound to one field path; subclasses choose the widget and the variable."""
+
+    def __init__(self, binder: "Binder", path: str, var: tk.Variable, widget: ctk.CTkBaseClass):
+        self.binder, self.path, self.var, self.widget = binder, path, var, widget
+        self.error_label: ctk.CTkLabel | None = None
+        self.message = ""
+        self._refreshing = False
+        self.tooltip = Tooltip(widget, field_doc(path))
+        var.trace_add("write", self._written)
+
+    def value_for_model(self):
+        return self.var.get()
+
+    def value_for_view(self):
+        return self.binder.model.get_text(self.path)
+
+    def refresh(self) -> None:
+        value = self.value_for_view()
+        if self.var.get() != value and self.path not in self.binder.type_errors:
+            self._refreshing = True
+            try:
+                self.var.set(value)
+            finally:
+                self._refreshing = False
+
+    def _written(self, *_):
+        if not self._refreshing:
+            self.binder.write(self.path, self.value_for_model())
+
+    def mark(self, messages: list[str]) -> None:
+        self.message = "\n".join(messages)
+        self.show_mark(bool(messages))
+        if self.error_label is not None:
+            self.error_label.configure(text=self.message)
+            if messages:
+                self.error_label.grid()
+            else:
+                self.error_label.grid_remove()
+
+    def show_mark(self, bad: bool) -> None:
+        pass
+
+
+class EntryField(BoundField):
+    def __init__(self, binder, path, master, width=260):
+        var = tk.StringVar(master, binder.model.get_text(path))
+        entry = ctk.CTkEntry(master, textvariable=var, width=width)
+        self._normal_border = entry.cget("border_color")
+        super().__init__(binder, path, var, entry)
+
+    def show_mark(self, bad: bool) -> None:
+        self.widget.configure(border_color=ERROR_COLOR if bad else self._normal_border)
+
+
+class SwitchField(BoundField):
+    def __init__(self, binder, path, master, text=""):
+        var = tk.BooleanVar(master, bool(binder.model.get(path)))
+        switch = ctk.CTkSwitch(master, text=text, variable=var, onvalue=True, offvalue=False)
+        super().__init__(binder, path, var, switch)
+
+    def value_for_view(self):
+        return bool(self.binder.model.get(self.path))
+
+
+class ChoiceField(BoundField):
+    def __init__(self, binder, path, master, choices, width=160):
+        var = tk.StringVar(master, binder.model.get_text(path))
+        menu = ctk.CTkOptionMenu(master, values=list(choices), variable=var, width=width)
+        super().__init__(binder, path, var, menu)
+
+    def show_mark(self, bad: bool) -> None:
+        self.widget.configure(text_color=ERROR_COLOR if bad else ctk.ThemeManager.theme["CTkOptionMenu"]["text_color"])
+
+
+class Binder:
+    """All bound widgets of the window, by field path."""
+
+    def __init__(self, model: ConfigModel):
+        self.model = model
+        self.fields: dict[str, BoundField] = {}
+        self.type_errors: dict[str, str] = {}
+        """Text typed into a field that its type rejects (the config keeps the previous value)."""
+        self.problems: dict[str, list[str]] = {}
+        self.on_change: list[Callable[[str | None], None]] = []
+        self._writing: str | None = None
+        model.subscribe(self._model_changed)
+
+    def add(self, field: BoundField) -> BoundField:
+        self.fields[field.path] = field
+        return field
+
+    def forget(self, prefix: str) -> None:
+        """Drop the fields under `prefix` (a list editor rebuilding its rows)."""
+        for path in [p for p in self.fields if p.startswith(prefix)]:
+            del self.fields[path]
+            self.type_errors.pop(path, None)
+
+    def write(self, path: str, value) -> None:
+        # The field being typed into is not refreshed from the model: "1." must not become "1.0"
+        # under the user's cursor.
+        self._writing = path
+        try:
+            self.model.set(path, value)
+        except FieldError as e:
+            self.type_errors[path] = f"{path}: {e}"
+        else:
+            self.type_errors.pop(path, None)
+        finally:
+            self._writing = None
+        self.revalidate()
+
+    def _model_changed(self, path: str | None) -> None:
+        if path is None:
+            self.type_errors.clear()
+            for field in list(self.fields.values()):
+                field.refresh()
+        elif path in self.fields and path != self._writing:
+            self.fields[path].refresh()
+        self.revalidate()
+        for listener in list(self.on_change):
+            listener(path)
+
+    def revalidate(self) -> None:
+        self.problems = problems_by_field(self.model.problems())
+        for path, message in self.type_errors.items():
+            self.problems.setdefault(path, []).insert(0, message)
+        for path, field in self.fields.items():
+            field.mark(self.problems.get(path, []))
+
+    def all_problems(self, check_paths: bool) -> list[str]:
+        """What Start must refuse: text no field accepted, then every validation problem."""
+        return list(self.type_errors.values()) + self.model.problems(check_paths=check_paths)
+
+
+def browse(var: tk.StringVar, kind: str) -> None:
+    """Fill `var` from a file or folder dialog (`kind`: "folder", "file" or "any")."""
+    if kind == "folder":
+        chosen = filedialog.askdirectory()
+    else:
+        chosen = filedialog.askopenfilename(filetypes=[("Model files", "*.safetensors *.ckpt"), ("All", "*")])
+    if kind == "any" and not chosen:
+        chosen = filedialog.askdirectory()
+    if chosen:
+        var.set(chosen)

@@ -1,0 +1,65 @@
+"""Laying out bound fields: a label with the field's tooltip, the widget, its error line."""
+from __future__ import annotations
+
+import customtkinter as ctk
+
+from modules.config.validation import CHOICES
+
+from ..binding import field_label, field_type
+from .fields import ERROR_COLOR, Binder, BoundField, ChoiceField, EntryField, SwitchField, browse
+from .tooltip import Tooltip
+
+
+def choices_for(path: str) -> tuple[str, ...] | None:
+    section, _, name = path.rpartition(".")
+    return CHOICES.get((section, name))
+
+
+class Form:
+    """A two-column grid (label | widget) on `master`, one row per field plus its error line."""
+
+    def __init__(self, master, binder: Binder, labels: dict[str, str] | None = None):
+        self.master, self.binder = master, binder
+        self.labels = labels or {}
+        self.row = 0
+        master.grid_columnconfigure(3, weight=1)  # spare width goes right of the Browse buttons
+
+    def section(self, title: str) -> ctk.CTkLabel:
+        label = ctk.CTkLabel(self.master, text=title, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
+        label.grid(row=self.row, column=0, columnspan=3, sticky="w", padx=10, pady=(14, 2))
+        self.row += 1
+        return label
+
+    def field(self, path: str, label: str | None = None, browse_kind: str | None = None,
+              width: int = 260) -> BoundField:
+        """The widget that fits the field: switch for bool, menu for a choice, else an entry."""
+        text = label or self.labels.get(path) or field_label(path)
+        choices = choices_for(path)
+        tp = field_type(path, self.binder.model.cfg)
+        if tp is bool:
+            bound = SwitchField(self.binder, path, self.master, text=text)
+            bound.widget.grid(row=self.row, column=0, columnspan=2, sticky="w", padx=10, pady=3)
+        else:
+            caption = ctk.CTkLabel(self.master, text=text, anchor="w")
+            caption.grid(row=self.row, column=0, sticky="w", padx=(10, 6), pady=3)
+            if choices:
+                bound = ChoiceField(self.binder, path, self.master, choices)
+            else:
+                bound = EntryField(self.binder, path, self.master, width=width)
+            bound.widget.grid(row=self.row, column=1, sticky="w", padx=4, pady=3)
+            Tooltip(caption, bound.tooltip.text)
+            if browse_kind:
+                ctk.CTkButton(self.master, text="Browse", width=70,
+                              command=lambda: browse(bound.var, browse_kind)).grid(row=self.row, column=2,
+                                                                                  sticky="w", padx=4)
+        self.row += 1
+        bound.error_label = ctk.CTkLabel(self.master, text="", text_color=ERROR_COLOR, anchor="w",
+                                         justify="left", wraplength=560)
+        bound.error_label.grid(row=self.row, column=0, columnspan=3, sticky="w", padx=14)
+        bound.error_label.grid_remove()
+        self.row += 1
+        return self.binder.add(bound)
+
+    def fields(self, *paths: str) -> None:
+        for path in paths:
+            self.field(path)

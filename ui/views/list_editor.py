@@ -1,0 +1,82 @@
+"""Editing a list of sections (data concepts, sample prompts): one row of bound fields per item."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import customtkinter as ctk
+
+from ..binding import field_doc, field_type, get_value
+from .fields import ERROR_COLOR, Binder, EntryField, SwitchField
+from .tooltip import Tooltip
+
+
+class ListEditor(ctk.CTkFrame):
+    """Rows for `list_path` (e.g. `data.concepts`); `columns` are (field name, header, width)."""
+
+    def __init__(self, master, binder: Binder, list_path: str, columns: list[tuple[str, str, int]],
+                 new_item: Callable[[], Any | None], add_text: str):
+        super().__init__(master, fg_color="transparent")
+        self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
+        self.rows: list[list[ctk.CTkBaseClass]] = []
+        self.header = ctk.CTkFrame(self, fg_color="transparent")
+        self.header.grid(row=0, column=0, sticky="w")
+        self.body = ctk.CTkFrame(self, fg_color="transparent")
+        self.body.grid(row=1, column=0, sticky="w")
+        self.message = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w")
+        self.message.grid(row=2, column=0, sticky="w", padx=4)
+        self.add_button = ctk.CTkButton(self, text=add_text, width=160, command=self.add)
+        self.add_button.grid(row=3, column=0, sticky="w", padx=4, pady=6)
+        item_prefix = f"{list_path}[0]"
+        for col, (name, header, width) in enumerate(columns):
+            label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
+            label.grid(row=0, column=col, padx=4, sticky="w")
+            Tooltip(label, field_doc(f"{item_prefix}.{name}"))
+        self._count = -1
+        binder.on_change.append(self._changed)
+        self.rebuild()
+
+    def items(self) -> list:
+        return get_value(self.binder.model.cfg, self.list_path)
+
+    def _changed(self, path: str | None) -> None:
+        if path is None and len(self.items()) != self._count:
+            self.rebuild()
+        self.message.configure(text="\n".join(self.binder.problems.get(self.list_path, [])))
+
+    def rebuild(self) -> None:
+        self.binder.forget(self.list_path + "[")
+        for row in self.rows:
+            for widget in row:
+                widget.destroy()
+        self.rows = []
+        for index in range(len(self.items())):
+            self.rows.append(self._row(index))
+        self._count = len(self.items())
+        self.binder.revalidate()
+
+    def _row(self, index: int) -> list[ctk.CTkBaseClass]:
+        widgets: list[ctk.CTkBaseClass] = []
+        for col, (name, _, width) in enumerate(self.columns):
+            path = f"{self.list_path}[{index}].{name}"
+            if field_type(path, self.binder.model.cfg) is bool:
+                field = SwitchField(self.binder, path, self.body, text="")
+                field.widget.configure(width=width)
+            else:
+                field = EntryField(self.binder, path, self.body, width=width)
+            field.widget.grid(row=index, column=col, padx=4, pady=2, sticky="w")
+            self.binder.add(field)
+            widgets.append(field.widget)
+        remove = ctk.CTkButton(self.body, text="Remove", width=70, fg_color="gray40",
+                               command=lambda i=index: self.remove(i))
+        remove.grid(row=index, column=len(self.columns), padx=4)
+        widgets.append(remove)
+        return widgets
+
+    def add(self, item: Any | None = None) -> None:
+        """Append `item`, or what `new_item()` makes (it may ask the user and return None)."""
+        item = item if item is not None else self.new_item()
+        if item is not None:
+            self.binder.model.replace_list(lambda cfg: get_value(cfg, self.list_path).append(item))
+
+    def remove(self, index: int) -> None:
+        self.binder.model.replace_list(lambda cfg: get_value(cfg, self.list_path).pop(index))

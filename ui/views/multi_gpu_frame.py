@@ -1,0 +1,176 @@
+"""The multi-GPU settings: GPUs to use, backend, launcher, LR scaling, and the live summary line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import threading
+import tkinter as tk
+from pathlib import Path
+
+import customtkinter as ctk
+
+from modules.config import save_config
+
+from ..gpu_info import GpuInfo
+from ..launch_command import REPO_ROOT
+from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
+                                  gpu_selection_values, selected_gpus)
+from ..multi_gpu_summary import summarize
+from .fields import Binder
+from .form import Form
+from .tooltip import Tooltip
+
+CHECK_SCRIPT = REPO_ROOT / "scripts" / "check_multi_gpu.py"
+
+
+class MultiGPUFrame(ctk.CTkFrame):
+    def __init__(self, master, binder: Binder, python: str = sys.executable):
+        super().__init__(master)
+        self.binder, self.python = binder, python
+        self.gpus: list[GpuInfo] = []
+        self._syncing = False
+        form = Form(self, binder)
+        form.section("Multi-GPU")
+        self.enable = form.field("multi_gpu.enabled", "Enable Multi-GPU")
+
+        self.gpu_box = ctk.CTkFrame(self, fg_color="transparent")
+        self.gpu_box.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10)
+        form.row += 1
+        self.all_var = tk.BooleanVar(self, True)
+        self.gpu_vars: dict[int, tk.BooleanVar] = {}
+        self.gpu_checks: list[ctk.CTkCheckBox] = []
+        self.explanation = ctk.CTkLabel(self, text="Looking for GPUs...", anchor="w", justify="left",
+                                        wraplength=560, text_color="gray60")
+        self.explanation.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10)
+        form.row += 1
+
+        cpu_label = ctk.CTkLabel(self, text="CPU processes (for trying)", anchor="w")
+        cpu_label.grid(row=form.row, column=0, sticky="w", padx=(10, 6), pady=3)
+        Tooltip(cpu_label, "Run N processes on the CPU over GLOO: the multi-GPU code path, slowly, "
+                           "without GPUs. Sets general.device to cpu and multi_gpu.num_gpus to N.")
+        self.cpu_var = tk.StringVar(self, cpu_processes(binder.model.cfg))
+        self.cpu_menu = ctk.CTkOptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
+                                          width=100, command=self._cpu_chosen)
+        self.cpu_menu.grid(row=form.row, column=1, sticky="w", padx=4)
+        form.row += 1
+
+        self.backend = form.field("multi_gpu.backend", "Backend")
+        self.data_loading = form.field("multi_gpu.distributed_data_loading", "Distributed data loading")
+        self.torchrun_var = tk.BooleanVar(self, binder.model.cfg.multi_gpu.launcher == "torchrun")
+        self.torchrun = ctk.CTkSwitch(self, text="Use torchrun (else spawn)", variable=self.torchrun_var,
+                                      command=self._launcher_chosen)
+        self.torchrun.grid(row=form.row, column=0, columnspan=2, sticky="w", padx=10, pady=3)
+        Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
+        form.row += 1
+        self.lr_scaling = form.field("multi_gpu.lr_scaling", "Scale learning rate")
+        self.port = form.field("multi_gpu.master_port", "Port (0: free port)", width=100)
+
+        self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))
+        self.summary.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10, pady=(8, 2))
+        form.row += 1
+        self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
+        self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
+        form.row += 1
+        self.check_output = ctk.CTkTextbox(self, height=140, width=620, wrap="none")
+        self.check_output.grid(row=form.row, column=0, columnspan=3, sticky="we", padx=10, pady=(0, 10))
+        self.check_output.grid_remove()
+        binder.on_change.append(lambda _path: self.sync())
+        self.detecting = True
+        self._build_checks()
+        self.sync()
+
+    # --- GPUs --------------------------------------------------------------------------------
+    def set_gpus(self, gpus: list[GpuInfo]) -> None:
+        """Show the detected GPUs (called when detection finishes)."""
+        self.detecting = False
+        self.gpus = list(gpus)
+        self._build_checks()
+        self.sync()
+
+    def _build_checks(self) -> None:
+        for check in self.gpu_checks:
+            check.destroy()
+        self.gpu_vars.clear()
+        self.gpu_checks = [ctk.CTkCheckBox(self.gpu_box, text="All GPUs", variable=self.all_var,
+                                           command=self._all_toggled)]
+        for gpu in self.gpus:
+            var = tk.BooleanVar(self, True)
+            self.gpu_vars[gpu.index] = var
+            self.gpu_checks.append(ctk.CTkCheckBox(self.gpu_box, text=gpu.label(), variable=var,
+                                                   command=self._gpu_toggled))
+        for row, check in enumerate(self.gpu_checks):
+            check.grid(row=row, column=0, sticky="w", pady=2)
+
+    def _visible(self) -> list[int]:
+        return [g.index for g in self.gpus]
+
+    def _all_toggled(self) -> None:
+        chosen = self._visible() if self.all_var.get() else self._visible()[:1]
+        self.binder.model.update(gpu_selection_values(chosen, self._visible()))
+
+    def _gpu_toggled(self) -> None:
+        chosen = [i for i, var in self.gpu_vars.items() if var.get()]
+        if not chosen:  # an empty selection is not a run; keep the last GPU ticked
+            self.sync()
+            return
+        self.binder.model.update(gpu_selection_values(chosen, self._visible()))
+
+    def _cpu_chosen(self, choice: str) -> None:
+        self.binder.model.update(cpu_process_values(choice))
+
+    def _launcher_chosen(self) -> None:
+        self.binder.write("multi_gpu.launcher", "torchrun" if self.torchrun_var.get() else "spawn")
+
+    # --- keeping the controls in step with the config ---------------------------------------
+    def sync(self) -> None:
+        cfg = self.binder.model.cfg
+        visible = self._visible()
+        chosen = selected_gpus(cfg, visible)
+        self.all_var.set(bool(visible) and sorted(chosen) == visible)
+        for index, var in self.gpu_vars.items():
+            var.set(index in chosen)
+        self.cpu_var.set(cpu_processes(cfg))
+        self.torchrun_var.set(cfg.multi_gpu.launcher == "torchrun")
+        enough = len(visible) >= 2
+        using_cpu = cpu_processes(cfg) != "off"
+        for check in self.gpu_checks:
+            check.configure(state="normal" if enough and cfg.multi_gpu.enabled and not using_cpu else "disabled")
+        if self.detecting:
+            self.explanation.configure(text="Looking for GPUs...")
+        elif not enough:
+            self.explanation.configure(text=f"{len(visible)} GPU visible: multi-GPU training needs 2 or more. "
+                                            "Choose CPU processes below to try the multi-process path.")
+        else:
+            self.explanation.configure(text="Untick GPUs to leave them out.")
+        self.summary.configure(text=summarize(cfg, len(visible)).line() if cfg.multi_gpu.enabled
+                               else "Multi-GPU off: one process. " + summarize(cfg, len(visible)).line())
+
+    # --- Check setup -------------------------------------------------------------------------
+    def check_setup(self) -> None:
+        """Run the diagnostics script on the current config and show its report here."""
+        config_file = Path(tempfile.mkdtemp(prefix="tandem-check-")) / "config.json"
+        save_config(self.binder.model.cfg, config_file)
+        command = [self.python, str(CHECK_SCRIPT), "--config-path", str(config_file)]
+        self.check_button.configure(state="disabled", text="Checking...")
+        self._show_check("$ " + subprocess.list2cmdline(command) + "\n")
+
+        def run() -> None:
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                text = result.stdout + result.stderr
+                verdict = "No problems found." if result.returncode == 0 else f"Problems found (exit code {result.returncode})."
+            except (OSError, subprocess.TimeoutExpired) as e:
+                text, verdict = str(e), "The check could not run."
+            self.after(0, lambda: self._check_done(text + "\n" + verdict))
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def _check_done(self, text: str) -> None:
+        self.check_button.configure(state="normal", text="Check setup")
+        self._show_check(self.check_output.get("1.0", "end") + text)
+
+    def _show_check(self, text: str) -> None:
+        self.check_output.grid()
+        self.check_output.delete("1.0", "end")
+        self.check_output.insert("1.0", text)

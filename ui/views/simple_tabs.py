@@ -1,0 +1,118 @@
+"""The tabs that are plain forms: General, Model, Data, Sampling, Backup & Save."""
+from __future__ import annotations
+
+from pathlib import Path
+from tkinter import filedialog
+
+import customtkinter as ctk
+
+from modules.config import ConceptConfig, SamplePromptConfig
+
+from .fields import Binder
+from .form import Form
+from .list_editor import ListEditor
+
+LABELS = {
+    "general.workspace_dir": "Workspace folder",
+    "general.cache_dir": "Cache folder",
+    "general.tensorboard": "Write TensorBoard logs",
+    "general.continue_from_backup": "Continue from the newest backup",
+    "model.base_model": "Base model",
+    "model.vae_path": "VAE (optional)",
+    "data.aspect_bucketing": "Aspect-ratio buckets",
+    "data.random_flip": "Random horizontal flip",
+    "data.random_crop": "Random crop",
+    "data.shuffle_tags": "Shuffle tags",
+    "data.keep_tags": "Keep first N tags",
+    "data.num_workers": "Loader workers",
+    "sampling.every_n_steps": "Sample every N steps",
+    "sampling.every_n_epochs": "Sample every N epochs",
+    "sampling.sample_at_start": "Sample before training",
+    "save.output_dir": "Output folder",
+    "save.save_every_n_epochs": "Save every N epochs",
+    "save.save_every_n_steps": "Save every N steps",
+    "save.backup_every_n_steps": "Backup every N steps",
+    "save.backup_every_n_epochs": "Backup every N epochs",
+    "save.rolling_backup_count": "Backups kept",
+    "save.backup_on_stop": "Backup when stopped",
+}
+
+
+def _scrolling(parent) -> ctk.CTkScrollableFrame:
+    frame = ctk.CTkScrollableFrame(parent, fg_color="transparent")
+    frame.pack(fill="both", expand=True)
+    return frame
+
+
+def build_general_tab(parent, binder: Binder) -> None:
+    form = Form(_scrolling(parent), binder, LABELS)
+    form.section("Run")
+    form.field("general.workspace_dir", browse_kind="folder")
+    form.field("general.cache_dir", browse_kind="folder")
+    form.fields("general.seed", "general.device")
+    form.section("Logging and resuming")
+    form.fields("general.tensorboard", "general.continue_from_backup")
+
+
+def build_model_tab(parent, binder: Binder) -> None:
+    form = Form(_scrolling(parent), binder, LABELS)
+    form.section("Base model")
+    form.field("model.base_model", browse_kind="any", width=380)
+    form.fields("model.model_type", "model.prediction_type")
+    form.field("model.vae_path", browse_kind="any", width=380)
+    form.section("Weight storage (frozen parts)")
+    form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
+
+
+def _ask_concept() -> ConceptConfig | None:
+    folder = filedialog.askdirectory(title="Folder of training images")
+    return ConceptConfig(path=folder, name=Path(folder).name) if folder else None
+
+
+def build_data_tab(parent, binder: Binder) -> ListEditor:
+    frame = _scrolling(parent)
+    form = Form(frame, binder, LABELS)
+    form.section("Concepts")
+    concepts = ListEditor(frame, binder, "data.concepts",
+                          [("path", "Folder", 300), ("name", "Name", 110), ("enabled", "On", 50),
+                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 70)],
+                          _ask_concept, "Add concept folder")
+    concepts.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=6)
+    form.row += 1
+    form.section("Images")
+    form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.random_flip",
+                "data.random_crop")
+    form.section("Captions")
+    form.fields("data.caption_dropout", "data.shuffle_tags", "data.keep_tags")
+    form.section("Caching and loading")
+    form.fields("data.cache_latents", "data.cache_text_embeddings", "data.num_workers",
+                "data.pin_memory", "data.prefetch_factor")
+    return concepts
+
+
+def build_sampling_tab(parent, binder: Binder) -> ListEditor:
+    frame = _scrolling(parent)
+    form = Form(frame, binder, LABELS)
+    form.section("Prompts")
+    prompts = ListEditor(frame, binder, "sampling.prompts",
+                         [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
+                          ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
+                         lambda: SamplePromptConfig(prompt=""), "Add prompt")
+    prompts.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=6)
+    form.row += 1
+    form.section("When")
+    form.fields("sampling.every_n_steps", "sampling.every_n_epochs", "sampling.sample_at_start")
+    form.section("How")
+    form.fields("sampling.inference_steps", "sampling.guidance_scale")
+    return prompts
+
+
+def build_save_tab(parent, binder: Binder) -> None:
+    form = Form(_scrolling(parent), binder, LABELS)
+    form.section("Output model")
+    form.field("save.output_dir", browse_kind="folder")
+    form.fields("save.output_name", "save.lora_format", "save.full_format", "save.save_dtype",
+                "save.ema_weights", "save.save_every_n_epochs", "save.save_every_n_steps")
+    form.section("Training-state backups")
+    form.fields("save.backup_every_n_steps", "save.backup_every_n_epochs", "save.rolling_backup_count",
+                "save.backup_on_stop")

@@ -1,0 +1,56 @@
+"""The Training tab: method, LoRA, optimizer, schedule, batch, precision, objective, multi-GPU."""
+from __future__ import annotations
+
+import sys
+
+import customtkinter as ctk
+
+from .fields import Binder
+from .form import Form
+from .multi_gpu_frame import MultiGPUFrame
+
+LABELS = {
+    "training.lora_target_modules": "LoRA target modules",
+    "training.lora_rank": "LoRA rank",
+    "training.lora_alpha": "LoRA alpha",
+    "training.lora_dropout": "LoRA dropout",
+    "training.max_steps": "Max steps (0: epochs)",
+    "training.batch_size": "Batch size per GPU",
+    "training.gradient_accumulation_steps": "Gradient accumulation",
+    "training.text_encoder_learning_rate": "Text encoder LR",
+    "training.lr_scheduler": "LR scheduler",
+    "training.lr_warmup_steps": "Warm-up steps",
+    "training.tf32": "Allow TF32",
+    "training.cudnn_benchmark": "cuDNN benchmark",
+    "training.max_grad_norm": "Clip gradient norm",
+    "training.ema": "EMA of weights",
+    "training.ema_decay": "EMA decay",
+    "training.min_snr_gamma": "Min-SNR gamma",
+    "optimizer.name": "Optimizer",
+    "optimizer.fused": "Fused AdamW (CUDA)",
+}
+
+
+def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> MultiGPUFrame:
+    frame = ctk.CTkScrollableFrame(parent, fg_color="transparent")
+    frame.pack(fill="both", expand=True)
+    form = Form(frame, binder, LABELS)
+    form.section("Method")
+    form.fields("training.method", "training.lora_rank", "training.lora_alpha", "training.lora_dropout")
+    form.field("training.lora_target_modules", width=380)
+    form.field("training.train_text_encoder")
+    form.section("Optimizer")
+    form.fields("optimizer.name", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2",
+                "optimizer.eps", "optimizer.momentum", "optimizer.fused")
+    form.section("Schedule")
+    form.fields("training.learning_rate", "training.text_encoder_learning_rate", "training.lr_scheduler",
+                "training.lr_warmup_steps", "training.epochs", "training.max_steps")
+    form.section("Batch and precision")
+    form.fields("training.batch_size", "training.gradient_accumulation_steps", "training.precision",
+                "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark")
+    form.section("Objective and stability")
+    form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
+                "training.offset_noise")
+    multi_gpu = MultiGPUFrame(frame, binder, python)
+    multi_gpu.grid(row=form.row, column=0, columnspan=3, sticky="we", padx=6, pady=12)
+    return multi_gpu
