@@ -1,0 +1,93 @@
+"""Command-line entry points behind scripts/train.py and scripts/train_multi_gpu.py."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from modules.config import ConfigError, apply_overrides, load_config
+
+log = logging.getLogger("tandem")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-path", "--config", dest="config_path", required=True,
+                   help="training config JSON, or a preset name such as '#demo'")
+    p.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config field, e.g. training.learning_rate=1e-4 (repeatable)")
+
+
+def _load(args, extra_overrides: list[str]) -> "TrainConfig":  # noqa: F821
+    return load_config(args.config_path, [*args.config_value, *extra_overrides])
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """scripts/train.py: one process, or one worker when started by torchrun."""
+    p = argparse.ArgumentParser(description="Train with a Tandem config (single process; under torchrun one worker).")
+    _add_config_args(p)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override general.device")
+    args = p.parse_args(argv)
+    from modules.distributed.launch import run_single, run_worker, setup_logging, under_torchrun
+
+    setup_logging()
+    try:
+        cfg = _load(args, [f"general.device={args.device}"] if args.device else [])
+    except ConfigError as e:
+        return _fail(str(e))
+    if under_torchrun():
+        import torch
+        from modules.config import config_to_dict
+        device_type = "cpu" if cfg.general.device == "cpu" or not torch.cuda.is_available() else "cuda"
+        run_worker(config_to_dict(cfg), device_type)
+        return 0
+    if cfg.multi_gpu.enabled:
+        log.info("Note: multi_gpu.enabled is set, but scripts/train.py trains in one process. "
+                 "Use scripts/train_multi_gpu.py or start-multi-gpu.sh for several GPUs.")
+    return run_single(cfg)
+
+
+def train_multi_gpu_main(argv: list[str] | None = None) -> int:
+    """scripts/train_multi_gpu.py: start N workers (torchrun or spawn); flags override the config."""
+    p = argparse.ArgumentParser(description="Train on several GPUs (or CPU processes) with a Tandem config.")
+    _add_config_args(p)
+    p.add_argument("--num-gpus", type=int, help="number of GPUs / processes (0 = all visible GPUs)")
+    p.add_argument("--spawn", action="store_true", help="use torch.multiprocessing.spawn instead of torchrun")
+    p.add_argument("--port", type=int, help="rendezvous port (0 = pick a free one)")
+    p.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="communication backend")
+    p.add_argument("--distributed-data-loading", action=argparse.BooleanOptionalAction, default=None,
+                   help="each rank caches and loads only its share of the data")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="cpu = N CPU processes over gloo, for trying things")
+    args = p.parse_args(argv)
+    from modules.distributed.launch import LaunchError, launch, run_single, setup_logging
+
+    setup_logging()
+    flags = ["multi_gpu.enabled=true"]
+    if args.num_gpus is not None:
+        flags.append(f"multi_gpu.num_gpus={args.num_gpus}")
+    if args.spawn:
+        flags.append("multi_gpu.launcher=spawn")
+    if args.port is not None:
+        flags.append(f"multi_gpu.master_port={args.port}")
+    if args.distributed_backend:
+        flags.append(f"multi_gpu.backend={args.distributed_backend}")
+    if args.distributed_data_loading is not None:
+        flags.append(f"multi_gpu.distributed_data_loading={str(args.distributed_data_loading).lower()}")
+    if args.device:
+        flags.append(f"general.device={args.device}")
+    try:
+        cfg = _load(args, flags)
+    except ConfigError as e:
+        return _fail(str(e))
+    if os.environ.get("TANDEM_FORCE_SINGLE_GPU") == "1":
+        log.info("TANDEM_FORCE_SINGLE_GPU=1: training in a single process.")
+        return run_single(cfg)
+    try:
+        return launch(cfg)
+    except LaunchError as e:
+        return _fail(str(e))

@@ -1,0 +1,102 @@
+"""Every torch.distributed helper the rest of the code uses.
+
+Each helper is a no-op (or the obvious single-process answer) when no process group exists, so the
+training loop calls them unconditionally and the single-GPU path is the multi-GPU path with N = 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", rank())) if is_distributed() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. builds a shared file); the others run it after, reusing it."""
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()
+
+
+def _comm_device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over ranks in one collective (one sync point for all of them)."""
+    if not is_distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_mean(value: float) -> float:
+    return all_reduce_sum([value])[0] / world_size()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any] | None:
+    """Every rank's `obj` on rank 0 (list indexed by rank); None on the other ranks."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size() if is_main() else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+@torch.no_grad()
+def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank hold rank `src`'s trainable weights (randomly initialised LoRA weights differ otherwise)."""
+    if not is_distributed():
+        return
+    device = _comm_device()
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        buf = p.data.to(device)
+        dist.broadcast(buf, src=src)
+        if buf.data_ptr() != p.data.data_ptr():
+            p.data.copy_(buf)

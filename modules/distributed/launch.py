@@ -1,0 +1,237 @@
+"""Starting training: one process, or N workers through torchrun or torch.multiprocessing.spawn.
+
+Both multi-process paths end in `run_worker`, which reads the standard torchrun variables
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a user's own
+`torchrun --nproc_per_node=N scripts/train.py --config-path X.json` works exactly like ours.
+Every check that can fail is done here, before any worker starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
+from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend
+
+log = logging.getLogger("tandem")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(RuntimeError):
+    """A problem found before any worker started; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    world_size: int
+    device_type: str  # "cuda" or "cpu"
+    backend: str
+    launcher: str
+    master_addr: str
+    master_port: int
+    visible_devices: str | None  # CUDA_VISIBLE_DEVICES for the workers, None = leave as is
+
+    def describe(self) -> str:
+        gpus = f"GPUs {self.visible_devices}" if self.visible_devices else f"{self.world_size} {self.device_type} process(es)"
+        return (f"{self.world_size} worker(s) via {self.launcher}, backend {self.backend}, {gpus}, "
+                f"rendezvous {self.master_addr}:{self.master_port}")
+
+
+def setup_logging() -> None:
+    """Rank 0 logs INFO to stdout; other ranks only warnings and errors, tagged with their rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    logger = logging.getLogger("tandem")
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+# ---------------------------------------------------------------------------- planning
+def plan_launch(cfg: TrainConfig) -> LaunchPlan:
+    m = cfg.multi_gpu
+    device_type = "cpu" if cfg.general.device == "cpu" else "cuda"
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise LaunchError("multi-GPU training needs CUDA GPUs, but torch sees none. Use --device cpu to try it "
+                              "with CPU processes, or check the driver and CUDA_VISIBLE_DEVICES.")
+        indexes = [int(i) for i in m.device_indexes.split(",") if i.strip()] if m.device_indexes else []
+        if len(set(indexes)) != len(indexes):
+            raise LaunchError(f"multi_gpu.device_indexes {m.device_indexes!r} lists a GPU twice.")
+        bad = [i for i in indexes if i >= visible]
+        if bad:
+            raise LaunchError(f"multi_gpu.device_indexes names GPU(s) {bad}, but only {visible} are visible "
+                              f"(0..{visible - 1}).")
+        if not indexes:
+            count = m.num_gpus or visible
+            if count > visible:
+                raise LaunchError(f"multi_gpu.num_gpus is {count}, but only {visible} GPU(s) are visible. "
+                                  f"Set --num-gpus {visible} or fewer (0 = all).")
+            indexes = list(range(count))
+        elif m.num_gpus and m.num_gpus != len(indexes):
+            raise LaunchError(f"multi_gpu.num_gpus is {m.num_gpus} but device_indexes lists {len(indexes)} GPUs; "
+                              "set num_gpus to 0 or make them agree.")
+        world = len(indexes)
+        parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if parent_visible:  # indexes are relative to what the user already made visible
+            physical = [s.strip() for s in parent_visible.split(",")]
+            visible_devices = ",".join(physical[i] for i in indexes)
+        else:
+            visible_devices = ",".join(str(i) for i in indexes)
+    else:
+        world = m.num_gpus or 2
+        visible_devices = None
+    try:
+        backend = resolve_backend(m.backend, device_type)
+    except RuntimeError as e:
+        raise LaunchError(str(e)) from None
+    addr = os.environ.get("MASTER_ADDR", m.master_addr)
+    port = int(os.environ.get("MASTER_PORT", m.master_port or 0))
+    if port == 0:
+        port = find_free_port(addr)
+    elif not port_is_free(port, addr):
+        raise LaunchError(f"multi_gpu.master_port {port} is in use on {addr} (another training still running?). "
+                          "Pick another with --port, or 0 to choose a free one.")
+    return LaunchPlan(world, device_type, backend, m.launcher, addr, port, visible_devices)
+
+
+def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
+    """Fail before starting workers when the data cannot fill one global batch per step."""
+    from modules.data import BucketBatchSampler, build_dataset
+    from modules.trainer.run_numbers import derive_run_numbers
+
+    dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
+    try:
+        sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=world_size, rank=0,
+                                     seed=cfg.general.seed)
+        derive_run_numbers(cfg, world_size, len(sampler))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- workers
+def run_worker(cfg_data: dict, device_type: str) -> None:
+    """Body of every worker process (torchrun or spawn): build the trainer and run it."""
+    from modules.distributed.distributed_trainer import DistributedTrainer
+    from modules.trainer.callbacks import TrainingCallbacks, default_callbacks
+    from modules.trainer.commands import CommandInbox
+
+    setup_logging()
+    cfg = config_from_dict(cfg_data)
+    rank = int(os.environ["RANK"])
+    inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None)
+    inbox.install_signal_handlers()
+    callbacks = default_callbacks() if rank == 0 else TrainingCallbacks()
+    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=device_type)
+    try:
+        trainer.run()
+    except BaseException as e:
+        # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
+        log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
+        if rank == 0:
+            callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
+        raise
+
+
+def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
+                      LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
+                      MASTER_PORT=str(plan.master_port))
+    run_worker(cfg_data, plan.device_type)
+
+
+def _worker_env(plan: LaunchPlan) -> dict:
+    env = dict(os.environ)
+    if plan.visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
+    if platform.system() == "Windows":
+        env.setdefault("USE_LIBUV", "0")  # torch's Windows wheels have no libuv TCPStore
+    # Our CPU workers each get a share of the cores instead of all of them fighting over every core.
+    if plan.device_type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // plan.world_size)))
+    return env
+
+
+def launch_spawn(cfg: TrainConfig, plan: LaunchPlan) -> int:
+    import torch.multiprocessing as mp
+
+    env = _worker_env(plan)
+    os.environ.update({k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS")})
+    # Children handle Ctrl-C themselves (stop at the same step, back up); the parent just waits for them.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan), nprocs=plan.world_size, join=True)
+    except mp.ProcessRaisedException as e:
+        log.error("Training failed in a worker:\n%s", e)
+        return 1
+    except mp.ProcessExitedException as e:
+        log.error("Training failed: worker rank %s exited with code %s; the other workers were stopped.",
+                  e.error_index, e.exit_code)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan) -> int:
+    config_file = RunPaths(cfg).workspace / ".tandem" / "launch-config.json"
+    save_config(cfg, config_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
+           f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}", "--max_restarts=0",
+           str(REPO_ROOT / "scripts" / "train.py"), "--config-path", str(config_file)]
+    log.info("Running: %s", " ".join(cmd))
+    env = _worker_env(plan)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # torchrun forwards the signal to the workers; wait for their clean stop
+        code = proc.wait()
+    if code != 0:
+        log.error("Training failed (torchrun exit code %d); the failing rank is named above.", code)
+    return code
+
+
+def launch(cfg: TrainConfig, check_data: bool = True) -> int:
+    """Start a multi-process run as configured; returns the exit code."""
+    plan = plan_launch(cfg)
+    if check_data:
+        check_data_fits(cfg, plan.world_size)
+    log.info("Tandem multi-GPU: %s", plan.describe())
+    if plan.launcher == "spawn":
+        return launch_spawn(cfg, plan)
+    return launch_torchrun(cfg, plan)
+
+
+def run_single(cfg: TrainConfig) -> int:
+    """One process, no process group."""
+    from modules.trainer.callbacks import default_callbacks
+    from modules.trainer.commands import CommandInbox
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    setup_logging()
+    inbox = CommandInbox(RunPaths(cfg).commands_file)
+    inbox.install_signal_handlers()
+    callbacks = default_callbacks()
+    try:
+        GenericTrainer(cfg, callbacks, inbox).run()
+    except Exception as e:
+        callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=0)
+        raise
+    return 0
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ

@@ -1,0 +1,63 @@
+"""Process-group set-up and tear-down for one worker process."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import socket
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tandem")
+
+
+def resolve_backend(requested: str, device_type: str) -> str:
+    """auto = NCCL for CUDA on Linux, gloo otherwise (CPU processes, Windows, macOS)."""
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" and platform.system() == "Linux" else "gloo"
+    if requested == "nccl" and device_type != "cuda":
+        raise RuntimeError("multi_gpu.backend is 'nccl' but this run has no CUDA GPU: use 'gloo' or 'auto'.")
+    return requested
+
+
+def find_free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch.device:
+    """Join the process group described by the standard torchrun variables and pick this rank's device."""
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible "
+                               "(check CUDA_VISIBLE_DEVICES and multi_gpu.num_gpus).")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = resolve_backend(backend, device_type)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    return device
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

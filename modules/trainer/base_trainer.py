@@ -1,0 +1,358 @@
+"""The training loop, written once for one process and for N.
+
+`start()` builds everything, `train()` runs epochs of optimizer steps, `end()` saves and reports.
+Every step is a small method; `DistributedTrainer` overrides only what distribution changes (process
+group, DDP wrapping, gradient-sync skipping, LR scaling), while the helpers in
+`modules.distributed.dist_utils` are no-ops in a single process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from modules.config import RunPaths, TrainConfig, config_to_dict, save_config
+from modules.distributed import dist_utils as du
+from modules.trainer import backup as backups
+from modules.trainer.callbacks import TrainingCallbacks
+from modules.trainer.commands import COMMANDS, CommandInbox
+from modules.trainer.ema import EMA
+from modules.trainer.objective import diffusion_loss, draw_noise, training_target
+from modules.trainer.optim import build_optimizer, build_scheduler
+from modules.trainer.outputs import OutputWriter
+from modules.trainer.progress import ProgressReporter
+from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
+from modules.trainer.training_model import TrainingModel
+from modules.util.rng import rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger("tandem")
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class BaseTrainer(ABC):
+    def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
+                 inbox: CommandInbox | None = None) -> None:
+        self.cfg = cfg
+        self.paths = RunPaths(cfg)
+        self.callbacks = callbacks or TrainingCallbacks()
+        self.inbox = inbox
+        self.global_step = 0
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.stop_requested = False
+        self.completed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.setup_environment()
+        self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
+        self.bundle = self.create_model()
+        self.trainable = self.prepare_trainable()
+        self.fill_cache()
+        self.sampler, self.loader = self.create_loader()
+        self.numbers = self.compute_numbers()
+        self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
+        self.optimizer, self.lr_schedule = self.create_optimizer()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
+        self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
+        self.outputs = OutputWriter(self)
+        self.maybe_resume()
+        self.announce()
+        self.progress = ProgressReporter(self)
+
+    def train(self) -> None:
+        while self.global_step < self.numbers.total_steps and not self.stop_requested:
+            self.run_epoch()
+        self.completed = self.global_step >= self.numbers.total_steps
+
+    def end(self) -> None:
+        if self.completed:
+            self.outputs.save_final()
+        elif self.cfg.save.backup_on_stop and self.global_step > 0:
+            self.outputs.backup()
+        self.progress.close()
+        self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
+                  step=self.global_step, completed=self.completed)
+        du.barrier()
+
+    def run(self) -> None:
+        """start, train, end - with the environment torn down whatever happens."""
+        try:
+            self.start()
+            self.train()
+            self.end()
+        finally:
+            self.teardown()
+
+    # ------------------------------------------------------------------ set-up steps
+    @abstractmethod
+    def setup_environment(self) -> None:
+        """Choose `self.device`, set up processes/seeds/backends."""
+
+    def teardown(self) -> None:
+        """Release what `setup_environment` acquired."""
+
+    def seed_this_process(self) -> None:
+        # Augmentation and dropout differ per rank; noise and timesteps are keyed per global batch
+        # (objective.draw_noise), so results do not depend on the number of ranks.
+        seed_everything(self.cfg.general.seed * du.world_size() + du.rank())
+
+    def configure_backends(self) -> None:
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.cfg.training.tf32
+            torch.backends.cudnn.allow_tf32 = self.cfg.training.tf32
+            torch.backends.cudnn.benchmark = self.cfg.training.cudnn_benchmark
+
+    def create_dataset(self):
+        from modules.data import build_dataset
+        return build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
+
+    def create_model(self):
+        from modules.model import load_model
+        with du.main_first():  # rank 0 builds shared files (demo model) first; the others reuse them
+            return load_model(self.cfg.model, self.device, self.cfg.training)
+
+    def prepare_trainable(self) -> list[torch.nn.Parameter]:
+        """Choose what trains (LoRA adapters or the whole UNet) and move the model to the device."""
+        t = self.cfg.training
+        bundle = self.bundle
+        for m in [bundle.unet, bundle.vae, *bundle.text_encoders]:
+            m.requires_grad_(False)
+        if t.method == "lora":
+            from modules.model import add_lora
+            params = add_lora(bundle, t)
+        else:
+            bundle.unet.requires_grad_(True)
+            bundle.unet.to(torch.float32)  # full fine-tune keeps fp32 master weights; autocast does the rest
+            params = [p for p in bundle.unet.parameters()]
+            if t.train_text_encoder:
+                for te in bundle.text_encoders:
+                    te.requires_grad_(True)
+                    te.to(torch.float32)
+                    params += list(te.parameters())
+        if t.gradient_checkpointing:
+            bundle.unet.enable_gradient_checkpointing()
+        bundle.to(self.device)
+        bundle.unet.train()
+        for te in bundle.text_encoders:
+            te.train(t.train_text_encoder)
+        return params
+
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.trainable if p.requires_grad]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of every trained weight (what a backup stores)."""
+        wanted = {id(p) for p in self.trainable_params()}
+        modules = {"unet": self.bundle.unet, **{f"text_encoder_{i}": te for i, te in enumerate(self.bundle.text_encoders)}}
+        return {f"{prefix}.{name}": p for prefix, m in modules.items()
+                for name, p in m.named_parameters() if id(p) in wanted}
+
+    def cache_text(self) -> bool:
+        from modules.data import text_cache_allowed
+        return text_cache_allowed(self.cfg.data, self.cfg.training.train_text_encoder)
+
+    def fill_cache(self) -> None:
+        """Encode latents (and text) once. Each rank encodes its share, then all read the whole cache."""
+        if not (self.cfg.data.cache_latents or self.cache_text()):
+            return
+        share_work = self.cfg.multi_gpu.distributed_data_loading
+        with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
+            self.dataset.cache(self.bundle.encode_images, self.bundle.encode_text, self.bundle.fingerprint(),
+                               rank=du.rank() if share_work else 0,
+                               world_size=du.world_size() if share_work else 1,
+                               cache_text=self.cache_text())
+        du.barrier()
+
+    def create_loader(self):
+        from modules.data import BucketBatchSampler, make_dataloader
+        sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
+                                     world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed)
+        loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
+        return sampler, loader
+
+    def compute_numbers(self) -> RunNumbers:
+        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler))
+
+    def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
+        return model
+
+    def create_optimizer(self):
+        t = self.cfg.training
+        factor = self.numbers.lr_factor()
+        unet_ids = {id(p) for p in self.bundle.unet.parameters()}
+        unet_params = [p for p in self.trainable_params() if id(p) in unet_ids]
+        te_params = [p for p in self.trainable_params() if id(p) not in unet_ids]
+        groups = [{"params": unet_params, "lr": t.learning_rate * factor}]
+        if te_params:
+            groups.append({"params": te_params, "lr": (t.text_encoder_learning_rate or t.learning_rate) * factor})
+        optimizer = build_optimizer(groups, self.cfg.optimizer, self.device)
+        return optimizer, build_scheduler(optimizer, t, self.numbers.total_steps)
+
+    def announce(self) -> None:
+        log.info("Tandem: %s", self.numbers.describe())
+        self.emit("config", **self.numbers.as_dict())
+        if du.is_main():
+            save_config(self.cfg, self.paths.config_copy)
+
+    # ------------------------------------------------------------------ the loop
+    def run_epoch(self) -> None:
+        self.sampler.set_epoch(self.epoch)  # keeps a resumed position within the same epoch
+        accumulation = self.numbers.accumulation
+        batches = iter(self.loader)
+        while self.sampler.batches_remaining() >= accumulation:
+            loss = self.optimizer_step([next(batches) for _ in range(accumulation)])
+            # Told after training, not when handed out: prefetching workers run ahead of the trained position.
+            self.sampler.mark_consumed(accumulation)
+            self.global_step += 1
+            self.step_in_epoch += 1
+            self.after_step(loss)
+            if self.stop_requested or self.global_step >= self.numbers.total_steps:
+                return
+        self.epoch += 1
+        self.step_in_epoch = 0
+        self.after_epoch()
+
+    def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            with self.gradient_sync(i == len(micro_batches) - 1):
+                loss = self.compute_loss(batch, micro=i)
+                self.scaler.scale(loss / len(micro_batches)).backward()
+            total += loss.detach()
+        self.apply_gradients()
+        return total / len(micro_batches)
+
+    def gradient_sync(self, last_micro_batch: bool):
+        """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""
+        return contextlib.nullcontext()
+
+    def compute_loss(self, batch: dict, micro: int) -> torch.Tensor:
+        bundle, dev = self.bundle, self.device
+        if "latents" in batch:
+            latents = batch["latents"].to(dev, non_blocking=True).float()
+        else:
+            with torch.no_grad():
+                latents = bundle.encode_images(batch["pixels"].to(dev, non_blocking=True)).float()
+        text = batch.get("text")
+        if text is not None:
+            text = {k: v.to(dev, non_blocking=True) for k, v in text.items()}
+        scheduler = bundle.noise_scheduler
+        draw = draw_noise(tuple(latents.shape), scheduler.config.num_train_timesteps, self.cfg.general.seed,
+                          self.global_step, micro, du.rank(), du.world_size(), dev, self.cfg.training.offset_noise)
+        noisy = scheduler.add_noise(latents, draw.noise, draw.timesteps)
+        target = training_target(scheduler, latents, draw.noise, draw.timesteps, bundle.prediction_type)
+        with self.autocast():
+            pred = self.model(noisy, draw.timesteps, text, batch.get("captions"),
+                              batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
+        return diffusion_loss(pred, target, scheduler, draw.timesteps, bundle.prediction_type,
+                              self.cfg.training.min_snr_gamma)
+
+    def autocast(self):
+        dtype = AUTOCAST_DTYPES.get(self.cfg.training.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def apply_gradients(self) -> None:
+        params = self.trainable_params()
+        if self.cfg.training.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_schedule.step()
+        if self.ema is not None:
+            self.ema.update()
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        loss_mean, commands = self.exchange_step_info(loss)
+        self.progress.step(loss_mean, self.optimizer.param_groups[0]["lr"])
+        if "stop" in commands:
+            log.info("Stop requested: stopping at step %d", self.global_step)
+            self.stop_requested = True
+        s = self.cfg.save
+        due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
+        if "sample" in commands or due(self.cfg.sampling.every_n_steps):
+            self.outputs.sample()
+        if "backup" in commands or due(s.backup_every_n_steps):
+            self.outputs.backup()
+        if "save" in commands or due(s.save_every_n_steps):
+            self.outputs.save_intermediate()
+
+    def exchange_step_info(self, loss: torch.Tensor) -> tuple[float, set[str]]:
+        """Mean loss over ranks and the union of the commands every rank saw, in one collective.
+
+        Rank 0 reads the commands file; any rank may have caught a signal. Merging them means every
+        rank stops, samples or saves at the same step.
+        """
+        seen = set()
+        if self.inbox is not None:
+            if du.is_main():
+                self.inbox.poll()
+            seen = self.inbox.take()
+        values = du.all_reduce_sum([loss.item(), *(float(c in seen) for c in COMMANDS)])
+        return values[0] / du.world_size(), {c for c, v in zip(COMMANDS, values[1:]) if v > 0}
+
+    def after_epoch(self) -> None:
+        if self.global_step >= self.numbers.total_steps:
+            return  # the end-of-training save covers the last epoch
+        every = lambda n: n > 0 and self.epoch % n == 0  # noqa: E731
+        if every(self.cfg.sampling.every_n_epochs):
+            self.outputs.sample()
+        if every(self.cfg.save.backup_every_n_epochs):
+            self.outputs.backup()
+        if every(self.cfg.save.save_every_n_epochs):
+            self.outputs.save_intermediate()
+
+    # ------------------------------------------------------------------ state
+    def training_state(self) -> dict:
+        return {
+            "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+            "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
+            "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
+            "sampler": self.sampler.state_dict(), "rng": du.gather_objects(rng_state()),
+            "world_size": du.world_size(),
+        }
+
+    def maybe_resume(self) -> None:
+        backups.remove_interrupted(self.paths.backups) if du.is_main() else None
+        if not self.cfg.general.continue_from_backup:
+            return
+        path = backups.latest_backup(self.paths.backups)
+        if path is None:
+            raise FileNotFoundError(f"general.continue_from_backup is on, but {self.paths.backups} holds no "
+                                    "complete backup. Turn the option off to start fresh.")
+        weights, state, manifest = backups.read_backup(path)
+        self.load_training_state(weights, state)
+        log.info("Continuing from %s (step %d, epoch %d)", path, self.global_step, self.epoch + 1)
+
+    def load_training_state(self, weights: dict, state: dict) -> None:
+        own = self.trainable_state()
+        missing = sorted(set(own) - set(weights))
+        if missing:
+            raise ValueError(f"the backup does not match this model/training method (missing {missing[:3]}...); "
+                             "start fresh or use the config the backup was made with.")
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(weights[name].to(p.dtype))
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.step_in_epoch = state["step_in_epoch"]
+        self.sampler.load_state_dict(state["sampler"])  # regroups the epoch's rest if the global batch changed
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        rngs = state["rng"]
+        if du.rank() < len(rngs):
+            set_rng_state(rngs[du.rank()])
+
+    def emit(self, type_: str, **fields) -> None:
+        if du.is_main():
+            self.callbacks.on_event(type_, **fields)

@@ -1,0 +1,71 @@
+"""Commands sent to a running training from outside: stop, sample, backup, save.
+
+They arrive as lines appended to the commands file (the GUI writes them; a user can too:
+`echo stop >> workspace/run/.tandem/commands`) or, for stop, as SIGINT/SIGTERM. Each rank collects
+what it saw; the trainer then merges the flags over all ranks so every rank acts on the same step.
+"""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+COMMANDS = ("stop", "sample", "backup", "save")
+
+
+class CommandInbox:
+    """Pending command flags of this process."""
+
+    def __init__(self, commands_file: Path | None = None) -> None:
+        self.commands_file = Path(commands_file) if commands_file else None
+        self._offset = 0
+        self.pending: set[str] = set()
+        if self.commands_file is not None:
+            self.commands_file.parent.mkdir(parents=True, exist_ok=True)
+            # Commands written before this run started belong to an earlier run.
+            self._offset = self.commands_file.stat().st_size if self.commands_file.exists() else 0
+
+    def request(self, command: str) -> None:
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+        self.pending.add(command)
+
+    def poll(self) -> None:
+        """Read lines appended to the commands file since the last poll (a stat call when nothing is new)."""
+        if self.commands_file is None or not self.commands_file.exists():
+            return
+        size = self.commands_file.stat().st_size
+        if size <= self._offset:
+            return
+        with open(self.commands_file, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        # Only consume complete lines; a half-written line is read next time.
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for raw in data[:end].decode("utf-8", "replace").splitlines():
+            word = raw.strip().lower()
+            if word in COMMANDS:
+                self.pending.add(word)
+
+    def take(self) -> set[str]:
+        taken, self.pending = self.pending, set()
+        return taken
+
+    def install_signal_handlers(self) -> None:
+        """Ctrl-C / SIGTERM ask for a clean stop (with a backup) instead of killing mid-step."""
+        def handler(signum, frame):
+            if "stop" in self.pending:  # a second Ctrl-C means: really quit now
+                raise KeyboardInterrupt
+            self.pending.add("stop")
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def write_command(commands_file: Path, command: str) -> None:
+    """Append one command line (used by the GUI and tests)."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+    commands_file = Path(commands_file)
+    commands_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(commands_file, "a", encoding="utf-8") as f:
+        f.write(command + "\n")

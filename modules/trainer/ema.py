@@ -1,0 +1,39 @@
+"""Exponential moving average of the trained weights."""
+from __future__ import annotations
+
+import torch
+
+
+class EMA:
+    def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
+        self.params = params
+        self.decay = decay
+        self.shadow = [p.detach().clone().float() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "shadow": [t.cpu() for t in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = state["decay"]
+        self.shadow = [t.to(p.device) for t, p in zip(state["shadow"], self.params)]
+
+    @torch.no_grad()
+    def swapped_in(self):
+        """Context manager: the model holds the EMA weights inside the block (for saving/sampling)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            backup = [p.detach().clone() for p in self.params]
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s.to(p.dtype))
+            try:
+                yield
+            finally:
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+        return ctx()

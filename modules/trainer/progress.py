@@ -1,0 +1,70 @@
+"""Progress, loss and throughput reporting: tqdm in a terminal, events for the GUI, TensorBoard."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from modules.distributed import dist_utils as du
+
+log = logging.getLogger("tandem")
+
+
+class ProgressReporter:
+    def __init__(self, trainer) -> None:
+        self.t = trainer
+        self.main = du.is_main()
+        self.start_step = trainer.global_step
+        self.start_time = time.perf_counter()
+        self.last_time = self.start_time
+        self.last_log = 0.0
+        self.images_per_s = 0.0
+        self.bar = None
+        self.writer = None
+        if self.main:
+            if sys.stderr.isatty():
+                from tqdm import tqdm
+                self.bar = tqdm(total=trainer.numbers.total_steps, initial=trainer.global_step, unit="step",
+                                dynamic_ncols=True)
+            if trainer.cfg.general.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(str(trainer.paths.tensorboard))
+
+    def step(self, loss_mean: float, lr: float) -> None:
+        t = self.t
+        now = time.perf_counter()
+        dt = now - self.last_time
+        self.last_time = now
+        current = t.numbers.global_batch / dt if dt > 0 else 0.0
+        # Smoothed so that the GUI's number does not jump with every step; the first step (warm-up) is skipped.
+        self.images_per_s = current if self.images_per_s == 0 else 0.9 * self.images_per_s + 0.1 * current
+        if not self.main:
+            return
+        left = t.numbers.total_steps - t.global_step
+        eta = left * t.numbers.global_batch / self.images_per_s if self.images_per_s > 0 else None
+        t.emit("loss", step=t.global_step, loss=loss_mean, lr=lr)
+        t.emit("progress", epoch=t.epoch + 1, epochs=t.numbers.epochs, step=t.global_step,
+               total_steps=t.numbers.total_steps, images_per_s=round(self.images_per_s, 3),
+               eta_s=round(eta, 1) if eta is not None else None)
+        if self.writer is not None:
+            self.writer.add_scalar("loss", loss_mean, t.global_step)
+            self.writer.add_scalar("lr", lr, t.global_step)
+            self.writer.add_scalar("images_per_s", self.images_per_s, t.global_step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss_mean:.4f}", img_s=f"{self.images_per_s:.1f}", epoch=t.epoch + 1)
+        elif now - self.last_log > 10 or t.global_step == t.numbers.total_steps:
+            self.last_log = now
+            log.info("step %d/%d epoch %d loss %.4f %.2f img/s", t.global_step, t.numbers.total_steps,
+                     t.epoch + 1, loss_mean, self.images_per_s)
+
+    def log_image(self, tag: str, image, step: int) -> None:
+        if self.writer is not None:
+            import numpy as np
+            self.writer.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

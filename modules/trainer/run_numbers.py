@@ -1,0 +1,69 @@
+"""The derived numbers of a run (global batch, steps, scaled LR), computed once and printed at start."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from modules.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class RunNumbers:
+    world_size: int
+    per_gpu_batch: int
+    accumulation: int
+    global_batch: int
+    micro_batches_per_epoch: int
+    steps_per_epoch: int
+    epochs: int
+    total_steps: int
+    base_lr: float
+    lr_scaling: str
+    lr: float
+
+    def lr_factor(self) -> float:
+        return self.lr / self.base_lr
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        scale = "" if self.lr_scaling == "none" else f" ({self.lr_scaling} scaling x{self.lr_factor():.3g})"
+        return (f"world size {self.world_size} | per-GPU batch {self.per_gpu_batch} x accumulation "
+                f"{self.accumulation} x {self.world_size} = global batch {self.global_batch} | "
+                f"{self.steps_per_epoch} steps/epoch x {self.epochs} epochs = {self.total_steps} steps | "
+                f"LR {self.base_lr:g} -> {self.lr:g}{scale}")
+
+
+def lr_scale_factor(mode: str, world_size: int) -> float:
+    if mode == "linear":
+        return float(world_size)
+    if mode == "sqrt":
+        return math.sqrt(world_size)
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"multi_gpu.lr_scaling: unknown mode {mode!r}; use none, linear or sqrt")
+
+
+def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int) -> RunNumbers:
+    """`micro_batches_per_epoch` counts global micro-batches (each = per-GPU batch x world size)."""
+    t = cfg.training
+    accumulation = t.gradient_accumulation_steps
+    steps_per_epoch = micro_batches_per_epoch // accumulation
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"the data gives {micro_batches_per_epoch} batch(es) of {t.batch_size * world_size} images per epoch, "
+            f"fewer than training.gradient_accumulation_steps={accumulation}: lower the accumulation or the batch "
+            f"size, use fewer GPUs, or add images/repeats.")
+    if t.max_steps > 0:
+        total = t.max_steps
+        epochs = math.ceil(total / steps_per_epoch)
+    else:
+        epochs = t.epochs
+        total = steps_per_epoch * epochs
+    scaling = cfg.multi_gpu.lr_scaling
+    return RunNumbers(world_size=world_size, per_gpu_batch=t.batch_size, accumulation=accumulation,
+                      global_batch=t.batch_size * accumulation * world_size,
+                      micro_batches_per_epoch=micro_batches_per_epoch, steps_per_epoch=steps_per_epoch,
+                      epochs=epochs, total_steps=total, base_lr=t.learning_rate, lr_scaling=scaling,
+                      lr=t.learning_rate * lr_scale_factor(scaling, world_size))

@@ -1,0 +1,29 @@
+"""The one module the optimizer trains through: text encoding + UNet prediction in one forward.
+
+Putting every trainable part (UNet, and text encoders when they train) behind a single forward lets
+the distributed layer wrap exactly this module in one DistributedDataParallel, so gradients of every
+trained part are synchronised together and frozen parts never enter the all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TrainingModel(nn.Module):
+    def __init__(self, bundle, train_text_encoder: bool) -> None:
+        super().__init__()
+        self.unet = bundle.unet
+        self.text_encoders = nn.ModuleList(bundle.text_encoders)
+        self.train_text_encoder = train_text_encoder
+        # Kept outside the module tree: the bundle's methods use the same sub-modules registered above.
+        self.__dict__["bundle"] = bundle
+
+    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: dict | None,
+                captions: list[str] | None, original_sizes=None, crop_coords=None, target_sizes=None) -> torch.Tensor:
+        if text is None:
+            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
+                text = self.bundle.encode_text(captions)
+        added = self.bundle.added_cond(text, original_sizes, crop_coords, target_sizes)
+        return self.unet(noisy_latents, timesteps, text["encoder_hidden_states"],
+                         added_cond_kwargs=added).sample

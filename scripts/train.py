@@ -1,0 +1,14 @@
+"""Train with a config file: `python scripts/train.py --config-path X.json [--config-value k=v ...]`.
+
+Single process; when started by torchrun (`torchrun --nproc_per_node=N scripts/train.py ...`) it is
+one worker of a multi-GPU run.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.cli import train_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(train_main())

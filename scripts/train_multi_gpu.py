@@ -1,0 +1,13 @@
+"""Train on N GPUs: `python scripts/train_multi_gpu.py --config-path X.json --num-gpus 2 [--spawn]`.
+
+`--device cpu --num-gpus 2` runs two CPU processes over gloo, to try things without GPUs.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.cli import train_multi_gpu_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(train_multi_gpu_main())
