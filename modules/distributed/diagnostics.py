@@ -1,0 +1,350 @@
+"""`check_multi_gpu`: the report a user runs before the first multi-GPU training.
+
+It answers "will multi-GPU training work here, and with which settings?": software versions, every
+GPU with its free memory, peer-to-peer access and NVLink topology, a real all-reduce across all GPUs
+(NCCL, one process per GPU, the sum checked exactly, bus bandwidth measured), a 2-process gloo
+all-reduce on the CPU, and, given a config, an estimate of memory per GPU against the free memory.
+Every finding that would make training fail is a problem and makes the exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import memory_estimate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GIB = 1024 ** 3
+GPU_ALLREDUCE_MIB = 256
+CPU_ALLREDUCE_MIB = 8
+TIMED_ITERATIONS = 5
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
+            "NCCL_IB_DISABLE", "TANDEM_FORCE_SINGLE_GPU")
+# Free memory kept back when sizing the batch: the allocator rounds up and fragments.
+SAFETY_FRACTION = 0.9
+
+
+def free_port() -> int:
+    """A TCP port free right now on this machine; chosen by the parent so that all ranks agree."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def versions() -> dict:
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (RuntimeError, AttributeError):
+            nccl = None
+    dist = torch.distributed
+    return {
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nccl": nccl,
+        "distributed_available": dist.is_available(),
+        "nccl_backend": dist.is_available() and dist.is_nccl_available(),
+        "gloo_backend": dist.is_available() and dist.is_gloo_available(),
+    }
+
+
+def gpus() -> list[dict]:
+    found = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        found.append({
+            "index": i, "name": props.name,
+            "total_gib": total / GIB, "free_gib": free / GIB,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "bf16": props.major >= 8,  # Ampere and newer compute bf16 natively
+        })
+    return found
+
+
+def p2p_matrix(count: int) -> list[list[bool | None]]:
+    """`m[i][j]`: can GPU i read GPU j's memory directly (None on the diagonal)."""
+    return [[None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)]
+            for i in range(count)]
+
+
+def parse_topology(text: str) -> dict:
+    """The GPU-to-GPU part of `nvidia-smi topo -m`: link kind per pair (`NV12`, `PIX`, `SYS`, ...)."""
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    header = next((ln for ln in lines if ln.split() and ln.split()[0].startswith("GPU")), None)
+    if header is None:
+        return {"available": False, "reason": "no GPU header in nvidia-smi topo -m output"}
+    columns = [c for c in header.split() if c.startswith("GPU")]
+    links: dict[str, dict[str, str]] = {}
+    for ln in lines:
+        cells = ln.split()
+        if not cells or not cells[0].startswith("GPU") or cells[0] not in columns or ln == header:
+            continue
+        links[cells[0]] = dict(zip(columns, cells[1:1 + len(columns)]))
+    nvlink = sorted({tuple(sorted((a, b))) for a, row in links.items() for b, kind in row.items()
+                     if kind.startswith("NV")})
+    return {"available": True, "links": links, "nvlink_pairs": [list(p) for p in nvlink]}
+
+
+def topology() -> dict:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"available": False, "reason": "nvidia-smi not found"}
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"available": False, "reason": f"nvidia-smi topo -m failed: {e}"}
+    if out.returncode != 0:
+        return {"available": False, "reason": f"nvidia-smi topo -m exited {out.returncode}: {out.stderr.strip()}"}
+    return parse_topology(out.stdout)
+
+
+def _allreduce_worker(rank: int, world: int, backend: str, port: int, numel: int, results) -> None:
+    """One rank: all-reduce known values, check the sum exactly, then time the same size."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        # Small integers are exact in fp32, so any deviation from the sum is a real fault.
+        tensor = torch.full((numel,), float(rank + 1), device=device)
+        torch.distributed.all_reduce(tensor)
+        expected = world * (world + 1) / 2
+        wrong = int((tensor != expected).sum())
+        seconds = _time_allreduce(tensor, device)
+        results.put({"rank": rank, "wrong_elements": wrong, "expected": expected,
+                     "got_first": float(tensor[0]) if wrong else expected, "seconds": seconds})
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _time_allreduce(tensor: torch.Tensor, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    torch.distributed.all_reduce(tensor)  # warm-up: NCCL builds its rings on first use
+    sync()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(TIMED_ITERATIONS):
+        torch.distributed.all_reduce(tensor)
+    sync()
+    return (time.perf_counter() - start) / TIMED_ITERATIONS
+
+
+def run_allreduce(backend: str, world: int, size_mib: int) -> dict:
+    """Spawn `world` processes that all-reduce `size_mib` MiB of fp32; a dict with ok, error, bandwidth."""
+    import torch.multiprocessing as mp
+    numel = size_mib * 1024 * 1024 // 4
+    result = {"backend": backend, "device": "cuda" if backend == "nccl" else "cpu",
+              "world_size": world, "size_mib": size_mib}
+    queue = mp.get_context("spawn").SimpleQueue()
+    started = time.perf_counter()
+    try:
+        mp.spawn(_allreduce_worker, args=(world, backend, free_port(), numel, queue), nprocs=world, join=True)
+    except Exception as e:  # a rank died: report it as a failed check, with the rank's message
+        result.update(ok=False, error=f"{type(e).__name__}: {e}".strip())
+        return result
+    ranks = sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
+    bad = [r for r in ranks if r["wrong_elements"]]
+    seconds = max(r["seconds"] for r in ranks)
+    algbw = size_mib * 1024 * 1024 / seconds / 1e9
+    result.update(
+        ok=not bad,
+        error=None if not bad else "; ".join(
+            f"rank {r['rank']}: {r['wrong_elements']} elements wrong (expected {r['expected']}, "
+            f"got {r['got_first']})" for r in bad),
+        expected_sum=ranks[0]["expected"], seconds_per_allreduce=seconds,
+        total_seconds=time.perf_counter() - started,
+        algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world - 1) / world)
+    return result
+
+
+def load_config(path: str):
+    """The config at `path` (or a preset name like `#demo`), validated; raises `ConfigError`."""
+    from modules import config as config_pkg
+    from modules.config.validation import check
+    if hasattr(config_pkg, "load_config"):
+        return check(config_pkg.load_config(path), source=path)
+    # Until modules.config.load_config exists: a file path, or a preset file in training_presets/.
+    file = Path(path)
+    if not file.exists() and (REPO_ROOT / "training_presets" / f"{path}.json").exists():
+        file = REPO_ROOT / "training_presets" / f"{path}.json"
+    return check(config_pkg.config_from_dict(config_pkg.read_json(file), source=str(file)), source=str(file))
+
+
+def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: list) -> None:
+    usable = free_gib * SAFETY_FRACTION
+    plain = memory_estimate.largest_batch_that_fits(est, usable, checkpointing=False)
+    ckpt = memory_estimate.largest_batch_that_fits(est, usable, checkpointing=True)
+    est["compared_free_gib"] = free_gib
+    est["largest_batch"] = plain
+    est["largest_batch_checkpointed"] = ckpt
+    if est["total"] <= usable:
+        advice.append(f"Memory: about {est['total']:.1f} GiB of {free_gib:.1f} GiB free per GPU; batch size up to "
+                      f"{plain} fits without gradient checkpointing ({ckpt} with it).")
+        return
+    problems.append(f"Estimated memory per GPU ({est['total']:.1f} GiB) exceeds {SAFETY_FRACTION:.0%} of the "
+                    f"free memory ({free_gib:.1f} GiB) with training.batch_size={cfg.training.batch_size}.")
+    fits_as_set = ckpt if cfg.training.gradient_checkpointing else plain
+    if fits_as_set >= 1:
+        advice.append(f"Lower training.batch_size to {fits_as_set}.")
+    if not cfg.training.gradient_checkpointing and ckpt >= 1:
+        advice.append(f"Or set training.gradient_checkpointing=true: then batch size up to {ckpt} fits.")
+    if ckpt == 0:
+        advice.append("Even batch size 1 with gradient checkpointing does not fit: use training.method=lora, "
+                      "optimizer.name=adamw_8bit or adafactor, and model.unet_dtype=bf16.")
+
+
+def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None) -> dict:
+    report: dict = {"versions": versions(), "env": {k: os.environ.get(k) for k in ENV_VARS}}
+    problems: list[str] = []
+    advice: list[str] = []
+    v = report["versions"]
+    cards = gpus() if torch.cuda.is_available() else []
+    report["gpus"] = cards
+    report["p2p"] = p2p_matrix(len(cards)) if len(cards) > 1 else None
+    report["topology"] = topology() if cards else {"available": False, "reason": "no GPUs"}
+    report["allreduce"] = []
+    if not v["distributed_available"]:
+        problems.append("torch.distributed is not available in this PyTorch build: no process group is possible.")
+    elif cards:
+        backend = "nccl" if v["nccl_backend"] else "gloo"
+        report["allreduce"].append(run_allreduce(backend, len(cards), GPU_ALLREDUCE_MIB) if backend == "nccl"
+                                   else {"backend": "gloo", "device": "cuda", "ok": None,
+                                         "error": "NCCL not available; GPU all-reduce skipped (training uses gloo)"})
+    if v["distributed_available"] and not skip_gloo:
+        if v["gloo_backend"]:
+            report["allreduce"].append(run_allreduce("gloo", 2, CPU_ALLREDUCE_MIB))
+        else:
+            problems.append("The gloo backend is missing from this PyTorch build: CPU process groups are impossible.")
+    for r in report["allreduce"]:
+        if r.get("ok") is False:
+            problems.append(f"{r['backend']} all-reduce over {r['world_size']} processes failed: {r['error']}")
+
+    on_linux_cuda = platform.system() == "Linux" and bool(cards) and v["nccl_backend"]
+    advice.append("Backend: nccl (Linux with CUDA)." if on_linux_cuda else
+                  "Backend: gloo (no NCCL here: Windows, macOS or no CUDA GPU).")
+    if len(cards) == 1:
+        advice.append("Only one GPU is visible: multi-GPU training needs two or more (check CUDA_VISIBLE_DEVICES).")
+    if report["p2p"] and any(ok is False for row in report["p2p"] for ok in row):
+        advice.append("Some GPU pairs have no peer-to-peer access (typical of consumer cards): if training hangs "
+                      "at start-up, set NCCL_P2P_DISABLE=1.")
+    if cards:
+        all_bf16 = all(c["bf16"] for c in cards)
+        advice.append("Precision: bf16 (all GPUs support it)." if all_bf16 else
+                      "Precision: fp16 (not every GPU supports bf16).")
+
+    report["memory"] = None
+    if config_path:
+        try:
+            cfg = load_config(config_path)
+            est = memory_estimate.estimate(cfg)
+        except (ValueError, OSError) as e:  # ConfigError and EstimateError are ValueErrors
+            problems.append(f"Config {config_path}: {e}")
+        else:
+            report["memory"] = est
+            if cards and cfg.training.precision == "bf16" and not all(c["bf16"] for c in cards):
+                problems.append("training.precision=bf16 but not every GPU supports bf16; set training.precision=fp16.")
+            free = assume_free_gib if assume_free_gib is not None else (
+                min(c["free_gib"] for c in cards) if cards else None)
+            if free is None:
+                advice.append("No GPU to compare the memory estimate against (use --assume-free-gib to plan).")
+            else:
+                _memory_findings(est, cfg, free, problems, advice)
+    report["problems"] = problems
+    report["recommendations"] = advice
+    return report
+
+
+def _yes_no(value) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def format_report(report: dict) -> str:
+    v = report["versions"]
+    out = ["Tandem multi-GPU check", "",
+           f"Python {v['python']} on {v['platform']}",
+           f"torch {v['torch']}  CUDA {v['cuda'] or 'none (CPU build)'}  cuDNN {v['cudnn'] or '-'}  "
+           f"NCCL {v['nccl'] or '-'}",
+           f"backends: nccl {_yes_no(v['nccl_backend'])}, gloo {_yes_no(v['gloo_backend'])}",
+           "environment: " + ", ".join(f"{k}={val}" for k, val in report["env"].items() if val is not None)
+           if any(val is not None for val in report["env"].values()) else "environment: no relevant variables set",
+           ""]
+    cards = report["gpus"]
+    if not cards:
+        out.append("No CUDA GPUs found: training can only run on the CPU (gloo), e.g. for testing.")
+    for c in cards:
+        out.append(f"GPU {c['index']}: {c['name']}, {c['free_gib']:.1f} of {c['total_gib']:.1f} GiB free, "
+                   f"compute capability {c['compute_capability']}, bf16 {_yes_no(c['bf16'])}")
+    if report["p2p"]:
+        out.append("Peer-to-peer access (row reads column):")
+        for i, row in enumerate(report["p2p"]):
+            out.append(f"  GPU{i}: " + " ".join("  X" if ok is None else (" ok" if ok else " no") for ok in row))
+    topo = report["topology"]
+    if topo["available"]:
+        pairs = ", ".join("-".join(p) for p in topo["nvlink_pairs"]) or "none"
+        out.append(f"NVLink pairs: {pairs}")
+    elif cards:
+        out.append(f"NVLink topology unavailable ({topo['reason']}).")
+    out.append("")
+    for r in report["allreduce"]:
+        head = f"All-reduce {r['backend']} on {r['device']}"
+        if r.get("ok") is None:
+            out.append(f"{head}: skipped ({r['error']})")
+        elif not r["ok"]:
+            out.append(f"{head}, {r['world_size']} processes: FAILED - {r['error']}")
+        else:
+            out.append(f"{head}, {r['world_size']} processes: sum correct ({r['expected_sum']:g}); "
+                       f"{r['size_mib']} MiB in {r['seconds_per_allreduce'] * 1000:.1f} ms, "
+                       f"algbw {r['algbw_gbps']:.2f} GB/s, busbw {r['busbw_gbps']:.2f} GB/s")
+    m = report["memory"]
+    if m:
+        p = m["params"]
+        out += ["", f"Memory per GPU for this config ({m['model_type']}, {m['method']}, {m['optimizer']}, batch "
+                    f"{m['batch_size']} at {m['resolution']}px; shapes from {m['architecture_source']}):",
+                "  parameters: " + ", ".join(f"{k} {n / 1e6:.1f}M" for k, n in p.items())]
+        for key in ("weights", "gradients", "ddp_buckets", "optimizer_state", "ema", "autocast_cache",
+                    "activations", "runtime_overhead", "total"):
+            out.append(f"  {key.replace('_', ' '):<17}{m[key]:8.2f} GiB")
+        out.append(f"  ({m['note']})")
+    out.append("")
+    out += [f"Recommendation: {a}" for a in report["recommendations"]]
+    out += [f"PROBLEM: {p}" for p in report["problems"]]
+    out.append("Result: " + ("all checks passed." if not report["problems"] else
+                             f"{len(report['problems'])} problem(s) found."))
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="check_multi_gpu.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-path", help="config JSON or preset name (e.g. '#demo') to estimate memory for")
+    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    parser.add_argument("--skip-gloo", action="store_true", help="skip the 2-process gloo all-reduce on the CPU")
+    parser.add_argument("--assume-free-gib", type=float,
+                        help="compare the memory estimate with this much free GPU memory instead of the GPUs'")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report; 0 when every check passed, 1 when a problem was found."""
+    args = parse_args(argv)
+    report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib)
+    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    return 1 if report["problems"] else 0

@@ -1,0 +1,319 @@
+"""Estimate of the GPU memory one rank needs for a `TrainConfig`, before anything is loaded.
+
+Every rank of DistributedDataParallel holds a full copy of the model, its gradients and its
+optimizer state, so the per-GPU estimate does not shrink with more GPUs; only the global batch grows.
+
+Parameter counts are exact: the networks are built on PyTorch's `meta` device (shapes only, no
+memory, no download) from, in this order, the base model's own diffusers folder, a folder in
+`modules/model/configs/<name>/` when that exists, the demo model's folder, or the published
+architectures below. Activation memory is the one real estimate: a per-sample coefficient measured
+once per model family (see `ACTIVATION_GIB_PER_SAMPLE`), scaled by resolution and precision.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+GIB = 1024 ** 3
+MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model" / "configs"
+
+# Published Stable Diffusion architectures (the `config.json` files of the official diffusers
+# repositories, reduced to the entries that change shapes). Building them on `meta` gives
+# 859.5M / 865.9M / 2567.5M UNet parameters; tests check these against the published counts.
+_SD_UNET_BASE = {
+    "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+    "block_out_channels": [320, 640, 1280, 1280],
+    "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+}
+_CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+           "num_attention_heads": 12, "projection_dim": 768, "hidden_act": "quick_gelu"}
+_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2,
+        "block_out_channels": [128, 256, 512, 512],
+        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4}
+ARCHITECTURES: dict[str, dict] = {
+    "sd1": {"unet": {**_SD_UNET_BASE, "cross_attention_dim": 768, "attention_head_dim": 8},
+            "text_encoder": _CLIP_L, "vae": _VAE},
+    "sd2": {"unet": {**_SD_UNET_BASE, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20],
+                     "use_linear_projection": True},
+            "text_encoder": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
+                             "num_attention_heads": 16, "projection_dim": 512, "hidden_act": "gelu"},
+            "vae": _VAE},
+    "sdxl": {"unet": {"in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+                      "block_out_channels": [320, 640, 1280],
+                      "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                      "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                      "transformer_layers_per_block": [1, 2, 10], "attention_head_dim": [5, 10, 20],
+                      "cross_attention_dim": 2048, "use_linear_projection": True,
+                      "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+                      "projection_class_embeddings_input_dim": 2816},
+             "text_encoder": _CLIP_L,
+             "text_encoder_2": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                                "num_attention_heads": 20, "projection_dim": 1280, "hidden_act": "gelu"},
+             "vae": _VAE},
+}
+PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
+                      "sd2": {"unet": 865.9, "text_encoder": 340.4},
+                      "sdxl": {"unet": 2567.5, "text_encoder": 123.1, "text_encoder_2": 694.7}}
+
+# GiB of activations per sample at `ACTIVATION_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA
+# attention, (without, with) gradient checkpointing. Measured on an H200 (torch 2.11+cu130, diffusers
+# 0.42.1, randomly initialised fp32 UNet, full backward) as the growth of peak allocated memory from
+# batch 1 to batch 3, divided by 2; the raw numbers are in docs/MultiGPU-Diagnostics.md. Scaled
+# linearly with pixel count (SDPA attention memory grows linearly with tokens) and x2 for fp32.
+# An estimate: kernels and allocator behaviour differ between GPUs and versions.
+ACTIVATION_REFERENCE_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
+ACTIVATION_GIB_PER_SAMPLE = {"sd1": (1.17, 0.22), "sd2": (2.63, 0.48), "sdxl": (8.28, 0.65)}
+# The same measurement's batch-independent part matched autocast's cache of bf16 copies of the
+# fp32 UNet weights (2 bytes x parameters: 1.60 GiB predicted vs 1.71 measured for sd1, 4.78 vs
+# 4.73 for sdxl), so that cache is counted from the parameter count instead of a constant.
+# CUDA context, cuBLAS/cuDNN workspaces and allocator slack of a training process.
+RUNTIME_OVERHEAD_GIB = 1.0
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# LoRA targets for CLIP text encoders when `train_text_encoder` is on: their attention projections.
+TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+class EstimateError(ValueError):
+    """The config names something the estimate cannot size (unknown model type, unreadable folder)."""
+
+
+def _build_unet(config: dict) -> torch.nn.Module:
+    from diffusers import UNet2DConditionModel
+    with torch.device("meta"):
+        return UNet2DConditionModel(**_known_args(UNet2DConditionModel, config))
+
+
+def _build_vae(config: dict) -> torch.nn.Module:
+    from diffusers import AutoencoderKL
+    with torch.device("meta"):
+        return AutoencoderKL(**_known_args(AutoencoderKL, config))
+
+
+def _build_text_encoder(config: dict, with_projection: bool) -> torch.nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    clip_config = CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        return cls(clip_config)
+
+
+def _known_args(cls, config: dict) -> dict:
+    """The entries of a diffusers `config.json` that the class accepts (drops `_class_name` etc.)."""
+    import inspect
+    names = set(inspect.signature(cls.__init__).parameters)
+    return {k: v for k, v in config.items() if k in names}
+
+
+def _read_folder(folder: Path) -> dict:
+    """Component configs of a diffusers model folder: `{"unet": {...}, "text_encoder": {...}, ...}`."""
+    found = {}
+    for part in ("unet", "text_encoder", "text_encoder_2", "vae"):
+        path = folder / part / "config.json"
+        if path.is_file():
+            found[part] = json.loads(path.read_text(encoding="utf-8"))
+    if "unet" not in found:
+        raise EstimateError(f"{folder} has no unet/config.json; model.base_model must be a diffusers folder, "
+                            "a single .safetensors/.ckpt file or builtin:demo.")
+    return found
+
+
+def _demo_folder() -> Path:
+    try:
+        from modules.model.demo import ensure_demo_model
+    except ImportError as e:
+        raise EstimateError("model.base_model is builtin:demo but modules.model.demo.ensure_demo_model is not "
+                            f"available ({e}); the memory estimate cannot size the demo model.") from None
+    return Path(ensure_demo_model())
+
+
+def _detect_single_file_type(path: Path) -> str:
+    """sd1/sd2/sdxl from the key names of a single-file checkpoint (header only for .safetensors)."""
+    if path.suffix != ".safetensors":
+        raise EstimateError(f"model.model_type is auto and {path} is not .safetensors; set model.model_type "
+                            "to sd1, sd2 or sdxl for the estimate.")
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+    if any(k.startswith("conditioner.embedders.1") for k in keys):
+        return "sdxl"
+    if any(k.startswith("cond_stage_model.model.") for k in keys):
+        return "sd2"
+    return "sd1"
+
+
+def resolve_architecture(cfg) -> tuple[str, str, dict]:
+    """(model family, where the shapes came from, component configs) for `cfg.model`."""
+    base, model_type = cfg.model.base_model, cfg.model.model_type
+    if base == "builtin:demo":
+        local = MODEL_CONFIGS_DIR / "demo"
+        folder = local if (local / "unet" / "config.json").is_file() else _demo_folder()
+        return "sd1", f"demo model ({folder})", _read_folder(folder)
+    path = Path(base)
+    if path.is_dir():
+        components = _read_folder(path)
+        family = model_type if model_type != "auto" else (
+            "sdxl" if "text_encoder_2" in components else
+            "sd2" if components.get("text_encoder", {}).get("hidden_size") == 1024 else "sd1")
+        return family, f"diffusers folder {path}", components
+    if model_type == "auto":
+        if not path.is_file():
+            raise EstimateError(f"model.base_model: {base!r} does not exist and model.model_type is auto; "
+                                "fix the path or set model.model_type to sd1, sd2 or sdxl.")
+        model_type = _detect_single_file_type(path)
+    if model_type not in ARCHITECTURES:
+        raise EstimateError(f"model.model_type: {model_type!r} is not one of sd1, sd2, sdxl.")
+    local = MODEL_CONFIGS_DIR / model_type
+    if (local / "unet" / "config.json").is_file():
+        return model_type, f"shipped configs {local}", _read_folder(local)
+    return model_type, f"published {model_type} architecture", ARCHITECTURES[model_type]
+
+
+def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:
+    """Shape-only modules for each component config (no memory is allocated)."""
+    models = {"unet": _build_unet(components["unet"])}
+    if "text_encoder" in components:
+        models["text_encoder"] = _build_text_encoder(components["text_encoder"], with_projection=False)
+    if "text_encoder_2" in components:
+        models["text_encoder_2"] = _build_text_encoder(components["text_encoder_2"], with_projection=True)
+    if "vae" in components:
+        models["vae"] = _build_vae(components["vae"])
+    return models
+
+
+def _is_target(name: str, targets) -> bool:
+    # peft's rule for a list of names: the module's full name equals a target or ends in ".target".
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def lora_shapes(model: torch.nn.Module, targets, rank: int) -> list[tuple[int, ...]]:
+    """Shapes of the LoRA A/B matrices peft would add to `model` for these targets and rank."""
+    shapes = []
+    for name, module in model.named_modules():
+        if not _is_target(name, targets):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            shapes += [(rank, module.in_features), (module.out_features, rank)]
+        elif isinstance(module, torch.nn.Conv2d):
+            kh, kw = module.kernel_size
+            shapes += [(rank, module.in_channels, kh, kw), (module.out_channels, rank, 1, 1)]
+    return shapes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: float) -> int:
+    """Bytes of optimizer state for trainable tensors of these shapes."""
+    params = sum(_numel(s) for s in shapes)
+    if name == "adamw":
+        return 8 * params  # exp_avg + exp_avg_sq in fp32
+    if name == "adamw_8bit":
+        return 2 * params  # bitsandbytes: two 8-bit states (block-wise scales are negligible)
+    if name == "sgd":
+        return 4 * params if momentum > 0 else 0
+    if name == "adafactor":
+        # Factored second moment (row + column vectors) for matrices, full for vectors; no first moment.
+        total = 0
+        for s in shapes:
+            if len(s) >= 2:
+                total += 4 * (_numel(s[:-1]) + _numel(s[:-2]) * s[-1])
+            else:
+                total += 4 * _numel(s)
+        return total
+    raise EstimateError(f"optimizer.name: {name!r} is not one of adamw, adamw_8bit, adafactor, sgd.")
+
+
+def _activation_gib_per_sample(family: str, resolution: int, precision: str, checkpointing: bool) -> float:
+    without, with_ckpt = ACTIVATION_GIB_PER_SAMPLE[family]
+    scale = (resolution / ACTIVATION_REFERENCE_RESOLUTION[family]) ** 2
+    return (with_ckpt if checkpointing else without) * scale * (2.0 if precision == "fp32" else 1.0)
+
+
+def estimate(cfg) -> dict:
+    """Per-GPU memory in GiB for training `cfg`: weights, gradients, optimizer state, EMA, activations.
+
+    Raises `EstimateError` naming the config field when the model cannot be sized.
+    """
+    family, source, components = resolve_architecture(cfg)
+    models = build_meta_models(components)
+    t, m = cfg.training, cfg.model
+    lora = t.method == "lora"
+    counts = {name: sum(p.numel() for p in mod.parameters()) for name, mod in models.items()}
+
+    trainable: list[tuple[int, ...]] = []
+    if lora:
+        trainable += lora_shapes(models["unet"], t.lora_target_modules, t.lora_rank)
+        if not trainable:
+            raise EstimateError(f"training.lora_target_modules: {t.lora_target_modules} match no module of "
+                                "the UNet; use names like to_q, to_k, to_v, to_out.0.")
+    else:
+        trainable += [tuple(p.shape) for p in models["unet"].parameters()]
+    encoders = [n for n in ("text_encoder", "text_encoder_2") if n in models]
+    if t.train_text_encoder:
+        for name in encoders:
+            trainable += (lora_shapes(models[name], TEXT_ENCODER_LORA_TARGETS, t.lora_rank) if lora
+                          else [tuple(p.shape) for p in models[name].parameters()])
+    trainable_params = sum(_numel(s) for s in trainable)
+
+    # Trained weights are kept in fp32 (master weights); frozen ones in their configured dtype.
+    frozen_unet = counts["unet"] if lora else 0
+    weight_bytes = frozen_unet * DTYPE_BYTES[m.unet_dtype] + trainable_params * 4
+    encoder_params = sum(counts[n] for n in encoders)
+    if not (t.train_text_encoder and not lora):
+        weight_bytes += encoder_params * DTYPE_BYTES[m.text_encoder_dtype]
+    weight_bytes += counts.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
+
+    gradient_bytes = trainable_params * 4
+    ddp_bucket_bytes = gradient_bytes if cfg.multi_gpu.enabled and not cfg.multi_gpu.gradient_as_bucket_view else 0
+    optimizer_bytes = optimizer_state_bytes(cfg.optimizer.name, trainable, cfg.optimizer.momentum)
+    ema_bytes = trainable_params * 4 if t.ema else 0
+    # Autocast keeps a half-precision copy of every fp32 UNet weight it uses during the forward.
+    fp32_unet = counts["unet"] if (not lora or m.unet_dtype == "fp32") else 0
+    autocast_bytes = 2 * fp32_unet if t.precision in ("bf16", "fp16") else 0
+
+    per_sample = {ck: _activation_gib_per_sample(family, cfg.data.resolution, t.precision, ck)
+                  for ck in (False, True)}
+    activations = per_sample[t.gradient_checkpointing] * t.batch_size
+    fixed = (weight_bytes + gradient_bytes + ddp_bucket_bytes + optimizer_bytes + ema_bytes + autocast_bytes) / GIB \
+        + RUNTIME_OVERHEAD_GIB
+    return {
+        "model_type": family,
+        "architecture_source": source,
+        "params": {**counts, "trainable": trainable_params},
+        "method": t.method,
+        "optimizer": cfg.optimizer.name,
+        "batch_size": t.batch_size,
+        "resolution": cfg.data.resolution,
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "weights": weight_bytes / GIB,
+        "gradients": gradient_bytes / GIB,
+        "ddp_buckets": ddp_bucket_bytes / GIB,
+        "optimizer_state": optimizer_bytes / GIB,
+        "ema": ema_bytes / GIB,
+        "autocast_cache": autocast_bytes / GIB,
+        "activations": activations,
+        "runtime_overhead": RUNTIME_OVERHEAD_GIB,
+        "total": fixed + activations,
+        "fixed": fixed,
+        "activations_per_sample": per_sample[False],
+        "activations_per_sample_checkpointed": per_sample[True],
+        "note": ("Weights, gradients and optimizer state are exact for the shapes; activations use a "
+                 "per-sample coefficient measured on an H200 and are an estimate."),
+    }
+
+
+def largest_batch_that_fits(est: dict, free_gib: float, checkpointing: bool) -> int:
+    """Largest per-GPU batch size whose estimate stays within `free_gib` (0 when none fits)."""
+    per_sample = est["activations_per_sample_checkpointed" if checkpointing else "activations_per_sample"]
+    room = free_gib - est["fixed"]
+    if room <= 0 or per_sample <= 0:
+        return 0
+    return int(room // per_sample)

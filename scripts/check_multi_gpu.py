@@ -1,0 +1,17 @@
+"""Check this machine for multi-GPU training and, with --config-path, estimate memory per GPU.
+
+    python scripts/check_multi_gpu.py                       # versions, GPUs, NVLink, real all-reduce
+    python scripts/check_multi_gpu.py --config-path '#demo' # plus the memory estimate for a config
+    python scripts/check_multi_gpu.py --json                # the same report as JSON
+
+Exit status 0 when every check passed, 1 when a problem was found (see docs/MultiGPUTraining.md).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modules.distributed.diagnostics import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
