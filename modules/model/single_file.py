@@ -1,0 +1,519 @@
+"""Stable Diffusion single-file checkpoints (original "LDM" layout) in and out, fully offline.
+
+Loading: read the file, detect the family from its keys (`detect.py`), convert each part with
+diffusers' own `single_file_utils` converters, and load it into a model that was built with its
+parameters on the `meta` device, with `assign=True`: the converted tensors become the model's
+parameters, so RAM holds the weights once, never twice. Configs come from, first match wins:
+`config_overrides` > the configs Tandem recorded in the file's metadata when it wrote it > the
+real-size configs shipped in `configs/<model_type>/`.
+
+Saving is the exact reverse (diffusers -> LDM key maps written here, OpenCLIP q/k/v fused back into
+`in_proj`), written atomically. `save_single_file` followed by `load_single_file_components` gives
+back identical tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from diffusers.loaders.single_file_utils import (
+    convert_ldm_clip_checkpoint,
+    convert_ldm_unet_checkpoint,
+    convert_ldm_vae_checkpoint,
+    convert_open_clip_checkpoint,
+)
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+from modules.model.detect import (
+    MODEL_TYPES,
+    SD1_TEXT_PREFIX,
+    SD2_TEXT_PREFIX,
+    SDXL_TEXT_2_PREFIX,
+    SDXL_TEXT_PREFIX,
+    UNET_PREFIX,
+    V_PRED_MARKER_KEY,
+    VAE_PREFIX,
+    detect_model_type,
+    resolve_prediction_type,
+)
+from modules.model.tokenizer import OPEN_CLIP_PAD_TOKEN, clip_tokenizer
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+SAFETENSORS_SUFFIXES = (".safetensors",)
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
+# safetensors metadata keys Tandem writes (strings only, ignored by other tools).
+META_MODEL_TYPE = "tandem.model_type"
+META_PREDICTION_TYPE = "tandem.prediction_type"
+META_CONFIGS = "tandem.configs"
+# The CLIPTextConfig fields that decide the shape and behaviour of a text encoder; the rest is
+# bookkeeping that would only tie files to one transformers version.
+CLIP_CONFIG_FIELDS = (
+    "vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_hidden_layers", "hidden_act", "projection_dim", "layer_norm_eps", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+)
+_TEXT_PREFIXES = {  # model_type -> one LDM prefix per text encoder, in bundle order
+    "sd1": (SD1_TEXT_PREFIX,),
+    "sd2": (SD2_TEXT_PREFIX,),
+    "sdxl": (SDXL_TEXT_PREFIX, SDXL_TEXT_2_PREFIX),
+}
+_WANTED_PREFIXES = (UNET_PREFIX, VAE_PREFIX, "cond_stage_model.", "conditioner.embedders.")
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_checkpoint(path: str | Path, prefixes: tuple[str, ...] | None = None) -> tuple[dict, dict]:
+    """(state dict, safetensors metadata) of a `.safetensors` or `.ckpt`/`.pt`/`.pth` file. With
+    `prefixes`, only keys starting with one of them are read (skips EMA copies, training losses)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: checkpoint file not found. Check model.base_model / model.vae_path.")
+    wanted = lambda key: prefixes is None or key.startswith(prefixes) or key == V_PRED_MARKER_KEY  # noqa: E731
+    suffix = path.suffix.lower()
+    if suffix in SAFETENSORS_SUFFIXES:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                metadata = dict(f.metadata() or {})
+                return {k: f.get_tensor(k) for k in f.keys() if wanted(k)}, metadata
+        except SafetensorError as error:
+            raise ValueError(f"{path}: not a readable .safetensors file ({error}).") from error
+    if suffix in PICKLE_SUFFIXES:
+        return {k: v for k, v in _torch_load(path).items() if wanted(k)}, {}
+    raise ValueError(
+        f"{path}: unsupported checkpoint extension {path.suffix!r}; use .safetensors (preferred) or .ckpt."
+    )
+
+
+def _torch_load(path: Path) -> dict:
+    # weights_only: a .ckpt is a pickle, and unpickling arbitrary objects can run arbitrary code.
+    try:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            loaded = torch.load(path, map_location="cpu", weights_only=True)  # pre-zipfile format
+    except Exception as error:  # noqa: BLE001 - any unpickling failure gets the same explanation
+        raise ValueError(
+            f"{path}: could not be read as a weights-only .ckpt ({type(error).__name__}: {str(error)[:300]}). "
+            "Tandem never unpickles arbitrary objects; convert the file to .safetensors and use that."
+        ) from error
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ValueError(f"{path}: does not contain a state dict of tensors (nor one under 'state_dict').")
+    return dict(loaded)
+
+
+# ------------------------------------------------------------------------------------------ configs
+
+
+def shipped_config(model_type: str, component: str) -> dict:
+    """The real-size diffusers/transformers config of `component` for `model_type` (configs/<type>/)."""
+    path = CONFIG_DIR / model_type / f"{component}.json"
+    if not path.is_file():
+        raise ValueError(f"no shipped {component} config for model type {model_type!r} ({path}).")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _resolve_configs(model_type: str, metadata: dict, overrides: Mapping[str, Mapping] | None) -> dict:
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(COMPONENTS))
+    if unknown:
+        raise ValueError(f"config_overrides: unknown component(s) {unknown}; use {', '.join(COMPONENTS)}.")
+    recorded = json.loads(metadata[META_CONFIGS]) if META_CONFIGS in metadata else {}
+    names = COMPONENTS if model_type == "sdxl" else COMPONENTS[:3]
+    return {
+        name: {**(recorded.get(name) or shipped_config(model_type, name)), **overrides.get(name, {})}
+        for name in names
+    }
+
+
+def _model_config(model) -> dict:
+    """The config to record in a saved file, JSON-ready."""
+    if isinstance(model, (CLIPTextModel, CLIPTextModelWithProjection)):
+        return {name: getattr(model.config, name) for name in CLIP_CONFIG_FIELDS}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.config.items() if not k.startswith("_")}
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create modules with their parameters on `meta` (no memory, no init cost) but buffers real:
+    non-persistent buffers such as CLIP's `position_ids` are not in any checkpoint, so they must
+    be built normally. (The same trick as accelerate's `init_empty_weights(include_buffers=False)`.)"""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            meta = module._parameters[name].to("meta")
+            module._parameters[name] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _build(cls, config: dict):
+    with _parameters_on_meta():
+        if issubclass(cls, (CLIPTextModel, CLIPTextModelWithProjection)):
+            return cls(CLIPTextConfig(**{k: v for k, v in config.items() if k in CLIP_CONFIG_FIELDS}))
+        return cls.from_config(config)
+
+
+def _load_weights(model, state: dict, source: Path, component: str):
+    """Load `state` into a meta-built `model` by assignment; mismatches become one readable error."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k]))
+    if missing or unexpected or wrong:
+        problems = []
+        if wrong:
+            problems.append("shape mismatch " + ", ".join(
+                f"{k} {tuple(state[k].shape)} vs config {tuple(expected[k])}" for k in wrong[:3]))
+        if missing:
+            problems.append(f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected, e.g. {', '.join(unexpected[:3])}")
+        raise ValueError(
+            f"{source}: the {component} weights do not fit its config ({'; '.join(problems)}). A checkpoint "
+            "with non-standard sizes needs config_overrides (see docs/Models.md, 'Single-file checkpoints')."
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _clip_keys_for(model, canonical: dict) -> dict:
+    """Converters speak `text_model.*`; newer transformers flatten `CLIPTextModel` (no `text_model.`)."""
+    canonical = {k: v for k, v in canonical.items() if not k.endswith("embeddings.position_ids")}
+    if hasattr(model, "text_model"):
+        return canonical
+    return {k.removeprefix("text_model."): v for k, v in canonical.items()}
+
+
+def _canonical_clip_state(model) -> dict:
+    """`model.state_dict()` with `text_model.` prefixes whatever the transformers version."""
+    state = model.state_dict()
+    if hasattr(model, "text_model"):
+        return state
+    return {k if k.startswith("text_projection") else "text_model." + k: v for k, v in state.items()}
+
+
+def _load_text_encoder(cls, config: dict, state: dict, prefix: str, source: Path, name: str):
+    model = _build(cls, config)
+    if not any(k.startswith(prefix) for k in state):
+        raise ValueError(f"{source}: no {name} weights ({prefix}*) in the checkpoint.")
+    if prefix in (SD1_TEXT_PREFIX, SDXL_TEXT_PREFIX):
+        converted = convert_ldm_clip_checkpoint({k: v for k, v in state.items() if k.startswith(prefix)})
+    else:
+        converted = convert_open_clip_checkpoint(model, state, prefix=prefix)
+    return _load_weights(model, _clip_keys_for(model, converted), source, name)
+
+
+def _load_vae_from_state(state: dict, config: dict, source: Path) -> AutoencoderKL:
+    vae = _build(AutoencoderKL, config)
+    if any(k.startswith(("encoder.down_blocks.", "decoder.up_blocks.")) for k in state):
+        converted = state  # already diffusers layout (a VAE taken from a diffusers folder)
+    else:
+        converted = convert_ldm_vae_checkpoint(state, config)
+    return _load_weights(vae, converted, source, "VAE")
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def load_single_file_components(
+    path: str | Path,
+    model_type: str = "auto",
+    prediction_type: str = "auto",
+    config_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    load_vae: bool = True,
+) -> dict:
+    """Load an original-layout SD 1.x / 2.x / SDXL checkpoint into diffusers/transformers models.
+
+    Returns {unet, vae, text_encoder, text_encoder_2 (None unless SDXL), tokenizer, tokenizer_2,
+    scheduler (DDPMScheduler), model_type, prediction_type}. Tensors keep the file's dtype.
+    `config_overrides`: {component: {field: value}} merged over the configs (for checkpoints with
+    non-standard sizes). `load_vae=False` skips the VAE (vae=None) when another VAE replaces it.
+    """
+    path = Path(path)
+    if model_type != "auto" and model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of auto, {', '.join(MODEL_TYPES)}.")
+    state, metadata = read_checkpoint(path, _WANTED_PREFIXES)
+    detected = detect_model_type(state.keys(), source=path)
+    if model_type != "auto" and model_type != detected:
+        raise ValueError(
+            f"{path}: model.model_type is {model_type!r} but the checkpoint is {detected!r} (from its text "
+            f"encoder keys). Set model.model_type to {detected!r} or 'auto', or pick the right file."
+        )
+    prediction = resolve_prediction_type(
+        prediction_type, detected, path, state.keys(), recorded=metadata.get(META_PREDICTION_TYPE)
+    )
+    configs = _resolve_configs(detected, metadata, config_overrides)
+
+    if not any(k.startswith(UNET_PREFIX) for k in state):
+        raise ValueError(f"{path}: no UNet weights ({UNET_PREFIX}*) in the checkpoint.")
+    unet = _load_weights(
+        _build(UNet2DConditionModel, configs["unet"]), convert_ldm_unet_checkpoint(state, configs["unet"]),
+        path, "UNet",
+    )
+    vae = None
+    if load_vae:
+        vae_state = {k: v for k, v in state.items() if k.startswith(VAE_PREFIX)}
+        if not vae_state:
+            raise ValueError(
+                f"{path}: the checkpoint has no VAE ({VAE_PREFIX}* keys); set model.vae_path to a VAE file or folder."
+            )
+        vae = _load_vae_from_state(vae_state, configs["vae"], path)
+
+    prefixes = _TEXT_PREFIXES[detected]
+    first_cls = CLIPTextModel
+    text_encoder = _load_text_encoder(first_cls, configs["text_encoder"], state, prefixes[0], path, "text encoder")
+    text_encoder_2 = None
+    if detected == "sdxl":
+        text_encoder_2 = _load_text_encoder(
+            CLIPTextModelWithProjection, configs["text_encoder_2"], state, prefixes[1], path, "second text encoder"
+        )
+    del state  # the models now own every tensor that was kept
+
+    scheduler = DDPMScheduler.from_config({**shipped_config(detected, "scheduler"), "prediction_type": prediction})
+    return {
+        "unet": unet,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer": clip_tokenizer(OPEN_CLIP_PAD_TOKEN if detected == "sd2" else "<|endoftext|>"),
+        "tokenizer_2": clip_tokenizer(OPEN_CLIP_PAD_TOKEN) if detected == "sdxl" else None,
+        "scheduler": scheduler,
+        "model_type": detected,
+        "prediction_type": prediction,
+    }
+
+
+def load_vae_file(
+    path: str | Path, model_type: str = "sd1", config: Mapping[str, Any] | None = None
+) -> AutoencoderKL:
+    """A VAE from a single file: a VAE-only file (original or diffusers layout) or a full checkpoint
+    (its `first_stage_model.*`). SD and SDXL VAEs have identical shapes and differ only in their latent
+    scaling factor, so pass the base model's `model_type`; `config` overrides config fields."""
+    path = Path(path)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}.")
+    state, metadata = read_checkpoint(path)
+    if any(k.startswith(VAE_PREFIX) for k in state):
+        state = {k: v for k, v in state.items() if k.startswith(VAE_PREFIX)}
+    elif any(k.startswith("vae.") for k in state):
+        state = {k: v for k, v in state.items() if k.startswith("vae.")}
+    if not any(k.startswith(("encoder.", "decoder.", VAE_PREFIX, "vae.")) for k in state):
+        raise ValueError(
+            f"{path}: no VAE weights found (expected encoder.*/decoder.* or {VAE_PREFIX}* keys); "
+            f"first keys: {', '.join(sorted(state)[:5])}"
+        )
+    recorded = json.loads(metadata[META_CONFIGS]).get("vae") if META_CONFIGS in metadata else None
+    vae_config = {**(recorded or shipped_config(model_type, "vae")), **dict(config or {})}
+    return _load_vae_from_state(state, vae_config, path)
+
+
+def save_single_file(bundle, path: str | Path, dtype: torch.dtype | str, unet_state_override: Mapping | None = None) -> Path:
+    """Write the UNet, VAE and text encoder(s) of a `ModelBundle` as one original-layout `.safetensors`
+    (loadable by A1111, ComfyUI, diffusers' `from_single_file`), atomically. `unet_state_override`: a
+    diffusers-layout UNet state dict to write instead of `bundle.unet`'s (e.g. LoRA merged in)."""
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
+    dtype = _as_dtype(dtype)
+    unet_state = dict(unet_state_override) if unet_state_override is not None else bundle.unet.state_dict()
+    expected = set(bundle.unet.state_dict())
+    if set(unet_state) != expected:
+        diff = sorted(set(unet_state) ^ expected)
+        raise ValueError(
+            f"unet_state_override does not match the UNet's keys ({len(diff)} differ, e.g. {', '.join(diff[:3])}); "
+            "merge LoRA weights into a plain diffusers UNet state dict first."
+        )
+    ldm = unet_to_ldm(unet_state, bundle.unet.config)
+    ldm.update(vae_to_ldm(bundle.vae.state_dict(), bundle.vae.config))
+    configs = {"unet": _model_config(bundle.unet), "vae": _model_config(bundle.vae)}
+    for index, (prefix, encoder) in enumerate(zip(_TEXT_PREFIXES[bundle.model_type], bundle.text_encoders, strict=True)):
+        canonical = _canonical_clip_state(encoder)
+        ldm.update(clip_to_ldm(canonical, prefix) if prefix.endswith("transformer.") else open_clip_to_ldm(canonical, prefix))
+        configs["text_encoder" if index == 0 else "text_encoder_2"] = _model_config(encoder)
+
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in ldm.items()}
+    metadata = {
+        "format": "pt",
+        META_MODEL_TYPE: bundle.model_type,
+        META_PREDICTION_TYPE: bundle.prediction_type,
+        META_CONFIGS: json.dumps(configs),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"save dtype {dtype!r} is not one of {', '.join(names)}.")
+    return names[dtype]
+
+
+# ------------------------------------------------------------------------------------------ diffusers -> LDM
+
+
+_UNET_TOP_LEVEL = {
+    "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2",
+    "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2",
+    "conv_in": "input_blocks.0.0",
+    "conv_norm_out": "out.0",
+    "conv_out": "out.2",
+}
+_RESNET_PARTS = {
+    "norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
+    "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection",
+}
+_MID_BLOCK = {"resnets.0": "0", "attentions.0": "1", "resnets.1": "2"}
+
+
+def _unet_key_to_ldm(key: str, per_block: int, up_blocks_with_attention: set[int]) -> str:
+    """One diffusers UNet key -> its LDM name. LDM numbers the UNet's layers consecutively: every
+    down block holds `per_block` layers + a downsampler, every up block `per_block + 1` layers, and an
+    up block's upsampler takes slot 2 when slot 1 holds its attention."""
+    module, _, param = key.rpartition(".")
+    if module in _UNET_TOP_LEVEL:
+        return f"{_UNET_TOP_LEVEL[module]}.{param}"
+    resnet = lambda rest: _RESNET_PARTS.get(rest.split(".")[0], rest.split(".")[0]) + rest[len(rest.split(".")[0]):]  # noqa: E731
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", key):
+        index = 1 + int(m[1]) * (per_block + 1) + int(m[3])
+        return f"input_blocks.{index}.0.{resnet(m[4])}" if m[2] == "resnets" else f"input_blocks.{index}.1.{m[4]}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.+)", key):
+        return f"input_blocks.{1 + int(m[1]) * (per_block + 1) + per_block}.0.op.{m[2]}"
+    if m := re.fullmatch(r"mid_block\.((?:resnets|attentions)\.\d+)\.(.+)", key):
+        if m[1] in _MID_BLOCK:
+            part = resnet(m[2]) if m[1].startswith("resnets") else m[2]
+            return f"middle_block.{_MID_BLOCK[m[1]]}.{part}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", key):
+        index = int(m[1]) * (per_block + 1) + int(m[3])
+        return f"output_blocks.{index}.0.{resnet(m[4])}" if m[2] == "resnets" else f"output_blocks.{index}.1.{m[4]}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.+)", key):
+        slot = 2 if int(m[1]) in up_blocks_with_attention else 1
+        return f"output_blocks.{int(m[1]) * (per_block + 1) + per_block}.{slot}.conv.{m[2]}"
+    raise ValueError(f"UNet key {key!r} has no original-layout equivalent (is a LoRA/adapter still attached?).")
+
+
+def unet_to_ldm(state: Mapping[str, torch.Tensor], config: Mapping) -> dict:
+    """Diffusers UNet state dict -> `model.diffusion_model.*` keys."""
+    per_block = config["layers_per_block"]
+    if not isinstance(per_block, int):
+        raise ValueError(f"UNet layers_per_block {per_block!r}: only one value for all blocks has an original layout.")
+    with_attention = {i for i, name in enumerate(config["up_block_types"]) if "CrossAttn" in name}
+    return {UNET_PREFIX + _unet_key_to_ldm(k, per_block, with_attention): v for k, v in state.items()}
+
+
+_VAE_TOP_LEVEL = {"encoder.conv_norm_out": "encoder.norm_out", "decoder.conv_norm_out": "decoder.norm_out"}
+_VAE_ATTENTION_PARTS = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+
+
+def _vae_key_to_ldm(key: str, up_block_count: int) -> str:
+    module, _, param = key.rpartition(".")
+    if module in _VAE_TOP_LEVEL:
+        return f"{_VAE_TOP_LEVEL[module]}.{param}"
+    shortcut = lambda rest: rest.replace("conv_shortcut", "nin_shortcut")  # noqa: E731
+    if m := re.fullmatch(r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", key):
+        return f"encoder.down.{m[1]}.block.{m[2]}.{shortcut(m[3])}"
+    if m := re.fullmatch(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.+)", key):
+        return f"encoder.down.{m[1]}.downsample.conv.{m[2]}"
+    # LDM counts decoder up blocks from the lowest resolution upwards, diffusers from the top down.
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", key):
+        return f"decoder.up.{up_block_count - 1 - int(m[1])}.block.{m[2]}.{shortcut(m[3])}"
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.+)", key):
+        return f"decoder.up.{up_block_count - 1 - int(m[1])}.upsample.conv.{m[2]}"
+    if m := re.fullmatch(r"(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.+)", key):
+        return f"{m[1]}.mid.block_{int(m[2]) + 1}.{shortcut(m[3])}"
+    if m := re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", key):
+        if m[2] in _VAE_ATTENTION_PARTS:
+            return f"{m[1]}.mid.attn_1.{_VAE_ATTENTION_PARTS[m[2]]}.{m[3]}"
+    if module in ("encoder.conv_in", "encoder.conv_out", "decoder.conv_in", "decoder.conv_out", "quant_conv", "post_quant_conv"):
+        return key
+    raise ValueError(f"VAE key {key!r} has no original-layout equivalent.")
+
+
+def vae_to_ldm(state: Mapping[str, torch.Tensor], config: Mapping, prefix: str = VAE_PREFIX) -> dict:
+    """Diffusers VAE state dict -> `first_stage_model.*` keys (`prefix=""` for a VAE-only file). The
+    mid-block attention's linear layers are 1x1 convolutions in the original layout."""
+    out = {}
+    for key, value in state.items():
+        ldm_key = _vae_key_to_ldm(key, len(config["up_block_types"]))
+        if ".mid.attn_1." in ldm_key and ldm_key.endswith("weight") and value.ndim == 2:
+            value = value[:, :, None, None]
+        out[prefix + ldm_key] = value
+    return out
+
+
+def clip_to_ldm(state: Mapping[str, torch.Tensor], prefix: str) -> dict:
+    """OpenAI CLIP text model (`text_model.*` keys) -> `<prefix>text_model.*`: the layouts only differ by prefix."""
+    return {prefix + k: v for k, v in state.items() if not k.endswith("position_ids")}
+
+
+_OPEN_CLIP_LAYER_PARTS = {
+    "self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2",
+    "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+}
+
+
+def open_clip_to_ldm(state: Mapping[str, torch.Tensor], prefix: str) -> dict:
+    """Transformers CLIP text model (`text_model.*`) -> OpenCLIP layout under `prefix`: q/k/v fused into
+    one `in_proj` per block (q, k, v stacked in that order), `text_projection` stored transposed."""
+    out = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    fixed = {
+        "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+        "text_model.embeddings.position_embedding.weight": "positional_embedding",
+        "text_model.final_layer_norm.weight": "ln_final.weight",
+        "text_model.final_layer_norm.bias": "ln_final.bias",
+    }
+    for key, value in state.items():
+        if key.endswith("position_ids"):
+            continue
+        if key in fixed:
+            out[prefix + fixed[key]] = value
+        elif key == "text_projection.weight":
+            out[prefix + "text_projection"] = value.T
+        elif m := re.fullmatch(r"text_model\.encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", key):
+            fused.setdefault(f"transformer.resblocks.{m[1]}.attn.in_proj_{m[3]}", {})[m[2]] = value
+        elif (m := re.fullmatch(r"text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", key)) and m[2] in _OPEN_CLIP_LAYER_PARTS:
+            out[f"{prefix}transformer.resblocks.{m[1]}.{_OPEN_CLIP_LAYER_PARTS[m[2]]}.{m[3]}"] = value
+        else:
+            raise ValueError(f"text encoder key {key!r} has no OpenCLIP equivalent (is a LoRA/adapter still attached?).")
+    for name, parts in fused.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise ValueError(f"text encoder block {name}: q/k/v projections incomplete ({sorted(parts)}).")
+        out[prefix + name] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
