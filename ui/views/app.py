@@ -162,14 +162,18 @@ class TandemApp(ctk.CTk):
 
     # --- GPUs ---------------------------------------------------------------------------------
     def _detect_gpus(self, probe: Callable[[], list[GpuInfo]]) -> None:
-        def run() -> None:
-            gpus = probe()
-            try:
-                self.after(0, lambda: self._gpus_found(gpus))
-            except RuntimeError:  # the window closed while detecting
-                pass
+        # Tk may only be touched from this thread: the probe thread hands its answer over in a
+        # list that this thread polls with after().
+        found: list[list[GpuInfo]] = []
+        threading.Thread(target=lambda: found.append(probe()), daemon=True, name="tandem-gpu-probe").start()
 
-        threading.Thread(target=run, daemon=True, name="tandem-gpu-probe").start()
+        def check() -> None:
+            if found:
+                self._gpus_found(found[0])
+            else:
+                self.after(100, check)
+
+        self.after(50, check)
 
     def _gpus_found(self, gpus: list[GpuInfo]) -> None:
         self.gpus = gpus

@@ -135,7 +135,10 @@ class Binder:
         if path is None:
             self.type_errors.clear()
             for field in list(self.fields.values()):
-                field.refresh()
+                try:
+                    field.refresh()
+                except KeyError:
+                    pass  # a row of a list that got shorter; its editor rebuilds just below
         elif path in self.fields and path != self._writing:
             self.fields[path].refresh()
         self.revalidate()

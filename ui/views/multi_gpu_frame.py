@@ -155,16 +155,26 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.check_button.configure(state="disabled", text="Checking...")
         self._show_check("$ " + subprocess.list2cmdline(command) + "\n")
 
+        report: list[str] = []  # filled by the worker thread, read by this (the Tk) thread
+
         def run() -> None:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=300)
                 text = result.stdout + result.stderr
-                verdict = "No problems found." if result.returncode == 0 else f"Problems found (exit code {result.returncode})."
+                verdict = ("No problems found." if result.returncode == 0
+                           else f"Problems found (exit code {result.returncode}).")
             except (OSError, subprocess.TimeoutExpired) as e:
                 text, verdict = str(e), "The check could not run."
-            self.after(0, lambda: self._check_done(text + "\n" + verdict))
+            report.append(text + "\n" + verdict)
 
-        threading.Thread(target=run, daemon=True).start()
+        def wait() -> None:
+            if report:
+                self._check_done(report[0])
+            else:
+                self.after(200, wait)
+
+        threading.Thread(target=run, daemon=True, name="tandem-check-setup").start()
+        self.after(200, wait)
 
     def _check_done(self, text: str) -> None:
         self.check_button.configure(state="normal", text="Check setup")
