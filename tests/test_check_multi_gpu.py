@@ -1,0 +1,150 @@
+"""scripts/check_multi_gpu.py on this CPU machine, and the memory estimate behind it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modules.config import TrainConfig
+from modules.distributed import diagnostics, memory_estimate
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "check_multi_gpu.py"
+GIB = 1024 ** 3
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    """A config for the published SD1 shapes; the checkpoint file only has to exist for validation."""
+    weights = tmp_path / "sd15.safetensors"
+    weights.write_bytes(b"")
+    data = {"model": {"base_model": str(weights), "model_type": "sd1"}, **sections}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cpu_machine_reports_no_gpus_and_a_correct_gloo_allreduce():
+    result = run_check()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No CUDA GPUs found" in result.stdout
+    assert "All-reduce gloo on cpu, 2 processes: sum correct (3)" in result.stdout
+    assert "Result: all checks passed." in result.stdout
+
+
+def test_json_report_with_the_demo_preset(tmp_path):
+    preset = REPO / "training_presets" / "#demo.json"
+    config = "#demo" if preset.exists() else str(tmp_path / "demo.json")
+    if not preset.exists():
+        Path(config).write_text(json.dumps({"model": {"base_model": "builtin:demo"}, "data": {"resolution": 64}}))
+    result = run_check("--json", "--skip-gloo", "--config-path", config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["gpus"] == [] and report["allreduce"] == [] and report["problems"] == []
+    memory = report["memory"]
+    for key in ("weights", "gradients", "optimizer_state", "ema", "activations", "total"):
+        assert memory[key] >= 0, key
+    assert "demo model" in memory["architecture_source"]
+    # The demo UNet is tiny: far below a million parameters, but not empty.
+    assert 10_000 < memory["params"]["unet"] < 5_000_000
+    parts = sum(memory[k] for k in ("weights", "gradients", "ddp_buckets", "optimizer_state", "ema",
+                                    "autocast_cache", "activations", "runtime_overhead"))
+    assert memory["total"] == pytest.approx(parts)
+
+
+def test_sd1_full_finetune_adamw_fp32_needs_16_bytes_per_unet_parameter(tmp_path):
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type = "unused.safetensors", "sd1"
+    cfg.training.method, cfg.training.precision = "full", "fp32"
+    est = memory_estimate.estimate(cfg)
+    unet = est["params"]["unet"]
+    assert unet == pytest.approx(859.5e6, rel=1e-3)
+    assert est["gradients"] * GIB == 4 * unet
+    assert est["optimizer_state"] * GIB == 8 * unet
+    weights_unet = 4 * unet
+    # weights (fp32 UNet + frozen TE + VAE) + gradients + Adam states ~ 16 B x 860M ~ 13.8 GB
+    assert 13.7e9 < weights_unet + (est["gradients"] + est["optimizer_state"]) * GIB < 13.9e9
+    assert est["weights"] * GIB == weights_unet + 4 * (est["params"]["text_encoder"] + est["params"]["vae"])
+    assert est["autocast_cache"] == 0  # fp32 training casts nothing
+
+
+def test_published_architectures_match_published_parameter_counts():
+    for family, expected in memory_estimate.PUBLISHED_PARAMS_M.items():
+        models = memory_estimate.build_meta_models(memory_estimate.ARCHITECTURES[family])
+        for name, millions in expected.items():
+            count = sum(p.numel() for p in models[name].parameters())
+            assert count / 1e6 == pytest.approx(millions, abs=0.1), (family, name)
+
+
+def test_lora_counts_follow_rank_and_targets():
+    models = memory_estimate.build_meta_models(memory_estimate.ARCHITECTURES["sd1"])
+    shapes_16 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 16)
+    shapes_32 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 32)
+    count_16 = sum(memory_estimate._numel(s) for s in shapes_16)
+    assert count_16 == pytest.approx(3.19e6, rel=0.01)  # the well-known 3.2M of an SD1.5 rank-16 LoRA
+    assert sum(memory_estimate._numel(s) for s in shapes_32) == 2 * count_16
+    assert memory_estimate.lora_shapes(models["unet"], ["to_q"], 16) != shapes_16
+
+
+def test_optimizer_state_sizes():
+    shapes = [(320, 768), (320,)]
+    params = 320 * 768 + 320
+    assert memory_estimate.optimizer_state_bytes("adamw", shapes, 0.9) == 8 * params
+    assert memory_estimate.optimizer_state_bytes("adamw_8bit", shapes, 0.9) == 2 * params
+    assert memory_estimate.optimizer_state_bytes("sgd", shapes, 0.9) == 4 * params
+    assert memory_estimate.optimizer_state_bytes("sgd", shapes, 0.0) == 0
+    assert memory_estimate.optimizer_state_bytes("adafactor", shapes, 0.9) == 4 * (320 + 768 + 320)
+    with pytest.raises(memory_estimate.EstimateError, match="optimizer.name"):
+        memory_estimate.optimizer_state_bytes("lion", shapes, 0.9)
+
+
+def test_estimate_over_free_memory_fails_with_advice(tmp_path):
+    config = write_config(tmp_path, training={"method": "full", "batch_size": 4})
+    small = run_check("--skip-gloo", "--config-path", str(config), "--assume-free-gib", "20")
+    assert small.returncode == 1, small.stdout
+    assert "PROBLEM: Estimated memory per GPU" in small.stdout
+    assert "training.gradient_checkpointing=true" in small.stdout
+    big = run_check("--skip-gloo", "--json", "--config-path", str(config), "--assume-free-gib", "80")
+    assert big.returncode == 0, big.stdout
+    memory = json.loads(big.stdout)["memory"]
+    assert memory["largest_batch"] >= 4 and memory["largest_batch_checkpointed"] > memory["largest_batch"]
+
+
+def test_invalid_config_names_the_field(tmp_path):
+    config = write_config(tmp_path, training={"batch_sise": 2})
+    result = run_check("--skip-gloo", "--config-path", str(config))
+    assert result.returncode == 1
+    assert "training.batch_sise" in result.stdout and "batch_size" in result.stdout
+
+
+def test_failed_allreduce_is_reported_not_raised():
+    # NCCL needs CUDA; on this machine the rank fails, and the check must say so instead of crashing.
+    result = diagnostics.run_allreduce("nccl", 1, 1)
+    assert result["ok"] is False and result["error"]
+
+
+def test_parse_nvidia_smi_topology():
+    text = ("\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity\n"
+            "GPU0\t X \tNV12\tSYS\t0-31\t0\n"
+            "GPU1\tNV12\t X \tPHB\t0-31\t0\n"
+            "GPU2\tSYS\tPHB\t X \t32-63\t1\n\nLegend:\n  X    = Self\n")
+    topo = diagnostics.parse_topology(text)
+    assert topo["available"] and topo["nvlink_pairs"] == [["GPU0", "GPU1"]]
+    assert topo["links"]["GPU2"]["GPU1"] == "PHB"
+    assert diagnostics.parse_topology("NVIDIA-SMI has failed")["available"] is False
+
+
+def test_largest_batch_that_fits():
+    est = {"fixed": 10.0, "activations_per_sample": 3.0, "activations_per_sample_checkpointed": 1.0}
+    assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=False) == 3
+    assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=True) == 10
+    assert memory_estimate.largest_batch_that_fits(est, 9.0, checkpointing=True) == 0
