@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-from modules.model.detect import detect_model_type
+from modules.model.detect import SD2_V_PROBE_KEY, detect_model_type, resolve_prediction_type
 from modules.model.single_file import (
     clip_to_ldm,
     load_single_file_components,
@@ -123,6 +123,9 @@ def test_save_then_load_gives_identical_models(tmp_path, model_type):
     keys = read_checkpoint(path)[0].keys()
     assert detect_model_type(keys) == model_type
     assert not [p for p in tmp_path.iterdir() if p.name != "model.safetensors"], "temporary file left behind"
+    (tmp_path / "plain").touch()
+    assert path.stat().st_mode == (tmp_path / "plain").stat().st_mode  # not safetensors' own 0600
+    (tmp_path / "plain").unlink()
 
     loaded = load_single_file_components(path)
     assert loaded["model_type"] == model_type
@@ -244,6 +247,20 @@ def test_detect_model_type_from_key_names():
         detect_model_type(unet + ["conditioner.embedders.0.model.ln_final.weight"])
     with pytest.raises(ValueError, match="diffusers layout"):
         detect_model_type(["down_blocks.0.resnets.0.conv1.weight"])
+
+
+def test_prediction_type_rules_in_order(tmp_path):
+    path = tmp_path / "model.safetensors"
+    wide, narrow = {SD2_V_PROBE_KEY: torch.linspace(-1, 1, 64)}, {SD2_V_PROBE_KEY: torch.full((64,), 0.02)}
+    assert resolve_prediction_type("epsilon", "sd2", path, wide, recorded="v_prediction") == "epsilon"
+    assert resolve_prediction_type("auto", "sd2", path, wide, recorded="epsilon") == "epsilon"
+    assert resolve_prediction_type("auto", "sdxl", path, {"v_pred": torch.zeros(0)}) == "v_prediction"
+    assert resolve_prediction_type("auto", "sd2", path, wide) == "v_prediction"  # ComfyUI's weight heuristic
+    assert resolve_prediction_type("auto", "sd2", path, narrow) == "epsilon"
+    assert resolve_prediction_type("auto", "sd2", path, {}) == "v_prediction"  # SD 2.x default (768-v)
+    assert resolve_prediction_type("auto", "sd1", path, wide) == "epsilon"
+    with pytest.raises(ValueError, match="prediction_type 'v'"):
+        resolve_prediction_type("v", "sd1", path)
 
 
 # ------------------------------------------------------------------ real-size layouts (meta device: no memory)

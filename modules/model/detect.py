@@ -14,8 +14,10 @@ and for the tiny models the tests build: the text encoder's layout is what tells
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ SDXL_TEXT_PREFIX = "conditioner.embedders.0.transformer."
 SDXL_TEXT_2_PREFIX = "conditioner.embedders.1.model."
 # ComfyUI's marker for v-prediction checkpoints (an empty tensor named "v_pred").
 V_PRED_MARKER_KEY = "v_pred"
+# The tensor ComfyUI inspects to tell SD 2.x v-models from epsilon ones.
+SD2_V_PROBE_KEY = UNET_PREFIX + "output_blocks.11.1.transformer_blocks.0.norm1.bias"
 
 
 def _key_sample(keys: list[str], count: int = 5) -> str:
@@ -83,7 +87,7 @@ def resolve_prediction_type(
     requested: str,
     model_type: str,
     path: Path,
-    keys: Iterable[str] = (),
+    state: Mapping[str, torch.Tensor] | None = None,
     recorded: str | None = None,
 ) -> str:
     """The training target of a checkpoint, first match wins:
@@ -92,20 +96,29 @@ def resolve_prediction_type(
     2. `recorded`: what Tandem wrote into the file's metadata when it saved it;
     3. a `v_pred` key in the checkpoint (ComfyUI's marker) -> `v_prediction`;
     4. an A1111-style `<file>.yaml` next to the checkpoint (`parameterization: "v"` -> `v_prediction`);
-    5. the family default: `v_prediction` for SD 2.x (the 768-v models, 2.0-v and 2.1, are the usual
+    5. SD 2.x only, ComfyUI's heuristic: the spread of one late UNet norm bias is far larger in the
+       v-models (std > 0.09) than in the epsilon models;
+    6. the family default: `v_prediction` for SD 2.x (the 768-v models, 2.0-v and 2.1, are the usual
        ones; set `epsilon` for the 512-base models), `epsilon` for SD 1.x and SDXL.
     """
+    state = state or {}
     if requested != "auto":
         if requested not in PREDICTION_TYPES:
             raise ValueError(f"prediction_type {requested!r} is not one of auto, {', '.join(PREDICTION_TYPES)}.")
         return requested
     if recorded in PREDICTION_TYPES:
         return recorded
-    if V_PRED_MARKER_KEY in set(keys):
+    if V_PRED_MARKER_KEY in state:
         return "v_prediction"
     from_yaml = _prediction_from_sidecar_yaml(path)
     if from_yaml is not None:
         return from_yaml
+    probe = state.get(SD2_V_PROBE_KEY)
+    if model_type == "sd2" and probe is not None:
+        guess = "v_prediction" if torch.std(probe.float(), unbiased=False).item() > 0.09 else "epsilon"
+        logger.info("%s: SD 2.x prediction type judged %s from the UNet's weights; set "
+                    "model.prediction_type to override.", path, guess)
+        return guess
     if model_type == "sd2":
         logger.warning(
             "%s: SD 2.x checkpoint without a recorded prediction type; assuming v_prediction (the 768-v models). "

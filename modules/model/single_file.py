@@ -265,7 +265,7 @@ def load_single_file_components(
             f"encoder keys). Set model.model_type to {detected!r} or 'auto', or pick the right file."
         )
     prediction = resolve_prediction_type(
-        prediction_type, detected, path, state.keys(), recorded=metadata.get(META_PREDICTION_TYPE)
+        prediction_type, detected, path, state, recorded=metadata.get(META_PREDICTION_TYPE)
     )
     configs = _resolve_configs(detected, metadata, config_overrides)
 
@@ -366,7 +366,11 @@ def save_single_file(bundle, path: str | Path, dtype: torch.dtype | str, unet_st
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        # safetensors creates its files 0600; give the model the permissions a normal new file gets here.
+        temporary.touch()
+        mode = temporary.stat().st_mode
         save_file(tensors, str(temporary), metadata=metadata)
+        os.chmod(temporary, mode)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
