@@ -7,6 +7,7 @@ event becomes a log line (with the reason) rather than being dropped or crashing
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +41,18 @@ class LogLine:
     text: str
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def clean_log_text(text: str) -> str:
+    """What a terminal would show: progress bars redraw with carriage returns and cursor escapes."""
+    text = _ANSI.sub("", text.rstrip("\r\n"))
+    return text.rsplit("\r", 1)[-1] if "\r" in text.rstrip("\r") else text.rstrip("\r")
+
+
 def parse_line(line: str) -> TrainingEvent | LogLine:
     """One line of trainer output -> an event, or a log line for everything else."""
-    text = line.rstrip("\r\n")
+    text = clean_log_text(line)
     if not text.startswith(EVENT_MARKER):
         return LogLine(text)
     payload = text[len(EVENT_MARKER):]

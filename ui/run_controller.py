@@ -26,6 +26,7 @@ from .launch_command import build_command
 
 COMMANDS = ("stop", "sample", "backup", "save")
 ERROR_TAIL_LINES = 25
+STARTING = "starting the training processes"
 
 
 @dataclass
@@ -124,7 +125,7 @@ class RunController:
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
         else:
             kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
-        self.state = RunState(status="running", message="Starting", command=list(command))
+        self.state = RunState(status="running", message=STARTING, command=list(command))
         self.log.clear()
         self.log_count = 0
         self._log("$ " + subprocess.list2cmdline(command))
@@ -224,6 +225,8 @@ class RunController:
         elif event.type == "status":
             s.message = str(event.get("text", ""))
         elif event.type == "progress":
+            if s.message == STARTING:
+                s.message = ""
             s.epoch = int(event.get("epoch", s.epoch))
             s.epochs = int(event.get("epochs", s.epochs))
             s.step = int(event.get("step", s.step))

@@ -22,11 +22,14 @@ class Form:
         self.master, self.binder = master, binder
         self.labels = labels or {}
         self.row = 0
-        master.grid_columnconfigure(3, weight=1)  # spare width goes right of the Browse buttons
+        # Labels line up at a fixed width; spare width goes to column 3, right of the Browse
+        # buttons, so switches (which span the columns) do not push the entries around.
+        master.grid_columnconfigure(0, minsize=190)
+        master.grid_columnconfigure(3, weight=1)
 
     def section(self, title: str) -> ctk.CTkLabel:
         label = ctk.CTkLabel(self.master, text=title, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
-        label.grid(row=self.row, column=0, columnspan=3, sticky="w", padx=10, pady=(14, 2))
+        label.grid(row=self.row, column=0, columnspan=4, sticky="w", padx=10, pady=(14, 2))
         self.row += 1
         return label
 
@@ -38,7 +41,7 @@ class Form:
         tp = field_type(path, self.binder.model.cfg)
         if tp is bool:
             bound = SwitchField(self.binder, path, self.master, text=text)
-            bound.widget.grid(row=self.row, column=0, columnspan=2, sticky="w", padx=10, pady=3)
+            bound.widget.grid(row=self.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)
         else:
             caption = ctk.CTkLabel(self.master, text=text, anchor="w")
             caption.grid(row=self.row, column=0, sticky="w", padx=(10, 6), pady=3)
@@ -55,7 +58,7 @@ class Form:
         self.row += 1
         bound.error_label = ctk.CTkLabel(self.master, text="", text_color=ERROR_COLOR, anchor="w",
                                          justify="left", wraplength=560)
-        bound.error_label.grid(row=self.row, column=0, columnspan=3, sticky="w", padx=14)
+        bound.error_label.grid(row=self.row, column=0, columnspan=4, sticky="w", padx=14)
         bound.error_label.grid_remove()
         self.row += 1
         return self.binder.add(bound)

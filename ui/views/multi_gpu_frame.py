@@ -35,14 +35,14 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.enable = form.field("multi_gpu.enabled", "Enable Multi-GPU")
 
         self.gpu_box = ctk.CTkFrame(self, fg_color="transparent")
-        self.gpu_box.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10)
+        self.gpu_box.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
         form.row += 1
         self.all_var = tk.BooleanVar(self, True)
         self.gpu_vars: dict[int, tk.BooleanVar] = {}
         self.gpu_checks: list[ctk.CTkCheckBox] = []
         self.explanation = ctk.CTkLabel(self, text="Looking for GPUs...", anchor="w", justify="left",
                                         wraplength=560, text_color="gray60")
-        self.explanation.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10)
+        self.explanation.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
         form.row += 1
 
         cpu_label = ctk.CTkLabel(self, text="CPU processes (for trying)", anchor="w")
@@ -60,20 +60,20 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.torchrun_var = tk.BooleanVar(self, binder.model.cfg.multi_gpu.launcher == "torchrun")
         self.torchrun = ctk.CTkSwitch(self, text="Use torchrun (else spawn)", variable=self.torchrun_var,
                                       command=self._launcher_chosen)
-        self.torchrun.grid(row=form.row, column=0, columnspan=2, sticky="w", padx=10, pady=3)
+        self.torchrun.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)
         Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
         form.row += 1
         self.lr_scaling = form.field("multi_gpu.lr_scaling", "Scale learning rate")
         self.port = form.field("multi_gpu.master_port", "Port (0: free port)", width=100)
 
         self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))
-        self.summary.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=10, pady=(8, 2))
+        self.summary.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(8, 2))
         form.row += 1
         self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
         form.row += 1
         self.check_output = ctk.CTkTextbox(self, height=140, width=620, wrap="none")
-        self.check_output.grid(row=form.row, column=0, columnspan=3, sticky="we", padx=10, pady=(0, 10))
+        self.check_output.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(0, 10))
         self.check_output.grid_remove()
         binder.on_change.append(lambda _path: self.sync())
         self.detecting = True

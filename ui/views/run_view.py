@@ -5,13 +5,14 @@ from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
-from PIL import Image
+from PIL import Image, ImageOps
 
 from modules.config.run_paths import RunPaths
 
 from ..events import format_duration
 from ..external import TensorBoard, open_folder
 from ..gpu_info import UsageMonitor
+from ..multi_gpu_summary import format_lr
 from ..run_controller import RunController
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
@@ -131,9 +132,12 @@ class RunView(ctk.CTkFrame):
                      + (f" · LR {s.lr:.3g}" if isinstance(s.lr, (int, float)) else ""))
         info = s.run_info
         if info:
+            lr = f"LR {format_lr(info.get('base_lr', 0))}"
+            if info.get("lr") != info.get("base_lr"):
+                lr += f" -> {format_lr(info.get('lr', 0))}"
             self.run_info.configure(text=f"World size {info.get('world_size')} · global batch "
-                                         f"{info.get('global_batch')} · {info.get('steps_per_epoch')} steps/epoch"
-                                         f" · LR {info.get('base_lr')} -> {info.get('lr')}")
+                                         f"{info.get('global_batch')} · {info.get('steps_per_epoch')} "
+                                         f"steps/epoch · {lr}")
         self.loss_plot.set_points(s.losses)
         if len(s.samples) > self._shown_samples:
             self._shown_samples = len(s.samples)
@@ -159,7 +163,9 @@ class RunView(ctk.CTkFrame):
         except OSError as e:
             self.sample_caption.configure(text=f"Sample {path.name} could not be read: {e}")
             return
-        picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
+        # Fit the box both ways: the demo's 64 px samples are shown enlarged, large ones shrunk.
+        picture = ImageOps.contain(picture, (SAMPLE_PX, SAMPLE_PX), Image.Resampling.NEAREST
+                                   if max(picture.size) < SAMPLE_PX else Image.Resampling.LANCZOS)
         self._sample_ctk = ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size)
         self.sample_image.configure(image=self._sample_ctk, text="")
         self.sample_caption.configure(text=f"step {sample.get('step')}: {sample.get('prompt', '')}")

@@ -77,7 +77,7 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
                           [("path", "Folder", 300), ("name", "Name", 110), ("enabled", "On", 50),
                            ("repeats", "Repeats", 60), ("caption_extension", "Captions", 70)],
                           _ask_concept, "Add concept folder")
-    concepts.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=6)
+    concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.random_flip",
@@ -98,7 +98,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
                           ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
                          lambda: SamplePromptConfig(prompt=""), "Add prompt")
-    prompts.grid(row=form.row, column=0, columnspan=3, sticky="w", padx=6)
+    prompts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
     form.row += 1
     form.section("When")
     form.fields("sampling.every_n_steps", "sampling.every_n_epochs", "sampling.sample_at_start")

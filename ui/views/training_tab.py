@@ -52,5 +52,5 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
                 "training.offset_noise")
     multi_gpu = MultiGPUFrame(frame, binder, python)
-    multi_gpu.grid(row=form.row, column=0, columnspan=3, sticky="we", padx=6, pady=12)
+    multi_gpu.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6, pady=12)
     return multi_gpu
