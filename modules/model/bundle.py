@@ -185,6 +185,18 @@ class ModelBundle:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def checkpoint_text_encoder_key(key: str) -> str:
+    """A CLIP text-encoder weight/module name as checkpoints spell it.
+
+    transformers 5 dropped CLIP's `text_model.` wrapper module; checkpoints, kohya files, older
+    diffusers LoRAs and transformers 4 all keep it, so saved names put it back (transformers 5
+    maps it away again when loading).
+    """
+    if key.startswith(("encoder.", "embeddings.", "final_layer_norm.")):
+        return "text_model." + key
+    return key
+
+
 def _text_encoder_name(index: int) -> str:
     return "text_encoder" if index == 0 else f"text_encoder_{index + 1}"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_MODEL_VERSION = 1
+DEMO_MODEL_VERSION = 2
 """Bump when the demo model's architecture or weights change; the marker file records it."""
 
 _MARKER_FILE = "tandem_demo.json"
@@ -53,15 +53,17 @@ def ensure_demo_model(root: Path | None = None) -> Path:
     root = Path(root) if root is not None else default_demo_root()
     if _is_complete(root):
         return root
-    if root.exists():
+    if root.exists() and not (root / _MARKER_FILE).is_file():
         raise RuntimeError(
-            f"{root} exists but is not a complete Tandem demo model (no {_MARKER_FILE} of version "
-            f"{DEMO_MODEL_VERSION}). Delete that folder; it is rebuilt automatically."
+            f"{root} exists but is not a Tandem demo model (it has no {_MARKER_FILE}). "
+            "Delete that folder or point TANDEM_HOME elsewhere; the demo model is rebuilt automatically."
         )
     root.parent.mkdir(parents=True, exist_ok=True)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}-building-", dir=root.parent))
     try:
         _build_into(build_dir)
+        if root.exists() and not _is_complete(root):
+            _retire_outdated(root)
         try:
             os.replace(build_dir, root)
         except OSError:
@@ -71,6 +73,17 @@ def ensure_demo_model(root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
     return root
+
+
+def _retire_outdated(root: Path) -> None:
+    """Move a demo model of an older version out of the way (another process may do it first)."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{root.name}-outdated-", dir=root.parent))
+    aside.rmdir()
+    try:
+        os.replace(root, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _is_complete(root: Path) -> bool:
@@ -110,7 +123,8 @@ def _write_and_load_tokenizer(folder: Path):
     folder.mkdir(parents=True)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=0), encoding="utf-8")
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
+    # local_files_only is written into tokenizer_config.json; fixing it keeps builds byte-identical.
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=77, local_files_only=True)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from modules.config.train_config import TrainingConfig
 
-from .bundle import ModelBundle
+from .bundle import ModelBundle, checkpoint_text_encoder_key
 from .files import resolve_save_dtype, save_safetensors_atomically
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -99,20 +99,12 @@ def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
         if getattr(module, "peft_config", None):
             state = get_peft_model_state_dict(module)
             if name.startswith("text_encoder"):
-                state = {_checkpoint_text_encoder_path(key): value for key, value in state.items()}
+                state = {checkpoint_text_encoder_key(key): value for key, value in state.items()}
             if state:
                 found[name] = state
     if not found:
         raise ValueError("the model has no LoRA adapters; call add_lora first")
     return found
-
-
-def _checkpoint_text_encoder_path(path: str) -> str:
-    """transformers 5 dropped CLIP's `text_model.` wrapper module; checkpoints, kohya files and
-    older diffusers LoRAs all keep it, so saved names put it back (loaders map it either way)."""
-    if path.startswith(("encoder.", "embeddings.", "final_layer_norm.")):
-        return "text_model." + path
-    return path
 
 
 def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
