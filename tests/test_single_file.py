@@ -17,7 +17,6 @@ from diffusers.loaders.single_file_utils import (
     convert_ldm_vae_checkpoint,
     convert_open_clip_checkpoint,
 )
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 

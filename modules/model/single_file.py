@@ -285,8 +285,7 @@ def load_single_file_components(
         vae = _load_vae_from_state(vae_state, configs["vae"], path)
 
     prefixes = _TEXT_PREFIXES[detected]
-    first_cls = CLIPTextModel
-    text_encoder = _load_text_encoder(first_cls, configs["text_encoder"], state, prefixes[0], path, "text encoder")
+    text_encoder = _load_text_encoder(CLIPTextModel, configs["text_encoder"], state, prefixes[0], path, "text encoder")
     text_encoder_2 = None
     if detected == "sdxl":
         text_encoder_2 = _load_text_encoder(
@@ -332,7 +331,9 @@ def load_vae_file(
     return _load_vae_from_state(state, vae_config, path)
 
 
-def save_single_file(bundle, path: str | Path, dtype: torch.dtype | str, unet_state_override: Mapping | None = None) -> Path:
+def save_single_file(
+    bundle, path: str | Path, dtype: torch.dtype | str, unet_state_override: Mapping | None = None
+) -> Path:
     """Write the UNet, VAE and text encoder(s) of a `ModelBundle` as one original-layout `.safetensors`
     (loadable by A1111, ComfyUI, diffusers' `from_single_file`), atomically. `unet_state_override`: a
     diffusers-layout UNet state dict to write instead of `bundle.unet`'s (e.g. LoRA merged in)."""
@@ -351,9 +352,11 @@ def save_single_file(bundle, path: str | Path, dtype: torch.dtype | str, unet_st
     ldm = unet_to_ldm(unet_state, bundle.unet.config)
     ldm.update(vae_to_ldm(bundle.vae.state_dict(), bundle.vae.config))
     configs = {"unet": _model_config(bundle.unet), "vae": _model_config(bundle.vae)}
-    for index, (prefix, encoder) in enumerate(zip(_TEXT_PREFIXES[bundle.model_type], bundle.text_encoders, strict=True)):
+    prefixes = _TEXT_PREFIXES[bundle.model_type]
+    for index, (prefix, encoder) in enumerate(zip(prefixes, bundle.text_encoders, strict=True)):
         canonical = _canonical_clip_state(encoder)
-        ldm.update(clip_to_ldm(canonical, prefix) if prefix.endswith("transformer.") else open_clip_to_ldm(canonical, prefix))
+        is_openai_clip = prefix.endswith("transformer.")
+        ldm.update(clip_to_ldm(canonical, prefix) if is_openai_clip else open_clip_to_ldm(canonical, prefix))
         configs["text_encoder" if index == 0 else "text_encoder_2"] = _model_config(encoder)
 
     tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in ldm.items()}
@@ -413,7 +416,11 @@ def _unet_key_to_ldm(key: str, per_block: int, up_blocks_with_attention: set[int
     module, _, param = key.rpartition(".")
     if module in _UNET_TOP_LEVEL:
         return f"{_UNET_TOP_LEVEL[module]}.{param}"
-    resnet = lambda rest: _RESNET_PARTS.get(rest.split(".")[0], rest.split(".")[0]) + rest[len(rest.split(".")[0]):]  # noqa: E731
+
+    def resnet(rest: str) -> str:
+        layer, _, tail = rest.partition(".")
+        return f"{_RESNET_PARTS.get(layer, layer)}.{tail}"
+
     if m := re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", key):
         index = 1 + int(m[1]) * (per_block + 1) + int(m[3])
         return f"input_blocks.{index}.0.{resnet(m[4])}" if m[2] == "resnets" else f"input_blocks.{index}.1.{m[4]}"
@@ -464,7 +471,8 @@ def _vae_key_to_ldm(key: str, up_block_count: int) -> str:
     if m := re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", key):
         if m[2] in _VAE_ATTENTION_PARTS:
             return f"{m[1]}.mid.attn_1.{_VAE_ATTENTION_PARTS[m[2]]}.{m[3]}"
-    if module in ("encoder.conv_in", "encoder.conv_out", "decoder.conv_in", "decoder.conv_out", "quant_conv", "post_quant_conv"):
+    if module in ("encoder.conv_in", "encoder.conv_out", "decoder.conv_in", "decoder.conv_out",
+                  "quant_conv", "post_quant_conv"):
         return key
     raise ValueError(f"VAE key {key!r} has no original-layout equivalent.")
 
@@ -486,6 +494,7 @@ def clip_to_ldm(state: Mapping[str, torch.Tensor], prefix: str) -> dict:
     return {prefix + k: v for k, v in state.items() if not k.endswith("position_ids")}
 
 
+_LAYER_KEY = re.compile(r"text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _OPEN_CLIP_LAYER_PARTS = {
     "self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2",
     "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
@@ -512,10 +521,12 @@ def open_clip_to_ldm(state: Mapping[str, torch.Tensor], prefix: str) -> dict:
             out[prefix + "text_projection"] = value.T
         elif m := re.fullmatch(r"text_model\.encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", key):
             fused.setdefault(f"transformer.resblocks.{m[1]}.attn.in_proj_{m[3]}", {})[m[2]] = value
-        elif (m := re.fullmatch(r"text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", key)) and m[2] in _OPEN_CLIP_LAYER_PARTS:
+        elif (m := _LAYER_KEY.fullmatch(key)) and m[2] in _OPEN_CLIP_LAYER_PARTS:
             out[f"{prefix}transformer.resblocks.{m[1]}.{_OPEN_CLIP_LAYER_PARTS[m[2]]}.{m[3]}"] = value
         else:
-            raise ValueError(f"text encoder key {key!r} has no OpenCLIP equivalent (is a LoRA/adapter still attached?).")
+            raise ValueError(
+                f"text encoder key {key!r} has no OpenCLIP equivalent (is a LoRA/adapter still attached?)."
+            )
     for name, parts in fused.items():
         if set(parts) != {"q", "k", "v"}:
             raise ValueError(f"text encoder block {name}: q/k/v projections incomplete ({sorted(parts)}).")

@@ -61,7 +61,9 @@ def clip_tokenizer(pad_token: str = EOS_TOKEN) -> CLIPTokenizer:
     SDXL's first encoder), `"!"` (`OPEN_CLIP_PAD_TOKEN`) for OpenCLIP (SD 2.x, SDXL's second encoder)."""
     vocab, merges = _vocab_and_merges()
     if pad_token not in vocab:
-        raise ValueError(f"pad_token {pad_token!r} is not in the CLIP vocabulary; use {EOS_TOKEN!r} or {OPEN_CLIP_PAD_TOKEN!r}.")
+        raise ValueError(
+            f"pad_token {pad_token!r} is not in the CLIP vocabulary; use {EOS_TOKEN!r} or {OPEN_CLIP_PAD_TOKEN!r}."
+        )
     return CLIPTokenizer(
         vocab=dict(vocab),
         merges=list(merges),
