@@ -143,6 +143,16 @@ def test_parse_nvidia_smi_topology():
     assert diagnostics.parse_topology("NVIDIA-SMI has failed")["available"] is False
 
 
+def test_parse_real_topology_with_underlined_header():
+    # Captured from `nvidia-smi topo -m` on a 2 x H200 machine (driver 580): the header is underlined.
+    text = ("\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+            "GPU0\t X \tNV18\t0-31\t0\t\tN/A\n"
+            "GPU1\tNV18\t X \t0-31\t0\t\tN/A\n\nLegend:\n")
+    topo = diagnostics.parse_topology(text)
+    assert topo["links"] == {"GPU0": {"GPU0": "X", "GPU1": "NV18"}, "GPU1": {"GPU0": "NV18", "GPU1": "X"}}
+    assert topo["nvlink_pairs"] == [["GPU0", "GPU1"]]
+
+
 def test_largest_batch_that_fits():
     est = {"fixed": 10.0, "activations_per_sample": 3.0, "activations_per_sample_checkpointed": 1.0}
     assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=False) == 3

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -85,15 +86,17 @@ def p2p_matrix(count: int) -> list[list[bool | None]]:
 
 def parse_topology(text: str) -> dict:
     """The GPU-to-GPU part of `nvidia-smi topo -m`: link kind per pair (`NV12`, `PIX`, `SYS`, ...)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # nvidia-smi underlines the header on a terminal
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header = next((ln for ln in lines if ln.split() and ln.split()[0].startswith("GPU")), None)
+    # The header is the first line of GPU names; a row starts with a GPU name followed by its "X" cell.
+    header = next((ln for ln in lines if ln.split()[0] == "GPU0" and ln.split()[1:2] != ["X"]), None)
     if header is None:
         return {"available": False, "reason": "no GPU header in nvidia-smi topo -m output"}
-    columns = [c for c in header.split() if c.startswith("GPU")]
+    columns = [c for c in header.split() if re.fullmatch(r"GPU\d+", c)]
     links: dict[str, dict[str, str]] = {}
     for ln in lines:
         cells = ln.split()
-        if not cells or not cells[0].startswith("GPU") or cells[0] not in columns or ln == header:
+        if ln == header or not cells or cells[0] not in columns:
             continue
         links[cells[0]] = dict(zip(columns, cells[1:1 + len(columns)]))
     nvlink = sorted({tuple(sorted((a, b))) for a, row in links.items() for b, kind in row.items()
@@ -120,7 +123,8 @@ def _allreduce_worker(rank: int, world: int, backend: str, port: int, numel: int
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=world, timeout=datetime.timedelta(seconds=120))
+                                         world_size=world, timeout=datetime.timedelta(seconds=120),
+                                         device_id=device if device.type == "cuda" else None)
     try:
         # Small integers are exact in fp32, so any deviation from the sum is a real fault.
         tensor = torch.full((numel,), float(rank + 1), device=device)
@@ -310,6 +314,8 @@ def format_report(report: dict) -> str:
             out.append(f"{head}: skipped ({r['error']})")
         elif not r["ok"]:
             out.append(f"{head}, {r['world_size']} processes: FAILED - {r['error']}")
+        elif r["world_size"] == 1:
+            out.append(f"{head}, 1 process: works (sum correct); bandwidth needs two or more GPUs")
         else:
             out.append(f"{head}, {r['world_size']} processes: sum correct ({r['expected_sum']:g}); "
                        f"{r['size_mib']} MiB in {r['seconds_per_allreduce'] * 1000:.1f} ms, "
