@@ -231,6 +231,19 @@ def test_full_diffusers_save_reloads_identical_weights(tmp_path, tandem_home):
     assert load_model(ModelConfig(base_model=str(tmp_path / "half"), unet_dtype="fp16")).unet.dtype == torch.float16
 
 
+def test_single_file_outputs_route_through_the_single_file_module(tmp_path, demo):
+    from modules.model import save_full_single_file
+
+    path = save_full_single_file(demo, tmp_path / "demo.safetensors", "fp32")
+    with_file_vae = load_model(ModelConfig(vae_path=str(path)))
+    assert with_file_vae.vae_source == str(path.resolve())
+    original = demo.vae.state_dict()
+    assert all(torch.equal(original[k], v) for k, v in with_file_vae.vae.state_dict().items())
+    # A single file has no tokenizer; the demo's own small vocabulary cannot come back from one.
+    with pytest.raises(ValueError, match="its own tokenizer.*diffusers folder"):
+        load_model(ModelConfig(base_model=str(path)))
+
+
 def test_samples_have_the_requested_size_and_are_seeded(demo):
     demo.unet.train()
     prompts = [SamplePromptConfig(prompt="a red circle", seed=3),

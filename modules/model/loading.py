@@ -58,10 +58,12 @@ def load_model(
     if not source:
         raise ValueError("model.base_model is empty; set it to a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
 
+    # With a separate VAE the model's own is never read (no wasted time or memory).
+    own_vae = not model_cfg.vae_path.strip()
     if source == BUILTIN_DEMO:
         from .demo import ensure_demo_model
 
-        bundle = _load_folder(ensure_demo_model(), model_cfg, dtypes, source_name=BUILTIN_DEMO)
+        bundle = _load_folder(ensure_demo_model(), model_cfg, dtypes, BUILTIN_DEMO, own_vae)
     elif source.startswith("builtin:"):
         raise ValueError(f"model.base_model {source!r} is not a built-in model; the only one is {BUILTIN_DEMO}")
     else:
@@ -72,12 +74,12 @@ def load_model(
                 f"a .safetensors/.ckpt file or {BUILTIN_DEMO}"
             )
         if path.is_dir():
-            bundle = _load_folder(path, model_cfg, dtypes, source_name=str(path.resolve()))
+            bundle = _load_folder(path, model_cfg, dtypes, str(path.resolve()), own_vae)
         else:
-            bundle = _load_single_file(path, model_cfg, dtypes)
+            bundle = _load_single_file(path, model_cfg, dtypes, own_vae)
 
-    if model_cfg.vae_path.strip():
-        bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"])
+    if not own_vae:
+        bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type)
         bundle.vae_source = str(Path(model_cfg.vae_path.strip()).expanduser().resolve())
 
     for module in bundle.modules().values():
@@ -85,8 +87,12 @@ def load_model(
     return bundle.to(device)
 
 
-def load_vae(path_text: str, dtype: torch.dtype = torch.float32):
-    """A VAE from a diffusers VAE folder, a model folder with `vae/`, or a single file."""
+def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str = "sd1"):
+    """A VAE from a diffusers VAE folder, a model folder with `vae/`, or a single file.
+
+    `model_type` is the base model's family: a single file does not say which latent scaling factor
+    (SD 0.18215, SDXL 0.13025) its VAE was trained with; diffusers folders do.
+    """
     from diffusers import AutoencoderKL
 
     path = Path(path_text).expanduser()
@@ -95,7 +101,7 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32):
     if path.is_file():
         from .single_file import load_vae_file
 
-        return load_vae_file(path).to(dtype)
+        return _as_dtype(load_vae_file(path, model_type=model_type), dtype)
     if (path / "config.json").is_file():
         return AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
     if (path / "vae" / "config.json").is_file():
@@ -135,7 +141,7 @@ def _resolve_model_type(requested: str, detected: str, reason: str, where: str) 
     return detected
 
 
-def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name: str) -> ModelBundle:
+def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name: str, own_vae: bool) -> ModelBundle:
     import diffusers
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
@@ -157,7 +163,7 @@ def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name
 
     common = {"local_files_only": True}
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtypes["unet"], **common)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common)
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common) if own_vae else None
     text_encoders, tokenizers = [], []
     for name in encoder_names:
         model_class = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
@@ -171,7 +177,7 @@ def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name
     return _assemble(model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, folder)
 
 
-def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict) -> ModelBundle:
+def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool) -> ModelBundle:
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(
             f"model.base_model {str(path)!r} is a file but not a model checkpoint "
@@ -179,17 +185,32 @@ def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict) -> Model
         )
     from .single_file import load_single_file_components
 
-    parts = load_single_file_components(path, model_type=model_cfg.model_type, prediction_type=model_cfg.prediction_type)
+    parts = load_single_file_components(
+        path, model_type=model_cfg.model_type, prediction_type=model_cfg.prediction_type, load_vae=own_vae)
     model_type = _resolve_model_type(model_cfg.model_type, parts["model_type"], "detected from its weights", str(path))
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if parts.get("text_encoder_2") is not None else [])
     tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if parts.get("tokenizer_2") is not None else [])
-    unet = parts["unet"].to(dtypes["unet"])
-    vae = parts["vae"].to(dtypes["vae"])
-    encoders = [encoder.to(dtypes["text_encoder"]) for encoder in encoders]
+    for encoder, tokenizer in zip(encoders, tokenizers):
+        if len(tokenizer) > encoder.config.vocab_size:
+            # A single file stores no tokenizer, so the standard CLIP one is used; a model with its
+            # own smaller vocabulary (Tandem's demo model, for one) cannot be read this way.
+            raise ValueError(
+                f"{path}: its text encoder knows {encoder.config.vocab_size} tokens but the standard CLIP "
+                f"tokenizer has {len(tokenizer)}; the model was trained with its own tokenizer. Load it "
+                "from its diffusers folder instead (save with save.full_format = diffusers)"
+            )
+    unet = _as_dtype(parts["unet"], dtypes["unet"])
+    vae = _as_dtype(parts["vae"], dtypes["vae"]) if own_vae else None
+    encoders = [_as_dtype(encoder, dtypes["text_encoder"]) for encoder in encoders]
     scheduler = parts["scheduler"]
     if parts.get("prediction_type") in PREDICTION_TYPES and model_cfg.prediction_type == "auto":
         scheduler = type(scheduler).from_config(scheduler.config, prediction_type=parts["prediction_type"])
     return _assemble(model_type, unet, vae, encoders, tokenizers, scheduler, model_cfg, str(path.resolve()), path)
+
+
+def _as_dtype(module, dtype: torch.dtype):
+    # Casting frees each old tensor as it goes; skipping a no-op cast also skips diffusers' warning.
+    return module if next(module.parameters()).dtype == dtype else module.to(dtype)
 
 
 def _assemble(model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, where) -> ModelBundle:
