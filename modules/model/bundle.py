@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 MODEL_TYPES = ("sd1", "sd2", "sdxl")
+# The parts of a diffusers folder whose weights shape the cached latents and text embeddings.
+_CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
 @dataclass
@@ -174,7 +176,7 @@ class ModelBundle:
         caches), the model type, the VAE in use, and the storage dtypes of the VAE and text encoders.
         """
         description = {
-            "source": _source_identity(self.source, ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")),
+            "source": _source_identity(self.source, _CACHE_INPUT_FOLDERS),
             "model_type": self.model_type,
             "vae": _source_identity(self.vae_source, ()) if self.vae_source else "model",
             "vae_config": _plain_config(self.vae.config),

@@ -129,7 +129,7 @@ def _write_and_load_tokenizer(folder: Path):
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's reversible byte -> printable character table (the byte-level base alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
     for byte in range(256):

@@ -23,7 +23,10 @@ BUILTIN_DEMO = "builtin:demo"
 # The UNet's cross-attention width is what tells the SD families apart (CLIP-L 768, OpenCLIP-H
 # 1024, CLIP-L + OpenCLIP-bigG 2048).
 _TYPE_BY_CROSS_ATTENTION_DIM = {768: "sd1", 1024: "sd2", 2048: "sdxl"}
-_REQUIRED_FOLDER_FILES = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json", "scheduler/scheduler_config.json")
+_REQUIRED_FOLDER_FILES = (
+    "model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
+    "scheduler/scheduler_config.json",
+)
 
 
 def frozen_dtypes(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = None) -> dict[str, torch.dtype]:
@@ -56,7 +59,8 @@ def load_model(
     dtypes = frozen_dtypes(model_cfg, training_cfg)
     source = model_cfg.base_model.strip()
     if not source:
-        raise ValueError("model.base_model is empty; set it to a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
+        raise ValueError(
+            "model.base_model is empty; set it to a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
 
     # With a separate VAE the model's own is never read (no wasted time or memory).
     own_vae = not model_cfg.vae_path.strip()
@@ -97,7 +101,8 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
 
     path = Path(path_text).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model.vae_path {str(path)!r} does not exist; set it to a VAE folder or file, or leave it empty")
+        raise FileNotFoundError(
+            f"model.vae_path {str(path)!r} does not exist; set it to a VAE folder or file, or leave it empty")
     if path.is_file():
         from .single_file import load_vae_file
 
@@ -129,7 +134,8 @@ def _check_choices(model_cfg: ModelConfig) -> None:
     if model_cfg.model_type not in ("auto", *MODEL_TYPES):
         raise ValueError(f"model.model_type is {model_cfg.model_type!r}; use auto, {', '.join(MODEL_TYPES)}")
     if model_cfg.prediction_type not in ("auto", *PREDICTION_TYPES):
-        raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}; use auto, {', '.join(PREDICTION_TYPES)}")
+        raise ValueError(
+            f"model.prediction_type is {model_cfg.prediction_type!r}; use auto, {', '.join(PREDICTION_TYPES)}")
 
 
 def _resolve_model_type(requested: str, detected: str, reason: str, where: str) -> str:
@@ -159,16 +165,21 @@ def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name
         tokenizer_name = name.replace("text_encoder", "tokenizer")
         for relative in (f"{name}/config.json", tokenizer_name):
             if not (folder / relative).exists():
-                raise FileNotFoundError(f"{folder} is not a complete {model_type.upper()} diffusers folder: {relative} is missing")
+                raise FileNotFoundError(
+                    f"{folder} is not a complete {model_type.upper()} diffusers folder: {relative} is missing")
 
     common = {"local_files_only": True}
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtypes["unet"], **common)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common) if own_vae else None
+    vae = None
+    if own_vae:
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common)
     text_encoders, tokenizers = [], []
     for name in encoder_names:
         model_class = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
-        text_encoders.append(model_class.from_pretrained(folder, subfolder=name, dtype=dtypes["text_encoder"], **common))
-        tokenizers.append(CLIPTokenizer.from_pretrained(folder, subfolder=name.replace("text_encoder", "tokenizer"), **common))
+        tokenizer_name = name.replace("text_encoder", "tokenizer")
+        text_encoders.append(
+            model_class.from_pretrained(folder, subfolder=name, dtype=dtypes["text_encoder"], **common))
+        tokenizers.append(CLIPTokenizer.from_pretrained(folder, subfolder=tokenizer_name, **common))
 
     index = json.loads((folder / "model_index.json").read_text())
     scheduler_class_name = (index.get("scheduler") or [None, "DDPMScheduler"])[1]
@@ -213,7 +224,9 @@ def _as_dtype(module, dtype: torch.dtype):
     return module if next(module.parameters()).dtype == dtype else module.to(dtype)
 
 
-def _assemble(model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, where) -> ModelBundle:
+def _assemble(
+    model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, where,
+) -> ModelBundle:
     from diffusers import DDPMScheduler
 
     prediction_type = model_cfg.prediction_type

@@ -109,7 +109,10 @@ def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
 
 def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
     """All LoRA weights as one flat dict with `unet.` / `text_encoder.` prefixes (peft layout)."""
-    return {f"{component}.{key}": value for component, state in lora_modules(bundle).items() for key, value in state.items()}
+    return {
+        f"{component}.{key}": value
+        for component, state in lora_modules(bundle).items() for key, value in state.items()
+    }
 
 
 def lora_alpha_and_rank(bundle: ModelBundle, component: str = "unet") -> tuple[float, int]:

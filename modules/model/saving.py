@@ -13,7 +13,9 @@ import torch
 from .bundle import ModelBundle, checkpoint_text_encoder_key
 from .files import folder_written_atomically, resolve_save_dtype
 
-_PIPELINE_CLASS = {"sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
+_PIPELINE_CLASS = {
+    "sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
+}
 
 
 def save_full_diffusers(
@@ -90,7 +92,7 @@ def _check_same_keys(expected: dict, given: dict) -> None:
 def _converted(state: dict[str, torch.Tensor], dtype: torch.dtype, rename=lambda key: key) -> dict[str, torch.Tensor]:
     # Floating tensors take the save dtype; integer buffers (e.g. CLIP position ids) keep theirs.
     return {
-        rename(key): (value.detach().to("cpu", dtype) if value.is_floating_point() else value.detach().cpu()).contiguous()
+        rename(key): (value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype)).contiguous()
         for key, value in state.items()
     }
 
