@@ -9,6 +9,7 @@ in `dist_utils`, which the base loop already calls.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -31,6 +32,13 @@ def register_compression(ddp: DDP, mode: str) -> None:
     ddp.register_comm_hook(None, hooks[mode])
 
 
+def _no_buffer_sync_per_forward() -> dict:
+    """Frozen buffers never change, so re-sending them every forward is wasted time (the name changed in torch 2.13)."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 class DistributedTrainer(BaseTrainer):
     def __init__(self, cfg, callbacks=None, inbox=None, device_type: str = "cuda") -> None:
         super().__init__(cfg, callbacks, inbox)
@@ -38,7 +46,6 @@ class DistributedTrainer(BaseTrainer):
 
     def setup_environment(self) -> None:
         self.device = init_worker(self.cfg.multi_gpu.backend, self.device_type, self.cfg.multi_gpu.timeout_minutes)
-        self.seed_this_process()
         self.configure_backends()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -48,8 +55,7 @@ class DistributedTrainer(BaseTrainer):
         ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   bucket_cap_mb=m.bucket_cap_mb, find_unused_parameters=m.find_unused_parameters,
                   static_graph=m.static_graph, gradient_as_bucket_view=m.gradient_as_bucket_view,
-                  # Frozen buffers never change, so re-broadcasting them every forward is wasted time.
-                  broadcast_buffers=False)
+                  **_no_buffer_sync_per_forward())
         register_compression(ddp, m.gradient_compression)
         return ddp
 

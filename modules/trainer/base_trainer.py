@@ -51,11 +51,15 @@ class BaseTrainer(ABC):
         self.setup_environment()
         self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
         self.bundle = self.create_model()
+        # One seed for what creates weights (LoRA init), set after loading (which may build and seed the
+        # demo model): every rank and every world size starts alike.
+        seed_everything(self.cfg.general.seed)
         self.trainable = self.prepare_trainable()
         self.fill_cache()
         self.sampler, self.loader = self.create_loader()
         self.numbers = self.compute_numbers()
         self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
+        self.seed_this_process()
         self.optimizer, self.lr_schedule = self.create_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
         self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
@@ -71,7 +75,13 @@ class BaseTrainer(ABC):
 
     def end(self) -> None:
         if self.completed:
-            self.outputs.save_final()
+            try:
+                self.outputs.save_final()
+            except Exception:
+                # A failed final save must not lose the trained weights: keep them as a backup to resume from.
+                log.error("Saving the model failed; writing a backup of the trained state first.")
+                self.outputs.backup()
+                raise
         elif self.cfg.save.backup_on_stop and self.global_step > 0:
             self.outputs.backup()
         self.progress.close()
@@ -112,7 +122,7 @@ class BaseTrainer(ABC):
         return build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
 
     def create_model(self):
-        from modules.model import load_model
+        from modules.model.loading import load_model
         with du.main_first():  # rank 0 builds shared files (demo model) first; the others reuse them
             return load_model(self.cfg.model, self.device, self.cfg.training)
 
@@ -123,7 +133,7 @@ class BaseTrainer(ABC):
         for m in [bundle.unet, bundle.vae, *bundle.text_encoders]:
             m.requires_grad_(False)
         if t.method == "lora":
-            from modules.model import add_lora
+            from modules.model.lora import add_lora
             params = add_lora(bundle, t)
         else:
             bundle.unet.requires_grad_(True)

@@ -20,5 +20,4 @@ def pick_device(setting: str) -> torch.device:
 class GenericTrainer(BaseTrainer):
     def setup_environment(self) -> None:
         self.device = pick_device(self.cfg.general.device)
-        self.seed_this_process()
         self.configure_backends()

@@ -42,7 +42,7 @@ class OutputWriter:
         t = self.t
         prompts = t.cfg.sampling.prompts
         if du.is_main() and prompts:
-            from modules.model import render_samples
+            from modules.model.sampling import render_samples
             samp = t.cfg.sampling
             with self._weights_for("sample"):
                 images = render_samples(t.bundle, prompts, t.cfg.data.resolution, samp.inference_steps,
@@ -95,7 +95,7 @@ class OutputWriter:
         dtype = DTYPES[s.save_dtype]
         path.parent.mkdir(parents=True, exist_ok=True)
         if t.cfg.training.method == "lora":
-            from modules.model import save_lora
+            from modules.model.lora import save_lora
             metadata = {"tandem_base_model": t.cfg.model.base_model, "tandem_step": str(t.global_step)}
             if s.lora_format in ("kohya", "both"):
                 save_lora(t.bundle, path, "kohya", dtype, metadata)
@@ -104,11 +104,12 @@ class OutputWriter:
                     if s.lora_format == "both" else path
                 save_lora(t.bundle, peft_path, "peft", dtype, metadata)
         else:
-            from modules.model import save_full_diffusers, save_single_file
             if s.full_format in ("diffusers", "both"):
+                from modules.model.saving import save_full_diffusers
                 folder = path if s.full_format == "diffusers" else path.with_suffix("")
                 save_full_diffusers(t.bundle, folder, dtype)
             if s.full_format in ("single_file", "both"):
+                from modules.model.single_file import save_single_file
                 file = path if s.full_format == "single_file" else path.with_name(path.name + ".safetensors")
                 save_single_file(t.bundle, file, dtype)
         log.info("Model saved: %s", path)

@@ -1,0 +1,261 @@
+"""Multi-process training on CPU over gloo, through the real launch paths (spawn and torchrun).
+
+The central property: N processes x batch B train exactly what 1 process x batch N*B trains.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modules.config import config_to_dict
+from modules.distributed.launch import LaunchError, launch, plan_launch
+from modules.trainer.callbacks import parse_event_line
+from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
+                                   overrides_for, run_script)
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def single(workspace, cache, *overrides, method="lora"):
+    from modules.trainer.generic_trainer import GenericTrainer
+    cfg = demo_config(workspace, cache, *overrides, method=method)
+    GenericTrainer(cfg).run()
+
+
+def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2):
+    cfg = demo_config(workspace, cache, *overrides, "multi_gpu.enabled=true", f"multi_gpu.num_gpus={world}",
+                      f"multi_gpu.launcher={launcher}", method=method)
+    assert launch(cfg) == 0
+
+
+@pytest.mark.parametrize("method,accumulation", [("lora", 1), ("full", 1), ("lora", 2)])
+def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, accumulation):
+    """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with and without gradient accumulation."""
+    common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
+              f"training.gradient_accumulation_steps={accumulation}", "training.precision=fp32",
+              # Adam turns gradients that are pure rounding noise (e.g. biases before a GroupNorm) into
+              # full-size steps, so summation order alone would move those weights by ~lr. SGD keeps the
+              # comparison tight; the optimizer is the same code either way.
+              "optimizer.name=sgd", "training.learning_rate=0.05")
+    single(tmp_path / "one", cache_dir, *common, "training.batch_size=8", method=method)
+    multi(tmp_path / "two", cache_dir, *common, "training.batch_size=4", method=method)
+    one, two = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
+    assert_weights_close(two, one, atol=2e-5, rtol=1e-4)
+    # Only rank 0 writes: the run folders of 1 and 2 processes hold exactly the same files.
+    skip = ("backups/",)  # holds the same names; timestamps inside differ
+    assert files_under(tmp_path / "two", skip) == files_under(tmp_path / "one", skip)
+    assert [p.name for p in (tmp_path / "two" / "backups").iterdir()] == [f"step-{STEPS:08d}"]
+
+
+def test_weights_change_during_training(tmp_path, cache_dir):
+    """Guards the equivalence test: after STEPS steps the LoRA up-weights are no longer zero."""
+    single(tmp_path / "one", cache_dir, f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}")
+    weights = latest_backup_weights(tmp_path / "one")
+    ups = [v for k, v in weights.items() if "lora_B" in k or "lora_up" in k]
+    assert ups and all(v.abs().max() > 0 for v in ups)
+
+
+def test_resume_with_other_world_size_equals_uninterrupted(tmp_path, cache_dir):
+    """2 processes x 4 stop at step 2 (backup), 1 process x 8 continues to 4: same as 1 x 8 for 4 steps."""
+    common = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.precision=fp32",
+              "optimizer.name=sgd", "training.learning_rate=0.05")
+    single(tmp_path / "ref", cache_dir, *common, "training.batch_size=8")
+    reference = latest_backup_weights(tmp_path / "ref")
+    multi(tmp_path / "run", cache_dir, *common, "training.max_steps=2", "training.batch_size=4")
+    single(tmp_path / "run", cache_dir, *common, "training.batch_size=8", "general.continue_from_backup=true")
+    assert_weights_close(latest_backup_weights(tmp_path / "run"), reference, atol=2e-5, rtol=1e-4)
+
+
+def test_no_sync_skips_allreduce_until_last_micro_batch(tmp_path, cache_dir):
+    """Inside no_sync the ranks' gradients differ; after the last micro-batch they are identical."""
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.batch_size=4", "multi_gpu.enabled=true")
+    import torch.multiprocessing as mp
+    from modules.distributed.process_group import find_free_port
+    port = find_free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_no_sync_worker, args=(config_to_dict(cfg), port, queue), nprocs=2, join=True)
+    results = dict(queue.get() for _ in range(2))
+    assert results[0]["initial"] == results[1]["initial"], "initial LoRA weights differ between ranks"
+    assert results[0]["inside"] != results[1]["inside"], "gradients were synchronised inside no_sync"
+    assert results[0]["after"] == results[1]["after"], "gradients differ after the synchronising backward"
+
+
+def _no_sync_worker(rank, cfg_data, port, queue):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from modules.config import config_from_dict
+    from modules.distributed import dist_utils as du
+    from modules.distributed.distributed_trainer import DistributedTrainer
+
+    trainer = DistributedTrainer(config_from_dict(cfg_data), device_type="cpu")
+    trainer.start()
+    params = trainer.trainable_params()
+    checksum = lambda tensors: round(float(sum(t.double().sum() for t in tensors)), 10)  # noqa: E731
+    batches = iter(trainer.loader)
+    initial = checksum(p.detach() for p in params)
+    with trainer.gradient_sync(last_micro_batch=False):
+        trainer.compute_loss(next(batches), micro=0).backward()
+    inside = checksum(p.grad for p in params if p.grad is not None)
+    with trainer.gradient_sync(last_micro_batch=True):
+        trainer.compute_loss(next(batches), micro=1).backward()
+    after = checksum(p.grad for p in params if p.grad is not None)
+    queue.put((du.rank(), {"initial": initial, "inside": inside, "after": after}))
+    du.barrier()
+    trainer.teardown()
+
+
+def _events(stdout: str) -> list[dict]:
+    return [e for e in map(parse_event_line, stdout.splitlines()) if e]
+
+
+def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
+    """scripts/train_multi_gpu.py without --spawn goes through torchrun and finishes the demo."""
+    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    events = _events(result.stdout)
+    config = next(e for e in events if e["type"] == "config")
+    assert config["world_size"] == 2 and config["global_batch"] == 16
+    done = [e for e in events if e["type"] == "done"]
+    assert len(done) == 1 and done[0]["completed"], "exactly one rank reports"
+    assert Path(done[0]["output"]).is_file()
+    assert "torch.distributed.run" in result.stdout
+
+
+def test_users_own_torchrun_command(tmp_path, cache_dir):
+    """`torchrun --nproc_per_node=2 scripts/train.py --config-path X` works as documented."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(REPO / "scripts" / "train.py"), "--config-path", "#demo", "--device", "cpu",
+           *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=dict(os.environ, TANDEM_EVENTS="1", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = next(e for e in _events(result.stdout) if e["type"] == "config")
+    assert config["world_size"] == 2
+
+
+def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
+    """`stop` in the commands file: all ranks stop together and one backup is written."""
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), "--config-path", "#demo", "--device", "cpu",
+         "--num-gpus", "2", "--spawn", *overrides_for(ws, cache_dir, "training.max_steps=500")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"))
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            event = parse_event_line(line)
+            if event and event["type"] == "progress" and event["step"] == 2:
+                (ws / ".tandem").mkdir(parents=True, exist_ok=True)
+                with open(ws / ".tandem" / "commands", "a") as f:
+                    f.write("stop\n")
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    events = _events("".join(lines))
+    assert code == 0, "".join(lines)[-3000:]
+    done = next(e for e in events if e["type"] == "done")
+    assert not done["completed"] and done["step"] < 20
+    backups_written = [e for e in events if e["type"] == "backup"]
+    assert len(backups_written) == 1 and backups_written[0]["step"] == done["step"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
+    """SIGKILL on rank 1: the job exits non-zero within the timeout and names the failure; no orphans."""
+    ws = tmp_path / "ws"
+    args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+            *overrides_for(ws, cache_dir, "training.max_steps=100000", "multi_gpu.timeout_minutes=1")]
+    if launcher == "spawn":
+        args.append("--spawn")
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            event = parse_event_line(line)
+            if event and event["type"] == "progress" and event["step"] == 2:
+                break
+        victim = _worker_pids(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    output = "".join(lines)
+    assert code != 0
+    assert took < 90, f"job took {took:.0f}s to exit after a worker died"
+    assert ("rank" in output.lower()) and ("exit" in output.lower() or "signal" in output.lower()), output[-2000:]
+    assert not _worker_pids(proc.pid), "worker processes left behind"
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """Python descendants of `parent` that run training workers."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    children: dict[int, list[int]] = {}
+    args = {}
+    for row in out:
+        pid, ppid, *cmd = row.split(None, 2)
+        children.setdefault(int(ppid), []).append(int(pid))
+        args[int(pid)] = cmd[0] if cmd else ""
+    found, stack = [], [parent]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            stack.append(child)
+            if "python" in args.get(child, "") and "torch.distributed.run" not in args[child]:
+                found.append(child)
+    # spawn also starts a resource tracker; workers are the processes that run the training.
+    return sorted(p for p in found if "resource_tracker" not in args[p] and "semaphore_tracker" not in args[p])
+
+
+def test_validation_before_any_worker_starts(tmp_path, cache_dir):
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.backend=nccl")
+    with pytest.raises(LaunchError, match="nccl"):
+        plan_launch(cfg)
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "general.device=cuda")
+    with pytest.raises(LaunchError, match="CUDA|GPU"):
+        plan_launch(cfg)
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", f"multi_gpu.master_port={port}")
+        with pytest.raises(LaunchError, match=f"{port} is in use"):
+            plan_launch(cfg)
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=3",
+                      "training.batch_size=32")
+    with pytest.raises(LaunchError, match="no full global batch"):
+        launch(cfg)
+    assert not (tmp_path / "ws" / "backups").exists()
+
+
+def test_lr_scaling_is_reported(tmp_path, cache_dir):
+    from modules.trainer.run_numbers import derive_run_numbers
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.lr_scaling=linear", "training.learning_rate=0.0001")
+    numbers = derive_run_numbers(cfg, world_size=4, micro_batches_per_epoch=10)
+    assert numbers.lr == pytest.approx(4e-4) and numbers.global_batch == 32
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.lr_scaling=sqrt", "training.learning_rate=0.0001")
+    assert derive_run_numbers(cfg, 4, 10).lr == pytest.approx(2e-4)
+    assert "global batch 32" in numbers.describe() and "linear" in numbers.describe()

@@ -1,0 +1,164 @@
+"""The single-process trainer on the demo model: learning, both methods, outputs, backups, exact resume."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from modules.trainer import backup as backups
+from modules.trainer.callbacks import RecordingCallbacks
+from modules.trainer.commands import CommandInbox
+from modules.trainer.generic_trainer import GenericTrainer
+from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def train(cfg, callbacks=None, inbox=None) -> GenericTrainer:
+    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox)
+    trainer.run()
+    return trainer
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
+    cb = RecordingCallbacks()
+    lr = "training.learning_rate=0.002" if method == "lora" else "training.learning_rate=0.0005"
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=24", lr, method=method)
+    trainer = train(cfg, cb)
+    losses = [e["loss"] for e in cb.of_type("loss")]
+    assert len(losses) == 24
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.9 * first, f"loss did not go down: {first:.4f} -> {last:.4f}"
+    done = cb.of_type("done")[-1]
+    assert done["completed"] and done["step"] == 24
+    out = Path(done["output"])
+    if method == "lora":
+        tensors = load_file(str(out))
+        assert any(k.startswith("lora_unet_") and k.endswith(".lora_up.weight") for k in tensors)
+    else:
+        assert (out / "unet" / "config.json").is_file() and (out / "model_index.json").is_file()
+    # The resolved config is written beside the run for reproducibility.
+    saved = json.loads((tmp_path / "ws" / "config.json").read_text())
+    assert saved["training"]["max_steps"] == 24 and saved["__version"] == 1
+    assert trainer.numbers.global_batch == 8
+
+
+def test_derived_numbers_event(tmp_path, cache_dir):
+    cb = RecordingCallbacks()
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=4",
+                      "training.gradient_accumulation_steps=2")
+    train(cfg, cb)
+    (config_event,) = cb.of_type("config")
+    assert config_event["global_batch"] == 8 and config_event["per_gpu_batch"] == 4
+    assert config_event["accumulation"] == 2 and config_event["world_size"] == 1
+    assert config_event["steps_per_epoch"] == 64 // 4 // 2  # 16 micro-batches of 4, two per step
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
+    """Stop after 5 steps (backup on stop), continue to 10: same weights as 10 steps in one go."""
+    common = ("training.max_steps=10", "save.backup_on_stop=true", "training.lr_scheduler=cosine",
+              "training.lr_warmup_steps=2", "training.ema=true")
+    straight = demo_config(tmp_path / "a", cache_dir, *common, "save.backup_every_n_steps=10")
+    train(straight)
+    reference = latest_backup_weights(tmp_path / "a")
+
+    class StopAt(RecordingCallbacks):
+        def __init__(self, inbox, step):
+            super().__init__()
+            self.inbox, self.step = inbox, step
+
+        def on_event(self, type_, **fields):
+            super().on_event(type_, **fields)
+            if type_ == "progress" and fields["step"] == self.step:
+                self.inbox.request("stop")
+
+    interrupted = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10")
+    inbox = CommandInbox()
+    first = train(interrupted, StopAt(inbox, 5), inbox)
+    assert not first.completed and first.global_step == 5
+    assert [p.name for p in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000005"]
+    assert not (tmp_path / "b" / "output").exists()  # an unfinished run never writes the final model
+
+    resumed_cfg = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10",
+                              "general.continue_from_backup=true")
+    second = train(resumed_cfg)
+    assert second.completed and second.global_step == 10
+    assert_weights_close(latest_backup_weights(tmp_path / "b"), reference, atol=1e-6)
+
+
+def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2")
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def crash_on_second_backup(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            real_save({"half": "written"}, f)
+            raise OSError("disk full (simulated)")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(backups.torch, "save", crash_on_second_backup)
+    with pytest.raises(OSError, match="simulated"):
+        train(cfg)
+    bdir = tmp_path / "ws" / "backups"
+    assert [p.name for p in backups.list_backups(bdir)] == ["step-00000002"]
+    assert backups.latest_backup(bdir).name == "step-00000002"
+    weights, state, manifest = backups.read_backup(backups.latest_backup(bdir))
+    assert state["global_step"] == 2 and manifest["step"] == 2
+    # The next start cleans up the half-written temporary folder.
+    backups.remove_interrupted(bdir)
+    assert sorted(p.name for p in bdir.iterdir()) == ["step-00000002"]
+
+
+def test_rolling_backups_keep_newest(tmp_path, cache_dir):
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=5", "save.backup_every_n_steps=1",
+                      "save.rolling_backup_count=2")
+    train(cfg)
+    names = [p.name for p in backups.list_backups(tmp_path / "ws" / "backups")]
+    assert names == ["step-00000004", "step-00000005"]
+
+
+def test_commands_file_sample_and_save(tmp_path, cache_dir):
+    """`sample` and `save` written to the commands file act at the next step."""
+    from modules.config import RunPaths
+    from modules.trainer.commands import write_command
+
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=3", "sampling.inference_steps=2",
+                      "training.method=lora")
+    cfg.sampling.prompts = cfg.sampling.prompts[:1]
+    commands = RunPaths(cfg).commands_file
+    inbox = CommandInbox(commands)
+
+    class Commander(RecordingCallbacks):
+        def on_event(self, type_, **fields):
+            super().on_event(type_, **fields)
+            if type_ == "progress" and fields["step"] == 1:
+                write_command(commands, "sample")
+                write_command(commands, "save")
+
+    cb = Commander()
+    train(cfg, cb, inbox)
+    samples = cb.of_type("sample")
+    assert [s["step"] for s in samples] == [2] and Path(samples[0]["path"]).is_file()
+    saved = [Path(s["path"]).name for s in cb.of_type("saved")]
+    assert saved == ["demo-step0000002.safetensors", "demo.safetensors"]
+
+
+def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1")
+    out = tmp_path / "ws" / "output" / "demo.safetensors"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"an earlier run's model")
+    cb = RecordingCallbacks()
+    train(cfg, cb)
+    assert out.read_bytes() == b"an earlier run's model"
+    new = Path(cb.of_type("done")[-1]["output"])
+    assert new != out and new.name.startswith("demo-") and new.is_file()

@@ -1,0 +1,61 @@
+"""Helpers for tests that run the real trainer on the demo model."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from modules.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_config(workspace: Path, cache: Path, *overrides: str, method: str = "lora"):
+    """The demo preset, made small and fast: no samples, no TensorBoard, a shared cache."""
+    return load_config("#demo", [
+        f"general.workspace_dir={workspace}", f"general.cache_dir={cache}", "general.tensorboard=false",
+        "general.device=cpu", "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0",
+        "save.save_dtype=fp32", f"training.method={method}", "training.learning_rate=0.001",
+        "training.lr_warmup_steps=0", "data.num_workers=0", *overrides])
+
+
+def overrides_for(workspace: Path, cache: Path, *extra: str, method: str = "lora") -> list[str]:
+    """The same settings as `demo_config`, as --config-value arguments for the scripts."""
+    base = [f"general.workspace_dir={workspace}", f"general.cache_dir={cache}", "general.tensorboard=false",
+            "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0", "save.save_dtype=fp32",
+            f"training.method={method}", "training.learning_rate=0.001", "training.lr_warmup_steps=0",
+            "data.num_workers=0", *extra]
+    args = []
+    for o in base:
+        args += ["--config-value", o]
+    return args
+
+
+def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_EVENTS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def latest_backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
+    backups = sorted((Path(workspace) / "backups").glob("step-*"))
+    assert backups, f"no backup in {workspace}"
+    return load_file(str(backups[-1] / "weights.safetensors"))
+
+
+def assert_weights_close(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    worst = max((x - b[k]).abs().max().item() for k, x in a.items())
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m} (worst {worst})")
+
+
+def files_under(root: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Relative file paths, with run-specific names (timestamps) kept - layout comparison."""
+    root = Path(root)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and not any(str(p.relative_to(root)).startswith(s) for s in skip))
