@@ -56,6 +56,7 @@ class BaseTrainer(ABC):
         seed_everything(self.cfg.general.seed)
         self.trainable = self.prepare_trainable()
         self.fill_cache()
+        self.offload_cached_encoders()
         self.sampler, self.loader = self.create_loader()
         self.numbers = self.compute_numbers()
         self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
@@ -177,6 +178,29 @@ class BaseTrainer(ABC):
                                world_size=du.world_size() if share_work else 1,
                                cache_text=self.cache_text())
         du.barrier()
+
+    def offload_cached_encoders(self) -> None:
+        """With latents (text) cached, the VAE (frozen text encoders) only serve samples: keep them off the GPU."""
+        if self.device.type != "cuda":
+            return
+        if self.cfg.data.cache_latents:
+            self.bundle.vae.to("cpu")
+        if self.cache_text():
+            for te in self.bundle.text_encoders:
+                te.to("cpu")
+
+    @contextlib.contextmanager
+    def encoders_on_device(self):
+        """Every part of the model on the training device for the duration of the block (sampling)."""
+        parts = [self.bundle.vae, *self.bundle.text_encoders]
+        homes = [next(m.parameters()).device for m in parts]
+        for m in parts:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m, home in zip(parts, homes):
+                m.to(home)
 
     def create_loader(self):
         from modules.data import BucketBatchSampler, make_dataloader

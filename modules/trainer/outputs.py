@@ -44,7 +44,7 @@ class OutputWriter:
         if du.is_main() and prompts:
             from modules.model.sampling import render_samples
             samp = t.cfg.sampling
-            with self._weights_for("sample"):
+            with self._weights_for("sample"), t.encoders_on_device():
                 images = render_samples(t.bundle, prompts, t.cfg.data.resolution, samp.inference_steps,
                                         samp.guidance_scale, t.device)
             folder = Path(t.paths.samples)

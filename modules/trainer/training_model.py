@@ -14,7 +14,8 @@ class TrainingModel(nn.Module):
     def __init__(self, bundle, train_text_encoder: bool) -> None:
         super().__init__()
         self.unet = bundle.unet
-        self.text_encoders = nn.ModuleList(bundle.text_encoders)
+        if train_text_encoder:  # frozen encoders stay out of the tree: DDP then never touches them
+            self.text_encoders = nn.ModuleList(bundle.text_encoders)
         self.train_text_encoder = train_text_encoder
         # Kept outside the module tree: the bundle's methods use the same sub-modules registered above.
         self.__dict__["bundle"] = bundle

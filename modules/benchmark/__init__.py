@@ -1,0 +1,1 @@
+"""Throughput benchmark of the real trainer on synthetic cached latents (scripts/benchmark.py)."""

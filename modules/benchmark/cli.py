@@ -1,0 +1,56 @@
+"""scripts/benchmark.py: images/s, scaling and peak memory of the real trainer, 1 vs N GPUs."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+MODEL_ALIASES = {"sd15": "sd1", "sd1": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Benchmark the Tandem trainer on synthetic cached latents.")
+    p.add_argument("--model", default="sd15", choices=sorted(MODEL_ALIASES), help="UNet size (random weights)")
+    p.add_argument("--mode", default="full", choices=["full", "lora"])
+    p.add_argument("--batch", type=int, default=8, help="images per GPU")
+    p.add_argument("--res", type=int, default=512, help="resolution in pixels")
+    p.add_argument("--gpus", default="1,2", help="comma-separated GPU counts to run, e.g. 1,2,4,8")
+    p.add_argument("--steps", type=int, default=30, help="measured optimizer steps")
+    p.add_argument("--warmup", type=int, default=8, help="steps before measuring")
+    p.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case; the median is reported")
+    p.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every case, e.g. multi_gpu.bucket_cap_mb=100")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: smoke-test the benchmark with CPU processes (numbers mean nothing)")
+    p.add_argument("--json", type=Path, help="append one JSON line per case to this file")
+    args = p.parse_args(argv)
+
+    import torch
+    from modules.benchmark.runner import Case, run_case, scaling_table
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: the benchmark needs CUDA GPUs; torch sees none (--device cpu smoke-tests it).", file=sys.stderr)
+        return 2
+    worlds = [int(w) for w in args.gpus.split(",") if w.strip()]
+    too_many = [w for w in worlds if args.device == "cuda" and w > torch.cuda.device_count()]
+    if too_many:
+        print(f"error: --gpus asks for {too_many} GPUs but {torch.cuda.device_count()} are visible.", file=sys.stderr)
+        return 2
+    results = []
+    for world in worlds:
+        case = Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
+                    args.warmup, tuple(args.config_value), args.device)
+        runs = [run_case(case) for _ in range(args.repeat)]
+        result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+        result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
+        result["median_of"] = len(runs)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    print(scaling_table(results))
+    return 0

@@ -1,0 +1,82 @@
+"""N GPUs x batch B against 1 GPU x batch N*B, through the real scripts (scripts/check_equivalence.py).
+
+Both runs train K steps from the same config and seed with SGD (Adam would turn rounding noise in
+near-zero gradients into full steps and hide the comparison), write a backup at step K, and the
+trained weights are compared: relative L2 error ||a - b|| / ||b||.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, args: list[str]) -> list[dict]:
+    from modules.trainer.callbacks import parse_event_line
+    env = dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+                          env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [e for e in map(parse_event_line, proc.stdout.splitlines()) if e]
+
+
+def compare(a: dict, b: dict) -> dict:
+    import torch
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
+    return {"relative_l2": (num / den) ** 0.5 if den else float("nan"), "max_abs": worst, "tensors": len(b),
+            "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Check that N GPUs x batch B train what 1 GPU x batch N*B trains.")
+    p.add_argument("--config-path", default="#demo")
+    p.add_argument("--num-gpus", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="per-GPU batch of the N-GPU run")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--launchers", default="torchrun", help="N-GPU launch paths to check against the one 1-GPU run: "
+                   "torchrun, spawn or torchrun,spawn")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tolerance", type=float, default=1e-2, help="largest relative L2 error accepted")
+    p.add_argument("--config-value", action="append", default=[])
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="tandem-equiv-") as tmp:
+        common = [*args.config_value, f"general.cache_dir={tmp}/cache", "general.tensorboard=false",
+                  f"training.max_steps={args.steps}", f"save.backup_every_n_steps={args.steps}",
+                  "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0", "optimizer.name=sgd",
+                  "training.lr_warmup_steps=0", "training.max_grad_norm=0", f"general.device={args.device}"]
+        flags = lambda extra: [x for o in [*common, *extra] for x in ("--config-value", o)]  # noqa: E731
+        _run("train.py", ["--config-path", args.config_path,
+                                *flags([f"general.workspace_dir={tmp}/one", f"training.batch_size={args.batch * args.num_gpus}"])])
+        many = {}
+        for launcher in [x.strip() for x in args.launchers.split(",") if x.strip()]:
+            events = _run("train_multi_gpu.py", ["--config-path", args.config_path, "--num-gpus", str(args.num_gpus),
+                                                 *(["--spawn"] if launcher == "spawn" else []), "--device", args.device,
+                                                 *flags([f"general.workspace_dir={tmp}/{launcher}",
+                                                         f"training.batch_size={args.batch}"])])
+            many[launcher] = (events, _backup_weights(Path(tmp) / launcher))
+        reference = _backup_weights(Path(tmp) / "one")
+    ok = True
+    for launcher, (events, weights) in many.items():
+        world = next(e for e in events if e["type"] == "config")["world_size"]
+        result = {"check": "equivalence", "config": args.config_path, "num_gpus": args.num_gpus,
+                  "world_size_seen": world, "launcher": launcher, "batch_one": args.batch * args.num_gpus,
+                  "batch_each": args.batch, "steps": args.steps, **compare(weights, reference)}
+        result["ok"] = world == args.num_gpus and result["relative_l2"] <= args.tolerance
+        ok &= result["ok"]
+        print(json.dumps(result))
+    return 0 if ok else 1
+
+
+def _backup_weights(workspace: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(sorted((workspace / "backups").glob("step-*"))[-1] / "weights.safetensors"))

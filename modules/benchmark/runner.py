@@ -1,0 +1,170 @@
+"""Run benchmark cases through the real trainers and report images/s, scaling and memory.
+
+Each case runs in fresh worker processes (1 GPU: `GenericTrainer`, N GPUs: `DistributedTrainer`
+under the same spawn launcher users get), with only the model source and the data replaced by
+`synthetic`. Step time is the wall time between consecutive optimizer steps on rank 0; the loop
+syncs every step (loss/command exchange), so that time is the real step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
+from modules.distributed import dist_utils as du
+from modules.distributed.distributed_trainer import DistributedTrainer
+from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging
+from modules.trainer.generic_trainer import GenericTrainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str  # sd1 | sdxl
+    mode: str  # full | lora
+    batch: int
+    resolution: int
+    world: int
+    gradient_checkpointing: bool = False
+    steps: int = 30
+    warmup: int = 8
+    extra: tuple[str, ...] = ()  # --config-value overrides, e.g. multi_gpu.bucket_cap_mb=100
+    device: str = "cuda"  # cpu: a smoke test of the benchmark itself (gloo), not a measurement
+
+    def name(self) -> str:
+        extra = f" {' '.join(self.extra)}" if self.extra else ""
+        gc = " gc" if self.gradient_checkpointing else ""
+        return f"{self.model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
+
+
+def case_config(case: Case, workspace: Path) -> TrainConfig:
+    """The config a user would write for this case (bf16 autocast, fused AdamW, caching on)."""
+    overrides = [
+        f"general.workspace_dir={workspace}", "general.tensorboard=false", f"general.device={case.device}",
+        f"training.method={case.mode}", f"training.batch_size={case.batch}", "training.precision=bf16",
+        f"training.max_steps={case.warmup + case.steps}", "training.max_grad_norm=0",
+        "training.learning_rate=1e-5", "optimizer.weight_decay=0.01",
+        f"training.gradient_checkpointing={str(case.gradient_checkpointing).lower()}",
+        f"data.resolution={case.resolution}", "data.num_workers=2",
+        "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0", "save.backup_on_stop=false",
+        f"multi_gpu.enabled={str(case.world > 1).lower()}", f"multi_gpu.num_gpus={case.world}",
+        "multi_gpu.launcher=spawn",
+        # LoRA keeps its frozen base in bf16 like the reference; full fine-tune keeps fp32 master weights.
+        f"model.unet_dtype={'bf16' if case.mode == 'lora' else 'fp32'}",
+        *case.extra,
+    ]
+    return apply_overrides(TrainConfig(), overrides)
+
+
+class BenchmarkMixin:
+    """Replaces the model source and data with synthetic ones and times every optimizer step."""
+
+    case: Case
+    result_file: Path
+
+    def create_dataset(self):
+        from modules.benchmark.synthetic import SyntheticCachedLatents
+        c = self.case
+        length = c.batch * c.world * (c.warmup + c.steps + 1)
+        return SyntheticCachedLatents(c.model, c.resolution, length)
+
+    def create_model(self):
+        from modules.benchmark.synthetic import random_bundle
+        return random_bundle(self.case.model, self.device)
+
+    def fill_cache(self):
+        """Already cached: the synthetic items carry latents and text embeddings."""
+
+    def start(self):
+        self.step_times: list[float] = []
+        super().start()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_step_end = time.perf_counter()
+
+    def after_step(self, loss):
+        super().after_step(loss)  # exchanges loss/commands over ranks: the GPU work of the step is done
+        now = time.perf_counter()
+        if not self.step_times:
+            self.first_step_s = time.time() - self.process_start  # wall clock: started in the parent
+        self.step_times.append(now - self.last_step_end)
+        self.last_step_end = now
+
+    def end(self):
+        """No model save: the benchmark measures training steps only."""
+        self.progress.close()
+        c = self.case
+        measured = self.step_times[c.warmup:]
+        step_s = statistics.median(measured)
+        cuda = self.device.type == "cuda"
+        memories = du.gather_objects({"rank": du.rank(), "device": str(self.device),
+                                      "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0})
+        if du.is_main():
+            trainable = sum(p.numel() for p in self.trainable_params())
+            result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
+                          batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
+                          extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
+                          step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
+                          samples_per_s=round(c.batch * du.world_size() / step_s, 2),
+                          max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
+                          per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
+                          gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+            self.result_file.write_text(json.dumps(result))
+        du.barrier()
+
+
+class BenchmarkGeneric(BenchmarkMixin, GenericTrainer):
+    pass
+
+
+class BenchmarkDistributed(BenchmarkMixin, DistributedTrainer):
+    pass
+
+
+def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None, result_file: str,
+           process_start: float) -> None:
+    setup_logging()
+    cfg = config_from_dict(cfg_data)
+    if plan is None:
+        trainer = BenchmarkGeneric(cfg)
+    else:
+        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
+                          LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
+                          MASTER_PORT=str(plan.master_port))
+        trainer = BenchmarkDistributed(cfg, device_type=case.device)
+    trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
+    trainer.run()
+
+
+def run_case(case: Case) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        cfg = case_config(case, Path(tmp) / "ws")
+        plan = plan_launch(cfg) if case.world > 1 else None
+        if plan is not None and plan.visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
+        result_file = Path(tmp) / "result.json"
+        mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time()),
+                 nprocs=case.world, join=True)
+        result = json.loads(result_file.read_text())
+    return result
+
+
+def scaling_table(results: list[dict]) -> str:
+    """Markdown table; scaling = N-GPU img/s / (N x 1-GPU img/s of the same case)."""
+    base = {(r["case"]): r["samples_per_s"] for r in results if r["world"] == 1}
+    rows = ["| case | GPUs | img/s | scaling | step s | peak GiB | first step s |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        one = base.get(r["case"])
+        scaling = f"{100 * r['samples_per_s'] / (r['world'] * one):.1f}%" if one and r["world"] > 1 else "-"
+        rows.append(f"| {r['case']} | {r['world']} | {r['samples_per_s']} | {scaling} | {r['step_s']} | "
+                    f"{r['max_mem_gib']} | {r['time_to_first_step_s']} |")
+    return "\n".join(rows)

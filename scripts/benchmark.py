@@ -1,0 +1,13 @@
+"""Benchmark the real trainer on synthetic cached latents, 1 vs N GPUs.
+
+    python scripts/benchmark.py --model sd15 --mode full --batch 8 --gpus 1,2 --repeat 3
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.benchmark.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Check that N GPUs x batch B train what 1 GPU x batch N*B trains (any N, real launch paths).
+
+    python scripts/check_equivalence.py --config-path '#demo' --num-gpus 2 --batch 4
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.benchmark.equivalence import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
