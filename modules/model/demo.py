@@ -1,12 +1,13 @@
-"""The built-in demo model: a tiny Stable-Diffusion-1-shaped diffusers folder with random weights.
+"""The built-in demo model: a tiny Stable-Diffusion-1-shaped diffusers folder, built locally.
 
 It lets every part of Tandem (training loop, multi-GPU, saving, sampling, GUI) run end to end on a
 laptop CPU in seconds and without downloading anything. It is built from a fixed seed, so every
 build is byte-for-byte the same, and written once into a cache folder that `load_model` then reads
 like any other diffusers model.
 
-The weights are random, so the VAE is not a real autoencoder; the demo trains the UNet on the
-latents of that VAE and samples decode through it, which is all the pipeline needs.
+The UNet and text encoder have random weights (training starts from scratch). The VAE is a real,
+if crude, autoencoder set up by hand (`demo_vae.py`): latents are 8x8 colour thumbnails and decode
+back to them, so the samples show what the UNet has learned - the prompted colours and shapes.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_MODEL_VERSION = 2
+DEMO_MODEL_VERSION = 3
 """Bump when the demo model's architecture or weights change; the marker file records it."""
 
 _MARKER_FILE = "tandem_demo.json"
@@ -186,28 +187,18 @@ def _unet():
 
 
 def _vae():
-    """A 4-level VAE (8x downsampling, like SD) whose scaling factor gives unit-variance latents."""
-    from diffusers import AutoencoderKL
+    """The thumbnail-codec VAE, its `scaling_factor` giving the colour latents unit variance.
 
-    torch.manual_seed(_SEED + 2)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8,
-        block_out_channels=(8, 16, 16, 16), down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, sample_size=64,
-    )
-    # Real VAEs have a tiny posterior variance; a random one would drown the mean in sampling noise.
-    # Zero the log-variance half of quant_conv and give it a low bias: std = exp(-6) = 0.0025.
-    latent = vae.config.latent_channels
-    with torch.no_grad():
-        vae.quant_conv.weight[latent:].zero_()
-        vae.quant_conv.bias[latent:].fill_(-12.0)
-    # SD scales latents to roughly unit variance (0.18215); measure ours on fixed test images.
-    generator = torch.Generator().manual_seed(_SEED)
-    probe = torch.rand(4, 3, 64, 64, generator=generator) * 2 - 1
-    with torch.no_grad():
-        std = vae.encode(probe).latent_dist.mean.std().item()
-    vae.register_to_config(scaling_factor=round(1.0 / std, 5))
-    return vae.eval()
+    SD scales latents to roughly unit variance (0.18215). Our latent channels are block-average
+    colours, and a demo image is mostly flat palette colour, so the spread of the palette's colour
+    components (as pixels in [-1, 1]) is the spread of the latents.
+    """
+    from modules.data.demo_dataset import COLOURS
+
+    from .demo_vae import build_demo_vae
+
+    palette = torch.tensor(list(COLOURS.values()), dtype=torch.float64) / 127.5 - 1.0
+    return build_demo_vae(scaling_factor=round(1.0 / palette.std().item(), 5))
 
 
 def _scheduler():
