@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU verification matrix, part 2: LoRA, large batch, SDXL-size, and SD1.5-size equivalence through
-# both launchers on real files (random weights). Same output conventions as verify_2gpu.sh.
+# GPU verification matrix, part 2: the DDP bucket-size lever, LoRA, SDXL-size, and SD1.5-size
+# equivalence through both launchers on real files (random weights). Same conventions as verify_2gpu.sh.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-.}"; RES="$OUTDIR/results.jsonl"; REF="${REF:-.bench/raw_ddp_reference.py}"
@@ -11,17 +11,16 @@ ref() {
         | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
 }
 bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
-for i in 1 2 3; do
-  log "sd15 lora b8 round $i"
-  ref 1 --model sd15 --mode lora --batch 8
-  ref 2 --model sd15 --mode lora --batch 8
-  bench --model sd15 --mode lora --batch 8 --gpus 1,2
-done
-log "sd15 full b32"; ref 1 --model sd15 --mode full --batch 32; ref 2 --model sd15 --mode full --batch 32
-bench --model sd15 --mode full --batch 32 --gpus 1,2
-log "sdxl lora 1024 b4 gc"; ref 1 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 15 --warmup 5
-ref 2 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 15 --warmup 5
-bench --model sdxl --mode lora --batch 4 --res 1024 --gc --gpus 1,2 --steps 15 --warmup 5
+log "sd15 full b8, bucket 100"
+ref 1 --model sd15 --mode full --batch 8; ref 2 --model sd15 --mode full --batch 8 --bucket-mb 100
+bench --model sd15 --mode full --batch 8 --gpus 1,2 --config-value multi_gpu.bucket_cap_mb=100
+log "sd15 lora b8"
+ref 1 --model sd15 --mode lora --batch 8; ref 2 --model sd15 --mode lora --batch 8
+bench --model sd15 --mode lora --batch 8 --gpus 1,2
+log "sdxl lora 1024 b4 gc"
+ref 1 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 12 --warmup 4
+ref 2 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 12 --warmup 4
+bench --model sdxl --mode lora --batch 4 --res 1024 --gc --gpus 1,2 --steps 12 --warmup 4
 log "sd15-size equivalence on real files, both launchers"
 python3 scripts/make_random_model.py --type sd1 --out /tmp/random-sd15 >/dev/null
 python3 scripts/check_equivalence.py --config-path '#demo' --num-gpus 2 --batch 2 --steps 3 --launchers torchrun,spawn \
