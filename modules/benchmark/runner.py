@@ -76,7 +76,8 @@ class BenchmarkMixin:
 
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle
-        return random_bundle(self.case.model, self.device)
+        from modules.model.loading import frozen_dtypes
+        return random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"])
 
     def fill_cache(self):
         """Already cached: the synthetic items carry latents and text embeddings."""

@@ -21,8 +21,11 @@ def _uninitialised(build):
     return module.to_empty(device="cpu").requires_grad_(False).eval()
 
 
-def random_bundle(model_type: str, device: torch.device):
-    """A ModelBundle with a randomly initialised real-size UNet (built directly on `device`)."""
+def random_bundle(model_type: str, device: torch.device, unet_dtype: torch.dtype = torch.float32):
+    """A ModelBundle with a randomly initialised real-size UNet (built directly on `device`).
+
+    `unet_dtype` is the storage dtype `load_model` would give it (bf16 for a LoRA base, see
+    `modules.model.loading.frozen_dtypes`)."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -32,7 +35,7 @@ def random_bundle(model_type: str, device: torch.device):
     torch.manual_seed(0)
     with torch.device(device):
         unet = UNet2DConditionModel.from_config(shipped_config(model_type, "unet"))
-    unet.requires_grad_(False)
+    unet.requires_grad_(False).to(unet_dtype)
     vae = _uninitialised(lambda: AutoencoderKL.from_config(shipped_config(model_type, "vae")))
     te_configs = ["text_encoder"] + (["text_encoder_2"] if model_type == "sdxl" else [])
     encoders, tokenizers = [], []
