@@ -126,7 +126,11 @@ def detect_folder_model_type(folder: Path) -> tuple[str, str]:
     dim = unet_config.get("cross_attention_dim")
     if dim in _TYPE_BY_CROSS_ATTENTION_DIM:
         return _TYPE_BY_CROSS_ATTENTION_DIM[dim], f"its UNet cross_attention_dim is {dim}"
-    # Small research/demo models with one text encoder have the SD1 layout.
+    # Small research/demo models with one text encoder: the encoder's activation tells OpenCLIP (SD 2.x,
+    # gelu) from OpenAI CLIP (SD 1.x, quick_gelu), as the two families' own folders record it.
+    encoder_config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    if encoder_config.get("hidden_act") == "gelu":
+        return "sd2", f"its one text encoder is OpenCLIP-style (gelu; UNet cross_attention_dim {dim})"
     return "sd1", f"it has one text encoder (UNet cross_attention_dim {dim})"
 
 
