@@ -29,7 +29,7 @@ def train(cfg, callbacks=None, inbox=None) -> GenericTrainer:
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
     cb = RecordingCallbacks()
-    lr = "training.learning_rate=0.002" if method == "lora" else "training.learning_rate=0.0005"
+    lr = "training.learning_rate=0.01" if method == "lora" else "training.learning_rate=0.0005"
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=24", lr, method=method)
     trainer = train(cfg, cb)
     losses = [e["loss"] for e in cb.of_type("loss")]
@@ -81,7 +81,8 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
 
     interrupted = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10")
     inbox = CommandInbox()
-    first = train(interrupted, StopAt(inbox, 5), inbox)
+    # A command arriving during step 4's reporting is exchanged, and acted on, at step 5.
+    first = train(interrupted, StopAt(inbox, 4), inbox)
     assert not first.completed and first.global_step == 5
     assert [p.name for p in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000005"]
     assert not (tmp_path / "b" / "output").exists()  # an unfinished run never writes the final model
@@ -162,3 +163,70 @@ def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
     assert out.read_bytes() == b"an earlier run's model"
     new = Path(cb.of_type("done")[-1]["output"])
     assert new != out and new.name.startswith("demo-") and new.is_file()
+
+
+def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
+    """A baseline sample before step 1 and the finished model's sample, whatever the cadence."""
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "sampling.sample_at_start=true",
+                      "sampling.every_n_epochs=5", "sampling.inference_steps=2")
+    cfg.sampling.prompts = cfg.sampling.prompts[:1]
+    cb = RecordingCallbacks()
+    train(cfg, cb)
+    assert [s["step"] for s in cb.of_type("sample")] == [0, 2]
+    assert all(Path(s["path"]).is_file() for s in cb.of_type("sample"))
+
+
+def test_train_script_runs_the_demo(tmp_path, cache_dir):
+    """scripts/train.py with the demo preset, as the README shows it, in a subprocess."""
+    from modules.trainer.callbacks import parse_event_line
+    from tests.trainer_helpers import overrides_for, run_script
+    result = run_script("train.py", "--config-path", "#demo",
+                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=3"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [e for e in map(parse_event_line, result.stdout.splitlines()) if e]
+    assert [e["step"] for e in events if e["type"] == "loss"] == [1, 2, 3]
+    assert events[-1]["type"] == "done" and Path(events[-1]["output"]).is_file()
+
+
+def test_bad_config_is_reported_by_the_script(tmp_path):
+    from tests.trainer_helpers import run_script
+    typo = tmp_path / "typo.json"
+    typo.write_text('{"training": {"learning_rat": 1}}')
+    result = run_script("train.py", "--config-path", str(typo))
+    assert result.returncode == 2
+    assert "training.learning_rat" in result.stderr and "learning_rate" in result.stderr and str(typo) in result.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"training": {"batch_size": 0, "learning_rate": -1}}')
+    result = run_script("train.py", "--config-path", str(bad))
+    assert result.returncode == 2
+    assert "training.batch_size" in result.stderr and "training.learning_rate" in result.stderr
+
+
+def test_text_encoder_lora_trains(tmp_path, cache_dir):
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.train_text_encoder=true",
+                      "save.backup_every_n_steps=2")
+    train(cfg)
+    weights = latest_backup_weights(tmp_path / "ws")
+    te_ups = [v for k, v in weights.items() if k.startswith("text_encoder_0.") and "lora_B" in k]
+    assert te_ups and any(v.abs().max() > 0 for v in te_ups)
+
+
+def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_dir):
+    """Stopped at step 4 of 8-image batches (32 images), resumed with 16-image batches: step 2 of 8."""
+    common = ("training.epochs=2", "training.max_steps=0", "save.backup_on_stop=true")
+    inbox = CommandInbox()
+
+    class StopAfter3(RecordingCallbacks):
+        def on_event(self, type_, **fields):
+            super().on_event(type_, **fields)
+            if type_ == "progress" and fields["step"] == 3:
+                inbox.request("stop")
+
+    first = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=8"), StopAfter3(), inbox)
+    assert first.global_step == 4 and not first.completed
+    cb = RecordingCallbacks()
+    second = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=16",
+                               "training.learning_rate=0.003", "general.continue_from_backup=true"), cb)
+    assert second.completed and second.global_step == 8
+    assert [e["step"] for e in cb.of_type("loss")] == [3, 4, 5, 6, 7, 8]
+    assert {e["lr"] for e in cb.of_type("loss")} == {0.003}  # this run's LR, not the backup's

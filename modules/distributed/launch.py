@@ -98,7 +98,8 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
     except RuntimeError as e:
         raise LaunchError(str(e)) from None
     addr = os.environ.get("MASTER_ADDR", m.master_addr)
-    port = int(os.environ.get("MASTER_PORT", m.master_port or 0))
+    # An explicit --port / multi_gpu.master_port wins over MASTER_PORT from the environment.
+    port = m.master_port or int(os.environ.get("MASTER_PORT", 0))
     if port == 0:
         port = find_free_port(addr)
     elif not port_is_free(port, addr):

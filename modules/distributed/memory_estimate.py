@@ -61,7 +61,7 @@ PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
 # GiB of activations per sample at `ACTIVATION_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA
 # attention, (without, with) gradient checkpointing. Measured on an H200 (torch 2.11+cu130, diffusers
 # 0.42.1, randomly initialised fp32 UNet, full backward) as the growth of peak allocated memory from
-# batch 1 to batch 3, divided by 2; the raw numbers are in docs/MultiGPU-Diagnostics.md. Scaled
+# batch 1 to batch 3, divided by 2; the raw numbers are in docs/MultiGPUTraining.md. Scaled
 # linearly with pixel count (SDPA attention memory grows linearly with tokens) and x2 for fp32.
 # An estimate: kernels and allocator behaviour differ between GPUs and versions.
 ACTIVATION_REFERENCE_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}

@@ -70,11 +70,15 @@ class BaseTrainer(ABC):
         self.progress = ProgressReporter(self)
 
     def train(self) -> None:
+        if self.cfg.sampling.sample_at_start and self.global_step == 0:
+            self.outputs.sample()  # the baseline every later sample is compared with
         while self.global_step < self.numbers.total_steps and not self.stop_requested:
             self.run_epoch()
         self.completed = self.global_step >= self.numbers.total_steps
 
     def end(self) -> None:
+        if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
+            self.outputs.sample()  # what the finished model does, whatever the cadence
         if self.completed:
             try:
                 self.outputs.save_final()
@@ -108,8 +112,9 @@ class BaseTrainer(ABC):
         """Release what `setup_environment` acquired."""
 
     def seed_this_process(self) -> None:
-        # Augmentation and dropout differ per rank; noise and timesteps are keyed per global batch
-        # (objective.draw_noise), so results do not depend on the number of ranks.
+        # Only what is not keyed elsewhere uses this stream (LoRA dropout, VAE sampling without a cache):
+        # noise/timesteps are keyed per global batch (objective.draw_noise) and augmentation per item
+        # (data.dataset), so neither depends on the number of ranks.
         seed_everything(self.cfg.general.seed * du.world_size() + du.rank())
 
     def configure_backends(self) -> None:
@@ -333,6 +338,10 @@ class BaseTrainer(ABC):
         values = du.all_reduce_sum([loss.item(), *(float(c in seen) for c in COMMANDS)])
         return values[0] / du.world_size(), {c for c, v in zip(COMMANDS, values[1:]) if v > 0}
 
+    def sampling_scheduled(self) -> bool:
+        s = self.cfg.sampling
+        return bool(s.prompts) and (s.every_n_epochs > 0 or s.every_n_steps > 0)
+
     def after_epoch(self) -> None:
         if self.global_step >= self.numbers.total_steps:
             return  # the end-of-training save covers the last epoch
@@ -350,7 +359,8 @@ class BaseTrainer(ABC):
             "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
             "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
-            "sampler": self.sampler.state_dict(), "rng": du.gather_objects(rng_state()),
+            "sampler": self.sampler.state_dict(), "accumulation": self.numbers.accumulation,
+            "rng": du.gather_objects(rng_state()),
             "world_size": du.world_size(),
         }
 
@@ -378,14 +388,38 @@ class BaseTrainer(ABC):
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.step_in_epoch = state["step_in_epoch"]
         self.sampler.load_state_dict(state["sampler"])  # regroups the epoch's rest if the global batch changed
+        fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
+        self.adapt_to_new_global_batch(state, fresh_base_lrs)
         self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         rngs = state["rng"]
         if du.rank() < len(rngs):
             set_rng_state(rngs[du.rank()])
+
+    def adapt_to_new_global_batch(self, state: dict, fresh_base_lrs: list[float]) -> None:
+        """Resuming with another GPU count: count progress in images, and use this run's (scaled) LR.
+
+        Steps are counted in global batches, so the step reached is rescaled to the same number of
+        images, which keeps the end of training and the position on the LR curve where they were.
+        """
+        old_global = self.backup_global_batch(state)
+        if old_global != self.numbers.global_batch:
+            step = state["global_step"] * old_global // self.numbers.global_batch
+            log.warning("Global batch changed from %d to %d: step %d continues as step %d (same images seen).",
+                        old_global, self.numbers.global_batch, state["global_step"], step)
+            self.global_step = step
+            self.lr_schedule.last_epoch = step
+        self.lr_schedule.base_lrs = list(fresh_base_lrs)
+        for group, base, lr in zip(self.optimizer.param_groups, fresh_base_lrs,
+                                   [b * self.lr_schedule.lr_lambdas[0](self.lr_schedule.last_epoch) for b in fresh_base_lrs]):
+            group["initial_lr"], group["lr"] = base, lr
+
+    @staticmethod
+    def backup_global_batch(state: dict) -> int:
+        return state["sampler"]["global_batch_size"] * state.get("accumulation", 1)
 
     def emit(self, type_: str, **fields) -> None:
         if du.is_main():

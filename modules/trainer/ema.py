@@ -1,6 +1,8 @@
 """Exponential moving average of the trained weights."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -21,19 +23,16 @@ class EMA:
         self.decay = state["decay"]
         self.shadow = [t.to(p.device) for t, p in zip(state["shadow"], self.params)]
 
-    @torch.no_grad()
+    @contextlib.contextmanager
     def swapped_in(self):
-        """Context manager: the model holds the EMA weights inside the block (for saving/sampling)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
+        """The model holds the EMA weights inside the block (for saving/sampling), its own weights after."""
+        with torch.no_grad():
             backup = [p.detach().clone() for p in self.params]
             for p, s in zip(self.params, self.shadow):
                 p.copy_(s.to(p.dtype))
-            try:
-                yield
-            finally:
+        try:
+            yield
+        finally:
+            with torch.no_grad():
                 for p, b in zip(self.params, backup):
                     p.copy_(b)
-        return ctx()

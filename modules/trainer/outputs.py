@@ -28,6 +28,7 @@ class OutputWriter:
         save = trainer.cfg.save
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(trainer.paths.output_dir)
+        self.last_sample_step: int | None = None
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 
@@ -41,6 +42,7 @@ class OutputWriter:
     def sample(self) -> None:
         t = self.t
         prompts = t.cfg.sampling.prompts
+        self.last_sample_step = t.global_step
         if du.is_main() and prompts:
             from modules.model.sampling import render_samples
             samp = t.cfg.sampling
