@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Creates .venv and installs Tandem into it; run again any time, it only installs what is missing.
+# Usage: ./install.sh [dev]   ("dev" adds the test tools)
 # TANDEM_TORCH_SPEC picks the torch build: the default takes PyPI's (CUDA on Linux);
 # CI sets TANDEM_TORCH_SPEC="torch==2.13.0" to take the CPU wheel.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TANDEM_TORCH_SPEC:-torch>=2.4}"
+extras="${1:-}"
 if [ ! -x .venv/bin/python ]; then
     echo "Creating .venv with $($PYTHON --version)"
     "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.tandem-installed"
-want="$(cat pyproject.toml) $TORCH_SPEC ${1:-}"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# One stamp per extras set; the dev install includes the base one. A changed pyproject.toml or torch
+# spec installs again.
+want="$(cat pyproject.toml) $TORCH_SPEC"
+stamp() { echo ".venv/.tandem-installed-${1:-base}"; }
+installed() { [ -f "$(stamp "$1")" ] && [ "$(cat "$(stamp "$1")")" = "$want" ]; }
+if installed "$extras" || { [ -z "$extras" ] && installed dev; }; then
     exit 0
 fi
+echo "Installing Tandem into .venv (torch: $TORCH_SPEC)"
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install "$TORCH_SPEC"
-extras="${1:-}"
-.venv/bin/python -m pip install -e ".${extras:+[$extras]}"
-printf '%s' "$want" > "$stamp"
+.venv/bin/python -m pip install -q "$TORCH_SPEC"
+.venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+printf '%s' "$want" > "$(stamp "$extras")"

@@ -437,10 +437,10 @@ def test_demo_preset_runs_without_downloads():
     assert cfg.model.base_model == "builtin:demo"
     assert [c.path for c in cfg.data.concepts] == ["builtin:demo-shapes"]
     assert (cfg.data.resolution, cfg.data.bucket_step, cfg.training.method) == (64, 64, "full")
-    assert (cfg.training.batch_size, cfg.training.epochs, cfg.training.precision) == (8, 8, "fp32")
+    assert (cfg.training.batch_size, cfg.training.epochs, cfg.training.precision) == (8, 150, "fp32")
     assert cfg.general.workspace_dir == "workspace/demo"
     assert all(p.prompt and p.seed for p in cfg.sampling.prompts) and len(cfg.sampling.prompts) >= 2
-    assert (cfg.sampling.every_n_epochs, cfg.save.backup_every_n_epochs) == (2, 4)
+    assert (cfg.sampling.every_n_epochs, cfg.save.backup_every_n_epochs) == (30, 50)
 
 
 @pytest.mark.parametrize("name, method, resolution", [
