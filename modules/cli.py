@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from modules.config import ConfigError, apply_overrides, load_config
+from modules.config import ConfigError, TrainConfig, load_config
 
 log = logging.getLogger("tandem")
 
@@ -18,7 +18,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override one config field, e.g. training.learning_rate=1e-4 (repeatable)")
 
 
-def _load(args, extra_overrides: list[str]) -> "TrainConfig":  # noqa: F821
+def _load(args, extra_overrides: list[str]) -> TrainConfig:
     return load_config(args.config_path, [*args.config_value, *extra_overrides])
 
 

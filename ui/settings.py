@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from modules.util.atomic import write_text_atomically
+
 RECENT_LIMIT = 10
 
 
@@ -45,7 +47,4 @@ class RecentConfigs:
         return [p for p in self.recent if Path(p).is_file()]
 
     def _write(self) -> None:
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"last": self.last, "recent": self.recent}, indent=2), encoding="utf-8")
-        os.replace(tmp, self.file)
+        write_text_atomically(self.file, json.dumps({"last": self.last, "recent": self.recent}, indent=2))

@@ -9,10 +9,11 @@ import dataclasses
 import difflib
 import json
 import os
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any
+
+from modules.util.atomic import write_text_atomically
 
 from .migrations import migrate
 from .train_config import CONFIG_VERSION, TrainConfig
@@ -143,15 +144,4 @@ def read_json(path: str | os.PathLike) -> dict:
 
 def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """Write `cfg` as JSON atomically: a crash mid-write never leaves a truncated config."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(config_to_dict(cfg), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomically(path, json.dumps(config_to_dict(cfg), indent=2) + "\n")

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
+
+from modules.util.atomic import save_safetensors_atomically
 
 from .buckets import CropPlan, load_pixels
 
@@ -65,9 +65,7 @@ def text_key(caption: str, fingerprint: str) -> str:
 def _write_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
     # A unique temporary name plus rename: a crash never leaves a half-written entry under the
     # final name, and two ranks writing the same entry cannot corrupt each other.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    save_safetensors_atomically({k: v.clone() for k, v in tensors.items()}, path)
 
 
 @dataclass

@@ -19,7 +19,9 @@ from torch import nn
 from modules.config.train_config import TrainingConfig
 
 from .bundle import ModelBundle, checkpoint_text_encoder_key
-from .files import resolve_save_dtype, save_safetensors_atomically
+from modules.util.atomic import save_safetensors_atomically
+
+from .files import resolve_save_dtype
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 """The attention projections of CLIP text encoders, as the diffusers LoRA training scripts target."""

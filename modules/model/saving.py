@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from .bundle import ModelBundle, checkpoint_text_encoder_key
-from .files import folder_written_atomically, resolve_save_dtype
+from modules.util.atomic import atomic_directory
+
+from .files import resolve_save_dtype
 
 _PIPELINE_CLASS = {
     "sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
@@ -37,7 +39,7 @@ def save_full_diffusers(
     unet_state = unet_state_override if unet_state_override is not None else bundle.unet.state_dict()
     _check_same_keys(bundle.unet.state_dict(), unet_state)
 
-    with folder_written_atomically(folder) as temp:
+    with atomic_directory(folder, replace=True) as temp:
         _save_diffusers_model(bundle.unet, unet_state, temp / "unet", torch_dtype)
         _save_diffusers_model(bundle.vae, bundle.vae.state_dict(), temp / "vae", torch_dtype)
         components = {"unet": bundle.unet, "vae": bundle.vae}

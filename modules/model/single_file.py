@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +30,6 @@ from diffusers.loaders.single_file_utils import (
     convert_open_clip_checkpoint,
 )
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from modules.model.detect import (
@@ -47,6 +45,7 @@ from modules.model.detect import (
     resolve_prediction_type,
 )
 from modules.model.tokenizer import OPEN_CLIP_PAD_TOKEN, clip_tokenizer
+from modules.util.atomic import save_safetensors_atomically
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
@@ -366,18 +365,7 @@ def save_single_file(
         META_PREDICTION_TYPE: bundle.prediction_type,
         META_CONFIGS: json.dumps(configs),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        # safetensors creates its files 0600; give the model the permissions a normal new file gets here.
-        temporary.touch()
-        mode = temporary.stat().st_mode
-        save_file(tensors, str(temporary), metadata=metadata)
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return save_safetensors_atomically(tensors, path, metadata)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from abc import ABC, abstractmethod
 
 import torch
 
-from modules.config import RunPaths, TrainConfig, config_to_dict, save_config
+from modules.config import RunPaths, TrainConfig, save_config
 from modules.distributed import dist_utils as du
 from modules.trainer import backup as backups
 from modules.trainer.callbacks import TrainingCallbacks

@@ -1,4 +1,8 @@
-"""Writes that are either complete or absent: a crash mid-write never replaces a good file."""
+"""Writes that are either complete or absent: a crash mid-write never replaces a good file or folder.
+
+Every file and folder Tandem writes for a user (configs, cache entries, models, backups) goes through
+these helpers: write beside the target under a unique temporary name, then rename in one step.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+
+def _default_file_mode() -> int:
+    # mkstemp creates 0600 files; outputs should get the permissions any new file gets here.
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -19,26 +30,51 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, _default_file_mode())
         os.replace(tmp, target)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(target: str | os.PathLike, text: str) -> Path:
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(target)
+
+
+def save_safetensors_atomically(tensors: dict, target: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """One .safetensors file, written whole or not at all (tensors are copied to contiguous CPU memory)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(target) as tmp:
+        # safetensors refuses non-contiguous or shared-storage tensors; give it clean copies.
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    return Path(target)
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(target: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """Yields an empty temporary folder beside `target`; on success it becomes `target`.
 
-    `target` must not exist yet: folders are never merged or half-overwritten.
+    Without `replace`, an existing `target` is an error (folders are never merged). With it, the old
+    folder is moved aside and deleted only once the new one is in place, so at every moment either
+    the complete old or the complete new folder exists.
     """
     target = Path(target)
-    if target.exists():
+    if target.exists() and not replace:
         raise FileExistsError(f"{target} already exists; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp
+        old = None
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            old.rmdir()
+            os.replace(target, old)
         os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

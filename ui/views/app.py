@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
