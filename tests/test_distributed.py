@@ -259,3 +259,14 @@ def test_lr_scaling_is_reported(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.lr_scaling=sqrt", "training.learning_rate=0.0001")
     assert derive_run_numbers(cfg, 4, 10).lr == pytest.approx(2e-4)
     assert "global batch 32" in numbers.describe() and "linear" in numbers.describe()
+
+
+def test_equivalence_checker_script(tmp_path, cache_dir):
+    """scripts/check_equivalence.py (used on GPU machines for any N) passes at N=2 on CPU processes."""
+    import json
+    result = run_script("check_equivalence.py", "--device", "cpu", "--num-gpus", "2", "--batch", "4", "--steps", "2",
+                        "--launchers", "spawn", "--tolerance", "1e-5", "--config-value", "training.method=lora",
+                        "--config-value", "training.precision=fp32", "--config-value", "training.learning_rate=0.05")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"check"')]
+    assert line["ok"] and line["world_size_seen"] == 2 and line["relative_l2"] < 1e-5 and line["tensors"] > 0

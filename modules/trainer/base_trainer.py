@@ -364,7 +364,8 @@ class BaseTrainer(ABC):
         }
 
     def maybe_resume(self) -> None:
-        backups.remove_interrupted(self.paths.backups) if du.is_main() else None
+        if du.is_main():
+            backups.remove_interrupted(self.paths.backups)
         if not self.cfg.general.continue_from_backup:
             return
         path = backups.latest_backup(self.paths.backups)
