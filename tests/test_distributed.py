@@ -17,7 +17,7 @@ from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.trainer.callbacks import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
-                                   overrides_for, run_script)
+                                   overrides_for, run_script, start_script)
 
 STEPS = 3
 
@@ -149,11 +149,8 @@ def test_users_own_torchrun_command(tmp_path, cache_dir):
 def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
     """`stop` in the commands file: all ranks stop together and one backup is written."""
     ws = tmp_path / "ws"
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), "--config-path", "#demo", "--device", "cpu",
-         "--num-gpus", "2", "--spawn", *overrides_for(ws, cache_dir, "training.max_steps=500")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"))
+    proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+                        "--spawn", *overrides_for(ws, cache_dir, "training.max_steps=500"))
     lines = []
     try:
         for line in proc.stdout:
@@ -182,9 +179,7 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
             *overrides_for(ws, cache_dir, "training.max_steps=100000", "multi_gpu.timeout_minutes=1")]
     if launcher == "spawn":
         args.append("--spawn")
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+    proc = start_script("train_multi_gpu.py", *args, start_new_session=True)
     lines = []
     try:
         for line in proc.stdout:

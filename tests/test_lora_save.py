@@ -15,12 +15,8 @@ CAPTIONS = ["a red circle", "a blue square on a white background"]
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# The tiny models are far slower with several threads on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _inputs():

@@ -15,13 +15,8 @@ from modules.model import ensure_demo_model, frozen_dtypes, load_model, render_s
 from modules.model.bundle import ModelBundle
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny demo model is far slower with several threads on a busy 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# The tiny models are far slower with several threads on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -52,13 +52,8 @@ CAPTIONS = ["a red circle on a blue background", "a white triangle"]
 LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared CPU cores: one thread each keeps the run time predictable.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# The tiny models are far slower with several threads on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------ the tiny source models

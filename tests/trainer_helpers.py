@@ -41,6 +41,13 @@ def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | 
                           timeout=timeout, env=env, cwd=REPO)
 
 
+def start_script(script: str, *args: str, **popen_kwargs) -> subprocess.Popen:
+    """A script running in the background with stdout+stderr in one text pipe and event lines on."""
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"), **popen_kwargs)
+
+
 def latest_backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
     backups = sorted((Path(workspace) / "backups").glob("step-*"))
     assert backups, f"no backup in {workspace}"
