@@ -238,3 +238,16 @@ def test_demo_on_two_cpu_processes_from_the_gui(app_factory, tmp_path, monkeypat
     assert pump(app, lambda: not app.controller.state.active, timeout=90)
     assert app.controller.state.status == "stopped", app.controller.state.error
     assert app.controller.state.step < app.controller.state.total_steps
+
+
+def test_check_setup_shows_the_report(app_factory):
+    """The "Check setup" button runs scripts/check_multi_gpu.py on the current config and shows its report."""
+    app, _ = app_factory()
+    assert app.load("#demo")
+    frame = app.multi_gpu
+    frame.check_button.invoke()
+    assert pump(app, lambda: frame.check_button.cget("text") == "Check setup", timeout=240)
+    report = frame.check_output.get("1.0", "end")
+    assert "check_multi_gpu.py" in report and "--config-path" in report
+    assert "No CUDA GPU" in report or "GPU" in report
+    assert "No problems found." in report, report[-1500:]

@@ -1,6 +1,7 @@
 """The multi-GPU settings: GPUs to use, backend, launcher, LR scaling, and the live summary line."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,8 @@ class MultiGPUFrame(ctk.CTkFrame):
                            else f"Problems found (exit code {result.returncode}).")
             except (OSError, subprocess.TimeoutExpired) as e:
                 text, verdict = str(e), "The check could not run."
+            finally:
+                shutil.rmtree(config_file.parent, ignore_errors=True)
             report.append(text + "\n" + verdict)
 
         def wait() -> None:
