@@ -143,6 +143,17 @@ class ModelBundle:
             "pooled": pooled,
         }
 
+    def unused_text_encoder_modules(self) -> list[nn.Module]:
+        """Text-encoder parts whose output never reaches the conditioning, so they get no gradient.
+
+        SDXL reads the first encoder's penultimate hidden states only: its last layer and final norm
+        are dead ends. Training must freeze them, or DistributedDataParallel waits for their gradients.
+        """
+        if self.model_type != "sdxl":
+            return []
+        inner = getattr(self.text_encoders[0], "text_model", self.text_encoders[0])
+        return [inner.encoder.layers[-1], inner.final_layer_norm]
+
     def added_cond(
         self,
         text: dict[str, torch.Tensor],

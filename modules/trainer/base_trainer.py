@@ -149,6 +149,8 @@ class BaseTrainer(ABC):
                     te.requires_grad_(True)
                     te.to(torch.float32)
                     params += list(te.parameters())
+        for dead_end in bundle.unused_text_encoder_modules():
+            dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
         if t.gradient_checkpointing:
             bundle.unet.enable_gradient_checkpointing()
         bundle.to(self.device)
