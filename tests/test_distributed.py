@@ -39,10 +39,12 @@ def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2
     assert launch(cfg) == 0
 
 
-@pytest.mark.parametrize("method,accumulation", [("lora", 1), ("full", 1), ("lora", 2)])
-def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, accumulation):
-    """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with and without gradient accumulation."""
+@pytest.mark.parametrize("method,accumulation,checkpointing", [("lora", 1, False), ("full", 1, False),
+                                                               ("lora", 2, False), ("full", 1, True)])
+def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, accumulation, checkpointing):
+    """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with gradient accumulation and checkpointing."""
     common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
+              f"training.gradient_checkpointing={str(checkpointing).lower()}",
               f"training.gradient_accumulation_steps={accumulation}", "training.precision=fp32",
               # Adam turns gradients that are pure rounding noise (e.g. biases before a GroupNorm) into
               # full-size steps, so summation order alone would move those weights by ~lr. SGD keeps the

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,15 @@ def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_
     assert second.completed and second.global_step == 8
     assert [e["step"] for e in cb.of_type("loss")] == [3, 4, 5, 6, 7, 8]
     assert {e["lr"] for e in cb.of_type("loss")} == {0.003}  # this run's LR, not the backup's
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, cache_dir, precision):
+    """bf16 autocast, and fp16 autocast with the gradient scaler, give finite, falling losses."""
+    cb = RecordingCallbacks()
+    trainer = train(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=6", f"training.precision={precision}",
+                                "training.learning_rate=0.01"), cb)
+    losses = [e["loss"] for e in cb.of_type("loss")]
+    assert all(math.isfinite(x) for x in losses) and len(losses) == 6
+    assert trainer.scaler.is_enabled() == (precision == "fp16")
+    assert all(p.dtype == torch.float32 for p in trainer.trainable_params())  # fp32 master weights
