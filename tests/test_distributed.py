@@ -267,3 +267,34 @@ def test_equivalence_checker_script(tmp_path, cache_dir):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (line,) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"check"')]
     assert line["ok"] and line["world_size_seen"] == 2 and line["relative_l2"] < 1e-5 and line["tensors"] > 0
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
+    """Ctrl-C (SIGINT to the terminal's process group): every rank stops at one step, backs up, exit 0."""
+    ws = tmp_path / "ws"
+    args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+            *overrides_for(ws, cache_dir, "training.max_steps=100000")]
+    proc = start_script("train_multi_gpu.py", *args, *(["--spawn"] if launcher == "spawn" else []),
+                        start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            event = parse_event_line(line)
+            if event and event["type"] == "progress" and event["step"] == 2:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    events = _events("".join(lines))
+    assert code == 0, "".join(lines)[-3000:]
+    done = next(e for e in events if e["type"] == "done")
+    backup = [e for e in events if e["type"] == "backup"]
+    assert not done["completed"] and len(backup) == 1 and backup[0]["step"] == done["step"]
+    assert not _worker_pids(proc.pid)

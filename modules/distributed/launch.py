@@ -20,9 +20,11 @@ import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
 from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend
+from modules.trainer.commands import write_command
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+HARD_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
 
 
 class LaunchError(RuntimeError):
@@ -195,14 +197,53 @@ def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan) -> int:
     log.info("Running: %s", " ".join(cmd))
     env = _worker_env(plan)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, env=env)
+    # torchrun runs in its own process group: a Ctrl-C here becomes a clean "stop" (every rank stops at
+    # the same step and backs up) instead of torchrun's signal handling, which reports a failure.
+    proc = subprocess.Popen(cmd, env=env, **_own_process_group())
+    commands_file = RunPaths(cfg).commands_file
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: _signal_group(proc, signal.SIGTERM))
+    interrupts = 0
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # torchrun forwards the signal to the workers; wait for their clean stop
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+                if interrupts == 1:
+                    write_command(commands_file, "stop")
+                    log.info("Stopping every rank at the next step (with a backup); Ctrl-C again to abort.")
+                else:
+                    _signal_group(proc, signal.SIGTERM if interrupts == 2 else HARD_KILL)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     if code != 0:
         log.error("Training failed (torchrun exit code %d); the failing rank is named above.", code)
     return code
+
+
+def _own_process_group() -> dict:
+    """Popen arguments: a new process group that dies with this process (Linux) so no worker is orphaned."""
+    if os.name != "posix":
+        return {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+
+    def child_setup() -> None:
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            import ctypes
+            pr_set_pdeathsig = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return {"preexec_fn": child_setup}
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signal.CTRL_BREAK_EVENT if signum != HARD_KILL else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def launch(cfg: TrainConfig, check_data: bool = True) -> int:
