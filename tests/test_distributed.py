@@ -298,3 +298,13 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
     backup = [e for e in events if e["type"] == "backup"]
     assert not done["completed"] and len(backup) == 1 and backup[0]["step"] == done["step"]
     assert not _worker_pids(proc.pid)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_caching_with_and_without_distributed_data_loading(tmp_path, tandem_home, shared):
+    """Split caching (each rank its share) and rank-0 caching both fill the whole cache and train."""
+    cache = tmp_path / "fresh_cache"
+    multi(tmp_path / "ws", cache, "training.max_steps=1", "data.caption_dropout=0",
+          f"multi_gpu.distributed_data_loading={str(shared).lower()}")
+    assert len(list((cache / "latents").glob("*.safetensors"))) == 64  # one entry per demo image
+    assert len(list((cache / "text").glob("*.safetensors"))) == 64
