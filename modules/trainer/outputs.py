@@ -96,6 +96,8 @@ class OutputWriter:
         s = t.cfg.save
         dtype = DTYPES[s.save_dtype]
         path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("Saving the model to %s ...", path)
+        t.emit("status", text=f"saving {path.name}")
         if t.cfg.training.method == "lora":
             from modules.model.lora import save_lora
             metadata = {"tandem_base_model": t.cfg.model.base_model, "tandem_step": str(t.global_step)}
