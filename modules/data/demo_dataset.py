@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import uuid
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+
+from modules.util.atomic import build_folder_once
 
 DEMO_SCHEME = "builtin:demo-shapes"
 DEMO_VERSION = "1"
@@ -85,22 +85,7 @@ def ensure_demo_dataset(root: Path | None = None) -> Path:
     root = Path(root) if root is not None else default_demo_root()
     if _is_complete(root):
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_dataset(tmp)
-        if root.exists() and not _is_complete(root):
-            # A copy of an older version (or an interrupted manual copy): replace it.
-            shutil.rmtree(root, ignore_errors=True)
-        try:
-            os.replace(tmp, root)
-        except OSError:
-            if not _is_complete(root):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
+    return build_folder_once(root, _write_dataset, _is_complete)
 
 
 def resolve_concept_path(path: str) -> Path:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from modules.util.atomic import build_folder_once
 
 DEMO_MODEL_VERSION = 3
 """Bump when the demo model's architecture or weights change; the marker file records it."""
@@ -59,32 +60,7 @@ def ensure_demo_model(root: Path | None = None) -> Path:
             f"{root} exists but is not a Tandem demo model (it has no {_MARKER_FILE}). "
             "Delete that folder or point TANDEM_HOME elsewhere; the demo model is rebuilt automatically."
         )
-    root.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}-building-", dir=root.parent))
-    try:
-        _build_into(build_dir)
-        if root.exists() and not _is_complete(root):
-            _retire_outdated(root)
-        try:
-            os.replace(build_dir, root)
-        except OSError:
-            # Another process finished first (renaming onto a non-empty folder fails); use theirs.
-            if not _is_complete(root):
-                raise
-    finally:
-        shutil.rmtree(build_dir, ignore_errors=True)
-    return root
-
-
-def _retire_outdated(root: Path) -> None:
-    """Move a demo model of an older version out of the way (another process may do it first)."""
-    aside = Path(tempfile.mkdtemp(prefix=f".{root.name}-outdated-", dir=root.parent))
-    aside.rmdir()
-    try:
-        os.replace(root, aside)
-    except OSError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
+    return build_folder_once(root, _build_into, _is_complete)
 
 
 def _is_complete(root: Path) -> bool:

@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def _default_file_mode() -> int:
@@ -78,6 +78,40 @@ def atomic_directory(target: str | os.PathLike, replace: bool = False) -> Iterat
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_folder_once(target: str | os.PathLike, build: Callable[[Path], None],
+                      is_complete: Callable[[Path], bool]) -> Path:
+    """Make sure a complete generated folder exists at `target`, building it at most once per caller.
+
+    Safe when several processes call it at once (every rank of a run): each builds into its own
+    temporary folder and renames it into place; a caller that loses the race drops its copy and uses
+    the finished one. An incomplete or outdated folder at `target` is moved aside and deleted first.
+    """
+    target = Path(target)
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    built = Path(tempfile.mkdtemp(prefix=f".{target.name}-building-", dir=target.parent))
+    try:
+        build(built)
+        if target.exists() and not is_complete(target):
+            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-outdated-", dir=target.parent))
+            aside.rmdir()
+            try:
+                os.replace(target, aside)
+            except OSError:
+                pass  # another process moved it first
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(built, target)
+        except OSError:
+            # Renaming onto a non-empty folder fails: another process finished first; use theirs.
+            if not is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+    return target
 
 
 def unique_path(path: str | os.PathLike, stamp: str) -> Path:
