@@ -153,15 +153,12 @@ def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
     ws = tmp_path / "ws"
     proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
                         "--spawn", *overrides_for(ws, cache_dir, "training.max_steps=500"))
-    lines = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            event = parse_event_line(line)
-            if event and event["type"] == "progress" and event["step"] == 2:
-                (ws / ".tandem").mkdir(parents=True, exist_ok=True)
-                with open(ws / ".tandem" / "commands", "a") as f:
-                    f.write("stop\n")
+        lines = read_until_step(proc, 2)
+        (ws / ".tandem").mkdir(parents=True, exist_ok=True)
+        with open(ws / ".tandem" / "commands", "a") as f:
+            f.write("stop\n")
+        lines += proc.stdout.readlines()
         code = proc.wait(timeout=300)
     finally:
         proc.kill()
@@ -182,13 +179,8 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
     if launcher == "spawn":
         args.append("--spawn")
     proc = start_script("train_multi_gpu.py", *args, start_new_session=True)
-    lines = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            event = parse_event_line(line)
-            if event and event["type"] == "progress" and event["step"] == 2:
-                break
+        lines = read_until_step(proc, 2)
         victim = _worker_pids(proc.pid)[-1]
         os.kill(victim, signal.SIGKILL)
         started = time.monotonic()
@@ -205,6 +197,17 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
     assert took < 90, f"job took {took:.0f}s to exit after a worker died"
     assert ("rank" in output.lower()) and ("exit" in output.lower() or "signal" in output.lower()), output[-2000:]
     assert not _worker_pids(proc.pid), "worker processes left behind"
+
+
+def read_until_step(proc: subprocess.Popen, step: int) -> list[str]:
+    """Output lines of a running training up to (and with) the progress event of `step`."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        event = parse_event_line(line)
+        if event and event["type"] == "progress" and event["step"] == step:
+            return lines
+    raise AssertionError(f"training ended before step {step}:\n" + "".join(lines)[-3000:])
 
 
 def _worker_pids(parent: int) -> list[int]:
@@ -277,14 +280,9 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
             *overrides_for(ws, cache_dir, "training.max_steps=100000")]
     proc = start_script("train_multi_gpu.py", *args, *(["--spawn"] if launcher == "spawn" else []),
                         start_new_session=True)
-    lines = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            event = parse_event_line(line)
-            if event and event["type"] == "progress" and event["step"] == 2:
-                os.killpg(proc.pid, signal.SIGINT)
-                break
+        lines = read_until_step(proc, 2)
+        os.killpg(proc.pid, signal.SIGINT)
         lines += proc.stdout.readlines()
         code = proc.wait(timeout=120)
     finally:
