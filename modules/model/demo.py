@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from modules.model.tokenizer import bytes_to_unicode
 from modules.util.atomic import build_folder_once
 
 DEMO_MODEL_VERSION = 3
@@ -104,22 +105,9 @@ def _write_and_load_tokenizer(folder: Path):
     return CLIPTokenizer.from_pretrained(folder, model_max_length=77, local_files_only=True)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP's reversible byte -> printable character table (the byte-level base alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
-
-
 def _demo_bpe() -> tuple[dict[str, int], list[str]]:
     """Base alphabet (each byte alone and as word end) + left-to-right merges for each demo word."""
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     tokens = alphabet + [c + "</w>" for c in alphabet]
     merges: list[str] = []
     for word in DEMO_WORDS:

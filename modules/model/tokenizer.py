@@ -26,7 +26,7 @@ MAX_LENGTH = 77
 _MERGE_COUNT = 49152 - 256 - 2
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """CLIP's reversible byte -> printable character table (byte-level BPE never sees whitespace/control bytes)."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -51,7 +51,7 @@ def _vocab_and_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
         )
     lines = gzip.decompress(BPE_FILE.read_bytes()).decode("utf-8").split("\n")
     merges = tuple(tuple(line.split()) for line in lines[1 : 1 + _MERGE_COUNT])
-    byte_chars = list(_bytes_to_unicode().values())
+    byte_chars = list(bytes_to_unicode().values())
     tokens = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m) for m in merges] + [BOS_TOKEN, EOS_TOKEN]
     return {token: index for index, token in enumerate(tokens)}, merges
 
