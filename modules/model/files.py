@@ -1,16 +1,21 @@
-"""Save dtypes of model outputs (the atomic writers live in modules/util/atomic.py)."""
-from __future__ import annotations
+"""The names of weight dtypes used in configs (`fp32`, `bf16`, `fp16`) and their torch dtypes.
 
+One table for loading (frozen parts), saving and the trainer; the atomic writers live in
+modules/util/atomic.py.
+"""
+from __future__ import annotations
 
 import torch
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def resolve_save_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """`fp16`/`bf16`/`fp32` (as in `save.save_dtype`) or a torch dtype -> the torch dtype."""
+    """`fp16`/`bf16`/`fp32` (as in `save.save_dtype`; torch's names too) or a torch dtype -> the torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in SAVE_DTYPES:
+    name = _ALIASES.get(dtype, dtype)
+    if name not in SAVE_DTYPES:
         raise ValueError(f"save dtype {dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
-    return SAVE_DTYPES[dtype]
+    return SAVE_DTYPES[name]

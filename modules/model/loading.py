@@ -14,8 +14,7 @@ import torch
 from modules.config.train_config import ModelConfig, TrainingConfig
 
 from .bundle import MODEL_TYPES, ModelBundle
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .files import SAVE_DTYPES as DTYPES
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 BUILTIN_DEMO = "builtin:demo"

@@ -44,6 +44,7 @@ from modules.model.detect import (
     resolve_prediction_type,
 )
 from modules.model.ldm_layout import clip_to_ldm, open_clip_to_ldm, unet_to_ldm, vae_to_ldm  # noqa: F401 (re-exported)
+from modules.model.files import resolve_save_dtype
 from modules.model.tokenizer import OPEN_CLIP_PAD_TOKEN, clip_tokenizer
 from modules.util.atomic import save_safetensors_atomically
 
@@ -339,7 +340,7 @@ def save_single_file(
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
         raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
-    dtype = _as_dtype(dtype)
+    dtype = resolve_save_dtype(dtype)
     unet_state = dict(unet_state_override) if unet_state_override is not None else bundle.unet.state_dict()
     expected = set(bundle.unet.state_dict())
     if set(unet_state) != expected:
@@ -366,13 +367,3 @@ def save_single_file(
         META_CONFIGS: json.dumps(configs),
     }
     return save_safetensors_atomically(tensors, path, metadata)
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if dtype not in names:
-        raise ValueError(f"save dtype {dtype!r} is not one of {', '.join(names)}.")
-    return names[dtype]

@@ -11,16 +11,11 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from modules.distributed import dist_utils as du
 from modules.trainer import backup as backups
 from modules.util.atomic import unique_path
 
 log = logging.getLogger("tandem")
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 class OutputWriter:
     def __init__(self, trainer) -> None:
@@ -94,7 +89,7 @@ class OutputWriter:
     def _write_model(self, path: Path) -> None:
         t = self.t
         s = t.cfg.save
-        dtype = DTYPES[s.save_dtype]
+        dtype = s.save_dtype
         path.parent.mkdir(parents=True, exist_ok=True)
         log.info("Saving the model to %s ...", path)
         t.emit("status", text=f"saving {path.name}")
@@ -113,9 +108,9 @@ class OutputWriter:
                 folder = path if s.full_format == "diffusers" else path.with_suffix("")
                 save_full_diffusers(t.bundle, folder, dtype)
             if s.full_format in ("single_file", "both"):
-                from modules.model.single_file import save_single_file
+                from modules.model.saving import save_full_single_file
                 file = path if s.full_format == "single_file" else path.with_name(path.name + ".safetensors")
-                save_single_file(t.bundle, file, dtype)
+                save_full_single_file(t.bundle, file, dtype)
         log.info("Model saved: %s", path)
         t.emit("saved", path=str(path), step=t.global_step)
 
