@@ -273,3 +273,14 @@ def test_run_controller_ends_a_run_that_ignores_stop(tmp_path):
 def test_unknown_command_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown command 'pause'"):
         RunController().send("pause")
+
+
+def test_summary_world_size_matches_the_launcher_for_cpu_processes():
+    """The live line must show the number of processes the launcher will actually start."""
+    from modules.config import TrainConfig, apply_overrides
+    from modules.distributed.launch import plan_launch
+    from ui.multi_gpu_summary import summarize
+    for count in (0, 3):
+        cfg = apply_overrides(TrainConfig(), ["general.device=cpu", "multi_gpu.enabled=true",
+                                              f"multi_gpu.num_gpus={count}"])
+        assert summarize(cfg, visible_gpus=0).world_size == plan_launch(cfg).world_size

@@ -6,11 +6,11 @@ effect of batch, accumulation, GPU selection and LR scaling before starting.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from modules.config import TrainConfig
 from modules.config.validation import parse_device_indexes
+from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES, lr_scale_factor
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def world_size(cfg: TrainConfig, visible_gpus: int) -> int:
     if not m.enabled:
         return 1
     if cfg.general.device == "cpu":
-        return max(m.num_gpus, 1)
+        return m.num_gpus or DEFAULT_CPU_PROCESSES  # as the launcher decides
     try:
         indexes = parse_device_indexes(m.device_indexes)
     except ValueError:
@@ -66,11 +66,11 @@ def world_size(cfg: TrainConfig, visible_gpus: int) -> int:
 
 
 def scaled_lr(base_lr: float, world: int, scaling: str) -> float:
-    if scaling == "linear":
-        return base_lr * world
-    if scaling == "sqrt":
-        return base_lr * math.sqrt(world)
-    return base_lr
+    """The trainer's scaled LR; an unknown mode (mid-edit) shows the base LR, validation names it."""
+    try:
+        return base_lr * lr_scale_factor(scaling, world)
+    except ValueError:
+        return base_lr
 
 
 def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:

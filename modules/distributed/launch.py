@@ -21,6 +21,7 @@ import torch
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
 from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend
 from modules.trainer.commands import write_command
+from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
         else:
             visible_devices = ",".join(str(i) for i in indexes)
     else:
-        world = m.num_gpus or 2
+        world = m.num_gpus or DEFAULT_CPU_PROCESSES
         visible_devices = None
     try:
         backend = resolve_backend(m.backend, device_type)

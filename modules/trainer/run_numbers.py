@@ -35,6 +35,10 @@ class RunNumbers:
                 f"LR {self.base_lr:g} -> {self.lr:g}{scale}")
 
 
+DEFAULT_CPU_PROCESSES = 2
+"""Processes of a `--device cpu` run when `multi_gpu.num_gpus` is 0."""
+
+
 def lr_scale_factor(mode: str, world_size: int) -> float:
     if mode == "linear":
         return float(world_size)
