@@ -82,10 +82,11 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
 
     interrupted = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10")
     inbox = CommandInbox()
-    # A command arriving during step 4's reporting is exchanged, and acted on, at step 5.
+    # Step 4 is reported while step 5 runs (trainer.step_exchange); a command arriving then is sent
+    # with step 5 and acted on when step 5's report comes back, after step 6.
     first = train(interrupted, StopAt(inbox, 4), inbox)
-    assert not first.completed and first.global_step == 5
-    assert [p.name for p in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000005"]
+    assert not first.completed and first.global_step == 6
+    assert [p.name for p in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000006"]
     assert not (tmp_path / "b" / "output").exists()  # an unfinished run never writes the final model
 
     resumed_cfg = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10",
@@ -129,11 +130,11 @@ def test_rolling_backups_keep_newest(tmp_path, cache_dir):
 
 
 def test_commands_file_sample_and_save(tmp_path, cache_dir):
-    """`sample` and `save` written to the commands file act at the next step."""
+    """`sample` and `save` written to the commands file: sent with the next step, acted on one step later."""
     from modules.config import RunPaths
     from modules.trainer.commands import write_command
 
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=3", "sampling.inference_steps=2",
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "sampling.inference_steps=2",
                       "training.method=lora")
     cfg.sampling.prompts = cfg.sampling.prompts[:1]
     commands = RunPaths(cfg).commands_file
@@ -149,9 +150,10 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     cb = Commander()
     train(cfg, cb, inbox)
     samples = cb.of_type("sample")
-    assert [s["step"] for s in samples] == [2] and Path(samples[0]["path"]).is_file()
+    # Step 1 is reported while step 2 runs; the commands go out with step 2 and act after step 3.
+    assert [s["step"] for s in samples] == [3] and Path(samples[0]["path"]).is_file()
     saved = [Path(s["path"]).name for s in cb.of_type("saved")]
-    assert saved == ["demo-step0000002.safetensors", "demo.safetensors"]
+    assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
 
 
 def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
@@ -217,13 +219,13 @@ def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_
     common = ("training.epochs=2", "training.max_steps=0", "save.backup_on_stop=true")
     inbox = CommandInbox()
 
-    class StopAfter3(RecordingCallbacks):
+    class StopAt4(RecordingCallbacks):
         def on_event(self, type_, **fields):
             super().on_event(type_, **fields)
-            if type_ == "progress" and fields["step"] == 3:
+            if type_ == "progress" and fields["step"] == 2:  # reported during step 3, sent with it, acted on at 4
                 inbox.request("stop")
 
-    first = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=8"), StopAfter3(), inbox)
+    first = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=8"), StopAt4(), inbox)
     assert first.global_step == 4 and not first.completed
     cb = RecordingCallbacks()
     second = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=16",

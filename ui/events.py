@@ -17,6 +17,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "config": ("world_size", "per_gpu_batch", "accumulation", "global_batch", "steps_per_epoch",
                "total_steps", "base_lr", "lr"),
     "status": ("text",),
+    "cache": ("seconds", "world_size", "shared"),
     "progress": ("epoch", "epochs", "step", "total_steps", "images_per_s", "eta_s"),
     "loss": ("step", "loss", "lr"),
     "sample": ("step", "path", "prompt"),

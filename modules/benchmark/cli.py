@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="append one JSON line per case to this file")
     args = p.parse_args(argv)
 
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1 (the first step includes one-off set-up work)")
     import torch
     from modules.benchmark.runner import Case, run_case, scaling_table
 

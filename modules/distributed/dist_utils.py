@@ -57,17 +57,15 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over ranks in one collective (one sync point for all of them)."""
+def all_reduce_sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks without a host sync on NCCL (the GPU stream waits, the CPU does not).
+
+    Returns the summed tensor, which lives on the communication device (the CPU for gloo)."""
     if not is_distributed():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+        return t
+    t = t.to(_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def all_reduce_mean(value: float) -> float:
-    return all_reduce_sum([value])[0] / world_size()
+    return t
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

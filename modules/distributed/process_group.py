@@ -38,11 +38,24 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
     return True
 
 
+def share_cpu_threads(local_world: int) -> None:
+    """Give each worker of this host its share of the cores (unless OMP_NUM_THREADS says otherwise).
+
+    By default every process starts one thread per core; N workers would then oversubscribe the host
+    N times, and the busy threads delay the launch thread that keeps each GPU fed.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, local_world)))
+
+
 def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch.device:
     """Join the process group described by the standard torchrun variables and pick this rank's device."""
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"rank {rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible "

@@ -175,7 +175,10 @@ class ModelBundle:
         ]
         if len(rows) != pooled.shape[0]:
             raise ValueError(f"added_cond got {len(rows)} size entries for a batch of {pooled.shape[0]}")
-        time_ids = torch.tensor(rows, device=pooled.device, dtype=pooled.dtype)
+        time_ids = torch.tensor(rows, dtype=pooled.dtype)
+        if pooled.is_cuda:  # a copy from pageable memory would make the CPU wait for the GPU
+            time_ids = time_ids.pin_memory()
+        time_ids = time_ids.to(pooled.device, non_blocking=True)
         return {"text_embeds": pooled, "time_ids": time_ids}
 
     # ---------------------------------------------------------------- identity

@@ -8,7 +8,9 @@ group, DDP wrapping, gradient-sync skipping, LR scaling), while the helpers in
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -17,13 +19,14 @@ from modules.config import RunPaths, TrainConfig, save_config
 from modules.distributed import dist_utils as du
 from modules.trainer import backup as backups
 from modules.trainer.callbacks import TrainingCallbacks
-from modules.trainer.commands import COMMANDS, CommandInbox
+from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
 from modules.trainer.objective import diffusion_loss, draw_noise, training_target
 from modules.trainer.optim import build_optimizer, build_scheduler
 from modules.trainer.outputs import OutputWriter
 from modules.trainer.progress import ProgressReporter
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
+from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
 from modules.util.rng import rng_state, seed_everything, set_rng_state
 
@@ -64,15 +67,21 @@ class BaseTrainer(ABC):
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
         self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
         self.outputs = OutputWriter(self)
+        self.exchange = StepExchange()
         self.maybe_resume()
         self.announce()
         self.progress = ProgressReporter(self)
+        # Keep the model's many long-lived Python objects out of later full garbage collections, which
+        # would otherwise rescan all of them at random steps (a pause the other ranks wait for).
+        gc.collect()
+        gc.freeze()
 
     def train(self) -> None:
         if self.cfg.sampling.sample_at_start and self.global_step == 0:
             self.outputs.sample()  # the baseline every later sample is compared with
         while self.global_step < self.numbers.total_steps and not self.stop_requested:
             self.run_epoch()
+        self.act_on(self.exchange.receive())  # the last step's loss (and any command sent with it)
         self.completed = self.global_step >= self.numbers.total_steps
 
     def end(self) -> None:
@@ -178,12 +187,19 @@ class BaseTrainer(ABC):
         if not (self.cfg.data.cache_latents or self.cache_text()):
             return
         share_work = self.cfg.multi_gpu.distributed_data_loading
+        du.barrier()  # ranks finish loading the model at different times: time the caching alone
+        started = time.perf_counter()
         with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
             self.dataset.cache(self.bundle.encode_images, self.bundle.encode_text, self.bundle.fingerprint(),
                                rank=du.rank() if share_work else 0,
                                world_size=du.world_size() if share_work else 1,
                                cache_text=self.cache_text())
         du.barrier()
+        seconds = time.perf_counter() - started
+        if du.is_main():
+            log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
+                     "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
 
     def offload_cached_encoders(self) -> None:
         """With latents (text) cached, the VAE (frozen text encoders) only serve samples: keep them off the GPU."""
@@ -311,33 +327,42 @@ class BaseTrainer(ABC):
             self.ema.update()
 
     def after_step(self, loss: torch.Tensor) -> None:
-        loss_mean, commands = self.exchange_step_info(loss)
-        self.progress.step(loss_mean, self.optimizer.param_groups[0]["lr"])
-        if "stop" in commands:
-            log.info("Stop requested: stopping at step %d", self.global_step)
-            self.stop_requested = True
+        self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done by now
+        self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands())
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
-        if "sample" in commands or due(self.cfg.sampling.every_n_steps):
+        if due(self.cfg.sampling.every_n_steps):
             self.outputs.sample()
-        if "backup" in commands or due(s.backup_every_n_steps):
+        if due(s.backup_every_n_steps):
             self.outputs.backup()
-        if "save" in commands or due(s.save_every_n_steps):
+        if due(s.save_every_n_steps):
             self.outputs.save_intermediate()
 
-    def exchange_step_info(self, loss: torch.Tensor) -> tuple[float, set[str]]:
-        """Mean loss over ranks and the union of the commands every rank saw, in one collective.
+    def take_commands(self) -> set[str]:
+        """Commands this rank saw since the last step: rank 0 reads the commands file, any rank may catch a signal."""
+        if self.inbox is None:
+            return set()
+        if du.is_main():
+            self.inbox.poll()
+        return self.inbox.take()
 
-        Rank 0 reads the commands file; any rank may have caught a signal. Merging them means every
-        rank stops, samples or saves at the same step.
+    def act_on(self, report: StepReport | None) -> None:
+        """Log a finished step's mean loss and carry out the commands merged over all ranks with it.
+
+        Every rank gets the same report at the same step, so all of them stop, sample or save together.
         """
-        seen = set()
-        if self.inbox is not None:
-            if du.is_main():
-                self.inbox.poll()
-            seen = self.inbox.take()
-        values = du.all_reduce_sum([loss.item(), *(float(c in seen) for c in COMMANDS)])
-        return values[0] / du.world_size(), {c for c, v in zip(COMMANDS, values[1:]) if v > 0}
+        if report is None:
+            return
+        self.progress.step(report)
+        if "stop" in report.commands:
+            log.info("Stop requested: stopping at step %d", self.global_step)
+            self.stop_requested = True
+        if "sample" in report.commands:
+            self.outputs.sample()
+        if "backup" in report.commands:
+            self.outputs.backup()
+        if "save" in report.commands:
+            self.outputs.save_intermediate()
 
     def sampling_scheduled(self) -> bool:
         s = self.cfg.sampling

@@ -20,17 +20,22 @@ class NoiseDraw:
 
 def draw_noise(latent_shape: tuple[int, ...], num_timesteps: int, seed: int, step: int, micro: int,
                rank: int, world_size: int, device: torch.device, offset_noise: float = 0.0) -> NoiseDraw:
-    """This rank's slice of the global batch's noise and timesteps (latent_shape is the local shape)."""
+    """This rank's slice of the global batch's noise and timesteps (latent_shape is the local shape).
+
+    Drawn on the training device: a CPU draw would cost every rank host time that grows with the
+    number of GPUs, and its copy from pageable memory makes the CPU wait for the GPU. A generator of
+    one device type gives the same numbers for the same key on any GPU, so N x B == 1 x NB holds on
+    each device type (CPU and GPU draws differ from each other).
+    """
     local = latent_shape[0]
-    gen = torch.Generator(device="cpu").manual_seed(hash((seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+    gen = torch.Generator(device=device).manual_seed(hash((seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
     global_shape = (local * world_size, *latent_shape[1:])
-    # Drawn on the CPU for bit-identical results on every device type; a few MB per step at most.
-    noise = torch.randn(global_shape, generator=gen)
-    timesteps = torch.randint(0, num_timesteps, (global_shape[0],), generator=gen)
+    noise = torch.randn(global_shape, generator=gen, device=device)
+    timesteps = torch.randint(0, num_timesteps, (global_shape[0],), generator=gen, device=device)
     if offset_noise > 0:
-        noise = noise + offset_noise * torch.randn(global_shape[0], global_shape[1], 1, 1, generator=gen)
+        noise = noise + offset_noise * torch.randn(global_shape[0], global_shape[1], 1, 1, generator=gen, device=device)
     part = slice(rank * local, (rank + 1) * local)
-    return NoiseDraw(noise[part].to(device, non_blocking=True), timesteps[part].to(device, non_blocking=True))
+    return NoiseDraw(noise[part], timesteps[part])
 
 
 def training_target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,

@@ -30,8 +30,10 @@ class ProgressReporter:
                 from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(str(trainer.paths.tensorboard))
 
-    def step(self, loss_mean: float, lr: float) -> None:
+    def step(self, report) -> None:
+        """Report a finished step (the loop is one step further by now; see step_exchange)."""
         t = self.t
+        step, loss_mean, lr = report.step, report.loss, report.lr
         now = time.perf_counter()
         dt = now - self.last_time
         self.last_time = now
@@ -40,23 +42,23 @@ class ProgressReporter:
         self.images_per_s = current if self.images_per_s == 0 else 0.9 * self.images_per_s + 0.1 * current
         if not self.main:
             return
-        left = t.numbers.total_steps - t.global_step
+        left = t.numbers.total_steps - step
         eta = left * t.numbers.global_batch / self.images_per_s if self.images_per_s > 0 else None
-        t.emit("loss", step=t.global_step, loss=loss_mean, lr=lr)
-        t.emit("progress", epoch=t.epoch + 1, epochs=t.numbers.epochs, step=t.global_step,
+        t.emit("loss", step=step, loss=loss_mean, lr=lr)
+        t.emit("progress", epoch=report.epoch + 1, epochs=t.numbers.epochs, step=step,
                total_steps=t.numbers.total_steps, images_per_s=round(self.images_per_s, 3),
                eta_s=round(eta, 1) if eta is not None else None)
         if self.writer is not None:
-            self.writer.add_scalar("loss", loss_mean, t.global_step)
-            self.writer.add_scalar("lr", lr, t.global_step)
-            self.writer.add_scalar("images_per_s", self.images_per_s, t.global_step)
+            self.writer.add_scalar("loss", loss_mean, step)
+            self.writer.add_scalar("lr", lr, step)
+            self.writer.add_scalar("images_per_s", self.images_per_s, step)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss_mean:.4f}", img_s=f"{self.images_per_s:.1f}", epoch=t.epoch + 1)
-        elif now - self.last_log > 10 or t.global_step == t.numbers.total_steps:
+            self.bar.set_postfix(loss=f"{loss_mean:.4f}", img_s=f"{self.images_per_s:.1f}", epoch=report.epoch + 1)
+        elif now - self.last_log > 10 or step == t.numbers.total_steps:
             self.last_log = now
-            log.info("step %d/%d epoch %d loss %.4f %.2f img/s", t.global_step, t.numbers.total_steps,
-                     t.epoch + 1, loss_mean, self.images_per_s)
+            log.info("step %d/%d epoch %d loss %.4f %.2f img/s", step, t.numbers.total_steps,
+                     report.epoch + 1, loss_mean, self.images_per_s)
 
     def log_image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:

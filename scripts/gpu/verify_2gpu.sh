@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# GPU verification matrix, part 1 (run on a machine with 2 GPUs; needs diffusers importable).
-# Functional checks (NCCL, both launchers, equivalence) and the SD1.5-size benchmark beside the raw
-# reference. Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
+# GPU verification on a machine with 2 GPUs (needs diffusers importable), in parts that each fit a
+# 10-minute call:
+#   full    SD1.5-size full fine-tune, 8/GPU: 3 rounds of raw reference and Tandem on 1 and 2 GPUs,
+#           then the DDP bucket-size lever; the demo's 2 x 4 == 1 x 8 check through torchrun first
+#   lora    SD1.5-size LoRA, 8/GPU: 3 rounds as above; SDXL-size LoRA at 1024 px, 4/GPU, one round
+#   checks  equivalence through both launchers (demo; SD1.5-size model read from real files),
+#           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 512 px images)
+# Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
+PART="${1:?usage: verify_2gpu.sh full|lora|checks}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-.}"; RES="$OUTDIR/results.jsonl"; REF="${REF:-.bench/raw_ddp_reference.py}"
+OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
+REF="${REF:-.bench/raw_ddp_reference.py}"
 log() { echo "== $(date +%T) $*"; }
 ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
     local n=$1; shift
@@ -12,15 +19,62 @@ ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
         | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
 }
 bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
+rounds() { # 3 interleaved rounds of reference and Tandem, 1 and 2 GPUs
+    for i in 1 2 3; do
+        log "$* round $i"
+        ref 1 "$@"; ref 2 "$@"
+        bench "$@" --gpus 1,2
+    done
+}
 nvidia-smi -L
-log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
-log "equivalence demo, torchrun";  python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers torchrun --config-value training.precision=bf16 | tee -a "$RES"
-log "equivalence demo, spawn";     python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers spawn --config-value training.method=full | tee -a "$RES"
-for i in 1 2 3; do
-  log "sd15 full b8 round $i"
-  ref 1 --model sd15 --mode full --batch 8
-  ref 2 --model sd15 --mode full --batch 8
-  bench --model sd15 --mode full --batch 8 --gpus 1,2 --steps 30 --warmup 8
-done
-log "sd15 full b8 bucket 100"; bench --model sd15 --mode full --batch 8 --gpus 2 --config-value multi_gpu.bucket_cap_mb=100 --repeat 2
+case "$PART" in
+full)
+    log "equivalence demo, torchrun, LoRA bf16"
+    python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers torchrun \
+        --config-value training.method=lora --config-value training.precision=bf16 | tee -a "$RES"
+    rounds --model sd15 --mode full --batch 8
+    log "sd15 full b8, bucket 100"
+    ref 2 --model sd15 --mode full --batch 8 --bucket-mb 100
+    bench --model sd15 --mode full --batch 8 --gpus 2 --config-value multi_gpu.bucket_cap_mb=100
+    ;;
+lora)
+    rounds --model sd15 --mode lora --batch 8
+    log "sdxl lora 1024 b4 gc"
+    ref 1 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 12 --warmup 4
+    ref 2 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 12 --warmup 4
+    bench --model sdxl --mode lora --batch 4 --res 1024 --gc --gpus 1,2 --steps 12 --warmup 4
+    ;;
+checks)
+    log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
+    log "equivalence demo, spawn, full fp32"
+    python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers spawn \
+        --config-value training.method=full | tee -a "$RES"
+    log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"
+    python3 scripts/make_random_model.py --type sd1 --out /tmp/random-sd15 >/dev/null
+    python3 scripts/check_equivalence.py --num-gpus 2 --batch 2 --steps 3 --launchers torchrun,spawn \
+        --config-value model.base_model=/tmp/random-sd15 --config-value data.resolution=512 \
+        --config-value training.method=lora --config-value training.precision=bf16 \
+        --config-value model.unet_dtype=bf16 | tee -a "$RES"
+    log "caching time, 256 images at 512 px, SD1.5-size VAE: 1 GPU vs 2 GPUs"
+    python3 -c "
+import numpy as np, os; from PIL import Image
+os.makedirs('/tmp/imgs', exist_ok=True); g = np.random.default_rng(0)
+for i in range(256):
+    small = g.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    Image.fromarray(small).resize((512, 512), Image.BICUBIC).save(f'/tmp/imgs/{i:03d}.jpg', quality=90)
+    open(f'/tmp/imgs/{i:03d}.txt', 'w').write('a random picture')"
+    common=(--config-value model.base_model=/tmp/random-sd15 --config-value data.resolution=512
+            --config-value 'data.concepts[0].path=/tmp/imgs' --config-value training.method=lora
+            --config-value training.precision=bf16 --config-value training.max_steps=1
+            --config-value sampling.every_n_epochs=0 --config-value sampling.sample_at_start=false
+            --config-value data.random_flip=false)
+    for n in 1 2; do
+        if [ $n = 1 ]; then script=(scripts/train.py); else script=(scripts/train_multi_gpu.py --num-gpus 2); fi
+        TANDEM_EVENTS=1 python3 "${script[@]}" --config-path '#demo' "${common[@]}" \
+            --config-value general.workspace_dir=/tmp/cache-ws-$n --config-value general.cache_dir=/tmp/cache-$n \
+            | grep '"type": "cache"' | sed "s/^@tandem {/{\"check\": \"caching\", \"gpus\": $n, /" | tee -a "$RES"
+    done
+    ;;
+*) echo "unknown part $PART" >&2; exit 2 ;;
+esac
 log "done"
