@@ -87,6 +87,7 @@ class BenchmarkMixin:
 
     def start(self):
         self.step_times: list[float] = []
+        self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
         super().start()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -96,8 +97,20 @@ class BenchmarkMixin:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def optimizer_step(self, micro_batches):
+        # Where the host's time goes, to tell a GPU-bound loop from a host-bound one: waiting for the
+        # loader (data), queueing the step's GPU work (launch; no waits unless something syncs) and
+        # after_step (waiting for the previous step, reporting).
+        started = time.perf_counter()
+        self.phase_times["data"].append(started - self.last_step_end)
+        loss = super().optimizer_step(micro_batches)
+        self.launch_end = time.perf_counter()
+        self.phase_times["launch"].append(self.launch_end - started)
+        return loss
+
     def after_step(self, loss):
         super().after_step(loss)
+        self.phase_times["after"].append(time.perf_counter() - self.launch_end)
         first, warm = self.global_step == 1, self.global_step == self.case.warmup
         if first or warm:
             self.synchronize()  # only here: the GPU has really finished this step
@@ -129,6 +142,8 @@ class BenchmarkMixin:
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),
                           mean_step_s=round(mean_step_s, 4),
+                          host_median_s={k: round(statistics.median(v[c.warmup:]), 4)
+                                         for k, v in self.phase_times.items()},
                           samples_per_s_mean=round(c.batch * du.world_size() / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),

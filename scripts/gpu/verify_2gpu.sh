@@ -4,11 +4,13 @@
 #   full    SD1.5-size full fine-tune, 8/GPU: 3 rounds of raw reference and Tandem on 1 and 2 GPUs,
 #           then the DDP bucket-size lever; the demo's 2 x 4 == 1 x 8 check through torchrun first
 #   lora    SD1.5-size LoRA, 8/GPU: 3 rounds as above; SDXL-size LoRA at 1024 px, 4/GPU, one round
+#   levers  DDP levers for the full fine-tune at 8/GPU (bucket 100/200 MiB, bf16 compression) beside
+#           the reference, one LoRA round, and the demo's equivalence through spawn (full, fp32)
 #   checks  equivalence through both launchers (demo; SD1.5-size model read from real files),
 #           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 512 px images)
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
-PART="${1:?usage: verify_2gpu.sh full|lora|checks}"
+PART="${1:?usage: verify_2gpu.sh full|lora|levers|checks}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
 REF="${REF:-.bench/raw_ddp_reference.py}"
@@ -44,11 +46,22 @@ lora)
     ref 2 --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 12 --warmup 4
     bench --model sdxl --mode lora --batch 4 --res 1024 --gc --gpus 1,2 --steps 12 --warmup 4
     ;;
-checks)
-    log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
+levers)
     log "equivalence demo, spawn, full fp32"
     python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers spawn \
         --config-value training.method=full | tee -a "$RES"
+    log "sd15 full b8: DDP levers"
+    ref 1 --model sd15 --mode full --batch 8; ref 2 --model sd15 --mode full --batch 8 --bucket-mb 100
+    bench --model sd15 --mode full --batch 8 --gpus 1,2 --config-value multi_gpu.bucket_cap_mb=100
+    bench --model sd15 --mode full --batch 8 --gpus 2 --config-value multi_gpu.bucket_cap_mb=200
+    bench --model sd15 --mode full --batch 8 --gpus 2 --config-value multi_gpu.bucket_cap_mb=100 \
+        --config-value multi_gpu.gradient_compression=bf16
+    log "sd15 lora b8"
+    ref 1 --model sd15 --mode lora --batch 8; ref 2 --model sd15 --mode lora --batch 8
+    bench --model sd15 --mode lora --batch 8 --gpus 1,2
+    ;;
+checks)
+    log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
     log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"
     python3 scripts/make_random_model.py --type sd1 --out /tmp/random-sd15 >/dev/null
     python3 scripts/check_equivalence.py --num-gpus 2 --batch 2 --steps 3 --launchers torchrun,spawn \
