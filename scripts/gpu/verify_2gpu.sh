@@ -61,7 +61,6 @@ levers)
     bench --model sd15 --mode lora --batch 8 --gpus 1,2
     ;;
 checks)
-    log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
     log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"
     python3 scripts/make_random_model.py --type sd1 --out /tmp/random-sd15 >/dev/null
     python3 scripts/check_equivalence.py --num-gpus 2 --batch 2 --steps 3 --launchers torchrun,spawn \
@@ -87,6 +86,7 @@ for i in range(256):
             --config-value general.workspace_dir=/tmp/cache-ws-$n --config-value general.cache_dir=/tmp/cache-$n \
             | grep '"type": "cache"' | sed "s/^@tandem {/{\"check\": \"caching\", \"gpus\": $n, /" | tee -a "$RES"
     done
+    log "check_multi_gpu"; python3 scripts/check_multi_gpu.py --skip-gloo | tail -25
     ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
