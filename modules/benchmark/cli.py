@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: smoke-test the benchmark with CPU processes (numbers mean nothing)")
     p.add_argument("--json", type=Path, help="append one JSON line per case to this file")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="after the measured steps, profile 3 more on rank 0 and write the op tables and "
+                        "the GPU-busy fraction (GPU-bound or host-bound?) to DIR")
     args = p.parse_args(argv)
 
     if args.warmup < 1 or args.steps < 1:
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for world in worlds:
         case = Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
-                    args.warmup, tuple(args.config_value), args.device)
+                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""))
         runs = [run_case(case) for _ in range(args.repeat)]
         result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
         result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]

@@ -39,11 +39,18 @@ class Case:
     warmup: int = 8
     extra: tuple[str, ...] = ()  # --config-value overrides, e.g. multi_gpu.bucket_cap_mb=100
     device: str = "cuda"  # cpu: a smoke test of the benchmark itself (gloo), not a measurement
+    profile_dir: str = ""  # non-empty: profile `PROFILE_STEPS` extra steps after the measured ones
 
     def name(self) -> str:
         extra = f" {' '.join(self.extra)}" if self.extra else ""
         gc = " gc" if self.gradient_checkpointing else ""
         return f"{self.model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
+
+    def total_steps(self) -> int:
+        return self.warmup + self.steps + (PROFILE_STEPS if self.profile_dir else 0)
+
+
+PROFILE_STEPS = 3
 
 
 def case_config(case: Case, workspace: Path) -> TrainConfig:
@@ -51,7 +58,7 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     overrides = [
         f"general.workspace_dir={workspace}", "general.tensorboard=false", f"general.device={case.device}",
         f"training.method={case.mode}", f"training.batch_size={case.batch}", "training.precision=bf16",
-        f"training.max_steps={case.warmup + case.steps}", "training.max_grad_norm=0",
+        f"training.max_steps={case.total_steps()}", "training.max_grad_norm=0",
         "training.learning_rate=1e-5", "optimizer.weight_decay=0.01",
         f"training.gradient_checkpointing={str(case.gradient_checkpointing).lower()}",
         f"data.resolution={case.resolution}", "data.num_workers=2",
@@ -74,7 +81,7 @@ class BenchmarkMixin:
     def create_dataset(self):
         from modules.benchmark.synthetic import SyntheticCachedLatents
         c = self.case
-        length = c.batch * c.world * (c.warmup + c.steps + 1)
+        length = c.batch * c.world * (c.total_steps() + 1)
         return SyntheticCachedLatents(c.model, c.resolution, length)
 
     def create_model(self):
@@ -111,26 +118,35 @@ class BenchmarkMixin:
     def after_step(self, loss):
         super().after_step(loss)
         self.phase_times["after"].append(time.perf_counter() - self.launch_end)
-        first, warm = self.global_step == 1, self.global_step == self.case.warmup
-        if first or warm:
+        c, step = self.case, self.global_step
+        first, warm, measured_end = step == 1, step == c.warmup, step == c.warmup + c.steps
+        if first or warm or measured_end:
             self.synchronize()  # only here: the GPU has really finished this step
         now = time.perf_counter()
         if first:
             self.first_step_s = time.time() - self.process_start  # wall clock: started in the parent
         if warm:
             self.window_start = now
-        self.step_times.append(now - self.last_step_end)
-        self.last_step_end = now
+        if measured_end:
+            self.window_s = now - self.window_start
+        if step <= c.warmup + c.steps:
+            self.step_times.append(now - self.last_step_end)
+        if c.profile_dir and du.is_main() and measured_end:
+            from modules.benchmark.profiling import StepProfiler
+            self.profiler = StepProfiler(self.device)
+            self.profiler.start()
+        if c.profile_dir and du.is_main() and step == c.total_steps():
+            report = Path(c.profile_dir) / f"profile-{c.model}-{c.mode}-b{c.batch}-world{du.world_size()}.txt"
+            self.profile_summary = self.profiler.stop(PROFILE_STEPS, report)
+        self.last_step_end = time.perf_counter()
 
     def end(self):
         """No model save: the benchmark measures training steps only."""
         self.progress.close()
         c = self.case
-        self.synchronize()
-        window_s = time.perf_counter() - self.window_start
         measured = self.step_times[c.warmup:]
         step_s = statistics.median(measured)
-        mean_step_s = window_s / len(measured)
+        mean_step_s = self.window_s / len(measured)
         cuda = self.device.type == "cuda"
         memories = du.gather_objects({"rank": du.rank(), "device": str(self.device),
                                       "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0})
@@ -142,12 +158,14 @@ class BenchmarkMixin:
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),
                           mean_step_s=round(mean_step_s, 4),
-                          host_median_s={k: round(statistics.median(v[c.warmup:]), 4)
+                          host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
                                          for k, v in self.phase_times.items()},
                           samples_per_s_mean=round(c.batch * du.world_size() / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+            if c.profile_dir:
+                result["profile"] = self.profile_summary
             self.result_file.write_text(json.dumps(result))
         du.barrier()
 

@@ -242,8 +242,8 @@ class MultiGPUConfig:
     """Port for the rendezvous. 0: pick a free port."""
     timeout_minutes: float = 10.0
     """How long ranks wait for each other before the job fails with a message naming the rank."""
-    bucket_cap_mb: int = 25
-    """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces."""
+    bucket_cap_mb: int = 100
+    """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces (PyTorch's default is 25; 100 was faster for full fine-tunes on 2 GPUs, see docs/Performance.md)."""
     find_unused_parameters: bool = False
     """Let DDP tolerate parameters that get no gradient in a step (slower; rarely needed)."""
     static_graph: bool = False

@@ -1,0 +1,38 @@
+"""scripts/benchmark.py end to end on CPU processes: the code path GPU sessions rely on.
+
+The numbers mean nothing on a CPU; what is checked is that the real trainers run the case through
+the spawn launcher, that the result carries every figure the docs report, and that --profile writes
+its report. It builds a real-size SD1.5 UNet, so it takes about a minute.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--model", "sd15", "--mode", "lora",
+         "--res", "64", "--batch", "1", "--steps", "1", "--warmup", "1", "--gpus", "2",
+         "--profile", str(tmp_path / "profile"), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["world"] == 2 and result["trainable"] == 3188736  # rank 16 on SD1.5's attention projections
+    assert result["samples_per_s"] > 0 and result["samples_per_s_mean"] > 0
+    assert set(result["host_median_s"]) == {"data", "launch", "after"}
+    assert [r["rank"] for r in result["per_rank"]] == [0, 1]
+    profile = result["profile"]
+    assert profile["steps"] == 3 and profile["gpu_busy_fraction"] is None  # no GPU here
+    assert "Top operators by host (CPU) time" in Path(profile["report"]).read_text()
+    assert "| sd1 lora 64px b1 | 2 |" in proc.stdout
+
+
+def test_benchmark_refuses_zero_warmup():
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--device", "cpu", "--warmup", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--warmup" in proc.stderr
