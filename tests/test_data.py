@@ -233,6 +233,39 @@ def test_cache_written_by_two_ranks_is_complete_and_reused_by_one(folder, tmp_pa
     assert torch.allclose(item["latents"], FakeEncoders().encode_images(plan_pixels[None])[0])
 
 
+def test_cache_of_many_batches_matches_the_images_and_stops_on_a_failed_write(tmp_path, monkeypatch):
+    """Decoding runs ahead on threads and writing behind on another: every entry still belongs to its
+    image, and a write error stops caching with that error (no hang, no silent gap)."""
+    from modules.data import cache as cache_module
+
+    root = tmp_path / "many"
+    for i in range(40):
+        write_image(root / f"{i:02d}.png", colour=(i * 6, 255 - i * 6, 100), caption=f"picture {i}")
+    cfg = data_cfg(root, aspect_bucketing=False)
+    dataset = build_dataset(cfg, tmp_path / "cache", 0)
+    enc = FakeEncoders()
+    dataset.cache(enc.encode_images, None, "model-a", cache_text=False, batch_size=3, progress=False)
+    assert enc.images == 40 and enc.image_calls == 14
+    for index in (0, 17, 39):
+        image_index = dataset.item_images[index]
+        pixels = load_pixels(dataset.images[image_index].path, dataset._fixed_plan(image_index))
+        assert torch.allclose(dataset[index]["latents"], FakeEncoders().encode_images(pixels[None])[0])
+
+    calls = {"n": 0}
+    real_write = cache_module._write_atomic
+
+    def disk_full_on_fifth(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk full (simulated)")
+        real_write(tensors, path)
+
+    monkeypatch.setattr(cache_module, "_write_atomic", disk_full_on_fifth)
+    fresh = build_dataset(cfg, tmp_path / "other-cache", 0)
+    with pytest.raises(OSError, match="simulated"):
+        fresh.cache(FakeEncoders().encode_images, None, "model-a", cache_text=False, batch_size=3, progress=False)
+
+
 def test_text_cache_refused_when_captions_change_per_use(folder, tmp_path):
     cfg = data_cfg(folder, shuffle_tags=True)
     assert not text_cache_allowed(cfg, train_text_encoder=False)

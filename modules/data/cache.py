@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -174,33 +176,62 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
 
 def _encode_latents(keys: list[str], items: dict[str, CacheItem], encode_images: EncodeImages,
                     latent_dir: Path, batch_size: int, bar: tqdm) -> int:
+    """Encode the images of `keys` in batches, keeping the encoder busy.
+
+    Decoding and resizing (loader threads; PIL releases the GIL) and writing entries (one writer
+    thread) overlap with encoding, so the encoder waits on neither; a rank's caching then scales with
+    its share of the images instead of being held up by one thread's file work. At most a few
+    batches are decoded ahead, so memory stays bounded whatever the dataset's size.
+    """
     # Images only stack with images of the same size, so batch within each bucket size.
     by_size: dict[tuple[int, int], list[str]] = {}
     for key in keys:
         by_size.setdefault(items[key].plan.target_size, []).append(key)
+    chunks = [size_keys[start:start + batch_size]
+              for size_keys in by_size.values() for start in range(0, len(size_keys), batch_size)]
+
+    def load(chunk: list[str]) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+        pixels, owners = [], []
+        for key in chunk:
+            item = items[key]
+            image = load_pixels(item.image_path, replace(item.plan, flip=False))
+            pixels.append(image)
+            owners.append((key, "latents"))
+            if item.with_flipped:
+                pixels.append(torch.flip(image, dims=[-1]))
+                owners.append((key, "latents_flipped"))
+        return torch.stack(pixels), owners
+
+    def write(entries: dict[str, dict[str, torch.Tensor]]) -> None:
+        for key, tensors in entries.items():
+            _write_atomic(tensors, latent_dir / f"{key}.safetensors")
+
+    threads = max(1, min(8, torch.get_num_threads()))
     encoded_images = 0
-    for size_keys in by_size.values():
-        for start in range(0, len(size_keys), batch_size):
-            chunk = size_keys[start:start + batch_size]
-            pixels, owners = [], []
-            for key in chunk:
-                item = items[key]
-                image = load_pixels(item.image_path, replace(item.plan, flip=False))
-                pixels.append(image)
-                owners.append((key, "latents"))
-                if item.with_flipped:
-                    pixels.append(torch.flip(image, dims=[-1]))
-                    owners.append((key, "latents_flipped"))
+    with ThreadPoolExecutor(threads, thread_name_prefix="cache-load") as loaders, \
+            ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
+        ahead = deque(loaders.submit(load, chunk) for chunk in chunks[:threads + 1])
+        next_chunk = len(ahead)
+        writes: deque[Future] = deque()
+        while ahead:
+            pixels, owners = ahead.popleft().result()  # re-raises a loader's error here
+            if next_chunk < len(chunks):
+                ahead.append(loaders.submit(load, chunks[next_chunk]))
+                next_chunk += 1
             with torch.no_grad():
-                latents = encode_images(torch.stack(pixels))
-            if latents.shape[0] != len(pixels):
-                raise ValueError(f"encode_images returned {latents.shape[0]} latents for {len(pixels)} images; "
+                latents = encode_images(pixels)
+            if latents.shape[0] != len(owners):
+                raise ValueError(f"encode_images returned {latents.shape[0]} latents for {len(owners)} images; "
                                  "it must keep the batch dimension first.")
+            latents = latents.cpu()
             entries: dict[str, dict[str, torch.Tensor]] = {}
             for row, (key, name) in enumerate(owners):
                 entries.setdefault(key, {})[name] = latents[row]
-            for key, tensors in entries.items():
-                _write_atomic(tensors, latent_dir / f"{key}.safetensors")
-            encoded_images += len(pixels)
-            bar.update(len(chunk))
+            writes.append(writer.submit(write, entries))
+            while writes and writes[0].done():
+                writes.popleft().result()  # a failed write stops caching now, not at the end
+            encoded_images += len(owners)
+            bar.update(len({key for key, _ in owners}))
+        for pending in writes:
+            pending.result()
     return encoded_images
