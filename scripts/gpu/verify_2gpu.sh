@@ -6,11 +6,13 @@
 #   lora    SD1.5-size LoRA, 8/GPU: 3 rounds as above; SDXL-size LoRA at 1024 px, 4/GPU, one round
 #   levers  DDP levers for the full fine-tune at 8/GPU (bucket 100/200 MiB, bf16 compression) beside
 #           the reference, one LoRA round, and the demo's equivalence through spawn (full, fp32)
+#   profile is the step GPU-bound or host-bound? SD1.5 full and LoRA, 8/GPU, 1 and 2 GPUs, with
+#           --profile (op tables and GPU-busy fraction in $OUT/profile-*.txt)
 #   checks  equivalence through both launchers (demo; SD1.5-size model read from real files),
 #           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 512 px images)
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
-PART="${1:?usage: verify_2gpu.sh full|lora|levers|checks}"
+PART="${1:?usage: verify_2gpu.sh full|lora|levers|profile|checks}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
 REF="${REF:-.bench/raw_ddp_reference.py}"
@@ -59,6 +61,11 @@ levers)
     log "sd15 lora b8"
     ref 1 --model sd15 --mode lora --batch 8; ref 2 --model sd15 --mode lora --batch 8
     bench --model sd15 --mode lora --batch 8 --gpus 1,2
+    ;;
+profile)
+    ref 1 --model sd15 --mode full --batch 8; ref 1 --model sd15 --mode lora --batch 8
+    bench --model sd15 --mode full --batch 8 --gpus 1,2 --profile "$OUTDIR"
+    bench --model sd15 --mode lora --batch 8 --gpus 1 --profile "$OUTDIR"
     ;;
 checks)
     log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"
