@@ -134,8 +134,9 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     from modules.config import RunPaths
     from modules.trainer.commands import write_command
 
+    # every_n_steps=3 makes a scheduled sample due at the very step the command acts: one sample, not two.
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "sampling.inference_steps=2",
-                      "training.method=lora")
+                      "training.method=lora", "sampling.every_n_steps=3")
     cfg.sampling.prompts = cfg.sampling.prompts[:1]
     commands = RunPaths(cfg).commands_file
     inbox = CommandInbox(commands)
@@ -151,7 +152,7 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     train(cfg, cb, inbox)
     samples = cb.of_type("sample")
     # Step 1 is reported while step 2 runs; the commands go out with step 2 and act after step 3.
-    assert [s["step"] for s in samples] == [3] and Path(samples[0]["path"]).is_file()
+    assert [s["step"] for s in samples] == [3, 4] and Path(samples[0]["path"]).is_file()  # 4: end of training
     saved = [Path(s["path"]).name for s in cb.of_type("saved")]
     assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
 

@@ -81,7 +81,8 @@ class BaseTrainer(ABC):
             self.outputs.sample()  # the baseline every later sample is compared with
         while self.global_step < self.numbers.total_steps and not self.stop_requested:
             self.run_epoch()
-        self.act_on(self.exchange.receive())  # the last step's loss (and any command sent with it)
+        requested = self.act_on(self.exchange.receive())  # the last step's loss (and any command sent with it)
+        self.write_outputs("sample" in requested, "backup" in requested, "save" in requested)
         self.completed = self.global_step >= self.numbers.total_steps
 
     def end(self) -> None:
@@ -327,16 +328,13 @@ class BaseTrainer(ABC):
             self.ema.update()
 
     def after_step(self, loss: torch.Tensor) -> None:
-        self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done by now
+        requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands())
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
-        if due(self.cfg.sampling.every_n_steps):
-            self.outputs.sample()
-        if due(s.backup_every_n_steps):
-            self.outputs.backup()
-        if due(s.save_every_n_steps):
-            self.outputs.save_intermediate()
+        self.write_outputs(sample="sample" in requested or due(self.cfg.sampling.every_n_steps),
+                           backup="backup" in requested or due(s.backup_every_n_steps),
+                           save="save" in requested or due(s.save_every_n_steps))
 
     def take_commands(self) -> set[str]:
         """Commands this rank saw since the last step: rank 0 reads the commands file, any rank may catch a signal."""
@@ -346,22 +344,25 @@ class BaseTrainer(ABC):
             self.inbox.poll()
         return self.inbox.take()
 
-    def act_on(self, report: StepReport | None) -> None:
-        """Log a finished step's mean loss and carry out the commands merged over all ranks with it.
+    def act_on(self, report: StepReport | None) -> set[str]:
+        """Log a finished step's mean loss, stop if asked; return the other commands merged with it.
 
         Every rank gets the same report at the same step, so all of them stop, sample or save together.
         """
         if report is None:
-            return
+            return set()
         self.progress.step(report)
         if "stop" in report.commands:
             log.info("Stop requested: stopping at step %d", self.global_step)
             self.stop_requested = True
-        if "sample" in report.commands:
+        return report.commands - {"stop"}
+
+    def write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
+        if sample:
             self.outputs.sample()
-        if "backup" in report.commands:
+        if backup:
             self.outputs.backup()
-        if "save" in report.commands:
+        if save:
             self.outputs.save_intermediate()
 
     def sampling_scheduled(self) -> bool:
