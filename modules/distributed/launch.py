@@ -162,9 +162,9 @@ def _worker_env(plan: LaunchPlan) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
     if platform.system() == "Windows":
         env.setdefault("USE_LIBUV", "0")  # torch's Windows wheels have no libuv TCPStore
-    # Our CPU workers each get a share of the cores instead of all of them fighting over every core.
-    if plan.device_type == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // plan.world_size)))
+    # Each worker gets a share of the cores instead of all of them fighting over every core (and
+    # torchrun's own default of 1 thread, which starves CPU workers).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // plan.world_size)))
     return env
 
 
