@@ -306,3 +306,30 @@ def test_caching_with_and_without_distributed_data_loading(tmp_path, tandem_home
           f"multi_gpu.distributed_data_loading={str(shared).lower()}")
     assert len(list((cache / "latents").glob("*.safetensors"))) == 64  # one entry per demo image
     assert len(list((cache / "text").glob("*.safetensors"))) == 64
+
+
+def test_workers_share_the_cores(monkeypatch):
+    """Each of N workers gets cores / N threads (GPU workers too), unless OMP_NUM_THREADS says otherwise."""
+    import torch
+
+    from modules.distributed.launch import LaunchPlan, _worker_env
+    from modules.distributed.process_group import share_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    plan = LaunchPlan(4, "cuda", "nccl", "torchrun", "127.0.0.1", 29500, None)
+    assert _worker_env(plan)["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _worker_env(plan)["OMP_NUM_THREADS"] == "3"
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        share_cpu_threads(2)  # OMP_NUM_THREADS is set: left alone
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+        share_cpu_threads(2)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(previous)
