@@ -26,6 +26,7 @@ def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     assert result["samples_per_s"] > 0 and result["samples_per_s_mean"] > 0
     assert set(result["host_median_s"]) == {"data", "launch", "after"}
     assert [r["rank"] for r in result["per_rank"]] == [0, 1]
+    assert {"model", "cache", "wrap"} <= set(result["start_phases_s"])
     profile = result["profile"]
     assert profile["steps"] == 3 and profile["gpu_busy_fraction"] is None  # no GPU here
     assert "Top operators by host (CPU) time" in Path(profile["report"]).read_text()

@@ -163,6 +163,7 @@ class BenchmarkMixin:
                           samples_per_s_mean=round(c.batch * du.world_size() / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
+                          start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
             if c.profile_dir:
                 result["profile"] = self.profile_summary

@@ -24,7 +24,7 @@ from modules.trainer.ema import EMA
 from modules.trainer.objective import diffusion_loss, draw_noise, training_target
 from modules.trainer.optim import build_optimizer, build_scheduler
 from modules.trainer.outputs import OutputWriter
-from modules.trainer.progress import ProgressReporter
+from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
@@ -47,28 +47,36 @@ class BaseTrainer(ABC):
         self.step_in_epoch = 0
         self.stop_requested = False
         self.completed = False
+        self.start_phases = PhaseTimes()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.setup_environment()
-        self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
-        self.bundle = self.create_model()
-        # One seed for what creates weights (LoRA init), set after loading (which may build and seed the
-        # demo model): every rank and every world size starts alike.
-        seed_everything(self.cfg.general.seed)
-        self.trainable = self.prepare_trainable()
-        self.fill_cache()
-        self.offload_cached_encoders()
-        self.sampler, self.loader = self.create_loader()
-        self.numbers = self.compute_numbers()
-        self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
-        self.seed_this_process()
-        self.optimizer, self.lr_schedule = self.create_optimizer()
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
-        self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
-        self.outputs = OutputWriter(self)
-        self.exchange = StepExchange()
-        self.maybe_resume()
+        phase = self.start_phases.time
+        with phase("set-up"):
+            self.setup_environment()
+        with phase("data scan"):
+            self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
+        with phase("model"):
+            self.bundle = self.create_model()
+            # One seed for what creates weights (LoRA init), set after loading (which may build and seed
+            # the demo model): every rank and every world size starts alike.
+            seed_everything(self.cfg.general.seed)
+            self.trainable = self.prepare_trainable()
+        with phase("cache"):
+            self.fill_cache()
+            self.offload_cached_encoders()
+        with phase("wrap"):
+            self.sampler, self.loader = self.create_loader()
+            self.numbers = self.compute_numbers()
+            self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
+            self.seed_this_process()
+            self.optimizer, self.lr_schedule = self.create_optimizer()
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
+            self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
+            self.outputs = OutputWriter(self)
+            self.exchange = StepExchange()
+        with phase("resume"):
+            self.maybe_resume()
         self.announce()
         self.progress = ProgressReporter(self)
         # Keep the model's many long-lived Python objects out of later full garbage collections, which
@@ -252,6 +260,7 @@ class BaseTrainer(ABC):
 
     def announce(self) -> None:
         log.info("Tandem: %s", self.numbers.describe())
+        log.info("Start-up: %s", self.start_phases.describe())
         self.emit("config", **self.numbers.as_dict())
         if du.is_main():
             save_config(self.cfg, self.paths.config_copy)

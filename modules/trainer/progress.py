@@ -1,6 +1,7 @@
 """Progress, loss and throughput reporting: tqdm in a terminal, events for the GUI, TensorBoard."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -8,6 +9,24 @@ import time
 from modules.distributed import dist_utils as du
 
 log = logging.getLogger("tandem")
+
+
+class PhaseTimes:
+    """Seconds spent in each named phase, in order (start-up: where the wait before step 1 goes)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())
 
 
 class ProgressReporter:
