@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -25,6 +26,7 @@ from modules.distributed import dist_utils as du
 from modules.distributed.distributed_trainer import DistributedTrainer
 from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging
 from modules.trainer.generic_trainer import GenericTrainer
+from modules.util.atomic import unique_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,10 @@ class BenchmarkMixin:
             self.profiler = StepProfiler(self.device)
             self.profiler.start()
         if c.profile_dir and du.is_main() and step == c.total_steps():
-            report = Path(c.profile_dir) / f"profile-{c.model}-{c.mode}-b{c.batch}-world{du.world_size()}.txt"
+            slug = re.sub(r"[^A-Za-z0-9._-]+", "-", c.name()).strip("-")
+            # Repeats and other cases never overwrite an earlier report.
+            report = unique_path(Path(c.profile_dir) / f"profile-{slug}-world{du.world_size()}.txt",
+                                 time.strftime("%H%M%S"))
             self.profile_summary = self.profiler.stop(PROFILE_STEPS, report)
         self.last_step_end = time.perf_counter()
 
