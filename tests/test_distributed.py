@@ -316,7 +316,7 @@ def test_workers_share_the_cores(monkeypatch):
     from modules.distributed.process_group import share_cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     plan = LaunchPlan(4, "cuda", "nccl", "torchrun", "127.0.0.1", 29500, None)
     assert _worker_env(plan)["OMP_NUM_THREADS"] == "4"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -328,8 +328,7 @@ def test_workers_share_the_cores(monkeypatch):
         share_cpu_threads(2)  # OMP_NUM_THREADS is set: left alone
         assert torch.get_num_threads() == 1
         monkeypatch.delenv("OMP_NUM_THREADS")
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-        share_cpu_threads(2)
-        assert torch.get_num_threads() == 4
+        share_cpu_threads(8)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
-from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend
+from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend, threads_per_worker
 from modules.trainer.commands import write_command
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
 
@@ -164,7 +164,7 @@ def _worker_env(plan: LaunchPlan) -> dict:
         env.setdefault("USE_LIBUV", "0")  # torch's Windows wheels have no libuv TCPStore
     # Each worker gets a share of the cores instead of all of them fighting over every core (and
     # torchrun's own default of 1 thread, which starves CPU workers).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // plan.world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.world_size)))
     return env
 
 

@@ -38,16 +38,20 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
     return True
 
 
-def share_cpu_threads(local_world: int) -> None:
-    """Give each worker of this host its share of the cores (unless OMP_NUM_THREADS says otherwise).
+def threads_per_worker(local_world: int) -> int:
+    """Each of the host's `local_world` workers gets this share of the cores it may run on.
 
     By default every process starts one thread per core; N workers would then oversubscribe the host
     N times, and the busy threads delay the launch thread that keeps each GPU fed.
     """
-    if "OMP_NUM_THREADS" in os.environ:
-        return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // max(1, local_world)))
+    return max(1, cores // max(1, local_world))
+
+
+def share_cpu_threads(local_world: int) -> None:
+    """Use this worker's share of the cores, unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_worker(local_world))
 
 
 def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch.device:
