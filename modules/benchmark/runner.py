@@ -205,11 +205,20 @@ def run_case(case: Case) -> dict:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         cfg = case_config(case, Path(tmp) / "ws")
         plan = plan_launch(cfg) if case.world > 1 else None
+        result_file = Path(tmp) / "result.json"
+        # The workers inherit the GPUs the plan picked; the parent must still see all of them for the
+        # next, possibly larger, case.
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
         if plan is not None and plan.visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
-        result_file = Path(tmp) / "result.json"
-        mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time()),
-                 nprocs=case.world, join=True)
+        try:
+            mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time()),
+                     nprocs=case.world, join=True)
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
         result = json.loads(result_file.read_text())
     return result
 
