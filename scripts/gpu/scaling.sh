@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Scaling run on every GPU of one host (1, 2, 4, 8, ... up to the GPUs visible), the raw reference
+# beside the trainer in the same call, in parts that each fit a 10-minute call on 4 GPUs:
+#   full    equivalence N x 2 == 1 x 2N at the largest N (torchrun); SD1.5-size full fine-tune,
+#           8 and 32 images per GPU
+#   lora    SD1.5-size LoRA, 8 and 32 images per GPU; the full fine-tune at 8 on 1 GPU with cuDNN
+#           autotuning off (a lever: the reference does not autotune)
+#   sdxl    SDXL-size UNet at 1024 px, 4 images per GPU, gradient checkpointing: LoRA, then full
+# Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); on 8 GPUs a
+# part takes longer than 10 minutes: split it with WORLDS="1 2" and WORLDS="4 8".
+set -u
+PART="${1:?usage: scaling.sh full|lora|sdxl}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
+REF="${REF:-.bench/raw_ddp_reference.py}"
+GPUS=$(nvidia-smi -L | wc -l)
+if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
+LARGEST=$(echo $WORLDS | tr ' ' '\n' | tail -1)
+log() { echo "== $(date +%T) $*"; }
+ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
+    local n=$1; shift
+    if [ "$n" = 1 ]; then python3 "$REF" "$@"; else python3 -m torch.distributed.run --standalone --nproc_per_node="$n" "$REF" "$@"; fi \
+        | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
+}
+bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
+matrix() { # the reference at every world size, then the trainer at every world size
+    log "$*"
+    for n in $WORLDS; do ref "$n" "$@"; done
+    bench "$@" --gpus "$(echo $WORLDS | tr ' ' ',')"
+}
+nvidia-smi -L; nvidia-smi topo -m | head -$((GPUS + 1))
+case "$PART" in
+full)
+    log "equivalence demo, $LARGEST GPUs x 2 against 1 GPU x $((2 * LARGEST)), torchrun, LoRA bf16"
+    python3 scripts/check_equivalence.py --num-gpus "$LARGEST" --batch 2 --steps 5 --launchers torchrun \
+        --config-value training.method=lora --config-value training.precision=bf16 | tee -a "$RES"
+    matrix --model sd15 --mode full --batch 8
+    matrix --model sd15 --mode full --batch 32 --steps 20 --warmup 5
+    ;;
+lora)
+    matrix --model sd15 --mode lora --batch 8
+    matrix --model sd15 --mode lora --batch 32 --steps 20 --warmup 5
+    if [ -n "${FULL_WORLDS:-}" ]; then # the trainer's full fine-tune again at these world sizes
+        bench --model sd15 --mode full --batch 8 --gpus "$FULL_WORLDS"
+        bench --model sd15 --mode full --batch 32 --steps 20 --warmup 5 --gpus "$FULL_WORLDS"
+    else
+        log "lever: full b8 on 1 GPU without cuDNN autotuning"
+        bench --model sd15 --mode full --batch 8 --gpus 1 --config-value training.cudnn_benchmark=false
+    fi
+    ;;
+sdxl)
+    matrix --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 10 --warmup 3
+    matrix --model sdxl --mode full --batch 4 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+*) echo "unknown part $PART" >&2; exit 2 ;;
+esac
+log "done"
