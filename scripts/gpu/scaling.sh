@@ -7,7 +7,10 @@
 #           autotuning off (a lever: the reference does not autotune)
 #   sdxl    SDXL-size UNet at 1024 px, 4 images per GPU, gradient checkpointing: LoRA, then full
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); on 8 GPUs a
-# part takes longer than 10 minutes: split it with WORLDS="1 2" and WORLDS="4 8".
+# part takes longer than 10 minutes: split it with WORLDS="1 2" and WORLDS="4 8" (scaling is then
+# computed from the JSON lines; `full` runs the equivalence check at each call's largest world size).
+# FULL_WORLDS="4" with `lora`: re-run the trainer's full fine-tune cases at those world sizes instead
+# of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
 PART="${1:?usage: scaling.sh full|lora|sdxl}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
