@@ -29,7 +29,13 @@ def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     assert {"model", "cache", "wrap"} <= set(result["start_phases_s"])
     profile = result["profile"]
     assert profile["steps"] == 3 and profile["gpu_busy_fraction"] is None  # no GPU here
+    assert profile["compute_busy_fraction"] is None and profile["nccl_fraction"] is None
     assert "Top operators by host (CPU) time" in Path(profile["report"]).read_text()
+    # Every rank profiles itself (a straggler shows on the rank that waits least), one report each.
+    reports = [Path(p["report"]).name for p in result["profile_per_rank"]]
+    assert [name.endswith(f"-world2-rank{r}.txt") for r, name in enumerate(reports)] == [True, True]
+    assert all("Top operators by host (CPU) time" in (tmp_path / "profile" / n).read_text() for n in reports)
+    assert "profile sd1 lora 64px b1 GPUs 2 rank 1: GPU busy None" in proc.stdout
     assert "| sd1 lora 64px b1 | 2 |" in proc.stdout
 
 

@@ -57,4 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "a") as f:
                 f.write(json.dumps(result) + "\n")
     print(scaling_table(results))
+    for r in results:
+        for rank, prof in enumerate(r.get("profile_per_rank") or []):
+            print(f"profile {r['case']} GPUs {r['world']} rank {rank}: GPU busy {prof['gpu_busy_fraction']}, "
+                  f"compute {prof['compute_busy_fraction']}, NCCL {prof['nccl_fraction']} of {prof['wall_s']} s "
+                  f"({prof['report']})")
     return 0

@@ -5,6 +5,11 @@ runs them, the CUDA launch queue fills and launching blocks, so in both cases th
 whole step "launching". The profiler's device time can: if the GPU is busy for nearly the whole wall
 time of the profiled steps the loop is GPU-bound (faster kernels, less communication help); if not,
 the gaps are host time (fewer, larger kernels help: torch.compile, CUDA graphs).
+
+On N GPUs every rank profiles itself. NCCL kernels are counted apart from the compute kernels: a
+collective's kernel runs (spins) until the slowest rank joins it, so a rank whose NCCL time is large
+while its compute time is short waits for another rank - the straggler is the rank with the least
+NCCL time.
 """
 from __future__ import annotations
 
@@ -45,10 +50,15 @@ class StepProfiler:
         averages = self.profiler.key_averages()
         on_gpu = self.device.type == "cuda"
         device_s = sum(_device_time_us(e) for e in averages) / 1e6 if on_gpu else None
+        nccl_s = sum(_device_time_us(e) for e in averages if "nccl" in e.key.lower()) / 1e6 if on_gpu else None
+        fraction = lambda seconds: round(seconds / wall_s, 3) if on_gpu and wall_s > 0 else None  # noqa: E731
         summary = {"steps": steps, "wall_s": round(wall_s, 4),
                    "gpu_busy_s": round(device_s, 4) if on_gpu else None,
                    # Kernels on several streams (NCCL beside compute) can overlap, so this may exceed 1.
-                   "gpu_busy_fraction": round(device_s / wall_s, 3) if on_gpu and wall_s > 0 else None,
+                   "gpu_busy_fraction": fraction(device_s) if on_gpu else None,
+                   # Compute alone: well below 1 means the GPU waited (for the host, or for the other ranks).
+                   "compute_busy_fraction": fraction(device_s - nccl_s) if on_gpu else None,
+                   "nccl_fraction": fraction(nccl_s) if on_gpu else None,
                    "report": str(report_file)}
         lines = [f"{k}: {v}" for k, v in summary.items()]
         if self.device.type == "cuda":

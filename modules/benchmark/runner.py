@@ -133,14 +133,14 @@ class BenchmarkMixin:
             self.window_s = now - self.window_start
         if step <= c.warmup + c.steps:
             self.step_times.append(now - self.last_step_end)
-        if c.profile_dir and du.is_main() and measured_end:
+        if c.profile_dir and measured_end:
             from modules.benchmark.profiling import StepProfiler
             self.profiler = StepProfiler(self.device)
             self.profiler.start()
-        if c.profile_dir and du.is_main() and step == c.total_steps():
+        if c.profile_dir and step == c.total_steps():
             slug = re.sub(r"[^A-Za-z0-9._-]+", "-", c.name()).strip("-")
             # Repeats and other cases never overwrite an earlier report.
-            report = unique_path(Path(c.profile_dir) / f"profile-{slug}-world{du.world_size()}.txt",
+            report = unique_path(Path(c.profile_dir) / f"profile-{slug}-world{du.world_size()}-rank{du.rank()}.txt",
                                  time.strftime("%H%M%S"))
             self.profile_summary = self.profiler.stop(PROFILE_STEPS, report)
         self.last_step_end = time.perf_counter()
@@ -155,6 +155,7 @@ class BenchmarkMixin:
         cuda = self.device.type == "cuda"
         memories = du.gather_objects({"rank": du.rank(), "device": str(self.device),
                                       "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0})
+        profiles = du.gather_objects(self.profile_summary if c.profile_dir else None)
         if du.is_main():
             trainable = sum(p.numel() for p in self.trainable_params())
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
@@ -171,7 +172,8 @@ class BenchmarkMixin:
                           start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
             if c.profile_dir:
-                result["profile"] = self.profile_summary
+                result["profile"] = profiles[0]
+                result["profile_per_rank"] = profiles
             self.result_file.write_text(json.dumps(result))
         du.barrier()
 

@@ -7,10 +7,12 @@
 #   lora    SD1.5-size LoRA, 8/GPU: 3 rounds as above; SDXL-size LoRA at 1024 px, 4/GPU, one round
 #   levers  DDP levers for the full fine-tune at 8/GPU (bucket 100/200 MiB, bf16 compression) beside
 #           the reference, one LoRA round, and the demo's equivalence through spawn (full, fp32)
-#   profile is the step GPU-bound or host-bound? SD1.5 full and LoRA, 8/GPU, 1 and 2 GPUs, with
-#           --profile (op tables and GPU-busy fraction in $OUT/profile-*.txt)
+#   profile is the step GPU-bound or host-bound, and which rank waits? SD1.5 full and LoRA, 8/GPU,
+#           1 and 2 GPUs, with --profile (per rank: op tables, compute and NCCL busy fractions in
+#           $OUT/profile-*.txt), then three levers for LoRA on 2 GPUs (static graph, no cuDNN
+#           autotuning, loading in the main process)
 #   checks  equivalence through both launchers (demo; SD1.5-size model read from real files),
-#           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 512 px images)
+#           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 1024 images at 512 px)
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
 PART="${1:?usage: verify_2gpu.sh full|lora|levers|profile|checks}"
@@ -64,9 +66,13 @@ levers)
     bench --model sd15 --mode lora --batch 8 --gpus 1,2
     ;;
 profile)
-    ref 1 --model sd15 --mode full --batch 8; ref 1 --model sd15 --mode lora --batch 8
+    for mode in full lora; do ref 1 --model sd15 --mode $mode --batch 8; ref 2 --model sd15 --mode $mode --batch 8; done
     bench --model sd15 --mode full --batch 8 --gpus 1,2 --profile "$OUTDIR"
-    bench --model sd15 --mode lora --batch 8 --gpus 1 --profile "$OUTDIR"
+    bench --model sd15 --mode lora --batch 8 --gpus 1,2 --profile "$OUTDIR"
+    log "levers for the worst case (LoRA b8 on 2 GPUs: 80% on 4x H100, reference 101%)"
+    bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value multi_gpu.static_graph=true
+    bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value training.cudnn_benchmark=false
+    bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value data.num_workers=0
     ;;
 checks)
     log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"
@@ -75,14 +81,14 @@ checks)
         --config-value model.base_model=/tmp/random-sd15 --config-value data.resolution=512 \
         --config-value training.method=lora --config-value training.precision=bf16 \
         --config-value model.unet_dtype=bf16 | tee -a "$RES"
-    log "caching time, 256 images at 512 px, SD1.5-size VAE: 1 GPU vs 2 GPUs"
+    log "caching time, 1024 images at 512 px, SD1.5-size VAE: 1 GPU vs 2 GPUs"
     python3 -c "
 import numpy as np, os; from PIL import Image
 os.makedirs('/tmp/imgs', exist_ok=True); g = np.random.default_rng(0)
-for i in range(256):
+for i in range(1024):
     small = g.integers(0, 255, (8, 8, 3), dtype=np.uint8)
-    Image.fromarray(small).resize((512, 512), Image.BICUBIC).save(f'/tmp/imgs/{i:03d}.jpg', quality=90)
-    open(f'/tmp/imgs/{i:03d}.txt', 'w').write('a random picture')"
+    Image.fromarray(small).resize((512, 512), Image.BICUBIC).save(f'/tmp/imgs/{i:04d}.jpg', quality=90)
+    open(f'/tmp/imgs/{i:04d}.txt', 'w').write('a random picture')"
     common=(--config-value model.base_model=/tmp/random-sd15 --config-value data.resolution=512
             --config-value 'data.concepts[0].path=/tmp/imgs' --config-value training.method=lora
             --config-value training.precision=bf16 --config-value training.max_steps=1
