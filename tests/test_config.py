@@ -542,3 +542,15 @@ def test_run_paths_honour_cache_and_output_dirs(tmp_path):
     assert (paths.cache, paths.output_dir) == (tmp_path / "c", tmp_path / "o")
     with pytest.raises(dataclasses.FrozenInstanceError):
         paths.workspace = tmp_path
+
+
+@pytest.mark.parametrize("unet_dtype", ["bf16", "fp16"])
+def test_lora_on_a_half_precision_base_needs_autocast(unet_dtype):
+    """Without the check this failed at the first step, after loading and caching, with a bare dtype error."""
+    cfg = valid_config()
+    cfg.training.method, cfg.training.precision, cfg.model.unet_dtype = "lora", "fp32", unet_dtype
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"model.unet_dtype: '{unet_dtype}'") and "training.precision" in problem
+    for fine in [("lora", "bf16", unet_dtype), ("full", "fp32", unet_dtype), ("lora", "fp32", "fp32")]:
+        cfg.training.method, cfg.training.precision, cfg.model.unet_dtype = fine
+        assert validate(cfg) == []

@@ -39,7 +39,7 @@ class ModelConfig:
     vae_path: str = ""
     """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
     unet_dtype: str = "fp32"
-    """Storage dtype of UNet weights that are not trained (LoRA base weights): fp32, bf16 or fp16."""
+    """Storage dtype of UNet weights that are not trained (LoRA base weights): fp32, bf16 or fp16 (a half-precision base needs training.precision bf16 or fp16)."""
     text_encoder_dtype: str = "fp32"
     """Storage dtype of frozen text-encoder weights: fp32, bf16 or fp16."""
     vae_dtype: str = "fp32"

@@ -156,6 +156,11 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
     if t.method == "lora" and not t.lora_target_modules:
         problems.append("training.lora_target_modules: [] leaves LoRA nothing to train; "
                         'list module names such as ["to_q", "to_k", "to_v", "to_out.0"].')
+    if t.method == "lora" and t.precision == "fp32" and cfg.model.unet_dtype in ("bf16", "fp16"):
+        # LoRA keeps the frozen UNet in unet_dtype; without autocast its layers would get fp32 inputs.
+        problems.append(f"model.unet_dtype: {cfg.model.unet_dtype!r} stores LoRA's frozen UNet in half precision, "
+                        "which training.precision 'fp32' (no autocast) cannot run; set model.unet_dtype to fp32 "
+                        "or training.precision to bf16 or fp16.")
     problems += _between("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
     problems += _between("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
     problems += _between("optimizer.momentum", cfg.optimizer.momentum, 0.0, 1.0)
