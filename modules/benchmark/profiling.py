@@ -49,16 +49,16 @@ class StepProfiler:
         self.profiler.stop()
         averages = self.profiler.key_averages()
         on_gpu = self.device.type == "cuda"
-        device_s = sum(_device_time_us(e) for e in averages) / 1e6 if on_gpu else None
-        nccl_s = sum(_device_time_us(e) for e in averages if "nccl" in e.key.lower()) / 1e6 if on_gpu else None
+        device_s = sum(_device_time_us(e) for e in averages) / 1e6
+        nccl_s = sum(_device_time_us(e) for e in averages if "nccl" in e.key.lower()) / 1e6
         fraction = lambda seconds: round(seconds / wall_s, 3) if on_gpu and wall_s > 0 else None  # noqa: E731
         summary = {"steps": steps, "wall_s": round(wall_s, 4),
                    "gpu_busy_s": round(device_s, 4) if on_gpu else None,
                    # Kernels on several streams (NCCL beside compute) can overlap, so this may exceed 1.
-                   "gpu_busy_fraction": fraction(device_s) if on_gpu else None,
+                   "gpu_busy_fraction": fraction(device_s),
                    # Compute alone: well below 1 means the GPU waited (for the host, or for the other ranks).
-                   "compute_busy_fraction": fraction(device_s - nccl_s) if on_gpu else None,
-                   "nccl_fraction": fraction(nccl_s) if on_gpu else None,
+                   "compute_busy_fraction": fraction(device_s - nccl_s),
+                   "nccl_fraction": fraction(nccl_s),
                    "report": str(report_file)}
         lines = [f"{k}: {v}" for k, v in summary.items()]
         if self.device.type == "cuda":

@@ -13,19 +13,10 @@
 # of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
 PART="${1:?usage: scaling.sh full|lora|sdxl}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
-REF="${REF:-.bench/raw_ddp_reference.py}"
+source "$(dirname "$0")/common.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
 LARGEST=$(echo $WORLDS | tr ' ' '\n' | tail -1)
-log() { echo "== $(date +%T) $*"; }
-ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
-    local n=$1; shift
-    if [ "$n" = 1 ]; then python3 "$REF" "$@"; else python3 -m torch.distributed.run --standalone --nproc_per_node="$n" "$REF" "$@"; fi \
-        | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
-}
-bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
 matrix() { # the reference at every world size, then the trainer at every world size
     log "$*"
     for n in $WORLDS; do ref "$n" "$@"; done

@@ -16,16 +16,7 @@
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
 PART="${1:?usage: verify_2gpu.sh full|lora|levers|profile|checks}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
-REF="${REF:-.bench/raw_ddp_reference.py}"
-log() { echo "== $(date +%T) $*"; }
-ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
-    local n=$1; shift
-    if [ "$n" = 1 ]; then python3 "$REF" "$@"; else python3 -m torch.distributed.run --standalone --nproc_per_node="$n" "$REF" "$@"; fi \
-        | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
-}
-bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
+source "$(dirname "$0")/common.sh"
 rounds() { # 3 interleaved rounds of reference and Tandem, 1 and 2 GPUs
     for i in 1 2 3; do
         log "$* round $i"

@@ -1,0 +1,13 @@
+# Shared by the GPU scripts in this folder (sourced, not run): environment, result file and helpers.
+# NVLink multicast stays off (see the device notes); every measurement becomes one JSON line in
+# $OUT/results.jsonl on a lent machine, ./gpu-results.jsonl elsewhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-.}"; RES="$OUTDIR/${OUT:+results.jsonl}"; [ -n "${OUT:-}" ] || RES=./gpu-results.jsonl
+REF="${REF:-.bench/raw_ddp_reference.py}"  # a copy of ../shared/bench/raw_ddp_reference.py
+log() { echo "== $(date +%T) $*"; }
+ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
+    local n=$1; shift
+    if [ "$n" = 1 ]; then python3 "$REF" "$@"; else python3 -m torch.distributed.run --standalone --nproc_per_node="$n" "$REF" "$@"; fi \
+        | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
+}
+bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
