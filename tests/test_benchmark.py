@@ -48,11 +48,10 @@ def test_benchmark_refuses_zero_warmup():
 def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
     """`--gpus 1,2,4` runs its cases one after another in one parent: a 2-GPU case must not leave
     CUDA_VISIBLE_DEVICES narrowed to its GPUs, or the 4-GPU case finds only 2 (seen on 4x H100)."""
-    import dataclasses
-
     import torch.multiprocessing as mp
 
     from modules.benchmark import runner
+    from modules.distributed.launch import LaunchPlan
 
     seen = []
 
@@ -60,9 +59,11 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
         seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
         Path(args[3]).write_text(json.dumps({"world": nprocs}))
 
-    plan = lambda cfg: dataclasses.make_dataclass("Plan", ["visible_devices"])("0,1")  # noqa: E731
+    plan = lambda cfg: LaunchPlan(2, "cuda", "nccl", "spawn", "127.0.0.1", 29500, "0,1")  # noqa: E731
     monkeypatch.setattr(runner, "plan_launch", plan)
     monkeypatch.setattr(mp, "spawn", fake_spawn)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads_before = None
     for before in (None, "0,1,2,3"):
         if before is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -71,3 +72,4 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
         assert runner.run_case(runner.Case("sd1", "lora", 1, 64, world=2)) == {"world": 2}
         assert seen[-1] == "0,1"  # the workers get the plan's GPUs
         assert os.environ.get("CUDA_VISIBLE_DEVICES") == before  # the parent gets its own back
+        assert os.environ.get("OMP_NUM_THREADS") == threads_before  # and its thread setting

@@ -24,7 +24,7 @@ import torch
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
 from modules.distributed import dist_utils as du
 from modules.distributed.distributed_trainer import DistributedTrainer
-from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging
+from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
 
@@ -98,8 +98,7 @@ class BenchmarkMixin:
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
         super().start()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.synchronize()
         self.last_step_end = time.perf_counter()
 
     def synchronize(self):
@@ -208,19 +207,9 @@ def run_case(case: Case) -> dict:
         cfg = case_config(case, Path(tmp) / "ws")
         plan = plan_launch(cfg) if case.world > 1 else None
         result_file = Path(tmp) / "result.json"
-        # The workers inherit the GPUs the plan picked; the parent must still see all of them for the
-        # next, possibly larger, case.
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if plan is not None and plan.visible_devices is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
-        try:
+        with spawn_environment(plan):  # the workers get the users' spawn environment
             mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time()),
                      nprocs=case.world, join=True)
-        finally:
-            if before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
         result = json.loads(result_file.read_text())
     return result
 

@@ -7,6 +7,7 @@ Every check that can fail is done here, before any worker starts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -168,15 +169,39 @@ def _worker_env(plan: LaunchPlan) -> dict:
     return env
 
 
+_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def spawn_environment(plan: LaunchPlan | None):
+    """The workers' variables (their GPUs, threads) set in this process while it spawns them, then restored.
+
+    Spawned children inherit this process's environment; restoring it afterwards keeps the parent
+    seeing every GPU, e.g. for a larger next run (`scripts/benchmark.py --gpus 1,2,4`)."""
+    if plan is None:
+        yield
+        return
+    env = _worker_env(plan)
+    before = {k: os.environ.get(k) for k in _SPAWN_VARIABLES}
+    os.environ.update({k: env[k] for k in _SPAWN_VARIABLES if k in env})
+    try:
+        yield
+    finally:
+        for k, value in before.items():
+            if value is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = value
+
+
 def launch_spawn(cfg: TrainConfig, plan: LaunchPlan) -> int:
     import torch.multiprocessing as mp
 
-    env = _worker_env(plan)
-    os.environ.update({k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS")})
     # Children handle Ctrl-C themselves (stop at the same step, back up); the parent just waits for them.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan), nprocs=plan.world_size, join=True)
+        with spawn_environment(plan):
+            mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan), nprocs=plan.world_size, join=True)
     except mp.ProcessRaisedException as e:
         log.error("Training failed in a worker:\n%s", e)
         return 1
