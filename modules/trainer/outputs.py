@@ -17,6 +17,7 @@ from modules.util.atomic import unique_path
 
 log = logging.getLogger("tandem")
 
+
 class OutputWriter:
     def __init__(self, trainer) -> None:
         self.t = trainer
