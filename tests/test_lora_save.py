@@ -152,3 +152,48 @@ def test_sampling_works_with_lora_attached(trained):
     bundle, _, _, _ = trained
     images = render_samples(bundle, [SamplePromptConfig(prompt="a red circle", seed=1)], 64, 2, 3.0)
     assert images[0].size == (64, 64)
+
+
+def test_adapters_under_autocast_skip_the_cast_round_trip(tandem_home):
+    """Same output and gradients with peft's fp32 input casts as without them, with fewer copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.copies += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    bundle = load_model(ModelConfig(unet_dtype="bf16"), training_cfg=TrainingConfig(method="lora"))
+    params = add_lora(bundle, TrainingConfig(lora_rank=2, lora_target_modules=TARGETS))
+    _perturb(params)
+    layers = [m for m in bundle.unet.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
+    latents, timesteps = _inputs()
+    hidden = torch.randn(2, 77, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(cast: bool):
+        for m in layers:
+            m.cast_input_dtype_enabled = cast
+        for p in params:
+            p.grad = None
+        counter = CountCopies()
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = bundle.unet(latents, timesteps, hidden).sample
+            out.float().pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in params], counter.copies
+
+    with_casts, without = step(True), step(False)
+    assert torch.equal(with_casts[0], without[0])
+    assert all(torch.equal(a, b) for a, b in zip(with_casts[1], without[1]))
+    # Per adapted layer at least the input cast and autocast's cast back (backward saves more).
+    assert with_casts[2] - without[2] >= 2 * len(layers), (with_casts[2], without[2], len(layers))
+
+
+def test_adapters_keep_peft_casts_without_autocast(tandem_home):
+    bundle = load_model(ModelConfig())
+    add_lora(bundle, TrainingConfig(lora_rank=2, precision="fp32"))
+    assert all(m.cast_input_dtype_enabled for m in bundle.unet.modules() if hasattr(m, "cast_input_dtype_enabled"))

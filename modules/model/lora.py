@@ -67,12 +67,30 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     for module in adapted:
         for name, param in module.named_parameters():
             if ".lora_" in name:
-                # Tiny updates to low-precision adapters would round away; keep them fp32 (peft
-                # casts the activations to the adapter's dtype and back).
+                # Tiny updates to low-precision adapters would round away: keep them fp32.
                 param.data = param.data.to(torch.float32)
                 param.requires_grad_(True)
                 params.append(param)
+    if training_cfg.precision in ("bf16", "fp16"):
+        _skip_input_casts(adapted)
     return params
+
+
+def _skip_input_casts(modules: list[nn.Module]) -> None:
+    """Let half-precision activations reach the fp32 adapters as they are, when training under autocast.
+
+    peft casts each adapted layer's input to the adapter's dtype (fp32) before the LoRA matmuls, and
+    autocast casts it straight back to bf16/fp16 for them: two copies of the activation per layer,
+    and their two backward copies, that change no value (the half-precision value survives the round
+    trip exactly). On a UNet with adapters on every attention projection those are hundreds of extra
+    kernels per step, and a LoRA step is short enough that launching kernels is what limits it.
+    Autocast is in force wherever adapters run with a half-precision base: training (the config
+    check requires it) and sampling (`sampling._autocast_for`).
+    """
+    for module in modules:
+        for layer in module.modules():
+            if hasattr(layer, "cast_input_dtype_enabled"):
+                layer.cast_input_dtype_enabled = False
 
 
 def _add_text_encoder_adapter(encoder: nn.Module, config) -> None:
