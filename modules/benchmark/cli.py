@@ -60,6 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for rank, prof in enumerate(r.get("profile_per_rank") or []):
             print(f"profile {r['case']} GPUs {r['world']} rank {rank}: GPU busy {prof['gpu_busy_fraction']}, "
-                  f"compute {prof['compute_busy_fraction']}, NCCL {prof['nccl_fraction']} of {prof['wall_s']} s "
-                  f"({prof['report']})")
+                  f"compute {prof['compute_busy_fraction']}, NCCL {prof['nccl_fraction']} of {prof['wall_s']} s, "
+                  f"{prof['gpu_activities_per_step']} GPU kernels/copies per step ({prof['report']})")
     return 0

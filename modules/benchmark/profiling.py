@@ -10,6 +10,10 @@ On N GPUs every rank profiles itself. NCCL kernels are counted apart from the co
 collective's kernel runs (spins) until the slowest rank joins it, so a rank whose NCCL time is large
 while its compute time is short waits for another rank - the straggler is the rank with the least
 NCCL time.
+
+The profiler slows the host (it records every operator), so in a loop near the line between the two
+the busy fractions read low: compare them between cases profiled alike, and read the kernel count
+per step, which the profiler does not change, as the host's share of the work.
 """
 from __future__ import annotations
 
@@ -19,9 +23,33 @@ from pathlib import Path
 import torch
 
 
-def _device_time_us(event) -> float:
-    # Renamed from self_cuda_time_total in newer torch releases.
-    return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals in microseconds, as seconds: time a device was busy.
+
+    Summing kernel durations instead would count twice where streams overlap (NCCL beside compute),
+    and summing the profiler's per-operator table counts each kernel twice (as itself and under the
+    operator that launched it).
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total / 1e6
+
+
+def device_activity(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(compute, nccl) intervals of the GPU activities (kernels, copies) among profiler events."""
+    from torch.autograd import DeviceType
+
+    compute, nccl = [], []
+    for event in events:
+        if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue  # user annotations span kernels (and the gaps between them)
+        span = (event.time_range.start, event.time_range.end)
+        (nccl if "nccl" in event.name.lower() else compute).append(span)
+    return compute, nccl
 
 
 class StepProfiler:
@@ -49,16 +77,18 @@ class StepProfiler:
         self.profiler.stop()
         averages = self.profiler.key_averages()
         on_gpu = self.device.type == "cuda"
-        device_s = sum(_device_time_us(e) for e in averages) / 1e6
-        nccl_s = sum(_device_time_us(e) for e in averages if "nccl" in e.key.lower()) / 1e6
+        compute, nccl = device_activity(self.profiler.events()) if on_gpu else ([], [])
         fraction = lambda seconds: round(seconds / wall_s, 3) if on_gpu and wall_s > 0 else None  # noqa: E731
         summary = {"steps": steps, "wall_s": round(wall_s, 4),
-                   "gpu_busy_s": round(device_s, 4) if on_gpu else None,
-                   # Kernels on several streams (NCCL beside compute) can overlap, so this may exceed 1.
-                   "gpu_busy_fraction": fraction(device_s),
-                   # Compute alone: well below 1 means the GPU waited (for the host, or for the other ranks).
-                   "compute_busy_fraction": fraction(device_s - nccl_s),
-                   "nccl_fraction": fraction(nccl_s),
+                   "gpu_busy_s": round(busy_seconds(compute + nccl), 4) if on_gpu else None,
+                   # Any kernel running: well below 1 means the GPU waited for the host.
+                   "gpu_busy_fraction": fraction(busy_seconds(compute + nccl)),
+                   # Compute alone: below gpu_busy_fraction where NCCL ran with nothing beside it,
+                   # i.e. this rank waited for the others (or for communication it could not overlap).
+                   "compute_busy_fraction": fraction(busy_seconds(compute)),
+                   "nccl_fraction": fraction(busy_seconds(nccl)),
+                   # Kernels (and copies) per step: the host's launch work, the same on any card.
+                   "gpu_activities_per_step": round((len(compute) + len(nccl)) / steps) if on_gpu else None,
                    "report": str(report_file)}
         lines = [f"{k}: {v}" for k, v in summary.items()]
         if self.device.type == "cuda":
