@@ -37,6 +37,7 @@ class ProgressReporter:
         self.start_time = time.perf_counter()
         self.last_time = self.start_time
         self.last_log = 0.0
+        self.step_s: float | None = None
         self.images_per_s = 0.0
         self.bar = None
         self.writer = None
@@ -56,9 +57,12 @@ class ProgressReporter:
         now = time.perf_counter()
         dt = now - self.last_time
         self.last_time = now
-        current = t.numbers.global_batch / dt if dt > 0 else 0.0
-        # Smoothed so that the GUI's number does not jump with every step; the first step (warm-up) is skipped.
-        self.images_per_s = current if self.images_per_s == 0 else 0.9 * self.images_per_s + 0.1 * current
+        # The step time is smoothed, not the rate: a report that arrives right after the one before
+        # it (the GPU had already finished, e.g. after a save synchronised it) would otherwise add an
+        # absurd rate. The first step (warm-up: kernel autotuning, first allocations) is left out.
+        if step > self.start_step + 1:
+            self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+            self.images_per_s = t.numbers.global_batch / self.step_s if self.step_s > 0 else 0.0
         if not self.main:
             return
         left = t.numbers.total_steps - step
