@@ -22,7 +22,7 @@ from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
 from modules.trainer.objective import diffusion_loss, draw_noise, training_target
-from modules.trainer.optim import build_optimizer, build_scheduler
+from modules.trainer.optim import build_optimizer, build_scheduler, match_param_layouts
 from modules.trainer.outputs import OutputWriter
 from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
@@ -172,6 +172,13 @@ class BaseTrainer(ABC):
         if t.gradient_checkpointing:
             bundle.unet.enable_gradient_checkpointing()
         bundle.to(self.device)
+        if t.channels_last:
+            # NHWC convolution weights (4-D tensors only); a convolution then runs in NHWC and so do its
+            # outputs, whatever the layout of the latents fed in. Parameters keep their identity (their
+            # `.data` is replaced), so `params` stays valid; DDP, the optimizer and EMA, built later,
+            # see the new layout. Every writer of weights (backups, full saves, LoRA files) stores
+            # contiguous copies, which safetensors requires.
+            bundle.unet.to(memory_format=torch.channels_last)
         bundle.unet.train()
         for te in bundle.text_encoders:
             te.train(t.train_text_encoder)
@@ -427,6 +434,7 @@ class BaseTrainer(ABC):
         self.sampler.load_state_dict(state["sampler"])  # regroups the epoch's rest if the global batch changed
         fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        match_param_layouts(self.optimizer)  # a backup from a run with another training.channels_last
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.adapt_to_new_global_batch(state, fresh_base_lrs)
         self.scaler.load_state_dict(state["scaler"])

@@ -21,7 +21,9 @@ class EMA:
 
     def load_state_dict(self, state: dict) -> None:
         self.decay = state["decay"]
-        self.shadow = [t.to(p.device) for t, p in zip(state["shadow"], self.params)]
+        # In the parameter's memory layout, whatever layout the backup holds (training.channels_last).
+        self.shadow = [torch.empty_strided(p.shape, p.stride(), dtype=t.dtype, device=p.device).copy_(t)
+                       for t, p in zip(state["shadow"], self.params)]
 
     @contextlib.contextmanager
     def swapped_in(self):

@@ -30,6 +30,26 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig, device: torc
     raise ValueError(f"optimizer.name: unknown optimizer {name!r}; use adamw, adamw_8bit, adafactor or sgd")
 
 
+def match_param_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Give every per-parameter state tensor of the parameter's shape (Adam's moments) the parameter's
+    memory layout (strides).
+
+    Loading a state dict keeps the layout the tensors were saved in, so a backup from a run with
+    another `training.channels_last` setting brings moments in the other layout. Fused AdamW walks
+    parameters, gradients and moments as flat memory and needs them to share strides: on CUDA it
+    refuses a mismatch, on CPU it silently pairs the wrong elements.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_strided(p.shape, p.stride(), dtype=value.dtype,
+                                                     device=value.device).copy_(value)
+
+
 def lr_lambda(cfg: TrainingConfig, total_steps: int):
     """Multiplier of the base LR at each optimizer step: linear warm-up, then the chosen schedule."""
     warmup = cfg.lr_warmup_steps

@@ -22,6 +22,7 @@ LABELS = {
     "training.lr_warmup_steps": "Warm-up steps",
     "training.tf32": "Allow TF32",
     "training.cudnn_benchmark": "cuDNN benchmark",
+    "training.channels_last": "Channels-last UNet",
     "training.max_grad_norm": "Clip gradient norm",
     "training.ema": "EMA of weights",
     "training.ema_decay": "EMA decay",
@@ -47,7 +48,8 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
                 "training.lr_warmup_steps", "training.epochs", "training.max_steps")
     form.section("Batch and precision")
     form.fields("training.batch_size", "training.gradient_accumulation_steps", "training.precision",
-                "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark")
+                "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark",
+                "training.channels_last")
     form.section("Objective and stability")
     form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
                 "training.offset_noise")
