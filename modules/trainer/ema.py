@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from modules.util.layout import in_layout_of
+
 
 class EMA:
     def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
@@ -22,8 +24,7 @@ class EMA:
     def load_state_dict(self, state: dict) -> None:
         self.decay = state["decay"]
         # In the parameter's memory layout, whatever layout the backup holds (training.channels_last).
-        self.shadow = [torch.empty_strided(p.shape, p.stride(), dtype=t.dtype, device=p.device).copy_(t)
-                       for t, p in zip(state["shadow"], self.params)]
+        self.shadow = [in_layout_of(p, t) for t, p in zip(state["shadow"], self.params)]
 
     @contextlib.contextmanager
     def swapped_in(self):

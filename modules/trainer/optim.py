@@ -6,6 +6,7 @@ import math
 import torch
 
 from modules.config import OptimizerConfig, TrainingConfig
+from modules.util.layout import in_layout_of
 
 
 def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -46,8 +47,7 @@ def match_param_layouts(optimizer: torch.optim.Optimizer) -> None:
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.stride() != p.stride():
-                    state[key] = torch.empty_strided(p.shape, p.stride(), dtype=value.dtype,
-                                                     device=value.device).copy_(value)
+                    state[key] = in_layout_of(p, value)
 
 
 def lr_lambda(cfg: TrainingConfig, total_steps: int):
