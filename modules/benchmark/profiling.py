@@ -78,11 +78,12 @@ class StepProfiler:
         averages = self.profiler.key_averages()
         on_gpu = self.device.type == "cuda"
         compute, nccl = device_activity(self.profiler.events()) if on_gpu else ([], [])
+        busy_s = busy_seconds(compute + nccl)
         fraction = lambda seconds: round(seconds / wall_s, 3) if on_gpu and wall_s > 0 else None  # noqa: E731
         summary = {"steps": steps, "wall_s": round(wall_s, 4),
-                   "gpu_busy_s": round(busy_seconds(compute + nccl), 4) if on_gpu else None,
+                   "gpu_busy_s": round(busy_s, 4) if on_gpu else None,
                    # Any kernel running: well below 1 means the GPU waited for the host.
-                   "gpu_busy_fraction": fraction(busy_seconds(compute + nccl)),
+                   "gpu_busy_fraction": fraction(busy_s),
                    # Compute alone: below gpu_busy_fraction where NCCL ran with nothing beside it,
                    # i.e. this rank waited for the others (or for communication it could not overlap).
                    "compute_busy_fraction": fraction(busy_seconds(compute)),
