@@ -68,7 +68,7 @@ class BaseTrainer(ABC):
         with phase("wrap"):
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
-            self.model = self.wrap_model(TrainingModel(self.bundle, self.cfg.training.train_text_encoder))
+            self.model = self.wrap_model(self.training_model())
             self.seed_this_process()
             self.optimizer, self.lr_schedule = self.create_optimizer()
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
@@ -247,6 +247,17 @@ class BaseTrainer(ABC):
         loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
         return sampler, loader
 
+    def training_model(self) -> TrainingModel:
+        model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder)
+        t = self.cfg.training
+        self.compile_check_pending = t.compile
+        self.compile_gradient_difference: float | None = None  # measured by the first step's check
+        if t.compile:
+            from modules.trainer.compiled_unet import compile_unet
+            dropout = t.method == "lora" and t.lora_dropout > 0
+            model.use_compiled_unet(compile_unet(self.bundle.unet, self.device, len(set(self.dataset.buckets)), dropout))
+        return model
+
     def compute_numbers(self) -> RunNumbers:
         return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler))
 
@@ -291,6 +302,8 @@ class BaseTrainer(ABC):
         self.after_epoch()
 
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
+        if self.compile_check_pending:
+            self.check_compiled_unet(micro_batches[0])
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             with self.gradient_sync(i == len(micro_batches) - 1):
@@ -300,11 +313,36 @@ class BaseTrainer(ABC):
         self.apply_gradients()
         return total / len(micro_batches)
 
+    def check_compiled_unet(self, batch: dict) -> None:
+        """Compile on the first batch and compare its gradients with the uncompiled UNet's (compiled_unet.py)."""
+        from modules.trainer.compiled_unet import check_first_step
+        self.compile_check_pending = False
+        inner = getattr(self.model, "module", self.model)  # under DDP: the TrainingModel it wraps
+
+        def eager_pass():
+            with inner.eager_unet():
+                loss = self.compute_loss(batch, micro=0, model=inner)
+                self.scaler.scale(loss).backward()
+            return loss.detach()
+
+        def compiled_pass():
+            # Through the DDP wrapper, so the compiler splits the backward at DDP's buckets and the
+            # all-reduce overlaps it; without synchronising, so no rank's gradients leave it yet.
+            with self.gradient_sync(last_micro_batch=False):
+                loss = self.compute_loss(batch, micro=0)
+                self.scaler.scale(loss).backward()
+            return loss.detach()
+
+        started = time.perf_counter()
+        self.compile_gradient_difference = check_first_step(eager_pass, compiled_pass, self.trainable_params(),
+                                                            self.device)
+        log.info("UNet compiled for the first image size in %.1f s.", time.perf_counter() - started)
+
     def gradient_sync(self, last_micro_batch: bool):
         """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""
         return contextlib.nullcontext()
 
-    def compute_loss(self, batch: dict, micro: int) -> torch.Tensor:
+    def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None) -> torch.Tensor:
         bundle, dev = self.bundle, self.device
         if "latents" in batch:
             latents = batch["latents"].to(dev, non_blocking=True).float()
@@ -320,7 +358,7 @@ class BaseTrainer(ABC):
         noisy = scheduler.add_noise(latents, draw.noise, draw.timesteps)
         target = training_target(scheduler, latents, draw.noise, draw.timesteps, bundle.prediction_type)
         with self.autocast():
-            pred = self.model(noisy, draw.timesteps, text, batch.get("captions"),
+            pred = (model or self.model)(noisy, draw.timesteps, text, batch.get("captions"),
                               batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
         return diffusion_loss(pred, target, scheduler, draw.timesteps, bundle.prediction_type,
                               self.cfg.training.min_snr_gamma)

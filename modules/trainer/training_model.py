@@ -6,6 +6,8 @@ trained part are synchronised together and frozen parts never enter the all-redu
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -19,6 +21,21 @@ class TrainingModel(nn.Module):
         self.train_text_encoder = train_text_encoder
         # Kept outside the module tree: the bundle's methods use the same sub-modules registered above.
         self.__dict__["bundle"] = bundle
+        self.__dict__["unet_call"] = bundle.unet  # or its compiled form (same parameters, see use_compiled_unet)
+
+    def use_compiled_unet(self, compiled) -> None:
+        """Predict through `compiled` (torch.compile of this UNet) from now on."""
+        self.__dict__["unet_call"] = compiled
+
+    @contextlib.contextmanager
+    def eager_unet(self):
+        """Predict through the uncompiled UNet inside the block (the compiled UNet's first-step check)."""
+        compiled = self.unet_call
+        self.__dict__["unet_call"] = self.unet
+        try:
+            yield self
+        finally:
+            self.__dict__["unet_call"] = compiled
 
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: dict | None,
                 captions: list[str] | None, original_sizes=None, crop_coords=None, target_sizes=None) -> torch.Tensor:
@@ -26,5 +43,5 @@ class TrainingModel(nn.Module):
             with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
                 text = self.bundle.encode_text(captions)
         added = self.bundle.added_cond(text, original_sizes, crop_coords, target_sizes)
-        return self.unet(noisy_latents, timesteps, text["encoder_hidden_states"],
-                         added_cond_kwargs=added).sample
+        return self.unet_call(noisy_latents, timesteps, text["encoder_hidden_states"],
+                              added_cond_kwargs=added).sample

@@ -11,11 +11,13 @@
 #           1 and 2 GPUs, with --profile (per rank: op tables, compute and NCCL busy fractions in
 #           $OUT/profile-*.txt), then three levers for LoRA on 2 GPUs (static graph, no cuDNN
 #           autotuning, loading in the main process)
+#   compile MODE (lora | full): SD1.5-size, 8/GPU, training.compile on, 1 and 2 GPUs, beside the
+#           reference (uncompiled, the targets' baseline) and Tandem uncompiled; recompilations logged
 #   checks  equivalence through both launchers (demo; SD1.5-size model read from real files),
 #           check_multi_gpu, and caching time on 1 vs 2 GPUs (SD1.5-size VAE, 1024 images at 512 px)
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 set -u
-PART="${1:?usage: verify_2gpu.sh full|lora|levers|profile|checks}"
+PART="${1:?usage: verify_2gpu.sh full|lora|levers|profile|compile MODE|checks}"
 source "$(dirname "$0")/common.sh"
 rounds() { # 3 interleaved rounds of reference and Tandem, 1 and 2 GPUs
     for i in 1 2 3; do
@@ -64,6 +66,13 @@ profile)
     bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value multi_gpu.static_graph=true
     bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value training.cudnn_benchmark=false
     bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value data.num_workers=0
+    ;;
+compile)
+    mode="${2:?usage: verify_2gpu.sh compile lora|full}"
+    ref 1 --model sd15 --mode "$mode" --batch 8; ref 2 --model sd15 --mode "$mode" --batch 8
+    log "sd15 $mode b8 compiled (the first step compiles and checks; the warm-up leaves it out)"
+    TORCH_LOGS=recompiles bench --model sd15 --mode "$mode" --batch 8 --gpus 1,2 --config-value training.compile=true
+    bench --model sd15 --mode "$mode" --batch 8 --gpus 1,2
     ;;
 checks)
     log "SD1.5-size model from real files (random weights), both launchers, LoRA bf16"

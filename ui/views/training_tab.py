@@ -23,6 +23,7 @@ LABELS = {
     "training.tf32": "Allow TF32",
     "training.cudnn_benchmark": "cuDNN benchmark",
     "training.channels_last": "Channels-last UNet",
+    "training.compile": "Compile UNet (torch.compile)",
     "training.max_grad_norm": "Clip gradient norm",
     "training.ema": "EMA of weights",
     "training.ema_decay": "EMA decay",
@@ -49,7 +50,7 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     form.section("Batch and precision")
     form.fields("training.batch_size", "training.gradient_accumulation_steps", "training.precision",
                 "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark",
-                "training.channels_last")
+                "training.channels_last", "training.compile")
     form.section("Objective and stability")
     form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
                 "training.offset_noise")

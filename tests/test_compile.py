@@ -1,0 +1,137 @@
+"""training.compile: the compiled UNet trains what the eager one trains, alone and under DDP, and a
+compiler that gets the gradients wrong stops the run at its first step with nothing changed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules.trainer import compiled_unet
+from modules.trainer.callbacks import RecordingCallbacks
+from modules.trainer.compiled_unet import CompiledGradientError, check_first_step, gradient_fingerprint
+from modules.trainer.generic_trainer import GenericTrainer
+from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+COMPILE = "training.compile=true"
+# fp32 SGD, as in the other equivalence tests: Adam would blow rounding noise up to full-size steps.
+STEPS = ("training.max_steps=3", "save.backup_every_n_steps=3", "training.precision=fp32",
+         "optimizer.name=sgd", "training.learning_rate=0.05")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+@pytest.fixture(scope="module")
+def eager_weights(cache_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    workspace = tmp_path_factory.mktemp("eager")
+    GenericTrainer(demo_config(workspace, cache_dir, *STEPS, method="full"), RecordingCallbacks()).run()
+    return latest_backup_weights(workspace)
+
+
+def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weights, caplog):
+    caplog.set_level("INFO")
+    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, method="full"), RecordingCallbacks())
+    trainer.run()
+    assert trainer.completed
+    assert trainer.model.unet_call is not trainer.bundle.unet  # it really predicted through the compiled UNet
+    assert "checked against the uncompiled one" in caplog.text
+    assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=1e-5, rtol=1e-4)
+    # Saves are the plain UNet's weights: no compiler wrapper names in the keys.
+    assert not any("_orig_mod" in k for k in latest_backup_weights(tmp_path))
+
+
+def test_two_compiled_processes_equal_one_eager_with_double_batch(tmp_path, cache_dir, eager_weights):
+    """The compiled UNet inside DDP (split at DDP's buckets by the compiler) gives N x B == 1 x NB."""
+    from modules.distributed.launch import launch
+
+    assert launch(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, "training.batch_size=4",
+                              "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
+                              method="full")) == 0
+    assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=2e-5, rtol=1e-4)
+
+
+def test_lora_with_dropout_compiles_and_passes_the_check(tmp_path, cache_dir):
+    """Dropout draws random masks: the check compares like with like only if both passes draw alike."""
+    cfg = demo_config(tmp_path, cache_dir, "training.max_steps=2", COMPILE, "training.lora_dropout=0.3")
+    trainer = GenericTrainer(cfg, RecordingCallbacks())
+    trainer.run()
+    assert trainer.completed
+
+
+class _HalfGradient(torch.autograd.Function):
+    """Identity forward, half the gradient backward: a 'compiler' whose output is right and training wrong."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+def test_a_miscompiled_unet_stops_the_run_before_any_weight_changes(tmp_path, cache_dir, monkeypatch):
+    def miscompile(unet, device, image_sizes, dropout):
+        def call(*args, **kwargs):
+            out = unet(*args, **kwargs)
+            out.sample = _HalfGradient.apply(out.sample)
+            return out
+        return call
+
+    monkeypatch.setattr(compiled_unet, "compile_unet", miscompile)
+    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, COMPILE, "training.max_steps=2", method="full"),
+                             RecordingCallbacks())
+    before = {n: p.detach().clone() for n, p in _unet_after_start(trainer).named_parameters()}
+    with pytest.raises(CompiledGradientError, match=r"training\.compile.*differ.*50\.0%.*Set training\.compile to false"):
+        trainer.train()
+    after = dict(trainer.bundle.unet.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(p.grad is None for p in trainer.trainable_params())
+    assert trainer.global_step == 0
+    assert not (tmp_path / "backups").exists() or not any((tmp_path / "backups").iterdir())
+
+
+def _unet_after_start(trainer):
+    trainer.start()
+    return trainer.bundle.unet
+
+
+def test_fingerprint_tells_wrong_gradients_from_rounding():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(7))]
+    grads = [torch.randn_like(p) for p in params]
+
+    def fingerprint(transform):
+        for p, g in zip(params, grads):
+            p.grad = transform(g)
+        return gradient_fingerprint(params)
+
+    base = fingerprint(lambda g: g)
+    rel = compiled_unet.relative_difference
+    assert rel(fingerprint(lambda g: g * (1 + 1e-3 * torch.randn_like(g))), base) < 1e-3
+    assert rel(fingerprint(lambda g: g.flip(0)), base) > 0.05      # same norms, values misplaced
+    lost = fingerprint(lambda g: torch.zeros_like(g) if g is grads[0] else g)
+    assert rel(lost, base) > 0.3                                    # one of three layers got no gradient
+
+
+def test_check_first_step_names_the_setting_and_clears_gradients():
+    p = torch.nn.Parameter(torch.ones(4))
+
+    def run(scale):
+        def backward():
+            loss = (p * scale).sum()
+            loss.backward()
+            return loss.detach()
+        return backward
+
+    assert check_first_step(run(1.0), run(1.0), [p], torch.device("cpu")) == 0.0
+    assert p.grad is None
+    with pytest.raises(CompiledGradientError, match="training.compile"):
+        check_first_step(run(1.0), run(1.3), [p], torch.device("cpu"))
+    assert p.grad is None
