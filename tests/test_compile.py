@@ -10,7 +10,7 @@ import torch
 
 from modules.trainer import compiled_unet
 from modules.trainer.callbacks import RecordingCallbacks
-from modules.trainer.compiled_unet import CompiledGradientError, check_first_step, gradient_fingerprint
+from modules.trainer.compiled_unet import CompiledGradientError, compare_with_eager, gradient_fingerprint
 from modules.trainer.generic_trainer import GenericTrainer
 from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights
 
@@ -40,6 +40,7 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     trainer.run()
     assert trainer.completed
     assert trainer.model.unet_call is not trainer.bundle.unet  # it really predicted through the compiled UNet
+    assert list(trainer.compiled_shapes_checked) == [(8, 4, 8, 8)]
     assert "checked against the uncompiled one" in caplog.text
     assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=1e-5, rtol=1e-4)
     # Saves are the plain UNet's weights: no compiler wrapper names in the keys.
@@ -56,12 +57,18 @@ def test_two_compiled_processes_equal_one_eager_with_double_batch(tmp_path, cach
     assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=2e-5, rtol=1e-4)
 
 
-def test_lora_with_dropout_compiles_and_passes_the_check(tmp_path, cache_dir):
-    """Dropout draws random masks: the check compares like with like only if both passes draw alike."""
-    cfg = demo_config(tmp_path, cache_dir, "training.max_steps=2", COMPILE, "training.lora_dropout=0.3")
+def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_factory, caplog):
+    """Each aspect bucket compiles its own kernels, so each is checked; dropout draws random masks, and
+    the check compares like with like only if both passes draw the same ones."""
+    caplog.set_level("INFO")
+    cfg = demo_config(tmp_path, tmp_path_factory.mktemp("bucket_cache"), COMPILE, "training.lora_dropout=0.3",
+                      "data.bucket_step=16", "training.batch_size=4", "training.epochs=1")
     trainer = GenericTrainer(cfg, RecordingCallbacks())
     trainer.run()
-    assert trainer.completed
+    assert trainer.completed and trainer.global_step == 16
+    # The demo's images fall into 48x80, 64x64 and 80x48 px buckets.
+    assert set(trainer.compiled_shapes_checked) == {(4, 4, 6, 10), (4, 4, 8, 8), (4, 4, 10, 6)}
+    assert caplog.text.count("checked against the uncompiled one") == 3
 
 
 class _HalfGradient(torch.autograd.Function):
@@ -120,7 +127,7 @@ def test_fingerprint_tells_wrong_gradients_from_rounding():
     assert rel(lost, base) > 0.3                                    # one of three layers got no gradient
 
 
-def test_check_first_step_names_the_setting_and_clears_gradients():
+def test_compare_with_eager_names_the_setting_and_clears_gradients():
     p = torch.nn.Parameter(torch.ones(4))
 
     def run(scale):
@@ -130,8 +137,8 @@ def test_check_first_step_names_the_setting_and_clears_gradients():
             return loss.detach()
         return backward
 
-    assert check_first_step(run(1.0), run(1.0), [p], torch.device("cpu")) == 0.0
+    assert compare_with_eager(run(1.0), run(1.0), [p], torch.device("cpu")) == 0.0
     assert p.grad is None
     with pytest.raises(CompiledGradientError, match="training.compile"):
-        check_first_step(run(1.0), run(1.3), [p], torch.device("cpu"))
+        compare_with_eager(run(1.0), run(1.3), [p], torch.device("cpu"))
     assert p.grad is None

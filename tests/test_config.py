@@ -306,6 +306,20 @@ def test_device_indexes_must_agree_with_num_gpus(indexes, num_gpus, ok):
         assert problem.startswith(f"multi_gpu.num_gpus: {num_gpus} does not match")
 
 
+@pytest.mark.parametrize("field, value", [("gradient_accumulation_steps", 2), ("compile", True)])
+def test_static_graph_with_an_unsynchronised_first_backward_is_refused(field, value):
+    """DDP asserts inside PyTorch on such a first backward (tried: accumulation 2 on 2 gloo processes)."""
+    cfg = valid_config()
+    cfg.multi_gpu.enabled = cfg.multi_gpu.static_graph = True
+    setattr(cfg.training, field, value)
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"multi_gpu.static_graph: true cannot be combined with training.{field} = "
+                              f"{str(value).lower()}")
+    assert "set multi_gpu.static_graph to false" in problem
+    cfg.multi_gpu.enabled = False  # one process: no DDP, nothing to refuse
+    assert validate(cfg) == []
+
+
 def test_check_raises_with_every_problem_at_once():
     cfg = valid_config()
     cfg.training.batch_size = 0

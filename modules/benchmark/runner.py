@@ -169,7 +169,7 @@ class BenchmarkMixin:
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
                           start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
-                          compile_gradient_difference=self.compile_gradient_difference,
+                          compile_gradient_difference=max(self.compiled_shapes_checked.values(), default=None),
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
             if c.profile_dir:
                 result["profile"] = profiles[0]

@@ -153,7 +153,7 @@ class TrainingConfig:
     channels_last: bool = False
     """Store the UNet's convolution weights in channels-last (NHWC) memory layout for training, so that cuDNN need not convert layouts around every convolution (on CUDA). Affects speed only: results are the same up to floating-point rounding, and models and backups are saved in the usual layout. Off by default: on an H100 (SD1.5, bf16) it removed cuDNN's layout conversions but added as much copying elsewhere (GPU time +1.3%, see docs/Performance.md)."""
     compile: bool = False
-    """Compile the UNet with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python. The first step is compiled (about a minute on a GPU, again for each new image size) and checked against the uncompiled UNet: if the gradients differ, training stops with an error before any weight changes."""
+    """Compile the UNet with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python. The first step of each batch shape (image size) is compiled - about 2 minutes on a GPU the first time, under a minute once PyTorch's compile cache holds it - and its gradients are checked against the uncompiled UNet's: if they differ, training stops with an error before that step changes any weight. Needs Triton on GPUs (not in PyTorch's Windows builds). On CPU the UNet is traced but runs uncompiled kernels (no speed-up; PyTorch's CPU compiler got the UNet's gradients wrong)."""
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this value. 0: no clipping."""
     ema: bool = False
@@ -251,7 +251,7 @@ class MultiGPUConfig:
     find_unused_parameters: bool = False
     """Let DDP tolerate parameters that get no gradient in a step (slower; rarely needed)."""
     static_graph: bool = False
-    """Tell DDP the set of used parameters never changes (enables some optimisations)."""
+    """Tell DDP the set of used parameters never changes (enables some optimisations). Not with gradient accumulation or `training.compile`: PyTorch's DDP fails on a static graph whose first backward is not synchronised (pytorch/pytorch#143580)."""
     gradient_as_bucket_view: bool = True
     """Let gradients live inside DDP's communication buckets (saves memory and a copy)."""
     gradient_compression: str = "none"

@@ -221,6 +221,19 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
                         f"{len(indexes)}, or list {m.num_gpus} indexes.")
+    if m.enabled and m.static_graph:
+        # PyTorch's DDP asserts (expect_autograd_hooks_) when a static graph's first backward runs
+        # inside no_sync(), and past that it stops all-reducing (pytorch/pytorch#143580, PR #187732).
+        # Tandem runs a backward without synchronising for gradient accumulation and for the compiled
+        # UNet's first-step check.
+        for path, value, active in (
+                ("training.gradient_accumulation_steps", cfg.training.gradient_accumulation_steps,
+                 cfg.training.gradient_accumulation_steps > 1),
+                ("training.compile", cfg.training.compile, cfg.training.compile)):
+            if active:
+                problems.append(f"multi_gpu.static_graph: true cannot be combined with {path} = "
+                                f"{str(value).lower()} (PyTorch's DDP fails on a static graph's unsynchronised "
+                                "first backward, pytorch/pytorch#143580); set multi_gpu.static_graph to false.")
     return problems
 
 

@@ -250,8 +250,8 @@ class BaseTrainer(ABC):
     def training_model(self) -> TrainingModel:
         model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder)
         t = self.cfg.training
-        self.compile_check_pending = t.compile
-        self.compile_gradient_difference: float | None = None  # measured by the first step's check
+        # Each new batch shape compiles new kernels, so each is checked once: shape -> gradient difference.
+        self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
         if t.compile:
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
@@ -302,7 +302,7 @@ class BaseTrainer(ABC):
         self.after_epoch()
 
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
-        if self.compile_check_pending:
+        if self.cfg.training.compile:
             self.check_compiled_unet(micro_batches[0])
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
@@ -314,9 +314,12 @@ class BaseTrainer(ABC):
         return total / len(micro_batches)
 
     def check_compiled_unet(self, batch: dict) -> None:
-        """Compile on the first batch and compare its gradients with the uncompiled UNet's (compiled_unet.py)."""
-        from modules.trainer.compiled_unet import check_first_step
-        self.compile_check_pending = False
+        """On the first batch of each shape: compile, and compare the gradients with the uncompiled UNet's
+        (compiled_unet.py) before the step trains on them."""
+        from modules.trainer.compiled_unet import compare_with_eager
+        shape = tuple((batch["latents"] if "latents" in batch else batch["pixels"]).shape)
+        if shape in self.compiled_shapes_checked:
+            return
         inner = getattr(self.model, "module", self.model)  # under DDP: the TrainingModel it wraps
 
         def eager_pass():
@@ -334,9 +337,9 @@ class BaseTrainer(ABC):
             return loss.detach()
 
         started = time.perf_counter()
-        self.compile_gradient_difference = check_first_step(eager_pass, compiled_pass, self.trainable_params(),
-                                                            self.device)
-        log.info("UNet compiled for the first image size in %.1f s.", time.perf_counter() - started)
+        self.compiled_shapes_checked[shape] = compare_with_eager(eager_pass, compiled_pass, self.trainable_params(),
+                                                               self.device, what=f"batch shape {list(shape)}")
+        log.info("UNet compiled and checked for batch shape %s in %.1f s.", list(shape), time.perf_counter() - started)
 
     def gradient_sync(self, last_micro_batch: bool):
         """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""

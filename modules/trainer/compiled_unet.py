@@ -2,8 +2,9 @@
 
 A compiler bug does not crash: it trains quietly on wrong gradients. One was met while building this
 (torch 2.13 CPU inductor: the demo UNet's output matched eager to 2e-6 while its gradients were 60%
-off, some layers getting none), and upstream has had others (pytorch/pytorch#193061). So every
-compiled run compares its first batch's gradients with the eager UNet's before any weight changes.
+off, some layers getting none), and upstream has had others (pytorch/pytorch#193061). So a compiled
+run compares the gradients of the first batch of each shape (each shape compiles its own kernels)
+with the eager UNet's before that step changes any weight.
 
 The gradients are compared through a fingerprint - each tensor's norm and its projection on a fixed
 random direction - so the check holds two small vectors, not a second copy of every gradient.
@@ -28,24 +29,34 @@ class CompiledGradientError(RuntimeError):
     pass
 
 
+class CompileUnavailable(RuntimeError):
+    pass
+
+
 def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, dropout: bool):
     """The compiled callable for `unet`; its parameters stay the module's own (nothing is copied)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
+    from torch.utils._triton import has_triton
+
+    if device.type == "cuda" and not has_triton():
+        raise CompileUnavailable(
+            "training.compile: torch.compile needs Triton to compile for the GPU, and this PyTorch has none "
+            "(the Windows builds of PyTorch ship without it; on Linux: pip install triton matching your "
+            "torch). Set training.compile to false.")
 
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)
-    if device.type == "cpu":
-        # torch 2.13's CPU inductor fuses the UNet's backward into kernels that compute wrong gradients
-        # (see the module doc); without fusion they are right. CPU training is for trying things, so
-        # correctness wins over the speed fusion would give.
-        inductor_config.max_fusion_size = 1
     if dropout:
-        # Compiled dropout draws from its own random stream; with the eager one the first-step check can
-        # compare like with like (same masks).
+        # Compiled dropout draws from its own random stream; with the eager one the check compares like
+        # with like (same masks).
         inductor_config.fallback_random = True
-    return torch.compile(unet, dynamic=False)
+    # On CPU the graph is captured and differentiated as on a GPU, but run by eager kernels: torch 2.13's
+    # CPU inductor fuses the UNet's backward into kernels with wrong gradients (see the module doc), and
+    # its C++ compiles take minutes per image size. CPU training is for trying things, not for speed.
+    backend = "aot_eager" if device.type == "cpu" else "inductor"
+    return torch.compile(unet, backend=backend, dynamic=False)
 
 
 def gradient_fingerprint(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -73,7 +84,8 @@ def same_random_stream(device: torch.device):
         yield
 
 
-def check_first_step(eager_pass, compiled_pass, params: list[torch.nn.Parameter], device: torch.device) -> float:
+def compare_with_eager(eager_pass, compiled_pass, params: list[torch.nn.Parameter], device: torch.device,
+                     what: str = "the first batch") -> float:
     """Run one batch eagerly and compiled (each a callable returning its loss after its backward) and
     raise CompiledGradientError when their gradients differ; returns the relative difference.
 
@@ -90,10 +102,10 @@ def check_first_step(eager_pass, compiled_pass, params: list[torch.nn.Parameter]
     loss_diff = abs(compiled_loss - eager_loss) / max(abs(eager_loss), 1e-30)
     if not (grad_diff <= GRADIENT_TOLERANCE and loss_diff <= LOSS_TOLERANCE):  # NaN fails too
         raise CompiledGradientError(
-            f"training.compile: on the first batch the compiled UNet's gradients differ from the "
+            f"training.compile: on {what} the compiled UNet's gradients differ from the "
             f"uncompiled UNet's by {grad_diff:.1%} (allowed {GRADIENT_TOLERANCE:.0%}) and its loss by "
             f"{loss_diff:.2%} (allowed {LOSS_TOLERANCE:.0%}) - torch {torch.__version__} miscompiles this "
             f"model. Nothing was trained. Set training.compile to false (or try another torch version).")
-    log.info("Compiled UNet checked against the uncompiled one on the first batch: gradients differ by "
-             "%.2e (allowed %.0e), loss by %.2e.", grad_diff, GRADIENT_TOLERANCE, loss_diff)
+    log.info("Compiled UNet checked against the uncompiled one on %s: gradients differ by %.2e (allowed "
+             "%.0e), loss by %.2e.", what, grad_diff, GRADIENT_TOLERANCE, loss_diff)
     return grad_diff
