@@ -18,8 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 COMPILE = "training.compile=true"
 # fp32 SGD, as in the other equivalence tests: Adam would blow rounding noise up to full-size steps.
+# No clipping either: it would hide a gradient of the wrong size (say, the check's left in it).
 STEPS = ("training.max_steps=3", "save.backup_every_n_steps=3", "training.precision=fp32",
-         "optimizer.name=sgd", "training.learning_rate=0.05")
+         "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,22 @@ def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_
     # The demo's images fall into 48x80, 64x64 and 80x48 px buckets.
     assert set(trainer.compiled_shapes_checked) == {(4, 4, 6, 10), (4, 4, 8, 8), (4, 4, 10, 6)}
     assert caplog.text.count("checked against the uncompiled one") == 3
+
+
+def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory):
+    """A new aspect bucket mid-run is checked (an unsynchronised backward beside DDP, after synchronised
+    steps): 2 compiled processes x 2 still end where 1 uncompiled process x 4 ends, over three buckets."""
+    from modules.distributed.launch import launch
+
+    cache = tmp_path_factory.mktemp("bucket_cache_ddp")
+    # 48x80, 64x64 and 80x48 px buckets of 4, 56 and 4 images: one epoch at a global batch of 4 is 16 steps.
+    buckets = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16",
+               "training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05")
+    GenericTrainer(demo_config(tmp_path / "one", cache, *buckets, "training.batch_size=4"), RecordingCallbacks()).run()
+    assert launch(demo_config(tmp_path / "two", cache, *buckets, COMPILE, "training.batch_size=2",
+                              "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn")) == 0
+    assert_weights_close(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one"),
+                         atol=2e-5, rtol=1e-4)
 
 
 class _HalfGradient(torch.autograd.Function):

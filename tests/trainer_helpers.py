@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +42,16 @@ def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | 
                           timeout=timeout, env=env, cwd=REPO)
 
 
+def _answer_ctrl_c() -> None:
+    # A shell starting the tests in the background (`pytest &`) leaves SIGINT ignored, children inherit
+    # that, and Python then never turns Ctrl-C into KeyboardInterrupt: the Ctrl-C tests would wait forever.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_script(script: str, *args: str, **popen_kwargs) -> subprocess.Popen:
     """A script running in the background with stdout+stderr in one text pipe and event lines on."""
+    if os.name == "posix":
+        popen_kwargs.setdefault("preexec_fn", _answer_ctrl_c)
     return subprocess.Popen([sys.executable, str(REPO / "scripts" / script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"), **popen_kwargs)
