@@ -159,3 +159,11 @@ def test_compare_with_eager_names_the_setting_and_clears_gradients():
     with pytest.raises(CompiledGradientError, match="training.compile"):
         compare_with_eager(run(1.0), run(1.3), [p], torch.device("cpu"))
     assert p.grad is None
+
+
+def test_a_gpu_build_without_triton_gets_a_clear_error(monkeypatch):
+    import torch.utils._triton as triton_probe
+
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: False)
+    with pytest.raises(compiled_unet.CompileUnavailable, match=r"training\.compile.*Triton.*Set training\.compile to false"):
+        compiled_unet.compile_unet(torch.nn.Linear(2, 2), torch.device("cuda", 0), image_sizes=1, dropout=False)
