@@ -48,6 +48,8 @@ class BaseTrainer(ABC):
         self.stop_requested = False
         self.completed = False
         self.start_phases = PhaseTimes()
+        # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
+        self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -250,8 +252,6 @@ class BaseTrainer(ABC):
     def training_model(self) -> TrainingModel:
         model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder)
         t = self.cfg.training
-        # Each new batch shape compiles new kernels, so each is checked once: shape -> gradient difference.
-        self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
         if t.compile:
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
@@ -361,7 +361,7 @@ class BaseTrainer(ABC):
         noisy = scheduler.add_noise(latents, draw.noise, draw.timesteps)
         target = training_target(scheduler, latents, draw.noise, draw.timesteps, bundle.prediction_type)
         with self.autocast():
-            pred = (model or self.model)(noisy, draw.timesteps, text, batch.get("captions"),
+            pred = (self.model if model is None else model)(noisy, draw.timesteps, text, batch.get("captions"),
                               batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
         return diffusion_loss(pred, target, scheduler, draw.timesteps, bundle.prediction_type,
                               self.cfg.training.min_snr_gamma)
