@@ -332,3 +332,40 @@ def test_workers_share_the_cores(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_dir, monkeypatch):
+    """The trainer's reference cycles (frozen from collection during the run) kept the DDP wrapper, and
+    with it gloo's process group, alive until interpreter exit, where freeing them aborted finished
+    workers now and then. A finished worker must have freed both itself. One rank, in this process."""
+    import gc
+    import socket
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from modules.distributed.distributed_trainer import DistributedTrainer
+    from modules.trainer.callbacks import RecordingCallbacks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port), OMP_NUM_THREADS="1").items():
+        monkeypatch.setenv(k, v)
+    cfg = demo_config(tmp_path, cache_dir, "training.max_steps=2", "multi_gpu.enabled=true", "multi_gpu.backend=gloo")
+    trainer = DistributedTrainer(cfg, RecordingCallbacks(), device_type="cpu")
+    wrappers = []
+    wrap = trainer.wrap_model
+    monkeypatch.setattr(trainer, "wrap_model", lambda model: wrappers.append(wrap(model)) or wrappers[-1])
+    threads = torch.get_num_threads()
+    try:
+        trainer.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert trainer.completed and isinstance(wrappers[0], torch.nn.parallel.DistributedDataParallel)
+    ddp = weakref.ref(wrappers.pop())
+    assert ddp() is None, "the DDP wrapper outlived the run"
+    assert not dist.is_initialized()
+    assert gc.get_freeze_count() == 0

@@ -9,6 +9,7 @@ in `dist_utils`, which the base loop already calls.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
 
@@ -63,4 +64,9 @@ class DistributedTrainer(BaseTrainer):
         return contextlib.nullcontext() if last_micro_batch else self.model.no_sync()
 
     def teardown(self) -> None:
+        # DDP holds the process group, and the trainer's reference cycles kept it alive until interpreter
+        # exit, where freeing gloo's group has aborted finished workers ("terminate called without an
+        # active exception", pytorch/pytorch#179291). Free it now, while everything it needs is alive.
+        self.model = None
+        gc.collect()
         destroy()

@@ -120,6 +120,7 @@ class BaseTrainer(ABC):
             self.train()
             self.end()
         finally:
+            gc.unfreeze()  # start() froze the run's objects; after the run they may be collected again
             self.teardown()
 
     # ------------------------------------------------------------------ set-up steps
