@@ -323,23 +323,20 @@ class BaseTrainer(ABC):
             return
         inner = getattr(self.model, "module", self.model)  # under DDP: the TrainingModel it wraps
 
-        def eager_pass():
-            with inner.eager_unet():
-                loss = self.compute_loss(batch, micro=0, model=inner)
-                self.scaler.scale(loss).backward()
-            return loss.detach()
+        def backward_pass(context, model):
+            def run():
+                with context:
+                    loss = self.compute_loss(batch, micro=0, model=model)
+                    self.scaler.scale(loss).backward()
+                return loss.detach()
+            return run
 
-        def compiled_pass():
-            # Through the DDP wrapper, so the compiler splits the backward at DDP's buckets and the
-            # all-reduce overlaps it; without synchronising, so no rank's gradients leave it yet.
-            with self.gradient_sync(last_micro_batch=False):
-                loss = self.compute_loss(batch, micro=0)
-                self.scaler.scale(loss).backward()
-            return loss.detach()
-
+        # The compiled pass goes through the DDP wrapper, so the compiler splits the backward at DDP's
+        # buckets and the all-reduce overlaps it; without synchronising, so no rank's gradients leave it yet.
         started = time.perf_counter()
-        self.compiled_shapes_checked[shape] = compare_with_eager(eager_pass, compiled_pass, self.trainable_params(),
-                                                               self.device, what=f"batch shape {list(shape)}")
+        self.compiled_shapes_checked[shape] = compare_with_eager(
+            backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
+            self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
         log.info("UNet compiled and checked for batch shape %s in %.1f s.", list(shape), time.perf_counter() - started)
 
     def gradient_sync(self, last_micro_batch: bool):

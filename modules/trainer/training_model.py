@@ -29,7 +29,7 @@ class TrainingModel(nn.Module):
 
     @contextlib.contextmanager
     def eager_unet(self):
-        """Predict through the uncompiled UNet inside the block (the compiled UNet's first-step check)."""
+        """Predict through the uncompiled UNet inside the block (the compiled UNet's check against it)."""
         compiled = self.unet_call
         self.__dict__["unet_call"] = self.unet
         try:
