@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     out = tmp_path / "results.jsonl"
     proc = subprocess.run(

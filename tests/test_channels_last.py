@@ -77,6 +77,7 @@ def nchw_weights(cache_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
     return latest_backup_weights(workspace)
 
 
+@pytest.mark.slow
 def test_full_fine_tune_trains_the_same_weights(tmp_path, nchw_weights, cache_dir):
     """A few fp32 steps with NHWC weights end where the default layout ends, up to rounding."""
     on = train(demo_config(tmp_path / "on", cache_dir, *EQUIVALENCE, CHANNELS_LAST, method="full"))
@@ -92,6 +93,7 @@ def test_full_fine_tune_trains_the_same_weights(tmp_path, nchw_weights, cache_di
     assert_weights_close(latest_backup_weights(tmp_path / "on"), nchw_weights, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_two_processes_in_nhwc_equal_one_in_nchw(tmp_path, nchw_weights, cache_dir):
     """DDP is built after the conversion (`wrap_model` runs after `prepare_trainable`), so its gradient
     buckets take the NHWC strides: 2 x batch 4 in NHWC train what 1 x batch 8 trains in NCHW."""
@@ -103,6 +105,7 @@ def test_two_processes_in_nhwc_equal_one_in_nchw(tmp_path, nchw_weights, cache_d
     assert_weights_close(latest_backup_weights(tmp_path), nchw_weights, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_full_fine_tune_saves_backs_up_and_resumes(tmp_path, cache_dir):
     """Both full formats, raw and EMA, and backups; resuming in NHWC (or back in NCHW) continues exactly."""
     common = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.precision=fp32",
@@ -142,6 +145,7 @@ def test_full_fine_tune_saves_backs_up_and_resumes(tmp_path, cache_dir):
             assert all(p.is_contiguous() for p in params)
 
 
+@pytest.mark.slow
 def test_lora_trains_and_saves(tmp_path, cache_dir):
     """LoRA on attention and convolutions under bf16 autocast: frozen and adapter convolutions in NHWC."""
     targets = '["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]'

@@ -33,6 +33,7 @@ def write_config(tmp_path: Path, **sections) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_cpu_machine_reports_no_gpus_and_a_correct_gloo_allreduce():
     result = run_check()
     assert result.returncode == 0, result.stdout + result.stderr
@@ -41,6 +42,7 @@ def test_cpu_machine_reports_no_gpus_and_a_correct_gloo_allreduce():
     assert "Result: all checks passed." in result.stdout
 
 
+@pytest.mark.slow
 def test_json_report_with_the_demo_preset(tmp_path):
     preset = REPO / "training_presets" / "#demo.json"
     config = "#demo" if preset.exists() else str(tmp_path / "demo.json")
@@ -107,6 +109,7 @@ def test_optimizer_state_sizes():
         memory_estimate.optimizer_state_bytes("lion", shapes, 0.9)
 
 
+@pytest.mark.slow
 def test_estimate_over_free_memory_fails_with_advice(tmp_path):
     config = write_config(tmp_path, training={"method": "full", "batch_size": 4})
     small = run_check("--skip-gloo", "--config-path", str(config), "--assume-free-gib", "20")
@@ -119,6 +122,7 @@ def test_estimate_over_free_memory_fails_with_advice(tmp_path):
     assert memory["largest_batch"] >= 4 and memory["largest_batch_checkpointed"] > memory["largest_batch"]
 
 
+@pytest.mark.slow
 def test_invalid_config_names_the_field(tmp_path):
     config = write_config(tmp_path, training={"batch_sise": 2})
     result = run_check("--skip-gloo", "--config-path", str(config))
@@ -126,6 +130,7 @@ def test_invalid_config_names_the_field(tmp_path):
     assert "training.batch_sise" in result.stdout and "batch_size" in result.stdout
 
 
+@pytest.mark.slow
 def test_failed_allreduce_is_reported_not_raised():
     # NCCL needs CUDA; on this machine the rank fails, and the check must say so instead of crashing.
     result = diagnostics.run_allreduce("nccl", 1, 1)

@@ -35,6 +35,7 @@ def eager_weights(cache_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
     return latest_backup_weights(workspace)
 
 
+@pytest.mark.slow
 def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weights, caplog):
     caplog.set_level("INFO")
     trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, method="full"), RecordingCallbacks())
@@ -48,6 +49,7 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     assert not any("_orig_mod" in k for k in latest_backup_weights(tmp_path))
 
 
+@pytest.mark.slow
 def test_two_compiled_processes_equal_one_eager_with_double_batch(tmp_path, cache_dir, eager_weights):
     """The compiled UNet inside DDP (split at DDP's buckets by the compiler) gives N x B == 1 x NB."""
     from modules.distributed.launch import launch
@@ -58,6 +60,7 @@ def test_two_compiled_processes_equal_one_eager_with_double_batch(tmp_path, cach
     assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_factory, caplog):
     """Each aspect bucket compiles its own kernels, so each is checked; dropout draws random masks, and
     the check compares like with like only if both passes draw the same ones."""
@@ -72,6 +75,7 @@ def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_
     assert caplog.text.count("checked against the uncompiled one") == 3
 
 
+@pytest.mark.slow
 def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory):
     """A new aspect bucket mid-run is checked (an unsynchronised backward beside DDP, after synchronised
     steps): 2 compiled processes x 2 still end where 1 uncompiled process x 4 ends, over three buckets."""
@@ -100,6 +104,7 @@ class _HalfGradient(torch.autograd.Function):
         return grad * 0.5
 
 
+@pytest.mark.slow
 def test_a_miscompiled_unet_stops_the_run_before_any_weight_changes(tmp_path, cache_dir, monkeypatch):
     def miscompile(unet, device, image_sizes, dropout):
         def call(*args, **kwargs):

@@ -41,6 +41,7 @@ def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2
 
 @pytest.mark.parametrize("method,accumulation,checkpointing", [("lora", 1, False), ("full", 1, False),
                                                                ("lora", 2, False), ("full", 1, True)])
+@pytest.mark.slow
 def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, accumulation, checkpointing):
     """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with gradient accumulation and checkpointing."""
     common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
@@ -60,6 +61,7 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, 
     assert [p.name for p in (tmp_path / "two" / "backups").iterdir()] == [f"step-{STEPS:08d}"]
 
 
+@pytest.mark.slow
 def test_weights_change_during_training(tmp_path, cache_dir):
     """Guards the equivalence test: after STEPS steps the LoRA up-weights are no longer zero."""
     single(tmp_path / "one", cache_dir, f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}")
@@ -68,6 +70,7 @@ def test_weights_change_during_training(tmp_path, cache_dir):
     assert ups and all(v.abs().max() > 0 for v in ups)
 
 
+@pytest.mark.slow
 def test_resume_with_other_world_size_equals_uninterrupted(tmp_path, cache_dir):
     """2 processes x 4 stop at step 2 (backup), 1 process x 8 continues to 4: same as 1 x 8 for 4 steps."""
     common = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.precision=fp32",
@@ -79,6 +82,7 @@ def test_resume_with_other_world_size_equals_uninterrupted(tmp_path, cache_dir):
     assert_weights_close(latest_backup_weights(tmp_path / "run"), reference, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_no_sync_skips_allreduce_until_last_micro_batch(tmp_path, cache_dir):
     """Inside no_sync the ranks' gradients differ; after the last micro-batch they are identical."""
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.batch_size=4", "multi_gpu.enabled=true")
@@ -122,6 +126,7 @@ def _events(stdout: str) -> list[dict]:
     return [e for e in map(parse_event_line, stdout.splitlines()) if e]
 
 
+@pytest.mark.slow
 def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
     """scripts/train_multi_gpu.py without --spawn goes through torchrun and finishes the demo."""
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
@@ -136,6 +141,7 @@ def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
     assert "torch.distributed.run" in result.stdout
 
 
+@pytest.mark.slow
 def test_users_own_torchrun_command(tmp_path, cache_dir):
     """`torchrun --nproc_per_node=2 scripts/train.py --config-path X` works as documented."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
@@ -148,6 +154,7 @@ def test_users_own_torchrun_command(tmp_path, cache_dir):
     assert config["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
     """`stop` in the commands file: all ranks stop together and one backup is written."""
     ws = tmp_path / "ws"
@@ -170,6 +177,7 @@ def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
     assert len(backups_written) == 1 and backups_written[0]["step"] == done["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
     """SIGKILL on rank 1: the job exits non-zero within the timeout and names the failure; no orphans."""
@@ -261,6 +269,7 @@ def test_lr_scaling_is_reported(tmp_path, cache_dir):
     assert "global batch 32" in numbers.describe() and "linear" in numbers.describe()
 
 
+@pytest.mark.slow
 def test_equivalence_checker_script(tmp_path, cache_dir):
     """scripts/check_equivalence.py (used on GPU machines for any N) passes at N=2 on CPU processes."""
     import json
@@ -272,6 +281,7 @@ def test_equivalence_checker_script(tmp_path, cache_dir):
     assert line["ok"] and line["world_size_seen"] == 2 and line["relative_l2"] < 1e-5 and line["tensors"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
     """Ctrl-C (SIGINT to the terminal's process group): every rank stops at one step, backs up, exit 0."""
@@ -298,6 +308,7 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
     assert not _worker_pids(proc.pid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False])
 def test_caching_with_and_without_distributed_data_loading(tmp_path, tandem_home, shared):
     """Split caching (each rank its share) and rank-0 caching both fill the whole cache and train."""
@@ -334,6 +345,7 @@ def test_workers_share_the_cores(monkeypatch):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.slow
 def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_dir, monkeypatch):
     """The trainer's reference cycles (frozen from collection during the run) kept the DDP wrapper, and
     with it gloo's process group, alive until interpreter exit, where freeing them aborted finished

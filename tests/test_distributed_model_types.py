@@ -22,6 +22,7 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type,method", [("sdxl", "lora"), ("sdxl", "full"), ("sd2", "lora")])
 def test_text_encoder_training_on_two_ranks(tmp_path, cache_dir, model_type, method):
     folder = write_sources(model_type, tmp_path / "sources")["folder"]

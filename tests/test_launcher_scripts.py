@@ -134,6 +134,7 @@ def test_bat_handles_every_option_of_the_sh_launcher():
     assert b"\r\n" in BAT.read_bytes(), "cmd.exe needs CRLF line endings in .bat files"
 
 
+@pytest.mark.slow
 def test_end_to_end_two_cpu_processes_on_the_demo(tmp_path):
     result = run_sh("--yes", "--device", "cpu", "--num-gpus", "2", "--config", "#demo",
                     "--config-value", "training.max_steps=2",

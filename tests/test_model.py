@@ -55,6 +55,7 @@ def _build_racing(root: Path, barrier) -> None:
     ensure_demo_model(root)
 
 
+@pytest.mark.slow
 def test_concurrent_builds_end_with_one_complete_folder(tmp_path):
     # Separate processes, as ranks are; fork keeps it fast (torch is already imported).
     context = multiprocessing.get_context("fork")
@@ -198,6 +199,7 @@ def test_missing_or_wrong_paths_name_the_problem(tmp_path, tandem_home):
 
 # ---------------------------------------------------------------------------- saving and sampling
 
+@pytest.mark.slow
 def test_full_diffusers_save_reloads_identical_weights(tmp_path, tandem_home):
     from diffusers import StableDiffusionPipeline
 

@@ -139,6 +139,7 @@ def _trained_away_from(trainer: GenericTrainer, source: Path) -> None:
 # ------------------------------------------------------------------ full fine-tune
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_full_finetune_outputs_load_back_exactly(tmp_path, sources, cache_dir, model_type, source):
@@ -219,6 +220,7 @@ def _diffusers_prediction(
     return hidden, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_lora_outputs_load_in_diffusers_and_kohya_names_every_module(tmp_path, sources, cache_dir, model_type, source):

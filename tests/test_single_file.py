@@ -114,6 +114,7 @@ def loaded_text_encoders(components):
 # ------------------------------------------------------------------ round trips
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["sd1", "sd2", "sdxl"])
 def test_save_then_load_gives_identical_models(tmp_path, model_type):
     bundle, _ = tiny_bundle(model_type, prediction_type="v_prediction")
@@ -163,6 +164,7 @@ def test_save_casts_to_the_requested_dtype_and_uses_the_unet_override(tmp_path):
         save_single_file(bundle, tmp_path / "model.ckpt", "fp16")
 
 
+@pytest.mark.slow
 def test_ckpt_without_metadata_needs_config_overrides(tmp_path):
     bundle, configs = tiny_bundle("sd2", seed=5)
     state, _ = read_checkpoint(save_single_file(bundle, tmp_path / "model.safetensors", torch.float32))
@@ -195,6 +197,7 @@ def test_explicit_model_type_must_match_the_checkpoint(tmp_path):
         load_single_file_components(path, model_type="sd3")
 
 
+@pytest.mark.slow
 def test_vae_files_and_checkpoints_without_vae(tmp_path):
     bundle, configs = tiny_bundle("sdxl")
     full = save_single_file(bundle, tmp_path / "full.safetensors", torch.float32)
@@ -291,6 +294,7 @@ REAL_LAYOUT = {  # key counts and a few well-known tensors of the released check
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["sd1", "sd2", "sdxl"])
 def test_reverse_maps_reproduce_the_real_original_layout(model_type):
     expected = REAL_LAYOUT[model_type]

@@ -27,6 +27,7 @@ def train(cfg, callbacks=None, inbox=None) -> GenericTrainer:
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
     cb = RecordingCallbacks()
@@ -51,6 +52,7 @@ def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
     assert trainer.numbers.global_batch == 8
 
 
+@pytest.mark.slow
 def test_derived_numbers_event(tmp_path, cache_dir):
     cb = RecordingCallbacks()
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=4",
@@ -62,6 +64,7 @@ def test_derived_numbers_event(tmp_path, cache_dir):
     assert config_event["steps_per_epoch"] == 64 // 4 // 2  # 16 micro-batches of 4, two per step
 
 
+@pytest.mark.slow
 def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
     """Stop after 5 steps (backup on stop), continue to 10: same weights as 10 steps in one go."""
     common = ("training.max_steps=10", "save.backup_on_stop=true", "training.lr_scheduler=cosine",
@@ -96,6 +99,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
     assert_weights_close(latest_backup_weights(tmp_path / "b"), reference, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2")
     calls = {"n": 0}
@@ -121,6 +125,7 @@ def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
     assert sorted(p.name for p in bdir.iterdir()) == ["step-00000002"]
 
 
+@pytest.mark.slow
 def test_rolling_backups_keep_newest(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=5", "save.backup_every_n_steps=1",
                       "save.rolling_backup_count=2")
@@ -129,6 +134,7 @@ def test_rolling_backups_keep_newest(tmp_path, cache_dir):
     assert names == ["step-00000004", "step-00000005"]
 
 
+@pytest.mark.slow
 def test_commands_file_sample_and_save(tmp_path, cache_dir):
     """`sample` and `save` written to the commands file: sent with the next step, acted on one step later."""
     from modules.config import RunPaths
@@ -157,6 +163,7 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
 
 
+@pytest.mark.slow
 def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1")
     out = tmp_path / "ws" / "output" / "demo.safetensors"
@@ -169,6 +176,7 @@ def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
     assert new != out and new.name.startswith("demo-") and new.is_file()
 
 
+@pytest.mark.slow
 def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
     """A baseline sample before step 1 and the finished model's sample, whatever the cadence."""
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "sampling.sample_at_start=true",
@@ -180,6 +188,7 @@ def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
     assert all(Path(s["path"]).is_file() for s in cb.of_type("sample"))
 
 
+@pytest.mark.slow
 def test_train_script_runs_the_demo(tmp_path, cache_dir):
     """scripts/train.py with the demo preset, as the README shows it, in a subprocess."""
     from modules.trainer.callbacks import parse_event_line
@@ -192,6 +201,7 @@ def test_train_script_runs_the_demo(tmp_path, cache_dir):
     assert events[-1]["type"] == "done" and Path(events[-1]["output"]).is_file()
 
 
+@pytest.mark.slow
 def test_bad_config_is_reported_by_the_script(tmp_path):
     from tests.trainer_helpers import run_script
     typo = tmp_path / "typo.json"
@@ -206,6 +216,7 @@ def test_bad_config_is_reported_by_the_script(tmp_path):
     assert "training.batch_size" in result.stderr and "training.learning_rate" in result.stderr
 
 
+@pytest.mark.slow
 def test_text_encoder_lora_trains(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.train_text_encoder=true",
                       "save.backup_every_n_steps=2")
@@ -215,6 +226,7 @@ def test_text_encoder_lora_trains(tmp_path, cache_dir):
     assert te_ups and any(v.abs().max() > 0 for v in te_ups)
 
 
+@pytest.mark.slow
 def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_dir):
     """Stopped at step 4 of 8-image batches (32 images), resumed with 16-image batches: step 2 of 8."""
     common = ("training.epochs=2", "training.max_steps=0", "save.backup_on_stop=true")
@@ -236,6 +248,7 @@ def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_
     assert {e["lr"] for e in cb.of_type("loss")} == {0.003}  # this run's LR, not the backup's
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, cache_dir, precision):
     """bf16 autocast, and fp16 autocast with the gradient scaler, give finite, falling losses."""

@@ -219,6 +219,7 @@ def test_a_crashing_run_shows_its_error_and_the_gui_stays_usable(app_factory):
     assert app.model.cfg.training.epochs == 2
 
 
+@pytest.mark.slow
 def test_demo_on_two_cpu_processes_from_the_gui(app_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     app, _ = app_factory()
@@ -240,6 +241,7 @@ def test_demo_on_two_cpu_processes_from_the_gui(app_factory, tmp_path, monkeypat
     assert app.controller.state.step < app.controller.state.total_steps
 
 
+@pytest.mark.slow
 def test_check_setup_shows_the_report(app_factory):
     """The "Check setup" button runs scripts/check_multi_gpu.py on the current config and shows its report."""
     app, _ = app_factory()
