@@ -16,6 +16,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="training config JSON, or a preset name such as '#demo'")
     p.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field, e.g. training.learning_rate=1e-4 (repeatable)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="latest|RUN|PATH",
+                   help="continue from a backup instead of starting a new run: the newest one in the workspace "
+                        "(no value, or 'latest'), the newest of a run id, or a backup folder's path")
 
 
 def _load(args, extra_overrides: list[str]) -> TrainConfig:
@@ -25,6 +28,19 @@ def _load(args, extra_overrides: list[str]) -> TrainConfig:
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def _check_resume(cfg: TrainConfig, resume: str | None) -> str | None:
+    """The problem with `--resume`, found before any model loads (None when it names a backup or is unset)."""
+    if resume is None:
+        return None
+    from modules.config import RunPaths
+    from modules.trainer.backup import find_backup
+    try:
+        find_backup(RunPaths(cfg).backups, resume)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -44,12 +60,15 @@ def train_main(argv: list[str] | None = None) -> int:
         import torch
         from modules.config import config_to_dict
         device_type = "cpu" if cfg.general.device == "cpu" or not torch.cuda.is_available() else "cuda"
-        run_worker(config_to_dict(cfg), device_type)
+        run_worker(config_to_dict(cfg), device_type, args.resume)
         return 0
+    problem = _check_resume(cfg, args.resume)
+    if problem:
+        return _fail(problem)
     if cfg.multi_gpu.enabled:
         log.info("Note: multi_gpu.enabled is set, but scripts/train.py trains in one process. "
                  "Use scripts/train_multi_gpu.py or start-multi-gpu.sh for several GPUs.")
-    return run_single(cfg)
+    return run_single(cfg, args.resume)
 
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:
@@ -84,10 +103,13 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
         cfg = _load(args, flags)
     except ConfigError as e:
         return _fail(str(e))
+    problem = _check_resume(cfg, args.resume)
+    if problem:
+        return _fail(problem)
     if os.environ.get("TANDEM_FORCE_SINGLE_GPU") == "1":
         log.info("TANDEM_FORCE_SINGLE_GPU=1: training in a single process.")
-        return run_single(cfg)
+        return run_single(cfg, args.resume)
     try:
-        return launch(cfg)
+        return launch(cfg, resume=args.resume)
     except LaunchError as e:
         return _fail(str(e))

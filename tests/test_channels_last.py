@@ -30,8 +30,8 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
-def train(cfg) -> GenericTrainer:
-    trainer = GenericTrainer(cfg, RecordingCallbacks())
+def train(cfg, resume=None) -> GenericTrainer:
+    trainer = GenericTrainer(cfg, RecordingCallbacks(), resume=resume)
     trainer.run()
     return trainer
 
@@ -57,8 +57,9 @@ def same_values(saved: dict, live: dict) -> None:
 
 
 def copy_backup(source_workspace: Path, step: int, workspace: Path) -> None:
-    name = f"step-{step:08d}"
-    shutil.copytree(source_workspace / "backups" / name, workspace / "backups" / name)
+    from modules.trainer.backup import list_backups
+    (found,) = [b for b in list_backups(source_workspace / "backups") if b.step == step]
+    shutil.copytree(found.path, workspace / "backups" / found.run_id / found.path.name)
 
 
 # A few fp32 steps of a full fine-tune, batch 8. SGD, as in the multi-GPU equivalence test: Adam turns
@@ -130,8 +131,7 @@ def test_full_fine_tune_saves_backs_up_and_resumes(tmp_path, cache_dir):
     # other setting; its optimizer moments and EMA arrive in the layout they were saved in).
     for name, layout in (("b", CHANNELS_LAST), ("c", "training.channels_last=false")):
         copy_backup(tmp_path / "a", 2, tmp_path / name)
-        resumed = train(demo_config(tmp_path / name, cache_dir, *common, layout, "general.continue_from_backup=true",
-                                    method="full"))
+        resumed = train(demo_config(tmp_path / name, cache_dir, *common, layout, method="full"), resume="latest")
         assert resumed.completed and resumed.global_step == 4
         params = resumed.trainable_params()
         assert all(resumed.optimizer.state[p][key].stride() == p.stride()

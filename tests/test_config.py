@@ -546,7 +546,7 @@ def test_run_paths_default_layout():
     assert paths.samples == ws / "samples"
     assert paths.tensorboard == ws / "tensorboard"
     assert paths.commands_file == ws / ".tandem" / "commands"
-    assert paths.config_copy == ws / "config.json"
+    assert paths.configs == ws / "config"
 
 
 def test_run_paths_honour_cache_and_output_dirs(tmp_path):

@@ -27,10 +27,10 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
-def single(workspace, cache, *overrides, method="lora"):
+def single(workspace, cache, *overrides, method="lora", resume=None):
     from modules.trainer.generic_trainer import GenericTrainer
     cfg = demo_config(workspace, cache, *overrides, method=method)
-    GenericTrainer(cfg).run()
+    GenericTrainer(cfg, resume=resume).run()
 
 
 def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2):
@@ -56,9 +56,14 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, 
     one, two = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
     assert_weights_close(two, one, atol=2e-5, rtol=1e-4)
     # Only rank 0 writes: the run folders of 1 and 2 processes hold exactly the same files.
-    skip = ("backups/",)  # holds the same names; timestamps inside differ
+    # backups/ and config/ hold the same files, named by the run id (a start time); .tandem/ holds the
+    # launcher's own files (workspace lock, commands), which a trainer started directly has no use for.
+    skip = ("backups/", "config/", ".tandem/")
     assert files_under(tmp_path / "two", skip) == files_under(tmp_path / "one", skip)
-    assert [p.name for p in (tmp_path / "two" / "backups").iterdir()] == [f"step-{STEPS:08d}"]
+    for run in ("one", "two"):
+        (run_dir,) = (tmp_path / run / "backups").iterdir()
+        assert [p.name for p in run_dir.iterdir()] == [f"step-{STEPS:08d}"]
+        assert [p.name for p in (tmp_path / run / "config").iterdir()] == [f"{run_dir.name}.json"]
 
 
 @pytest.mark.slow
@@ -78,7 +83,7 @@ def test_resume_with_other_world_size_equals_uninterrupted(tmp_path, cache_dir):
     single(tmp_path / "ref", cache_dir, *common, "training.batch_size=8")
     reference = latest_backup_weights(tmp_path / "ref")
     multi(tmp_path / "run", cache_dir, *common, "training.max_steps=2", "training.batch_size=4")
-    single(tmp_path / "run", cache_dir, *common, "training.batch_size=8", "general.continue_from_backup=true")
+    single(tmp_path / "run", cache_dir, *common, "training.batch_size=8", resume="latest")
     assert_weights_close(latest_backup_weights(tmp_path / "run"), reference, atol=2e-5, rtol=1e-4)
 
 

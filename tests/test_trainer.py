@@ -21,8 +21,8 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
-def train(cfg, callbacks=None, inbox=None) -> GenericTrainer:
-    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox)
+def train(cfg, callbacks=None, inbox=None, resume=None) -> GenericTrainer:
+    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox, resume)
     trainer.run()
     return trainer
 
@@ -46,9 +46,11 @@ def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
         assert any(k.startswith("lora_unet_") and k.endswith(".lora_up.weight") for k in tensors)
     else:
         assert (out / "unet" / "config.json").is_file() and (out / "model_index.json").is_file()
-    # The resolved config is written beside the run for reproducibility.
-    saved = json.loads((tmp_path / "ws" / "config.json").read_text())
-    assert saved["training"]["max_steps"] == 24 and saved["__version"] == 1
+    # The resolved config is written beside the run for reproducibility, named by the run.
+    (config_file,) = (tmp_path / "ws" / "config").iterdir()
+    assert config_file.name == f"{trainer.run_id}.json"
+    saved = json.loads(config_file.read_text())
+    assert saved["training"]["max_steps"] == 24 and saved["__version"] == 2
     assert trainer.numbers.global_batch == 8
 
 
@@ -89,12 +91,11 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
     # with step 5 and acted on when step 5's report comes back, after step 6.
     first = train(interrupted, StopAt(inbox, 4), inbox)
     assert not first.completed and first.global_step == 6
-    assert [p.name for p in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000006"]
+    assert [b.path.name for b in backups.list_backups(tmp_path / "b" / "backups")] == ["step-00000006"]
     assert not (tmp_path / "b" / "output").exists()  # an unfinished run never writes the final model
 
-    resumed_cfg = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10",
-                              "general.continue_from_backup=true")
-    second = train(resumed_cfg)
+    resumed_cfg = demo_config(tmp_path / "b", cache_dir, *common, "save.backup_every_n_steps=10")
+    second = train(resumed_cfg, resume="latest")
     assert second.completed and second.global_step == 10
     assert_weights_close(latest_backup_weights(tmp_path / "b"), reference, atol=1e-6)
 
@@ -116,13 +117,15 @@ def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
     with pytest.raises(OSError, match="simulated"):
         train(cfg)
     bdir = tmp_path / "ws" / "backups"
-    assert [p.name for p in backups.list_backups(bdir)] == ["step-00000002"]
-    assert backups.latest_backup(bdir).name == "step-00000002"
-    weights, state, manifest = backups.read_backup(backups.latest_backup(bdir))
+    assert [b.path.name for b in backups.list_backups(bdir)] == ["step-00000002"]
+    newest = backups.latest_backup(bdir)
+    assert newest.path.name == "step-00000002" and newest.step == 2
+    weights, state, manifest = backups.read_backup(newest.path)
     assert state["global_step"] == 2 and manifest["step"] == 2
     # The next start cleans up the half-written temporary folder.
+    run_dir = newest.path.parent
     backups.remove_interrupted(bdir)
-    assert sorted(p.name for p in bdir.iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-00000002"]
 
 
 @pytest.mark.slow
@@ -130,7 +133,7 @@ def test_rolling_backups_keep_newest(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=5", "save.backup_every_n_steps=1",
                       "save.rolling_backup_count=2")
     train(cfg)
-    names = [p.name for p in backups.list_backups(tmp_path / "ws" / "backups")]
+    names = [b.path.name for b in backups.list_backups(tmp_path / "ws" / "backups")]
     assert names == ["step-00000004", "step-00000005"]
 
 
@@ -242,7 +245,7 @@ def test_resume_with_another_global_batch_keeps_the_images_seen(tmp_path, cache_
     assert first.global_step == 4 and not first.completed
     cb = RecordingCallbacks()
     second = train(demo_config(tmp_path / "ws", cache_dir, *common, "training.batch_size=16",
-                               "training.learning_rate=0.003", "general.continue_from_backup=true"), cb)
+                               "training.learning_rate=0.003"), cb, resume="latest")
     assert second.completed and second.global_step == 8
     assert [e["step"] for e in cb.of_type("loss")] == [3, 4, 5, 6, 7, 8]
     assert {e["lr"] for e in cb.of_type("loss")} == {0.003}  # this run's LR, not the backup's

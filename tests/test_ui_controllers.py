@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from modules.config import TrainConfig, config_to_dict, read_json
 from ui.binding import FieldError, field_doc, field_type, get_value, leaf_paths, set_value
@@ -18,6 +19,7 @@ from ui.multi_gpu_settings import cpu_process_values, cpu_processes, gpu_selecti
 from ui.multi_gpu_summary import format_lr, summarize
 from ui.run_controller import RunController
 from ui.settings import RecentConfigs
+from tests.trainer_helpers import hold_lock
 
 
 # --- binding -----------------------------------------------------------------------------------
@@ -284,3 +286,37 @@ def test_summary_world_size_matches_the_launcher_for_cpu_processes():
         cfg = apply_overrides(TrainConfig(), ["general.device=cpu", "multi_gpu.enabled=true",
                                               f"multi_gpu.num_gpus={count}"])
         assert summarize(cfg, visible_gpus=0).world_size == plan_launch(cfg).world_size
+
+
+def test_continue_passes_resume_on_either_launcher():
+    cfg = TrainConfig()
+    assert build_command(cfg, "c.json", 1, python="py", resume="latest")[-2:] == ["--resume", "latest"]
+    cfg.multi_gpu.enabled = True
+    command = build_command(cfg, "c.json", 4, python="py", resume="latest")
+    assert command[1] == str(MULTI_SCRIPT) and command[-2:] == ["--resume", "latest"]
+    assert "--resume" not in build_command(cfg, "c.json", 4, python="py")
+
+
+def test_start_is_refused_while_another_run_holds_the_workspace(tmp_path):
+    cfg = _workspace_config(tmp_path)
+    commands = tmp_path / "run" / ".tandem" / "commands"
+    holder = hold_lock(tmp_path / "run")
+    try:
+        commands.write_text("sample\n")  # the other run's pending command must survive
+        controller = RunController()
+        with pytest.raises(RuntimeError, match=rf"in use by another run \(process {holder.pid}"):
+            controller.start(cfg, 0, command=[sys.executable, "-c", "pass"])
+        assert controller.state.status == "idle" and commands.read_text() == "sample\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_newest_backup_is_what_continue_resumes(tmp_path):
+    from modules.trainer.backup import write_backup
+
+    cfg = _workspace_config(tmp_path)
+    controller = RunController()
+    assert controller.newest_backup(cfg) is None
+    write_backup(tmp_path / "run" / "backups", "run-a", 12, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    assert controller.newest_backup(cfg).step == 12

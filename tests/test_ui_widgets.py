@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from modules.config import config_to_dict, read_json
 from ui.binding import field_doc
@@ -201,7 +202,8 @@ CRASHING_TRAINER = textwrap.dedent("""
 
 
 class CrashingController(RunController):
-    def start(self, cfg, visible_gpus, command=None):
+    def start(self, cfg, visible_gpus, command=None, resume=None):
+        self.resumed = resume
         return super().start(cfg, visible_gpus, command=[sys.executable, "-c", CRASHING_TRAINER])
 
 
@@ -217,6 +219,24 @@ def test_a_crashing_run_shows_its_error_and_the_gui_stays_usable(app_factory):
     assert "fell over" in app.run_view.log.get("1.0", "end")
     app.binder.fields["training.epochs"].var.set("2")  # still editable
     assert app.model.cfg.training.epochs == 2
+
+
+def test_continue_button_resumes_the_newest_backup(app_factory, tmp_path):
+    from modules.trainer.backup import write_backup
+
+    app, _ = app_factory(controller=CrashingController())
+    app.binder.fields["general.workspace_dir"].var.set(str(tmp_path / "ws"))
+    app.run_view._update_buttons()
+    button = app.run_view.continue_button
+    assert button.cget("state") == "disabled"  # nothing to continue yet
+    write_backup(tmp_path / "ws" / "backups", "run-a", 40, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    app.run_view._update_buttons()
+    assert button.cget("state") == "normal" and button.cget("text") == "Continue from step 40"
+    button.invoke()
+    assert app.controller.resumed == "latest"
+    assert pump(app, lambda: not app.controller.state.active, timeout=20)
+    app.run_view.start_button.invoke()
+    assert app.controller.resumed is None  # Start is always a new run
 
 
 @pytest.mark.slow

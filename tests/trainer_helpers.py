@@ -58,9 +58,10 @@ def start_script(script: str, *args: str, **popen_kwargs) -> subprocess.Popen:
 
 
 def latest_backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
-    backups = sorted((Path(workspace) / "backups").glob("step-*"))
-    assert backups, f"no backup in {workspace}"
-    return load_file(str(backups[-1] / "weights.safetensors"))
+    from modules.trainer.backup import latest_backup
+    newest = latest_backup(Path(workspace) / "backups")
+    assert newest is not None, f"no backup in {workspace}"
+    return load_file(str(newest.path / "weights.safetensors"))
 
 
 def assert_weights_close(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None:
@@ -75,3 +76,21 @@ def files_under(root: Path, skip: tuple[str, ...] = ()) -> list[str]:
     root = Path(root)
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")
                   if p.is_file() and not any(str(p.relative_to(root)).startswith(s) for s in skip))
+
+
+HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from modules.util.workspace_lock import WorkspaceLock
+WorkspaceLock({ws!r}).acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(workspace: Path) -> subprocess.Popen:
+    """Another process holding the workspace lock (a run in progress) until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(repo=str(REPO), ws=str(workspace))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc

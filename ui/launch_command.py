@@ -22,15 +22,17 @@ def is_multi_process(cfg: TrainConfig, visible_gpus: int) -> bool:
 
 
 def build_command(cfg: TrainConfig, config_path: str | Path, visible_gpus: int,
-                  python: str = sys.executable) -> list[str]:
+                  python: str = sys.executable, resume: str | None = None) -> list[str]:
     """`python scripts/train.py --config-path X`, or the multi-process launcher with the options
     of the multi-GPU frame spelled out, so that the log shows exactly what was started.
 
     CPU processes (the frame's "for trying" mode) are `general.device = "cpu"` with
-    `multi_gpu.num_gpus` processes; they launch with `--device cpu`.
+    `multi_gpu.num_gpus` processes; they launch with `--device cpu`. `resume` continues a backup
+    (`--resume`, see modules/trainer/backup.find_backup).
     """
+    tail = ["--resume", resume] if resume else []
     if not is_multi_process(cfg, visible_gpus):
-        return [python, str(SINGLE_SCRIPT), "--config-path", str(config_path)]
+        return [python, str(SINGLE_SCRIPT), "--config-path", str(config_path), *tail]
     m = cfg.multi_gpu
     command = [python, str(MULTI_SCRIPT), "--config-path", str(config_path),
                "--num-gpus", str(world_size(cfg, visible_gpus))]
@@ -44,4 +46,4 @@ def build_command(cfg: TrainConfig, config_path: str | Path, visible_gpus: int,
         command += ["--distributed-backend", m.backend]
     if m.distributed_data_loading:
         command.append("--distributed-data-loading")
-    return command
+    return command + tail

@@ -21,6 +21,8 @@ from typing import Any
 from modules.config import TrainConfig, save_config
 from modules.config.run_paths import RunPaths
 
+from modules.util.workspace_lock import workspace_in_use
+
 from .events import LogLine, TrainingEvent, parse_line
 from .launch_command import build_command
 
@@ -101,9 +103,7 @@ class RunController:
         A `stop` left in the commands file by an earlier run would stop the new one at its first
         step, so the file is emptied before every start.
         """
-        paths = RunPaths(cfg)
-        base = Path(self.cwd) if self.cwd else Path.cwd()
-        commands = paths.commands_file if paths.commands_file.is_absolute() else base / paths.commands_file
+        commands = self._absolute(RunPaths(cfg).commands_file)
         commands.parent.mkdir(parents=True, exist_ok=True)
         commands.write_text("", encoding="utf-8")
         self.commands_file = commands
@@ -111,13 +111,27 @@ class RunController:
         save_config(cfg, config_path)
         return config_path
 
-    def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None) -> list[str]:
-        """Launch training for `cfg`; `command` replaces the built command line (tests use a fake
-        trainer). Returns the command line started."""
+    def _absolute(self, path: Path) -> Path:
+        """`path` as the training process (started in `cwd`) sees it."""
+        return path if path.is_absolute() else (Path(self.cwd) if self.cwd else Path.cwd()) / path
+
+    def newest_backup(self, cfg: TrainConfig):
+        """The backup Continue would resume (`BackupInfo`), or None."""
+        from modules.trainer.backup import latest_backup
+        return latest_backup(self._absolute(RunPaths(cfg).backups))
+
+    def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None,
+              resume: str | None = None) -> list[str]:
+        """Launch training for `cfg` (continuing the backup `resume` names, e.g. `latest`); `command`
+        replaces the built command line (tests use a fake trainer). Returns the command line started."""
         if self.state.active:
             raise RuntimeError("a training run is already active; stop it first")
+        holder = workspace_in_use(self._absolute(RunPaths(cfg).workspace))
+        if holder:
+            raise RuntimeError(f"the workspace {cfg.general.workspace_dir} is in use by another run ({holder}). "
+                               "Wait for it to finish or stop it, or choose another workspace folder.")
         config_path = self.prepare(cfg)
-        command = command or build_command(cfg, config_path, visible_gpus, self.python)
+        command = command or build_command(cfg, config_path, visible_gpus, self.python, resume)
         env = dict(self.env if self.env is not None else os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # event lines must arrive as they are printed
         kwargs: dict[str, Any] = {}

@@ -15,7 +15,16 @@ def _v0_to_v1(data: dict) -> dict:
     return data
 
 
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1}
+def _v1_to_v2(data: dict) -> dict:
+    # general.continue_from_backup made every later Start resume the newest backup, also after a finished
+    # run; resuming is now an explicit action (--resume, the Run tab's Continue button), so it is dropped.
+    general = data.get("general")
+    if isinstance(general, dict):
+        general.pop("continue_from_backup", None)
+    return data
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2}
 
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,

@@ -15,7 +15,7 @@ import typing
 from typing import Any, Iterable
 
 from .serialization import ConfigError, closest_name, config_from_dict, config_to_dict
-from .train_config import TrainConfig
+from .train_config import REMOVED_FIELDS, TrainConfig
 
 OVERRIDE_SOURCE = "--config-value"
 
@@ -70,6 +70,8 @@ def _set(data: dict, key: str, text: str) -> None:
                                        f"(it holds a value of type {getattr(tp, '__name__', tp)}, not a section).")
             hints = typing.get_type_hints(tp)
             if step not in hints:
+                if f"{walked}.{step}" in REMOVED_FIELDS:
+                    raise _OverrideProblem(f"{key}: no longer a config field; {REMOVED_FIELDS[f'{walked}.{step}']}.")
                 names = [f.name for f in dataclasses.fields(tp)]
                 near = closest_name(step, names)
                 hint = f" Did you mean '{near}'?" if near else ""

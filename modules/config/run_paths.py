@@ -19,8 +19,8 @@ class RunPaths:
     tensorboard: Path
     commands_file: Path
     """Commands from the GUI (stop, sample, backup, save), one line each, read by rank 0."""
-    config_copy: Path
-    """The resolved config of the run, written by rank 0 at start."""
+    configs: Path
+    """Where rank 0 writes the resolved config of each run at start (`<run id>.json`); never a user's file."""
 
     def __init__(self, cfg: TrainConfig):
         workspace = Path(cfg.general.workspace_dir).expanduser()
@@ -32,7 +32,7 @@ class RunPaths:
             "samples": workspace / "samples",
             "tensorboard": workspace / "tensorboard",
             "commands_file": workspace / ".tandem" / "commands",
-            "config_copy": workspace / "config.json",
+            "configs": workspace / "config",
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)

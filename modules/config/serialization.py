@@ -16,7 +16,7 @@ from typing import Any
 from modules.util.atomic import write_text_atomically
 
 from .migrations import migrate
-from .train_config import CONFIG_VERSION, TrainConfig
+from .train_config import CONFIG_VERSION, REMOVED_FIELDS, TrainConfig
 
 VERSION_KEY = "__version"
 
@@ -104,7 +104,10 @@ def _dataclass_from_dict(cls: type, data: dict, path: str, problems: list[str]):
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else key
         if key not in names:
-            problems.append(f"{key_path}: unknown field.{unknown_key_hint(key, names)}")
+            if key_path in REMOVED_FIELDS:
+                problems.append(f"{key_path}: no longer a config field; {REMOVED_FIELDS[key_path]}.")
+            else:
+                problems.append(f"{key_path}: unknown field.{unknown_key_hint(key, names)}")
             continue
         converted = _convert(value, hints[key], key_path, problems)
         if converted is not None:

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 """The `__version` written into every saved config; bump it together with a new migration."""
+
+REMOVED_FIELDS = {
+    "general.continue_from_backup": "resuming is an action, not a setting: use --resume on scripts/train.py or "
+                                    "scripts/train_multi_gpu.py, or Continue from backup in the GUI's Run tab",
+}
+"""Fields older configs had, with what replaced them; a file or override naming one gets this as its fix."""
 
 
 @dataclass
@@ -24,8 +30,6 @@ class GeneralConfig:
     """Where to train: `auto` (CUDA when available, else CPU), `cuda` or `cpu`."""
     tensorboard: bool = True
     """Write loss, learning rate, throughput and samples to TensorBoard under the run folder."""
-    continue_from_backup: bool = False
-    """Resume from the newest backup in the run folder instead of starting fresh."""
 
 
 @dataclass

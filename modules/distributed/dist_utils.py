@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,36 @@ def main_first() -> Iterator[None]:
     finally:
         if is_main():
             barrier()
+
+
+T = TypeVar("T")
+
+
+class MainRankFailed(RuntimeError):
+    """Raised on the other ranks when something only rank 0 does (writing a file) failed there."""
+
+
+def on_main(work: Callable[[], T]) -> T | None:
+    """Run `work` on rank 0 only, then tell every rank how it went.
+
+    Every rank returns together: rank 0 with `work`'s result, the others with None; if `work` raised on
+    rank 0, rank 0 re-raises it and every other rank raises `MainRankFailed` naming it. So no rank ever
+    waits at a barrier for a rank 0 that took an error path (a failed save used to hang the other ranks
+    until the process-group timeout), and every rank can take the same recovery path together.
+    """
+    result, error = None, None
+    if is_main():
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = e
+    if is_distributed():
+        failure = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+        if failure is not None and error is None:
+            raise MainRankFailed(f"rank 0 failed: {failure}")
+    if error is not None:
+        raise error
+    return result
 
 
 def _comm_device() -> torch.device:

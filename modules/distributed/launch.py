@@ -23,6 +23,7 @@ from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_di
 from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend, threads_per_worker
 from modules.trainer.commands import write_command
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
+from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
 
 
 # ---------------------------------------------------------------------------- workers
-def run_worker(cfg_data: dict, device_type: str) -> None:
+def run_worker(cfg_data: dict, device_type: str, resume: str | None = None) -> None:
     """Body of every worker process (torchrun or spawn): build the trainer and run it."""
     from modules.distributed.distributed_trainer import DistributedTrainer
     from modules.trainer.callbacks import TrainingCallbacks, default_callbacks
@@ -139,8 +140,10 @@ def run_worker(cfg_data: dict, device_type: str) -> None:
     inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None)
     inbox.install_signal_handlers()
     callbacks = default_callbacks() if rank == 0 else TrainingCallbacks()
-    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=device_type)
+    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=device_type, resume=resume)
     try:
+        if rank == 0:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
+            WorkspaceLock(cfg.general.workspace_dir).acquire()
         trainer.run()
     except BaseException as e:
         # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
@@ -150,11 +153,11 @@ def run_worker(cfg_data: dict, device_type: str) -> None:
         raise
 
 
-def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan) -> None:
+def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan, resume: str | None) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
                       LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
                       MASTER_PORT=str(plan.master_port))
-    run_worker(cfg_data, plan.device_type)
+    run_worker(cfg_data, plan.device_type, resume)
 
 
 def _worker_env(plan: LaunchPlan) -> dict:
@@ -182,8 +185,15 @@ def spawn_environment(plan: LaunchPlan | None):
         yield
         return
     env = _worker_env(plan)
-    before = {k: os.environ.get(k) for k in _SPAWN_VARIABLES}
-    os.environ.update({k: env[k] for k in _SPAWN_VARIABLES if k in env})
+    with environment({k: env[k] for k in _SPAWN_VARIABLES if k in env}):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """`values` set in this process's environment (children started meanwhile inherit them), then restored."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -194,14 +204,14 @@ def spawn_environment(plan: LaunchPlan | None):
                 os.environ[k] = value
 
 
-def launch_spawn(cfg: TrainConfig, plan: LaunchPlan) -> int:
+def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, resume: str | None = None) -> int:
     import torch.multiprocessing as mp
 
     # Children handle Ctrl-C themselves (stop at the same step, back up); the parent just waits for them.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with spawn_environment(plan):
-            mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan), nprocs=plan.world_size, join=True)
+            mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan, resume), nprocs=plan.world_size, join=True)
     except mp.ProcessRaisedException as e:
         log.error("Training failed in a worker:\n%s", e)
         return 1
@@ -214,12 +224,14 @@ def launch_spawn(cfg: TrainConfig, plan: LaunchPlan) -> int:
     return 0
 
 
-def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan) -> int:
+def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan, resume: str | None = None) -> int:
     config_file = RunPaths(cfg).workspace / ".tandem" / "launch-config.json"
     save_config(cfg, config_file)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
            f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}", "--max_restarts=0",
            str(REPO_ROOT / "scripts" / "train.py"), "--config-path", str(config_file)]
+    if resume is not None:
+        cmd += ["--resume", resume]
     log.info("Running: %s", " ".join(cmd))
     env = _worker_env(plan)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -272,18 +284,26 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def launch(cfg: TrainConfig, check_data: bool = True) -> int:
+def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
     """Start a multi-process run as configured; returns the exit code."""
     plan = plan_launch(cfg)
     if check_data:
         check_data_fits(cfg, plan.world_size)
     log.info("Tandem multi-GPU: %s", plan.describe())
-    if plan.launcher == "spawn":
-        return launch_spawn(cfg, plan)
-    return launch_torchrun(cfg, plan)
+    with _workspace_lock(cfg) as lock, environment(lock.child_environment()):
+        if plan.launcher == "spawn":
+            return launch_spawn(cfg, plan, resume)
+        return launch_torchrun(cfg, plan, resume)
 
 
-def run_single(cfg: TrainConfig) -> int:
+def _workspace_lock(cfg: TrainConfig) -> WorkspaceLock:
+    try:
+        return WorkspaceLock(cfg.general.workspace_dir).acquire()
+    except WorkspaceBusy as e:
+        raise LaunchError(str(e)) from None
+
+
+def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
     """One process, no process group."""
     from modules.trainer.callbacks import default_callbacks
     from modules.trainer.commands import CommandInbox
@@ -294,7 +314,14 @@ def run_single(cfg: TrainConfig) -> int:
     inbox.install_signal_handlers()
     callbacks = default_callbacks()
     try:
-        GenericTrainer(cfg, callbacks, inbox).run()
+        lock = WorkspaceLock(cfg.general.workspace_dir).acquire()
+    except WorkspaceBusy as e:
+        log.error("error: %s", e)
+        callbacks.on_event("error", text=str(e), rank=0)
+        return 2
+    try:
+        with lock:
+            GenericTrainer(cfg, callbacks, inbox, resume).run()
     except Exception as e:
         callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=0)
         raise

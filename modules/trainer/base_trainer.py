@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 
@@ -28,6 +29,7 @@ from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
+from modules.util.atomic import unique_path
 from modules.util.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("tandem")
@@ -35,13 +37,25 @@ log = logging.getLogger("tandem")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """The loss or the trained weights stopped being finite numbers: the run cannot continue."""
+
+
+FP16_SKIPS_TOLERATED = 10
+"""fp16 loss scaling skips a step whose values overflowed (weights unchanged); this many in a row is a failure."""
+
+
 class BaseTrainer(ABC):
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
-                 inbox: CommandInbox | None = None) -> None:
+                 inbox: CommandInbox | None = None, resume: str | None = None) -> None:
+        """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
         self.inbox = inbox
+        self.resume = resume
+        self.outputs: OutputWriter | None = None
+        self.non_finite_in_a_row = 0
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -75,7 +89,6 @@ class BaseTrainer(ABC):
             self.optimizer, self.lr_schedule = self.create_optimizer()
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
             self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
-            self.outputs = OutputWriter(self)
             self.exchange = StepExchange()
         with phase("resume"):
             self.maybe_resume()
@@ -96,18 +109,21 @@ class BaseTrainer(ABC):
         self.completed = self.global_step >= self.numbers.total_steps
 
     def end(self) -> None:
+        self.check_weights_finite()
         if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
             self.outputs.sample()  # what the finished model does, whatever the cadence
         if self.completed:
             try:
-                self.outputs.save_final()
+                self.outputs.save_final()  # raises on every rank when rank 0's write failed
             except Exception:
                 # A failed final save must not lose the trained weights: keep them as a backup to resume from.
                 log.error("Saving the model failed; writing a backup of the trained state first.")
                 self.outputs.backup()
+                self.outputs.finish_backups()
                 raise
         elif self.cfg.save.backup_on_stop and self.global_step > 0:
             self.outputs.backup()
+        self.outputs.finish_backups()
         self.progress.close()
         self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
                   step=self.global_step, completed=self.completed)
@@ -121,6 +137,8 @@ class BaseTrainer(ABC):
             self.end()
         finally:
             gc.unfreeze()  # start() froze the run's objects; after the run they may be collected again
+            if self.outputs is not None:
+                self.outputs.close()  # a backup being written when training failed is completed, not cut off
             self.teardown()
 
     # ------------------------------------------------------------------ set-up steps
@@ -282,7 +300,10 @@ class BaseTrainer(ABC):
         log.info("Start-up: %s", self.start_phases.describe())
         self.emit("config", **self.numbers.as_dict())
         if du.is_main():
-            save_config(self.cfg, self.paths.config_copy)
+            name = self.run_id if self.resume is None else f"{self.run_id}-resumed-at-step-{self.global_step}"
+            path = unique_path(self.paths.configs / f"{name}.json", time.strftime("%Y%m%d-%H%M%S"))
+            save_config(self.cfg, path)
+            log.info("The resolved config of this run: %s", path)
 
     # ------------------------------------------------------------------ the loop
     def run_epoch(self) -> None:
@@ -385,6 +406,7 @@ class BaseTrainer(ABC):
     def after_step(self, loss: torch.Tensor) -> None:
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands())
+        self.outputs.poll_backups()
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
         self.write_outputs(sample="sample" in requested or due(self.cfg.sampling.every_n_steps),
@@ -406,6 +428,7 @@ class BaseTrainer(ABC):
         """
         if report is None:
             return set()
+        self.check_loss_finite(report)
         self.progress.step(report)
         if "stop" in report.commands:
             log.info("Stop requested: stopping at step %d", self.global_step)
@@ -413,12 +436,44 @@ class BaseTrainer(ABC):
         return report.commands - {"stop"}
 
     def write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
+        if not (sample or backup or save):
+            return
+        # Outputs only of a state known to be sound: this step's loss (waiting for it here, which the loop
+        # otherwise avoids) and the weights the step produced must be finite.
+        requested = self.act_on(self.exchange.receive())
+        sample, backup, save = sample or "sample" in requested, backup or "backup" in requested, save or "save" in requested
+        self.check_weights_finite()
         if sample:
             self.outputs.sample()
         if backup:
             self.outputs.backup()
         if save:
             self.outputs.save_intermediate()
+
+    def check_loss_finite(self, report: StepReport) -> None:
+        """Stop at the first non-finite loss; with fp16 loss scaling, skipped steps are normal unless they persist."""
+        if math.isfinite(report.loss):
+            self.non_finite_in_a_row = 0
+            return
+        self.non_finite_in_a_row += 1
+        if self.cfg.training.precision == "fp16" and self.non_finite_in_a_row < FP16_SKIPS_TOLERATED:
+            log.warning("Step %d: the loss overflowed in fp16; loss scaling skips this step.", report.step)
+            return
+        self.fail_non_finite(f"the loss of step {report.step} is {report.loss}")
+
+    def check_weights_finite(self) -> None:
+        """Before anything is written from the weights: every trained weight must be a finite number."""
+        params = self.trainable_params()
+        if params and not bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()):
+            self.fail_non_finite(f"the trained weights hold NaN or infinite values after step {self.global_step}")
+
+    def fail_non_finite(self, what: str) -> None:
+        last = self.outputs.last_backup if self.outputs is not None else None
+        kept = f"the newest good backup is {last}" if last else "no backup of this run was written before it"
+        raise NonFiniteTrainingError(
+            f"Training stopped: {what}. Nothing was saved as the final model ({kept}). Lower "
+            f"training.learning_rate (now {self.cfg.training.learning_rate:g}), keep training.max_grad_norm on, "
+            "or train in bf16 instead of fp16.")
 
     def sampling_scheduled(self) -> bool:
         s = self.cfg.sampling
@@ -428,12 +483,8 @@ class BaseTrainer(ABC):
         if self.global_step >= self.numbers.total_steps:
             return  # the end-of-training save covers the last epoch
         every = lambda n: n > 0 and self.epoch % n == 0  # noqa: E731
-        if every(self.cfg.sampling.every_n_epochs):
-            self.outputs.sample()
-        if every(self.cfg.save.backup_every_n_epochs):
-            self.outputs.backup()
-        if every(self.cfg.save.save_every_n_epochs):
-            self.outputs.save_intermediate()
+        self.write_outputs(every(self.cfg.sampling.every_n_epochs), every(self.cfg.save.backup_every_n_epochs),
+                           every(self.cfg.save.save_every_n_epochs))
 
     # ------------------------------------------------------------------ state
     def training_state(self) -> dict:
@@ -447,17 +498,25 @@ class BaseTrainer(ABC):
         }
 
     def maybe_resume(self) -> None:
+        """Continue the backup `resume` names (same run id), or start a new run with a new id."""
         if du.is_main():
             backups.remove_interrupted(self.paths.backups)
-        if not self.cfg.general.continue_from_backup:
+        chosen = du.on_main(lambda: backups.find_backup(self.paths.backups, self.resume) if self.resume else None)
+        chosen = du.broadcast_object(chosen)
+        if chosen is not None and chosen.run_id != backups.LEGACY_RUN:
+            self.run_id = chosen.run_id
+        else:
+            self.run_id = du.broadcast_object(backups.new_run_id(self.paths.backups) if du.is_main() else None)
+        self.outputs = OutputWriter(self, self.run_id)
+        if chosen is None:
+            others = backups.describe_other_runs(self.paths.backups, self.run_id) if du.is_main() else None
+            if others:
+                log.info(others)
             return
-        path = backups.latest_backup(self.paths.backups)
-        if path is None:
-            raise FileNotFoundError(f"general.continue_from_backup is on, but {self.paths.backups} holds no "
-                                    "complete backup. Turn the option off to start fresh.")
-        weights, state, manifest = backups.read_backup(path)
+        weights, state, manifest = backups.read_backup(chosen.path)
         self.load_training_state(weights, state)
-        log.info("Continuing from %s (step %d, epoch %d)", path, self.global_step, self.epoch + 1)
+        log.info("Continuing %s from %s (now at step %d, epoch %d)", chosen.describe(), chosen.path,
+                 self.global_step, self.epoch + 1)
 
     def load_training_state(self, weights: dict, state: dict) -> None:
         own = self.trainable_state()

@@ -19,7 +19,7 @@ class EMA:
         torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "shadow": [t.cpu() for t in self.shadow]}
+        return {"decay": self.decay, "shadow": list(self.shadow)}  # live tensors: a backup snapshots them
 
     def load_state_dict(self, state: dict) -> None:
         self.decay = state["decay"]

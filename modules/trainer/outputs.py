@@ -1,30 +1,86 @@
 """Everything a run writes: samples, backups, the trained model.
 
-Only rank 0 writes (no duplicate files, ever); every rank then meets at a barrier so nobody runs
-ahead while files are being written. Collectives that need every rank (gathering RNG states for a
-backup) happen before the rank-0-only part.
+Only rank 0 writes files (no duplicate files, ever), through `du.on_main`, which also tells every rank
+whether the write worked: all ranks leave together, or all raise together, so no rank waits for a
+rank 0 that failed. Work that takes every rank happens before: gathering RNG states for a backup, and
+rendering samples (each rank renders its share of the prompts).
+
+Backups are written in the background: the state is copied to host memory at the step (queued on the
+GPU, see modules/util/host_copy.py) and a writer thread on rank 0 writes it while training goes on.
+One backup is in flight at a time; `finish_backups()` waits for it (at the end of a run).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from modules.distributed import dist_utils as du
 from modules.trainer import backup as backups
 from modules.util.atomic import unique_path
+from modules.util.host_copy import HostSnapshot, snapshot_to_host
 
 log = logging.getLogger("tandem")
 
 
+class BackupWriter:
+    """Writes backups on one background thread, one at a time, and reports those that are done."""
+
+    def __init__(self, backups_dir: Path, run_id: str, keep: int) -> None:
+        self.backups_dir = Path(backups_dir)
+        self.run_id = run_id
+        self.keep = keep
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="backup-writer")
+        self._pending: tuple[int, Future] | None = None
+        self.last_written: Path | None = None
+
+    def submit(self, step: int, weights: HostSnapshot, state: HostSnapshot, manifest: dict) -> list[tuple[int, Path]]:
+        """Queue a backup; first waits for the one in flight (returned, with any other finished one)."""
+        done = self.wait()
+
+        def write() -> Path:
+            return backups.write_backup(self.backups_dir, self.run_id, step, weights.ready(), state.ready(),
+                                        manifest, self.keep)
+
+        self._pending = (step, self._executor.submit(write))
+        return done
+
+    def finished(self) -> list[tuple[int, Path]]:
+        """(step, path) of the backup that finished since the last call, if any; raises if its write failed."""
+        if self._pending is None or not self._pending[1].done():
+            return []
+        return self.wait()
+
+    def wait(self) -> list[tuple[int, Path]]:
+        """Wait for the backup in flight; raises if its write failed."""
+        if self._pending is None:
+            return []
+        step, future = self._pending
+        self._pending = None
+        path = future.result()
+        self.last_written = path
+        return [(step, path)]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
 class OutputWriter:
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer, run_id: str) -> None:
         self.t = trainer
         save = trainer.cfg.save
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(trainer.paths.output_dir)
         self.last_sample_step: int | None = None
+        self.run_id = run_id
+        # Only rank 0 writes, so only rank 0 has a writer thread.
+        self.backup_writer = BackupWriter(trainer.paths.backups, run_id, save.rolling_backup_count) \
+            if du.is_main() else None
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 
@@ -36,36 +92,70 @@ class OutputWriter:
 
     # -- samples
     def sample(self) -> None:
+        """Every rank renders its share of the prompts (prompt i on rank i mod N); rank 0 writes them all.
+
+        Each prompt is rendered alone from its own seed, so its pixels do not depend on which rank renders it."""
         t = self.t
         prompts = t.cfg.sampling.prompts
         self.last_sample_step = t.global_step
-        if du.is_main() and prompts:
+        if not prompts:
+            return
+        mine = [i for i in range(len(prompts)) if i % du.world_size() == du.rank()]
+        images = []
+        if mine:
             from modules.model.sampling import render_samples
             samp = t.cfg.sampling
-            with self._weights_for("sample"), t.encoders_on_device():
-                images = render_samples(t.bundle, prompts, t.cfg.data.resolution, samp.inference_steps,
-                                        samp.guidance_scale, t.device)
-            folder = Path(t.paths.samples)
-            folder.mkdir(parents=True, exist_ok=True)
-            for i, (prompt, image) in enumerate(zip(prompts, images)):
-                path = folder / f"step-{t.global_step:07d}-{i}.png"
-                image.save(path)
-                t.emit("sample", step=t.global_step, path=str(path), prompt=prompt.prompt)
-                t.progress.log_image(f"sample/{i}", image, t.global_step)
-        du.barrier()
+            with self._weights_for_samples(), t.encoders_on_device():
+                images = render_samples(t.bundle, [prompts[i] for i in mine], t.cfg.data.resolution,
+                                        samp.inference_steps, samp.guidance_scale, t.device)
+        gathered = du.gather_objects(list(zip(mine, images)))
+        du.on_main(lambda: self._write_samples(dict(pair for part in gathered for pair in part)))
+
+    def _write_samples(self, images: dict) -> None:
+        t = self.t
+        folder = Path(t.paths.samples)
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, prompt in enumerate(t.cfg.sampling.prompts):
+            path = folder / f"step-{t.global_step:07d}-{i}.png"
+            images[i].save(path)
+            t.emit("sample", step=t.global_step, path=str(path), prompt=prompt.prompt)
+            t.progress.log_image(f"sample/{i}", images[i], t.global_step)
 
     # -- backups
     def backup(self) -> None:
+        """Snapshot the training state of this step and hand it to the background writer (rank 0)."""
         t = self.t
         state = t.training_state()  # collective: every rank contributes its RNG state
-        if du.is_main():
-            manifest = {"config_version": 1, "global_step": t.global_step, "epoch": t.epoch,
-                        "world_size": du.world_size()}
-            path = backups.write_backup(t.paths.backups, t.global_step, t.trainable_state(), state, manifest,
-                                        keep=t.cfg.save.rolling_backup_count)
+        if self.backup_writer is None:
+            return
+        manifest = {"config_version": 1, "global_step": t.global_step, "epoch": t.epoch,
+                    "world_size": du.world_size()}
+        done = self.backup_writer.submit(t.global_step, snapshot_to_host(t.trainable_state()),
+                                         snapshot_to_host(state), manifest)
+        self._announce(done)
+
+    def poll_backups(self) -> None:
+        """Report backups the writer finished (rank 0); a failed write raises here."""
+        if self.backup_writer is not None:
+            self._announce(self.backup_writer.finished())
+
+    def finish_backups(self) -> None:
+        """Wait until every backup is on disk; every rank learns whether the last write worked."""
+        du.on_main(lambda: self._announce(self.backup_writer.wait()))
+
+    def close(self) -> None:
+        """End the writer thread (after a failure too: a backup in flight is completed, not abandoned)."""
+        if self.backup_writer is not None:
+            self.backup_writer.close()
+
+    def _announce(self, done: list[tuple[int, Path]]) -> None:
+        for step, path in done:
             log.info("Backup written: %s", path)
-            t.emit("backup", path=str(path), step=t.global_step)
-        du.barrier()
+            self.t.emit("backup", path=str(path), step=step)
+
+    @property
+    def last_backup(self) -> Path | None:
+        return self.backup_writer.last_written if self.backup_writer is not None else None
 
     # -- model
     def save_final(self) -> None:
@@ -76,16 +166,17 @@ class OutputWriter:
         self._save(unique_path(self.output_dir / name, self.stamp))
 
     def _save(self, path: Path) -> None:
+        du.on_main(lambda: self._write_models(path))
+
+    def _write_models(self, path: Path) -> None:
         t = self.t
-        if du.is_main():
-            which = t.cfg.save.ema_weights if t.ema is not None else "raw"
-            if which in ("raw", "both"):
-                self._write_model(path)
-            if which in ("ema", "both"):
-                ema_path = path if which == "ema" else path.with_name(path.name.replace(self._suffix(), "") + "-ema" + self._suffix())
-                with t.ema.swapped_in():
-                    self._write_model(ema_path)
-        du.barrier()
+        which = t.cfg.save.ema_weights if t.ema is not None else "raw"
+        if which in ("raw", "both"):
+            self._write_model(path)
+        if which in ("ema", "both"):
+            ema_path = path if which == "ema" else path.with_name(path.name.replace(self._suffix(), "") + "-ema" + self._suffix())
+            with t.ema.swapped_in():
+                self._write_model(ema_path)
 
     def _write_model(self, path: Path) -> None:
         t = self.t
@@ -116,7 +207,7 @@ class OutputWriter:
         t.emit("saved", path=str(path), step=t.global_step)
 
     @contextlib.contextmanager
-    def _weights_for(self, purpose: str):
+    def _weights_for_samples(self):
         """Samples show the EMA weights when EMA is on and chosen for saving."""
         t = self.t
         if t.ema is not None and t.cfg.save.ema_weights == "ema":

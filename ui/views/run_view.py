@@ -38,6 +38,8 @@ class RunView(ctk.CTkFrame):
         buttons.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 4))
         self.start_button = ctk.CTkButton(buttons, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
+        self.continue_button = ctk.CTkButton(buttons, text="Continue from backup", width=160, fg_color="#2f6f8f",
+                                             hover_color="#25586f", command=lambda: self.start(resume="latest"))
         self.stop_button = ctk.CTkButton(buttons, text="Stop", width=80, fg_color="#b03a3a",
                                          hover_color="#8c2e2e", command=self.controller.stop)
         self.sample_button = ctk.CTkButton(buttons, text="Sample now", width=100,
@@ -50,7 +52,7 @@ class RunView(ctk.CTkFrame):
                                            command=lambda: open_folder(RunPaths(self.binder.model.cfg).output_dir))
         self.tensorboard_button = ctk.CTkButton(buttons, text="Open TensorBoard", width=140, fg_color="gray40",
                                                 command=self.open_tensorboard)
-        for col, button in enumerate((self.start_button, self.stop_button, self.sample_button,
+        for col, button in enumerate((self.start_button, self.continue_button, self.stop_button, self.sample_button,
                                       self.backup_button, self.save_button, self.output_button,
                                       self.tensorboard_button)):
             button.grid(row=0, column=col, padx=(0, 6))
@@ -92,8 +94,9 @@ class RunView(ctk.CTkFrame):
             self.after(GPU_POLL_MS, self._poll_gpus)
 
     # --- actions -----------------------------------------------------------------------------
-    def start(self) -> bool:
-        """Start training with the current config, or list why it cannot start."""
+    def start(self, resume: str | None = None) -> bool:
+        """Start training with the current config (continuing the newest backup with `resume="latest"`),
+        or list why it cannot start."""
         problems = self.binder.all_problems(check_paths=True)
         if problems:
             self._show_error("Cannot start - fix these first:\n" + "\n".join(f"• {p}" for p in problems))
@@ -102,7 +105,7 @@ class RunView(ctk.CTkFrame):
         self.log.delete("1.0", "end")
         self._shown_lines = self._shown_samples = 0
         try:
-            self.controller.start(self.binder.model.cfg, self.visible_gpus())
+            self.controller.start(self.binder.model.cfg, self.visible_gpus(), resume=resume)
         except (OSError, RuntimeError) as e:
             self._show_error(f"Could not start training: {e}")
             return False
@@ -179,6 +182,9 @@ class RunView(ctk.CTkFrame):
     def _update_buttons(self) -> None:
         running = self.controller.state.status == "running"
         self.start_button.configure(state="disabled" if self.controller.state.active else "normal")
+        newest = None if self.controller.state.active else self.controller.newest_backup(self.binder.model.cfg)
+        self.continue_button.configure(state="normal" if newest else "disabled",
+                                       text=f"Continue from step {newest.step}" if newest else "Continue from backup")
         for button in (self.stop_button, self.sample_button, self.backup_button, self.save_button):
             button.configure(state="normal" if running else "disabled")
 

@@ -16,7 +16,6 @@ LABELS = {
     "general.workspace_dir": "Workspace folder",
     "general.cache_dir": "Cache folder",
     "general.tensorboard": "Write TensorBoard logs",
-    "general.continue_from_backup": "Continue from the newest backup",
     "model.base_model": "Base model",
     "model.vae_path": "VAE (optional)",
     "data.aspect_bucketing": "Aspect-ratio buckets",
@@ -50,8 +49,8 @@ def build_general_tab(parent, binder: Binder) -> None:
     form.field("general.workspace_dir", browse_kind="folder")
     form.field("general.cache_dir", browse_kind="folder")
     form.fields("general.seed", "general.device")
-    form.section("Logging and resuming")
-    form.fields("general.tensorboard", "general.continue_from_backup")
+    form.section("Logging")
+    form.fields("general.tensorboard")
 
 
 def build_model_tab(parent, binder: Binder) -> None:

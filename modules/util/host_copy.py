@@ -1,0 +1,53 @@
+"""Snapshots of training state in host memory, taken without making the CPU wait for the GPU.
+
+A backup must hold the state of one step while training goes on changing it. Copying GPU tensors to
+pinned host memory with `non_blocking=True` on the current stream puts the copies in the GPU's queue:
+every later kernel (the next optimizer step, an EMA swap) runs after them, so the snapshot is exact,
+and the CPU goes on queuing work at once. Whoever reads the snapshot waits for `HostSnapshot.ready()`
+first (a background writer does, not the training loop).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class HostSnapshot:
+    def __init__(self, value: Any, event: torch.cuda.Event | None) -> None:
+        self._value = value
+        self._event = event
+
+    def ready(self) -> Any:
+        """The copied value, once every copy has landed in host memory."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._value
+
+
+def snapshot_to_host(value: Any) -> HostSnapshot:
+    """A copy of `value` (tensors inside dicts, lists and tuples; other values as they are) in host memory."""
+    on_gpu = []
+
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            obj = obj.detach()
+            if obj.is_cuda:
+                host = torch.empty_like(obj, device="cpu", pin_memory=True)
+                host.copy_(obj, non_blocking=True)
+                on_gpu.append(host)
+                return host
+            return obj.clone()
+        if isinstance(obj, dict):
+            return type(obj)((k, copy(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(copy(v) for v in obj)
+        return obj
+
+    copied = copy(value)
+    event = None
+    if on_gpu:
+        event = torch.cuda.Event()
+        event.record()
+    return HostSnapshot(copied, event)
