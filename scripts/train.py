@@ -9,6 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from modules.cli import train_main  # noqa: E402
+from modules.util.exit import exit_now  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    exit_now(train_main())

@@ -19,11 +19,8 @@ def test_rate_averages_step_times_and_ignores_a_report_that_comes_at_once(monkey
     clock = Clock()
     monkeypatch.setattr(progress_module.time, "perf_counter", clock)
     events = []
-    trainer = SimpleNamespace(
-        global_step=0, numbers=SimpleNamespace(total_steps=10, global_batch=8, epochs=1),
-        cfg=SimpleNamespace(general=SimpleNamespace(tensorboard=False)),
-        emit=lambda type_, **fields: events.append((type_, fields)))
-    reporter = ProgressReporter(trainer)
+    numbers = SimpleNamespace(total_steps=10, global_batch=8, epochs=1)
+    reporter = ProgressReporter(numbers, lambda type_, **fields: events.append((type_, fields)), 0, None, True)
     report = lambda step: SimpleNamespace(step=step, loss=0.5, lr=1e-4, epoch=0)  # noqa: E731
     clock.now += 30.0  # the first step: autotuning, allocations
     reporter.step(report(1))
@@ -36,3 +33,43 @@ def test_rate_averages_step_times_and_ignores_a_report_that_comes_at_once(monkey
     assert 16.0 < reporter.images_per_s < 18.0
     progress = [f for t, f in events if t == "progress"]
     assert progress[0]["eta_s"] is None and progress[-1]["images_per_s"] < 18.0
+
+
+def test_short_runs_report_the_rate_the_user_waited_for(monkeypatch):
+    """A 2-step run printed 3,000 img/s: its rate came from one step time. The run's rate is images / wall time."""
+    clock = Clock()
+    monkeypatch.setattr(progress_module.time, "perf_counter", clock)
+    numbers = SimpleNamespace(total_steps=2, global_batch=8, epochs=1)
+    reporter = ProgressReporter(numbers, lambda *a, **k: None, 0, None, True)
+    clock.now += 5.0
+    reporter.step(SimpleNamespace(step=1, loss=0.5, lr=1e-4, epoch=0))
+    clock.now += 0.001  # the second report arrives at once
+    reporter.step(SimpleNamespace(step=2, loss=0.5, lr=1e-4, epoch=0))
+    clock.now += 1.0  # saving the model
+    assert reporter.summary() == {"images": 16, "train_s": 6.0, "images_per_s": round(16 / 6.001, 2)}
+
+
+def test_a_log_read_by_people_gets_a_progress_line_every_few_seconds(monkeypatch, caplog):
+    clock = Clock()
+    monkeypatch.setattr(progress_module.time, "perf_counter", clock)
+    monkeypatch.setattr(progress_module.sys.stderr, "isatty", lambda: False)
+    monkeypatch.setattr(progress_module.log, "propagate", True)  # to caplog, whatever set up logging before
+    numbers = SimpleNamespace(total_steps=100, global_batch=8, epochs=2)
+    reporter = ProgressReporter(numbers, lambda *a, **k: None, 0, None, True)
+    with caplog.at_level("INFO", logger="tandem"):
+        for step in range(1, 101):
+            clock.now += 0.5
+            reporter.step(SimpleNamespace(step=step, loss=0.25, lr=1e-4, epoch=(step - 1) // 50))
+    lines = [r.getMessage() for r in caplog.records]
+    assert 8 <= len(lines) <= 12  # 50 s of training, a line every 5 s, and the last step
+    assert lines[-1].startswith("step 100/100 (100%) · epoch 2/2 · loss 0.2500 · 16.0 img/s · ETA 0s")
+    assert "@tandem" not in "".join(lines)
+
+
+def test_events_only_when_asked_for(monkeypatch):
+    from modules.trainer.callbacks import EventLineReporter, default_callbacks
+
+    monkeypatch.delenv("TANDEM_EVENTS", raising=False)
+    assert not isinstance(default_callbacks(), EventLineReporter)  # a pipe or a file: a log for people
+    monkeypatch.setenv("TANDEM_EVENTS", "1")
+    assert isinstance(default_callbacks(), EventLineReporter)

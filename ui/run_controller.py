@@ -21,6 +21,7 @@ from typing import Any
 from modules.config import TrainConfig, save_config
 from modules.config.run_paths import RunPaths
 
+from modules.trainer.callbacks import EVENTS_VARIABLE
 from modules.util.workspace_lock import workspace_in_use
 
 from .events import LogLine, TrainingEvent, parse_line
@@ -134,6 +135,7 @@ class RunController:
         command = command or build_command(cfg, config_path, visible_gpus, self.python, resume)
         env = dict(self.env if self.env is not None else os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # event lines must arrive as they are printed
+        env[EVENTS_VARIABLE] = "1"  # the run reports through event lines only when asked to
         kwargs: dict[str, Any] = {}
         if os.name == "nt":
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP

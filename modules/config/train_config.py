@@ -222,6 +222,8 @@ class SaveConfig:
     """Write a full training-state backup every this many steps. 0: off."""
     backup_every_n_epochs: int = 1
     """Write a full training-state backup every this many epochs. 0: off."""
+    backup_every_n_minutes: float = 0.0
+    """Also write a backup when this many minutes have passed since the last one (or the start), so a long epoch or a crash costs at most this much training. Backups are written in the background; the step that takes one pauses for the copy to host memory only. 0: off."""
     rolling_backup_count: int = 3
     """Backups kept; older ones are deleted once a newer one is complete."""
     backup_on_stop: bool = True

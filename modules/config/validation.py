@@ -64,6 +64,7 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
     ("save", "save_every_n_steps"): 0,
     ("save", "backup_every_n_steps"): 0,
     ("save", "backup_every_n_epochs"): 0,
+    ("save", "backup_every_n_minutes"): 0,
     ("save", "rolling_backup_count"): 1,
     ("multi_gpu", "num_gpus"): 0,
     ("multi_gpu", "bucket_cap_mb"): 1,

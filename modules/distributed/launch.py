@@ -23,6 +23,7 @@ from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_di
 from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend, threads_per_worker
 from modules.trainer.commands import write_command
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
+from modules.util.exit import exit_now
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")
@@ -61,6 +62,28 @@ def setup_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' notices that say nothing to a Tandem user out of the log.
+
+    transformers warns that image processors fall back to PIL without torchvision (Tandem needs no image
+    processor), diffusers that a `.to(dtype)` cast could touch modules "kept in float32" (Tandem casts
+    frozen parts on purpose, and prints the list even when it is empty); their loading and shard-writing
+    progress bars would fill a log file with carriage returns. Warnings that matter (missing weights,
+    errors) are not from these loggers.
+    """
+    for name, text in (("transformers.utils.import_utils", "requires torchvision"),
+                       ("diffusers.models.modeling_utils", "should be kept in float32")):
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+    try:
+        import diffusers.utils.logging as diffusers_logging
+        import transformers.utils.logging as transformers_logging
+    except ImportError:
+        return
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
 
 
 # ---------------------------------------------------------------------------- planning
@@ -158,6 +181,7 @@ def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan, resume: str 
                       LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
                       MASTER_PORT=str(plan.master_port))
     run_worker(cfg_data, plan.device_type, resume)
+    exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
 
 
 def _worker_env(plan: LaunchPlan) -> dict:

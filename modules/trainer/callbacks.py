@@ -1,7 +1,9 @@
 """How a training run reports to whoever watches it (CLI, GUI, tests).
 
-Only rank 0 reports. The GUI runs training in a subprocess and reads `EventLineReporter` output:
-one line `@tandem {json}` per event on stdout, everything else being plain log text.
+Only rank 0 reports. The GUI runs training in a subprocess with TANDEM_EVENTS=1 and reads
+`EventLineReporter` output: one line `@tandem {json}` per event on stdout, everything else being plain
+log text. Without that variable a log is for people (a terminal, `| tee`, `nohup`, a job scheduler):
+no event lines, a progress line every few seconds (see progress.py).
 """
 from __future__ import annotations
 
@@ -46,10 +48,13 @@ class EventLineReporter(TrainingCallbacks):
         self.stream.flush()
 
 
+EVENTS_VARIABLE = "TANDEM_EVENTS"
+"""Set to 1 by whoever reads the event lines (the GUI, tests); a log read by people has none."""
+
+
 def default_callbacks() -> TrainingCallbacks:
-    """Event lines when stdout goes to a pipe (the GUI) or TANDEM_EVENTS=1; silent in a terminal."""
-    wanted = os.environ.get("TANDEM_EVENTS")
-    if wanted == "1" or (wanted is None and not sys.stdout.isatty()):
+    """Event lines when asked for (TANDEM_EVENTS=1); none otherwise, whether stdout is a terminal or not."""
+    if os.environ.get(EVENTS_VARIABLE) == "1":
         return EventLineReporter()
     return TrainingCallbacks()
 

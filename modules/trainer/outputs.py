@@ -78,6 +78,8 @@ class OutputWriter:
         self.output_dir = Path(trainer.paths.output_dir)
         self.last_sample_step: int | None = None
         self.run_id = run_id
+        self.last_backup_started = time.monotonic()
+        """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
         self.backup_writer = BackupWriter(trainer.paths.backups, run_id, save.rolling_backup_count) \
             if du.is_main() else None
@@ -108,23 +110,25 @@ class OutputWriter:
             with self._weights_for_samples(), t.encoders_on_device():
                 images = render_samples(t.bundle, [prompts[i] for i in mine], t.cfg.data.resolution,
                                         samp.inference_steps, samp.guidance_scale, t.device)
-        gathered = du.gather_objects(list(zip(mine, images)))
-        du.on_main(lambda: self._write_samples(dict(pair for part in gathered for pair in part)))
+        gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
+        du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
 
-    def _write_samples(self, images: dict) -> None:
+    def _write_samples(self, rendered: dict) -> None:
         t = self.t
         folder = Path(t.paths.samples)
         folder.mkdir(parents=True, exist_ok=True)
         for i, prompt in enumerate(t.cfg.sampling.prompts):
             path = folder / f"step-{t.global_step:07d}-{i}.png"
-            images[i].save(path)
-            t.emit("sample", step=t.global_step, path=str(path), prompt=prompt.prompt)
-            t.progress.log_image(f"sample/{i}", images[i], t.global_step)
+            rank, image = rendered[i]
+            image.save(path)
+            t.emit("sample", step=t.global_step, path=str(path), prompt=prompt.prompt, rank=rank)
+            t.progress.log_image(f"sample/{i}", image, t.global_step)
 
     # -- backups
     def backup(self) -> None:
         """Snapshot the training state of this step and hand it to the background writer (rank 0)."""
         t = self.t
+        self.last_backup_started = time.monotonic()
         state = t.training_state()  # collective: every rank contributes its RNG state
         if self.backup_writer is None:
             return

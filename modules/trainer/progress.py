@@ -5,8 +5,7 @@ import contextlib
 import logging
 import sys
 import time
-
-from modules.distributed import dist_utils as du
+from pathlib import Path
 
 log = logging.getLogger("tandem")
 
@@ -30,13 +29,23 @@ class PhaseTimes:
 
 
 class ProgressReporter:
-    def __init__(self, trainer) -> None:
-        self.t = trainer
-        self.main = du.is_main()
-        self.start_step = trainer.global_step
+    """Reports finished steps: `loss`/`progress` events, TensorBoard, and a progress bar in a terminal or a
+    progress line every few seconds in a log file. The rank that does not report (not rank 0) only keeps time.
+
+    `numbers` needs `total_steps`, `global_batch` and `epochs`; `emit(type, **fields)` sends an event.
+    """
+
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, numbers, emit, start_step: int, tensorboard_dir: Path | None, reports: bool) -> None:
+        self.numbers = numbers
+        self.emit = emit
+        self.main = reports
+        self.start_step = start_step
+        self.last_step = start_step
         self.start_time = time.perf_counter()
         self.last_time = self.start_time
-        self.last_log = 0.0
+        self.last_log = self.start_time
         self.step_s: float | None = None
         self.images_per_s = 0.0
         self.bar = None
@@ -44,33 +53,32 @@ class ProgressReporter:
         if self.main:
             if sys.stderr.isatty():
                 from tqdm import tqdm
-                self.bar = tqdm(total=trainer.numbers.total_steps, initial=trainer.global_step, unit="step",
-                                dynamic_ncols=True)
-            if trainer.cfg.general.tensorboard:
+                self.bar = tqdm(total=numbers.total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            if tensorboard_dir is not None:
                 from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(str(trainer.paths.tensorboard))
+                self.writer = SummaryWriter(str(tensorboard_dir))
 
     def step(self, report) -> None:
         """Report a finished step (the loop is one step further by now; see step_exchange)."""
-        t = self.t
+        n = self.numbers
         step, loss_mean, lr = report.step, report.loss, report.lr
         now = time.perf_counter()
         dt = now - self.last_time
         self.last_time = now
+        self.last_step = step
         # The step time is smoothed, not the rate: a report that arrives right after the one before
         # it (the GPU had already finished, e.g. after a save synchronised it) would otherwise add an
         # absurd rate. The first step (warm-up: kernel autotuning, first allocations) is left out.
         if step > self.start_step + 1:
             self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
-            self.images_per_s = t.numbers.global_batch / self.step_s if self.step_s > 0 else 0.0
+            self.images_per_s = n.global_batch / self.step_s if self.step_s > 0 else 0.0
         if not self.main:
             return
-        left = t.numbers.total_steps - step
-        eta = left * t.numbers.global_batch / self.images_per_s if self.images_per_s > 0 else None
-        t.emit("loss", step=step, loss=loss_mean, lr=lr)
-        t.emit("progress", epoch=report.epoch + 1, epochs=t.numbers.epochs, step=step,
-               total_steps=t.numbers.total_steps, images_per_s=round(self.images_per_s, 3),
-               eta_s=round(eta, 1) if eta is not None else None)
+        left = n.total_steps - step
+        eta = left * n.global_batch / self.images_per_s if self.images_per_s > 0 else None
+        self.emit("loss", step=step, loss=loss_mean, lr=lr)
+        self.emit("progress", epoch=report.epoch + 1, epochs=n.epochs, step=step, total_steps=n.total_steps,
+                  images_per_s=round(self.images_per_s, 3), eta_s=round(eta, 1) if eta is not None else None)
         if self.writer is not None:
             self.writer.add_scalar("loss", loss_mean, step)
             self.writer.add_scalar("lr", lr, step)
@@ -78,10 +86,20 @@ class ProgressReporter:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss_mean:.4f}", img_s=f"{self.images_per_s:.1f}", epoch=report.epoch + 1)
-        elif now - self.last_log > 10 or step == t.numbers.total_steps:
+        elif now - self.last_log >= self.LOG_EVERY_S or step == n.total_steps:
             self.last_log = now
-            log.info("step %d/%d epoch %d loss %.4f %.2f img/s", step, t.numbers.total_steps,
-                     report.epoch + 1, loss_mean, self.images_per_s)
+            rate = f"{self.images_per_s:.1f} img/s" if self.images_per_s > 0 else "measuring speed"
+            log.info("step %d/%d (%d%%) · epoch %d/%d · loss %.4f · %s · ETA %s", step, n.total_steps,
+                     100 * step // max(1, n.total_steps), report.epoch + 1, n.epochs, loss_mean, rate,
+                     format_seconds(eta))
+
+    def summary(self) -> dict:
+        """Images trained since this reporter started, the seconds it took and their ratio: the rate of the
+        whole run as its user waited for it (first step, samples and backups included), not a step rate."""
+        seconds = time.perf_counter() - self.start_time
+        images = (self.last_step - self.start_step) * self.numbers.global_batch
+        return {"images": images, "train_s": round(seconds, 2),
+                "images_per_s": round(images / seconds, 2) if seconds > 0 else 0.0}
 
     def log_image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:
@@ -93,3 +111,15 @@ class ProgressReporter:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def format_seconds(seconds: float | None) -> str:
+    """`1h02m`, `4m05s`, `12s`; `?` when unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"

@@ -32,6 +32,7 @@ LABELS = {
     "save.save_every_n_steps": "Save every N steps",
     "save.backup_every_n_steps": "Backup every N steps",
     "save.backup_every_n_epochs": "Backup every N epochs",
+    "save.backup_every_n_minutes": "Backup every N minutes",
     "save.rolling_backup_count": "Backups kept",
     "save.backup_on_stop": "Backup when stopped",
 }
@@ -113,5 +114,6 @@ def build_save_tab(parent, binder: Binder) -> None:
     form.fields("save.output_name", "save.lora_format", "save.full_format", "save.save_dtype",
                 "save.ema_weights", "save.save_every_n_epochs", "save.save_every_n_steps")
     form.section("Training-state backups")
-    form.fields("save.backup_every_n_steps", "save.backup_every_n_epochs", "save.rolling_backup_count",
+    form.fields("save.backup_every_n_steps", "save.backup_every_n_epochs", "save.backup_every_n_minutes",
+                "save.rolling_backup_count",
                 "save.backup_on_stop")

@@ -1,0 +1,21 @@
+"""Ending a finished process quickly."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import NoReturn
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process with `code` at once, skipping the interpreter's clean-up.
+
+    By the time a run returns, everything it wrote is complete and closed (model, backups, TensorBoard,
+    event lines) and its loader workers and process group are gone. What the interpreter would still do
+    is free a model's worth of objects, CUDA's memory pools and library threads one by one, which kept
+    finished runs alive for 10-20 s on GPUs; the operating system frees all of it at once.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

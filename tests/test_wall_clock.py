@@ -1,0 +1,166 @@
+"""What the user waits for beyond the steps: shut-down, samples on N ranks, backups that do not stall."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from modules.trainer import backup as backups
+from modules.trainer.callbacks import RecordingCallbacks, parse_event_line
+from modules.trainer.generic_trainer import GenericTrainer
+from modules.util.host_copy import snapshot_to_host
+from tests.trainer_helpers import REPO, demo_config, overrides_for, run_script, start_script
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
+    proc = start_script(script, *args, start_new_session=True)
+    lines, done_at = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            event = parse_event_line(line)
+            if event and event["type"] == "done":
+                done_at = time.monotonic()
+        proc.wait(timeout=60)
+        exited_at = time.monotonic()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    output = "".join(lines)
+    assert proc.returncode == 0 and done_at is not None, output[-3000:]
+    return exited_at - done_at, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["single", "torchrun", "spawn"])
+def test_the_process_exits_within_two_seconds_of_done(tmp_path, cache_dir, launch):
+    """With DataLoader workers (2 per rank) alive until the end; they used to be joined one by one."""
+    common = ["--config-path", "#demo", "--device", "cpu",
+              *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=6", "data.num_workers=2")]
+    if launch == "single":
+        took, output = seconds_from_done_to_exit("train.py", *common)
+    else:
+        took, output = seconds_from_done_to_exit("train_multi_gpu.py", *common, "--num-gpus", "2",
+                                                 *(["--spawn"] if launch == "spawn" else []))
+    assert took <= 2.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
+
+
+@pytest.mark.slow
+def test_samples_rendered_by_two_ranks_equal_those_of_one(tmp_path, cache_dir):
+    """Each rank renders its share of the prompts (rank r: prompts r, r+2, ...); rank 0 writes them all.
+    Same seeds, same weights (at the start) -> the same pixels as one process rendering every prompt."""
+    common = ("training.max_steps=1", "sampling.sample_at_start=true", "sampling.inference_steps=2",
+              "sampling.every_n_epochs=0")
+    one_run = RecordingCallbacks()
+    GenericTrainer(demo_config(tmp_path / "one", cache_dir, *common), one_run).run()
+    prompts = len(demo_config(tmp_path, cache_dir).sampling.prompts)
+    assert prompts >= 3  # so that both ranks render, and one of them more than one
+    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
+                        *overrides_for(tmp_path / "two", cache_dir, *common))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    events = [e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "sample"]
+    assert [(e["step"], e["rank"]) for e in events] == [(0, i % 2) for i in range(prompts)]
+    assert {e["rank"] for e in one_run.of_type("sample")} == {0}
+    one = sorted((tmp_path / "one" / "samples").glob("step-0000000-*.png"))
+    two = sorted((tmp_path / "two" / "samples").glob("step-0000000-*.png"))
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == prompts
+    for a, b in zip(one, two):
+        assert Image.open(a).tobytes() == Image.open(b).tobytes(), a.name
+
+
+def test_a_snapshot_keeps_the_values_of_its_step():
+    weights = {"w": torch.ones(3)}
+    snap = snapshot_to_host({"weights": weights, "step": 4, "rng": (1, [2, 3])})
+    weights["w"].add_(1)  # training goes on changing the live tensors
+    value = snap.ready()
+    assert torch.equal(value["weights"]["w"], torch.ones(3)) and value["step"] == 4 and value["rng"] == (1, [2, 3])
+
+
+def test_backups_are_written_while_training_goes_on(tmp_path, cache_dir, monkeypatch):
+    """The write of step 2's backup is held until the loop has reported step 2, which it does while
+    running step 3: training went on while the backup was being written. The run still ends with every
+    backup complete and announced (the end of the run waits for the write in flight)."""
+    release = threading.Event()
+    real_write = backups.write_backup
+    waited = []
+
+    def held_write(*args, **kwargs):
+        waited.append(release.wait(timeout=60))
+        return real_write(*args, **kwargs)
+
+    class ReleaseAtStep2(RecordingCallbacks):
+        def on_event(self, type_, **fields):
+            super().on_event(type_, **fields)
+            if type_ == "progress" and fields["step"] == 2:
+                self.steps_before_release = [e["step"] for e in self.of_type("backup")]
+                release.set()
+
+    monkeypatch.setattr(backups, "write_backup", held_write)
+    cb = ReleaseAtStep2()
+    GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
+                   cb).run()
+    assert waited == [True, True]
+    assert cb.steps_before_release == []  # step 2's backup was not yet written when step 3 ran
+    assert [e["step"] for e in cb.of_type("backup")] == [2, 4]
+    assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == [2, 4]
+
+
+KILL_DURING_WRITE = r"""
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+from modules.trainer import backup as backups
+real = torch.save
+def slow_save(obj, f, *a, **k):
+    real(obj, f, *a, **k)
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, mid-write
+backups.torch.save = slow_save
+from modules.trainer.outputs import BackupWriter
+from modules.util.host_copy import snapshot_to_host
+w = BackupWriter({bdir!r}, "run-a", keep=3)
+w.submit(2, snapshot_to_host({{"w": torch.full((4,), 2.0)}}), snapshot_to_host({{"global_step": 2}}), {{}})
+"""
+
+
+def test_a_kill_during_a_background_write_leaves_the_previous_backup(tmp_path):
+    bdir = tmp_path / "backups"
+    backups.write_backup(bdir, "run-a", 1, {"w": torch.ones(4)}, {"global_step": 1}, {}, keep=3)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_DURING_WRITE.format(repo=str(REPO), bdir=str(bdir))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()
+    proc.wait()
+    found = backups.list_backups(bdir)
+    assert [b.step for b in found] == [1]
+    weights, state, _ = backups.read_backup(found[0].path)
+    assert torch.equal(weights["w"], torch.ones(4)) and state["global_step"] == 1
+
+
+@pytest.mark.slow
+def test_time_based_backups_on_two_ranks_happen_at_the_same_step(tmp_path, cache_dir):
+    """Rank 0's clock decides and the step exchange carries the decision, so both ranks back up together
+    (were each rank to decide by its own clock, the backup's collective would hang)."""
+    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
+                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=8",
+                                       "save.backup_every_n_minutes=0.001", "save.rolling_backup_count=100",
+                                       "multi_gpu.timeout_minutes=2"), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [e["step"] for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "backup"]
+    assert len(steps) >= 3 and steps == sorted(set(steps))
+    assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == steps
