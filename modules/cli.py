@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from modules.config import ConfigError, TrainConfig, load_config
 
@@ -43,8 +44,18 @@ def _check_resume(cfg: TrainConfig, resume: str | None) -> str | None:
     return None
 
 
+LAUNCH_TIME = "TANDEM_LAUNCH_TIME"
+"""When the user's command started (seconds since the epoch), inherited by every worker: start-up is
+reported from it, so the time spent starting processes and importing libraries is not hidden."""
+
+
+def _note_launch_time() -> None:
+    os.environ.setdefault(LAUNCH_TIME, repr(time.time()))
+
+
 def train_main(argv: list[str] | None = None) -> int:
     """scripts/train.py: one process, or one worker when started by torchrun."""
+    _note_launch_time()
     p = argparse.ArgumentParser(description="Train with a Tandem config (single process; under torchrun one worker).")
     _add_config_args(p)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override general.device")
@@ -73,6 +84,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     """scripts/train_multi_gpu.py: start N workers (torchrun or spawn); flags override the config."""
+    _note_launch_time()
     p = argparse.ArgumentParser(description="Train on several GPUs (or CPU processes) with a Tandem config.")
     _add_config_args(p)
     p.add_argument("--num-gpus", type=int, help="number of GPUs / processes (0 = all visible GPUs)")

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 
@@ -67,6 +68,9 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        launched = os.environ.get("TANDEM_LAUNCH_TIME")
+        if launched:  # processes starting, libraries importing, the launcher's checks
+            self.start_phases.seconds["launch"] = max(0.0, time.time() - float(launched))
         phase = self.start_phases.time
         with phase("set-up"):
             self.setup_environment()

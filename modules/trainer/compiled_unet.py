@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,10 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
             "(the Windows builds of PyTorch ship without it; on Linux: pip install triton matching your "
             "torch). Set training.compile to false.")
 
+    # The compiled kernels are cached on disk and reused by the next run of the same model and shapes
+    # (PyTorch's FX-graph and autograd caches, on by default). PyTorch keeps them under the temporary
+    # folder, which many systems empty at every boot; the user's cache folder keeps them across boots.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tandem" / "torchinductor"))
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)

@@ -1,0 +1,222 @@
+"""The whole job as a user waits for it: from the command to the process exiting with the model saved.
+
+Builds (once) a real-size random model folder and a folder of JPEGs with captions, then runs the real
+entry points - `scripts/train.py` for 1 GPU, `scripts/train_multi_gpu.py --num-gpus N` for N - of one
+or more source trees (e.g. this one and a checkout of an earlier commit, for a before/after in the
+same call), each with a fresh workspace and cache. Every output line is time-stamped as it arrives, so
+each run splits into: before step 1 (launch to the `config` event, which the trainer emits when its
+start-up is done), training (`config` to `done`: every step, sample, backup and the final save) and
+done to exit. One JSON line per run; a table at the end.
+
+    python scripts/end_to_end.py --base-model /tmp/sd15 --data /tmp/e2e-data --make-data 512 \\
+        --run new@.:1 --run baseline@.bench/baseline:1 --run new@.:2 ...
+
+A run spec is `LABEL@TREE:GPUS[:DEVICES]`; specs joined with `+` in one `--run` run at the same time on
+different GPUs (DEVICES, e.g. `0` and `1`), which halves a before/after comparison's time on a
+machine with spare GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPTS = ("a red circle on a blue background", "a green square in a field", "a yellow triangle at night",
+           "two shapes on a white table")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    label: str
+    tree: Path
+    gpus: int
+    devices: str | None
+
+    @staticmethod
+    def parse(text: str) -> "RunSpec":
+        match = re.fullmatch(r"([\w.-]+)@([^:]+):(\d+)(?::([\d,]+))?", text.strip())
+        if not match:
+            raise ValueError(f"--run {text!r}: expected LABEL@TREE:GPUS[:DEVICES], e.g. new@.:2:0,1")
+        label, tree, gpus, devices = match.groups()
+        return RunSpec(label, Path(tree).resolve(), int(gpus), devices)
+
+
+def make_images(folder: Path, count: int, size: int, seed: int = 0) -> Path:
+    """`count` JPEGs of coloured shapes with `.txt` captions (kept if already there)."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(list(folder.glob("*.jpg"))) >= count:
+        return folder
+    rng = random.Random(seed)
+    shapes = ("circle", "square", "triangle")
+    for i in range(count):
+        background = tuple(rng.randrange(256) for _ in range(3))
+        image = Image.new("RGB", (size, size), background)
+        draw = ImageDraw.Draw(image)
+        names = []
+        for _ in range(rng.randint(1, 3)):
+            shape = rng.choice(shapes)
+            names.append(shape)
+            x0, y0 = rng.randrange(size // 2), rng.randrange(size // 2)
+            x1, y1 = x0 + rng.randrange(size // 8, size // 2), y0 + rng.randrange(size // 8, size // 2)
+            colour = tuple(rng.randrange(256) for _ in range(3))
+            if shape == "circle":
+                draw.ellipse((x0, y0, x1, y1), fill=colour)
+            elif shape == "square":
+                draw.rectangle((x0, y0, x1, y1), fill=colour)
+            else:
+                draw.polygon([(x0, y1), ((x0 + x1) // 2, y0), (x1, y1)], fill=colour)
+        image.save(folder / f"{i:05d}.jpg", quality=90)
+        (folder / f"{i:05d}.txt").write_text(", ".join(f"a {n}" for n in names), encoding="utf-8")
+    return folder
+
+
+def job_overrides(args, workspace: Path, label: str) -> list[str]:
+    """The job: the sd15_lora preset as a user would start from it, on the given model and images."""
+    values = [f"general.workspace_dir={workspace}", f"general.cache_dir={workspace / 'cache'}",
+              f"model.base_model={args.base_model}", f"data.concepts[0].path={args.data}",
+              "data.concepts[0].repeats=1", f"data.resolution={args.resolution}",
+              f"training.batch_size={args.batch}", f"training.epochs={args.epochs}",
+              f"sampling.every_n_epochs={args.sample_every}", f"sampling.inference_steps={args.sample_steps}"]
+    for i, prompt in enumerate(PROMPTS[:args.prompts]):
+        values += [f"sampling.prompts[{i}].prompt={prompt}", f"sampling.prompts[{i}].seed={i}"]
+    own = [value.split(":", 1)[1] for value in args.label_config if value.split(":", 1)[0] == label]
+    return values + list(args.config_value) + own
+
+
+def command_for(spec: RunSpec, args, workspace: Path) -> list[str]:
+    overrides = [x for value in job_overrides(args, workspace, spec.label) for x in ("--config-value", value)]
+    python = sys.executable
+    if spec.gpus == 1:
+        command = [python, str(spec.tree / "scripts" / "train.py"), "--config-path", args.preset, *overrides]
+        return command + (["--device", "cpu"] if args.cpu else [])
+    command = [python, str(spec.tree / "scripts" / "train_multi_gpu.py"), "--config-path", args.preset,
+               "--num-gpus", str(spec.gpus), *overrides]
+    return command + (["--device", "cpu"] if args.cpu else [])
+
+
+def run_one(spec: RunSpec, args, work: Path) -> dict:
+    workspace = work / f"{spec.label}-{spec.gpus}gpu-{time.strftime('%H%M%S')}-{os.getpid() % 1000}"
+    workspace.mkdir(parents=True)
+    env = dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1")
+    if spec.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = spec.devices
+    command = command_for(spec, args, workspace)
+    marks: dict[str, float] = {}
+    phases: dict[str, float] = {}
+    lines = []
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=spec.tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace")
+    for line in proc.stdout:
+        at = time.monotonic() - started
+        lines.append(f"{at:8.2f} {line}")
+        if line.startswith("@tandem "):
+            try:
+                event = json.loads(line[len("@tandem "):])
+            except json.JSONDecodeError:
+                continue
+            marks.setdefault(event.get("type", "?"), at)
+            if event.get("type") == "done":
+                marks["done_event"] = event
+        elif line.startswith("Start-up: "):
+            phases = {name.strip(): float(sec)
+                      for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])}
+        elif "Shut-down" in line or "Trained " in line or "Cache ready" in line:
+            marks.setdefault(line.split()[0], at)
+    code = proc.wait()
+    wall = time.monotonic() - started
+    (work / f"{workspace.name}.log").write_text("".join(lines))
+    done = marks.get("done")
+    result = {"label": spec.label, "tree": str(spec.tree), "gpus": spec.gpus, "devices": spec.devices,
+              "exit_code": code, "wall_s": round(wall, 1),
+              "before_step1_s": round(marks["config"], 1) if "config" in marks else None,
+              "train_s": round(done - marks["config"], 1) if done is not None and "config" in marks else None,
+              "done_to_exit_s": round(wall - done, 2) if done is not None else None,
+              "startup_phases_s": phases, "log": f"{workspace.name}.log",
+              "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
+                      "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
+                      "extra": list(args.config_value) + [v for v in args.label_config
+                                                          if v.split(":", 1)[0] == spec.label]}}
+    done_event = marks.get("done_event") or {}
+    if "images_per_s" in done_event:
+        result["run_images_per_s"] = done_event["images_per_s"]
+    return result
+
+
+def run_group(specs: list[RunSpec], args, work: Path) -> list[dict]:
+    """Run specs at the same time (each on its own GPUs) and return their results in order."""
+    results: list[dict | None] = [None] * len(specs)
+
+    def go(i: int) -> None:
+        results[i] = run_one(specs[i], args, work)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in results if r is not None]
+
+
+def table(results: list[dict]) -> str:
+    one = {r["label"]: r["wall_s"] for r in results if r["gpus"] == 1 and r["exit_code"] == 0}
+    rows = ["| run | GPUs | wall s | vs 1 GPU | before step 1 s | training s | done to exit s | exit |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = one.get(r["label"])
+        ratio = f"{base / r['wall_s']:.2f}x" if base and r["gpus"] > 1 else "-"
+        rows.append(f"| {r['label']} | {r['gpus']} | {r['wall_s']} | {ratio} | {r['before_step1_s']} | "
+                    f"{r['train_s']} | {r['done_to_exit_s']} | {r['exit_code']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-model", required=True, help="diffusers folder or file (built with --make-model if missing)")
+    p.add_argument("--make-model", choices=["sd1", "sd2", "sdxl"], help="write a random real-size model there first")
+    p.add_argument("--data", required=True, type=Path, help="image folder (built with --make-data if short)")
+    p.add_argument("--make-data", type=int, default=0, metavar="N", help="make N JPEGs with captions there")
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument("--preset", default="sd15_lora")
+    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--sample-every", type=int, default=5, help="sampling.every_n_epochs")
+    p.add_argument("--sample-steps", type=int, default=20)
+    p.add_argument("--config-value", action="append", default=[], help="extra override for every run")
+    p.add_argument("--label-config", action="append", default=[], metavar="LABEL:KEY=VALUE",
+                   help="extra override for the runs labelled LABEL")
+    p.add_argument("--run", action="append", required=True, help="LABEL@TREE:GPUS[:DEVICES], '+' = at once")
+    p.add_argument("--work", type=Path, default=Path("/tmp/tandem-e2e"))
+    p.add_argument("--json", type=Path, help="append one JSON line per run")
+    p.add_argument("--cpu", action="store_true", help="CPU processes (for testing the harness)")
+    args = p.parse_args(argv)
+    args.images = args.make_data or len(list(Path(args.data).glob("*.jpg")))
+    if args.make_model and not Path(args.base_model).exists():
+        from modules.benchmark.synthetic import write_random_model
+        write_random_model(args.make_model, args.base_model)
+    if args.make_data:
+        make_images(args.data, args.make_data, args.image_size)
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for group in args.run:
+        done = run_group([RunSpec.parse(s) for s in group.split("+")], args, args.work)
+        for r in done:
+            print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(r) + "\n")
+        results += done
+    print(table(results))
+    return 0 if all(r["exit_code"] == 0 for r in results) else 1

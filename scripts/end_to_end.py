@@ -1,0 +1,16 @@
+"""Launch-to-exit timing of a whole training job on 1..N GPUs, for one or more source trees.
+
+    python scripts/end_to_end.py --base-model /tmp/sd15 --make-model sd1 --data /tmp/e2e-data --make-data 512 \
+        --run new@.:1 --run new@.:2 --run new@.:4
+
+See modules/benchmark/end_to_end.py and scripts/gpu/end_to_end.sh.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.benchmark.end_to_end import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Launch to exit, as a user waits: the 5,120-image SD1.5 LoRA job of issue #13 (real-size random SD1.5
+# folder, 512 JPEGs at 512 px with captions, batch 8 per GPU, 10 epochs, 4 sample prompts every 5 epochs,
+# backups every epoch, fresh cache) on 1, 2 and 4 GPUs, for this tree and a baseline tree (an earlier
+# commit exported to .bench/baseline: `git archive <commit> modules scripts training_presets pyproject.toml
+# | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
+#   before   both trees at the same time on different GPUs: 1 GPU (GPU 0 | GPU 1), 2 GPUs (0,1 | 2,3);
+#            then the baseline on 4 GPUs
+#   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
+#   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
+#            against none (the two at the same time on GPUs 0,1 | 2,3); LoRA on 1 GPU without backups
+#            beside the job (GPU 0 | GPU 1), with data.num_workers=4 for the shut-down
+# Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
+set -u
+PART="${1:?usage: end_to_end.sh before|after|backups}"
+source "$(dirname "$0")/common.sh"
+E2E=.bench/e2e; BASE=.bench/baseline
+e2e() { python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 \
+        --json "$RES" "$@"; }
+nvidia-smi -L
+case "$PART" in
+before)
+    log "prepare; 1 GPU both trees, 2 GPUs both trees, baseline on 4 GPUs"
+    e2e --run "baseline@$BASE:1:0+new@.:1:1" --run "baseline@$BASE:2:0,1+new@.:2:2,3" --run "baseline@$BASE:4"
+    ;;
+after)
+    log "this tree: 1 GPU beside 2 GPUs, then 4 GPUs"
+    e2e --run "new@.:1:0+new@.:2:1,2" --run "new@.:4"
+    ;;
+backups)
+    log "full fine-tune 2 GPUs 3 epochs: backups every epoch | none"
+    e2e --epochs 3 --prompts 0 --sample-every 0 --config-value training.method=full \
+        --label-config "nobackup:save.backup_every_n_epochs=0" --run "backup@.:2:0,1+nobackup@.:2:2,3"
+    log "LoRA job 1 GPU without backups | with 4 loader workers"
+    e2e --label-config "nobackup:save.backup_every_n_epochs=0" --label-config "workers4:data.num_workers=4" \
+        --run "nobackup@.:1:0+workers4@.:1:1"
+    ;;
+esac
