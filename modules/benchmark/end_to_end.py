@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="CPU processes (for testing the harness)")
     args = p.parse_args(argv)
     args.images = args.make_data or len(list(Path(args.data).glob("*.jpg")))
+    args.data = Path(args.data).resolve()  # each tree's runs start in that tree
+    if not args.base_model.startswith("builtin:"):
+        args.base_model = str(Path(args.base_model).resolve())
     if args.make_model and not Path(args.base_model).exists():
         from modules.benchmark.synthetic import write_random_model
         write_random_model(args.make_model, args.base_model)

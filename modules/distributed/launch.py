@@ -70,20 +70,16 @@ def quiet_libraries() -> None:
 
     transformers warns that image processors fall back to PIL without torchvision (Tandem needs no image
     processor), diffusers that a `.to(dtype)` cast could touch modules "kept in float32" (Tandem casts
-    frozen parts on purpose, and prints the list even when it is empty); their loading and shard-writing
-    progress bars would fill a log file with carriage returns. Warnings that matter (missing weights,
-    errors) are not from these loggers.
+    frozen parts on purpose, and prints the list even when it is empty); their weight-loading progress
+    bars would fill a log file with carriage returns. Only those two messages are filtered: warnings
+    that matter (missing weights, errors) pass. Nothing is imported here: the launcher process never
+    needs these libraries, and importing them costs seconds.
     """
     for name, text in (("transformers.utils.import_utils", "requires torchvision"),
                        ("diffusers.models.modeling_utils", "should be kept in float32")):
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
-    try:
-        import diffusers.utils.logging as diffusers_logging
-        import transformers.utils.logging as transformers_logging
-    except ImportError:
-        return
-    transformers_logging.disable_progress_bar()
-    diffusers_logging.disable_progress_bar()
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers when it loads
 
 
 # ---------------------------------------------------------------------------- planning

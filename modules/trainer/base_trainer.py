@@ -8,6 +8,7 @@ group, DDP wrapping, gradient-sync skipping, LR scaling), while the helpers in
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import logging
 import math
@@ -57,6 +58,7 @@ class BaseTrainer(ABC):
         self.resume = resume
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
+        self.first_step_done = False
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -106,6 +108,9 @@ class BaseTrainer(ABC):
         gc.freeze()
 
     def train(self) -> None:
+        trace = os.environ.get("TANDEM_TRACE_FIRST_STEP")
+        if trace:  # diagnosing a slow first step: every rank's stacks to stderr every `trace` seconds
+            faulthandler.dump_traceback_later(float(trace), repeat=True)
         if self.cfg.sampling.sample_at_start and self.global_step == 0:
             self.outputs.sample()  # the baseline every later sample is compared with
         while self.global_step < self.numbers.total_steps and not self.stop_requested:
@@ -335,7 +340,13 @@ class BaseTrainer(ABC):
         accumulation = self.numbers.accumulation
         batches = iter(self.loader)
         while self.sampler.batches_remaining() >= accumulation:
-            loss = self.optimizer_step([next(batches) for _ in range(accumulation)])
+            first = not self.first_step_done
+            started = time.perf_counter()
+            micro_batches = [next(batches) for _ in range(accumulation)]
+            loaded = time.perf_counter()
+            loss = self.optimizer_step(micro_batches)
+            if first:
+                self.report_first_step(started, loaded)
             # Told after training, not when handed out: prefetching workers run ahead of the trained position.
             self.sampler.mark_consumed(accumulation)
             self.global_step += 1
@@ -346,6 +357,17 @@ class BaseTrainer(ABC):
         self.epoch += 1
         self.step_in_epoch = 0
         self.after_epoch()
+
+    def report_first_step(self, started: float, loaded: float) -> None:
+        """Log where the first step's time goes (it is start-up time the user waits through: loader
+        workers starting, kernel selection, first allocations). The one synchronisation the loop makes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        done = time.perf_counter()
+        faulthandler.cancel_dump_traceback_later()
+        self.first_step_done = True
+        log.info("First step: %.1f s (first batch from the loader %.1f s, the step itself %.1f s).",
+                 done - started, loaded - started, done - loaded)
 
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
         if self.cfg.training.compile:

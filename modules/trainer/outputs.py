@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -187,6 +188,9 @@ class OutputWriter:
         s = t.cfg.save
         dtype = s.save_dtype
         path.parent.mkdir(parents=True, exist_ok=True)
+        if not sys.stderr.isatty():
+            import diffusers.utils.logging
+            diffusers.utils.logging.disable_progress_bar()  # its shard-writing bar is noise in a log file
         log.info("Saving the model to %s ...", path)
         t.emit("status", text=f"saving {path.name}")
         if t.cfg.training.method == "lora":

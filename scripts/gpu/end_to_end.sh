@@ -8,8 +8,8 @@
 #            then the baseline on 4 GPUs
 #   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
-#            against none (the two at the same time on GPUs 0,1 | 2,3); LoRA on 1 GPU without backups
-#            beside the job (GPU 0 | GPU 1), with data.num_workers=4 for the shut-down
+#            against none (the two at the same time on GPUs 0,1 | 2,3); the LoRA job on 1 GPU with and
+#            without backups (GPU 0 | GPU 1), both with data.num_workers=4 (the shut-down with 4 workers)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
 set -u
 PART="${1:?usage: end_to_end.sh before|after|backups}"
@@ -23,6 +23,10 @@ before)
     log "prepare; 1 GPU both trees, 2 GPUs both trees, baseline on 4 GPUs"
     e2e --run "baseline@$BASE:1:0+new@.:1:1" --run "baseline@$BASE:2:0,1+new@.:2:2,3" --run "baseline@$BASE:4"
     ;;
+baseline)
+    log "the baseline alone: 1 GPU beside 2 GPUs, then 4 GPUs"
+    e2e --run "baseline@$BASE:1:0+baseline@$BASE:2:1,2" --run "baseline@$BASE:4"
+    ;;
 after)
     log "this tree: 1 GPU beside 2 GPUs, then 4 GPUs"
     e2e --run "new@.:1:0+new@.:2:1,2" --run "new@.:4"
@@ -31,8 +35,8 @@ backups)
     log "full fine-tune 2 GPUs 3 epochs: backups every epoch | none"
     e2e --epochs 3 --prompts 0 --sample-every 0 --config-value training.method=full \
         --label-config "nobackup:save.backup_every_n_epochs=0" --run "backup@.:2:0,1+nobackup@.:2:2,3"
-    log "LoRA job 1 GPU without backups | with 4 loader workers"
-    e2e --label-config "nobackup:save.backup_every_n_epochs=0" --label-config "workers4:data.num_workers=4" \
-        --run "nobackup@.:1:0+workers4@.:1:1"
+    log "the LoRA job on 1 GPU, 4 loader workers: backups every epoch | none"
+    e2e --config-value data.num_workers=4 --label-config "nobackup:save.backup_every_n_epochs=0" \
+        --run "backup@.:1:0+nobackup@.:1:1"
     ;;
 esac
