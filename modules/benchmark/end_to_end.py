@@ -82,7 +82,8 @@ def make_images(folder: Path, count: int, size: int, seed: int = 0) -> Path:
 
 def job_overrides(args, workspace: Path, label: str) -> list[str]:
     """The job: the sd15_lora preset as a user would start from it, on the given model and images."""
-    values = [f"general.workspace_dir={workspace}", f"general.cache_dir={workspace / 'cache'}",
+    cache = args.shared_cache or workspace / "cache"
+    values = [f"general.workspace_dir={workspace}", f"general.cache_dir={cache}",
               f"model.base_model={args.base_model}", f"data.concepts[0].path={args.data}",
               "data.concepts[0].repeats=1", f"data.resolution={args.resolution}",
               f"training.batch_size={args.batch}", f"training.epochs={args.epochs}",
@@ -131,8 +132,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
         elif line.startswith("Start-up: "):
             phases = {name.strip(): float(sec)
                       for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])}
-        elif "Shut-down" in line or "Trained " in line or "Cache ready" in line:
-            marks.setdefault(line.split()[0], at)
+        elif line.startswith("First step: "):
+            marks["first_step_s"] = float(line.split()[2])
     code = proc.wait()
     wall = time.monotonic() - started
     (work / f"{workspace.name}.log").write_text("".join(lines))
@@ -142,7 +143,7 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
               "before_step1_s": round(marks["config"], 1) if "config" in marks else None,
               "train_s": round(done - marks["config"], 1) if done is not None and "config" in marks else None,
               "done_to_exit_s": round(wall - done, 2) if done is not None else None,
-              "startup_phases_s": phases, "log": f"{workspace.name}.log",
+              "first_step_s": marks.get("first_step_s"), "startup_phases_s": phases, "log": f"{workspace.name}.log",
               "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
@@ -170,12 +171,12 @@ def run_group(specs: list[RunSpec], args, work: Path) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     one = {r["label"]: r["wall_s"] for r in results if r["gpus"] == 1 and r["exit_code"] == 0}
-    rows = ["| run | GPUs | wall s | vs 1 GPU | before step 1 s | training s | done to exit s | exit |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | GPUs | wall s | vs 1 GPU | before step 1 s | first step s | training s | done to exit s | exit |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = one.get(r["label"])
         ratio = f"{base / r['wall_s']:.2f}x" if base and r["gpus"] > 1 else "-"
-        rows.append(f"| {r['label']} | {r['gpus']} | {r['wall_s']} | {ratio} | {r['before_step1_s']} | "
+        rows.append(f"| {r['label']} | {r['gpus']} | {r['wall_s']} | {ratio} | {r['before_step1_s']} | {r['first_step_s']} | "
                     f"{r['train_s']} | {r['done_to_exit_s']} | {r['exit_code']} |")
     return "\n".join(rows)
 
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra override for the runs labelled LABEL")
     p.add_argument("--run", action="append", required=True, help="LABEL@TREE:GPUS[:DEVICES], '+' = at once")
     p.add_argument("--work", type=Path, default=Path("/tmp/tandem-e2e"))
+    p.add_argument("--shared-cache", type=Path, help="one latent/text cache for every run (complete after the first "
+                                                         "run: start-up with a complete cache); default: a fresh one each")
     p.add_argument("--json", type=Path, help="append one JSON line per run")
     p.add_argument("--cpu", action="store_true", help="CPU processes (for testing the harness)")
     args = p.parse_args(argv)

@@ -7,12 +7,14 @@
 #   before   both trees at the same time on different GPUs: 1 GPU (GPU 0 | GPU 1), 2 GPUs (0,1 | 2,3);
 #            then the baseline on 4 GPUs
 #   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
+#   startup  the first step with and without cuDNN autotuning; launch to first step with a complete cache
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
 #            against none (the two at the same time on GPUs 0,1 | 2,3); the LoRA job on 1 GPU with and
 #            without backups (GPU 0 | GPU 1), both with data.num_workers=4 (the shut-down with 4 workers)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
 set -u
-PART="${1:?usage: end_to_end.sh before|after|backups}"
+PART="${1:?usage: end_to_end.sh before|after|backups|startup}"
+STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline
 e2e() { python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 \
@@ -38,5 +40,14 @@ backups)
     log "the LoRA job on 1 GPU, 4 loader workers: backups every epoch | none"
     e2e --config-value data.num_workers=4 --label-config "nobackup:save.backup_every_n_epochs=0" \
         --run "backup@.:1:0+nobackup@.:1:1"
+    ;;
+startup)
+    log "first step with and without cuDNN autotuning, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"
+    e2e --config-value training.max_steps=40 --label-config "noautotune:training.cudnn_benchmark=false" \
+        --run "autotune@.:1:0+noautotune@.:1:1"
+    log "launch to first step with a complete cache: fill it (1 GPU), then 1 GPU and 4 GPUs"
+    rm -rf /tmp/tandem-e2e/shared-cache
+    e2e --shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 $STARTUP_EXTRA \
+        --run "fill@.:1:0" --run "complete@.:1:0" --run "complete@.:4"
     ;;
 esac
