@@ -79,4 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _backup_weights(workspace: Path) -> dict:
     from safetensors.torch import load_file
-    return load_file(str(sorted((workspace / "backups").glob("step-*"))[-1] / "weights.safetensors"))
+
+    from modules.trainer.backup import WEIGHTS, latest_backup
+    newest = latest_backup(workspace / "backups")  # backups are grouped by run: backups/<run id>/step-N
+    if newest is None:
+        raise FileNotFoundError(f"no backup under {workspace / 'backups'}; the run wrote none")
+    return load_file(str(newest.path / WEIGHTS))
