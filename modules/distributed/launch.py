@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -20,7 +19,13 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
-from modules.distributed.process_group import find_free_port, port_is_free, resolve_backend, threads_per_worker
+from modules.distributed.process_group import (
+    find_free_port,
+    port_is_free,
+    resolve_backend,
+    store_environment,
+    threads_per_worker,
+)
 from modules.trainer.commands import write_command
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
 from modules.util.exit import exit_now
@@ -184,8 +189,8 @@ def _worker_env(plan: LaunchPlan) -> dict:
     env = dict(os.environ)
     if plan.visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
-    if platform.system() == "Windows":
-        env.setdefault("USE_LIBUV", "0")  # torch's Windows wheels have no libuv TCPStore
+    # Forced, not defaulted: torchrun's own store and each worker's fail on Windows with USE_LIBUV=1.
+    env.update(store_environment())
     # Each worker gets a share of the cores instead of all of them fighting over every core (and
     # torchrun's own default of 1 thread, which starves CPU workers).
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.world_size)))

@@ -13,13 +13,31 @@ import torch.distributed as dist
 log = logging.getLogger("tandem")
 
 
+def on_windows() -> bool:
+    return platform.system() == "Windows"
+
+
 def resolve_backend(requested: str, device_type: str) -> str:
     """auto = NCCL for CUDA on Linux, gloo otherwise (CPU processes, Windows, macOS)."""
     if requested == "auto":
         return "nccl" if device_type == "cuda" and platform.system() == "Linux" else "gloo"
     if requested == "nccl" and device_type != "cuda":
         raise RuntimeError("multi_gpu.backend is 'nccl' but this run has no CUDA GPU: use 'gloo' or 'auto'.")
+    if requested == "nccl" and on_windows():
+        raise RuntimeError("multi_gpu.backend is 'nccl', but PyTorch's Windows builds have no NCCL: "
+                           "use 'gloo' or 'auto' (which picks gloo on Windows).")
     return requested
+
+
+STORE_ENVIRONMENT_WINDOWS = {"USE_LIBUV": "0"}
+"""PyTorch >= 2.4 makes the rendezvous store (TCPStore) use libuv unless USE_LIBUV=0, but its Windows
+wheels are built without libuv: without this, torchrun and `init_process_group` fail there with
+"use_libuv was requested but PyTorch was built without libuv support"."""
+
+
+def store_environment() -> dict[str, str]:
+    """The variables every process that creates or joins the rendezvous store needs on this OS."""
+    return dict(STORE_ENVIRONMENT_WINDOWS) if on_windows() else {}
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -69,6 +87,8 @@ def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch
     else:
         device = torch.device("cpu")
     backend = resolve_backend(backend, device_type)
+    # A worker started by the user's own torchrun (or any launcher but ours) has not had them set.
+    os.environ.update(store_environment())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)

@@ -1,0 +1,205 @@
+"""The questions and checks of `start-multi-gpu.bat`, in Python so that they run (and are tested) anywhere.
+
+`start-multi-gpu.sh` does the same in bash; `tests/test_windows_launch.py` runs both on the same
+answers and requires the same command. The batch file only installs `.venv` and hands its arguments
+here: cmd.exe's quoting and delayed expansion made the old all-batch version impossible to test off
+Windows. Standard library only (the GPU count comes from a short `python -c` like the shell script's),
+so `--help` works before anything is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+NAME = "start-multi-gpu"
+PRESET_DIR = Path("training_presets")
+SHOWN_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
+                     "TANDEM_FORCE_SINGLE_GPU")
+# The same as modules.distributed.process_group.STORE_ENVIRONMENT_WINDOWS (not imported: that needs torch).
+WINDOWS_STORE_ENVIRONMENT = {"USE_LIBUV": "0"}
+
+HELP_EPILOG = """\
+Without options it asks for each setting; press Enter to take the default shown in [brackets].
+
+Environment:
+  CUDA_VISIBLE_DEVICES   which GPUs are visible (e.g. 0,1); the GPU count default follows it
+  MASTER_ADDR, MASTER_PORT  rendezvous address and port for the process group
+  NCCL_DEBUG=INFO        NCCL logs its set-up (Linux)
+  TANDEM_FORCE_SINGLE_GPU=1  ignore the GPU count and train in one process (scripts/train.py)
+  TANDEM_SKIP_INSTALL=1  do not create or update .venv
+  TANDEM_PYTHON          the Python to run training with (default: the one running this)
+  TANDEM_TORCH_INDEX     (Windows) PyTorch wheel index for the first install
+On Windows the backend is gloo (PyTorch's Windows builds have no NCCL) and USE_LIBUV=0 is set for the
+rendezvous store (the Windows builds have no libuv).
+"""
+
+
+class UsageError(Exception):
+    """Bad input: printed as `start-multi-gpu: <message>`, exit code 2."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=NAME, description="Start a multi-GPU training run.", epilog=HELP_EPILOG,
+                                allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--yes", "-y", action="store_true", help="take the defaults for everything not given, ask nothing")
+    p.add_argument("--config", help="config JSON file or preset name (default: #demo); presets are the files "
+                                    "in training_presets/")
+    p.add_argument("--num-gpus", help="GPUs (or CPU processes with --device cpu) to use (default: all visible "
+                                      "GPUs; 2 with --device cpu)")
+    p.add_argument("--backend", help="communication backend nccl|gloo (default: nccl on Linux with CUDA, else gloo)")
+    p.add_argument("--spawn", action="store_const", const="spawn", dest="launcher",
+                   help="start workers with torch.multiprocessing instead of torchrun")
+    p.add_argument("--launcher", help="torchrun|spawn, the same as a choice (default: torchrun)")
+    p.add_argument("--port", help="rendezvous port (default: %%MASTER_PORT%%, else a free port)")
+    p.add_argument("--device", help="cpu: train in CPU processes over gloo (no GPU needed)")
+    p.add_argument("--config-value", action="append", default=[], metavar="K=V",
+                   help="override one config field, e.g. training.max_steps=100 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    return p
+
+
+def visible_gpu_count(python: str) -> int:
+    """What torch in the training environment sees; 0 when it cannot tell (no torch, no driver)."""
+    try:
+        result = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
+                                capture_output=True, text=True, timeout=300)
+        return int(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+class Questions:
+    """Asks on stderr and reads stdin; with --yes (or at end of input) every answer is the default."""
+
+    def __init__(self, assume_yes: bool, stdin: TextIO, stderr: TextIO):
+        self.assume_yes, self.stdin, self.stderr = assume_yes, stdin, stderr
+
+    def ask(self, prompt: str, default: str) -> str:
+        if self.assume_yes:
+            return default
+        self.stderr.write(f"{prompt} [{default}]: ")
+        self.stderr.flush()
+        answer = self.stdin.readline().strip()
+        return answer or default
+
+
+@dataclass(frozen=True)
+class Launch:
+    command: list[str]
+    env: dict[str, str]
+    dry_run: bool
+
+
+def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin: TextIO, stdout: TextIO,
+         stderr: TextIO, environ: dict[str, str]) -> Launch:
+    """The command line and environment to run; raises `UsageError` for bad input."""
+    args = parser().parse_args(argv)
+    windows = system == "Windows"
+    python = environ.get("TANDEM_PYTHON") or sys.executable
+    questions = Questions(args.yes, stdin, stderr)
+    device = args.device or ""
+    if device not in ("", "cpu"):
+        raise UsageError(f"--device accepts only 'cpu' (GPUs are the default), got '{device}'")
+
+    config = args.config
+    if config is None:
+        presets = sorted(str(p) for p in PRESET_DIR.glob("*.json"))
+        if not args.yes and presets:
+            stderr.write("Presets:\n" + "".join(f"  {i}) {p}\n" for i, p in enumerate(presets, 1)))
+        config = questions.ask("Config file, preset name or number", "#demo")
+        if re.fullmatch(r"[0-9]+", config):
+            if not 1 <= int(config) <= len(presets):
+                raise UsageError(f"no preset number {config} (1-{len(presets)})")
+            config = presets[int(config) - 1]
+    if not config.startswith("#") and not Path(config).is_file():
+        if (PRESET_DIR / f"{config}.json").is_file():
+            config = str(PRESET_DIR / f"{config}.json")
+        else:
+            raise UsageError(f"config '{config}' is neither a file nor a preset in training_presets/")
+
+    gpus = 0
+    if device != "cpu":
+        gpus = gpu_count(python)
+        if gpus == 0:
+            visible = environ.get("CUDA_VISIBLE_DEVICES") or "unset"
+            stderr.write(f"No CUDA GPU is visible (CUDA_VISIBLE_DEVICES={visible}): training in CPU processes "
+                         "(--device cpu).\n")
+            device = "cpu"
+    num_gpus = args.num_gpus
+    if num_gpus is None:
+        label = "Number of CPU processes" if device == "cpu" else "Number of GPUs"
+        num_gpus = questions.ask(label, "2" if device == "cpu" else str(gpus))
+    if not re.fullmatch(r"[1-9][0-9]*", num_gpus):
+        raise UsageError(f"--num-gpus must be a whole number of 1 or more, got '{num_gpus}'")
+    if device != "cpu" and int(num_gpus) > gpus:
+        raise UsageError(f"--num-gpus {num_gpus} but only {gpus} GPU(s) are visible; lower it or check "
+                         "CUDA_VISIBLE_DEVICES")
+
+    backend = args.backend
+    if backend is None:
+        default = "nccl" if device != "cpu" and system == "Linux" else "gloo"
+        backend = questions.ask("Backend (nccl/gloo)", default)
+    if backend not in ("nccl", "gloo"):
+        raise UsageError(f"--backend must be nccl or gloo, got '{backend}'")
+    if backend == "nccl" and device == "cpu":
+        raise UsageError("--backend nccl needs GPUs; use gloo with --device cpu")
+    if backend == "nccl" and windows:
+        raise UsageError("--backend nccl: PyTorch's Windows builds have no NCCL; use gloo")
+
+    launcher = args.launcher or questions.ask("Launcher (torchrun/spawn)", "torchrun")
+    if launcher not in ("torchrun", "spawn"):
+        raise UsageError(f"--launcher must be torchrun or spawn, got '{launcher}'")
+    port = args.port if args.port is not None else environ.get("MASTER_PORT", "")
+    if port and not re.fullmatch(r"[0-9]+", port):
+        raise UsageError(f"--port must be a number, got '{port}'")
+
+    for name in SHOWN_ENVIRONMENT:
+        stdout.write(f"{name}={environ.get(name) or '(unset)'}\n")
+    command = [python]
+    if environ.get("TANDEM_FORCE_SINGLE_GPU") == "1":
+        stdout.write("TANDEM_FORCE_SINGLE_GPU=1: training in a single process.\n")
+        command += [os.path.join("scripts", "train.py"), "--config-path", config]
+        if device == "cpu":
+            command += ["--config-value", "general.device=cpu"]
+    else:
+        command += [os.path.join("scripts", "train_multi_gpu.py"), "--config-path", config, "--num-gpus", num_gpus,
+                    "--distributed-backend", backend]
+        if launcher == "spawn":
+            command.append("--spawn")
+        if port:
+            command += ["--port", port]
+        if device == "cpu":
+            command += ["--device", "cpu"]
+    for value in args.config_value:
+        command += ["--config-value", value]
+    env = dict(environ)
+    if windows:
+        env.update(WINDOWS_STORE_ENVIRONMENT)
+    return Launch(command, env, args.dry_run)
+
+
+def quoted(command: list[str], system: str) -> str:
+    return subprocess.list2cmdline(command) if system == "Windows" else shlex.join(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    system = platform.system()
+    try:
+        launch = plan(list(sys.argv[1:] if argv is None else argv), system=system, gpu_count=visible_gpu_count,
+                      stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr, environ=dict(os.environ))
+    except UsageError as error:
+        print(f"{NAME}: {error}", file=sys.stderr)
+        return 2
+    print("Command: " + quoted(launch.command, system), flush=True)
+    if launch.dry_run:
+        return 0
+    return subprocess.call(launch.command, env=launch.env)
