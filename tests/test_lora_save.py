@@ -105,7 +105,12 @@ def test_saved_lora_loads_in_diffusers_to_the_same_model(trained, tmp_path, fmt)
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-5)
 
     with safe_open(path, "pt") as file:
-        metadata = file.metadata()
+        metadata, keys = file.metadata(), list(file.keys())
+    if fmt == "peft":  # today's diffusers layout: peft's lora_A / lora_B under the component's prefix
+        assert all(k.startswith(("unet.", "text_encoder.")) and k.endswith((".lora_A.weight", ".lora_B.weight"))
+                   for k in keys)
+        assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight" in keys
+        assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight" in keys
     assert (metadata["ss_network_dim"], metadata["ss_network_alpha"], metadata["ss_network_module"]) == ("4", "8.0", "networks.lora")
     assert metadata["tandem_base_model"] == "builtin:demo" and metadata["ss_base_model_version"] == "sd_v1"
     assert json.loads(metadata["tandem_training"]) == {"steps": 3}

@@ -35,6 +35,7 @@ from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from modules.config.train_config import ModelConfig
+from modules.model.kohya_lora import kohya_module_name
 from modules.model.loading import load_model
 from modules.model.single_file import save_single_file, shipped_config
 from modules.model.tokenizer import EOS_TOKEN, OPEN_CLIP_PAD_TOKEN, clip_tokenizer
@@ -243,7 +244,11 @@ def test_lora_outputs_load_in_diffusers_and_kohya_names_every_module(tmp_path, s
     with safe_open(str(kohya_file), "pt") as file:
         tensors = {key: file.get_tensor(key) for key in file.keys()}
         metadata = file.metadata()
-    adapted = {f"lora_unet_{name.replace('.', '_')}": module for name, module in _lora_modules(bundle.unet).items()}
+    # SDXL UNet modules by their original-layout names (as sd-scripts writes them), SD1/SD2 by diffusers'.
+    adapted = {kohya_module_name(model_type, "unet", name, bundle.unet.config): module
+               for name, module in _lora_modules(bundle.unet).items()}
+    if model_type == "sdxl":
+        assert all("input_blocks" in n or "middle_block" in n or "output_blocks" in n for n in adapted)
     for prefix, encoder in zip(KOHYA_TEXT_PREFIXES[model_type], bundle.text_encoders, strict=True):
         modules = _lora_modules(encoder)
         assert modules, f"{prefix}: the text encoder has no LoRA"

@@ -59,13 +59,25 @@ def _unet_key_to_ldm(key: str, per_block: int, up_blocks_with_attention: set[int
     raise ValueError(f"UNet key {key!r} has no original-layout equivalent (is a LoRA/adapter still attached?).")
 
 
-def unet_to_ldm(state: Mapping[str, torch.Tensor], config: Mapping) -> dict:
-    """Diffusers UNet state dict -> `model.diffusion_model.*` keys."""
+def _unet_layout(config: Mapping) -> tuple[int, set[int]]:
     per_block = config["layers_per_block"]
     if not isinstance(per_block, int):
         raise ValueError(f"UNet layers_per_block {per_block!r}: only one value for all blocks has an original layout.")
-    with_attention = {i for i, name in enumerate(config["up_block_types"]) if "CrossAttn" in name}
+    return per_block, {i for i, name in enumerate(config["up_block_types"]) if "CrossAttn" in name}
+
+
+def unet_to_ldm(state: Mapping[str, torch.Tensor], config: Mapping) -> dict:
+    """Diffusers UNet state dict -> `model.diffusion_model.*` keys."""
+    per_block, with_attention = _unet_layout(config)
     return {UNET_PREFIX + _unet_key_to_ldm(k, per_block, with_attention): v for k, v in state.items()}
+
+
+def unet_module_to_ldm(module_path: str, config: Mapping) -> str:
+    """A diffusers UNet module path -> its original-layout path (no `model.diffusion_model.` prefix):
+    `down_blocks.1.attentions.0.proj_in` -> `input_blocks.4.1.proj_in` for SDXL. The same map as the
+    weights' (a module is named by its weight's key without `.weight`)."""
+    per_block, with_attention = _unet_layout(config)
+    return _unet_key_to_ldm(module_path + ".weight", per_block, with_attention).removesuffix(".weight")
 
 
 _VAE_TOP_LEVEL = {"encoder.conv_norm_out": "encoder.norm_out", "decoder.conv_norm_out": "decoder.norm_out"}

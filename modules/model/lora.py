@@ -1,12 +1,14 @@
 """LoRA adapters (peft) on the UNet and optionally the text encoders, and saving them.
 
 Two file layouts:
-- `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read: keys
-  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and
-  `lora_te_` (SD1/SD2) or `lora_te1_` / `lora_te2_` (SDXL) for the text encoders. Module paths are
-  the diffusers ones, as sd-scripts writes them for SD1.x/2.x; all those tools accept them.
-- `peft`: what diffusers' `save_lora_weights` writes (`unet.` / `text_encoder.` prefixed keys plus
-  the adapter config in the header), loadable with `pipeline.load_lora_weights`.
+- `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read (`kohya_lora.py`): keys
+  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and `lora_te_`
+  (SD1/SD2) or `lora_te1_` / `lora_te2_` (SDXL) for the text encoders; SDXL UNet modules in the original
+  (LDM) names, SD1/SD2 in diffusers' names, as sd-scripts writes each.
+- `peft`: what diffusers' `save_lora_weights` writes today: peft's `<module>.lora_A.weight` /
+  `.lora_B.weight` under `unet.` / `text_encoder.` / `text_encoder_2.`, plus the adapter config in the
+  header; loadable with `pipeline.load_lora_weights`.
+Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads every layout back.
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ from .bundle import ModelBundle, checkpoint_text_encoder_key
 from modules.util.atomic import save_safetensors_atomically
 
 from .files import resolve_save_dtype
+from .kohya_lora import kohya_tensors
+from .lora_metadata import file_metadata
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 """The attention projections of CLIP text encoders, as the diffusers LoRA training scripts target."""
 
 LORA_FORMATS = ("kohya", "peft")
-_KOHYA_BASE_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
 
 
 def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Parameter]:
@@ -156,67 +159,23 @@ def save_lora(
     torch_dtype = resolve_save_dtype(dtype)
     modules = lora_modules(bundle)
     if fmt == "kohya":
-        tensors = _kohya_tensors(bundle, modules)
+        alphas = {component: lora_alpha_and_rank(bundle, component)[0] for component in modules}
+        tensors = kohya_tensors(bundle, modules, alphas)
     else:
         tensors = _peft_tensors(modules)
     tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in tensors.items()}
-    header = _header(bundle, fmt, modules, metadata or {})
+    header = _header(bundle, fmt, modules, path.name.removesuffix(".safetensors"), metadata or {})
     return save_safetensors_atomically(tensors, path, header)
 
 
-def _kohya_prefixes(bundle: ModelBundle) -> dict[str, str]:
-    if bundle.model_type == "sdxl":
-        return {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
-    return {"unet": "lora_unet", "text_encoder": "lora_te"}
-
-
-def _kohya_tensors(bundle: ModelBundle, modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    prefixes = _kohya_prefixes(bundle)
-    tensors = {}
-    for component, state in modules.items():
-        alpha, _ = lora_alpha_and_rank(bundle, component)
-        for key, value in state.items():
-            module_path, kind = _split_peft_key(key)
-            kohya_name = f"{prefixes[component]}_{module_path.replace('.', '_')}"
-            tensors[f"{kohya_name}.{'lora_down' if kind == 'lora_A' else 'lora_up'}.weight"] = value
-            tensors[f"{kohya_name}.alpha"] = torch.tensor(alpha)
-    return tensors
-
-
-def _split_peft_key(key: str) -> tuple[str, str]:
-    for kind in ("lora_A", "lora_B"):
-        suffix = f".{kind}.weight"
-        if key.endswith(suffix):
-            return key[: -len(suffix)], kind
-    raise ValueError(f"unexpected LoRA weight name {key!r} (only lora_A/lora_B weights are supported)")
-
-
 def _peft_tensors(modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    # The same conversion diffusers' LoRA training scripts apply before `save_lora_weights`.
-    from diffusers.utils import convert_state_dict_to_diffusers
-
-    tensors = {}
-    for component, state in modules.items():
-        for key, value in convert_state_dict_to_diffusers(state).items():
-            tensors[f"{component}.{key}"] = value
-    return tensors
+    # peft's own key names, as `save_lora_weights` stores a peft model's state (diffusers 0.3x and later).
+    return {f"{component}.{key}": value for component, state in modules.items() for key, value in state.items()}
 
 
-def _header(bundle: ModelBundle, fmt: str, modules: dict, metadata: dict) -> dict[str, str]:
+def _header(bundle: ModelBundle, fmt: str, modules: dict, title: str, metadata: dict) -> dict[str, str]:
     alpha, rank = lora_alpha_and_rank(bundle)
-    header = {
-        "format": "pt",
-        "ss_network_module": "networks.lora",
-        "ss_network_dim": str(rank),
-        "ss_network_alpha": str(alpha),
-        "ss_base_model_version": _KOHYA_BASE_VERSION[bundle.model_type],
-        "ss_sd_model_name": Path(bundle.source).name if not bundle.source.startswith("builtin:") else bundle.source,
-        "ss_v2": str(bundle.model_type == "sd2"),
-        "ss_v_parameterization": str(bundle.prediction_type == "v_prediction"),
-        "tandem_base_model": bundle.source,
-        "tandem_model_type": bundle.model_type,
-        "tandem_lora_format": fmt,
-    }
+    header = {"format": "pt", **file_metadata(bundle, fmt, rank, alpha, title)}
     if fmt == "peft":
         # diffusers reads rank/alpha back from here; without it, it would assume alpha == rank.
         from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY

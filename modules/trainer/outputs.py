@@ -76,6 +76,7 @@ class OutputWriter:
         self.t = trainer
         save = trainer.cfg.save
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.started_at = time.time()  # ss_training_started_at of the saved LoRAs
         self.output_dir = Path(trainer.paths.output_dir)
         self.last_sample_step: int | None = None
         self.run_id = run_id
@@ -195,7 +196,9 @@ class OutputWriter:
         t.emit("status", text=f"saving {path.name}")
         if t.cfg.training.method == "lora":
             from modules.model.lora import save_lora
-            metadata = {"tandem_base_model": t.cfg.model.base_model, "tandem_step": str(t.global_step)}
+            from modules.model.lora_metadata import training_metadata
+            metadata = training_metadata(t.cfg, t.numbers, t.dataset, t.global_step, self.started_at)
+            metadata["tandem_step"] = str(t.global_step)
             if s.lora_format in ("kohya", "both"):
                 save_lora(t.bundle, path, "kohya", dtype, metadata)
             if s.lora_format in ("peft", "both"):

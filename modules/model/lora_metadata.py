@@ -1,0 +1,147 @@
+"""What a saved LoRA file says about itself: SAI ModelSpec (`modelspec.*`) and kohya's `ss_*` keys.
+
+Key names and value spellings are those kohya sd-scripts writes (`library/sai_model_spec.py`,
+`train_network.py`): every value a string, booleans `True`/`False`, `ss_resolution` `(512, 512)`,
+`modelspec.resolution` `512x512`, `modelspec.date` ISO-8601. A1111/Forge's LoRA cards, ComfyUI and
+model sites read these. No absolute local path is ever written: the base model, VAE and image folders
+appear by their file or folder name only (a path would give away the user's folders to whoever gets
+the file).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+MODELSPEC_VERSION = "1.0.1"
+IMPLEMENTATION_SGM = "https://github.com/Stability-AI/generative-models"
+IMPLEMENTATION_DIFFUSERS = "diffusers"
+KOHYA_BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
+DEFAULT_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
+
+
+def display_name(source: str) -> str:
+    """A model or folder reference without its location: `builtin:demo` stays, a path becomes its name."""
+    if not source or source.startswith("builtin:"):
+        return source
+    return Path(source.rstrip("/\\").replace("\\", "/")).name
+
+
+def architecture(model_type: str, prediction_type: str) -> str:
+    """ModelSpec architecture of a LoRA for this family, as sd-scripts names it."""
+    if model_type == "sdxl":
+        base = "stable-diffusion-xl-v1-base"
+    elif model_type == "sd2":
+        base = "stable-diffusion-v2-768-v" if prediction_type == "v_prediction" else "stable-diffusion-v2-512"
+    else:
+        base = "stable-diffusion-v1"
+    return base + "/lora"
+
+
+def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str,
+                  now: datetime.datetime | None = None) -> dict[str, str]:
+    """The keys every Tandem LoRA file carries: what it is, for which base model, in which layout.
+
+    `implementation` names the code whose module names the file uses: sd-scripts' SDXL LoRAs use the
+    original (sgm) UNet's, everything else diffusers'.
+    """
+    now = now or datetime.datetime.now()
+    model_type = bundle.model_type
+    resolution = DEFAULT_RESOLUTION[model_type]
+    header = {
+        "modelspec.sai_model_spec": MODELSPEC_VERSION,
+        "modelspec.architecture": architecture(model_type, bundle.prediction_type),
+        "modelspec.implementation": IMPLEMENTATION_SGM if fmt == "kohya" and model_type == "sdxl"
+        else IMPLEMENTATION_DIFFUSERS,
+        "modelspec.implementation_version": f"tandem/{_tandem_version()}",
+        "modelspec.title": title,
+        "modelspec.resolution": f"{resolution}x{resolution}",
+        "modelspec.date": now.replace(microsecond=0).isoformat(),
+        "modelspec.prediction_type": "v" if bundle.prediction_type == "v_prediction" else "epsilon",
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(float(alpha)),
+        "ss_base_model_version": KOHYA_BASE_MODEL_VERSION[model_type],
+        "ss_sd_model_name": display_name(bundle.source),
+        "ss_v2": str(model_type == "sd2"),
+        "ss_v_parameterization": str(bundle.prediction_type == "v_prediction"),
+        "tandem_base_model": display_name(bundle.source),
+        "tandem_model_type": model_type,
+        "tandem_lora_format": fmt,
+    }
+    if getattr(bundle, "vae_source", ""):
+        header["ss_vae_name"] = display_name(bundle.vae_source)
+    return header
+
+
+def training_metadata(cfg, numbers, dataset, step: int, started_at: float,
+                      now: datetime.datetime | None = None) -> dict[str, str]:
+    """The training settings kohya records (`ss_*`), for a save after optimizer step `step`.
+
+    `numbers` is the run's `RunNumbers`; `dataset` the `TrainDataset` (images, repeats expanded per
+    item). Learning rates are the ones the optimizer used (after multi-GPU scaling).
+    """
+    now = now or datetime.datetime.now()
+    t, d = cfg.training, cfg.data
+    per_concept_items = Counter(dataset.images[i].concept for i in dataset.item_images)
+    per_concept_images = Counter(image.concept for image in dataset.images)
+    text_lr = (t.text_encoder_learning_rate or t.learning_rate) * numbers.lr_factor()
+    values: dict[str, Any] = {
+        "modelspec.title": cfg.save.output_name,
+        "modelspec.resolution": f"{d.resolution}x{d.resolution}",
+        "ss_output_name": cfg.save.output_name,
+        "ss_training_started_at": started_at,
+        "ss_training_finished_at": now.timestamp(),
+        "ss_steps": step,
+        "ss_epoch": math.ceil(step / numbers.steps_per_epoch),  # the epoch the step belongs to, from 1
+        "ss_learning_rate": numbers.lr,
+        "ss_unet_lr": numbers.lr,
+        "ss_text_encoder_lr": text_lr if t.train_text_encoder else None,
+        "ss_num_train_images": len(dataset),
+        "ss_num_reg_images": 0,
+        "ss_num_batches_per_epoch": numbers.micro_batches_per_epoch,
+        "ss_num_epochs": numbers.epochs,
+        "ss_max_train_steps": numbers.total_steps,
+        "ss_batch_size_per_device": numbers.per_gpu_batch,
+        "ss_total_batch_size": numbers.global_batch,
+        "ss_gradient_accumulation_steps": numbers.accumulation,
+        "ss_gradient_checkpointing": t.gradient_checkpointing,
+        "ss_lr_warmup_steps": t.lr_warmup_steps,
+        "ss_lr_scheduler": t.lr_scheduler,
+        "ss_network_dropout": t.lora_dropout,
+        "ss_mixed_precision": t.precision,
+        "ss_optimizer": cfg.optimizer.name,
+        "ss_max_grad_norm": t.max_grad_norm,
+        "ss_seed": cfg.general.seed,
+        "ss_resolution": f"({d.resolution}, {d.resolution})",
+        "ss_enable_bucket": d.aspect_bucketing,
+        "ss_flip_aug": d.random_flip,
+        "ss_random_crop": d.random_crop,
+        "ss_shuffle_caption": d.shuffle_tags,
+        "ss_keep_tokens": d.keep_tags,
+        "ss_caption_dropout_rate": d.caption_dropout,
+        "ss_cache_latents": d.cache_latents,
+        "ss_noise_offset": t.offset_noise or None,
+        "ss_min_snr_gamma": t.min_snr_gamma or None,
+        "ss_dataset_dirs": _json({name: {"n_repeats": per_concept_items[name] // count, "img_count": count}
+                                  for name, count in per_concept_images.items()}),
+        "tandem_world_size": numbers.world_size,
+        "tandem_lr_scaling": numbers.lr_scaling,
+        "tandem_base_learning_rate": numbers.base_lr,
+    }
+    return {key: str(value) for key, value in values.items()}
+
+
+def _json(value) -> str:
+    import json
+    return json.dumps(value, sort_keys=True)
+
+
+def _tandem_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown"
