@@ -253,3 +253,47 @@ def test_samples_have_the_requested_size_and_are_seeded(demo):
     other_seed = render_samples(demo, [SamplePromptConfig(prompt="a red circle", seed=5)], 64, 3, 5.0)
     assert not np.array_equal(np.asarray(images[0]), np.asarray(other_seed[0]))
     demo.unet.eval()
+
+
+# ---------------------------------------------------------------------------- fp16-variant folders
+
+def _as_fp16_variant(folder: Path) -> None:
+    """Turn every weight file into the fp16 variant only, as many hub downloads hold them."""
+    from safetensors.torch import load_file, save_file
+
+    for file in list(folder.rglob("*.safetensors")):
+        state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(file).items()}
+        save_file(state, file.with_name(file.name.replace(".safetensors", ".fp16.safetensors")), {"format": "pt"})
+        file.unlink()
+
+
+def test_a_folder_with_only_fp16_variant_weights_loads(tmp_path, demo):
+    import shutil
+
+    folder = tmp_path / "downloaded"
+    shutil.copytree(ensure_demo_model(), folder)
+    _as_fp16_variant(folder)
+    assert not list(folder.rglob("diffusion_pytorch_model.safetensors"))
+    bundle = load_model(ModelConfig(base_model=str(folder), unet_dtype="fp32"))
+    for name, module in bundle.modules().items():
+        expected = demo.modules()[name].state_dict()
+        for key, value in module.state_dict().items():
+            if value.is_floating_point():  # the fp16 file's values, in the configured storage dtype
+                assert value.dtype == torch.float32
+                assert torch.equal(value, expected[key].half().float()), (name, key)
+    # A VAE folder with only the variant loads too (model.vae_path).
+    vae = load_model(ModelConfig(vae_path=str(folder / "vae"))).vae
+    assert torch.equal(vae.decoder.conv_out.weight, demo.vae.decoder.conv_out.weight.half().float())
+
+
+def test_a_folder_without_weights_names_the_component_folder(tmp_path, tandem_home):
+    import shutil
+
+    folder = tmp_path / "incomplete"
+    shutil.copytree(ensure_demo_model(), folder)
+    (folder / "text_encoder" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load_model(ModelConfig(base_model=str(folder)))
+    message = str(error.value)
+    assert str(folder / "text_encoder") in message and "model.fp16.safetensors" in message
+    assert "download the text_encoder folder of the model again" in message

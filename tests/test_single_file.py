@@ -374,3 +374,37 @@ def test_tokenizer_matches_the_clip_vit_l_14_ids():
     assert padded == [49406, 320, 2368, 49407, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="not in the CLIP vocabulary"):
         clip_tokenizer(pad_token="<pad>")
+
+
+def test_config_overrides_is_a_config_field(tmp_path, tandem_home):
+    """model.config_overrides (JSON text) reaches the loader from a config file or --config-value; bad
+    values are named by the field."""
+    import json
+
+    from modules.config import apply_overrides, validate
+    from modules.config.train_config import ModelConfig, TrainConfig
+    from modules.model import load_model
+
+    bundle, configs = tiny_bundle("sd1", seed=6)
+    state, _ = read_checkpoint(save_single_file(bundle, tmp_path / "model.safetensors", torch.float32))
+    ckpt = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": state}, ckpt)
+    with pytest.raises(ValueError, match=r'model\.config_overrides giving them as JSON, e\.g\. \{"unet"'):
+        load_model(ModelConfig(base_model=str(ckpt)))
+
+    cfg = apply_overrides(TrainConfig(), [f"model.base_model={ckpt}",
+                                          f"model.config_overrides={json.dumps(configs)}"])
+    assert not [p for p in validate(cfg) if p.startswith("model.")]
+    loaded = load_model(cfg.model)
+    assert_same_state(loaded.unet, bundle.unet)
+    assert_same_state(loaded.text_encoders[0], bundle.text_encoders[0])
+
+    def problems(text, base="builtin:demo"):
+        cfg = TrainConfig(model=ModelConfig(base_model=base, config_overrides=text))
+        return [p for p in validate(cfg, check_paths=False) if p.startswith("model.config_overrides")]
+
+    assert "not valid JSON" in problems('{"unet": ')[0]
+    assert "unknown part(s) unte" in problems('{"unte": {}}', str(ckpt))[0]
+    assert "must hold an object" in problems('{"unet": 3}', str(ckpt))[0]
+    assert "single-file checkpoints only" in problems('{"unet": {"sample_size": 8}}')[0]
+    assert problems('{"unet": {"sample_size": 8}}', str(ckpt)) == []

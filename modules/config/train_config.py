@@ -48,6 +48,8 @@ class ModelConfig:
     """Storage dtype of frozen text-encoder weights: fp32, bf16 or fp16."""
     vae_dtype: str = "fp32"
     """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
+    config_overrides: str = ""
+    """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
 
 
 @dataclass

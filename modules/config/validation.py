@@ -10,6 +10,7 @@ belong to the distributed layer, which knows the world size; they are not done h
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 
 from .serialization import ConfigError
@@ -238,13 +239,49 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+CONFIG_OVERRIDE_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+"""The parts `model.config_overrides` may name (the parts of a single-file checkpoint)."""
+
+
+def parse_config_overrides(text: str) -> dict[str, dict]:
+    """`model.config_overrides` text -> {part: {field: value}}; raises ValueError with a user-facing reason."""
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(data, dict):
+        raise ValueError('it must be a JSON object such as {"unet": {"attention_head_dim": 8}}')
+    unknown = sorted(set(data) - set(CONFIG_OVERRIDE_PARTS))
+    if unknown:
+        raise ValueError(f"unknown part(s) {', '.join(unknown)}; use {', '.join(CONFIG_OVERRIDE_PARTS)}")
+    for part, fields in data.items():
+        if not isinstance(fields, dict):
+            raise ValueError(f'"{part}" must hold an object of config fields, e.g. {{"{part}": {{"field": 1}}}}')
+    return data
+
+
 def _model_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    m = cfg.model
+    problems = []
+    try:
+        overrides = parse_config_overrides(m.config_overrides)
+    except ValueError as e:
+        problems.append(f"model.config_overrides: {e}.")
+        overrides = {}
+    if overrides and set(overrides) != {"vae"}:
+        folder = check_paths and Path(m.base_model).expanduser().is_dir()
+        if m.base_model.startswith(BUILTIN_PREFIX) or folder:
+            problems.append("model.config_overrides: applies to single-file checkpoints only, and "
+                            f"model.base_model {m.base_model!r} is not one (a diffusers folder's own config "
+                            "files describe it); clear model.config_overrides.")
     if not check_paths:
-        return []
-    problems = _path_problem("model.base_model", cfg.model.base_model,
-                             "a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
-    if cfg.model.vae_path:
-        problems += _path_problem("model.vae_path", cfg.model.vae_path,
+        return problems
+    problems += _path_problem("model.base_model", m.base_model,
+                              "a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
+    if m.vae_path:
+        problems += _path_problem("model.vae_path", m.vae_path,
                                   "a VAE folder or file, or leave it empty for the model's own")
     return problems
 

@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from modules.config.train_config import ModelConfig, TrainingConfig
+from modules.config.validation import parse_config_overrides
 
 from .bundle import MODEL_TYPES, ModelBundle
 from .files import SAVE_DTYPES as DTYPES
+from .variants import component_variant
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 BUILTIN_DEMO = "builtin:demo"
@@ -61,6 +63,7 @@ def load_model(
         raise ValueError(
             "model.base_model is empty; set it to a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
 
+    overrides = parse_config_overrides(model_cfg.config_overrides)  # validated: the message names the field
     # With a separate VAE the model's own is never read (no wasted time or memory).
     own_vae = not model_cfg.vae_path.strip()
     if source == BUILTIN_DEMO:
@@ -79,10 +82,10 @@ def load_model(
         if path.is_dir():
             bundle = _load_folder(path, model_cfg, dtypes, str(path.resolve()), own_vae)
         else:
-            bundle = _load_single_file(path, model_cfg, dtypes, own_vae)
+            bundle = _load_single_file(path, model_cfg, dtypes, own_vae, overrides)
 
     if not own_vae:
-        bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type)
+        bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type, overrides.get("vae"))
         bundle.vae_source = str(Path(model_cfg.vae_path.strip()).expanduser().resolve())
 
     for module in bundle.modules().values():
@@ -90,11 +93,12 @@ def load_model(
     return bundle.to(device)
 
 
-def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str = "sd1"):
+def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str = "sd1", config: dict | None = None):
     """A VAE from a diffusers VAE folder, a model folder with `vae/`, or a single file.
 
     `model_type` is the base model's family: a single file does not say which latent scaling factor
-    (SD 0.18215, SDXL 0.13025) its VAE was trained with; diffusers folders do.
+    (SD 0.18215, SDXL 0.13025) its VAE was trained with; diffusers folders do. `config` (fields from
+    `model.config_overrides["vae"]`) applies to a single file.
     """
     from diffusers import AutoencoderKL
 
@@ -105,11 +109,14 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
     if path.is_file():
         from .single_file import load_vae_file
 
-        return _as_dtype(load_vae_file(path, model_type=model_type), dtype)
+        return _as_dtype(load_vae_file(path, model_type=model_type, config=config), dtype)
+    storage = next((name for name, value in DTYPES.items() if value == dtype), "fp16")
     if (path / "config.json").is_file():
-        return AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+        return AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype,
+                                             variant=component_variant(path, "vae", storage))
     if (path / "vae" / "config.json").is_file():
-        return AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=dtype)
+        return AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=dtype,
+                                             variant=component_variant(path / "vae", "vae", storage))
     raise FileNotFoundError(
         f"model.vae_path {str(path)!r} is a folder without config.json or vae/config.json; "
         "point it at a diffusers VAE folder, a model folder that has one, or a .safetensors file"
@@ -172,16 +179,22 @@ def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name
                     f"{folder} is not a complete {model_type.upper()} diffusers folder: {relative} is missing")
 
     common = {"local_files_only": True}
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtypes["unet"], **common)
+    # fp16-only downloads (`*.fp16.safetensors`) need `variant`; each part is checked on its own.
+    variant = {name: component_variant(folder / name, name, storage)
+               for name, storage in [("unet", model_cfg.unet_dtype)] + ([("vae", model_cfg.vae_dtype)] if own_vae else [])
+               + [(encoder, model_cfg.text_encoder_dtype) for encoder in encoder_names]}
+    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtypes["unet"],
+                                                variant=variant["unet"], **common)
     vae = None
     if own_vae:
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"],
+                                            variant=variant["vae"], **common)
     text_encoders, tokenizers = [], []
     for name in encoder_names:
         model_class = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
         tokenizer_name = name.replace("text_encoder", "tokenizer")
-        text_encoders.append(
-            model_class.from_pretrained(folder, subfolder=name, dtype=dtypes["text_encoder"], **common))
+        text_encoders.append(model_class.from_pretrained(folder, subfolder=name, dtype=dtypes["text_encoder"],
+                                                         variant=variant[name], **common))
         tokenizers.append(CLIPTokenizer.from_pretrained(folder, subfolder=tokenizer_name, **common))
 
     index = json.loads((folder / "model_index.json").read_text())
@@ -191,7 +204,8 @@ def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name
     return _assemble(model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, folder)
 
 
-def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool) -> ModelBundle:
+def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool,
+                      overrides: dict | None = None) -> ModelBundle:
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(
             f"model.base_model {str(path)!r} is a file but not a model checkpoint "
@@ -200,7 +214,8 @@ def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae:
     from .single_file import load_single_file_components
 
     parts = load_single_file_components(
-        path, model_type=model_cfg.model_type, prediction_type=model_cfg.prediction_type, load_vae=own_vae)
+        path, model_type=model_cfg.model_type, prediction_type=model_cfg.prediction_type,
+        config_overrides=overrides, load_vae=own_vae)
     model_type = _resolve_model_type(model_cfg.model_type, parts["model_type"], "detected from its weights", str(path))
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if parts.get("text_encoder_2") is not None else [])
     tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if parts.get("tokenizer_2") is not None else [])

@@ -69,6 +69,7 @@ _TEXT_PREFIXES = {  # model_type -> one LDM prefix per text encoder, in bundle o
     "sdxl": (SDXL_TEXT_PREFIX, SDXL_TEXT_2_PREFIX),
 }
 _WANTED_PREFIXES = (UNET_PREFIX, VAE_PREFIX, "cond_stage_model.", "conditioner.embedders.")
+_PART_NAMES = {"UNet": "unet", "VAE": "vae", "text encoder": "text_encoder", "second text encoder": "text_encoder_2"}
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -193,9 +194,14 @@ def _load_weights(model, state: dict, source: Path, component: str):
             problems.append(f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
         if unexpected:
             problems.append(f"{len(unexpected)} unexpected, e.g. {', '.join(unexpected[:3])}")
+        part = _PART_NAMES.get(component, component)
         raise ValueError(
-            f"{source}: the {component} weights do not fit its config ({'; '.join(problems)}). A checkpoint "
-            "with non-standard sizes needs config_overrides (see docs/Models.md, 'Single-file checkpoints')."
+            f"{source}: the {component} weights do not fit the standard {component} config ({'; '.join(problems)}). "
+            f"A checkpoint with non-standard sizes loads with model.config_overrides giving them as JSON, e.g. "
+            f'{{"{part}": {{"attention_head_dim": 8}}}} (GUI: Model tab, Advanced; command line: '
+            "--config-value 'model.config_overrides=<JSON>'), with the fields of that part's config.json in a "
+            "diffusers copy of the same model (docs/Models.md, 'Non-standard sizes'); or point "
+            "model.base_model at such a diffusers folder."
         )
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -18,6 +18,7 @@ LABELS = {
     "general.tensorboard": "Write TensorBoard logs",
     "model.base_model": "Base model",
     "model.vae_path": "VAE (optional)",
+    "model.config_overrides": "Config overrides (JSON)",
     "data.aspect_bucketing": "Aspect-ratio buckets",
     "data.random_flip": "Random horizontal flip",
     "data.random_crop": "Random crop",
@@ -62,6 +63,8 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.field("model.vae_path", browse_kind="any", width=380)
     form.section("Weight storage (frozen parts)")
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
+    form.section("Advanced")
+    form.field("model.config_overrides", width=380)
 
 
 def _ask_concept() -> ConceptConfig | None:
