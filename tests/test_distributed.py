@@ -144,6 +144,13 @@ def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
     assert len(done) == 1 and done[0]["completed"], "exactly one rank reports"
     assert Path(done[0]["output"]).is_file()
     assert "torch.distributed.run" in result.stdout
+    # Rank 0 reports every rank's own loss and images/s (the GUI's per-GPU view).
+    losses = [e for e in events if e["type"] == "loss"]
+    assert [len(e["rank_losses"]) for e in losses] == [2, 2]
+    assert all(e["loss"] == pytest.approx(sum(e["rank_losses"]) / 2) for e in losses)
+    assert losses[0]["rank_losses"][0] != losses[0]["rank_losses"][1]  # each rank's own data
+    last = [e for e in events if e["type"] == "progress"][-1]
+    assert len(last["rank_images_per_s"]) == 2 and all(rate > 0 for rate in last["rank_images_per_s"])
 
 
 @pytest.mark.slow

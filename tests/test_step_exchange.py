@@ -29,3 +29,44 @@ def test_sending_does_not_keep_a_reference_to_the_loss_graph():
     exchange.send(1, 0, loss, 0.1, set())
     loss.backward()  # the exchange detached its copy, so the graph is the trainer's alone
     assert exchange.receive().loss == pytest.approx(6.0)
+
+
+def _two_ranks(rank: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        exchange = StepExchange()
+        exchange.send(1, 0, torch.tensor(float("nan") if rank == 1 else 0.5), 0.1, {"sample"} if rank else set())
+        first = exchange.receive()
+        exchange.send(2, 0, torch.tensor(1.0 + rank), 0.1, set())
+        second = exchange.receive()
+        results.put((rank, first.rank_losses, first.commands, second.loss, second.rank_losses, second.rank_step_s))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_receives_each_ranks_loss_and_step_time(tmp_path):
+    """One all-reduce carries each rank's own loss and step time in its slot; a NaN stays in its rank's slot."""
+    import math
+
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    mp.start_processes(_two_ranks, args=(str(tmp_path / "init"), results), nprocs=2, join=True,
+                       start_method="spawn")
+    reports = dict((r[0], r[1:]) for r in (results.get(timeout=60) for _ in range(2)))
+    assert str(reports[0]) == str(reports[1])  # every rank got the same numbers (as text: NaN != NaN)
+    first_losses, first_commands, mean, losses, step_s = reports[0]
+    assert first_losses[0] == 0.5 and math.isnan(first_losses[1]) and first_commands == {"sample"}
+    assert losses == [1.0, 2.0] and mean == pytest.approx(1.5)
+    assert len(step_s) == 2 and all(s > 0 for s in step_s)  # seconds since each rank's previous step
+
+
+def test_one_process_reports_itself_as_rank_0():
+    exchange = StepExchange()
+    exchange.send(1, 0, torch.tensor(0.25), 0.1, set())
+    first = exchange.receive()
+    exchange.send(2, 0, torch.tensor(0.75), 0.1, set())
+    second = exchange.receive()
+    assert first.rank_losses == [0.25] and first.rank_step_s == [0.0]
+    assert second.rank_losses == [0.75] and second.rank_step_s[0] > 0

@@ -48,6 +48,7 @@ class ProgressReporter:
         self.last_log = self.start_time
         self.step_s: float | None = None
         self.images_per_s = 0.0
+        self.rank_step_s: list[float | None] = []  # each rank's smoothed step time, for its images/s
         self.bar = None
         self.writer = None
         if self.main:
@@ -76,9 +77,10 @@ class ProgressReporter:
             return
         left = n.total_steps - step
         eta = left * n.global_batch / self.images_per_s if self.images_per_s > 0 else None
-        self.emit("loss", step=step, loss=loss_mean, lr=lr)
+        self.emit("loss", step=step, loss=loss_mean, lr=lr, **self._per_rank_losses(report))
         self.emit("progress", epoch=report.epoch + 1, epochs=n.epochs, step=step, total_steps=n.total_steps,
-                  images_per_s=round(self.images_per_s, 3), eta_s=round(eta, 1) if eta is not None else None)
+                  images_per_s=round(self.images_per_s, 3), eta_s=round(eta, 1) if eta is not None else None,
+                  **self._per_rank_rates(report))
         if self.writer is not None:
             self.writer.add_scalar("loss", loss_mean, step)
             self.writer.add_scalar("lr", lr, step)
@@ -100,6 +102,25 @@ class ProgressReporter:
         images = (self.last_step - self.start_step) * self.numbers.global_batch
         return {"images": images, "train_s": round(seconds, 2),
                 "images_per_s": round(images / seconds, 2) if seconds > 0 else 0.0}
+
+    def _per_rank_losses(self, report) -> dict:
+        """`rank_losses` for the GUI's per-GPU view, with several processes only."""
+        return {"rank_losses": report.rank_losses} if len(report.rank_losses) > 1 else {}
+
+    def _per_rank_rates(self, report) -> dict:
+        """`rank_images_per_s`: each rank's local images per step over its own smoothed step time (the
+        warm-up step left out, as for the total)."""
+        if len(report.rank_step_s) < 2:
+            return {}
+        if len(self.rank_step_s) != len(report.rank_step_s):
+            self.rank_step_s = [None] * len(report.rank_step_s)
+        if report.step > self.start_step + 1:
+            for rank, dt in enumerate(report.rank_step_s):
+                if dt > 0:
+                    last = self.rank_step_s[rank]
+                    self.rank_step_s[rank] = dt if last is None else 0.9 * last + 0.1 * dt
+        local = self.numbers.per_gpu_batch * self.numbers.accumulation
+        return {"rank_images_per_s": [round(local / s, 3) if s else 0.0 for s in self.rank_step_s]}
 
     def log_image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:

@@ -6,10 +6,14 @@ slowest rank's pause each step becomes everyone's. Instead each step *sends* its
 this rank saw (one all-reduce queued on the GPU, then a copy into pinned memory), and the next step
 *receives* that result, which the GPU finished long before. Every rank receives the same reduced values
 at the same step, so a command still acts on one step everywhere: the step after the one it was sent with.
+
+The same all-reduce carries each rank's own loss and step time in that rank's slot (zeros elsewhere), so
+every rank's numbers reach rank 0, which reports them, for the price of 2 x world-size more floats.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,18 +28,33 @@ class StepReport:
     loss: float  # mean over ranks
     lr: float
     commands: set[str]  # union over ranks
+    rank_losses: list[float] = field(default_factory=list)  # each rank's own loss, by rank
+    rank_step_s: list[float] = field(default_factory=list)
+    """Each rank's wall-clock seconds since its previous step was sent (0 for its first)."""
 
 
 class StepExchange:
     def __init__(self) -> None:
         self._pending: tuple[int, int, float, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._last_send: float | None = None
 
     def send(self, step: int, epoch: int, loss: torch.Tensor, lr: float, commands: set[str]) -> None:
         if self._pending is not None:
             raise RuntimeError("StepExchange.send called twice without receive: a step's report would be lost")
+        now = time.perf_counter()
+        step_s = now - self._last_send if self._last_send is not None else 0.0
+        self._last_send = now
         on_gpu = loss.is_cuda
-        flags = torch.tensor([float(c in commands) for c in COMMANDS], pin_memory=on_gpu)
-        values = torch.cat([loss.detach().float().reshape(1), flags.to(loss.device, non_blocking=True)])
+        world, rank = du.world_size(), du.rank()
+        # [loss, commands..., step seconds by rank...] built on the host; each rank fills only its slot.
+        host = torch.zeros(1 + len(COMMANDS) + world, pin_memory=on_gpu)
+        host[1:1 + len(COMMANDS)] = torch.tensor([float(c in commands) for c in COMMANDS])
+        host[1 + len(COMMANDS) + rank] = step_s
+        loss = loss.detach().float().reshape(1)
+        rank_losses = torch.zeros(world, device=loss.device)
+        rank_losses[rank] = loss[0]  # assigned, not multiplied by a one-hot: a NaN stays in its own slot
+        values = torch.cat([host.to(loss.device, non_blocking=True), rank_losses])
+        values[0] = loss[0]
         values = du.all_reduce_sum_tensor(values)
         event = None
         if values.is_cuda:
@@ -55,5 +74,7 @@ class StepExchange:
         if event is not None:
             event.synchronize()
         values = host.tolist()
-        commands = {c for c, v in zip(COMMANDS, values[1:]) if v > 0}
-        return StepReport(step, epoch, values[0] / du.world_size(), lr, commands)
+        world, times = du.world_size(), 1 + len(COMMANDS)  # where the per-rank step times start
+        commands = {c for c, v in zip(COMMANDS, values[1:times]) if v > 0}
+        return StepReport(step, epoch, values[0] / world, lr, commands, rank_losses=values[times + world:],
+                          rank_step_s=values[times:times + world])
