@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
+import types
 import time
 from pathlib import Path
 
@@ -320,3 +322,242 @@ def test_newest_backup_is_what_continue_resumes(tmp_path):
     assert controller.newest_backup(cfg) is None
     write_backup(tmp_path / "run" / "backups", "run-a", 12, {"w": torch.zeros(1)}, {}, {}, keep=2)
     assert controller.newest_backup(cfg).step == 12
+
+
+# --- issue 20: what a run shows, and what Start does ---------------------------------------------
+def test_status_headline_never_repeats_the_status():
+    from ui.run_controller import RunState
+    assert RunState(status="failed", message="").headline == "Failed"
+    assert RunState(status="failed", message="Failed").headline == "Failed"
+    assert RunState(status="running", message="loading the model").headline == "Running - loading the model"
+
+
+def test_a_failed_or_finished_run_says_so_once(tmp_path):
+    controller = RunController()
+    controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", CRASHING_TRAINER])
+    assert controller.wait(20)
+    assert controller.state.headline == "Failed"
+    controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", "print('ok')"])
+    assert controller.wait(20)
+    assert controller.state.headline == "Finished"
+
+
+RESUMABLE_TRAINER = textwrap.dedent("""
+    import json, sys
+    first, last = int(sys.argv[1]), int(sys.argv[2])
+    for step in range(first, last + 1):
+        print("@tandem " + json.dumps({"type": "loss", "step": step, "loss": float(sys.argv[3]) / step,
+                                       "rank_losses": [0.1 * step, 0.2 * step]}), flush=True)
+        print("@tandem " + json.dumps({"type": "progress", "epoch": 1, "epochs": 1, "step": step,
+                                       "total_steps": last, "images_per_s": 2.0, "eta_s": 1,
+                                       "rank_images_per_s": [1.0, 1.5]}), flush=True)
+""")
+
+
+def _run_steps(controller, cfg, first, last, scale):
+    controller.start(cfg, 0, command=[sys.executable, "-c", RESUMABLE_TRAINER, str(first), str(last), str(scale)])
+    assert controller.wait(20) and controller.state.status == "finished", controller.state.error
+
+
+def test_the_loss_curve_continues_across_a_resume_and_restarts_with_a_fresh_run(tmp_path):
+    cfg = _workspace_config(tmp_path)
+    controller = RunController()
+    _run_steps(controller, cfg, 1, 6, 1.0)
+    assert [s for s, _ in controller.state.losses] == [1, 2, 3, 4, 5, 6]
+    # Resumed from the backup of step 4: steps 1-4 are its history, 5 and 6 are trained again.
+    _run_steps(controller, cfg, 5, 8, 2.0)
+    losses = controller.state.losses
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert losses[3] == (4, 1.0 / 4) and losses[4] == (5, 2.0 / 5)
+    # A new GUI session resuming the same run folder gets the same history from disk.
+    later = RunController()
+    _run_steps(later, cfg, 9, 10, 3.0)
+    assert [s for s, _ in later.state.losses] == list(range(1, 11))
+    # A fresh run (its first step is 1) starts the curve over.
+    _run_steps(later, cfg, 1, 2, 5.0)
+    assert later.state.losses == [(1, 5.0), (2, 2.5)]
+    assert later.state.rank_losses == [pytest.approx(0.2), pytest.approx(0.4)]
+    assert later.state.rank_images_per_s == [1.0, 1.5]
+
+
+def test_loss_history_skips_a_torn_line(tmp_path):
+    from ui.loss_history import LossHistory
+    path = tmp_path / "gui-losses.csv"
+    path.write_text("1,0.5\n2,0.25\n3,")  # the GUI was killed mid-write
+    assert LossHistory(path).begin(3) == [(1, 0.5), (2, 0.25)]
+
+
+def test_training_sees_gpus_in_the_order_nvml_shows_them(tmp_path):
+    controller = RunController(env={"PATH": os.environ.get("PATH", "")})
+    controller.start(_workspace_config(tmp_path), 0, command=[
+        sys.executable, "-c", "import os; print('order=' + os.environ.get('CUDA_DEVICE_ORDER', ''))"])
+    assert controller.wait(20)
+    assert "order=PCI_BUS_ID" in controller.log
+
+
+def test_start_refuses_multi_gpu_without_gpus_and_asks_with_one():
+    from ui.launch_command import start_check
+    cfg = TrainConfig()
+    assert start_check(cfg, 0) == start_check(cfg, 1) == start_check(cfg, 2)  # multi-GPU off: just start
+    cfg.multi_gpu.enabled = True
+    refused = start_check(cfg, 0)
+    assert refused.refuse and "no GPU is visible" in refused.refuse and "CPU processes" in refused.refuse
+    asked = start_check(cfg, 1)
+    assert asked.ask and "one GPU" in asked.ask and asked.refuse is None
+    assert start_check(cfg, 2) == start_check(cfg, 8)  # two or more: multi-process, nothing to ask
+    cfg.multi_gpu.device_indexes, cfg.multi_gpu.num_gpus = "1", 1
+    assert "only one of its 4 GPUs is ticked" in start_check(cfg, 4).ask
+    for path, value in cpu_process_values("2").items():
+        set_value(cfg, path, value)
+    assert start_check(cfg, 0).refuse is None and start_check(cfg, 0).ask is None
+    # One process after all: the command says so, and the trainer's "use train_multi_gpu.py" note stays away.
+    cfg = TrainConfig()
+    cfg.multi_gpu.enabled = True
+    assert build_command(cfg, "c.json", 1, python="py")[-2:] == ["--config-value", "multi_gpu.enabled=false"]
+
+
+def test_rank_gpus_follow_the_selection():
+    from ui.run_controller import rank_gpus
+    cfg = TrainConfig()
+    assert rank_gpus(cfg, 0) is None and rank_gpus(cfg, 4) == [0]
+    cfg.multi_gpu.enabled = True
+    assert rank_gpus(cfg, 4) == [0, 1, 2, 3]
+    cfg.multi_gpu.device_indexes, cfg.multi_gpu.num_gpus = "1,3", 2
+    assert rank_gpus(cfg, 4) == [1, 3]
+    for path, value in cpu_process_values("3").items():
+        set_value(cfg, path, value)
+    assert rank_gpus(cfg, 4) is None
+
+
+def test_per_gpu_rows_join_rank_numbers_and_gpu_readings():
+    from ui.gpu_info import GpuUsage
+    from ui.per_gpu import per_gpu_rows
+    from ui.run_controller import RunState
+    usage = [GpuUsage(0, 97, 30 * 1024, 80 * 1024, 64), GpuUsage(1, 12, 1024, 80 * 1024, None),
+             GpuUsage(2, 95, 29 * 1024, 80 * 1024, 70)]
+    state = RunState(status="running", rank_losses=[0.1234567, 0.2], rank_images_per_s=[10.5, 9.25], rank_gpus=[0, 2])
+    rows = [row.cells() for row in per_gpu_rows(state, usage)]
+    assert rows == [("Rank 0 · GPU 0", "0.1235", "10.50", "97%", "30.0 / 80 GiB", "64 °C"),
+                    ("Rank 1 · GPU 2", "0.2000", "9.25", "95%", "29.0 / 80 GiB", "70 °C"),
+                    ("GPU 1", "", "", "12%", "1.0 / 80 GiB", "")]
+    cpu = RunState(status="running", rank_losses=[0.5, 0.6], rank_images_per_s=[1.0, 1.0], rank_gpus=None)
+    assert [r.name for r in per_gpu_rows(cpu, [])] == ["Rank 0 (CPU)", "Rank 1 (CPU)"]
+    single = RunState(status="running", rank_gpus=[0])
+    assert [r.name for r in per_gpu_rows(single, usage)] == ["GPU 0 (training)", "GPU 1", "GPU 2"]
+    assert per_gpu_rows(RunState(), []) == []
+
+
+class FakeNvml:
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, broken=()):
+        self.broken = set(broken)
+
+    def nvmlDeviceGetCount(self):
+        return 3
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i in self.broken:
+            raise RuntimeError("GPU is lost")
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return types.SimpleNamespace(used=(handle + 1) * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return types.SimpleNamespace(gpu=10 * handle)
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        if handle == 2:
+            raise RuntimeError("Not Supported")
+        return 50 + handle
+
+
+def test_gpu_usage_has_temperature_and_survives_a_lost_gpu():
+    from ui.gpu_info import GpuUsage, UsageMonitor
+    usage = UsageMonitor(FakeNvml(broken={1})).read()
+    assert usage == [GpuUsage(0, 0, 1024, 80 * 1024, 50), GpuUsage(2, 20, 3072, 80 * 1024, None)]
+    assert usage[0].label().endswith("50 °C")
+
+
+def test_nvml_is_installed_with_the_app_on_linux_and_windows():
+    import tomllib
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    nvml = [d for d in project["dependencies"] if d.startswith("nvidia-ml-py")]
+    assert nvml and "sys_platform == 'linux'" in nvml[0] and "sys_platform == 'win32'" in nvml[0]
+    assert "gpu-monitor" not in project.get("optional-dependencies", {})
+
+
+def test_opening_a_folder_without_a_file_manager_says_where_it_is(tmp_path, monkeypatch):
+    from ui import external
+    monkeypatch.setattr(external.sys, "platform", "linux")
+    monkeypatch.setattr(external.shutil, "which", lambda name: None)
+    result = external.open_folder(tmp_path / "out")
+    assert not result.ok and str((tmp_path / "out").resolve()) in result.message
+    assert "No file manager found" in result.message and (tmp_path / "out").is_dir()
+
+    def failing_popen(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(external.shutil, "which", lambda name: "/usr/bin/xdg-open")
+    monkeypatch.setattr(external.subprocess, "Popen", failing_popen)
+    result = external.open_folder(tmp_path / "out")
+    assert not result.ok and "Permission denied" in result.message and str((tmp_path / "out").resolve()) in result.message
+
+
+def test_tensorboard_shows_its_address_when_no_browser_opens(tmp_path, monkeypatch):
+    from ui import external
+
+    class Server:
+        def __init__(self, command, **kwargs):
+            self.command = command
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            pass
+
+    monkeypatch.setattr(external.subprocess, "Popen", Server)
+    board = external.TensorBoard(open_browser=lambda url: False)
+    result = board.open(tmp_path / "tb")
+    assert not result.ok and board.url in result.message and "open that address yourself" in result.message
+    board.open_browser = lambda url: True
+    result = board.open(tmp_path / "tb")
+    assert result.ok and board.url in result.message
+
+
+def test_field_places_name_tab_and_label():
+    from ui.field_places import FieldPlaces
+    places = FieldPlaces()
+    places.add("training.batch_size", "Training", "Batch size per GPU")
+    places.add("training.precision", "Training", "Precision")
+    places.add("data.concepts", "Data", "Concepts")
+    places.add("data.concepts[0].repeats", "Data", "Repeats")
+    assert places.describe("training.batch_size: 0 is not allowed; set it to 1 or more.") == \
+        "Training › Batch size per GPU: 0 is not allowed; set it to 1 or more."
+    assert places.describe("model.unet_dtype: 'fp16' needs training.precision bf16 or fp16") == \
+        "model.unet_dtype: 'fp16' needs Training › Precision bf16 or fp16"  # unplaced paths stay
+    assert places.describe("data.concepts[2].repeats: 0 is not allowed") == \
+        "Data › Concepts, row 3 › Repeats: 0 is not allowed"
+    assert places.without_field("training.batch_size: 0 is not allowed", "training.batch_size") == "0 is not allowed"
+    assert places.describe("e.g. model.safetensors stays") == "e.g. model.safetensors stays"
+
+
+def test_unused_fields_follow_method_and_optimizer():
+    from ui.applicability import unused_fields
+    cfg = TrainConfig()
+    unused = unused_fields(cfg)
+    assert "training.lora_rank" not in unused and "save.full_format" in unused
+    assert "optimizer.momentum" in unused and "optimizer.beta1" not in unused
+    cfg.training.method, cfg.optimizer.name = "full", "sgd"
+    unused = unused_fields(cfg)
+    assert "Method is full" in unused["training.lora_rank"] and "save.lora_format" in unused
+    assert "optimizer.momentum" not in unused and "Optimizer is sgd" in unused["optimizer.beta1"]
+    assert all(path in leaf_paths(cfg) for path in unused)
+
+
+def test_tooltips_have_no_code_marks():
+    from ui.binding import plain_text
+    text = plain_text(field_doc("general.device"))
+    assert "`" not in text and "auto" in text

@@ -150,6 +150,11 @@ def field_doc(path: str) -> str:
     return field_docs(type(owner)).get(name, "")
 
 
+def plain_text(doc: str) -> str:
+    """Docstring text as a tooltip shows it: the backticks that mark code in the docs removed."""
+    return doc.replace("`", "")
+
+
 def field_label(path: str) -> str:
     """`training.lora_rank` -> `Lora rank`: a readable label derived from the field name."""
     name = _parts(path)[-1][0]

@@ -1,8 +1,10 @@
 """GPU detection and live utilisation, without initialising CUDA in the GUI process.
 
 The GUI later starts training that may fork (spawn launcher, DataLoader workers); a CUDA context
-created here first would be of no use to them and costs memory on every GPU. So detection uses
-nvidia-ml-py when it is installed and otherwise asks torch in a short subprocess.
+created here first would be of no use to them and costs memory on every GPU. So detection uses NVML
+(nvidia-ml-py, a dependency on Linux and Windows) and otherwise asks torch in a short subprocess.
+NVML numbers GPUs in PCI bus order, as nvidia-smi does; the GUI starts training with
+CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's numbers (device_indexes, ranks) are the same ones.
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ class GpuUsage:
     utilisation_pct: int
     memory_used_mib: int
     memory_total_mib: int
+    temperature_c: int | None = None
 
     def label(self) -> str:
+        temperature = f" · {self.temperature_c} °C" if self.temperature_c is not None else ""
         return (f"GPU {self.index}: {self.utilisation_pct}% · "
-                f"{self.memory_used_mib / 1024:.1f}/{self.memory_total_mib / 1024:.0f} GiB")
+                f"{self.memory_used_mib / 1024:.1f}/{self.memory_total_mib / 1024:.0f} GiB{temperature}")
 
 
 def _nvml():
@@ -71,10 +75,12 @@ def detect_gpus(python: str = sys.executable, timeout_s: float = 60.0) -> list[G
 
 
 class UsageMonitor:
-    """Per-GPU utilisation and memory through NVML; `available` is False without nvidia-ml-py."""
+    """Per-GPU utilisation, memory and temperature through NVML (nvidia-ml-py, installed with Tandem on
+    Linux and Windows). `available` is False without it or without an NVIDIA driver; a GPU whose reading
+    fails (fallen off the bus, a driver reset) is left out of that reading rather than failing the GUI."""
 
-    def __init__(self):
-        self._nvml = _nvml()
+    def __init__(self, nvml=None):
+        self._nvml = nvml if nvml is not None else _nvml()
 
     @property
     def available(self) -> bool:
@@ -84,9 +90,20 @@ class UsageMonitor:
         if self._nvml is None:
             return []
         nvml, usage = self._nvml, []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-            usage.append(GpuUsage(i, int(rates.gpu), memory.used // 2**20, memory.total // 2**20))
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except Exception:  # noqa: BLE001 - the driver went away: nothing to show this time
+            return []
+        for i in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+            except Exception:  # noqa: BLE001
+                continue
+            try:
+                temperature = int(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+            except Exception:  # noqa: BLE001 - some boards (and vGPUs) have no sensor
+                temperature = None
+            usage.append(GpuUsage(i, int(rates.gpu), memory.used // 2**20, memory.total // 2**20, temperature))
         return usage

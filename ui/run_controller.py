@@ -25,7 +25,9 @@ from modules.trainer.callbacks import EVENTS_VARIABLE
 from modules.util.workspace_lock import workspace_in_use
 
 from .events import LogLine, TrainingEvent, parse_line
-from .launch_command import build_command
+from .launch_command import build_command, is_multi_process
+from .loss_history import LossHistory
+from .multi_gpu_settings import selected_gpus
 
 COMMANDS = ("stop", "sample", "backup", "save")
 ERROR_TAIL_LINES = 25
@@ -45,6 +47,12 @@ class RunState:
     eta_s: float | None = None
     lr: float | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
+    """The loss curve: a resumed run's earlier points (from the run folder), then this run's."""
+    rank_losses: list[float] = field(default_factory=list)
+    """The last step's loss of each rank (several processes only)."""
+    rank_images_per_s: list[float] = field(default_factory=list)
+    rank_gpus: list[int] | None = None
+    """The GPU each rank trains on (NVML / nvidia-smi numbers); None for CPU processes."""
     run_info: dict[str, Any] = field(default_factory=dict)
     """The trainer's `config` event: world size, global batch, LR after scaling."""
     samples: list[dict[str, Any]] = field(default_factory=list)
@@ -62,10 +70,26 @@ class RunState:
     def fraction(self) -> float:
         return min(self.step / self.total_steps, 1.0) if self.total_steps else 0.0
 
+    @property
+    def headline(self) -> str:
+        """`Running - loading the model`, `Failed`: the status, and the message when it adds something."""
+        status = self.status.capitalize()
+        message = self.message.strip()
+        return f"{status} - {message}" if message and message.lower() != self.status else status
+
 
 @dataclass(frozen=True)
 class _Exited:
     returncode: int
+
+
+def rank_gpus(cfg: TrainConfig, visible_gpus: int) -> list[int] | None:
+    """The GPU of each rank a start with `cfg` runs: the chosen GPUs in order, or GPU 0 for one process."""
+    if cfg.general.device == "cpu" or visible_gpus == 0:
+        return None
+    if not is_multi_process(cfg, visible_gpus):
+        return [0]
+    return selected_gpus(cfg, list(range(visible_gpus)))
 
 
 def _exit_reason(returncode: int, log_tail: list[str]) -> str:
@@ -96,6 +120,7 @@ class RunController:
         self._queue: queue.Queue = queue.Queue()
         self._stop_deadline: float | None = None
         self._terminated = False
+        self.history: LossHistory | None = None
 
     # --- starting --------------------------------------------------------------------------
     def prepare(self, cfg: TrainConfig) -> Path:
@@ -110,6 +135,9 @@ class RunController:
         self.commands_file = commands
         config_path = commands.parent / "gui-config.json"
         save_config(cfg, config_path)
+        if self.history is not None:
+            self.history.close()
+        self.history = LossHistory(commands.parent / "gui-losses.csv")
         return config_path
 
     def _absolute(self, path: Path) -> Path:
@@ -136,12 +164,16 @@ class RunController:
         env = dict(self.env if self.env is not None else os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # event lines must arrive as they are printed
         env[EVENTS_VARIABLE] = "1"  # the run reports through event lines only when asked to
+        # CUDA numbers GPUs fastest first, NVML (the GPU list, the usage view) by PCI bus: make CUDA
+        # follow the bus too, so that "GPU 1" is the same card in the GUI and in training.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         kwargs: dict[str, Any] = {}
         if os.name == "nt":
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
         else:
             kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
-        self.state = RunState(status="running", message=STARTING, command=list(command))
+        self.state = RunState(status="running", message=STARTING, command=list(command),
+                              rank_gpus=rank_gpus(cfg, visible_gpus))
         self.log.clear()
         self.log_count = 0
         self._log("$ " + subprocess.list2cmdline(command))
@@ -188,7 +220,7 @@ class RunController:
             return
         self.send("stop")
         self.state.status = "stopping"
-        self.state.message = "Stopping after the current step"
+        self.state.message = "every rank stops after the current step"
         self._stop_deadline = time.monotonic() + self.stop_timeout_s
 
     def terminate(self) -> None:
@@ -249,9 +281,16 @@ class RunController:
             s.total_steps = int(event.get("total_steps", s.total_steps))
             s.images_per_s = float(event.get("images_per_s", 0.0) or 0.0)
             s.eta_s = event.get("eta_s")
+            s.rank_images_per_s = list(event.get("rank_images_per_s") or [])
         elif event.type == "loss":
-            s.losses.append((int(event.get("step", len(s.losses))), float(event.get("loss"))))
+            step, loss = int(event.get("step", len(s.losses))), float(event.get("loss"))
+            if not s.losses and self.history is not None:
+                s.losses = self.history.begin(step)  # a resumed run continues its earlier curve
+            s.losses.append((step, loss))
+            if self.history is not None:
+                self.history.append(step, loss)
             s.lr = event.get("lr", s.lr)
+            s.rank_losses = list(event.get("rank_losses") or [])
         elif event.type == "sample":
             s.samples.append(dict(event.data))
         elif event.type == "saved":
@@ -271,20 +310,22 @@ class RunController:
         s = self.state
         stopping = s.status == "stopping"
         self._stop_deadline = None
+        if self.history is not None:
+            self.history.close()
         if returncode == 0 and s.error is None:
             s.status = "stopped" if stopping else "finished"
-            s.message = "Stopped" if stopping else "Finished"
+            s.message = ""
             return
         if stopping and self._terminated:
             s.status = "stopped"
-            s.message = "Stopped (the process was ended after it did not stop in time)"
+            s.message = "the process was ended after it did not stop in time"
             return
         tail = [line for line in self.log if not line.startswith("$ ")][-ERROR_TAIL_LINES:]
         reason = _exit_reason(returncode, tail) if returncode != 0 else "Training reported an error."
         if s.error:
             reason = f"{s.error}\n{reason}"
         s.status = "failed"
-        s.message = "Failed"
+        s.message = ""  # the error box below says what happened
         s.error = reason + "\n\nLast log lines:\n" + "\n".join(tail)
 
     def wait(self, timeout: float) -> bool:

@@ -1,0 +1,80 @@
+"""Which fields the current config does not use, and why (the views grey those out).
+
+A field that does nothing in this config (LoRA rank in a full fine-tune, SGD momentum for AdamW) is
+disabled rather than hidden, so the form keeps its shape; its tooltip says what would make it count.
+Only fields whose value is ignored are listed: nothing here changes what training does.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from modules.config import TrainConfig
+
+Rule = Callable[[TrainConfig], "str | None"]
+
+_ADAM = ("adamw", "adamw_8bit")
+
+
+def _lora(c: TrainConfig) -> str | None:
+    return None if c.training.method == "lora" else "used only by LoRA training (Method is full)"
+
+
+def _full(c: TrainConfig) -> str | None:
+    return None if c.training.method == "full" else "used only by full fine-tuning (Method is lora)"
+
+
+def _adam(c: TrainConfig) -> str | None:
+    return None if c.optimizer.name in _ADAM else f"used only by AdamW (Optimizer is {c.optimizer.name})"
+
+
+def _multi_gpu(c: TrainConfig) -> str | None:
+    return None if c.multi_gpu.enabled else "used only with Multi-GPU on"
+
+
+RULES: dict[str, Rule] = {
+    "training.lora_rank": _lora,
+    "training.lora_alpha": _lora,
+    "training.lora_dropout": _lora,
+    "training.lora_target_modules": _lora,
+    "save.lora_format": _lora,
+    "save.full_format": _full,
+    "optimizer.beta1": _adam,
+    "optimizer.beta2": _adam,
+    "optimizer.eps": _adam,
+    "optimizer.fused": lambda c: None if c.optimizer.name == "adamw" else
+    f"used only by AdamW (Optimizer is {c.optimizer.name})",
+    "optimizer.momentum": lambda c: None if c.optimizer.name == "sgd" else
+    f"used only by SGD (Optimizer is {c.optimizer.name})",
+    "training.text_encoder_learning_rate": lambda c: None if c.training.train_text_encoder else
+    "used only when the text encoder is trained (Train text encoder is off)",
+    "training.epochs": lambda c: None if c.training.max_steps <= 0 else
+    f"not used while Max steps is set ({c.training.max_steps} steps decide the length)",
+    "training.ema_decay": lambda c: None if c.training.ema else "used only with EMA of weights on",
+    "save.ema_weights": lambda c: None if c.training.ema else "used only with EMA of weights on",
+    "data.keep_tags": lambda c: None if c.data.shuffle_tags else "used only with Shuffle tags on",
+    "data.bucket_step": lambda c: None if c.data.aspect_bucketing else "used only with Aspect-ratio buckets on",
+    "data.cache_text_embeddings": lambda c: None if not (c.training.train_text_encoder or c.data.shuffle_tags)
+    else "not possible while the text encoder trains or tags are shuffled (captions change every time)",
+    "data.prefetch_factor": lambda c: None if c.data.num_workers > 0 else "used only with Loader workers above 0",
+    "multi_gpu.backend": _multi_gpu,
+    "multi_gpu.distributed_data_loading": _multi_gpu,
+    "multi_gpu.lr_scaling": _multi_gpu,
+    "multi_gpu.master_port": _multi_gpu,
+    "multi_gpu.master_addr": _multi_gpu,
+    "multi_gpu.timeout_minutes": _multi_gpu,
+    "multi_gpu.bucket_cap_mb": _multi_gpu,
+    "multi_gpu.gradient_compression": _multi_gpu,
+    "multi_gpu.static_graph": _multi_gpu,
+    "multi_gpu.find_unused_parameters": _multi_gpu,
+    "multi_gpu.gradient_as_bucket_view": _multi_gpu,
+}
+
+
+def unused_fields(cfg: TrainConfig) -> dict[str, str]:
+    """Field path -> why it does nothing in `cfg`, for every field the config does not use."""
+    reasons = {}
+    for path, rule in RULES.items():
+        reason = rule(cfg)
+        if reason:
+            reasons[path] = reason
+    return reasons

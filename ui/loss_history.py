@@ -1,0 +1,55 @@
+"""The loss curve of a run folder, kept on disk so that the plot continues when a run is resumed.
+
+Every loss the GUI receives is appended to `<workspace>/.tandem/gui-losses.csv` (`step,loss` lines). When
+a run starts, its first reported step decides what the earlier lines mean: step 1 is a fresh run (the
+file starts over); a later step is a resume from a backup, so the points before it are the history of the
+same training and stay in the plot (points at or after it were trained again and are dropped). The file
+outlives the GUI, so a run resumed the next day still shows its whole curve.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TextIO
+
+
+class LossHistory:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file: TextIO | None = None
+
+    def read(self) -> list[tuple[int, float]]:
+        """The points on disk; unreadable lines (a half-written last line after a crash) are skipped."""
+        points = []
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except OSError:
+            return []
+        for line in text.splitlines():
+            step, _, loss = line.partition(",")
+            try:
+                points.append((int(step), float(loss)))
+            except ValueError:
+                continue
+        return points
+
+    def begin(self, first_step: int) -> list[tuple[int, float]]:
+        """A run reported its first loss at `first_step`: return the earlier points that belong to it and
+        keep only those on disk."""
+        earlier = [(s, v) for s, v in self.read() if s < first_step] if first_step > 1 else []
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._file.writelines(f"{s},{v!r}\n" for s, v in earlier)
+        self._file.flush()
+        return earlier
+
+    def append(self, step: int, loss: float) -> None:
+        if self._file is None:
+            return
+        self._file.write(f"{step},{loss!r}\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
