@@ -3,7 +3,8 @@
     python scripts/render_screenshots.py [--out docs/images] [--example-gpus 2]
 
 Starts its own Xvfb display, opens the demo preset, and for the Run tab really trains the demo
-on 2 CPU processes for a few steps, so the progress, loss plot, sample and log are real.
+on 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample and log are
+real; the Run tab is also shown at 1024x600.
 `--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
 GPUs); the picture's caption in docs/GUI.md says so.
 """
@@ -100,6 +101,11 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
         settle(0.2)
         state = app.controller.state
     shoot("tab-run")
+    # The same at 1024x600 (a laptop screen): the tab scrolls; shown scrolled to the per-GPU view and log.
+    app.geometry("1024x600+0+0")
+    settle()
+    app.run_view._parent_canvas.yview_moveto(0.45)
+    shoot("tab-run-1024x600")
     app.controller.stop()
     while app.controller.state.active and time.monotonic() < deadline + 60:
         settle(0.2)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modules.config import config_to_dict, read_json
-from ui.binding import field_doc
+from ui.binding import field_doc, plain_text
 from ui.gpu_info import GpuInfo
 from ui.run_controller import RunController
 from ui.settings import RecentConfigs
@@ -53,12 +53,15 @@ class FakeDialogs:
         self.errors: list[tuple[str, str]] = []
         self.save_answer: bool | None = False
         self.save_path = ""
+        self.yes_no_answer = True
+        self.questions: list[str] = []
 
     def ask_save_changes(self, name):
         return self.save_answer
 
     def ask_yes_no(self, title, text):
-        return True
+        self.questions.append(text)
+        return self.yes_no_answer
 
     def ask_open_path(self):
         return ""
@@ -143,7 +146,8 @@ def test_invalid_values_are_marked_and_start_is_refused(app_factory):
     app, _ = app_factory()
     batch = app.binder.fields["training.batch_size"]
     batch.var.set("0")
-    assert "training.batch_size" in batch.message and batch.error_label.winfo_manager() == "grid"
+    # Under the field: the message without the field's own path.
+    assert batch.message.startswith("0 is not allowed") and batch.error_label.winfo_manager() == "grid"
     assert batch.widget.cget("border_color") == "#d94040"
     lr = app.binder.fields["training.learning_rate"]
     before = app.model.cfg.training.learning_rate
@@ -151,11 +155,21 @@ def test_invalid_values_are_marked_and_start_is_refused(app_factory):
     assert "expected a number" in lr.message and app.model.cfg.training.learning_rate == before
     assert app.run_view.start() is False
     shown = app.run_view.error_text()
-    assert "training.batch_size" in shown and "training.learning_rate" in shown
+    # Start's list names the tab and the label a user sees, not config paths.
+    assert "Training › Batch size per GPU: 0 is not allowed" in shown
+    assert "Training › Learning rate: expected a number" in shown
+    assert "training.batch_size" not in shown and "training.learning_rate" not in shown
     assert app.controller.state.status == "idle"
+    app.binder.fields["data.concepts[0].repeats"].var.set("0")
+    assert any(p.startswith("Data › Concepts, row 1 › Repeats: 0 is not allowed")
+               for p in app.binder.all_problems(check_paths=False))
+    app.binder.fields["data.concepts[0].repeats"].var.set("1")
+    lr.var.set("1e-4")
     batch.var.set("2")
     assert batch.message == "" and batch.error_label.winfo_manager() == ""
-    assert batch.tooltip.text == field_doc("training.batch_size")  # tooltips come from the docstrings
+    # Fixing the last problem takes the "Cannot start" list away.
+    assert app.run_view.error_text() == ""
+    assert batch.tooltip.text == plain_text(field_doc("training.batch_size"))  # tooltips come from the docstrings
 
 
 def test_multi_gpu_frame_writes_the_config(app_factory):
@@ -273,3 +287,212 @@ def test_check_setup_shows_the_report(app_factory):
     assert "check_multi_gpu.py" in report and "--config-path" in report
     assert "No CUDA GPU" in report or "GPU" in report
     assert "No problems found." in report, report[-1500:]
+
+
+# --- issue 20: a GUI a person can live in ------------------------------------------------------
+SCRIPTED_TRAINER = textwrap.dedent("""
+    import json, sys
+    def emit(**event):
+        print("@tandem " + json.dumps(event), flush=True)
+    first, last, sample, code = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    emit(type="config", world_size=2, per_gpu_batch=4, accumulation=1, global_batch=8, steps_per_epoch=10,
+         total_steps=10, base_lr=1e-4, lr=2e-4)
+    for step in range(first, last + 1):
+        emit(type="loss", step=step, loss=1.0 / step, lr=2e-4, rank_losses=[0.9 / step, 1.1 / step])
+        emit(type="progress", epoch=1, epochs=1, step=step, total_steps=10, images_per_s=8.0, eta_s=3,
+             rank_images_per_s=[4.0, 4.0])
+    if sample != "-":
+        emit(type="sample", step=last, path=sample, prompt="a red circle")
+    if code:
+        print("RuntimeError: scripted failure", flush=True)
+    else:
+        import time
+        time.sleep(float(sys.argv[5]) if len(sys.argv) > 5 else 0)
+    sys.exit(code)
+""")
+
+
+class ScriptedController(RunController):
+    """Runs the scripted trainer with the arguments of the next `script` entry instead of training."""
+
+    def __init__(self):
+        super().__init__()
+        self.script: list[list[str]] = []
+        self.started: list[list[str]] = []
+
+    def start(self, cfg, visible_gpus, command=None):
+        from ui.launch_command import build_command
+        self.started.append(build_command(cfg, "gui-config.json", visible_gpus))
+        return super().start(cfg, visible_gpus, command=[sys.executable, "-c", SCRIPTED_TRAINER, *self.script.pop(0)])
+
+
+def _png(path: Path) -> Path:
+    from PIL import Image
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(path)
+    return path
+
+
+def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_factory, tmp_path):
+    controller = ScriptedController()
+    app, _ = app_factory(controller=controller)
+    view = app.run_view
+    controller.script = [["1", "4", str(_png(tmp_path / "s.png")), "1"], ["3", "5", "-", "0", "1"]]
+    view.start_button.invoke()
+    assert pump(app, lambda: controller.state.status == "failed", timeout=20)
+    pump(app)
+    assert view.status.cget("text") == "Failed"  # not "Failed - Failed"
+    assert view.sample_caption.cget("text") == "step 4: a red circle" and view.sample_image.cget("text") == ""
+    assert "World size 2" in view.run_info.cget("text") and "step 4/10" in view.progress_text.cget("text")
+    assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4]
+
+    view.start_button.invoke()  # resumed from step 2's backup: the next run reports step 3 first
+    # Straight after Start nothing of the failed run is left on screen.
+    assert view.error_text() == "" and view.status.cget("text") == "Running - starting the training processes"
+    assert view.sample_image.cget("text") == "No sample yet" and view.sample_caption.cget("text") == ""
+    assert view.progress_text.cget("text") == "" and view.run_info.cget("text") == "" and view.progress.get() == 0
+    assert view.per_gpu_text() == []
+    assert pump(app, lambda: controller.state.step == 5, timeout=20)
+    pump(app)
+    assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4, 5]
+    assert view.loss_plot.points[2] == (3, 1.0 / 3)
+    assert pump(app, lambda: controller.state.status == "finished", timeout=20)
+    pump(app)
+    assert view.status.cget("text") == "Finished"
+
+
+def test_per_gpu_view_shows_each_rank_and_its_gpu(app_factory, tmp_path):
+    from tests.test_ui_controllers import FakeNvml
+    from ui.gpu_info import UsageMonitor
+    controller = ScriptedController()
+    gpus = [GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920), GpuInfo(2, "Fake GPU", 81920)]
+    app, _ = app_factory(gpus=gpus, controller=controller)
+    view = app.run_view
+    view.monitor = UsageMonitor(FakeNvml())
+    view._poll_gpus()
+    assert view.per_gpu_text()[0] == ["", "Loss", "Images/s", "GPU load", "Memory", "Temp."]
+    assert [row[0] for row in view.per_gpu_text()[1:]] == ["GPU 0", "GPU 1", "GPU 2"]  # idle: the GPUs only
+    app.multi_gpu.enable.widget.toggle()
+    app.multi_gpu.gpu_checks[2].toggle()  # GPU 1 left out: ranks 0 and 1 train on GPUs 0 and 2
+    controller.script = [["1", "2", "-", "0", "5"]]
+    view.start_button.invoke()
+    assert controller.started[-1][1].endswith("train_multi_gpu.py")
+    assert pump(app, lambda: controller.state.step == 2, timeout=20)
+    pump(app)
+    rows = view.per_gpu_text()[1:]
+    assert rows[0] == ["Rank 0 · GPU 0", "0.4500", "4.00", "0%", "1.0 / 80 GiB", "50 °C"]
+    assert rows[1] == ["Rank 1 · GPU 2", "0.5500", "4.00", "20%", "3.0 / 80 GiB", ""]
+    assert rows[2][0] == "GPU 1" and rows[2][1] == ""
+    controller.terminate()
+
+
+def test_the_window_works_at_1024x600(app_factory, tmp_path):
+    from PIL import ImageGrab
+
+    from ui.views.app import MIN_SIZE
+    app, _ = app_factory()
+    assert (app._min_width, app._min_height) == MIN_SIZE  # CTk keeps what minsize() was given
+    for width, height in ((1024, 600), MIN_SIZE):
+        app.geometry(f"{width}x{height}+0+0")
+        pump(app, timeout=0.6)
+        right = app.winfo_rootx() + app.winfo_width()
+        for button in (app.load_button, app.save_button, app.save_as_button):
+            assert button.winfo_rootx() + button.winfo_width() <= right, (width, button.cget("text"))
+        app.tabs.set("Run")
+        view = app.run_view
+        view._parent_canvas.yview_moveto(0.0)
+        pump(app, timeout=0.3)
+        bottom = app.winfo_rooty() + app.winfo_height()
+        for button in (view.start_button, view.stop_button, view.save_button, view.tensorboard_button):
+            assert button.winfo_rootx() + button.winfo_width() <= right, (width, button.cget("text"))
+            assert button.winfo_rooty() + button.winfo_height() <= bottom
+        # The log is below the fold at this height: the tab scrolls down to it.
+        view._parent_canvas.yview_moveto(1.0)
+        pump(app, timeout=0.3)
+        assert view.log.winfo_rooty() + view.log.winfo_height() <= bottom + 2, (width, height)
+        assert view.log.winfo_rooty() >= app.winfo_rooty()
+    app.geometry("1024x600+0+0")
+    pump(app, timeout=0.6)
+    shot = ImageGrab.grab(bbox=(app.winfo_rootx(), app.winfo_rooty(), app.winfo_rootx() + app.winfo_width(),
+                                app.winfo_rooty() + app.winfo_height()), xdisplay=os.environ["DISPLAY"])
+    assert shot.size == (1024, 600)
+    shot.save(tmp_path / "run-1024x600.png")
+
+
+def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_factory):
+    from ui.views.tooltip import Tooltip
+    app, _ = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
+    pump(app)
+    tips = [t.text for t in list(Tooltip._by_widget().values())]
+    assert len(tips) > 80 and all(tips) and not [t for t in tips if "`" in t]
+    view, frame = app.run_view, app.multi_gpu
+    for widget in (frame.gpu_checks[0], frame.summary, frame.check_button, view.start_button, view.stop_button,
+                   view.sample_button, view.backup_button, view.save_button, view.output_button,
+                   view.tensorboard_button):
+        assert Tooltip.of(widget) is not None and len(Tooltip.of(widget).text) > 40, widget
+    # Every config field has a place in the window, so every message can name a tab and a label.
+    from ui.binding import leaf_paths
+    assert [p for p in leaf_paths(app.model.cfg) if app.binder.places.name(p) is None] == []
+    fields = app.binder.fields
+    method, optimizer = fields["training.method"], fields["optimizer.name"]
+    method.var.set("lora")
+    assert fields["training.lora_rank"].widget.cget("state") == "normal"
+    assert fields["optimizer.momentum"].widget.cget("state") == "disabled"  # AdamW has no momentum
+    assert "Not used now: used only by SGD" in fields["optimizer.momentum"].tooltip.text
+    method.var.set("full")
+    optimizer.var.set("sgd")
+    for path in ("training.lora_rank", "training.lora_alpha", "training.lora_dropout", "training.lora_target_modules",
+                 "save.lora_format", "optimizer.beta1", "optimizer.fused"):
+        assert fields[path].widget.cget("state") == "disabled", path
+    assert fields["optimizer.momentum"].widget.cget("state") == "normal"
+    assert fields["save.full_format"].widget.cget("state") == "normal"
+    assert "Method is full" in fields["training.lora_rank"].tooltip.text
+    method.var.set("lora")
+    assert fields["training.lora_rank"].widget.cget("state") == "normal"
+
+
+def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory, tmp_path, monkeypatch):
+    from ui import external
+    from modules.config.run_paths import RunPaths
+    app, _ = app_factory()
+    view = app.run_view
+    monkeypatch.setattr(external.sys, "platform", "linux")
+    monkeypatch.setattr(external.shutil, "which", lambda name: None)
+    view.output_button.invoke()  # no file manager here: no traceback, the path in the window
+    folder = str(RunPaths(app.model.cfg).output_dir.resolve())
+    assert "No file manager found" in view.notice_text() and folder in view.notice_text()
+
+    class Server:
+        def __init__(self, command, **kwargs):
+            pass
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            pass
+
+    monkeypatch.setattr(external.subprocess, "Popen", Server)
+    view.tensorboard.open_browser = lambda url: False
+    view.tensorboard_button.invoke()
+    assert view.tensorboard.url in view.notice_text() and "no web browser" in view.notice_text()
+
+
+def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_factory):
+    controller = ScriptedController()
+    app, dialogs = app_factory(controller=controller)
+    app.multi_gpu.enable.widget.toggle()
+    assert app.model.cfg.multi_gpu.enabled and app.multi_gpu.cpu_var.get() == "off"
+    assert app.run_view.start() is False
+    assert "no GPU is visible" in app.run_view.error_text() and "CPU processes" in app.run_view.error_text()
+    assert controller.state.status == "idle" and controller.started == []
+
+    app._gpus_found([GpuInfo(0, "Fake GPU", 81920)])
+    dialogs.yes_no_answer = False
+    assert app.run_view.start() is False and "one GPU" in dialogs.questions[-1]
+    assert controller.started == []
+    dialogs.yes_no_answer = True
+    controller.script = [["1", "1", "-", "0"]]
+    assert app.run_view.start() is True
+    assert controller.started[-1][1].endswith("train.py")
+    assert controller.started[-1][-2:] == ["--config-value", "multi_gpu.enabled=false"]
+    assert pump(app, lambda: not controller.state.active, timeout=20)

@@ -21,6 +21,9 @@ from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, bui
 from .training_tab import build_training_tab
 
 TABS = ("General", "Model", "Data", "Training", "Sampling", "Backup & Save", "Run")
+MIN_SIZE = (760, 540)
+"""Below this the config bar's buttons or the Run tab's first row would be cut off; every tab scrolls, so
+everything else is reachable at this size."""
 DEFAULT_PRESET = "#demo"
 PRESET_PREFIX = "preset: "
 
@@ -32,7 +35,7 @@ class TandemApp(ctk.CTk):
                  python: str = sys.executable):
         super().__init__()
         self.geometry("1100x820")
-        self.minsize(900, 600)
+        self.minsize(*MIN_SIZE)
         self.recent = recent or RecentConfigs()
         self.dialogs = dialogs or Dialogs()
         self.model = ConfigModel()
@@ -51,7 +54,8 @@ class TandemApp(ctk.CTk):
         self.multi_gpu = build_training_tab(self.tabs.tab("Training"), self.binder, python)
         self.prompts = build_sampling_tab(self.tabs.tab("Sampling"), self.binder)
         build_save_tab(self.tabs.tab("Backup & Save"), self.binder)
-        self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus))
+        self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
+                                ask=self.dialogs.ask_yes_no)
         self.run_view.pack(fill="both", expand=True)
 
         self.binder.on_change.append(lambda _path: self._update_title())

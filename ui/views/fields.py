@@ -12,11 +12,15 @@ from typing import Callable
 
 import customtkinter as ctk
 
+from ..applicability import unused_fields
 from ..binding import FieldError, field_doc
 from ..config_model import ConfigModel, problems_by_field
+from ..field_places import FieldPlaces
 from .tooltip import Tooltip
 
 ERROR_COLOR = "#d94040"
+DISABLED_TEXT = ("gray60", "gray45")
+NORMAL_TEXT = ctk.ThemeManager.theme["CTkLabel"]["text_color"]
 
 
 class BoundField:
@@ -25,10 +29,17 @@ class BoundField:
     def __init__(self, binder: "Binder", path: str, var: tk.Variable, widget: ctk.CTkBaseClass):
         self.binder, self.path, self.var, self.widget = binder, path, var, widget
         self.error_label: ctk.CTkLabel | None = None
+        self.caption: ctk.CTkLabel | None = None
         self.message = ""
+        self.unused_reason: str | None = None
+        """Why the current config ignores this field (the widget is disabled then), or None."""
         self._refreshing = False
-        self.tooltip = Tooltip(widget, field_doc(path))
+        self.tooltip = Tooltip(widget, self.tooltip_text)
         var.trace_add("write", self._written)
+
+    def tooltip_text(self) -> str:
+        text = self.binder.places.describe(field_doc(self.path))
+        return f"{text}\n\nNot used now: {self.unused_reason}." if self.unused_reason else text
 
     def value_for_model(self):
         return self.var.get()
@@ -50,7 +61,7 @@ class BoundField:
             self.binder.write(self.path, self.value_for_model())
 
     def mark(self, messages: list[str]) -> None:
-        self.message = "\n".join(messages)
+        self.message = "\n".join(self.binder.places.without_field(m, self.path) for m in messages)
         self.show_mark(bool(messages))
         if self.error_label is not None:
             self.error_label.configure(text=self.message)
@@ -62,16 +73,33 @@ class BoundField:
     def show_mark(self, bad: bool) -> None:
         pass
 
+    def set_unused(self, reason: str | None) -> None:
+        """Disable the widget (and grey its label) while the config ignores this field."""
+        if reason == self.unused_reason:
+            return
+        self.unused_reason = reason
+        self.widget.configure(state="disabled" if reason else "normal")
+        if self.caption is not None:
+            self.caption.configure(text_color=DISABLED_TEXT if reason else NORMAL_TEXT)
+        self.show_unused(bool(reason))
+
+    def show_unused(self, unused: bool) -> None:
+        pass
+
 
 class EntryField(BoundField):
     def __init__(self, binder, path, master, width=260):
         var = tk.StringVar(master, binder.model.get_text(path))
         entry = ctk.CTkEntry(master, textvariable=var, width=width)
         self._normal_border = entry.cget("border_color")
+        self._normal_text = entry.cget("text_color")
         super().__init__(binder, path, var, entry)
 
     def show_mark(self, bad: bool) -> None:
         self.widget.configure(border_color=ERROR_COLOR if bad else self._normal_border)
+
+    def show_unused(self, unused: bool) -> None:
+        self.widget.configure(text_color=DISABLED_TEXT if unused else self._normal_text)
 
 
 class SwitchField(BoundField):
@@ -103,6 +131,8 @@ class Binder:
         self.type_errors: dict[str, str] = {}
         """Text typed into a field that its type rejects (the config keeps the previous value)."""
         self.problems: dict[str, list[str]] = {}
+        self.places = FieldPlaces()
+        """Tab and label of every field, for messages that a user can find in the window."""
         self.on_change: list[Callable[[str | None], None]] = []
         self._writing: str | None = None
         model.subscribe(self._model_changed)
@@ -149,12 +179,16 @@ class Binder:
         self.problems = problems_by_field(self.model.problems())
         for path, message in self.type_errors.items():
             self.problems.setdefault(path, []).insert(0, message)
+        unused = unused_fields(self.model.cfg)
         for path, field in self.fields.items():
             field.mark(self.problems.get(path, []))
+            field.set_unused(unused.get(path))
 
     def all_problems(self, check_paths: bool) -> list[str]:
-        """What Start must refuse: text no field accepted, then every validation problem."""
-        return list(self.type_errors.values()) + self.model.problems(check_paths=check_paths)
+        """What Start must refuse: text no field accepted, then every validation problem; each names the
+        tab and label of its field where the window shows it."""
+        messages = list(self.type_errors.values()) + self.model.problems(check_paths=check_paths)
+        return [self.places.describe(m) for m in messages]
 
 
 def browse(var: tk.StringVar, kind: str) -> None:

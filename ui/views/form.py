@@ -18,9 +18,11 @@ def choices_for(path: str) -> tuple[str, ...] | None:
 class Form:
     """A two-column grid (label | widget) on `master`, one row per field plus its error line."""
 
-    def __init__(self, master, binder: Binder, labels: dict[str, str] | None = None):
+    def __init__(self, master, binder: Binder, labels: dict[str, str] | None = None, tab: str = ""):
         self.master, self.binder = master, binder
         self.labels = labels or {}
+        self.tab = tab
+        """The tab the form is on: messages about its fields name it."""
         self.row = 0
         # Labels line up at a fixed width; spare width goes to column 3, right of the Browse
         # buttons, so switches (which span the columns) do not push the entries around.
@@ -37,6 +39,7 @@ class Form:
               width: int = 260) -> BoundField:
         """The widget that fits the field: switch for bool, menu for a choice, else an entry."""
         text = label or self.labels.get(path) or field_label(path)
+        self.binder.places.add(path, self.tab, text)
         choices = choices_for(path)
         tp = field_type(path, self.binder.model.cfg)
         if tp is bool:
@@ -50,7 +53,8 @@ class Form:
             else:
                 bound = EntryField(self.binder, path, self.master, width=width)
             bound.widget.grid(row=self.row, column=1, sticky="w", padx=4, pady=3)
-            Tooltip(caption, bound.tooltip.text)
+            bound.caption = caption
+            Tooltip(caption, bound.tooltip_text)
             if browse_kind:
                 ctk.CTkButton(self.master, text="Browse", width=70,
                               command=lambda: browse(bound.var, browse_kind)).grid(row=self.row, column=2,

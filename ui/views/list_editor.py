@@ -13,10 +13,14 @@ from .tooltip import Tooltip
 class ListEditor(ctk.CTkFrame):
     """Rows for `list_path` (e.g. `data.concepts`); `columns` are (field name, header, width)."""
 
-    def __init__(self, master, binder: Binder, list_path: str, columns: list[tuple[str, str, int]],
-                 new_item: Callable[[], Any | None], add_text: str):
+    def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
+                 columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str):
         super().__init__(master, fg_color="transparent")
         self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
+        # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
+        binder.places.add(list_path, tab, row_name)
+        for name, header, _ in columns:
+            binder.places.add(f"{list_path}[0].{name}", tab, header)
         self.rows: list[list[ctk.CTkBaseClass]] = []
         self.header = ctk.CTkFrame(self, fg_color="transparent")
         self.header.grid(row=0, column=0, sticky="w")
@@ -30,7 +34,7 @@ class ListEditor(ctk.CTkFrame):
         for col, (name, header, width) in enumerate(columns):
             label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
             label.grid(row=0, column=col, padx=4, sticky="w")
-            Tooltip(label, field_doc(f"{item_prefix}.{name}"))
+            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe(field_doc(path)))
         self._count = -1
         binder.on_change.append(self._changed)
         self.rebuild()

@@ -31,9 +31,13 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.binder, self.python = binder, python
         self.gpus: list[GpuInfo] = []
         self._syncing = False
-        form = Form(self, binder)
+        form = Form(self, binder, tab="Training")
         form.section("Multi-GPU")
         self.enable = form.field("multi_gpu.enabled", "Enable Multi-GPU")
+        # The fields the controls below write without a bound widget of their own.
+        for path in ("multi_gpu.device_indexes", "multi_gpu.num_gpus"):
+            binder.places.add(path, "Training", "Multi-GPU GPU list")
+        binder.places.add("multi_gpu.launcher", "Training", "Use torchrun (else spawn)")
 
         self.gpu_box = ctk.CTkFrame(self, fg_color="transparent")
         self.gpu_box.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
@@ -48,8 +52,9 @@ class MultiGPUFrame(ctk.CTkFrame):
 
         cpu_label = ctk.CTkLabel(self, text="CPU processes (for trying)", anchor="w")
         cpu_label.grid(row=form.row, column=0, sticky="w", padx=(10, 6), pady=3)
-        Tooltip(cpu_label, "Run N processes on the CPU over GLOO: the multi-GPU code path, slowly, "
-                           "without GPUs. Sets general.device to cpu and multi_gpu.num_gpus to N.")
+        Tooltip(cpu_label, lambda: binder.places.describe(
+            "Run N processes on the CPU over GLOO: the multi-GPU code path, slowly, without GPUs. Sets "
+            "general.device to cpu and the number of processes to N."))
         self.cpu_var = tk.StringVar(self, cpu_processes(binder.model.cfg))
         self.cpu_menu = ctk.CTkOptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
                                           width=100, command=self._cpu_chosen)
@@ -69,13 +74,31 @@ class MultiGPUFrame(ctk.CTkFrame):
 
         self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))
         self.summary.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(8, 2))
+        Tooltip(self.summary, "What Start will run: the number of processes (one per GPU), the global batch "
+                              "(batch size per GPU x gradient accumulation x processes: the images behind each "
+                              "optimizer step) and the learning rate before and after multi-GPU scaling. The "
+                              "trainer computes the same numbers and prints them when it starts.")
         form.row += 1
         self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
+        Tooltip(self.check_button, "Run scripts/check_multi_gpu.py on this config: versions, the GPUs and how "
+                                   "they connect (P2P), a real all-reduce between them, and a memory estimate "
+                                   "with the largest batch that fits. Takes up to a few minutes; nothing is "
+                                   "trained.")
         form.row += 1
         self.check_output = ctk.CTkTextbox(self, height=140, width=620, wrap="none")
         self.check_output.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(0, 10))
         self.check_output.grid_remove()
+        form.row += 1
+        form.section("Multi-GPU advanced")
+        for path, label in (("multi_gpu.timeout_minutes", "Timeout (minutes)"),
+                            ("multi_gpu.bucket_cap_mb", "DDP bucket size (MB)"),
+                            ("multi_gpu.gradient_compression", "Gradient compression"),
+                            ("multi_gpu.static_graph", "Static graph (DDP)"),
+                            ("multi_gpu.find_unused_parameters", "Find unused parameters (DDP)"),
+                            ("multi_gpu.gradient_as_bucket_view", "Gradients as bucket views (DDP)"),
+                            ("multi_gpu.master_addr", "Rendezvous address")):
+            form.field(path, label, width=140)
         binder.on_change.append(lambda _path: self.sync())
         self.detecting = True
         self._build_checks()
@@ -95,6 +118,9 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.gpu_vars.clear()
         self.gpu_checks = [ctk.CTkCheckBox(self.gpu_box, text="All GPUs", variable=self.all_var,
                                            command=self._all_toggled)]
+        Tooltip(self.gpu_checks[0], "Train on every GPU this machine shows. Saved as \"every visible GPU\" "
+                                    "(no list of numbers), so the config also works on a machine with another "
+                                    "number of GPUs. Untick single GPUs below to leave them out.")
         for gpu in self.gpus:
             var = tk.BooleanVar(self, True)
             self.gpu_vars[gpu.index] = var

@@ -1,4 +1,7 @@
-"""The Run tab: start/stop and commands, progress, loss plot, GPU use, latest sample, log."""
+"""The Run tab: start/stop and commands, progress, loss plot, per-GPU view, latest sample, log.
+
+Everything sits in one scrolling column, so a small window (or a low screen) reaches every part.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,110 +13,184 @@ from PIL import Image, ImageOps
 from modules.config.run_paths import RunPaths
 
 from ..events import format_duration
-from ..external import TensorBoard, open_folder
-from ..gpu_info import UsageMonitor
+from ..external import Opened, TensorBoard, open_folder
+from ..gpu_info import GpuUsage, UsageMonitor
+from ..launch_command import start_check
 from ..multi_gpu_summary import format_lr
+from ..per_gpu import HEADERS, per_gpu_rows
 from ..run_controller import RunController
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
+from .tooltip import Tooltip
 
 POLL_MS = 100
 GPU_POLL_MS = 2000
 LOG_KEEP_LINES = 5000
 SAMPLE_PX = 240
+CANNOT_START = "Cannot start - fix these first:"
+
+BUTTON_TIPS = {
+    "start": "Check the config (every field, and that its files and folders exist), save it to "
+             "<workspace>/.tandem/gui-config.json and start training in a separate process - one per GPU with "
+             "Multi-GPU on. The exact command is the first line of the log.",
+    "continue": "Start as Start does, but continue from the newest backup in the workspace (its step is on the "
+                "button): weights, optimizer, position in the data and random state as they were, and the loss "
+                "plot goes on from there.",
+    "stop": "Stop every rank at the same step. With 'Backup when stopped' on, a backup is written first, from "
+            "which 'Continue from the newest backup' resumes. Processes still running 2 minutes later are ended.",
+    "sample": "Render the sample prompts (Sampling tab) with the weights of the next step; training goes on.",
+    "backup": "Write a training-state backup at the next step: weights, optimizer, position in the data and the "
+              "random state of every rank, so a resumed run continues exactly.",
+    "save": "Save the model as it is at the next step, as an extra output named with its step; training goes on.",
+    "output": "Open the folder the trained model is written to (Backup & Save › Output folder) in the file "
+              "manager. Its path is also shown here.",
+    "tensorboard": "Start TensorBoard on this run's logs (loss, learning rate, images/s, samples) and open it in "
+                   "the web browser. Its address is also shown here.",
+}
 
 
-class RunView(ctk.CTkFrame):
+class RunView(ctk.CTkScrollableFrame):
     def __init__(self, master, binder: Binder, controller: RunController,
-                 visible_gpus: Callable[[], int], tensorboard: TensorBoard | None = None):
+                 visible_gpus: Callable[[], int], tensorboard: TensorBoard | None = None,
+                 ask: Callable[[str, str], bool] | None = None, monitor: UsageMonitor | None = None):
         super().__init__(master, fg_color="transparent")
         self.binder, self.controller, self.visible_gpus = binder, controller, visible_gpus
+        self.ask = ask or (lambda title, text: True)
         self.tensorboard = tensorboard or TensorBoard(controller.python)
         self._shown_lines = 0
         self._shown_samples = 0
         self._last_status = None
+        self._cannot_start = False
+        self._usage: list[GpuUsage] = []
         self.grid_columnconfigure(0, weight=1)
 
-        buttons = ctk.CTkFrame(self, fg_color="transparent")
-        buttons.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 4))
-        self.start_button = ctk.CTkButton(buttons, text="Start", width=90, fg_color="#2f8f46",
+        commands = ctk.CTkFrame(self, fg_color="transparent")
+        commands.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 2))
+        self.start_button = ctk.CTkButton(commands, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
-        self.continue_button = ctk.CTkButton(buttons, text="Continue from backup", width=160, fg_color="#2f6f8f",
+        self.continue_button = ctk.CTkButton(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
                                              hover_color="#25586f", command=lambda: self.start(resume="latest"))
-        self.stop_button = ctk.CTkButton(buttons, text="Stop", width=80, fg_color="#b03a3a",
+        self.stop_button = ctk.CTkButton(commands, text="Stop", width=80, fg_color="#b03a3a",
                                          hover_color="#8c2e2e", command=self.controller.stop)
-        self.sample_button = ctk.CTkButton(buttons, text="Sample now", width=100,
+        self.sample_button = ctk.CTkButton(commands, text="Sample now", width=100,
                                            command=lambda: self.controller.send("sample"))
-        self.backup_button = ctk.CTkButton(buttons, text="Backup now", width=100,
+        self.backup_button = ctk.CTkButton(commands, text="Backup now", width=100,
                                            command=lambda: self.controller.send("backup"))
-        self.save_button = ctk.CTkButton(buttons, text="Save now", width=90,
+        self.save_button = ctk.CTkButton(commands, text="Save now", width=90,
                                          command=lambda: self.controller.send("save"))
-        self.output_button = ctk.CTkButton(buttons, text="Open output folder", width=140, fg_color="gray40",
-                                           command=lambda: open_folder(RunPaths(self.binder.model.cfg).output_dir))
-        self.tensorboard_button = ctk.CTkButton(buttons, text="Open TensorBoard", width=140, fg_color="gray40",
+        places = ctk.CTkFrame(self, fg_color="transparent")
+        places.grid(row=1, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
+        self.output_button = ctk.CTkButton(places, text="Open output folder", width=140, fg_color="gray40",
+                                           command=self.open_output_folder)
+        self.tensorboard_button = ctk.CTkButton(places, text="Open TensorBoard", width=140, fg_color="gray40",
                                                 command=self.open_tensorboard)
-        for col, button in enumerate((self.start_button, self.continue_button, self.stop_button, self.sample_button,
-                                      self.backup_button, self.save_button, self.output_button,
-                                      self.tensorboard_button)):
+        for col, (button, tip) in enumerate(((self.start_button, "start"), (self.continue_button, "continue"),
+                                             (self.stop_button, "stop"),
+                                             (self.sample_button, "sample"), (self.backup_button, "backup"),
+                                             (self.save_button, "save"))):
             button.grid(row=0, column=col, padx=(0, 6))
+            Tooltip(button, BUTTON_TIPS[tip])
+        for col, (button, tip) in enumerate(((self.output_button, "output"), (self.tensorboard_button, "tensorboard"))):
+            button.grid(row=0, column=col, padx=(0, 6))
+            Tooltip(button, BUTTON_TIPS[tip])
+        # The folder or address just opened, or why it could not be: selectable, so it can be copied.
+        self.notice = ctk.CTkEntry(places, width=520, border_width=0, fg_color="transparent")
+        self.notice.grid(row=0, column=2, sticky="we", padx=(6, 0))
+        self.notice.grid_remove()
 
         self.status = ctk.CTkLabel(self, text="Idle", anchor="w", font=ctk.CTkFont(size=14, weight="bold"))
-        self.status.grid(row=1, column=0, columnspan=2, sticky="w", padx=10)
+        self.status.grid(row=2, column=0, columnspan=2, sticky="w", padx=10)
         self.progress = ctk.CTkProgressBar(self)
         self.progress.set(0)
-        self.progress.grid(row=2, column=0, columnspan=2, sticky="we", padx=10, pady=4)
+        self.progress.grid(row=3, column=0, columnspan=2, sticky="we", padx=10, pady=4)
         self.progress_text = ctk.CTkLabel(self, text="", anchor="w")
-        self.progress_text.grid(row=3, column=0, columnspan=2, sticky="w", padx=10)
+        self.progress_text.grid(row=4, column=0, columnspan=2, sticky="w", padx=10)
         self.run_info = ctk.CTkLabel(self, text="", anchor="w", text_color="gray60")
-        self.run_info.grid(row=4, column=0, columnspan=2, sticky="w", padx=10)
+        self.run_info.grid(row=5, column=0, columnspan=2, sticky="w", padx=10)
         self.error = ctk.CTkTextbox(self, height=120, text_color=ERROR_COLOR, wrap="word")
-        self.error.grid(row=5, column=0, columnspan=2, sticky="we", padx=10, pady=4)
+        self.error.grid(row=6, column=0, columnspan=2, sticky="we", padx=10, pady=4)
         self.error.grid_remove()
 
-        self.loss_plot = LossPlot(self, width=560, height=220)
-        self.loss_plot.grid(row=6, column=0, sticky="nsew", padx=10, pady=6)
+        self.loss_plot = LossPlot(self, width=300, height=220)
+        self.loss_plot.grid(row=7, column=0, sticky="nsew", padx=10, pady=6)
         side = ctk.CTkFrame(self, fg_color="transparent")
-        side.grid(row=6, column=1, sticky="n", padx=10, pady=6)
+        side.grid(row=7, column=1, sticky="n", padx=10, pady=6)
         self.sample_image = ctk.CTkLabel(side, text="No sample yet", width=SAMPLE_PX, height=SAMPLE_PX,
                                          fg_color=("gray85", "gray20"), corner_radius=6)
         self.sample_image.grid(row=0, column=0)
         self.sample_caption = ctk.CTkLabel(side, text="", wraplength=SAMPLE_PX, justify="left")
         self.sample_caption.grid(row=1, column=0, sticky="w")
-        self.gpu_usage = ctk.CTkLabel(side, text="", justify="left", anchor="w")
-        self.gpu_usage.grid(row=2, column=0, sticky="w", pady=(6, 0))
-        self.monitor = UsageMonitor()
-        if not self.monitor.available:
-            self.gpu_usage.grid_remove()
+
+        self.per_gpu = ctk.CTkFrame(self, fg_color=("gray90", "gray17"))
+        self.per_gpu.grid(row=8, column=0, columnspan=2, sticky="we", padx=10, pady=(2, 4))
+        self.per_gpu.grid_remove()
+        self.per_gpu_cells: list[list[ctk.CTkLabel]] = []
 
         self.log = ctk.CTkTextbox(self, height=200, wrap="none", font=ctk.CTkFont(family="monospace", size=12))
-        self.log.grid(row=7, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
-        self.grid_rowconfigure(7, weight=1)
+        self.log.grid(row=9, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
+        self.monitor = monitor or UsageMonitor()
+        self.binder.on_change.append(lambda _path: self._recheck_cannot_start())
         self._update_buttons()
         self.after(POLL_MS, self._tick)
         if self.monitor.available:
-            self.after(GPU_POLL_MS, self._poll_gpus)
+            self.after(10, self._poll_gpus)
 
     # --- actions -----------------------------------------------------------------------------
     def start(self, resume: str | None = None) -> bool:
         """Start training with the current config (continuing the newest backup with `resume="latest"`),
-        or list why it cannot start."""
+        or say why it cannot start."""
         problems = self.binder.all_problems(check_paths=True)
         if problems:
-            self._show_error("Cannot start - fix these first:\n" + "\n".join(f"• {p}" for p in problems))
+            self._show_cannot_start(problems)
+            return False
+        visible = self.visible_gpus()
+        check = start_check(self.binder.model.cfg, visible)
+        if check.refuse:
+            self._show_error("Cannot start: " + check.refuse)
+            return False
+        if check.ask and not self.ask("Train in one process?", check.ask):
             return False
         self._hide_error()
-        self.log.delete("1.0", "end")
-        self._shown_lines = self._shown_samples = 0
+        self._reset_for_new_run()
         try:
-            self.controller.start(self.binder.model.cfg, self.visible_gpus(), resume=resume)
+            self.controller.start(self.binder.model.cfg, visible, resume=resume)
         except (OSError, RuntimeError) as e:
             self._show_error(f"Could not start training: {e}")
             return False
         self._render()
         return True
 
-    def open_tensorboard(self) -> None:
-        self.tensorboard.open(RunPaths(self.binder.model.cfg).tensorboard)
+    def open_output_folder(self) -> Opened:
+        result = open_folder(RunPaths(self.binder.model.cfg).output_dir)
+        self._show_notice(result)
+        return result
+
+    def open_tensorboard(self) -> Opened:
+        result = self.tensorboard.open(RunPaths(self.binder.model.cfg).tensorboard)
+        self._show_notice(result)
+        return result
+
+    def _show_notice(self, result: Opened) -> None:
+        self.notice.grid()
+        self.notice.configure(state="normal", text_color=ERROR_COLOR if not result.ok else ("gray10", "gray90"))
+        self.notice.delete(0, "end")
+        self.notice.insert(0, result.message)
+        self.notice.configure(state="readonly")
+
+    def notice_text(self) -> str:
+        return self.notice.get() if self.notice.winfo_manager() else ""
+
+    def _reset_for_new_run(self) -> None:
+        """Nothing of the previous run may look like part of this one."""
+        self.log.delete("1.0", "end")
+        self._shown_lines = self._shown_samples = 0
+        self._sample_ctk = None
+        self.sample_image.configure(image=None, text="No sample yet")
+        self.sample_caption.configure(text="")
+        self.progress.set(0)
+        self.progress_text.configure(text="")
+        self.run_info.configure(text="")
+        self._set_per_gpu_rows([])
 
     # --- following the run -------------------------------------------------------------------
     def _tick(self) -> None:
@@ -126,7 +203,7 @@ class RunView(ctk.CTkFrame):
     def _render(self) -> None:
         s = self.controller.state
         self._last_status = s.status
-        self.status.configure(text=f"{s.status.capitalize()}" + (f" - {s.message}" if s.message else ""))
+        self.status.configure(text=s.headline)
         self.progress.set(s.fraction)
         if s.total_steps:
             self.progress_text.configure(
@@ -145,6 +222,7 @@ class RunView(ctk.CTkFrame):
         if len(s.samples) > self._shown_samples:
             self._shown_samples = len(s.samples)
             self._show_sample(s.samples[-1])
+        self._set_per_gpu_rows(per_gpu_rows(s, self._usage))
         lines = self.controller.new_log_lines(self._shown_lines)
         if lines:
             self._shown_lines = self.controller.log_count
@@ -175,9 +253,40 @@ class RunView(ctk.CTkFrame):
 
     def _poll_gpus(self) -> None:
         try:
-            self.gpu_usage.configure(text="\n".join(u.label() for u in self.monitor.read()))
+            self._usage = self.monitor.read()
+            self._set_per_gpu_rows(per_gpu_rows(self.controller.state, self._usage))
         finally:
             self.after(GPU_POLL_MS, self._poll_gpus)
+
+    def _set_per_gpu_rows(self, rows) -> None:
+        """The per-GPU table: a header and one line per rank or GPU; hidden while there is nothing to show."""
+        if not rows:
+            self.per_gpu.grid_remove()
+        else:
+            self.per_gpu.grid()
+        wanted = len(rows) + 1 if rows else 0
+        if len(self.per_gpu_cells) != wanted:
+            for line in self.per_gpu_cells:
+                for cell in line:
+                    cell.destroy()
+            self.per_gpu_cells = []
+            for r in range(wanted):
+                font = ctk.CTkFont(weight="bold") if r == 0 else None
+                line = [ctk.CTkLabel(self.per_gpu, text="", anchor="w", font=font) for _ in HEADERS]
+                for c, cell in enumerate(line):
+                    cell.grid(row=r, column=c, sticky="w", padx=(8, 12))
+                self.per_gpu_cells.append(line)
+            if wanted:
+                for cell, text in zip(self.per_gpu_cells[0], HEADERS):
+                    cell.configure(text=text)
+        for line, row in zip(self.per_gpu_cells[1:], rows):
+            for cell, text in zip(line, row.cells()):
+                if cell.cget("text") != text:
+                    cell.configure(text=text)
+
+    def per_gpu_text(self) -> list[list[str]]:
+        """The table as shown (tests read it)."""
+        return [[cell.cget("text") for cell in line] for line in self.per_gpu_cells]
 
     def _update_buttons(self) -> None:
         running = self.controller.state.status == "running"
@@ -188,7 +297,22 @@ class RunView(ctk.CTkFrame):
         for button in (self.stop_button, self.sample_button, self.backup_button, self.save_button):
             button.configure(state="normal" if running else "disabled")
 
+    def _show_cannot_start(self, problems: list[str]) -> None:
+        self._show_error(CANNOT_START + "\n" + "\n".join(f"• {p}" for p in problems))
+        self._cannot_start = True
+
+    def _recheck_cannot_start(self) -> None:
+        """A "Cannot start" list follows the edits: fixed problems leave it, and it goes when none is left."""
+        if not self._cannot_start:
+            return
+        problems = self.binder.all_problems(check_paths=True)
+        if problems:
+            self._show_cannot_start(problems)
+        else:
+            self._hide_error()
+
     def _show_error(self, text: str) -> None:
+        self._cannot_start = False
         self.error.grid()
         self.error.configure(state="normal")
         self.error.delete("1.0", "end")
@@ -196,6 +320,7 @@ class RunView(ctk.CTkFrame):
         self.error.configure(state="disabled")
 
     def _hide_error(self) -> None:
+        self._cannot_start = False
         self.error.grid_remove()
 
     def error_text(self) -> str:

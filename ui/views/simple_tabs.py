@@ -46,7 +46,7 @@ def _scrolling(parent) -> ctk.CTkScrollableFrame:
 
 
 def build_general_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS)
+    form = Form(_scrolling(parent), binder, LABELS, tab="General")
     form.section("Run")
     form.field("general.workspace_dir", browse_kind="folder")
     form.field("general.cache_dir", browse_kind="folder")
@@ -56,7 +56,7 @@ def build_general_tab(parent, binder: Binder) -> None:
 
 
 def build_model_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS)
+    form = Form(_scrolling(parent), binder, LABELS, tab="Model")
     form.section("Base model")
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
@@ -74,11 +74,12 @@ def _ask_concept() -> ConceptConfig | None:
 
 def build_data_tab(parent, binder: Binder) -> ListEditor:
     frame = _scrolling(parent)
-    form = Form(frame, binder, LABELS)
+    form = Form(frame, binder, LABELS, tab="Data")
     form.section("Concepts")
-    concepts = ListEditor(frame, binder, "data.concepts",
+    concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
                           [("path", "Folder", 300), ("name", "Name", 110), ("enabled", "On", 50),
-                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 70)],
+                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 70),
+                           ("recursive", "Sub-folders", 80)],
                           _ask_concept, "Add concept folder")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
     form.row += 1
@@ -95,9 +96,9 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
 
 def build_sampling_tab(parent, binder: Binder) -> ListEditor:
     frame = _scrolling(parent)
-    form = Form(frame, binder, LABELS)
+    form = Form(frame, binder, LABELS, tab="Sampling")
     form.section("Prompts")
-    prompts = ListEditor(frame, binder, "sampling.prompts",
+    prompts = ListEditor(frame, binder, "sampling.prompts", "Sampling", "Prompts",
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
                           ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
                          lambda: SamplePromptConfig(prompt=""), "Add prompt")
@@ -111,7 +112,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
 
 
 def build_save_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS)
+    form = Form(_scrolling(parent), binder, LABELS, tab="Backup & Save")
     form.section("Output model")
     form.field("save.output_dir", browse_kind="folder")
     form.fields("save.output_name", "save.lora_format", "save.full_format", "save.save_dtype",

@@ -2,20 +2,43 @@
 from __future__ import annotations
 
 import tkinter as tk
+from typing import Callable
+
+from ..binding import plain_text
 
 DELAY_MS = 500
 WRAP_PX = 420
 
 
+_BY_WIDGET: dict[str, "Tooltip"] = {}
+
+
 class Tooltip:
-    def __init__(self, widget: tk.Misc, text: str):
+    """`text` may be a function, asked each time the tooltip shows (a field's text names its state)."""
+
+    def __init__(self, widget: tk.Misc, text: str | Callable[[], str]):
         self.widget = widget
-        self.text = text
+        self._text = text
         self._window: tk.Toplevel | None = None
         self._pending: str | None = None
         widget.bind("<Enter>", self._schedule, add="+")
         widget.bind("<Leave>", self.hide, add="+")
         widget.bind("<ButtonPress>", self.hide, add="+")
+        _BY_WIDGET[str(widget)] = self
+        widget.bind("<Destroy>", lambda _e: _BY_WIDGET.pop(str(widget), None), add="+")
+
+    @property
+    def text(self) -> str:
+        return plain_text(self._text() if callable(self._text) else self._text)
+
+    @staticmethod
+    def of(widget: tk.Misc) -> "Tooltip | None":
+        """The tooltip attached to `widget` (tests look them up this way)."""
+        return _BY_WIDGET.get(str(widget))
+
+    @staticmethod
+    def _by_widget() -> dict[str, "Tooltip"]:
+        return dict(_BY_WIDGET)
 
     def _schedule(self, _event=None) -> None:
         self._cancel()

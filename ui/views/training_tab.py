@@ -36,7 +36,7 @@ LABELS = {
 def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> MultiGPUFrame:
     frame = ctk.CTkScrollableFrame(parent, fg_color="transparent")
     frame.pack(fill="both", expand=True)
-    form = Form(frame, binder, LABELS)
+    form = Form(frame, binder, LABELS, tab="Training")
     form.section("Method")
     form.fields("training.method", "training.lora_rank", "training.lora_alpha", "training.lora_dropout")
     form.field("training.lora_target_modules", width=380)
