@@ -147,6 +147,7 @@ def _lora_bundle(source, targets=ATTENTION_TARGETS, seed=1):
     return bundle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["kohya", "peft", "old-kohya"])
 def test_sdxl_lora_loads_in_diffusers_to_the_same_model(sdxl_source, tmp_path, fmt):
     bundle = _lora_bundle(sdxl_source)
@@ -214,6 +215,7 @@ def _same_lora(a, b) -> None:
             assert torch.equal(left[component][key], right[component][key]), (component, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["sd1", "sdxl"])
 def test_every_layout_tandem_writes_or_wrote_reads_back_exactly(sdxl_source, tandem_home, tmp_path, model_type):
     source = sdxl_source if model_type == "sdxl" else "builtin:demo"
@@ -227,6 +229,7 @@ def test_every_layout_tandem_writes_or_wrote_reads_back_exactly(sdxl_source, tan
         apply_lora(fresh, weights)
         _same_lora(fresh, original)
 
+@pytest.mark.slow
 
 def test_an_old_sdxl_kohya_file_converts_to_the_original_names(sdxl_source, tmp_path):
     original = _lora_bundle(sdxl_source)
@@ -240,6 +243,7 @@ def test_an_old_sdxl_kohya_file_converts_to_the_original_names(sdxl_source, tmp_
     apply_lora(fresh, read_lora(new, fresh))
     _same_lora(fresh, original)
 
+@pytest.mark.slow
 
 def test_a_lora_for_another_model_is_refused_by_name(sdxl_source, tandem_home, tmp_path):
     sdxl_file = save_lora(_lora_bundle(sdxl_source), tmp_path / "x.safetensors", "kohya", "fp32")
@@ -250,6 +254,7 @@ def test_a_lora_for_another_model_is_refused_by_name(sdxl_source, tandem_home, t
 
 # ------------------------------------------------------------------ metadata of a trained LoRA
 
+@pytest.mark.slow
 
 def test_trained_lora_metadata_has_modelspec_and_kohya_settings_and_no_local_path(tmp_path, tandem_home):
     workspace, cache = tmp_path / "ws", tmp_path / "cache"

@@ -44,6 +44,7 @@ def _two_ranks(rank: int, init_file: str, results) -> None:
     finally:
         dist.destroy_process_group()
 
+@pytest.mark.slow
 
 def test_every_rank_receives_each_ranks_loss_and_step_time(tmp_path):
     """One all-reduce carries each rank's own loss and step time in its slot; a NaN stays in its rank's slot."""

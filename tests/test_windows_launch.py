@@ -108,7 +108,8 @@ SCENARIOS = [
     (("--yes", "--device", "cpu", "--config", "#demo", "--spawn", "--dry-run"), "", {"MASTER_PORT": "29611"}),
     (("--device", "cpu", "--dry-run"), "#demo\n3\n\nspawn\n", {}),
     (("--device", "cpu", "--dry-run"), "1\n\n\n\n", {}),
-    (("--yes", "--config", "#demo", "--dry-run"), "", {}),  # no GPU here: falls back to CPU processes
+    pytest.param(("--yes", "--config", "#demo", "--dry-run"), "", {},  # no GPU here: falls back to CPU processes
+                 marks=pytest.mark.slow),  # both ask torch for the GPU count
     (("--yes", "--device", "cpu", "--config", "sd15_lora", "--launcher", "spawn", "--port", "29700",
       "--dry-run"), "", {}),
     (("--yes", "--device", "cpu", "--config", "#demo", "--dry-run", "--config-value", "training.epochs=1"), "",
@@ -191,6 +192,7 @@ def test_the_bat_only_installs_and_hands_over_to_the_helper():
                            capture_output=True, text=True, timeout=60)
     assert clean.returncode == 0 and clean.stdout.strip() == "[]", clean.stdout + clean.stderr
 
+@pytest.mark.slow
 
 def test_the_helper_runs_the_command_it_prints(tmp_path):
     result = run_helper("--yes", "--device", "cpu", "--num-gpus", "2", "--config", "#demo",
