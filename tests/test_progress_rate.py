@@ -21,7 +21,7 @@ def test_rate_averages_step_times_and_ignores_a_report_that_comes_at_once(monkey
     events = []
     numbers = SimpleNamespace(total_steps=10, global_batch=8, epochs=1)
     reporter = ProgressReporter(numbers, lambda type_, **fields: events.append((type_, fields)), 0, None, True)
-    report = lambda step: SimpleNamespace(step=step, loss=0.5, lr=1e-4, epoch=0, rank_losses=[0.5], rank_step_s=[0.5])  # noqa: E731
+    report = lambda step: SimpleNamespace(step=step, loss=0.5, lr=1e-4, epoch=0)  # noqa: E731
     clock.now += 30.0  # the first step: autotuning, allocations
     reporter.step(report(1))
     assert reporter.images_per_s == 0.0

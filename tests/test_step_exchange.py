@@ -71,3 +71,24 @@ def test_one_process_reports_itself_as_rank_0():
     second = exchange.receive()
     assert first.rank_losses == [0.25] and first.rank_step_s == [0.0]
     assert second.rank_losses == [0.75] and second.rank_step_s[0] > 0
+
+
+def test_rank_0_reports_each_ranks_loss_and_images_per_second():
+    """The progress events carry the per-rank numbers with several processes (not with one)."""
+    from types import SimpleNamespace
+
+    from modules.trainer.progress import ProgressReporter
+    from modules.trainer.step_exchange import StepReport
+
+    events = []
+    numbers = SimpleNamespace(total_steps=10, global_batch=16, epochs=1, per_gpu_batch=4, accumulation=2)
+    reporter = ProgressReporter(numbers, lambda type_, **fields: events.append((type_, fields)), 0, None, True)
+    for step, times in ((1, [0.0, 0.0]), (2, [2.0, 4.0]), (3, [2.0, 4.0])):
+        reporter.step(StepReport(step, 0, 0.5, 1e-4, set(), rank_losses=[0.4, 0.6], rank_step_s=times))
+    loss = [f for t, f in events if t == "loss"][-1]
+    progress = [f for t, f in events if t == "progress"]
+    assert loss["rank_losses"] == [0.4, 0.6]
+    assert progress[0]["rank_images_per_s"] == [0.0, 0.0]  # the warm-up step is left out
+    assert progress[-1]["rank_images_per_s"] == [4.0, 2.0]  # 4 x 2 local images per 2 s and per 4 s
+    reporter.step(StepReport(4, 0, 0.5, 1e-4, set(), rank_losses=[0.5], rank_step_s=[1.0]))
+    assert "rank_losses" not in events[-2][1] and "rank_images_per_s" not in events[-1][1]

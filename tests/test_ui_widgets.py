@@ -320,9 +320,9 @@ class ScriptedController(RunController):
         self.script: list[list[str]] = []
         self.started: list[list[str]] = []
 
-    def start(self, cfg, visible_gpus, command=None):
+    def start(self, cfg, visible_gpus, command=None, resume=None):
         from ui.launch_command import build_command
-        self.started.append(build_command(cfg, "gui-config.json", visible_gpus))
+        self.started.append(build_command(cfg, "gui-config.json", visible_gpus, resume=resume))
         return super().start(cfg, visible_gpus, command=[sys.executable, "-c", SCRIPTED_TRAINER, *self.script.pop(0)])
 
 
@@ -345,7 +345,15 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert "World size 2" in view.run_info.cget("text") and "step 4/10" in view.progress_text.cget("text")
     assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4]
 
-    view.start_button.invoke()  # resumed from step 2's backup: the next run reports step 3 first
+    # Continue from step 2's backup: the resumed run reports step 3 first.
+    import torch
+
+    from modules.trainer.backup import write_backup
+    write_backup(tmp_path / "ws" / "backups", "run-a", 2, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    view._render()  # (a real run writes its backup before it ends, so the end's render finds it)
+    assert view.continue_button.cget("text") == "Continue from step 2"
+    view.continue_button.invoke()
+    assert controller.started[-1][-2:] == ["--resume", "latest"]
     # Straight after Start nothing of the failed run is left on screen.
     assert view.error_text() == "" and view.status.cget("text") == "Running - starting the training processes"
     assert view.sample_image.cget("text") == "No sample yet" and view.sample_caption.cget("text") == ""
@@ -402,7 +410,8 @@ def test_the_window_works_at_1024x600(app_factory, tmp_path):
         view._parent_canvas.yview_moveto(0.0)
         pump(app, timeout=0.3)
         bottom = app.winfo_rooty() + app.winfo_height()
-        for button in (view.start_button, view.stop_button, view.save_button, view.tensorboard_button):
+        for button in (view.start_button, view.continue_button, view.stop_button, view.save_button,
+                       view.tensorboard_button):
             assert button.winfo_rootx() + button.winfo_width() <= right, (width, button.cget("text"))
             assert button.winfo_rooty() + button.winfo_height() <= bottom
         # The log is below the fold at this height: the tab scrolls down to it.
@@ -425,7 +434,8 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_fac
     tips = [t.text for t in list(Tooltip._by_widget().values())]
     assert len(tips) > 80 and all(tips) and not [t for t in tips if "`" in t]
     view, frame = app.run_view, app.multi_gpu
-    for widget in (frame.gpu_checks[0], frame.summary, frame.check_button, view.start_button, view.stop_button,
+    for widget in (frame.gpu_checks[0], frame.summary, frame.check_button, view.start_button, view.continue_button,
+                   view.stop_button,
                    view.sample_button, view.backup_button, view.save_button, view.output_button,
                    view.tensorboard_button):
         assert Tooltip.of(widget) is not None and len(Tooltip.of(widget).text) > 40, widget
