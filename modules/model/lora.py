@@ -1,12 +1,13 @@
-"""LoRA adapters (peft) on the UNet and optionally the text encoders, and saving them.
+"""LoRA adapters (peft) on the denoiser and optionally the text encoders, and saving them.
 
 Two file layouts:
 - `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read: keys
-  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and
-  `lora_te_` (SD1/SD2) or `lora_te1_` / `lora_te2_` (SDXL) for the text encoders. Module paths are
-  the diffusers ones, as sd-scripts writes them for SD1.x/2.x; all those tools accept them.
-- `peft`: what diffusers' `save_lora_weights` writes (`unet.` / `text_encoder.` prefixed keys plus
-  the adapter config in the header), loadable with `pipeline.load_lora_weights`.
+  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`. The module paths
+  are the family's business (`family.kohya_lora_tensors`): SD1.x/2.x/SDXL use the diffusers ones with
+  `lora_te_` / `lora_te1_` / `lora_te2_` for text encoders; Flux uses the Black Forest Labs names with
+  q/k/v fused as in its checkpoints (`families/flux.py`).
+- `peft`: what diffusers' `save_lora_weights` writes (`unet.` / `transformer.` / `text_encoder.` prefixed
+  keys plus the adapter config in the header), loadable with `pipeline.load_lora_weights`.
 """
 from __future__ import annotations
 
@@ -18,23 +19,23 @@ from torch import nn
 
 from modules.config.train_config import TrainingConfig
 
-from .bundle import ModelBundle, checkpoint_text_encoder_key
 from modules.util.atomic import save_safetensors_atomically
 
+from .bundle import ModelBundle, checkpoint_text_encoder_key
 from .files import resolve_save_dtype
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 """The attention projections of CLIP text encoders, as the diffusers LoRA training scripts target."""
 
 LORA_FORMATS = ("kohya", "peft")
-_KOHYA_BASE_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
 
 
 def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Parameter]:
     """Attach LoRA adapters and return their parameters (fp32, trainable); the base stays frozen.
 
     The LoRA "B" matrices start at zero (peft's gaussian init), so the model's output is unchanged
-    until the first optimizer step. Text encoders get adapters when `train_text_encoder` is set.
+    until the first optimizer step. The text encoders the family trains (never T5) get adapters when
+    `train_text_encoder` is set.
     """
     from peft import LoraConfig
 
@@ -51,15 +52,15 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     if not targets:
         raise ValueError("training.lora_target_modules is empty; name at least one UNet module, e.g. to_q")
     try:
-        bundle.unet.add_adapter(config(targets))
+        bundle.denoiser.add_adapter(config(targets))
     except ValueError as error:
         raise ValueError(
-            f"training.lora_target_modules {targets} matched no UNet module ({error}); "
-            "use names such as to_q, to_k, to_v, to_out.0, proj_in, ff.net.0.proj"
+            f"training.lora_target_modules {targets} matched no {bundle.denoiser_name} module ({error}); "
+            "use names such as to_q, to_k, to_v, to_out.0, ff.net.0.proj"
         ) from error
-    adapted = [bundle.unet]
+    adapted = [bundle.denoiser]
     if training_cfg.train_text_encoder:
-        for encoder in bundle.text_encoders:
+        for encoder in bundle.trainable_text_encoders():
             _add_text_encoder_adapter(encoder, config(TEXT_ENCODER_TARGETS))
             adapted.append(encoder)
 
@@ -110,7 +111,7 @@ def _add_text_encoder_adapter(encoder: nn.Module, config) -> None:
 
 
 def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
-    """LoRA weights by component (`unet`, `text_encoder`, `text_encoder_2`), in peft key layout
+    """LoRA weights by component (`unet` or `transformer`, `text_encoder`, ...), in peft key layout
     (`<module path>.lora_A.weight` / `.lora_B.weight`, adapter name removed)."""
     from peft.utils import get_peft_model_state_dict
 
@@ -128,15 +129,15 @@ def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
-    """All LoRA weights as one flat dict with `unet.` / `text_encoder.` prefixes (peft layout)."""
+    """All LoRA weights as one flat dict with `unet.` / `transformer.` / `text_encoder.` prefixes (peft layout)."""
     return {
         f"{component}.{key}": value
         for component, state in lora_modules(bundle).items() for key, value in state.items()
     }
 
 
-def lora_alpha_and_rank(bundle: ModelBundle, component: str = "unet") -> tuple[float, int]:
-    config = bundle.modules()[component].peft_config["default"]
+def lora_alpha_and_rank(bundle: ModelBundle, component: str | None = None) -> tuple[float, int]:
+    config = bundle.modules()[component or bundle.denoiser_name].peft_config["default"]
     return float(config.lora_alpha), int(config.r)
 
 
@@ -156,7 +157,8 @@ def save_lora(
     torch_dtype = resolve_save_dtype(dtype)
     modules = lora_modules(bundle)
     if fmt == "kohya":
-        tensors = _kohya_tensors(bundle, modules)
+        alphas = {component: lora_alpha_and_rank(bundle, component)[0] for component in modules}
+        tensors = bundle.family.kohya_lora_tensors(bundle, modules, alphas)
     else:
         tensors = _peft_tensors(modules)
     tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in tensors.items()}
@@ -164,26 +166,8 @@ def save_lora(
     return save_safetensors_atomically(tensors, path, header)
 
 
-def _kohya_prefixes(bundle: ModelBundle) -> dict[str, str]:
-    if bundle.model_type == "sdxl":
-        return {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
-    return {"unet": "lora_unet", "text_encoder": "lora_te"}
-
-
-def _kohya_tensors(bundle: ModelBundle, modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    prefixes = _kohya_prefixes(bundle)
-    tensors = {}
-    for component, state in modules.items():
-        alpha, _ = lora_alpha_and_rank(bundle, component)
-        for key, value in state.items():
-            module_path, kind = _split_peft_key(key)
-            kohya_name = f"{prefixes[component]}_{module_path.replace('.', '_')}"
-            tensors[f"{kohya_name}.{'lora_down' if kind == 'lora_A' else 'lora_up'}.weight"] = value
-            tensors[f"{kohya_name}.alpha"] = torch.tensor(alpha)
-    return tensors
-
-
-def _split_peft_key(key: str) -> tuple[str, str]:
+def split_peft_key(key: str) -> tuple[str, str]:
+    """`<module path>.lora_A.weight` -> (module path, `lora_A`)."""
     for kind in ("lora_A", "lora_B"):
         suffix = f".{kind}.weight"
         if key.endswith(suffix):
@@ -209,10 +193,8 @@ def _header(bundle: ModelBundle, fmt: str, modules: dict, metadata: dict) -> dic
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
-        "ss_base_model_version": _KOHYA_BASE_VERSION[bundle.model_type],
+        **bundle.family.kohya_metadata(bundle),
         "ss_sd_model_name": Path(bundle.source).name if not bundle.source.startswith("builtin:") else bundle.source,
-        "ss_v2": str(bundle.model_type == "sd2"),
-        "ss_v_parameterization": str(bundle.prediction_type == "v_prediction"),
         "tandem_base_model": bundle.source,
         "tandem_model_type": bundle.model_type,
         "tandem_lora_format": fmt,

@@ -61,3 +61,4 @@ def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, scheduler, timestep
         weight = torch.clamp(s, max=min_snr_gamma) / (s + 1 if prediction_type == "v_prediction" else s)
         per_sample = per_sample * weight
     return per_sample.mean()
+
