@@ -36,9 +36,17 @@ class FamilyInfo:
 
 
 _SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
+_FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
+                "training.timestep_logit_std")
 
 FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
-    # Detection order: SDXL before SD 2.x before SD 1.x.
+    # Detection order: the transformer families first (their files may share the `model.diffusion_model.`
+    # prefix with SD's), then SDXL before SD 2.x before SD 1.x.
+    FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
+               _FLOW_FIELDS + ("training.flux_guidance",),
+               ("double_blocks.", "model.diffusion_model.double_blocks.")),
+    FamilyInfo("sd3", "Stable Diffusion 3 / 3.5", "transformer", "StableDiffusion3Pipeline", 16, True,
+               "builtin:demo-sd3", _FLOW_FIELDS, ("joint_blocks.", "model.diffusion_model.joint_blocks.")),
     FamilyInfo("sdxl", "Stable Diffusion XL", "unet", "StableDiffusionXLPipeline", 8, False, "", _SD_FIELDS,
                ("conditioner.embedders.1.model.",)),
     FamilyInfo("sd2", "Stable Diffusion 2.x", "unet", "StableDiffusionPipeline", 8, False, "", _SD_FIELDS,
@@ -46,7 +54,7 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
                _SD_FIELDS, ("cond_stage_model.transformer.",)),
 )}
-MODEL_TYPES = ("sd1", "sd2", "sdxl")
+MODEL_TYPES = ("sd1", "sd2", "sdxl", "sd3", "flux")
 """Every family Tandem trains, in the order the GUI lists them."""
 BUILTIN_MODELS = {info.demo: info.name for info in FAMILIES.values() if info.demo}
 """Built-in model name -> its family."""

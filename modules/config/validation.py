@@ -53,6 +53,8 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
     ("training", "max_grad_norm"): 0,
     ("training", "min_snr_gamma"): 0,
     ("training", "offset_noise"): 0,
+    ("training", "flux_guidance"): 0,
+    ("model", "t5_max_length"): 0,
     ("optimizer", "weight_decay"): 0,
     ("data", "num_workers"): 0,
     ("data", "prefetch_factor"): 1,
@@ -75,6 +77,7 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
 ABOVE: dict[tuple[str, str], float] = {
     ("training", "learning_rate"): 0.0,
     ("training", "lora_alpha"): 0.0,
+    ("training", "timestep_logit_std"): 0.0,
     ("optimizer", "eps"): 0.0,
     ("multi_gpu", "timeout_minutes"): 0.0,
 }
@@ -254,6 +257,9 @@ def _model_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
     if m.vae_path:
         problems += _path_problem("model.vae_path", m.vae_path,
                                   "a VAE folder or file, or leave it empty for the model's own")
+    if m.components_folder:
+        problems += _path_problem("model.components_folder", m.components_folder,
+                                  "a diffusers folder of the same family, or leave it empty")
     return problems
 
 

@@ -176,14 +176,11 @@ def split_peft_key(key: str) -> tuple[str, str]:
 
 
 def _peft_tensors(modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    # The same conversion diffusers' LoRA training scripts apply before `save_lora_weights`.
-    from diffusers.utils import convert_state_dict_to_diffusers
-
-    tensors = {}
-    for component, state in modules.items():
-        for key, value in convert_state_dict_to_diffusers(state).items():
-            tensors[f"{component}.{key}"] = value
-    return tensors
+    # What diffusers' `save_lora_weights` writes: peft's `lora_A` / `lora_B` names under the component.
+    # (The older `lora.down` / `lora_linear_layer` names that `convert_state_dict_to_diffusers` gives are
+    # read by the UNet pipelines only: `StableDiffusion3Pipeline` drops the transformer's attention
+    # adapters when the text encoders' keys come in that older form.)
+    return {f"{component}.{key}": value for component, state in modules.items() for key, value in state.items()}
 
 
 def _header(bundle: ModelBundle, fmt: str, modules: dict, metadata: dict) -> dict[str, str]:

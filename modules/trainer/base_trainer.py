@@ -211,7 +211,10 @@ class BaseTrainer(ABC):
             params = add_lora(bundle, t)
         else:
             bundle.denoiser.requires_grad_(True)
-            bundle.denoiser.to(torch.float32)  # full fine-tune keeps fp32 master weights; autocast does the rest
+            # Full fine-tune keeps fp32 master weights; autocast does the rest. (load_model already gave
+            # fp32; a no-op cast would only make diffusers warn about transformers' fp32 modules.)
+            if next(bundle.denoiser.parameters()).dtype != torch.float32:
+                bundle.denoiser.to(torch.float32)
             params = [p for p in bundle.denoiser.parameters()]
             for te in trained_encoders:
                 te.requires_grad_(True)

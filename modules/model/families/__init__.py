@@ -18,6 +18,7 @@ from .base import ModelFamily, Objective
 # Family name -> module and class. SD 1.x and 2.x share one module (they differ only in data).
 _IMPLEMENTATIONS = {
     "sd1": ("sd", "SDFamily"), "sd2": ("sd", "SDFamily"), "sdxl": ("sdxl", "SDXLFamily"),
+    "sd3": ("sd3", "SD3Family"), "flux": ("flux", "FluxFamily"),
 }
 # The transformer families first: their single files may share the `model.diffusion_model.` prefix with SD's.
 _DETECTION_ORDER = tuple(FAMILIES)
