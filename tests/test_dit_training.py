@@ -101,10 +101,9 @@ def test_resume_equals_uninterrupted(tmp_path, cache_dir, name):
     run(dit_config(tmp_path / "ref", cache_dir, name, *common, method="lora"))
     reference = latest_backup_weights(tmp_path / "ref")
     run(dit_config(tmp_path / "run", cache_dir, name, *common, "training.max_steps=2", method="lora"))
-    cfg = dit_config(tmp_path / "run", cache_dir, name, *common, "training.batch_size=4",
-                     "general.continue_from_backup=true", "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
-                     "multi_gpu.launcher=spawn", method="lora")
-    assert launch(cfg) == 0
+    cfg = dit_config(tmp_path / "run", cache_dir, name, *common, "training.batch_size=4", "multi_gpu.enabled=true",
+                     "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", method="lora")
+    assert launch(cfg, resume="latest") == 0
     assert_weights_close(latest_backup_weights(tmp_path / "run"), reference, atol=2e-5, rtol=1e-4)
 
 

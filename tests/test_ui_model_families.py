@@ -1,5 +1,5 @@
-"""The GUI shows a model family's own settings only when they apply: the rule without a display, the
-rows under Xvfb."""
+"""The GUI shows a model family's own settings only when they apply: the rule, without a display (the rows
+themselves are tested under Xvfb in tests/test_ui_widgets.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,6 @@ from safetensors.torch import save_file
 
 from modules.config import TrainConfig, load_preset
 from modules.config.model_families import guess_family
-from tests.test_ui_widgets import app_factory, display, pump  # noqa: F401 (fixtures)
 from ui.field_visibility import hidden_fields
 
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
@@ -50,35 +49,3 @@ def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
         assert guess_family(str(path)) == family
     (tmp_path / "junk.safetensors").write_bytes(b"not a header at all")
     assert guess_family(str(tmp_path / "junk.safetensors")) is None
-
-
-def _shown(app, path: str) -> bool:
-    field = app.binder.fields[path]
-    return field.visible and all(widget.winfo_manager() == "grid" for widget in field.row_widgets)
-
-
-def test_rows_appear_and_disappear_with_the_model_type(app_factory):  # noqa: F811
-    app, _ = app_factory()
-    assert app.load("#demo")
-    assert _shown(app, "model.prediction_type") and _shown(app, "training.min_snr_gamma")
-    assert not _shown(app, "model.t5_max_length") and not _shown(app, "training.flux_guidance")
-
-    app.binder.fields["model.base_model"].var.set("builtin:demo-flux")
-    pump(app)
-    assert _shown(app, "model.t5_max_length") and _shown(app, "training.flux_guidance")
-    assert _shown(app, "model.components_folder")
-    assert not _shown(app, "model.prediction_type")
-    # #demo sets min-SNR 5, which Flux does not use: the field stays in sight with its problem.
-    assert _shown(app, "training.min_snr_gamma")
-    assert "does not apply" in app.binder.fields["training.min_snr_gamma"].message
-    app.binder.fields["training.min_snr_gamma"].var.set("0")
-    pump(app)
-    assert not _shown(app, "training.min_snr_gamma")
-
-    app.binder.fields["model.model_type"].var.set("sd3")
-    pump(app)
-    assert not _shown(app, "training.flux_guidance") and _shown(app, "training.timestep_logit_std")
-    app.binder.fields["model.base_model"].var.set("builtin:demo")
-    app.binder.fields["model.model_type"].var.set("auto")
-    pump(app)
-    assert _shown(app, "model.prediction_type") and not _shown(app, "training.timestep_logit_mean")
