@@ -345,3 +345,45 @@ def test_benchmark_items_fit_the_real_size_transformers(name, tokens):
     text = {k: meta(v) for k, v in item["text"].items()}
     out = objective.predict(bundle.denoiser, meta(item["latents"]), torch.empty(1, device="meta", dtype=torch.bfloat16), text)
     assert out.shape == (1, 16, 128, 128)
+
+
+# ------------------------------------------------------------------ guards
+
+def test_text_cache_key_follows_t5_length_and_components_folder(demos, tmp_path):
+    short, long = (load_model(ModelConfig(base_model="builtin:demo-flux", t5_max_length=n)) for n in (24, 32))
+    assert short.fingerprint() != long.fingerprint(), "cached embeddings of another length must not be reused"
+    assert short.fingerprint() == demos["flux"].fingerprint()
+    folder = save_full_diffusers(demos["flux"], tmp_path / "components", "fp32")
+    single = save_full_single_file(demos["flux"], tmp_path / "flux.safetensors", "fp32")
+    bundle = load_model(ModelConfig(base_model=str(single), components_folder=str(folder), t5_max_length=24))
+    before = bundle.fingerprint()
+    (folder / "text_encoder_2" / "model.safetensors").write_bytes(
+        (folder / "text_encoder_2" / "model.safetensors").read_bytes())  # replaced: new modification time
+    assert load_model(ModelConfig(base_model=str(single), components_folder=str(folder),
+                                  t5_max_length=24)).fingerprint() != before
+
+
+def test_image_sizes_of_a_detected_family_are_checked(tandem_home, tmp_path):
+    """Validation knows the family only when the config names it; a Flux folder found by `auto` with
+    72 px images (a multiple of 8, not of 16) is refused once loaded, before any training."""
+    from modules.config import load_config
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    with pytest.raises(ValueError, match=r"multiples of 16 px.*72x72.*data.resolution"):
+        family("flux").check_image_sizes([(64, 64), (72, 72)])
+    family("sd1").check_image_sizes([(72, 72)])  # SD takes multiples of 8
+    cfg = load_config("#demo_flux", [f"model.base_model={ensure_dit_demo('flux')}", "data.resolution=72",
+                                     "data.aspect_bucketing=false", "data.bucket_step=8",
+                                     f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false"])
+    with pytest.raises(ValueError, match=r"Flux.*multiples of 16 px.*72x72"):
+        GenericTrainer(cfg).start()
+
+
+def test_memory_estimate_says_it_has_no_figures_for_the_transformer_families():
+    from modules.config import TrainConfig
+    from modules.distributed.memory_estimate import EstimateError, resolve_architecture
+
+    cfg = TrainConfig()
+    cfg.model.base_model = "builtin:demo-flux"
+    with pytest.raises(EstimateError, match="no memory estimate for Flux.*not been measured"):
+        resolve_architecture(cfg)

@@ -15,7 +15,8 @@ from modules.trainer.generic_trainer import GenericTrainer
 from tests.test_dit_lora import pipeline_text, prediction
 from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# Each test trains the tiny models 2-3 times, on 1 and 2 processes: minutes on a shared 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
 
 STEPS = 3
 

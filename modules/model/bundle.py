@@ -185,7 +185,9 @@ class ModelBundle:
         """A stable hash of what the latent and text caches depend on, used as their cache key.
 
         Covers the model source (path plus size/modification time of the weight files that feed the
-        caches), the model type, the VAE in use, and the storage dtypes of the VAE and text encoders.
+        caches), the model type, the VAE in use, and the storage dtypes of the VAE and text encoders;
+        for SD3 and Flux also the folder the text encoders came from (`model.components_folder`) and
+        the text lengths (`model.t5_max_length` changes the embeddings' shape).
         """
         description = {
             "source": _source_identity(self.source, _CACHE_INPUT_FOLDERS),
@@ -195,6 +197,10 @@ class ModelBundle:
             "vae_dtype": str(next(self.vae.parameters()).dtype),
             "text_encoder_dtypes": [str(next(e.parameters()).dtype) for e in self.text_encoders],
         }
+        if "text_lengths" in self.extra:  # SD keys stay as they were, so SD caches stay valid
+            description["text_lengths"] = self.text_lengths()
+        if self.extra.get("components_source"):
+            description["components"] = _source_identity(self.extra["components_source"], _CACHE_INPUT_FOLDERS)
         blob = json.dumps(description, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -197,7 +197,10 @@ class BaseTrainer(ABC):
     def create_model(self):
         from modules.model.loading import load_model
         with du.main_first():  # rank 0 builds shared files (demo model) first; the others reuse them
-            return load_model(self.cfg.model, self.device, self.cfg.training)
+            bundle = load_model(self.cfg.model, self.device, self.cfg.training)
+        # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
+        bundle.family.check_image_sizes(self.dataset.bucket_sizes)
+        return bundle
 
     def prepare_trainable(self) -> list[torch.nn.Parameter]:
         """Choose what trains (LoRA adapters or the whole UNet/transformer) and move the model to the device."""

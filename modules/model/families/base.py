@@ -126,6 +126,17 @@ class ModelFamily(ABC):
     def objective(self, bundle: "ModelBundle", training_cfg: "TrainingConfig | None" = None) -> Objective:
         """The training objective for this bundle and training config."""
 
+    def check_image_sizes(self, sizes: Sequence[tuple[int, int]]) -> None:
+        """Refuse bucket sizes (width, height) the model cannot take (Flux packs 2x2 latent patches: 16 px),
+        naming the settings to change. Validation does this when the config names the family; a model
+        found by `auto` is checked here, once it is loaded."""
+        step = self.info.pixel_multiple
+        bad = [f"{w}x{h}" for w, h in sizes if w % step or h % step]
+        if bad:
+            raise ValueError(
+                f"{self.info.title} takes images whose sides are multiples of {step} px, but the buckets include "
+                f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
+
     # ------------------------------------------------------------------ sampling
 
     @abstractmethod

@@ -119,6 +119,7 @@ class FlowFamily(ModelFamily):
         del state
         bundle = self._assemble(transformer, folder, model_cfg, dtypes, str(path.resolve()),
                                 own_vae and vae is None)
+        bundle.extra["components_source"] = str(folder.resolve())  # the text encoders' origin (cache key)
         if vae is not None:
             bundle.vae = vae
         return bundle
@@ -135,9 +136,8 @@ class FlowFamily(ModelFamily):
                              f"base model is {self.info.title}; use a {self.name} diffusers folder")
 
     def _check_files(self, folder: Path, required: list[str]) -> None:
-        for name in ["vae/config.json", *(f"{n}/config.json" for n in self.component_names())]:
-            required = [*required, name]
-        for relative in required:
+        """`required` and every component's config must be in the diffusers `folder`."""
+        for relative in [*required, "vae/config.json", *(f"{n}/config.json" for n in self.component_names())]:
             if not (folder / relative).is_file():
                 raise FileNotFoundError(
                     f"{folder} is not a complete {self.info.title} diffusers folder: {relative} is missing")
