@@ -387,3 +387,25 @@ def test_memory_estimate_says_it_has_no_figures_for_the_transformer_families():
     cfg.model.base_model = "builtin:demo-flux"
     with pytest.raises(EstimateError, match="no memory estimate for Flux.*not been measured"):
         resolve_architecture(cfg)
+
+
+def test_flux_schnell_has_no_guidance_input_and_a_shorter_t5(tmp_path):
+    """A transformer without `guidance_embeds` (Flux.1-schnell): no guidance given in training, no
+    `guidance_in` in its single file, which loads back as schnell from its key names alone."""
+    from diffusers import FluxTransformer2DModel
+
+    from modules.model.families.flux import FluxObjective
+
+    flux = family("flux")
+    torch.manual_seed(0)
+    schnell = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                     pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    assert flux.t5_length_default(schnell) == 256
+    bundle = type("Bundle", (), {"denoiser": schnell, "noise_scheduler": type("S", (), {"config": {}})()})()
+    assert FluxObjective(bundle, TrainingConfig(flux_guidance=3.0)).guidance is None
+    state = schnell.state_dict()
+    original = layout.to_original(state, flux.layout(schnell.config, state))
+    assert not any(k.startswith("guidance_in.") for k in original)
+    config = flux.shipped_transformer_config(original)
+    assert (config["guidance_embeds"], config["num_layers"], config["num_single_layers"]) == (False, 1, 1)
