@@ -409,3 +409,47 @@ def test_flux_schnell_has_no_guidance_input_and_a_shorter_t5(tmp_path):
     assert not any(k.startswith("guidance_in.") for k in original)
     config = flux.shipped_transformer_config(original)
     assert (config["guidance_embeds"], config["num_layers"], config["num_single_layers"]) == (False, 1, 1)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_random_model_folders_load_like_downloaded_ones(tmp_path, monkeypatch, name):
+    """scripts/make_random_model.py --type sd3|flux: every part built from the shipped configs (shrunk here
+    to a tiny size) and written as a folder that Tandem and the stock pipeline load."""
+    from modules.model.families import flow_base, flux, sd3
+
+    real = flow_base.shipped
+    clip = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "projection_dim": 32}
+    tiny = {
+        ("sd3", "transformer"): {"num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+                                 "joint_attention_dim": 64, "caption_projection_dim": 32,
+                                 "pooled_projection_dim": 64, "pos_embed_max_size": 16, "dual_attention_layers": [0]},
+        ("flux", "transformer"): {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                  "num_attention_heads": 2, "joint_attention_dim": 64, "pooled_projection_dim": 32,
+                                  "axes_dims_rope": [4, 6, 6]},
+        "vae": {"block_out_channels": [16, 16], "down_block_types": ["DownEncoderBlock2D"] * 2,
+                "up_block_types": ["UpDecoderBlock2D"] * 2, "layers_per_block": 1, "norm_num_groups": 8},
+        "clip": clip,
+        "t5": {"d_model": 64, "d_kv": 16, "d_ff": 64, "num_layers": 1, "num_heads": 4},
+    }
+
+    def shrunk(family_name, component):
+        config = real(family_name, component)
+        if component.startswith("transformer"):
+            return {**config, **tiny[(family_name, "transformer")]}
+        if component == "vae":
+            return {**config, **tiny["vae"]}
+        if component.startswith("text_encoder"):
+            return {**config, **tiny["t5" if config["architectures"] == ["T5EncoderModel"] else "clip"]}
+        return config
+
+    for module in (flow_base, flux, sd3):
+        monkeypatch.setattr(module, "shipped", shrunk)
+    folder = family(name).write_random_model(tmp_path / "random", torch.float32)
+    bundle = load_model(ModelConfig(base_model=str(folder), t5_max_length=16))
+    assert bundle.model_type == name and bundle.vae.config.latent_channels == 16
+    with torch.no_grad():
+        text = bundle.encode_text(["a photo of a cat"])
+    assert torch.isfinite(text["encoder_hidden_states"]).all()
+    pipeline = _pipeline_class(name).from_pretrained(folder, local_files_only=True)
+    _same(pipeline.transformer.state_dict(), bundle.denoiser.state_dict(), "pipeline transformer")
