@@ -82,11 +82,8 @@ class FlowFamily(ModelFamily):
 
     # ------------------------------------------------------------------ loading
 
-    @property
-    def t5_name(self) -> str:
-        return f"text_encoder_{len(self.clip_classes) + 1}"
-
     def component_names(self) -> list[str]:
+        """The text encoders' diffusers component names: the CLIP encoders', then T5's."""
         return ["text_encoder"] + [f"text_encoder_{i + 2}" for i in range(len(self.clip_classes))]
 
     def load_folder(self, folder, model_cfg, dtypes, source_name, own_vae):

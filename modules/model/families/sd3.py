@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from . import original_layout as layout
-from .flow_base import CONFIG_DIR, META_CONFIGS, FlowFamily, FlowMatching, _device_of, _dtype_of, plain_config, shipped
+from .flow_base import META_CONFIGS, FlowFamily, FlowMatching, _device_of, _dtype_of, plain_config, shipped
 
 FILE_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -158,4 +158,4 @@ def sd3_entries(num_layers: int) -> list[layout.Entry]:
     return entries
 
 
-__all__ = ["CONFIG_DIR", "SD3Family", "SD3Objective", "sd3_entries"]
+
