@@ -16,8 +16,8 @@ from modules.trainer.generic_trainer import GenericTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-STEPS = 400
-"""Steps of batch 8 (3,200 images: 50 epochs of the 64 demo images, as the presets train)."""
+STEPS = 800
+"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux"])
@@ -39,13 +39,19 @@ def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_p
     assert (decoded - thumbnail).abs().max().item() < 4 / 127.5
 
 
-def _border_colour(image) -> str:
-    """The palette colour nearest to the mean of the image's outer ring of 8 px blocks (the background)."""
+BACKGROUNDS = ("blue", "green", "black")
+"""The backgrounds of the presets' three prompts."""
+
+
+def _background(image) -> str:
+    """Which of the prompts' three backgrounds most pixels of the image's outer ring of 8 px blocks are
+    nearest to (shape colours that reach the ring, or a lime green, do not tip a mean)."""
     array = np.asarray(image.convert("RGB"), dtype=np.float32)
     ring = np.ones(array.shape[:2], dtype=bool)
     ring[8:-8, 8:-8] = False
-    mean = array[ring].mean(axis=0)
-    return min(COLOURS, key=lambda colour: float(np.sum((np.array(COLOURS[colour]) - mean) ** 2)))
+    palette = np.array([COLOURS[name] for name in BACKGROUNDS], dtype=np.float32)
+    nearest = np.argmin(((array[ring][:, None] - palette[None]) ** 2).sum(-1), axis=1)
+    return BACKGROUNDS[int(np.bincount(nearest, minlength=len(BACKGROUNDS)).argmax())]
 
 
 @pytest.mark.slow
@@ -62,5 +68,6 @@ def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     assert np.mean(losses[-30:]) < 0.8 * np.mean(losses[:30]), "the loss did not fall"
     samples = callbacks.of_type("sample")
     assert len(samples) == 3, "the finished run renders each preset prompt once (at the end)"
-    backgrounds = [_border_colour(Image.open(s["path"])) for s in samples]
-    assert backgrounds == ["blue", "green", "black"], backgrounds
+    # The untrained models give blue, blue, blue (SD3) and blue, green, green (Flux) here.
+    backgrounds = [_background(Image.open(s["path"])) for s in samples]
+    assert backgrounds == list(BACKGROUNDS), backgrounds
