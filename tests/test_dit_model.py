@@ -251,6 +251,13 @@ def test_flux_single_file_is_black_forest_labs_layout(demos, tmp_path):
     assert not any(k.startswith(("transformer_blocks.", "vae.")) for k in state)
     expected = {e.original_name(o) for e in flux_entries(2, 2) for o, _ in e.params}
     assert set(state) == expected
+    # ComfyUI saves the same weights under `model.diffusion_model.`: read alike.
+    from modules.model.families.flow_base import META_CONFIGS, plain_config
+
+    wrapped = {f"model.diffusion_model.{k}": v for k, v in state.items()}
+    metadata = {META_CONFIGS: json.dumps({"transformer": plain_config(config)})}
+    loaded = family("flux").transformer_from_file(wrapped, metadata, tmp_path / "comfy.safetensors")
+    _same(loaded.state_dict(), bundle.denoiser.state_dict(), "model.diffusion_model.-prefixed file")
 
 
 @pytest.mark.slow

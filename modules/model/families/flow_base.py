@@ -28,6 +28,7 @@ from .base import ModelFamily, Objective
 FLOW_MATCHING = "flow_matching"
 """`bundle.prediction_type` of the flow families: the transformer predicts the velocity noise - x0."""
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+WRAPPED_PREFIX = "model.diffusion_model."
 META_MODEL_TYPE = "tandem.model_type"
 META_CONFIGS = "tandem.configs"
 
@@ -193,7 +194,8 @@ class FlowFamily(ModelFamily):
 
         from modules.model.single_file import _build, _load_weights
 
-        prefix = self.file_prefix if any(k.startswith(self.file_prefix) for k in state) else ""
+        # Stability's files and ComfyUI's saves put the transformer under `model.diffusion_model.`, BFL's not.
+        prefix = WRAPPED_PREFIX if any(k.startswith(WRAPPED_PREFIX) for k in state) else ""
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and self.owns_key(k[len(prefix):])}
         config = self.transformer_config(own, metadata)
         model = _build(getattr(diffusers, self.transformer_class), config)
