@@ -1,6 +1,7 @@
-"""Write a real-size SD1/SD2/SDXL diffusers folder with random weights (offline GPU checks, benchmarks).
+"""Write a real-size SD1/SD2/SDXL/SD3.5-Medium/Flux.1-dev diffusers folder with random weights (offline GPU checks).
 
     python scripts/make_random_model.py --type sd1 --out /tmp/random-sd15
+    python scripts/make_random_model.py --type flux --out /tmp/random-flux --device cuda   # 12 B + T5-XXL: ~33 GB
 """
 import argparse
 import os
@@ -10,8 +11,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--type", choices=["sd1", "sd2", "sdxl"], default="sd1")
+    p.add_argument("--type", choices=["sd1", "sd2", "sdxl", "sd3", "flux"], default="sd1")
     p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="saved dtype (default: fp16; sd3/flux bf16)")
+    p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for flux)")
     a = p.parse_args()
     from modules.benchmark.synthetic import write_random_model
-    print(write_random_model(a.type, a.out))
+    from modules.model.files import SAVE_DTYPES
+    print(write_random_model(a.type, a.out, SAVE_DTYPES[a.dtype] if a.dtype else None, a.device))

@@ -506,3 +506,36 @@ def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_fact
     assert controller.started[-1][1].endswith("train.py")
     assert controller.started[-1][-2:] == ["--config-value", "multi_gpu.enabled=false"]
     assert pump(app, lambda: not controller.state.active, timeout=20)
+
+
+def _shown(app, path: str) -> bool:
+    field = app.binder.fields[path]
+    return field.visible and all(widget.winfo_manager() == "grid" for widget in field.row_widgets)
+
+
+def test_model_family_rows_appear_and_disappear_with_the_model_type(app_factory):
+    """A family's own settings show only when they apply (ui/field_visibility.py)."""
+    app, _ = app_factory()
+    assert app.load("#demo")
+    assert _shown(app, "model.prediction_type") and _shown(app, "training.min_snr_gamma")
+    assert not _shown(app, "model.t5_max_length") and not _shown(app, "training.flux_guidance")
+
+    app.binder.fields["model.base_model"].var.set("builtin:demo-flux")
+    pump(app)
+    assert _shown(app, "model.t5_max_length") and _shown(app, "training.flux_guidance")
+    assert _shown(app, "model.components_folder")
+    assert not _shown(app, "model.prediction_type")
+    # #demo sets min-SNR 5, which Flux does not use: the field stays in sight with its problem.
+    assert _shown(app, "training.min_snr_gamma")
+    assert "does not apply" in app.binder.fields["training.min_snr_gamma"].message
+    app.binder.fields["training.min_snr_gamma"].var.set("0")
+    pump(app)
+    assert not _shown(app, "training.min_snr_gamma")
+
+    app.binder.fields["model.model_type"].var.set("sd3")
+    pump(app)
+    assert not _shown(app, "training.flux_guidance") and _shown(app, "training.timestep_logit_std")
+    app.binder.fields["model.base_model"].var.set("builtin:demo")
+    app.binder.fields["model.model_type"].var.set("auto")
+    pump(app)
+    assert _shown(app, "model.prediction_type") and not _shown(app, "training.timestep_logit_mean")

@@ -35,21 +35,25 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     base_model: str = "builtin:demo"
-    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or `builtin:demo`."""
+    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`)."""
     model_type: str = "auto"
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2` or `sdxl`."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5) or `flux` (Flux.1 dev/schnell)."""
     prediction_type: str = "auto"
-    """Training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`."""
+    """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = ""
     """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
     unet_dtype: str = "fp32"
-    """Storage dtype of UNet weights that are not trained (LoRA base weights): fp32, bf16 or fp16 (a half-precision base needs training.precision bf16 or fp16)."""
+    """Storage dtype of the UNet's (SD3, Flux: the transformer's) weights that are not trained (LoRA base weights): fp32, bf16 or fp16 (a half-precision base needs training.precision bf16 or fp16)."""
     text_encoder_dtype: str = "fp32"
-    """Storage dtype of frozen text-encoder weights: fp32, bf16 or fp16."""
+    """Storage dtype of frozen text-encoder weights (T5 is always frozen): fp32, bf16 or fp16."""
     vae_dtype: str = "fp32"
     """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
     config_overrides: str = ""
     """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
+    components_folder: str = ""
+    """SD3 and Flux single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
+    t5_max_length: int = 0
+    """SD3 and Flux: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256)."""
 
 
 @dataclass
@@ -170,6 +174,12 @@ class TrainingConfig:
     """Min-SNR loss weighting gamma (5 is typical). 0: off."""
     offset_noise: float = 0.0
     """Offset-noise strength (0.05-0.1 typical). 0: off."""
+    timestep_logit_mean: float = 0.0
+    """SD3 and Flux: timesteps are drawn logit-normal (sigmoid of a normal value with this mean), then shifted as the model's scheduler shifts them (SD3 by its fixed shift, Flux.1-dev by image size)."""
+    timestep_logit_std: float = 1.0
+    """SD3 and Flux: standard deviation of the logit-normal timestep draw."""
+    flux_guidance: float = 1.0
+    """Flux.1-dev: the distilled-guidance value the transformer is given while training (1.0 as kohya sd-scripts and ai-toolkit train; samples use sampling.guidance_scale). Ignored by models without a guidance input (Flux.1-schnell)."""
 
 
 @dataclass

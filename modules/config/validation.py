@@ -13,6 +13,7 @@ import difflib
 import json
 from pathlib import Path
 
+from .model_families import FAMILIES, MODEL_TYPES, field_applies, family_of_builtin
 from .serialization import ConfigError
 from .train_config import TrainConfig
 
@@ -23,7 +24,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 # (section, field) -> allowed values. The GUI offers these as the options of its drop-downs.
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("general", "device"): ("auto", "cuda", "cpu"),
-    ("model", "model_type"): ("auto", "sd1", "sd2", "sdxl"),
+    ("model", "model_type"): ("auto", *MODEL_TYPES),
     ("model", "prediction_type"): ("auto", "epsilon", "v_prediction"),
     ("model", "unet_dtype"): DTYPES,
     ("model", "text_encoder_dtype"): DTYPES,
@@ -53,6 +54,8 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
     ("training", "max_grad_norm"): 0,
     ("training", "min_snr_gamma"): 0,
     ("training", "offset_noise"): 0,
+    ("training", "flux_guidance"): 0,
+    ("model", "t5_max_length"): 0,
     ("optimizer", "weight_decay"): 0,
     ("data", "num_workers"): 0,
     ("data", "prefetch_factor"): 1,
@@ -75,6 +78,7 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
 ABOVE: dict[tuple[str, str], float] = {
     ("training", "learning_rate"): 0.0,
     ("training", "lora_alpha"): 0.0,
+    ("training", "timestep_logit_std"): 0.0,
     ("optimizer", "eps"): 0.0,
     ("multi_gpu", "timeout_minutes"): 0.0,
 }
@@ -276,6 +280,11 @@ def _model_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
             problems.append("model.config_overrides: applies to single-file checkpoints only, and "
                             f"model.base_model {m.base_model!r} is not one (a diffusers folder's own config "
                             "files describe it); clear model.config_overrides.")
+    builtin = m.base_model.strip()
+    if builtin.startswith(BUILTIN_PREFIX) and family_of_builtin(builtin) is None:
+        known = ", ".join(info.demo for info in FAMILIES.values() if info.demo)
+        problems.append(f"model.base_model: {builtin!r} is not a built-in model; use one of {known}, "
+                        "a diffusers folder or a .safetensors/.ckpt file.")
     if not check_paths:
         return problems
     problems += _path_problem("model.base_model", m.base_model,
@@ -283,6 +292,52 @@ def _model_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
     if m.vae_path:
         problems += _path_problem("model.vae_path", m.vae_path,
                                   "a VAE folder or file, or leave it empty for the model's own")
+    if m.components_folder:
+        problems += _path_problem("model.components_folder", m.components_folder,
+                                  "a diffusers folder of the same family, or leave it empty")
+    return problems
+
+
+def known_family(cfg: TrainConfig) -> str | None:
+    """The model family the config names (model_type, or a built-in model), None when it is detected later."""
+    if cfg.model.model_type in FAMILIES:
+        return cfg.model.model_type
+    return family_of_builtin(cfg.model.base_model)
+
+
+# Settings whose default means "off" (or "the model's own"): a family that does not use a field only
+# objects when the user changed it, since the value would silently do nothing.
+_INERT_VALUES = {"model.prediction_type": "auto", "training.min_snr_gamma": 0.0}
+
+
+def _family_checks(cfg: TrainConfig) -> list[str]:
+    """What the family the config names does not accept: settings of other families, image sizes."""
+    family = known_family(cfg)
+    if family is None or family not in FAMILIES:
+        return []
+    info = FAMILIES[family]
+    problems = []
+    for path, inert in _INERT_VALUES.items():
+        section, name = path.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != inert and not field_applies(path, family):
+            problems.append(f"{path}: {value!r} does not apply to {info.title} (model.model_type {family}), "
+                            f"which trains rectified flow; set it to {inert!r}.")
+    # Sizes that are not even multiples of 8 (the VAE's step) are reported by the general checks.
+    step = info.pixel_multiple
+    d = cfg.data
+    if d.resolution % 8 == 0 and d.resolution % step:
+        problems.append(f"data.resolution: {d.resolution!r} is not a multiple of {step}, the image-size step of "
+                        f"{info.title}; set it to {max(step, round(d.resolution / step) * step)}, for example.")
+    if d.aspect_bucketing and d.bucket_step % 8 == 0 and d.bucket_step % step:
+        problems.append(f"data.bucket_step: {d.bucket_step!r} is not a multiple of {step}, the image-size step of "
+                        f"{info.title}; set it to {max(step, round(d.bucket_step / step) * step)} (64 is usual).")
+    for i, prompt in enumerate(cfg.sampling.prompts):
+        for name in ("width", "height"):
+            value = getattr(prompt, name)
+            if value > 0 and value % 8 == 0 and value % step:
+                problems.append(f"sampling.prompts[{i}].{name}: {value!r} is not a multiple of {step}, the "
+                                f"image-size step of {info.title}; set it to {max(step, value // step * step)}.")
     return problems
 
 
@@ -294,7 +349,7 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> list[str]:
     user is still typing a path.
     """
     return (_value_checks(cfg) + _model_checks(cfg, check_paths) + _data_checks(cfg, check_paths)
-            + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg))
+            + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg) + _family_checks(cfg))
 
 
 def check(cfg: TrainConfig, source: str | None = None, check_paths: bool = True) -> TrainConfig:

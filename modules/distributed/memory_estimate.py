@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from modules.config.model_families import FAMILIES, guess_family
+
 GIB = 1024 ** 3
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model" / "configs"
 
@@ -148,6 +150,11 @@ def _detect_single_file_type(path: Path) -> str:
 def resolve_architecture(cfg) -> tuple[str, str, dict]:
     """(model family, where the shapes came from, component configs) for `cfg.model`."""
     base, model_type = cfg.model.base_model, cfg.model.model_type
+    family = guess_family(base, model_type)
+    if family is not None and family not in ACTIVATION_GIB_PER_SAMPLE:
+        raise EstimateError(f"no memory estimate for {FAMILIES[family].title} yet: its activation memory per "
+                            "image has not been measured (the estimate scales measured figures). Start a short "
+                            "run with training.max_steps and watch the GPU memory instead.")
     if base == "builtin:demo":
         local = MODEL_CONFIGS_DIR / "demo"
         folder = local if (local / "unet" / "config.json").is_file() else _demo_folder()

@@ -1,9 +1,9 @@
-"""`ModelBundle`: the parts of a Stable Diffusion model that training needs, and how to feed them.
+"""`ModelBundle`: the parts of a diffusion model that training needs, and how to feed them.
 
-The conditioning code follows the diffusers pipelines exactly (SD1/SD2: the text encoder's last
-hidden state; SDXL: the penultimate hidden states of both encoders side by side, plus the second
-encoder's pooled projection and the size/crop "time ids"), so that a model trained here behaves
-the same in `StableDiffusionPipeline` / `StableDiffusionXLPipeline`, ComfyUI and the like.
+The bundle holds the modules; what differs between model families (text encoding, conditioning,
+the objective, sampling, saving) is asked of `bundle.family` (`modules/model/families/`), so code
+that handles a bundle never needs to know which family it is. Each family follows its diffusers
+pipeline exactly, so that a model trained here behaves the same in diffusers, ComfyUI and the like.
 """
 from __future__ import annotations
 
@@ -17,33 +17,36 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-MODEL_TYPES = ("sd1", "sd2", "sdxl")
+from modules.config.model_families import FAMILIES, MODEL_TYPES
+
 # The parts of a diffusers folder whose weights shape the cached latents and text embeddings.
-_CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+_CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
+                        "tokenizer_3")
 
 
 @dataclass
 class ModelBundle:
     model_type: str
-    """`sd1`, `sd2` or `sdxl`."""
-    unet: Any
-    """`UNet2DConditionModel`."""
+    """The family: `sd1`, `sd2`, `sdxl`, `sd3` or `flux` (see `modules/config/model_families.py`)."""
+    denoiser: Any
+    """The trained network: `UNet2DConditionModel` (SD families) or the family's transformer (SD3, Flux)."""
     vae: Any
     """`AutoencoderKL`."""
     text_encoders: list
-    """One CLIP text model (SD1/SD2) or two (SDXL: `CLIPTextModel`, `CLIPTextModelWithProjection`)."""
+    """The text encoders in the pipeline's order: CLIP (SD1/SD2), CLIP-L + OpenCLIP-bigG (SDXL),
+    CLIP-L + CLIP-G + T5-XXL (SD3), CLIP-L + T5-XXL (Flux)."""
     tokenizers: list
     """One tokenizer per text encoder, in the same order."""
     noise_scheduler: Any
-    """`DDPMScheduler` used to add noise during training."""
+    """The scheduler whose noise schedule training follows (`DDPMScheduler`, or the flow-matching one)."""
     prediction_type: str
-    """`epsilon` or `v_prediction`: what the UNet is trained to predict."""
+    """`epsilon` or `v_prediction` (SD families), `flow_matching` (SD3, Flux): what the denoiser predicts."""
     source: str
-    """What was loaded: `builtin:demo`, a folder or a single file (absolute path)."""
+    """What was loaded: a `builtin:` name, a folder or a single file (absolute path)."""
     vae_source: str = ""
     """Where the VAE came from when it overrides the model's own. Empty: the model's VAE."""
     extra: dict = field(default_factory=dict)
-    """Loader notes kept for saving (e.g. the scheduler config of the original model)."""
+    """Loader notes kept for sampling and saving (e.g. the model's own scheduler, the T5 length)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -51,11 +54,32 @@ class ModelBundle:
         if len(self.text_encoders) != len(self.tokenizers):
             raise ValueError("a ModelBundle needs exactly one tokenizer per text encoder")
 
+    @property
+    def family(self):
+        """The `ModelFamily` that knows how this bundle is conditioned, trained, sampled and saved."""
+        from modules.model.families import family
+
+        return family(self.model_type)
+
+    @property
+    def unet(self):
+        """The denoiser under its SD name (the SD families' code and files call it the UNet)."""
+        return self.denoiser
+
+    @unet.setter
+    def unet(self, module) -> None:
+        self.denoiser = module
+
+    @property
+    def denoiser_name(self) -> str:
+        """The denoiser's diffusers component name: `unet` or `transformer`."""
+        return FAMILIES[self.model_type].denoiser
+
     # ---------------------------------------------------------------- devices, modules
 
     @property
     def device(self) -> torch.device:
-        return next(self.unet.parameters()).device
+        return next(self.denoiser.parameters()).device
 
     def to(self, device: torch.device | str) -> "ModelBundle":
         """Move every module to `device` (dtypes unchanged) and return the bundle."""
@@ -64,10 +88,11 @@ class ModelBundle:
         return self
 
     def modules(self) -> dict[str, nn.Module]:
-        """The bundle's modules by their diffusers component name (`unet`, `vae`, `text_encoder`, `text_encoder_2`)."""
-        found = {"unet": self.unet, "vae": self.vae}
+        """The bundle's modules by their diffusers component name (`unet` or `transformer`, `vae`,
+        `text_encoder`, `text_encoder_2`, `text_encoder_3`)."""
+        found = {self.denoiser_name: self.denoiser, "vae": self.vae}
         for index, encoder in enumerate(self.text_encoders):
-            found[_text_encoder_name(index)] = encoder
+            found[text_encoder_name(index)] = encoder
         return found
 
     def trainable_modules(self) -> dict[str, nn.Module]:
@@ -76,6 +101,10 @@ class ModelBundle:
             name: module for name, module in self.modules().items()
             if any(p.requires_grad for p in module.parameters())
         }
+
+    def trainable_text_encoders(self) -> list[nn.Module]:
+        """The text encoders `training.train_text_encoder` trains (never T5)."""
+        return self.family.trainable_text_encoders(self)
 
     # ---------------------------------------------------------------- encoders
 
@@ -107,52 +136,34 @@ class ModelBundle:
         return vae.decode(latents).sample.clamp(-1, 1)
 
     def tokenize(self, captions: Sequence[str]) -> list[torch.Tensor]:
-        """Token ids [B, max_length] for each tokenizer, padded and truncated like the pipelines."""
-        ids = []
-        for tokenizer in self.tokenizers:
-            ids.append(tokenizer(
-                list(captions), padding="max_length", max_length=tokenizer.model_max_length,
-                truncation=True, return_tensors="pt",
-            ).input_ids)
-        return ids
+        """Token ids [B, length] for each tokenizer, padded and truncated like the pipelines."""
+        return [tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
+                          return_tensors="pt").input_ids
+                for tokenizer, length in zip(self.tokenizers, self.text_lengths(), strict=True)]
+
+    def text_lengths(self) -> list[int]:
+        """Tokens per caption for each tokenizer: CLIP's 77, or the T5 length the family chose
+        (`extra["text_lengths"]`, set when loading SD3 and Flux)."""
+        return list(self.extra.get("text_lengths") or [t.model_max_length for t in self.tokenizers])
 
     def encode_text(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Text conditioning for `captions`.
+        """Text conditioning for `captions`, as the family's pipeline computes it.
 
-        Returns `encoder_hidden_states` [B, 77, D] and, for SDXL, `pooled` [B, 1280]. Gradients flow
+        SD1/SD2: `encoder_hidden_states` [B, 77, D]; SDXL adds `pooled` [B, 1280]; SD3 and Flux: the
+        joint text sequence and the pooled CLIP vector (see their family modules). Gradients flow
         when a text encoder is trained; wrap the call in `torch.no_grad()` otherwise.
         """
         if isinstance(captions, str):
             raise TypeError("encode_text expects a list of captions, not a single string")
-        token_ids = self.tokenize(captions)
-        if self.model_type != "sdxl":
-            encoder = self.text_encoders[0]
-            output = encoder(token_ids[0].to(_device_of(encoder)), output_hidden_states=False)
-            return {"encoder_hidden_states": output[0]}
-
-        hidden, pooled = [], None
-        for encoder, ids in zip(self.text_encoders, token_ids):
-            output = encoder(ids.to(_device_of(encoder)), output_hidden_states=True)
-            # SDXL conditions on the penultimate layer of both encoders; the pooled vector comes
-            # from the last one (the projection model), as in StableDiffusionXLPipeline.encode_prompt.
-            hidden.append(output.hidden_states[-2])
-            pooled = output[0]
-        device = hidden[-1].device
-        return {
-            "encoder_hidden_states": torch.cat([h.to(device) for h in hidden], dim=-1),
-            "pooled": pooled,
-        }
+        return self.family.encode_text(self, captions)
 
     def unused_text_encoder_modules(self) -> list[nn.Module]:
         """Text-encoder parts whose output never reaches the conditioning, so they get no gradient.
 
-        SDXL reads the first encoder's penultimate hidden states only: its last layer and final norm
-        are dead ends. Training must freeze them, or DistributedDataParallel waits for their gradients.
+        Training must freeze them, or DistributedDataParallel waits for their gradients (SDXL: the
+        first encoder's last layer and final norm).
         """
-        if self.model_type != "sdxl":
-            return []
-        inner = getattr(self.text_encoders[0], "text_model", self.text_encoders[0])
-        return [inner.encoder.layers[-1], inner.final_layer_norm]
+        return self.family.unused_text_encoder_modules(self)
 
     def added_cond(
         self,
@@ -161,25 +172,12 @@ class ModelBundle:
         crop_coords: Sequence[Sequence[int]],
         target_sizes: Sequence[Sequence[int]],
     ) -> dict[str, torch.Tensor] | None:
-        """SDXL's `added_cond_kwargs` for the UNet (`text_embeds`, `time_ids` [B, 6]); None for SD1/SD2.
+        """SDXL's `added_cond_kwargs` for the UNet (`text_embeds`, `time_ids` [B, 6]); None for other families.
 
         Sizes and crop coordinates are (height, width) and (top, left), one per sample, as SDXL
         was trained with.
         """
-        if self.model_type != "sdxl":
-            return None
-        pooled = text["pooled"]
-        rows = [
-            [*map(int, original), *map(int, crop), *map(int, target)]
-            for original, crop, target in zip(original_sizes, crop_coords, target_sizes, strict=True)
-        ]
-        if len(rows) != pooled.shape[0]:
-            raise ValueError(f"added_cond got {len(rows)} size entries for a batch of {pooled.shape[0]}")
-        time_ids = torch.tensor(rows, dtype=pooled.dtype)
-        if pooled.is_cuda:  # a copy from pageable memory would make the CPU wait for the GPU
-            time_ids = time_ids.pin_memory()
-        time_ids = time_ids.to(pooled.device, non_blocking=True)
-        return {"text_embeds": pooled, "time_ids": time_ids}
+        return self.family.added_cond(self, text, original_sizes, crop_coords, target_sizes)
 
     # ---------------------------------------------------------------- identity
 
@@ -187,7 +185,9 @@ class ModelBundle:
         """A stable hash of what the latent and text caches depend on, used as their cache key.
 
         Covers the model source (path plus size/modification time of the weight files that feed the
-        caches), the model type, the VAE in use, and the storage dtypes of the VAE and text encoders.
+        caches), the model type, the VAE in use, and the storage dtypes of the VAE and text encoders;
+        for SD3 and Flux also the folder the text encoders came from (`model.components_folder`) and
+        the text lengths (`model.t5_max_length` changes the embeddings' shape).
         """
         description = {
             "source": _source_identity(self.source, _CACHE_INPUT_FOLDERS),
@@ -197,6 +197,10 @@ class ModelBundle:
             "vae_dtype": str(next(self.vae.parameters()).dtype),
             "text_encoder_dtypes": [str(next(e.parameters()).dtype) for e in self.text_encoders],
         }
+        if "text_lengths" in self.extra:  # SD keys stay as they were, so SD caches stay valid
+            description["text_lengths"] = self.text_lengths()
+        if self.extra.get("components_source"):
+            description["components"] = _source_identity(self.extra["components_source"], _CACHE_INPUT_FOLDERS)
         blob = json.dumps(description, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -213,12 +217,9 @@ def checkpoint_text_encoder_key(key: str) -> str:
     return key
 
 
-def _text_encoder_name(index: int) -> str:
+def text_encoder_name(index: int) -> str:
+    """The diffusers component name of the text encoder at `index`: `text_encoder`, `text_encoder_2`, ..."""
     return "text_encoder" if index == 0 else f"text_encoder_{index + 1}"
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
 
 
 def _plain_config(config) -> dict:
@@ -230,7 +231,7 @@ def _source_identity(source: str, subfolders: Sequence[str]) -> Any:
     if source.startswith("builtin:"):
         from .demo import DEMO_MODEL_VERSION
 
-        return f"{source}@{DEMO_MODEL_VERSION}"
+        return f"{source}@{DEMO_MODEL_VERSION}"  # one version number for every built-in model
     path = Path(source)
     if path.is_file():
         stat = path.stat()

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,10 +41,11 @@ DEMO_WORDS = (
 )
 
 
-def default_demo_root() -> Path:
-    """Where the demo model lives: `$TANDEM_HOME/demo-model`, else `<repo>/.cache/demo-model`."""
+def default_demo_root(name: str = "demo-model") -> Path:
+    """Where a built-in model lives: `$TANDEM_HOME/<name>`, else `<repo>/.cache/<name>`
+    (`demo-model` for `builtin:demo`)."""
     home = os.environ.get("TANDEM_HOME")
-    return Path(home) / "demo-model" if home else _REPO_ROOT / ".cache" / "demo-model"
+    return Path(home) / name if home else _REPO_ROOT / ".cache" / name
 
 
 def ensure_demo_model(root: Path | None = None) -> Path:
@@ -53,7 +55,13 @@ def ensure_demo_model(root: Path | None = None) -> Path:
     into its own temporary folder and renames it into place; a caller that loses the race deletes
     its copy and uses the finished one, so nobody ever reads a half-written folder.
     """
-    root = Path(root) if root is not None else default_demo_root()
+    return ensure_built_model(Path(root) if root is not None else default_demo_root(), _build_into)
+
+
+def ensure_built_model(root: Path, build_into: Callable[[Path], None]) -> Path:
+    """A built-in model folder at `root`, built by `build_into(folder)` unless a complete one of this
+    `DEMO_MODEL_VERSION` is there (the marker file says). A folder there that is no built-in model is
+    refused, never deleted."""
     if _is_complete(root):
         return root
     if root.exists() and not (root / _MARKER_FILE).is_file():
@@ -61,7 +69,13 @@ def ensure_demo_model(root: Path | None = None) -> Path:
             f"{root} exists but is not a Tandem demo model (it has no {_MARKER_FILE}). "
             "Delete that folder or point TANDEM_HOME elsewhere; the demo model is rebuilt automatically."
         )
-    return build_folder_once(root, _build_into, _is_complete)
+
+    def build_and_mark(folder: Path) -> None:
+        build_into(folder)
+        # Written last: its presence (after the atomic rename) means the folder is complete.
+        (folder / _MARKER_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION, "seed": _SEED}, indent=2))
+
+    return build_folder_once(root, build_and_mark, _is_complete)
 
 
 def _is_complete(root: Path) -> bool:
@@ -89,8 +103,6 @@ def _build_into(folder: Path) -> None:
     for name in ("vocab.json", "merges.txt"):
         shutil.move(tokenizer_dir / name, folder / "tokenizer" / name)
     shutil.rmtree(tokenizer_dir)
-    # Written last: its presence (after the atomic rename) means the folder is complete.
-    (folder / _MARKER_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION, "seed": _SEED}, indent=2))
 
 
 def _write_and_load_tokenizer(folder: Path):

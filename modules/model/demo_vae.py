@@ -40,7 +40,7 @@ VAE_CONFIG = {
 """4 levels (8x downsampling, like SD), 4 latent channels: a 64 px image gives an 8x8x4 latent."""
 
 COLOUR_CHANNELS = 3
-"""Latent channels 0-2 carry R, G, B; the last latent channel is always 0."""
+"""Latent channels 0-2 carry R, G, B; the other latent channels are always 0."""
 LOG_VARIANCE = -12.0
 """Posterior log-variance: std exp(-6) = 0.0025 in latent units (before `scaling_factor`)."""
 SIGNAL_SCALE = 1e-5
@@ -48,11 +48,15 @@ SIGNAL_SCALE = 1e-5
 _NORM_EPS = 1e-6  # diffusers' Encoder/Decoder conv_norm_out eps; the tests check that it still holds
 
 
-def build_demo_vae(scaling_factor: float = 1.0):
-    """The thumbnail-codec `AutoencoderKL` described above, in eval mode, with no gradients."""
+def build_demo_vae(scaling_factor: float = 1.0, latent_channels: int = 4, shift_factor: float | None = None):
+    """The thumbnail-codec `AutoencoderKL` described above, in eval mode, with no gradients.
+
+    `latent_channels` 16 gives the latent shape of SD3's and Flux's VAEs (channels 3 and up stay 0);
+    `shift_factor` is subtracted from latents before scaling, as those VAEs do."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(**VAE_CONFIG, scaling_factor=scaling_factor)
+    vae = AutoencoderKL(**{**VAE_CONFIG, "latent_channels": latent_channels}, scaling_factor=scaling_factor,
+                        shift_factor=shift_factor)
     for norm in (vae.encoder.conv_norm_out, vae.decoder.conv_norm_out):
         if norm.eps != _NORM_EPS or norm.num_channels // norm.num_groups != 2:
             raise RuntimeError(

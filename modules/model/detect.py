@@ -54,9 +54,9 @@ def detect_model_type(keys: Iterable[str], source: str | Path = "checkpoint") ->
     if has("conditioner.embedders.0.model."):
         reason = "it is an SDXL refiner (one OpenCLIP encoder only), which Tandem does not train"
     elif has(UNET_PREFIX + "joint_blocks.") or has("joint_blocks."):
-        reason = "it looks like Stable Diffusion 3, which Tandem does not train"
+        reason = "it is a Stable Diffusion 3 checkpoint (model type sd3), not SD 1.x/2.x/SDXL"
     elif has("double_blocks.") or has(UNET_PREFIX + "double_blocks."):
-        reason = "it looks like Flux, which Tandem does not train"
+        reason = "it is a Flux checkpoint (model type flux), not SD 1.x/2.x/SDXL"
     elif has("down_blocks.") or has("unet.down_blocks.") or has("text_model."):
         reason = "its keys are in diffusers layout; point model.base_model at the diffusers folder instead"
     elif has(UNET_PREFIX):
@@ -66,7 +66,8 @@ def detect_model_type(keys: Iterable[str], source: str | Path = "checkpoint") ->
         reason = "no Stable Diffusion UNet/text-encoder keys were found"
     raise ValueError(
         f"{source}: cannot detect the model type - {reason}. Supported: SD 1.x, SD 2.x and SDXL base "
-        f"single files in the original (LDM) layout. First keys: {_key_sample(sorted(keys))}"
+        f"single files in the original (LDM) layout, SD3/SD3.5 in Stability's and Flux.1 in Black Forest "
+        f"Labs' layout. First keys: {_key_sample(sorted(keys))}"
     )
 
 

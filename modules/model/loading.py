@@ -1,4 +1,4 @@
-"""Load a base model (the demo, a diffusers folder or a single file) into a `ModelBundle`.
+"""Load a base model (a built-in demo, a diffusers folder or a single file) into a `ModelBundle`.
 
 Every weight is read once, on the CPU, directly in its storage dtype, then moved to the target
 device; nothing keeps a second copy. All modules come back frozen (`requires_grad=False`) and in
@@ -6,28 +6,24 @@ eval mode: the trainer unfreezes what it trains (see `lora.add_lora`, or the UNe
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin
+
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.config.validation import parse_config_overrides
 
-from .bundle import MODEL_TYPES, ModelBundle
+from .bundle import ModelBundle
+from .families import detect_checkpoint, detect_folder
+from .families import family as get_family
+from .families.sd import PREDICTION_TYPES, REQUIRED_FOLDER_FILES
 from .files import SAVE_DTYPES as DTYPES
 from .variants import component_variant
-PREDICTION_TYPES = ("epsilon", "v_prediction")
+
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 BUILTIN_DEMO = "builtin:demo"
-
-# The UNet's cross-attention width is what tells the SD families apart (CLIP-L 768, OpenCLIP-H
-# 1024, CLIP-L + OpenCLIP-bigG 2048).
-_TYPE_BY_CROSS_ATTENTION_DIM = {768: "sd1", 1024: "sd2", 2048: "sdxl"}
-_REQUIRED_FOLDER_FILES = (
-    "model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
-    "scheduler/scheduler_config.json",
-)
 
 
 def frozen_dtypes(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = None) -> dict[str, torch.dtype]:
@@ -55,7 +51,11 @@ def load_model(
     device: torch.device | str = "cpu",
     training_cfg: TrainingConfig | None = None,
 ) -> ModelBundle:
-    """Load `model_cfg.base_model` (and `model_cfg.vae_path`) into a frozen `ModelBundle` on `device`."""
+    """Load `model_cfg.base_model` (and `model_cfg.vae_path`) into a frozen `ModelBundle` on `device`.
+
+    The family is detected from the folder or the file (`modules.model.families`), checked against an
+    explicit `model.model_type`, and does the loading itself.
+    """
     _check_choices(model_cfg)
     dtypes = frozen_dtypes(model_cfg, training_cfg)
     source = model_cfg.base_model.strip()
@@ -66,12 +66,13 @@ def load_model(
     overrides = parse_config_overrides(model_cfg.config_overrides)  # validated: the message names the field
     # With a separate VAE the model's own is never read (no wasted time or memory).
     own_vae = not model_cfg.vae_path.strip()
-    if source == BUILTIN_DEMO:
-        from .demo import ensure_demo_model
-
-        bundle = _load_folder(ensure_demo_model(), model_cfg, dtypes, BUILTIN_DEMO, own_vae)
-    elif source.startswith("builtin:"):
-        raise ValueError(f"model.base_model {source!r} is not a built-in model; the only one is {BUILTIN_DEMO}")
+    if source.startswith("builtin:"):
+        name = family_of_builtin(source)
+        if name is None:
+            known = ", ".join(BUILTIN_MODELS)
+            raise ValueError(f"model.base_model {source!r} is not a built-in model; the built-in ones are {known}")
+        family = get_family(_resolve_model_type(model_cfg.model_type, name, f"{source} is built in", source))
+        bundle = family.load_folder(family.build_demo(), model_cfg, dtypes, source, own_vae)
     else:
         path = Path(source).expanduser()
         if not path.exists():
@@ -80,9 +81,11 @@ def load_model(
                 f"a .safetensors/.ckpt file or {BUILTIN_DEMO}"
             )
         if path.is_dir():
-            bundle = _load_folder(path, model_cfg, dtypes, str(path.resolve()), own_vae)
+            name, reason = _detect_folder(path)
+            family = get_family(_resolve_model_type(model_cfg.model_type, name, reason, str(path)))
+            bundle = family.load_folder(path, model_cfg, dtypes, str(path.resolve()), own_vae)
         else:
-            bundle = _load_single_file(path, model_cfg, dtypes, own_vae, overrides)
+            bundle = _load_single_file(path, model_cfg, dtypes, own_vae)
 
     if not own_vae:
         bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type, overrides.get("vae"))
@@ -97,8 +100,8 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
     """A VAE from a diffusers VAE folder, a model folder with `vae/`, or a single file.
 
     `model_type` is the base model's family: a single file does not say which latent scaling factor
-    (SD 0.18215, SDXL 0.13025) its VAE was trained with; diffusers folders do. `config` (fields from
-    `model.config_overrides["vae"]`) applies to a single file.
+    (SD 0.18215, SDXL 0.13025, SD3 1.5305, Flux 0.3611) its VAE was trained with; diffusers folders do.
+    `config` (fields from `model.config_overrides["vae"]`) applies to a single file.
     """
     from diffusers import AutoencoderKL
 
@@ -107,9 +110,7 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
         raise FileNotFoundError(
             f"model.vae_path {str(path)!r} does not exist; set it to a VAE folder or file, or leave it empty")
     if path.is_file():
-        from .single_file import load_vae_file
-
-        return _as_dtype(load_vae_file(path, model_type=model_type, config=config), dtype)
+        return get_family(model_type).load_vae(path, dtype, config)
     storage = next((name for name, value in DTYPES.items() if value == dtype), "fp16")
     if (path / "config.json").is_file():
         return AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype,
@@ -124,20 +125,25 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
 
 
 def detect_folder_model_type(folder: Path) -> tuple[str, str]:
-    """(model type, reason) for a diffusers folder, from its model_index.json and UNet config."""
-    index = json.loads((folder / "model_index.json").read_text())
-    if index.get("text_encoder_2") and index["text_encoder_2"][0] is not None:
-        return "sdxl", "it has a text_encoder_2"
-    unet_config = json.loads((folder / "unet" / "config.json").read_text())
-    dim = unet_config.get("cross_attention_dim")
-    if dim in _TYPE_BY_CROSS_ATTENTION_DIM:
-        return _TYPE_BY_CROSS_ATTENTION_DIM[dim], f"its UNet cross_attention_dim is {dim}"
-    # Small research/demo models with one text encoder: the encoder's activation tells OpenCLIP (SD 2.x,
-    # gelu) from OpenAI CLIP (SD 1.x, quick_gelu), as the two families' own folders record it.
-    encoder_config = json.loads((folder / "text_encoder" / "config.json").read_text())
-    if encoder_config.get("hidden_act") == "gelu":
-        return "sd2", f"its one text encoder is OpenCLIP-style (gelu; UNet cross_attention_dim {dim})"
-    return "sd1", f"it has one text encoder (UNet cross_attention_dim {dim})"
+    """(model type, reason) for a diffusers folder, from its model_index.json and component configs."""
+    return detect_folder(Path(folder))
+
+
+def _detect_folder(folder: Path) -> tuple[str, str]:
+    """The folder's family; a folder that is no diffusers model names its first missing file."""
+    if (folder / "model_index.json").is_file():
+        try:
+            return detect_folder(folder)
+        except ValueError:
+            if (folder / "transformer").is_dir() or (folder / "unet").is_dir():
+                raise
+    for relative in REQUIRED_FOLDER_FILES:
+        if not (folder / relative).is_file():
+            raise FileNotFoundError(
+                f"{folder} is not a diffusers model folder: {relative} is missing. Point model.base_model "
+                "at the folder that holds model_index.json, or at a single .safetensors/.ckpt file"
+            )
+    return detect_folder(folder)
 
 
 def _check_choices(model_cfg: ModelConfig) -> None:
@@ -157,109 +163,23 @@ def _resolve_model_type(requested: str, detected: str, reason: str, where: str) 
     return detected
 
 
-def _load_folder(folder: Path, model_cfg: ModelConfig, dtypes: dict, source_name: str, own_vae: bool) -> ModelBundle:
-    import diffusers
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    for relative in _REQUIRED_FOLDER_FILES:
-        if not (folder / relative).is_file():
-            raise FileNotFoundError(
-                f"{folder} is not a diffusers model folder: {relative} is missing. Point model.base_model "
-                "at the folder that holds model_index.json, or at a single .safetensors/.ckpt file"
-            )
-    detected, reason = detect_folder_model_type(folder)
-    model_type = _resolve_model_type(model_cfg.model_type, detected, reason, str(folder))
-    encoder_names = ["text_encoder", "text_encoder_2"] if model_type == "sdxl" else ["text_encoder"]
-    for name in encoder_names:
-        tokenizer_name = name.replace("text_encoder", "tokenizer")
-        for relative in (f"{name}/config.json", tokenizer_name):
-            if not (folder / relative).exists():
-                raise FileNotFoundError(
-                    f"{folder} is not a complete {model_type.upper()} diffusers folder: {relative} is missing")
-
-    common = {"local_files_only": True}
-    # fp16-only downloads (`*.fp16.safetensors`) need `variant`; each part is checked on its own.
-    variant = {name: component_variant(folder / name, name, storage)
-               for name, storage in [("unet", model_cfg.unet_dtype)] + ([("vae", model_cfg.vae_dtype)] if own_vae else [])
-               + [(encoder, model_cfg.text_encoder_dtype) for encoder in encoder_names]}
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtypes["unet"],
-                                                variant=variant["unet"], **common)
-    vae = None
-    if own_vae:
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"],
-                                            variant=variant["vae"], **common)
-    text_encoders, tokenizers = [], []
-    for name in encoder_names:
-        model_class = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
-        tokenizer_name = name.replace("text_encoder", "tokenizer")
-        text_encoders.append(model_class.from_pretrained(folder, subfolder=name, dtype=dtypes["text_encoder"],
-                                                         variant=variant[name], **common))
-        tokenizers.append(CLIPTokenizer.from_pretrained(folder, subfolder=tokenizer_name, **common))
-
-    index = json.loads((folder / "model_index.json").read_text())
-    scheduler_class_name = (index.get("scheduler") or [None, "DDPMScheduler"])[1]
-    scheduler_class = getattr(diffusers, scheduler_class_name, diffusers.DDPMScheduler)
-    scheduler = scheduler_class.from_pretrained(folder, subfolder="scheduler", **common)
-    return _assemble(model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, folder)
-
-
-def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool,
-                      overrides: dict | None = None) -> ModelBundle:
+def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool) -> ModelBundle:
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(
             f"model.base_model {str(path)!r} is a file but not a model checkpoint "
             f"({', '.join(SINGLE_FILE_SUFFIXES)}); point it at a checkpoint or a diffusers folder"
         )
-    from .single_file import load_single_file_components
+    from .single_file import checkpoint_keys
 
-    parts = load_single_file_components(
-        path, model_type=model_cfg.model_type, prediction_type=model_cfg.prediction_type,
-        config_overrides=overrides, load_vae=own_vae)
-    model_type = _resolve_model_type(model_cfg.model_type, parts["model_type"], "detected from its weights", str(path))
-    encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if parts.get("text_encoder_2") is not None else [])
-    tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if parts.get("tokenizer_2") is not None else [])
-    for encoder, tokenizer in zip(encoders, tokenizers):
-        if len(tokenizer) > encoder.config.vocab_size:
-            # A single file stores no tokenizer, so the standard CLIP one is used; a model with its
-            # own smaller vocabulary (Tandem's demo model, for one) cannot be read this way.
-            raise ValueError(
-                f"{path}: its text encoder knows {encoder.config.vocab_size} tokens but the standard CLIP "
-                f"tokenizer has {len(tokenizer)}; the model was trained with its own tokenizer. Load it "
-                "from its diffusers folder instead (save with save.full_format = diffusers)"
-            )
-    unet = _as_dtype(parts["unet"], dtypes["unet"])
-    vae = _as_dtype(parts["vae"], dtypes["vae"]) if own_vae else None
-    encoders = [_as_dtype(encoder, dtypes["text_encoder"]) for encoder in encoders]
-    scheduler = parts["scheduler"]
-    if parts.get("prediction_type") in PREDICTION_TYPES and model_cfg.prediction_type == "auto":
-        scheduler = type(scheduler).from_config(scheduler.config, prediction_type=parts["prediction_type"])
-    return _assemble(model_type, unet, vae, encoders, tokenizers, scheduler, model_cfg, str(path.resolve()), path)
+    detected = detect_checkpoint(checkpoint_keys(path), source=path)
+    sd_types = [name for name, info in FAMILIES.items() if not info.flow_matching]
+    if not (model_cfg.model_type in sd_types and detected in sd_types):
+        _resolve_model_type(model_cfg.model_type, detected, "detected from its weights", str(path))
+    # Between SD types the SD loader checks an explicit type against the file, with its own message.
+    return get_family(detected).load_single_file(path, model_cfg, dtypes, own_vae)
 
 
-def _as_dtype(module, dtype: torch.dtype):
-    # Casting frees each old tensor as it goes; skipping a no-op cast also skips diffusers' warning.
+def as_dtype(module, dtype: torch.dtype):
+    """`module` in `dtype`; casting frees each old tensor as it goes, and a no-op cast is skipped
+    (which also skips diffusers' warning)."""
     return module if next(module.parameters()).dtype == dtype else module.to(dtype)
-
-
-def _assemble(
-    model_type, unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, where,
-) -> ModelBundle:
-    from diffusers import DDPMScheduler
-
-    prediction_type = model_cfg.prediction_type
-    if prediction_type == "auto":
-        prediction_type = scheduler.config.get("prediction_type", "epsilon")
-    if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(
-            f"{where}: its scheduler's prediction_type is {prediction_type!r}, which Tandem cannot train; "
-            f"set model.prediction_type to one of {', '.join(PREDICTION_TYPES)}"
-        )
-    # Sampling and saving keep the model's own scheduler (with the trained prediction type).
-    scheduler = type(scheduler).from_config(scheduler.config, prediction_type=prediction_type)
-    noise_scheduler = DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
-    return ModelBundle(
-        model_type=model_type, unet=unet, vae=vae, text_encoders=text_encoders, tokenizers=tokenizers,
-        noise_scheduler=noise_scheduler, prediction_type=prediction_type, source=source_name,
-        extra={"scheduler": scheduler},
-    )

@@ -1,14 +1,17 @@
-"""LoRA adapters (peft) on the UNet and optionally the text encoders, and saving them.
+"""LoRA adapters (peft) on the denoiser and optionally the text encoders, and saving them.
 
 Two file layouts:
-- `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read (`kohya_lora.py`): keys
-  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and `lora_te_`
-  (SD1/SD2) or `lora_te1_` / `lora_te2_` (SDXL) for the text encoders; SDXL UNet modules in the original
-  (LDM) names, SD1/SD2 in diffusers' names, as sd-scripts writes each.
+- `kohya`: what kohya sd-scripts writes and ComfyUI, A1111 and Forge read: keys
+  `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` / `.alpha`. The module paths are
+  the family's business (`family.kohya_lora_tensors`): SD1.x/2.x in diffusers' names and SDXL in the
+  original (LDM) UNet names, as sd-scripts writes each (`kohya_lora.py`), with `lora_te_` (SD1/SD2) or
+  `lora_te1_` / `lora_te2_` (SDXL) for text encoders; SD3 and Flux in their original checkpoints' names,
+  q/k/v fused as those checkpoints hold them (`families/flow_base.py`, `families/flux.py`).
 - `peft`: what diffusers' `save_lora_weights` writes today: peft's `<module>.lora_A.weight` /
-  `.lora_B.weight` under `unet.` / `text_encoder.` / `text_encoder_2.`, plus the adapter config in the
-  header; loadable with `pipeline.load_lora_weights`.
-Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads every layout back.
+  `.lora_B.weight` under `unet.` / `transformer.` / `text_encoder.` / `text_encoder_2.`, plus the adapter
+  config in the header; loadable with `pipeline.load_lora_weights`.
+Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads the SD families'
+layouts back (including those earlier versions wrote).
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ from torch import nn
 
 from modules.config.train_config import TrainingConfig
 
-from .bundle import ModelBundle, checkpoint_text_encoder_key
 from modules.util.atomic import save_safetensors_atomically
 
+from .bundle import ModelBundle, checkpoint_text_encoder_key
 from .files import resolve_save_dtype
-from .kohya_lora import kohya_tensors
+from .kohya_lora import split_peft_key  # noqa: F401 - the families read adapter keys through lora
 from .lora_metadata import file_metadata
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -37,7 +40,8 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     """Attach LoRA adapters and return their parameters (fp32, trainable); the base stays frozen.
 
     The LoRA "B" matrices start at zero (peft's gaussian init), so the model's output is unchanged
-    until the first optimizer step. Text encoders get adapters when `train_text_encoder` is set.
+    until the first optimizer step. The text encoders the family trains (never T5) get adapters when
+    `train_text_encoder` is set.
     """
     from peft import LoraConfig
 
@@ -54,15 +58,15 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     if not targets:
         raise ValueError("training.lora_target_modules is empty; name at least one UNet module, e.g. to_q")
     try:
-        bundle.unet.add_adapter(config(targets))
+        bundle.denoiser.add_adapter(config(targets))
     except ValueError as error:
         raise ValueError(
-            f"training.lora_target_modules {targets} matched no UNet module ({error}); "
-            "use names such as to_q, to_k, to_v, to_out.0, proj_in, ff.net.0.proj"
+            f"training.lora_target_modules {targets} matched no {bundle.denoiser_name} module ({error}); "
+            "use names such as to_q, to_k, to_v, to_out.0, ff.net.0.proj"
         ) from error
-    adapted = [bundle.unet]
+    adapted = [bundle.denoiser]
     if training_cfg.train_text_encoder:
-        for encoder in bundle.text_encoders:
+        for encoder in bundle.trainable_text_encoders():
             _add_text_encoder_adapter(encoder, config(TEXT_ENCODER_TARGETS))
             adapted.append(encoder)
 
@@ -113,7 +117,7 @@ def _add_text_encoder_adapter(encoder: nn.Module, config) -> None:
 
 
 def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
-    """LoRA weights by component (`unet`, `text_encoder`, `text_encoder_2`), in peft key layout
+    """LoRA weights by component (`unet` or `transformer`, `text_encoder`, ...), in peft key layout
     (`<module path>.lora_A.weight` / `.lora_B.weight`, adapter name removed)."""
     from peft.utils import get_peft_model_state_dict
 
@@ -131,15 +135,15 @@ def lora_modules(bundle: ModelBundle) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
-    """All LoRA weights as one flat dict with `unet.` / `text_encoder.` prefixes (peft layout)."""
+    """All LoRA weights as one flat dict with `unet.` / `transformer.` / `text_encoder.` prefixes (peft layout)."""
     return {
         f"{component}.{key}": value
         for component, state in lora_modules(bundle).items() for key, value in state.items()
     }
 
 
-def lora_alpha_and_rank(bundle: ModelBundle, component: str = "unet") -> tuple[float, int]:
-    config = bundle.modules()[component].peft_config["default"]
+def lora_alpha_and_rank(bundle: ModelBundle, component: str | None = None) -> tuple[float, int]:
+    config = bundle.modules()[component or bundle.denoiser_name].peft_config["default"]
     return float(config.lora_alpha), int(config.r)
 
 
@@ -160,7 +164,7 @@ def save_lora(
     modules = lora_modules(bundle)
     if fmt == "kohya":
         alphas = {component: lora_alpha_and_rank(bundle, component)[0] for component in modules}
-        tensors = kohya_tensors(bundle, modules, alphas)
+        tensors = bundle.family.kohya_lora_tensors(bundle, modules, alphas)
     else:
         tensors = _peft_tensors(modules)
     tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in tensors.items()}
@@ -169,7 +173,10 @@ def save_lora(
 
 
 def _peft_tensors(modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    # peft's own key names, as `save_lora_weights` stores a peft model's state (diffusers 0.3x and later).
+    # What diffusers' `save_lora_weights` writes: peft's `lora_A` / `lora_B` names under the component.
+    # (The older `lora.down` / `lora_linear_layer` names that `convert_state_dict_to_diffusers` gives are
+    # read by the UNet pipelines only: `StableDiffusion3Pipeline` drops the transformer's attention
+    # adapters when the text encoders' keys come in that older form.)
     return {f"{component}.{key}": value for component, state in modules.items() for key, value in state.items()}
 
 

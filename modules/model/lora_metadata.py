@@ -17,9 +17,8 @@ from typing import Any
 
 MODELSPEC_VERSION = "1.0.1"
 IMPLEMENTATION_SGM = "https://github.com/Stability-AI/generative-models"
+IMPLEMENTATION_FLUX = "https://github.com/black-forest-labs/flux"
 IMPLEMENTATION_DIFFUSERS = "diffusers"
-KOHYA_BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
-DEFAULT_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
 
 
 def display_name(source: str) -> str:
@@ -29,48 +28,32 @@ def display_name(source: str) -> str:
     return Path(source.rstrip("/\\").replace("\\", "/")).name
 
 
-def architecture(model_type: str, prediction_type: str) -> str:
-    """ModelSpec architecture of a LoRA for this family, as sd-scripts names it."""
-    if model_type == "sdxl":
-        base = "stable-diffusion-xl-v1-base"
-    elif model_type == "sd2":
-        base = "stable-diffusion-v2-768-v" if prediction_type == "v_prediction" else "stable-diffusion-v2-512"
-    else:
-        base = "stable-diffusion-v1"
-    return base + "/lora"
-
-
 def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str,
                   now: datetime.datetime | None = None) -> dict[str, str]:
     """The keys every Tandem LoRA file carries: what it is, for which base model, in which layout.
 
-    `implementation` names the code whose module names the file uses: sd-scripts' SDXL LoRAs use the
-    original (sgm) UNet's, everything else diffusers'.
+    What depends on the model family (ModelSpec architecture, whose module names the layout uses,
+    the usual resolution, kohya's base-model keys) comes from the family (`family.lora_modelspec`,
+    `family.kohya_metadata`).
     """
     now = now or datetime.datetime.now()
-    model_type = bundle.model_type
-    resolution = DEFAULT_RESOLUTION[model_type]
     header = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
-        "modelspec.architecture": architecture(model_type, bundle.prediction_type),
-        "modelspec.implementation": IMPLEMENTATION_SGM if fmt == "kohya" and model_type == "sdxl"
-        else IMPLEMENTATION_DIFFUSERS,
+        **bundle.family.lora_modelspec(bundle, fmt),
         "modelspec.implementation_version": f"tandem/{_tandem_version()}",
         "modelspec.title": title,
-        "modelspec.resolution": f"{resolution}x{resolution}",
         "modelspec.date": now.replace(microsecond=0).isoformat(),
-        "modelspec.prediction_type": "v" if bundle.prediction_type == "v_prediction" else "epsilon",
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(float(alpha)),
-        "ss_base_model_version": KOHYA_BASE_MODEL_VERSION[model_type],
+        **bundle.family.kohya_metadata(bundle),
         "ss_sd_model_name": display_name(bundle.source),
-        "ss_v2": str(model_type == "sd2"),
-        "ss_v_parameterization": str(bundle.prediction_type == "v_prediction"),
         "tandem_base_model": display_name(bundle.source),
-        "tandem_model_type": model_type,
+        "tandem_model_type": bundle.model_type,
         "tandem_lora_format": fmt,
     }
+    if bundle.prediction_type in ("epsilon", "v_prediction"):
+        header["modelspec.prediction_type"] = "v" if bundle.prediction_type == "v_prediction" else "epsilon"
     if getattr(bundle, "vae_source", ""):
         header["ss_vae_name"] = display_name(bundle.vae_source)
     return header

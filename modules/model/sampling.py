@@ -1,8 +1,10 @@
-"""Render sample images from the model being trained, through the stock diffusers pipelines.
+"""Render sample images from the model being trained, through the family's stock diffusers pipeline.
 
-Using `StableDiffusionPipeline` / `StableDiffusionXLPipeline` on the bundle's own modules means a
-sample shows exactly what users will get when they load the result in diffusers (LoRA adapters
-included, since peft layers sit inside the UNet).
+Using the diffusers pipeline (`StableDiffusionPipeline`, `StableDiffusionXLPipeline`,
+`StableDiffusion3Pipeline`, `FluxPipeline`) on the bundle's own modules means a sample shows exactly
+what users will get when they load the result in diffusers (LoRA adapters included, since peft
+layers sit inside the denoiser). Which pipeline and which arguments is the family's business
+(`family.pipeline`, `family.pipeline_arguments`).
 """
 from __future__ import annotations
 
@@ -39,51 +41,34 @@ def render_samples(
         for module in modules.values():
             module.eval()
             module.to(target)
-        pipeline = _pipeline(bundle)
-        multiple = pipeline.vae_scale_factor * 2 ** (len(bundle.unet.config.block_out_channels) - 1)
-        images = []
+        pipeline = sampling_pipeline(bundle)
         with torch.no_grad(), _autocast_for(bundle, target):
-            for prompt in prompts:
-                width = _round_to(prompt.width or resolution, multiple)
-                height = _round_to(prompt.height or resolution, multiple)
-                # A CPU generator gives the same starting noise on every device.
-                generator = torch.Generator("cpu").manual_seed(int(prompt.seed))
-                result = pipeline(
-                    prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
-                    width=width, height=height, num_inference_steps=inference_steps,
-                    guidance_scale=guidance_scale, generator=generator, output_type="pil",
-                )
-                images.append(result.images[0])
-        return images
+            return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale)
+                    for prompt in prompts]
     finally:
         for name, module in modules.items():
             module.to(home[name])
             module.train(was_training[name])
 
 
-def _pipeline(bundle: ModelBundle):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    base = bundle.extra.get("scheduler", bundle.noise_scheduler)
-    # DDIM is deterministic for a given seed and good at few steps; "trailing" spacing reaches the
-    # last training timestep, which matters for v-prediction and zero-terminal-SNR models.
-    scheduler = DDIMScheduler.from_config(
-        base.config, prediction_type=bundle.prediction_type, timestep_spacing="trailing", clip_sample=False,
-    )
-    if bundle.model_type == "sdxl":
-        pipeline = StableDiffusionXLPipeline(
-            vae=bundle.vae, text_encoder=bundle.text_encoders[0], text_encoder_2=bundle.text_encoders[1],
-            tokenizer=bundle.tokenizers[0], tokenizer_2=bundle.tokenizers[1], unet=bundle.unet,
-            scheduler=scheduler, add_watermarker=False,
-        )
-    else:
-        pipeline = StableDiffusionPipeline(
-            vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0],
-            unet=bundle.unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False,
-        )
+def sampling_pipeline(bundle: ModelBundle):
+    """The family's diffusers pipeline around the bundle's modules, progress bar off."""
+    pipeline = bundle.family.pipeline(bundle)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+def render_one(bundle: ModelBundle, pipeline, prompt: SamplePromptConfig, resolution: int, inference_steps: int,
+               guidance_scale: float):
+    """One prompt's image: its size rounded down to what the model accepts, its noise from its own seed."""
+    multiple = bundle.family.sample_size_multiple(bundle)
+    width = _round_to(prompt.width or resolution, multiple)
+    height = _round_to(prompt.height or resolution, multiple)
+    # A CPU generator gives the same starting noise on every device.
+    generator = torch.Generator("cpu").manual_seed(int(prompt.seed))
+    result = pipeline(width=width, height=height, num_inference_steps=inference_steps, generator=generator,
+                      output_type="pil", **bundle.family.pipeline_arguments(bundle, prompt, guidance_scale))
+    return result.images[0]
 
 
 def _autocast_for(bundle: ModelBundle, device: torch.device):

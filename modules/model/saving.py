@@ -1,7 +1,9 @@
-"""Save a fully trained model: a diffusers folder, or one single-file checkpoint.
+"""Save a fully trained model: a diffusers folder, or one single-file checkpoint in the family's layout.
 
 Weights are converted to the save dtype one tensor at a time, so the model being trained is never
 touched (no lossy in-place dtype round trip) and no full second copy in the training dtype is made.
+The folder layout is the same for every family (one subfolder per component, as the family's
+pipeline saves it); the single-file layout is the family's (`family.save_single_file`).
 """
 from __future__ import annotations
 
@@ -10,14 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .bundle import ModelBundle, checkpoint_text_encoder_key
 from modules.util.atomic import atomic_directory
 
+from .bundle import ModelBundle, checkpoint_text_encoder_key, text_encoder_name
 from .files import resolve_save_dtype
-
-_PIPELINE_CLASS = {
-    "sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
-}
 
 
 def save_full_diffusers(
@@ -28,7 +26,7 @@ def save_full_diffusers(
 ) -> Path:
     """Write a complete diffusers model folder that `from_pretrained` (and Tandem) can load.
 
-    `unet_state_override` replaces the UNet weights (e.g. the EMA copy). The folder is written
+    `unet_state_override` replaces the denoiser's weights (UNet or transformer; e.g. the EMA copy). The folder is written
     beside its final place and renamed in, so an existing output is replaced whole or not at all.
     """
     import diffusers
@@ -36,23 +34,24 @@ def save_full_diffusers(
     torch_dtype = resolve_save_dtype(dtype)
     folder = Path(folder)
     _refuse_adapters(bundle)
-    unet_state = unet_state_override if unet_state_override is not None else bundle.unet.state_dict()
-    _check_same_keys(bundle.unet.state_dict(), unet_state)
+    denoiser = bundle.denoiser
+    unet_state = unet_state_override if unet_state_override is not None else denoiser.state_dict()
+    _check_same_keys(denoiser.state_dict(), unet_state)
 
     with atomic_directory(folder, replace=True) as temp:
-        _save_diffusers_model(bundle.unet, unet_state, temp / "unet", torch_dtype)
+        _save_diffusers_model(denoiser, unet_state, temp / bundle.denoiser_name, torch_dtype)
         _save_diffusers_model(bundle.vae, bundle.vae.state_dict(), temp / "vae", torch_dtype)
-        components = {"unet": bundle.unet, "vae": bundle.vae}
+        components = {bundle.denoiser_name: denoiser, "vae": bundle.vae}
         for index, (encoder, tokenizer) in enumerate(zip(bundle.text_encoders, bundle.tokenizers)):
-            suffix = "" if index == 0 else f"_{index + 1}"
-            _save_text_encoder(encoder, temp / f"text_encoder{suffix}", torch_dtype)
-            tokenizer.save_pretrained(temp / f"tokenizer{suffix}")
-            components[f"text_encoder{suffix}"] = encoder
-            components[f"tokenizer{suffix}"] = tokenizer
+            name = text_encoder_name(index)
+            _save_text_encoder(encoder, temp / name, torch_dtype)
+            tokenizer.save_pretrained(temp / name.replace("text_encoder", "tokenizer"))
+            components[name] = encoder
+            components[name.replace("text_encoder", "tokenizer")] = tokenizer
         scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
         scheduler.save_pretrained(temp / "scheduler")
         components["scheduler"] = scheduler
-        index = _model_index(bundle.model_type, components, diffusers.__version__)
+        index = _model_index(bundle.family, components, diffusers.__version__)
         (temp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return folder
 
@@ -63,13 +62,12 @@ def save_full_single_file(
     dtype: str | torch.dtype = "fp16",
     unet_state_override: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write one original-layout `.safetensors` checkpoint (A1111/ComfyUI/Forge) via `single_file`."""
-    from .single_file import save_single_file
-
+    """Write one `.safetensors` checkpoint in the layout of the family's original files (SD: LDM, as
+    A1111/ComfyUI/Forge read it; SD3.5: Stability's; Flux: Black Forest Labs')."""
     _refuse_adapters(bundle)
     if unet_state_override is not None:
-        _check_same_keys(bundle.unet.state_dict(), unet_state_override)
-    save_single_file(bundle, Path(path), resolve_save_dtype(dtype), unet_state_override=unet_state_override)
+        _check_same_keys(bundle.denoiser.state_dict(), unet_state_override)
+    bundle.family.save_single_file(bundle, Path(path), resolve_save_dtype(dtype), unet_state_override)
     return Path(path)
 
 
@@ -86,7 +84,7 @@ def _check_same_keys(expected: dict, given: dict) -> None:
     missing, unexpected = set(expected) - set(given), set(given) - set(expected)
     if missing or unexpected:
         raise ValueError(
-            f"unet_state_override does not match the UNet: {len(missing)} missing keys "
+            f"unet_state_override does not match the denoiser: {len(missing)} missing keys "
             f"(e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]})"
         )
 
@@ -115,20 +113,23 @@ def _save_text_encoder(encoder, folder: Path, dtype: torch.dtype) -> None:
     config["architectures"] = [type(encoder).__name__]
     config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    # Checkpoint key names (with `text_model.`) load in transformers 4 and 5 alike.
-    state = _converted(encoder.state_dict(), dtype, checkpoint_text_encoder_key)
+    # CLIP: checkpoint key names (with `text_model.`) load in transformers 4 and 5 alike.
+    is_clip = type(encoder).__name__.startswith("CLIP")
+    state = _converted(_untied(encoder), dtype, checkpoint_text_encoder_key if is_clip else (lambda key: key))
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def _model_index(model_type: str, components: dict, diffusers_version: str) -> dict:
-    index = {"_class_name": _PIPELINE_CLASS[model_type], "_diffusers_version": diffusers_version}
+def _untied(model) -> dict[str, torch.Tensor]:
+    """The state dict without the copies of tied weights (T5's `encoder.embed_tokens` is `shared`):
+    safetensors refuses two names for one tensor, and transformers ties them again when loading."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    return {key: value for key, value in model.state_dict().items() if key not in tied}
+
+
+def _model_index(family, components: dict, diffusers_version: str) -> dict:
+    index = {"_class_name": family.info.pipeline_class, "_diffusers_version": diffusers_version}
     for name, component in components.items():
         library = "diffusers" if type(component).__module__.startswith("diffusers") else "transformers"
         index[name] = [library, type(component).__name__]
-    for unused in ("feature_extractor", "image_encoder") + (("safety_checker",) if model_type != "sdxl" else ()):
-        index[unused] = [None, None]
-    if model_type == "sdxl":
-        index["force_zeros_for_empty_prompt"] = True
-    else:
-        index["requires_safety_checker"] = False
+    index.update(family.model_index_extras())  # unused components, pipeline flags
     return index

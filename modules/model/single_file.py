@@ -97,6 +97,18 @@ def read_checkpoint(path: str | Path, prefixes: tuple[str, ...] | None = None) -
     )
 
 
+def checkpoint_keys(path: str | Path) -> list[str]:
+    """The tensor names of a checkpoint file (a .safetensors header is read without its tensors)."""
+    path = Path(path)
+    if path.suffix.lower() in SAFETENSORS_SUFFIXES:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                return list(f.keys())
+        except SafetensorError as error:
+            raise ValueError(f"{path}: not a readable .safetensors file ({error}).") from error
+    return list(read_checkpoint(path)[0])
+
+
 def _torch_load(path: Path) -> dict:
     # weights_only: a .ckpt is a pickle, and unpickling arbitrary objects can run arbitrary code.
     try:
@@ -318,10 +330,12 @@ def load_vae_file(
 ) -> AutoencoderKL:
     """A VAE from a single file: a VAE-only file (original or diffusers layout) or a full checkpoint
     (its `first_stage_model.*`). SD and SDXL VAEs have identical shapes and differ only in their latent
-    scaling factor, so pass the base model's `model_type`; `config` overrides config fields."""
+    scaling factor, so pass the base model's `model_type` (SD3 and Flux: their 16-channel VAEs);
+    `config` overrides config fields."""
     path = Path(path)
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}.")
+    if not (CONFIG_DIR / model_type / "vae.json").is_file():
+        raise ValueError(f"model_type {model_type!r} has no shipped VAE config; use one of "
+                         f"{', '.join(sorted(p.parent.name for p in CONFIG_DIR.glob('*/vae.json')))}.")
     state, metadata = read_checkpoint(path)
     if any(k.startswith(VAE_PREFIX) for k in state):
         state = {k: v for k, v in state.items() if k.startswith(VAE_PREFIX)}

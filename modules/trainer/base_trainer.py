@@ -24,7 +24,6 @@ from modules.trainer import backup as backups
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
-from modules.trainer.objective import diffusion_loss, draw_noise, training_target
 from modules.trainer.optim import build_optimizer, build_scheduler, match_param_layouts
 from modules.trainer.outputs import OutputWriter
 from modules.trainer.progress import PhaseTimes, ProgressReporter
@@ -84,6 +83,7 @@ class BaseTrainer(ABC):
             # the demo model): every rank and every world size starts alike.
             seed_everything(self.cfg.general.seed)
             self.trainable = self.prepare_trainable()
+            self.objective = self.bundle.family.objective(self.bundle, self.cfg.training)
         with phase("cache"):
             self.fill_cache()
             self.offload_cached_encoders()
@@ -197,30 +197,36 @@ class BaseTrainer(ABC):
     def create_model(self):
         from modules.model.loading import load_model
         with du.main_first():  # rank 0 builds shared files (demo model) first; the others reuse them
-            return load_model(self.cfg.model, self.device, self.cfg.training)
+            bundle = load_model(self.cfg.model, self.device, self.cfg.training)
+        # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
+        bundle.family.check_image_sizes(self.dataset.bucket_sizes)
+        return bundle
 
     def prepare_trainable(self) -> list[torch.nn.Parameter]:
-        """Choose what trains (LoRA adapters or the whole UNet) and move the model to the device."""
+        """Choose what trains (LoRA adapters or the whole UNet/transformer) and move the model to the device."""
         t = self.cfg.training
         bundle = self.bundle
-        for m in [bundle.unet, bundle.vae, *bundle.text_encoders]:
+        for m in bundle.modules().values():
             m.requires_grad_(False)
+        trained_encoders = bundle.trainable_text_encoders() if t.train_text_encoder else []
         if t.method == "lora":
             from modules.model.lora import add_lora
             params = add_lora(bundle, t)
         else:
-            bundle.unet.requires_grad_(True)
-            bundle.unet.to(torch.float32)  # full fine-tune keeps fp32 master weights; autocast does the rest
-            params = [p for p in bundle.unet.parameters()]
-            if t.train_text_encoder:
-                for te in bundle.text_encoders:
-                    te.requires_grad_(True)
-                    te.to(torch.float32)
-                    params += list(te.parameters())
+            bundle.denoiser.requires_grad_(True)
+            # Full fine-tune keeps fp32 master weights; autocast does the rest. (load_model already gave
+            # fp32; a no-op cast would only make diffusers warn about transformers' fp32 modules.)
+            if next(bundle.denoiser.parameters()).dtype != torch.float32:
+                bundle.denoiser.to(torch.float32)
+            params = [p for p in bundle.denoiser.parameters()]
+            for te in trained_encoders:
+                te.requires_grad_(True)
+                te.to(torch.float32)
+                params += list(te.parameters())
         for dead_end in bundle.unused_text_encoder_modules():
             dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
         if t.gradient_checkpointing:
-            bundle.unet.enable_gradient_checkpointing()
+            bundle.denoiser.enable_gradient_checkpointing()
         bundle.to(self.device)
         if t.channels_last:
             # NHWC convolution weights (4-D tensors only); a convolution then runs in NHWC and so do its
@@ -228,10 +234,10 @@ class BaseTrainer(ABC):
             # `.data` is replaced), so `params` stays valid; DDP, the optimizer and EMA, built later,
             # see the new layout. Every writer of weights (backups, full saves, LoRA files) stores
             # contiguous copies, which safetensors requires.
-            bundle.unet.to(memory_format=torch.channels_last)
-        bundle.unet.train()
+            bundle.denoiser.to(memory_format=torch.channels_last)
+        bundle.denoiser.train()
         for te in bundle.text_encoders:
-            te.train(t.train_text_encoder)
+            te.train(any(te is trained for trained in trained_encoders))
         return params
 
     def trainable_params(self) -> list[torch.nn.Parameter]:
@@ -240,7 +246,8 @@ class BaseTrainer(ABC):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> tensor of every trained weight (what a backup stores)."""
         wanted = {id(p) for p in self.trainable_params()}
-        modules = {"unet": self.bundle.unet, **{f"text_encoder_{i}": te for i, te in enumerate(self.bundle.text_encoders)}}
+        modules = {self.bundle.denoiser_name: self.bundle.denoiser,
+                   **{f"text_encoder_{i}": te for i, te in enumerate(self.bundle.text_encoders)}}
         return {f"{prefix}.{name}": p for prefix, m in modules.items()
                 for name, p in m.named_parameters() if id(p) in wanted}
 
@@ -298,12 +305,12 @@ class BaseTrainer(ABC):
         return sampler, loader
 
     def training_model(self) -> TrainingModel:
-        model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder)
+        model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective)
         t = self.cfg.training
         if t.compile:
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
-            model.use_compiled_unet(compile_unet(self.bundle.unet, self.device, len(set(self.dataset.buckets)), dropout))
+            model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)), dropout))
         return model
 
     def compute_numbers(self) -> RunNumbers:
@@ -315,7 +322,7 @@ class BaseTrainer(ABC):
     def create_optimizer(self):
         t = self.cfg.training
         factor = self.numbers.lr_factor()
-        unet_ids = {id(p) for p in self.bundle.unet.parameters()}
+        unet_ids = {id(p) for p in self.bundle.denoiser.parameters()}
         unet_params = [p for p in self.trainable_params() if id(p) in unet_ids]
         te_params = [p for p in self.trainable_params() if id(p) not in unet_ids]
         groups = [{"params": unet_params, "lr": t.learning_rate * factor}]
@@ -420,16 +427,15 @@ class BaseTrainer(ABC):
         text = batch.get("text")
         if text is not None:
             text = {k: v.to(dev, non_blocking=True) for k, v in text.items()}
-        scheduler = bundle.noise_scheduler
-        draw = draw_noise(tuple(latents.shape), scheduler.config.num_train_timesteps, self.cfg.general.seed,
-                          self.global_step, micro, du.rank(), du.world_size(), dev, self.cfg.training.offset_noise)
-        noisy = scheduler.add_noise(latents, draw.noise, draw.timesteps)
-        target = training_target(scheduler, latents, draw.noise, draw.timesteps, bundle.prediction_type)
+        objective = self.objective  # the family's: noise and timesteps keyed by (seed, step, micro)
+        draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro, du.rank(),
+                              du.world_size(), dev, self.cfg.training.offset_noise)
+        noisy = objective.noisy(latents, draw)
+        target = objective.target(latents, draw)
         with self.autocast():
             pred = (self.model if model is None else model)(noisy, draw.timesteps, text, batch.get("captions"),
                               batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
-        return diffusion_loss(pred, target, scheduler, draw.timesteps, bundle.prediction_type,
-                              self.cfg.training.min_snr_gamma)
+        return objective.loss(pred, target, draw)
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.cfg.training.precision)

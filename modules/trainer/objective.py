@@ -6,6 +6,7 @@ depend on how many ranks share the batch: 2 GPUs x batch B compute exactly what 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +62,55 @@ def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, scheduler, timestep
         weight = torch.clamp(s, max=min_snr_gamma) / (s + 1 if prediction_type == "v_prediction" else s)
         per_sample = per_sample * weight
     return per_sample.mean()
+
+
+# ------------------------------------------------------------------ rectified flow (SD3, Flux)
+
+def draw_flow_noise(latent_shape: tuple[int, ...], seed: int, step: int, micro: int, rank: int, world_size: int,
+                    device: torch.device, offset_noise: float = 0.0, logit_mean: float = 0.0,
+                    logit_std: float = 1.0) -> NoiseDraw:
+    """This rank's slice of the global batch's noise and flow times t in (0, 1), before any shift.
+
+    t is logit-normal (the sigmoid of a normal draw), as SD3 was trained and as kohya sd-scripts and
+    SimpleTuner train Flux. Keyed and sliced like `draw_noise`, so N ranks x B == 1 rank x N*B.
+    """
+    local = latent_shape[0]
+    gen = torch.Generator(device=device).manual_seed(hash((seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+    global_shape = (local * world_size, *latent_shape[1:])
+    noise = torch.randn(global_shape, generator=gen, device=device)
+    t = torch.sigmoid(logit_mean + logit_std * torch.randn(global_shape[0], generator=gen, device=device))
+    if offset_noise > 0:
+        noise = noise + offset_noise * torch.randn(global_shape[0], global_shape[1], 1, 1, generator=gen, device=device)
+    part = slice(rank * local, (rank + 1) * local)
+    return NoiseDraw(noise[part], t[part])
+
+
+def flow_shift(scheduler_config, image_tokens: int) -> float:
+    """How far the model's flow-match scheduler shifts t towards noise for an image of `image_tokens`
+    tokens: SD3 and Flux.1-schnell by a fixed `shift`; Flux.1-dev by exp(mu), mu growing linearly
+    with the image size (`use_dynamic_shifting`, as `FluxPipeline.calculate_shift` computes it)."""
+    config = dict(scheduler_config)
+    if not config.get("use_dynamic_shifting"):
+        return float(config.get("shift", 1.0))
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    mu = base_shift + slope * (image_tokens - base_len)
+    return float(mu) if config.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
+
+
+def shift_times(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """t -> shift * t / (1 + (shift - 1) * t): the scheduler's time shift (exp(mu) / (exp(mu) + 1/t - 1))."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def flow_noisy(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The point at time t on the straight path from the latents (t = 0) to the noise (t = 1)."""
+    t = t.view(-1, *([1] * (latents.ndim - 1))).to(latents.dtype)
+    return (1 - t) * latents + t * noise
+
+
+def flow_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean-squared error of the velocity (noise - latents), the same weight for every t."""
+    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    return per_sample.mean(dim=tuple(range(1, prediction.ndim))).mean()

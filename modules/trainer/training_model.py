@@ -1,8 +1,10 @@
-"""The one module the optimizer trains through: text encoding + UNet prediction in one forward.
+"""The one module the optimizer trains through: text encoding + the denoiser's prediction in one forward.
 
-Putting every trainable part (UNet, and text encoders when they train) behind a single forward lets
-the distributed layer wrap exactly this module in one DistributedDataParallel, so gradients of every
-trained part are synchronised together and frozen parts never enter the all-reduce.
+Putting every trainable part (the UNet or transformer, and text encoders when they train) behind a
+single forward lets the distributed layer wrap exactly this module in one DistributedDataParallel, so
+gradients of every trained part are synchronised together and frozen parts never enter the all-reduce.
+How the denoiser is called (conditioning, latent packing, guidance input) is the family's objective's
+business (`objective.predict`), so this module is the same for every model family.
 """
 from __future__ import annotations
 
@@ -13,23 +15,24 @@ from torch import nn
 
 
 class TrainingModel(nn.Module):
-    def __init__(self, bundle, train_text_encoder: bool) -> None:
+    def __init__(self, bundle, train_text_encoder: bool, objective=None) -> None:
         super().__init__()
-        self.unet = bundle.unet
+        self.unet = bundle.denoiser  # registered under this name for every family (UNet or transformer)
         if train_text_encoder:  # frozen encoders stay out of the tree: DDP then never touches them
-            self.text_encoders = nn.ModuleList(bundle.text_encoders)
+            self.text_encoders = nn.ModuleList(bundle.trainable_text_encoders())
         self.train_text_encoder = train_text_encoder
         # Kept outside the module tree: the bundle's methods use the same sub-modules registered above.
         self.__dict__["bundle"] = bundle
-        self.__dict__["unet_call"] = bundle.unet  # or its compiled form (same parameters, see use_compiled_unet)
+        self.__dict__["objective"] = objective if objective is not None else bundle.family.objective(bundle)
+        self.__dict__["unet_call"] = bundle.denoiser  # or its compiled form (same parameters, see use_compiled_unet)
 
     def use_compiled_unet(self, compiled) -> None:
-        """Predict through `compiled` (torch.compile of this UNet) from now on."""
+        """Predict through `compiled` (torch.compile of the denoiser) from now on."""
         self.__dict__["unet_call"] = compiled
 
     @contextlib.contextmanager
     def eager_unet(self):
-        """Predict through the uncompiled UNet inside the block (the compiled UNet's check against it)."""
+        """Predict through the uncompiled denoiser inside the block (the compiled one's check against it)."""
         compiled = self.unet_call
         self.__dict__["unet_call"] = self.unet
         try:
@@ -42,6 +45,5 @@ class TrainingModel(nn.Module):
         if text is None:
             with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
                 text = self.bundle.encode_text(captions)
-        added = self.bundle.added_cond(text, original_sizes, crop_coords, target_sizes)
-        return self.unet_call(noisy_latents, timesteps, text["encoder_hidden_states"],
-                              added_cond_kwargs=added).sample
+        return self.objective.predict(self.unet_call, noisy_latents, timesteps, text, original_sizes, crop_coords,
+                                      target_sizes)

@@ -6,13 +6,17 @@
 #   lora    SD1.5-size LoRA, 8 and 32 images per GPU; the full fine-tune at 8 on 1 GPU with cuDNN
 #           autotuning off (a lever: the reference does not autotune)
 #   sdxl    SDXL-size UNet at 1024 px, 4 images per GPU, gradient checkpointing: LoRA, then full
+#   flux    Flux.1-dev-size transformer (12 B, bf16 base), LoRA r16 on the attention, 1024 px,
+#           gradient checkpointing, 1 image per GPU
+#   flux2   the same, 2 images per GPU
+#   sd35m   SD3.5-Medium-size transformer, LoRA r16, 1024 px, gradient checkpointing, 2 images per GPU
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); on 8 GPUs a
 # part takes longer than 10 minutes: split it with WORLDS="1 2" and WORLDS="4 8" (scaling is then
 # computed from the JSON lines; `full` runs the equivalence check at each call's largest world size).
 # FULL_WORLDS="4" with `lora`: re-run the trainer's full fine-tune cases at those world sizes instead
 # of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
-PART="${1:?usage: scaling.sh full|lora|sdxl}"
+PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m}"
 source "$(dirname "$0")/common.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
@@ -45,6 +49,15 @@ lora)
 sdxl)
     matrix --model sdxl --mode lora --batch 4 --res 1024 --gc --steps 10 --warmup 3
     matrix --model sdxl --mode full --batch 4 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+flux)
+    matrix --model flux --mode lora --batch 1 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+flux2)
+    matrix --model flux --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+sd35m)
+    matrix --model sd35m --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3
     ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ from ..applicability import unused_fields
 from ..binding import FieldError, field_doc
 from ..config_model import ConfigModel, problems_by_field
 from ..field_places import FieldPlaces
+from ..field_visibility import hidden_fields
 from .tooltip import Tooltip
 
 ERROR_COLOR = "#d94040"
@@ -30,6 +31,9 @@ class BoundField:
         self.binder, self.path, self.var, self.widget = binder, path, var, widget
         self.error_label: ctk.CTkLabel | None = None
         self.caption: ctk.CTkLabel | None = None
+        self.row_widgets: list = [widget]
+        """Everything on the field's row (label, widget, Browse button), hidden together."""
+        self.visible = True
         self.message = ""
         self.unused_reason: str | None = None
         """Why the current config ignores this field (the widget is disabled then), or None."""
@@ -65,10 +69,22 @@ class BoundField:
         self.show_mark(bool(messages))
         if self.error_label is not None:
             self.error_label.configure(text=self.message)
-            if messages:
+            if messages and self.visible:
                 self.error_label.grid()
             else:
                 self.error_label.grid_remove()
+
+    def set_visible(self, visible: bool) -> None:
+        """Show or hide the field's row (a field that does not apply to the config is hidden)."""
+        if visible == self.visible:
+            return
+        self.visible = visible
+        for widget in self.row_widgets:
+            if visible:
+                widget.grid()
+            else:
+                widget.grid_remove()
+        self.mark(self.message.splitlines() if self.message else [])
 
     def show_mark(self, bad: bool) -> None:
         pass
@@ -133,12 +149,15 @@ class Binder:
         self.problems: dict[str, list[str]] = {}
         self.places = FieldPlaces()
         """Tab and label of every field, for messages that a user can find in the window."""
+        self.hidden: set[str] = hidden_fields(model.cfg)
+        """Fields that do not apply to the config (`ui.field_visibility`); their rows are hidden."""
         self.on_change: list[Callable[[str | None], None]] = []
         self._writing: str | None = None
         model.subscribe(self._model_changed)
 
     def add(self, field: BoundField) -> BoundField:
         self.fields[field.path] = field
+        field.set_visible(field.path not in self.hidden or field.path in self.problems)
         return field
 
     def forget(self, prefix: str) -> None:
@@ -180,7 +199,10 @@ class Binder:
         for path, message in self.type_errors.items():
             self.problems.setdefault(path, []).insert(0, message)
         unused = unused_fields(self.model.cfg)
+        self.hidden = hidden_fields(self.model.cfg)
         for path, field in self.fields.items():
+            # A field with a problem stays in sight, so that the problem can be fixed there.
+            field.set_visible(path not in self.hidden or path in self.problems)
             field.mark(self.problems.get(path, []))
             field.set_unused(unused.get(path))
 

@@ -55,10 +55,12 @@ class Form:
             bound.widget.grid(row=self.row, column=1, sticky="w", padx=4, pady=3)
             bound.caption = caption
             Tooltip(caption, bound.tooltip_text)
+            bound.row_widgets.append(caption)
             if browse_kind:
-                ctk.CTkButton(self.master, text="Browse", width=70,
-                              command=lambda: browse(bound.var, browse_kind)).grid(row=self.row, column=2,
-                                                                                  sticky="w", padx=4)
+                button = ctk.CTkButton(self.master, text="Browse", width=70,
+                                       command=lambda: browse(bound.var, browse_kind))
+                button.grid(row=self.row, column=2, sticky="w", padx=4)
+                bound.row_widgets.append(button)
         self.row += 1
         bound.error_label = ctk.CTkLabel(self.master, text="", text_color=ERROR_COLOR, anchor="w",
                                          justify="left", wraplength=560)

@@ -19,6 +19,8 @@ LABELS = {
     "model.base_model": "Base model",
     "model.vae_path": "VAE (optional)",
     "model.config_overrides": "Config overrides (JSON)",
+    "model.components_folder": "Components folder",
+    "model.t5_max_length": "T5 tokens (0: default)",
     "data.aspect_bucketing": "Aspect-ratio buckets",
     "data.random_flip": "Random horizontal flip",
     "data.random_crop": "Random crop",
@@ -61,6 +63,9 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
     form.field("model.vae_path", browse_kind="any", width=380)
+    # SD3 and Flux only (hidden for the other families, see ui/field_visibility.py).
+    form.field("model.components_folder", browse_kind="folder", width=380)
+    form.field("model.t5_max_length")
     form.section("Weight storage (frozen parts)")
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
     form.section("Advanced")

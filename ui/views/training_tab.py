@@ -28,6 +28,9 @@ LABELS = {
     "training.ema": "EMA of weights",
     "training.ema_decay": "EMA decay",
     "training.min_snr_gamma": "Min-SNR gamma",
+    "training.timestep_logit_mean": "Timestep logit mean",
+    "training.timestep_logit_std": "Timestep logit std",
+    "training.flux_guidance": "Flux guidance (training)",
     "optimizer.name": "Optimizer",
     "optimizer.fused": "Fused AdamW (CUDA)",
 }
@@ -53,7 +56,8 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
                 "training.channels_last", "training.compile")
     form.section("Objective and stability")
     form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
-                "training.offset_noise")
+                "training.offset_noise", "training.timestep_logit_mean", "training.timestep_logit_std",
+                "training.flux_guidance")
     multi_gpu = MultiGPUFrame(frame, binder, python)
     multi_gpu.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6, pady=12)
     return multi_gpu

@@ -1,0 +1,112 @@
+"""The static facts about each model family, for the places that must not load torch.
+
+Validation, the GUI and the launchers need to know which model types exist, which config fields
+apply to which family and what image sizes a family accepts; none of them may import the training
+code. So those facts live here, as data. Everything a family *does* (loading, text encoding, the
+objective, sampling, saving) lives in `modules/model/families/`, one module per family, which reads
+its facts from this table. Adding a family is one entry here plus one module there.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    name: str
+    """The `model.model_type` value."""
+    title: str
+    """What users call it."""
+    denoiser: str
+    """The diffusers component name of the trained network: `unet` or `transformer`."""
+    pipeline_class: str
+    """The diffusers pipeline that loads this family's folders and renders its samples."""
+    pixel_multiple: int
+    """Image sides must be multiples of this many pixels (VAE downscale x patch size)."""
+    flow_matching: bool
+    """Trained with rectified flow (noisy = (1-t) x0 + t noise, target noise - x0) instead of DDPM noise."""
+    demo: str
+    """The built-in tiny random model of this family (`model.base_model`), or empty."""
+    own_fields: tuple[str, ...] = ()
+    """Config fields (section.name) that only this family uses; other families ignore them."""
+    key_markers: tuple[str, ...] = ()
+    """Tensor-name prefixes that only this family's single files have (checked in `FAMILIES` order)."""
+
+
+_SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
+_FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
+                "training.timestep_logit_std")
+
+FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
+    # Detection order: the transformer families first (their files may share the `model.diffusion_model.`
+    # prefix with SD's), then SDXL before SD 2.x before SD 1.x.
+    FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
+               _FLOW_FIELDS + ("training.flux_guidance",),
+               ("double_blocks.", "model.diffusion_model.double_blocks.")),
+    FamilyInfo("sd3", "Stable Diffusion 3 / 3.5", "transformer", "StableDiffusion3Pipeline", 16, True,
+               "builtin:demo-sd3", _FLOW_FIELDS, ("joint_blocks.", "model.diffusion_model.joint_blocks.")),
+    FamilyInfo("sdxl", "Stable Diffusion XL", "unet", "StableDiffusionXLPipeline", 8, False, "", _SD_FIELDS,
+               ("conditioner.embedders.1.model.",)),
+    FamilyInfo("sd2", "Stable Diffusion 2.x", "unet", "StableDiffusionPipeline", 8, False, "", _SD_FIELDS,
+               ("cond_stage_model.model.",)),
+    FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
+               _SD_FIELDS, ("cond_stage_model.transformer.",)),
+)}
+MODEL_TYPES = ("sd1", "sd2", "sdxl", "sd3", "flux")
+"""Every family Tandem trains, in the order the GUI lists them."""
+BUILTIN_MODELS = {info.demo: info.name for info in FAMILIES.values() if info.demo}
+"""Built-in model name -> its family."""
+
+
+def family_of_builtin(base_model: str) -> str | None:
+    """The family of a built-in model name (`builtin:demo-flux` -> `flux`), None for anything else."""
+    return BUILTIN_MODELS.get(base_model.strip())
+
+
+def field_applies(path: str, family: str | None) -> bool:
+    """Whether config field `path` means anything for `family` (None: not known yet - every field may)."""
+    if family is None:
+        return True
+    owners = [info.name for info in FAMILIES.values() if path in info.own_fields]
+    return not owners or family in owners
+
+
+def family_fields() -> set[str]:
+    """Every field that belongs to some families only."""
+    return {path for info in FAMILIES.values() for path in info.own_fields}
+
+
+def guess_family(base_model: str, model_type: str = "auto") -> str | None:
+    """The family a config will train, found without loading anything (for the GUI): the explicit
+    `model_type`, a built-in model's, a diffusers folder's pipeline class (SD 1.x and 2.x share one:
+    `sd1` stands for both, their fields are the same), or a `.safetensors` file's tensor names.
+    None when nothing says (an unreadable path, a `.ckpt`)."""
+    if model_type in FAMILIES:
+        return model_type
+    builtin = family_of_builtin(base_model)
+    if builtin or not base_model.strip():
+        return builtin
+    path = Path(base_model.strip()).expanduser()
+    try:
+        if (path / "model_index.json").is_file():
+            pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")
+            return next((info.name for info in reversed(FAMILIES.values()) if info.pipeline_class == pipeline), None)
+        if path.suffix.lower() == ".safetensors" and path.is_file():
+            keys = _safetensors_keys(path)
+            return next((info.name for info in FAMILIES.values()
+                         if any(key.startswith(info.key_markers) for key in keys) and info.key_markers), None)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    """Tensor names from a .safetensors header (8-byte length, then JSON), without reading any tensor."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if not 0 < length < 100_000_000:
+            raise ValueError(f"{path}: not a .safetensors header")
+        header = json.loads(file.read(length))
+    return [key for key in header if key != "__metadata__"]

@@ -1,0 +1,196 @@
+"""`ModelFamily`: everything that differs between model families, behind one interface.
+
+The trainer, the distributed layer, the cache and the GUI never ask which family a model is: they
+call the bundle's family (`bundle.family`), which knows how its models are
+
+- **loaded** (`load_folder`, `load_single_file`, `load_vae`, `build_demo`),
+- **conditioned** (`encode_text`, which text encoders may train and which of their layers are dead ends),
+- **trained** (`objective`: noise and timesteps for the global batch, the noisy input, the target, the
+  loss, and how the denoiser is called - packing, position ids, guidance input),
+- **sampled** (`pipeline` and `pipeline_arguments`: the stock diffusers pipeline),
+- **saved** (`save_single_file`, the diffusers folder's `model_index.json`, the kohya LoRA layout).
+
+One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`. Their static
+facts (name, pipeline class, image-size step, the config fields they use) are in
+`modules/config/model_families.py`, where code that must not import torch reads them.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from modules.config.model_families import FAMILIES, FamilyInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from modules.config.train_config import ModelConfig, TrainingConfig
+    from modules.model.bundle import ModelBundle
+
+
+class Objective(ABC):
+    """How one family trains: the random draw for the global batch, the noisy input, the target, the
+    loss, and the denoiser's forward. Built once per run (`ModelFamily.objective`)."""
+
+    @abstractmethod
+    def draw(self, latent_shape: tuple[int, ...], seed: int, step: int, micro: int, rank: int,
+             world_size: int, device: torch.device, offset_noise: float = 0.0):
+        """This rank's slice of the noise and timesteps drawn for the whole global batch, keyed by
+        (seed, step, micro), so N ranks x B compute what 1 rank x N*B does."""
+
+    @abstractmethod
+    def noisy(self, latents: torch.Tensor, draw) -> torch.Tensor:
+        """The denoiser's input."""
+
+    @abstractmethod
+    def target(self, latents: torch.Tensor, draw) -> torch.Tensor:
+        """What the denoiser is trained to output, in the latents' shape."""
+
+    @abstractmethod
+    def loss(self, prediction: torch.Tensor, target: torch.Tensor, draw) -> torch.Tensor:
+        """The mean loss of the micro-batch."""
+
+    @abstractmethod
+    def predict(self, denoiser, noisy: torch.Tensor, timesteps: torch.Tensor, text: dict[str, torch.Tensor],
+                original_sizes=None, crop_coords=None, target_sizes=None) -> torch.Tensor:
+        """The denoiser's output for `noisy` in the latents' shape; `denoiser` is the module (or its
+        compiled form) to call."""
+
+
+class ModelFamily(ABC):
+    """One model family. Instances are stateless: every method takes the bundle it works on."""
+
+    info: FamilyInfo
+
+    def __init__(self, name: str) -> None:
+        self.info = FAMILIES[name]
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    # ------------------------------------------------------------------ detection
+
+    def recognise_folder(self, folder: Path, index: dict) -> str | None:
+        """Why the diffusers folder (its `model_index.json` as `index`) is this family's, or None."""
+        return None
+
+    def recognise_checkpoint(self, keys: set[str]) -> str | None:
+        """Why a single file with these tensor names is this family's (its `key_markers`), or None."""
+        markers = self.info.key_markers
+        found = next((key for key in keys if markers and key.startswith(markers)), None)
+        return f"it has {found.rsplit('.', 2)[0]}.* weights" if found else None
+
+    # ------------------------------------------------------------------ loading
+
+    @abstractmethod
+    def load_folder(self, folder: Path, model_cfg: "ModelConfig", dtypes: dict, source_name: str,
+                    own_vae: bool) -> "ModelBundle":
+        """A bundle from a diffusers folder (`own_vae=False`: leave `vae` None, another replaces it)."""
+
+    @abstractmethod
+    def load_single_file(self, path: Path, model_cfg: "ModelConfig", dtypes: dict, own_vae: bool) -> "ModelBundle":
+        """A bundle from a single-file checkpoint in the family's original layout."""
+
+    @abstractmethod
+    def load_vae(self, path: Path, dtype: torch.dtype, config: dict | None = None):
+        """A VAE from a single file (`model.vae_path`), with this family's latent scaling; `config`: fields
+        from `model.config_overrides["vae"]` for a file whose sizes are not the standard ones."""
+
+    def build_demo(self, root: Path | None = None) -> Path:
+        """The built-in tiny model's diffusers folder, built on first use."""
+        raise ValueError(f"{self.info.title} has no built-in demo model")
+
+    # ------------------------------------------------------------------ text
+
+    @abstractmethod
+    def encode_text(self, bundle: "ModelBundle", captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Text conditioning, named tensors with the batch first (what the text cache stores)."""
+
+    def trainable_text_encoders(self, bundle: "ModelBundle") -> list[nn.Module]:
+        """The text encoders `training.train_text_encoder` trains."""
+        return list(bundle.text_encoders)
+
+    def unused_text_encoder_modules(self, bundle: "ModelBundle") -> list[nn.Module]:
+        """Parts of the trained text encoders whose output never reaches the conditioning."""
+        return []
+
+    def added_cond(self, bundle: "ModelBundle", text, original_sizes, crop_coords, target_sizes):
+        """Extra conditioning besides the text (SDXL's size and crop "time ids"); None for most families."""
+        return None
+
+    # ------------------------------------------------------------------ training
+
+    @abstractmethod
+    def objective(self, bundle: "ModelBundle", training_cfg: "TrainingConfig | None" = None) -> Objective:
+        """The training objective for this bundle and training config."""
+
+    def check_image_sizes(self, sizes: Sequence[tuple[int, int]]) -> None:
+        """Refuse bucket sizes (width, height) the model cannot take (Flux packs 2x2 latent patches: 16 px),
+        naming the settings to change. Validation does this when the config names the family; a model
+        found by `auto` is checked here, once it is loaded."""
+        step = self.info.pixel_multiple
+        bad = [f"{w}x{h}" for w, h in sizes if w % step or h % step]
+        if bad:
+            raise ValueError(
+                f"{self.info.title} takes images whose sides are multiples of {step} px, but the buckets include "
+                f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
+
+    # ------------------------------------------------------------------ sampling
+
+    @abstractmethod
+    def pipeline(self, bundle: "ModelBundle"):
+        """The stock diffusers pipeline around the bundle's own modules."""
+
+    def pipeline_arguments(self, bundle: "ModelBundle", prompt, guidance_scale: float) -> dict[str, Any]:
+        """Keyword arguments of one pipeline call besides size, steps and generator."""
+        return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,
+                "guidance_scale": guidance_scale}
+
+    def sample_size_multiple(self, bundle: "ModelBundle") -> int:
+        """Sample widths and heights are rounded down to a multiple of this."""
+        return self.info.pixel_multiple
+
+    # ------------------------------------------------------------------ saving
+
+    def model_index_extras(self) -> dict[str, Any]:
+        """`model_index.json` entries besides the components (unused components, pipeline flags)."""
+        return {}
+
+    @abstractmethod
+    def save_single_file(self, bundle: "ModelBundle", path: Path, dtype: torch.dtype,
+                         denoiser_state_override: dict | None = None) -> Path:
+        """One `.safetensors` in the layout the family's original checkpoints use."""
+
+    # ------------------------------------------------------------------ real-size random models
+
+    @abstractmethod
+    def random_bundle(self, device: torch.device, denoiser_dtype: torch.dtype) -> "ModelBundle":
+        """A bundle with a randomly initialised real-size denoiser (built on `device`) for benchmarks: the
+        VAE and text encoders are never run there (everything is "cached"), so they are stand-ins."""
+
+    @abstractmethod
+    def cached_shapes(self) -> tuple[int, dict[str, tuple[int, ...]]]:
+        """(latent channels, {text tensor: shape per item}) of the real models' cache entries."""
+
+    @abstractmethod
+    def write_random_model(self, folder: Path, dtype: torch.dtype | None, device: str = "cpu") -> Path:
+        """A complete real-size diffusers folder with random weights (for GPU checks without a download)."""
+
+    # ------------------------------------------------------------------ saving, LoRA layout
+
+    def kohya_lora_tensors(self, bundle: "ModelBundle", modules: dict[str, dict[str, torch.Tensor]],
+                           alphas: dict[str, float]) -> dict[str, torch.Tensor]:
+        """LoRA weights (peft layout, by component) in the kohya layout ComfyUI/A1111/Forge read."""
+        raise ValueError(f"{self.info.title} LoRAs have no kohya layout; set save.lora_format to peft")
+
+    def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
+        """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""
+        return {"ss_base_model_version": self.name}
+
+    @abstractmethod
+    def lora_modelspec(self, bundle: "ModelBundle", fmt: str) -> dict[str, str]:
+        """`modelspec.architecture` (as sd-scripts names it, with `/lora`), `modelspec.implementation` (whose
+        module names the file in layout `fmt` uses) and `modelspec.resolution` of a LoRA for this model."""

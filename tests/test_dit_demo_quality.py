@@ -1,0 +1,73 @@
+"""The built-in SD3 and Flux models show what they learn: their 16-channel VAE reconstructs the demo images,
+and after a few hundred steps of their preset on a CPU the samples have the prompted background colours."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from modules.config import load_config
+from modules.config.train_config import ModelConfig
+from modules.data.demo_dataset import COLOURS, ensure_demo_dataset
+from modules.model import load_model
+from modules.trainer.callbacks import RecordingCallbacks
+from modules.trainer.generic_trainer import GenericTrainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STEPS = 800
+"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
+    bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
+    root = ensure_demo_dataset(tmp_path / "shapes")
+    arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in sorted(root.glob("*.png"))]
+    images = torch.from_numpy(np.stack([a for a in arrays if a.shape[:2] == (64, 64)][:16])).permute(0, 3, 1, 2)
+    pixels = images / 127.5 - 1.0
+    with torch.no_grad():
+        latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(0))
+        decoded = bundle.decode_latents(latents)
+    assert latents.shape == (16, 16, 8, 8)
+    # Colour latents centred by the shift and scaled to about unit spread; the other 13 channels constant
+    # up to the posterior noise (std 0.0025 before scaling).
+    assert 0.7 < latents[:, :3].std().item() < 1.3 and abs(latents[:, :3].mean().item()) < 0.5
+    assert latents[:, 3:].std().item() < 0.01
+    thumbnail = torch.nn.functional.avg_pool2d(pixels, 8).repeat_interleave(8, 2).repeat_interleave(8, 3)
+    assert (decoded - thumbnail).abs().max().item() < 4 / 127.5
+
+
+BACKGROUNDS = ("blue", "green", "black")
+"""The backgrounds of the presets' three prompts."""
+
+
+def _background(image) -> str:
+    """Which of the prompts' three backgrounds most pixels of the image's outer ring of 8 px blocks are
+    nearest to (shape colours that reach the ring, or a lime green, do not tip a mean)."""
+    array = np.asarray(image.convert("RGB"), dtype=np.float32)
+    ring = np.ones(array.shape[:2], dtype=bool)
+    ring[8:-8, 8:-8] = False
+    palette = np.array([COLOURS[name] for name in BACKGROUNDS], dtype=np.float32)
+    nearest = np.argmin(((array[ring][:, None] - palette[None]) ** 2).sum(-1), axis=1)
+    return BACKGROUNDS[int(np.bincount(nearest, minlength=len(BACKGROUNDS)).argmax())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a few minutes on 2 free cores; far longer on a shared machine
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
+    cfg = load_config(f"#demo_{name}", [
+        f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS}",
+        "sampling.every_n_epochs=1000", "save.backup_every_n_epochs=0", "save.save_dtype=fp32"])
+    callbacks = RecordingCallbacks()
+    trainer = GenericTrainer(cfg, callbacks)
+    trainer.run()
+    losses = [event["loss"] for event in callbacks.of_type("loss")]
+    assert np.mean(losses[-30:]) < 0.8 * np.mean(losses[:30]), "the loss did not fall"
+    samples = callbacks.of_type("sample")
+    assert len(samples) == 3, "the finished run renders each preset prompt once (at the end)"
+    # The untrained models give blue, blue, blue (SD3) and blue, green, green (Flux) here.
+    backgrounds = [_background(Image.open(s["path"])) for s in samples]
+    assert backgrounds == list(BACKGROUNDS), backgrounds

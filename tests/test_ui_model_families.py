@@ -1,0 +1,50 @@
+"""The GUI shows a model family's own settings only when they apply: the rule, without a display (the rows
+themselves are tested under Xvfb in tests/test_ui_widgets.py)."""
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from modules.config import TrainConfig, load_preset
+from modules.config.model_families import guess_family
+from ui.field_visibility import hidden_fields
+
+FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
+             "training.timestep_logit_std"}
+SD_ONLY = {"model.prediction_type", "training.min_snr_gamma"}
+
+
+def config(base_model: str, model_type: str = "auto") -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type = base_model, model_type
+    return cfg
+
+
+def test_hidden_fields_follow_the_family():
+    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY
+    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY  # the explicit type decides
+    assert hidden_fields(config("models/not-there")) == set()  # unknown family: everything shows
+    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY
+    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | {"training.flux_guidance"}
+
+
+def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
+    folder = tmp_path / "flux-folder"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert guess_family(str(folder)) == "flux"
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    assert guess_family(str(folder)) == "sdxl"
+    for keys, family in ((["double_blocks.0.img_attn.qkv.weight"], "flux"),
+                         (["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"], "sd3"),
+                         (["conditioner.embedders.1.model.ln_final.weight"], "sdxl"),
+                         (["cond_stage_model.transformer.text_model.final_layer_norm.weight"], "sd1")):
+        path = tmp_path / f"{family}.safetensors"
+        save_file({key: torch.zeros(1) for key in keys}, str(path))
+        assert guess_family(str(path)) == family
+    (tmp_path / "junk.safetensors").write_bytes(b"not a header at all")
+    assert guess_family(str(tmp_path / "junk.safetensors")) is None
