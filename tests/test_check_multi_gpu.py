@@ -163,3 +163,28 @@ def test_largest_batch_that_fits():
     assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=False) == 3
     assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=True) == 10
     assert memory_estimate.largest_batch_that_fits(est, 9.0, checkpointing=True) == 0
+
+
+def test_unequal_gpus_get_the_batch_split_advice():
+    cards = [{"index": 0, "free_gib": 22.0}, {"index": 1, "free_gib": 10.0}]
+    advice: list[str] = []
+    diagnostics._unequal_gpu_findings(cards, [160.0, 80.0], advice)
+    assert any("GPU 1 computes 2.0x slower" in a and "batch_split=auto" in a for a in advice), advice
+    assert any("unequal free memory (GPU 0: 22.0 GiB, GPU 1: 10.0 GiB)" in a for a in advice), advice
+    same: list[str] = []
+    diagnostics._unequal_gpu_findings([{"index": 0, "free_gib": 22.0}, {"index": 1, "free_gib": 21.0}], [160.0, 150.0], same)
+    assert same == []
+
+
+def test_an_explicit_split_is_estimated_per_gpu(tmp_path):
+    from modules.config import load_config
+
+    config = write_config(tmp_path, training={"method": "full", "batch_size": 4},
+                          multi_gpu={"batch_split": "6,2"})
+    cfg = load_config(str(config))
+    problems: list[str] = []
+    rows = diagnostics._per_gpu_batches(cfg, [], 20.0, problems)
+    assert [r["batch"] for r in rows] == [6, 2] and rows[0]["estimate_gib"] > rows[1]["estimate_gib"]
+    full = memory_estimate.estimate(cfg)["total"]  # batch 4
+    assert rows[1]["estimate_gib"] < full < rows[0]["estimate_gib"]
+    assert any("gives GPU 0 a batch of 6" in p for p in problems) == (rows[0]["estimate_gib"] > 20.0 * 0.9)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modules.util.batch_slice import BatchSlice
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.model import add_lora, load_model, save_lora
 from modules.model.families import original_layout as layout
@@ -45,7 +46,8 @@ def prediction(bundle, transformer, text_encoders=None):
     objective = bundle.family.objective(bundle, TrainingConfig())
     generator = torch.Generator().manual_seed(3)
     latents = torch.randn(2, 16, 8, 8, generator=generator)
-    draw = objective.draw(tuple(latents.shape), 5, 0, 0, 0, 1, torch.device("cpu"))
+    draw = objective.draw(tuple(latents.shape), 5, 0, 0, BatchSlice(0, latents.shape[0], latents.shape[0]),
+                          torch.device("cpu"))
     with torch.no_grad():
         text = bundle.encode_text(CAPTIONS) if text_encoders is None else text_encoders(CAPTIONS)
         out = objective.predict(transformer, objective.noisy(latents, draw), draw.timesteps, text)

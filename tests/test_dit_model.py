@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from modules.util.batch_slice import BatchSlice
 from modules.config.train_config import ModelConfig, SamplePromptConfig, TrainingConfig
 from modules.model import load_model, render_samples, save_full_diffusers, save_full_single_file
 from modules.model.families import detect_checkpoint, detect_folder, family
@@ -128,11 +129,12 @@ def test_training_prediction_is_one_pipeline_step(demos, name):
 # ------------------------------------------------------------------ the objective
 
 def test_flow_draw_does_not_depend_on_world_size_and_is_logit_normal():
-    whole = draw_flow_noise((8, 16, 4, 4), seed=3, step=5, micro=1, rank=0, world_size=1, device=CPU)
-    halves = [draw_flow_noise((4, 16, 4, 4), 3, 5, 1, rank, 2, CPU) for rank in range(2)]
+    whole = draw_flow_noise((8, 16, 4, 4), seed=3, step=5, micro=1, part=BatchSlice(0, 8, 8), device=CPU)
+    halves = [draw_flow_noise((4, 16, 4, 4), 3, 5, 1, BatchSlice.of([4, 4], rank), CPU) for rank in range(2)]
     assert torch.equal(torch.cat([h.noise for h in halves]), whole.noise)
     assert torch.equal(torch.cat([h.timesteps for h in halves]), whole.timesteps)
-    many = draw_flow_noise((20000, 1, 1, 1), 0, 0, 0, 0, 1, CPU, logit_mean=0.5, logit_std=0.8).timesteps
+    many = draw_flow_noise((20000, 1, 1, 1), 0, 0, 0, BatchSlice(0, 20000, 20000), CPU, logit_mean=0.5,
+                           logit_std=0.8).timesteps
     logits = torch.log(many / (1 - many))
     assert abs(logits.mean().item() - 0.5) < 0.03 and abs(logits.std().item() - 0.8) < 0.03
 
@@ -162,7 +164,7 @@ def test_noisy_input_and_target_are_rectified_flow(demos):
     bundle = demos["sd3"]
     objective = bundle.family.objective(bundle, TrainingConfig())
     latents = torch.randn(4, 16, 8, 8)
-    draw = objective.draw(tuple(latents.shape), 1, 2, 0, 0, 1, CPU)
+    draw = objective.draw(tuple(latents.shape), 1, 2, 0, BatchSlice(0, latents.shape[0], latents.shape[0]), CPU)
     # The scheduler's own noising (img2img's scale_noise) at these times gives the same input.
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config)
     scheduler.timesteps, scheduler.sigmas = draw.timesteps * 1000, draw.timesteps

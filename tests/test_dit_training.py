@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modules.util.batch_slice import BatchSlice
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.distributed.launch import launch
 from modules.model import load_model
@@ -115,7 +116,8 @@ def test_flux_guidance_reaches_the_transformer(tandem_home):
     outputs = []
     for guidance in (1.0, 4.0):
         objective = bundle.family.objective(bundle, TrainingConfig(flux_guidance=guidance))
-        draw = objective.draw(tuple(latents.shape), 0, 0, 0, 0, 1, torch.device("cpu"))
+        draw = objective.draw(tuple(latents.shape), 0, 0, 0, BatchSlice(0, latents.shape[0], latents.shape[0]),
+                              torch.device("cpu"))
         with torch.no_grad():
             text = bundle.encode_text(["a red circle"])
             outputs.append(objective.predict(bundle.denoiser, objective.noisy(latents, draw), draw.timesteps, text))

@@ -5,6 +5,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
+from modules.util.batch_slice import BatchSlice
 from modules.config import TrainingConfig
 from modules.trainer.objective import diffusion_loss, draw_noise, snr, training_target
 from modules.trainer.optim import lr_lambda
@@ -16,17 +17,18 @@ def scheduler():
 
 
 def test_noise_slices_do_not_depend_on_world_size():
-    whole = draw_noise((8, 4, 8, 8), 1000, seed=3, step=5, micro=1, rank=0, world_size=1, device=torch.device("cpu"))
-    halves = [draw_noise((4, 4, 8, 8), 1000, 3, 5, 1, rank, 2, torch.device("cpu")) for rank in range(2)]
+    whole = draw_noise((8, 4, 8, 8), 1000, seed=3, step=5, micro=1, part=BatchSlice(0, 8, 8), device=torch.device("cpu"))
+    halves = [draw_noise((4, 4, 8, 8), 1000, 3, 5, 1, BatchSlice.of([4, 4], rank), torch.device("cpu"))
+              for rank in range(2)]
     assert torch.equal(torch.cat([h.noise for h in halves]), whole.noise)
     assert torch.equal(torch.cat([h.timesteps for h in halves]), whole.timesteps)
-    other_step = draw_noise((8, 4, 8, 8), 1000, 3, 6, 1, 0, 1, torch.device("cpu"))
+    other_step = draw_noise((8, 4, 8, 8), 1000, 3, 6, 1, BatchSlice(0, 8, 8), torch.device("cpu"))
     assert not torch.equal(other_step.noise, whole.noise)
 
 
 def test_offset_noise_shifts_channels():
-    plain = draw_noise((64, 4, 8, 8), 1000, 0, 0, 0, 0, 1, torch.device("cpu"))
-    offset = draw_noise((64, 4, 8, 8), 1000, 0, 0, 0, 0, 1, torch.device("cpu"), offset_noise=0.5)
+    plain = draw_noise((64, 4, 8, 8), 1000, 0, 0, 0, BatchSlice(0, 64, 64), torch.device("cpu"))
+    offset = draw_noise((64, 4, 8, 8), 1000, 0, 0, 0, BatchSlice(0, 64, 64), torch.device("cpu"), offset_noise=0.5)
     per_channel_mean = (offset.noise - plain.noise).mean(dim=(2, 3))
     assert per_channel_mean.std() > 0.3  # a constant per sample and channel, ~N(0, 0.5)
 

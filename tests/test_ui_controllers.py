@@ -561,3 +561,15 @@ def test_tooltips_have_no_code_marks():
     from ui.binding import plain_text
     text = plain_text(field_doc("general.device"))
     assert "`" not in text and "auto" in text
+
+
+def test_summary_line_shows_the_split_over_unequal_gpus():
+    cfg = TrainConfig()
+    cfg.multi_gpu.enabled = True
+    cfg.training.batch_size = 4
+    cfg.multi_gpu.batch_split = "6,2"
+    assert summarize(cfg, 2).line() == "World size 2 · global batch 8 = 6 on GPU 0 + 2 on GPU 1 · LR 1e-4"
+    cfg.multi_gpu.batch_split = "auto"
+    assert "split at start by each GPU's memory and speed" in summarize(cfg, 2).line()
+    cfg.multi_gpu.batch_split = "6,"  # mid-edit
+    assert "global batch 8 (4 x 1 x 2)" in summarize(cfg, 2).line()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from modules.config import TrainConfig
 from modules.config.validation import parse_device_indexes
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES, lr_scale_factor
+from modules.util.batch_slice import describe_split, parse_split
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class MultiGPUSummary:
     lr: float
     scaling: str
     cpu: bool
+    split: str = "equal"
+    """multi_gpu.batch_split as set: equal, auto, or a list such as 6,2."""
 
     @property
     def global_batch(self) -> int:
@@ -34,8 +37,21 @@ class MultiGPUSummary:
         lr = f"LR {format_lr(self.base_lr)}"
         if self.scaling != "none" and self.world_size > 1:
             lr += f" -> {format_lr(self.lr)} ({self.scaling})"
-        return (f"{unit} {self.world_size} · global batch {self.global_batch} "
-                f"({self.per_gpu_batch} x {self.accumulation} x {self.world_size}) · {lr}")
+        return f"{unit} {self.world_size} · {self.batch_text()} · {lr}"
+
+    def batch_text(self) -> str:
+        """How the global batch is made: `global batch 16 (8 x 1 x 2)`, or its split over unequal GPUs."""
+        equal = f"global batch {self.global_batch} ({self.per_gpu_batch} x {self.accumulation} x {self.world_size})"
+        if self.world_size < 2 or self.split.strip().lower() in ("", "equal"):
+            return equal
+        if self.split.strip().lower() == "auto":
+            return equal + ", split at start by each GPU's memory and speed"
+        try:
+            sizes = parse_split(self.split, self.world_size, self.per_gpu_batch)
+        except ValueError:
+            return equal  # mid-edit: validation names the problem
+        text = describe_split(sizes, [f"GPU {i}" for i in range(self.world_size)])
+        return text + (f" (x {self.accumulation} accumulation)" if self.accumulation > 1 else "")
 
 
 def format_lr(value: float) -> str:
@@ -80,4 +96,5 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
     return MultiGPUSummary(world_size=world, per_gpu_batch=t.batch_size,
                            accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
                            lr=scaled_lr(t.learning_rate, max(world, 1), scaling), scaling=scaling,
-                           cpu=cfg.multi_gpu.enabled and cfg.general.device == "cpu")
+                           cpu=cfg.multi_gpu.enabled and cfg.general.device == "cpu",
+                           split=cfg.multi_gpu.batch_split)

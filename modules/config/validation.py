@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 from .model_families import FAMILIES, MODEL_TYPES, field_applies, family_of_builtin
+from modules.util.batch_slice import parse_split
+
 from .serialization import ConfigError
 from .train_config import TrainConfig
 
@@ -223,6 +225,14 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         problems.append(f"multi_gpu.device_indexes: {m.device_indexes!r} is not valid ({reason}); "
                         "write comma-separated GPU numbers such as '0,1,3', or leave it empty.")
         return problems
+    split = m.batch_split.strip().lower()
+    if split not in ("equal", "auto", ""):
+        # A list names one size per GPU; with num_gpus 0 (all visible) its length says how many.
+        gpus = m.num_gpus or len(indexes) or len(split.split(","))
+        try:
+            parse_split(split, gpus, cfg.training.batch_size)
+        except ValueError as reason:
+            problems.append(f"multi_gpu.batch_split: {reason}; or set it to equal or auto.")
     if indexes and m.num_gpus > 0 and m.num_gpus != len(indexes):
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "

@@ -1,7 +1,8 @@
 """Bucket-aware distributed batch sampler that resumes mid-epoch, also with another world size.
 
 The unit is the GLOBAL batch: `batch_size x world_size` item indexes from one bucket. Rank r takes
-the r-th contiguous slice of it. The sequence of global batches depends only on the seed, the
+the r-th contiguous slice of it (with `split`, unequal GPUs take unequal slices of the same global
+batch: `split[r]` items starting after those of the ranks before it). The sequence of global batches depends only on the seed, the
 epoch, the global batch size and the buckets, so 2 ranks x batch B see exactly what 1 rank x
 batch 2B sees.
 
@@ -26,6 +27,8 @@ import logging
 import random
 from collections import Counter
 
+from modules.util.batch_slice import equal_split
+
 log = logging.getLogger(__name__)
 
 
@@ -38,13 +41,17 @@ class BucketBatchSampler:
     """Yields this rank's list of dataset indexes for every global batch of the epoch."""
 
     def __init__(self, buckets: list[int], batch_size: int, world_size: int = 1, rank: int = 0,
-                 seed: int = 0, shuffle: bool = True):
+                 seed: int = 0, shuffle: bool = True, split: list[int] | None = None):
+        """`split`: each rank's number of items per global batch (unequal GPUs); default `batch_size` each."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}; it must be 1 or more.")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+        self.split = list(split) if split is not None else equal_split(batch_size, world_size)
+        if len(self.split) != world_size or min(self.split) < 1:
+            raise ValueError(f"split={split} needs one size of 1 or more per rank ({world_size} ranks).")
         self.buckets = list(buckets)
-        self.batch_size = batch_size
+        self.batch_size = self.split[rank]
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
@@ -62,13 +69,13 @@ class BucketBatchSampler:
             sizes = ", ".join(f"bucket {b}: {len(m)}" for b, m in sorted(self._members.items()))
             raise ValueError(
                 f"The dataset gives no full global batch: {len(self.buckets)} items ({sizes}), global batch "
-                f"= batch_size {batch_size} x {world_size} rank(s) = {self.global_batch_size}; every bucket "
+                f"= {' + '.join(map(str, self.split))} over {world_size} rank(s) = {self.global_batch_size}; every bucket "
                 "is smaller than that. Use fewer GPUs, a smaller training.batch_size, more concept repeats "
                 "or more images (or turn off data.aspect_bucketing to put all images in one bucket).")
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size * self.world_size
+        return sum(self.split)
 
     def __len__(self) -> int:
         """Global batches in a full epoch at this global batch size."""
@@ -105,7 +112,8 @@ class BucketBatchSampler:
         return self._current_plan()[self._consumed:]
 
     def __iter__(self):
-        start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        start = sum(self.split[:self.rank])
+        stop = start + self.split[self.rank]
         for batch in self.global_batches():
             yield batch[start:stop]
 
@@ -177,6 +185,8 @@ class BucketBatchSampler:
     def describe(self) -> str:
         """One start-up line with the derived numbers."""
         sizes = Counter(self.buckets)
+        per_rank = f"{self.split[0]} x {self.world_size} ranks" if len(set(self.split)) == 1 \
+            else " + ".join(map(str, self.split))
         return (f"{len(self.buckets)} items in {len(sizes)} bucket(s), global batch {self.global_batch_size} "
-                f"({self.batch_size} x {self.world_size} ranks), {len(self)} batches per epoch, "
+                f"({per_rank}), {len(self)} batches per epoch, "
                 f"{len(self.buckets) - len(self) * self.global_batch_size} items left out per epoch")

@@ -9,6 +9,7 @@ Every finding that would make training fail is a problem and makes the exit stat
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -33,6 +34,10 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", 
             "NCCL_IB_DISABLE", "TANDEM_FORCE_SINGLE_GPU")
 # Free memory kept back when sizing the batch: the allocator rounds up and fragments.
 SAFETY_FRACTION = 0.9
+
+
+UNEQUAL_SPEED = 1.5
+"""A GPU this much slower (or with this much less free memory) than another gets the batch_split advice."""
 
 
 def free_port() -> int:
@@ -75,6 +80,43 @@ def gpus() -> list[dict]:
             "bf16": props.major >= 8,  # Ampere and newer compute bf16 natively
         })
     return found
+
+
+def gpu_speeds(count: int, size: int = 4096, repeats: int = 20) -> list[float]:
+    """bf16 matrix-multiply rate of each GPU in TFLOP/s (fp32 where bf16 is missing): the speed of unequal cards."""
+    rates = []
+    for i in range(count):
+        device = torch.device("cuda", i)
+        dtype = torch.bfloat16 if torch.cuda.get_device_properties(i).major >= 8 else torch.float32
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        torch.cuda.synchronize(device)
+        rates.append(2 * size ** 3 * repeats / (time.perf_counter() - started) / 1e12)
+        del a, b
+    return rates
+
+
+def _unequal_gpu_findings(cards: list[dict], speeds: list[float], advice: list) -> None:
+    """Advice for a machine whose GPUs differ in speed or free memory (multi_gpu.batch_split)."""
+    if len(cards) < 2:
+        return
+    fastest, slowest = max(speeds), min(speeds)
+    if slowest > 0 and fastest > UNEQUAL_SPEED * slowest:
+        slow = [c["index"] for c, s in zip(cards, speeds) if s == slowest][0]
+        advice.append(f"GPU {slow} computes {fastest / slowest:.1f}x slower than the fastest GPU: with equal "
+                      "batches it sets the pace of every step; multi_gpu.batch_split=auto gives it fewer samples.")
+    frees = [c["free_gib"] for c in cards]
+    if min(frees) < max(frees) / UNEQUAL_SPEED:
+        listed = ", ".join(f"GPU {c['index']}: {c['free_gib']:.1f} GiB" for c in cards)
+        advice.append(f"The GPUs have unequal free memory ({listed}): "
+                      "with equal batches the smallest sets the batch size; multi_gpu.batch_split=auto (or a list "
+                      "such as 6,2) lets each GPU carry what fits.")
 
 
 def p2p_matrix(count: int) -> list[list[bool | None]]:
@@ -215,12 +257,39 @@ def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: li
                       "optimizer.name=adamw_8bit or adafactor, and model.unet_dtype=bf16.")
 
 
+def _per_gpu_batches(cfg, cards: list[dict], assume_free_gib: float | None, problems: list) -> list[dict] | None:
+    """With an explicit multi_gpu.batch_split: each GPU's batch and estimated memory against its free memory."""
+    from modules.util.batch_slice import parse_split
+
+    try:
+        split = parse_split(cfg.multi_gpu.batch_split, len(cfg.multi_gpu.batch_split.split(",")), cfg.training.batch_size)
+    except ValueError:
+        return None
+    if not isinstance(split, list):
+        return None
+    rows = []
+    for rank, batch in enumerate(split):
+        part = copy.deepcopy(cfg)
+        part.training.batch_size = batch
+        need = memory_estimate.estimate(part)["total"]
+        free = assume_free_gib if assume_free_gib is not None else (
+            cards[rank]["free_gib"] if rank < len(cards) else None)
+        rows.append({"rank": rank, "batch": batch, "estimate_gib": need, "free_gib": free})
+        if free is not None and need > free * SAFETY_FRACTION:
+            problems.append(f"multi_gpu.batch_split gives GPU {rank} a batch of {batch}, estimated at {need:.1f} GiB, "
+                            f"more than {SAFETY_FRACTION:.0%} of its {free:.1f} GiB free; move samples to another GPU.")
+    return rows
+
+
 def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None) -> dict:
     report: dict = {"versions": versions(), "env": {k: os.environ.get(k) for k in ENV_VARS}}
     problems: list[str] = []
     advice: list[str] = []
     v = report["versions"]
     cards = gpus() if torch.cuda.is_available() else []
+    speeds = gpu_speeds(len(cards)) if cards else []
+    for card, speed in zip(cards, speeds):
+        card["tflops"] = speed
     report["gpus"] = cards
     report["p2p"] = p2p_matrix(len(cards)) if len(cards) > 1 else None
     report["topology"] = topology() if cards else {"available": False, "reason": "no GPUs"}
@@ -249,6 +318,7 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
     if report["p2p"] and any(ok is False for row in report["p2p"] for ok in row):
         advice.append("Some GPU pairs have no peer-to-peer access (typical of consumer cards): if training hangs "
                       "at start-up, set NCCL_P2P_DISABLE=1.")
+    _unequal_gpu_findings(cards, speeds, advice)
     if cards:
         all_bf16 = all(c["bf16"] for c in cards)
         advice.append("Precision: bf16 (all GPUs support it)." if all_bf16 else
@@ -271,6 +341,7 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
                 advice.append("No GPU to compare the memory estimate against (use --assume-free-gib to plan).")
             else:
                 _memory_findings(est, cfg, free, problems, advice)
+            report["per_gpu"] = _per_gpu_batches(cfg, cards, assume_free_gib, problems)
     report["problems"] = problems
     report["recommendations"] = advice
     return report
@@ -295,7 +366,8 @@ def format_report(report: dict) -> str:
         out.append("No CUDA GPUs found: training can only run on the CPU (gloo), e.g. for testing.")
     for c in cards:
         out.append(f"GPU {c['index']}: {c['name']}, {c['free_gib']:.1f} of {c['total_gib']:.1f} GiB free, "
-                   f"compute capability {c['compute_capability']}, bf16 {_yes_no(c['bf16'])}")
+                   f"compute capability {c['compute_capability']}, bf16 {_yes_no(c['bf16'])}"
+                   + (f", {c['tflops']:.0f} TFLOP/s (matrix multiply)" if "tflops" in c else ""))
     if report["p2p"]:
         out.append("Peer-to-peer access (row reads column):")
         for i, row in enumerate(report["p2p"]):
@@ -329,6 +401,9 @@ def format_report(report: dict) -> str:
                     "activations", "runtime_overhead", "total"):
             out.append(f"  {key.replace('_', ' '):<17}{m[key]:8.2f} GiB")
         out.append(f"  ({m['note']})")
+    for row in report.get("per_gpu") or []:
+        free = f"{row['free_gib']:.1f} GiB free" if row["free_gib"] is not None else "free memory unknown"
+        out.append(f"  GPU {row['rank']}: batch {row['batch']}, about {row['estimate_gib']:.1f} GiB ({free})")
     out.append("")
     out += [f"Recommendation: {a}" for a in report["recommendations"]]
     out += [f"PROBLEM: {p}" for p in report["problems"]]

@@ -106,6 +106,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` on every rank (list indexed by rank)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def gather_objects(obj: Any) -> list[Any] | None:
     """Every rank's `obj` on rank 0 (list indexed by rank); None on the other ranks."""
     if not is_distributed():

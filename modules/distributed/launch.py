@@ -28,6 +28,7 @@ from modules.distributed.process_group import (
 )
 from modules.trainer.commands import write_command
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
+from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
@@ -312,6 +313,10 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
     """Start a multi-process run as configured; returns the exit code."""
     plan = plan_launch(cfg)
+    try:
+        parse_split(cfg.multi_gpu.batch_split, plan.world_size, cfg.training.batch_size)
+    except ValueError as reason:
+        raise LaunchError(f"multi_gpu.batch_split: {reason}.") from None
     if check_data:
         check_data_fits(cfg, plan.world_size)
     log.info("Tandem multi-GPU: %s", plan.describe())

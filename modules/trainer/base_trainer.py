@@ -31,6 +31,7 @@ from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
 from modules.util.atomic import unique_path
+from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
 from modules.util.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("tandem")
@@ -58,6 +59,10 @@ class BaseTrainer(ABC):
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
         self.first_step_done = False
+        self.split: list[int] = []
+        """Samples of each global micro-batch per rank (`multi_gpu.batch_split`), decided at start."""
+        self.batch_part: BatchSlice | None = None
+        """This rank's place in the global micro-batch."""
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -88,6 +93,8 @@ class BaseTrainer(ABC):
             self.fill_cache()
             self.offload_cached_encoders()
         with phase("wrap"):
+            self.split = self.decide_split()
+            self.batch_part = BatchSlice.of(self.split, du.rank())
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
             self.model = self.wrap_model(self.training_model())
@@ -300,9 +307,45 @@ class BaseTrainer(ABC):
     def create_loader(self):
         from modules.data import BucketBatchSampler, make_dataloader
         sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
-                                     world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed)
+                                     world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed,
+                                     split=self.split)
         loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
         return sampler, loader
+
+    def decide_split(self) -> list[int]:
+        """How many samples of each global micro-batch each rank trains (`multi_gpu.batch_split`)."""
+        world, batch = du.world_size(), self.cfg.training.batch_size
+        choice = parse_split(self.cfg.multi_gpu.batch_split, world, batch)
+        if choice is None or world == 1:
+            return equal_split(batch, world)
+        if choice != "auto":
+            log.info("Batch split: %s.", describe_split(choice, self.device_names()))
+            return choice
+        from modules.trainer.split_probe import measure_capacity
+        mine = measure_capacity(self, TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective))
+        everyone = du.all_gather_objects(mine)
+        try:
+            split = choose_split(batch * world, everyone)
+        except SplitDoesNotFit as e:
+            raise RuntimeError(f"multi_gpu.batch_split auto: {e}. Lower training.batch_size (and raise "
+                               "training.gradient_accumulation_steps to keep the global batch), or turn on "
+                               "training.gradient_checkpointing.") from None
+        names = self.device_names()
+        details = "; ".join(f"{name}: {1000 * c.seconds_per_sample:.1f} ms/sample, room for "
+                            f"{c.most_samples() if c.most_samples() is not None else 'any number of'} samples"
+                            for name, c in zip(names, everyone))
+        log.info("Batch split (auto, measured): %s (%s).", describe_split(split, names), details)
+        slowest, fastest = max(c.seconds_per_sample for c in everyone), min(c.seconds_per_sample for c in everyone)
+        if slowest > 1.5 * fastest:
+            log.warning("One GPU is %.1fx slower than the fastest: the split gives it fewer samples, but every step "
+                        "still waits for it.", slowest / fastest)
+        return split
+
+    def device_names(self) -> list[str]:
+        """Each rank's device, for messages (`GPU 1`, `CPU process 0`)."""
+        index = self.device.index if self.device.type == "cuda" else du.rank()
+        kinds = du.all_gather_objects((self.device.type, index))
+        return [f"GPU {i}" if kind == "cuda" else f"CPU process {i}" for kind, i in kinds]
 
     def training_model(self) -> TrainingModel:
         model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective)
@@ -314,7 +357,7 @@ class BaseTrainer(ABC):
         return model
 
     def compute_numbers(self) -> RunNumbers:
-        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler))
+        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split)
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
         return model
@@ -380,10 +423,13 @@ class BaseTrainer(ABC):
         if self.cfg.training.compile:
             self.check_compiled_unet(micro_batches[0])
         total = torch.zeros((), device=self.device)
+        # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
+        # ranks is the mean over the global batch (1.0 with equal GPUs).
+        weight = self.batch_part.loss_weight(du.world_size()) / len(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self.gradient_sync(i == len(micro_batches) - 1):
                 loss = self.compute_loss(batch, micro=i)
-                self.scaler.scale(loss / len(micro_batches)).backward()
+                self.scaler.scale(loss * weight).backward()
             total += loss.detach()
         self.apply_gradients()
         return total / len(micro_batches)
@@ -428,8 +474,8 @@ class BaseTrainer(ABC):
         if text is not None:
             text = {k: v.to(dev, non_blocking=True) for k, v in text.items()}
         objective = self.objective  # the family's: noise and timesteps keyed by (seed, step, micro)
-        draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro, du.rank(),
-                              du.world_size(), dev, self.cfg.training.offset_noise)
+        draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro, self.batch_part,
+                              dev, self.cfg.training.offset_noise)
         noisy = objective.noisy(latents, draw)
         target = objective.target(latents, draw)
         with self.autocast():
@@ -457,7 +503,8 @@ class BaseTrainer(ABC):
 
     def after_step(self, loss: torch.Tensor) -> None:
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
-        self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands())
+        self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands(),
+                           weight=self.batch_part.loss_weight(du.world_size()))
         self.outputs.poll_backups()
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from modules.util.batch_slice import BatchSlice
+
 
 @dataclass
 class NoiseDraw:
@@ -19,24 +21,29 @@ class NoiseDraw:
     timesteps: torch.Tensor
 
 
+def _global_draw_shape(latent_shape: tuple[int, ...], part: BatchSlice) -> tuple[int, ...]:
+    if latent_shape[0] != part.size:
+        raise ValueError(f"latents for {latent_shape[0]} samples, but this rank's part of the batch is {part.size}")
+    return (part.total, *latent_shape[1:])
+
+
 def draw_noise(latent_shape: tuple[int, ...], num_timesteps: int, seed: int, step: int, micro: int,
-               rank: int, world_size: int, device: torch.device, offset_noise: float = 0.0) -> NoiseDraw:
-    """This rank's slice of the global batch's noise and timesteps (latent_shape is the local shape).
+               part: BatchSlice, device: torch.device, offset_noise: float = 0.0) -> NoiseDraw:
+    """This rank's part of the global batch's noise and timesteps (latent_shape is the local shape).
 
     Drawn on the training device: a CPU draw would cost every rank host time that grows with the
     number of GPUs, and its copy from pageable memory makes the CPU wait for the GPU. A generator of
     one device type gives the same numbers for the same key on any GPU, so N x B == 1 x NB holds on
     each device type (CPU and GPU draws differ from each other).
     """
-    local = latent_shape[0]
     gen = torch.Generator(device=device).manual_seed(hash((seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
-    global_shape = (local * world_size, *latent_shape[1:])
+    global_shape = _global_draw_shape(latent_shape, part)
     noise = torch.randn(global_shape, generator=gen, device=device)
     timesteps = torch.randint(0, num_timesteps, (global_shape[0],), generator=gen, device=device)
     if offset_noise > 0:
         noise = noise + offset_noise * torch.randn(global_shape[0], global_shape[1], 1, 1, generator=gen, device=device)
-    part = slice(rank * local, (rank + 1) * local)
-    return NoiseDraw(noise[part], timesteps[part])
+    mine = slice(part.offset, part.offset + part.size)
+    return NoiseDraw(noise[mine], timesteps[mine])
 
 
 def training_target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
@@ -66,23 +73,22 @@ def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, scheduler, timestep
 
 # ------------------------------------------------------------------ rectified flow (SD3, Flux)
 
-def draw_flow_noise(latent_shape: tuple[int, ...], seed: int, step: int, micro: int, rank: int, world_size: int,
+def draw_flow_noise(latent_shape: tuple[int, ...], seed: int, step: int, micro: int, part: BatchSlice,
                     device: torch.device, offset_noise: float = 0.0, logit_mean: float = 0.0,
                     logit_std: float = 1.0) -> NoiseDraw:
-    """This rank's slice of the global batch's noise and flow times t in (0, 1), before any shift.
+    """This rank's part of the global batch's noise and flow times t in (0, 1), before any shift.
 
     t is logit-normal (the sigmoid of a normal draw), as SD3 was trained and as kohya sd-scripts and
     SimpleTuner train Flux. Keyed and sliced like `draw_noise`, so N ranks x B == 1 rank x N*B.
     """
-    local = latent_shape[0]
     gen = torch.Generator(device=device).manual_seed(hash((seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
-    global_shape = (local * world_size, *latent_shape[1:])
+    global_shape = _global_draw_shape(latent_shape, part)
     noise = torch.randn(global_shape, generator=gen, device=device)
     t = torch.sigmoid(logit_mean + logit_std * torch.randn(global_shape[0], generator=gen, device=device))
     if offset_noise > 0:
         noise = noise + offset_noise * torch.randn(global_shape[0], global_shape[1], 1, 1, generator=gen, device=device)
-    part = slice(rank * local, (rank + 1) * local)
-    return NoiseDraw(noise[part], t[part])
+    mine = slice(part.offset, part.offset + part.size)
+    return NoiseDraw(noise[mine], t[mine])
 
 
 def flow_shift(scheduler_config, image_tokens: int) -> float:

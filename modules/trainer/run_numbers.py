@@ -20,6 +20,8 @@ class RunNumbers:
     base_lr: float
     lr_scaling: str
     lr: float
+    split: tuple[int, ...] = ()
+    """Samples each rank trains per micro-batch when they differ (`multi_gpu.batch_split`); empty when equal."""
 
     def lr_factor(self) -> float:
         return self.lr / self.base_lr
@@ -29,8 +31,10 @@ class RunNumbers:
 
     def describe(self) -> str:
         scale = "" if self.lr_scaling == "none" else f" ({self.lr_scaling} scaling x{self.lr_factor():.3g})"
-        return (f"world size {self.world_size} | per-GPU batch {self.per_gpu_batch} x accumulation "
-                f"{self.accumulation} x {self.world_size} = global batch {self.global_batch} | "
+        per_gpu = (f"per-GPU batch {' + '.join(map(str, self.split))} x accumulation {self.accumulation}"
+                   if self.split else
+                   f"per-GPU batch {self.per_gpu_batch} x accumulation {self.accumulation} x {self.world_size}")
+        return (f"world size {self.world_size} | {per_gpu} = global batch {self.global_batch} | "
                 f"{self.steps_per_epoch} steps/epoch x {self.epochs} epochs = {self.total_steps} steps | "
                 f"LR {self.base_lr:g} -> {self.lr:g}{scale}")
 
@@ -49,8 +53,10 @@ def lr_scale_factor(mode: str, world_size: int) -> float:
     raise ValueError(f"multi_gpu.lr_scaling: unknown mode {mode!r}; use none, linear or sqrt")
 
 
-def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int) -> RunNumbers:
-    """`micro_batches_per_epoch` counts global micro-batches (each = per-GPU batch x world size)."""
+def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int,
+                       split: list[int] | None = None) -> RunNumbers:
+    """`micro_batches_per_epoch` counts global micro-batches (each = per-GPU batch x world size); `split`:
+    the per-rank sizes when they differ (their sum is still per-GPU batch x world size)."""
     t = cfg.training
     accumulation = t.gradient_accumulation_steps
     steps_per_epoch = micro_batches_per_epoch // accumulation
@@ -70,4 +76,5 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
                       global_batch=t.batch_size * accumulation * world_size,
                       micro_batches_per_epoch=micro_batches_per_epoch, steps_per_epoch=steps_per_epoch,
                       epochs=epochs, total_steps=total, base_lr=t.learning_rate, lr_scaling=scaling,
-                      lr=t.learning_rate * lr_scale_factor(scaling, world_size))
+                      lr=t.learning_rate * lr_scale_factor(scaling, world_size),
+                      split=tuple(split) if split and len(set(split)) > 1 else ())

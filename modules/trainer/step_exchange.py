@@ -38,7 +38,10 @@ class StepExchange:
         self._pending: tuple[int, int, float, torch.Tensor, torch.cuda.Event | None] | None = None
         self._last_send: float | None = None
 
-    def send(self, step: int, epoch: int, loss: torch.Tensor, lr: float, commands: set[str]) -> None:
+    def send(self, step: int, epoch: int, loss: torch.Tensor, lr: float, commands: set[str],
+             weight: float = 1.0) -> None:
+        """`weight`: this rank's share of the global batch times the world size (1 with equal GPUs), so that
+        the reported mean is the mean over the global batch; the per-rank slot keeps the rank's own loss."""
         if self._pending is not None:
             raise RuntimeError("StepExchange.send called twice without receive: a step's report would be lost")
         now = time.perf_counter()
@@ -54,7 +57,7 @@ class StepExchange:
         rank_losses = torch.zeros(world, device=loss.device)
         rank_losses[rank] = loss[0]  # assigned, not multiplied by a one-hot: a NaN stays in its own slot
         values = torch.cat([host.to(loss.device, non_blocking=True), rank_losses])
-        values[0] = loss[0]
+        values[0] = loss[0] * weight
         values = du.all_reduce_sum_tensor(values)
         event = None
         if values.is_cuda:

@@ -70,6 +70,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
         form.row += 1
         self.lr_scaling = form.field("multi_gpu.lr_scaling", "Scale learning rate")
+        self.batch_split = form.field("multi_gpu.batch_split", "Batch per GPU (equal, auto, 6,2)", width=120)
         self.port = form.field("multi_gpu.master_port", "Port (0: free port)", width=100)
 
         self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))

@@ -28,6 +28,7 @@ from modules.config.model_families import FAMILIES, FamilyInfo
 if TYPE_CHECKING:  # pragma: no cover
     from modules.config.train_config import ModelConfig, TrainingConfig
     from modules.model.bundle import ModelBundle
+    from modules.util.batch_slice import BatchSlice
 
 
 class Objective(ABC):
@@ -35,10 +36,10 @@ class Objective(ABC):
     loss, and the denoiser's forward. Built once per run (`ModelFamily.objective`)."""
 
     @abstractmethod
-    def draw(self, latent_shape: tuple[int, ...], seed: int, step: int, micro: int, rank: int,
-             world_size: int, device: torch.device, offset_noise: float = 0.0):
-        """This rank's slice of the noise and timesteps drawn for the whole global batch, keyed by
-        (seed, step, micro), so N ranks x B compute what 1 rank x N*B does."""
+    def draw(self, latent_shape: tuple[int, ...], seed: int, step: int, micro: int, part: "BatchSlice",
+             device: torch.device, offset_noise: float = 0.0):
+        """This rank's part (`modules/util/batch_slice.py`) of the noise and timesteps drawn for the whole
+        global batch, keyed by (seed, step, micro), so N ranks x B compute what 1 rank x N*B does."""
 
     @abstractmethod
     def noisy(self, latents: torch.Tensor, draw) -> torch.Tensor:

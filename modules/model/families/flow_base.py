@@ -47,8 +47,8 @@ class FlowMatching(Objective):
         """Tokens the transformer sees for latents of this shape (2x2 latent pixels per token)."""
         return latent_shape[-2] * latent_shape[-1] // 4
 
-    def draw(self, latent_shape, seed, step, micro, rank, world_size, device, offset_noise=0.0) -> NoiseDraw:
-        draw = draw_flow_noise(latent_shape, seed, step, micro, rank, world_size, device, offset_noise,
+    def draw(self, latent_shape, seed, step, micro, part, device, offset_noise=0.0) -> NoiseDraw:
+        draw = draw_flow_noise(latent_shape, seed, step, micro, part, device, offset_noise,
                                self.logit_mean, self.logit_std)
         shift = flow_shift(self.scheduler_config, self.image_tokens(latent_shape))
         return NoiseDraw(draw.noise, shift_times(draw.timesteps, shift))

@@ -38,9 +38,9 @@ class NoisePrediction(Objective):
         self.min_snr_gamma = min_snr_gamma
         self.added_cond = added_cond
 
-    def draw(self, latent_shape, seed, step, micro, rank, world_size, device, offset_noise=0.0) -> NoiseDraw:
-        return draw_noise(latent_shape, self.scheduler.config.num_train_timesteps, seed, step, micro, rank,
-                          world_size, device, offset_noise)
+    def draw(self, latent_shape, seed, step, micro, part, device, offset_noise=0.0) -> NoiseDraw:
+        return draw_noise(latent_shape, self.scheduler.config.num_train_timesteps, seed, step, micro, part,
+                          device, offset_noise)
 
     def noisy(self, latents, draw):
         return self.scheduler.add_noise(latents, draw.noise, draw.timesteps)

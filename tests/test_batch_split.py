@@ -1,0 +1,129 @@
+"""Unequal GPUs (multi_gpu.batch_split): uneven parts of one global batch train what one process trains."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules.config import ConfigError
+from modules.data import BucketBatchSampler
+from modules.trainer.objective import draw_noise
+from modules.util.batch_slice import (BatchSlice, RankCapacity, SplitDoesNotFit, choose_split, describe_split,
+                                      parse_split)
+from tests.trainer_helpers import demo_config, latest_backup_weights, run_script, overrides_for
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def test_parts_and_weights():
+    parts = [BatchSlice.of([3, 1], r) for r in range(2)]
+    assert parts == [BatchSlice(0, 3, 4), BatchSlice(3, 1, 4)]
+    # DDP averages over 2 ranks: 3/4 and 1/4 of the gradient after weighting by share x world.
+    assert [p.loss_weight(2) for p in parts] == [1.5, 0.5]
+    assert BatchSlice.of([2, 2], 1).loss_weight(2) == 1.0
+    assert describe_split([6, 2]) == "global batch 8 = 6 on GPU 0 + 2 on GPU 1"
+
+
+def test_parse_split_names_what_is_wrong():
+    assert parse_split("equal", 2, 4) is None and parse_split("auto", 2, 4) == "auto"
+    assert parse_split(" 6, 2 ", 2, 4) == [6, 2]
+    for text, reason in (("6,1", "adds up to 7"), ("8", "1 batch size"), ("8,0", "at least 1"), ("big", "not equal, auto")):
+        with pytest.raises(ValueError, match=reason):
+            parse_split(text, 2, 4)
+
+
+def test_config_validation_of_batch_split():
+    with pytest.raises(ConfigError, match=r"multi_gpu.batch_split: '6,1' adds up to 7.*global batch is training.batch_size 4"):
+        demo_config(Path("/tmp/x"), Path("/tmp/y"), "training.batch_size=4", "multi_gpu.batch_split=6,1")
+    demo_config(Path("/tmp/x"), Path("/tmp/y"), "training.batch_size=4", "multi_gpu.batch_split=6,2")
+
+
+def test_choose_split_follows_speed_and_memory():
+    fast, slow = RankCapacity(float("inf"), 1, 1.0), RankCapacity(float("inf"), 1, 3.0)
+    assert choose_split(8, [fast, slow]) == [6, 2]  # the slow GPU gets a third of the fast one's share
+    assert choose_split(8, [fast, fast]) == [4, 4]
+    small = RankCapacity(free_bytes=2.5, bytes_per_sample=1, seconds_per_sample=1.0)
+    assert choose_split(8, [fast, small]) == [6, 2]  # room for 2 only
+    with pytest.raises(SplitDoesNotFit, match="GPU 0: 2, GPU 1: 2"):
+        choose_split(8, [small, small])
+    with pytest.raises(SplitDoesNotFit, match="no memory left"):
+        choose_split(8, [fast, RankCapacity(0.5, 1, 1.0)])
+
+
+def test_uneven_sampler_parts_make_the_global_batches():
+    buckets = [0] * 24
+    whole = list(BucketBatchSampler(buckets, 4, world_size=1, rank=0, seed=3))
+    parts = [list(BucketBatchSampler(buckets, 2, world_size=2, rank=r, seed=3, split=[3, 1])) for r in range(2)]
+    assert [a + b for a, b in zip(*parts)] == whole
+    assert {len(b) for b in parts[0]} == {3} and {len(b) for b in parts[1]} == {1}
+
+
+def test_uneven_parts_draw_the_noise_of_the_whole_batch():
+    whole = draw_noise((4, 4, 8, 8), 1000, 3, 5, 1, BatchSlice(0, 4, 4), torch.device("cpu"), offset_noise=0.1)
+    a = draw_noise((3, 4, 8, 8), 1000, 3, 5, 1, BatchSlice(0, 3, 4), torch.device("cpu"), offset_noise=0.1)
+    b = draw_noise((1, 4, 8, 8), 1000, 3, 5, 1, BatchSlice(3, 1, 4), torch.device("cpu"), offset_noise=0.1)
+    assert torch.equal(torch.cat([a.noise, b.noise]), whole.noise)
+    assert torch.equal(torch.cat([a.timesteps, b.timesteps]), whole.timesteps)
+
+
+# ------------------------------------------------------------------ real runs, 2 CPU processes over gloo
+
+EXACT = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05")
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in a)
+    den = sum((b[k].double() ** 2).sum() for k in b)
+    return float((num / den).sqrt())
+
+
+def single(workspace, cache, *overrides, resume=None):
+    from modules.trainer.generic_trainer import GenericTrainer
+    GenericTrainer(demo_config(workspace, cache, *overrides), resume=resume).run()
+
+
+def two(workspace, cache, split, *overrides, resume=None):
+    from modules.distributed.launch import launch
+    cfg = demo_config(workspace, cache, *overrides, "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
+                      "multi_gpu.launcher=spawn", "training.batch_size=2", f"multi_gpu.batch_split={split}")
+    assert launch(cfg, resume=resume) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_ranks_with_3_and_1_train_what_one_process_with_4_trains(tmp_path, cache_dir, accumulation):
+    common = ("training.max_steps=3", "save.backup_every_n_steps=3",
+              f"training.gradient_accumulation_steps={accumulation}", *EXACT)
+    single(tmp_path / "one", cache_dir, *common, "training.batch_size=4")
+    two(tmp_path / "two", cache_dir, "3,1", *common)
+    one, uneven = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
+    assert rel_l2(uneven, one) <= 1e-6
+    assert any(v.abs().max() > 0 for k, v in one.items() if "lora_B" in k)  # the comparison is not of zeros
+
+
+@pytest.mark.slow
+def test_resume_with_another_split_continues_exactly(tmp_path, cache_dir):
+    common = ("training.max_steps=4", "save.backup_every_n_steps=2", *EXACT)
+    single(tmp_path / "ref", cache_dir, *common, "training.batch_size=4")
+    two(tmp_path / "run", cache_dir, "3,1", *common, "training.max_steps=2")
+    two(tmp_path / "run", cache_dir, "1,3", *common, resume="latest")
+    assert rel_l2(latest_backup_weights(tmp_path / "run"), latest_backup_weights(tmp_path / "ref")) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("room,expected", [("3,1", [3, 1]), ("8,8", [2, 2])])
+def test_auto_split_fits_each_ranks_room(tmp_path, cache_dir, room, expected):
+    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
+                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=2",
+                                       "multi_gpu.batch_split=auto"),
+                        env_extra={"TANDEM_SIMULATE_SAMPLE_ROOM": room})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = re.search(r"Batch split \(auto, measured\): (global batch .*?) \(", result.stdout)
+    assert found and found.group(1) == describe_split(expected, ["CPU process 0", "CPU process 1"]), result.stdout[-3000:]
+    if expected != [2, 2]:
+        assert "per-GPU batch 3 + 1 x accumulation 1 = global batch 4" in result.stdout
