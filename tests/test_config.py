@@ -343,6 +343,39 @@ def test_load_config_validates(tmp_path):
     assert read_config(path).training.batch_size == 0  # reading alone does not validate
 
 
+@pytest.mark.parametrize("name", ["../../../x", "..", ".", "sub/model", "C:\\Users\\x\\model", "a\\..\\b"])
+def test_output_name_must_be_a_plain_name(name):
+    """save.output_name is joined to the output folder: a path in it would write outside that folder."""
+    cfg = valid_config()
+    cfg.save.output_name = name
+    (problem,) = validate(cfg)
+    assert problem.startswith(f"save.output_name: {name!r} is not a plain file name")
+    assert "save.output_dir" in problem  # the fix: choose the folder there
+
+
+def test_output_name_may_contain_dots():
+    cfg = valid_config()
+    cfg.save.output_name = "my..model.v2"
+    assert validate(cfg) == []
+
+
+@pytest.mark.parametrize("override,field", [
+    ("multi_gpu.timeout_minutes=Infinity", "multi_gpu.timeout_minutes"),
+    ("multi_gpu.timeout_minutes=NaN", "multi_gpu.timeout_minutes"),
+    ("training.learning_rate=-Infinity", "training.learning_rate"),
+    ("training.ema_decay=NaN", "training.ema_decay"),
+    ("optimizer.beta2=Infinity", "optimizer.beta2"),
+    ("sampling.guidance_scale=NaN", "sampling.guidance_scale"),
+    ("data.caption_dropout=NaN", "data.caption_dropout"),
+])
+def test_non_finite_numbers_are_refused_once_with_the_default_as_fix(override, field):
+    """JSON and overrides accept NaN and Infinity, which slipped past the range checks into the workers."""
+    with pytest.raises(ConfigError) as err:
+        load_config("#demo", [override])
+    (problem,) = err.value.problems
+    assert problem.startswith(f"{field}: ") and "finite value" in problem and "(the default)" in problem
+
+
 # --- overrides --------------------------------------------------------------------------------
 
 def test_overrides_parse_json_and_set_nested_fields():

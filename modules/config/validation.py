@@ -9,8 +9,10 @@ belong to the distributed layer, which knows the world size; they are not done h
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import math
 from pathlib import Path
 
 from .model_families import FAMILIES, MODEL_TYPES, field_applies, family_of_builtin
@@ -86,6 +88,10 @@ ABOVE: dict[tuple[str, str], float] = {
 }
 
 
+OUTPUT_NAME_FORBIDDEN = ("/", "\\", "\0")
+"""Characters that would make save.output_name a path instead of a name (on any OS: configs travel)."""
+
+
 def _one_of(path: str, value: str, choices: tuple[str, ...]) -> list[str]:
     if value in choices:
         return []
@@ -94,15 +100,26 @@ def _one_of(path: str, value: str, choices: tuple[str, ...]) -> list[str]:
     return [f"{path}: {value!r} is not a valid choice; set it to one of {', '.join(choices)}{hint}."]
 
 
+def _not_a_number(value) -> bool:
+    """NaN and infinities are reported once, by `_finite_checks`, not again by each range check."""
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _at_least(path: str, value, minimum) -> list[str]:
+    if _not_a_number(value):
+        return []
     return [] if value >= minimum else [f"{path}: {value!r} is not allowed; set it to {minimum} or more."]
 
 
 def _above(path: str, value, bound) -> list[str]:
+    if _not_a_number(value):
+        return []
     return [] if value > bound else [f"{path}: {value!r} is not allowed; set it to a value above {bound:g}."]
 
 
 def _between(path: str, value, low, high, *, open_ends: bool = False) -> list[str]:
+    if _not_a_number(value):
+        return []
     if open_ends:
         if low < value < high:
             return []
@@ -151,6 +168,32 @@ def _value_checks(cfg: TrainConfig) -> list[str]:
     for (section, name), bound in ABOVE.items():
         problems += _above(f"{section}.{name}", getattr(getattr(cfg, section), name), bound)
     return problems
+
+
+def _finite_checks(node, path: str = "") -> list[str]:
+    """Every float field must be a real number: JSON and overrides accept NaN and Infinity, which pass
+    the range checks (`inf > 0`, and a NaN compares as neither) and then fail deep inside training."""
+    problems = []
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            problems += _finite_checks(getattr(node, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            problems += _finite_checks(item, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        default = _default_of(path)
+        hint = f" such as {default:g} (the default)" if default is not None else ""
+        problems.append(f"{path}: {node!r} is not a usable number; set a finite value{hint}.")
+    return problems
+
+
+def _default_of(path: str) -> float | None:
+    node = TrainConfig()
+    for part in path.split("."):
+        if "[" in part or not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node if isinstance(node, float) and math.isfinite(node) else None
 
 
 def _training_checks(cfg: TrainConfig) -> list[str]:
@@ -205,8 +248,13 @@ def _output_checks(cfg: TrainConfig) -> list[str]:
     problems = []
     if not cfg.general.workspace_dir.strip():
         problems.append("general.workspace_dir: empty; set a run folder such as 'workspace/run'.")
-    if not cfg.save.output_name.strip():
+    name = cfg.save.output_name
+    if not name.strip():
         problems.append("save.output_name: empty; set a file name such as 'tandem'.")
+    elif any(sep in name for sep in OUTPUT_NAME_FORBIDDEN) or name.strip() in (".", ".."):
+        # The name is joined to save.output_dir: a separator or '..' would write somewhere else.
+        problems.append(f"save.output_name: {name!r} is not a plain file name (no '/', '\\' or '..'); "
+                        "set a name such as 'tandem' and choose the folder with save.output_dir.")
     for i, prompt in enumerate(cfg.sampling.prompts):
         for name in ("width", "height"):
             value = getattr(prompt, name)
@@ -358,8 +406,9 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> list[str]:
     folders): presets name models the user has yet to download, and the GUI validates while the
     user is still typing a path.
     """
-    return (_value_checks(cfg) + _model_checks(cfg, check_paths) + _data_checks(cfg, check_paths)
-            + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg) + _family_checks(cfg))
+    return (_value_checks(cfg) + _finite_checks(cfg) + _model_checks(cfg, check_paths)
+            + _data_checks(cfg, check_paths) + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg)
+            + _family_checks(cfg))
 
 
 def check(cfg: TrainConfig, source: str | None = None, check_paths: bool = True) -> TrainConfig:
