@@ -13,11 +13,23 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 
-def _default_file_mode() -> int:
-    # mkstemp creates 0600 files; outputs should get the permissions any new file gets here.
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _default_file_mode() -> int:
+    # mkstemp creates 0600 files; outputs should get the permissions any new file gets here.
+    return 0o666 & ~_umask()
+
+
+def _make_temporary_folder(**kwargs) -> Path:
+    """mkdtemp's folder with the permissions any new folder gets here (mkdtemp makes it 0700 whatever
+    the umask, and the rename keeps that: models and backups would be closed to the user's group)."""
+    folder = Path(tempfile.mkdtemp(**kwargs))
+    os.chmod(folder, 0o777 & ~_umask())
+    return folder
 
 
 @contextlib.contextmanager
@@ -52,6 +64,17 @@ def save_safetensors_atomically(tensors: dict, target: str | os.PathLike, metada
     return Path(target)
 
 
+def _follow_umask(root: Path) -> None:
+    """Give everything under `root` the umask's permissions: safetensors (0.8) writes its files 0600
+    whatever the umask, which would close the model and backup files to the user's group."""
+    file_mode, folder_mode = _default_file_mode(), 0o777 & ~_umask()
+    for folder, subfolders, files in os.walk(root):
+        for name in subfolders:
+            os.chmod(os.path.join(folder, name), folder_mode)
+        for name in files:
+            os.chmod(os.path.join(folder, name), file_mode)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """Yields an empty temporary folder beside `target`; on success it becomes `target`.
@@ -64,9 +87,10 @@ def atomic_directory(target: str | os.PathLike, replace: bool = False) -> Iterat
     if target.exists() and not replace:
         raise FileExistsError(f"{target} already exists; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = _make_temporary_folder(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         yield tmp
+        _follow_umask(tmp)
         old = None
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
@@ -92,7 +116,7 @@ def build_folder_once(target: str | os.PathLike, build: Callable[[Path], None],
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    built = Path(tempfile.mkdtemp(prefix=f".{target.name}-building-", dir=target.parent))
+    built = _make_temporary_folder(prefix=f".{target.name}-building-", dir=target.parent)
     try:
         build(built)
         if target.exists() and not is_complete(target):
