@@ -79,7 +79,11 @@ def train_main(argv: list[str] | None = None) -> int:
     if cfg.multi_gpu.enabled:
         log.info("Note: multi_gpu.enabled is set, but scripts/train.py trains in one process. "
                  "Use scripts/train_multi_gpu.py or start-multi-gpu.sh for several GPUs.")
-    return run_single(cfg, args.resume)
+    from modules.data import EmptyDatasetError
+    try:
+        return run_single(cfg, args.resume)
+    except EmptyDatasetError as e:  # its message says what to change; a traceback would bury it
+        return _fail(str(e))
 
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:

@@ -114,12 +114,52 @@ def test_corrupt_image_skipped_with_one_warning_naming_it(folder, caplog):
     (folder / "broken.png").write_bytes(b"not an image at all")
     good = (folder / "red_square.png").read_bytes()
     (folder / "truncated.png").write_bytes(good[: len(good) // 2])
+    (folder / "empty.jpg").write_bytes(b"")
     with caplog.at_level(logging.WARNING):
         dataset = build_dataset(data_cfg(folder), folder / "cache", seed=0)
     assert len(dataset) == 5
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
-    assert sum("broken.png" in w for w in warnings) == 1 and sum("truncated.png" in w for w in warnings) == 1
+    per_file = [w for w in warnings if w.startswith("Skipping unreadable image")]
+    assert len(per_file) == 3
+    assert sum("broken.png" in w for w in per_file) == 1 and sum("truncated.png" in w for w in per_file) == 1
+    # The reason, not PIL's name of the in-memory buffer it was handed.
+    assert not any("BytesIO" in w for w in warnings)
+    assert any("broken.png" in w and "not an image format" in w for w in per_file)
+    assert any("truncated.png" in w and "damaged or cut short" in w for w in per_file)
+    assert any("empty.jpg" in w and "empty" in w.split(":")[-1] for w in per_file)
+    # Then one count, last.
+    assert warnings[-1] == f"Skipped 3 unreadable image(s) of 8 in {folder} (each named above)."
+    assert len(warnings) == 4
+
+
+def test_only_unreadable_images_is_an_empty_dataset_that_says_so(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "a.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(EmptyDatasetError, match=r"the 1 image file\(s\) there are unreadable"):
+        build_dataset(data_cfg(broken), tmp_path / "cache", seed=0)
+
+
+@pytest.mark.parametrize("data,encoding,caption", [
+    ("caf\u00e9 cr\u00e8me, \u201cquoted\u201d".encode("cp1252"), "cp1252", "caf\u00e9 cr\u00e8me, \u201cquoted\u201d"),
+    (b"a \x81 byte cp1252 lacks", "latin-1", "a \x81 byte cp1252 lacks"),
+])
+def test_caption_that_is_not_utf8_is_read_with_a_fallback_and_one_warning(tmp_path, caplog, data, encoding, caption):
+    """A non-UTF-8 caption file aborted the launch with a bare UnicodeDecodeError naming no file."""
+    write_image(tmp_path / "pic.png")
+    (tmp_path / "pic.txt").write_bytes(data)
+    with caplog.at_level(logging.WARNING):
+        assert read_caption(tmp_path / "pic.png") == caption
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(tmp_path / "pic.txt") in warning and f"read it as {encoding}" in warning and "\n" not in warning
+
+
+def test_utf8_caption_with_byte_order_mark(tmp_path, caplog):
+    write_image(tmp_path / "pic.png")
+    (tmp_path / "pic.txt").write_bytes("\ufeffa red square\n".encode("utf-8"))
+    with caplog.at_level(logging.WARNING):
+        assert read_caption(tmp_path / "pic.png") == "a red square"
+    assert not caplog.records
 
 
 def test_empty_dataset_error_names_the_folders(tmp_path):

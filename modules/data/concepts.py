@@ -2,6 +2,8 @@
 
 The scan needs no model: it reads every image once (hash + PIL `verify()`), so a broken file is
 reported and skipped here, and an empty dataset fails here, before anything slow is loaded.
+Warnings go to the `modules.data` logger; `launch.setup_logging` keeps them to the one process that
+reports for the run (every rank scans the same files).
 """
 from __future__ import annotations
 
@@ -49,14 +51,35 @@ class ScanResult:
     """Per dataset item (repeats expanded), the index into `images`."""
 
 
+CAPTION_FALLBACK_ENCODINGS = ("cp1252", "latin-1")
+"""Tried in order when a caption file is not UTF-8: Windows' Western code page (what Notepad and many
+older taggers wrote), then latin-1, which decodes any bytes, so a caption never stops a run."""
+
+
 def read_caption(image_path: Path, caption_extension: str = ".txt") -> str:
     """The caption file beside the image, else the file name with underscores as spaces."""
     if caption_extension:
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
         caption_path = image_path.with_suffix(ext)
         if caption_path.is_file():
-            return caption_path.read_text(encoding="utf-8").strip()
+            return decode_caption(caption_path.read_bytes(), caption_path).strip()
     return image_path.stem.replace("_", " ").strip()
+
+
+def decode_caption(data: bytes, path: Path) -> str:
+    """UTF-8 (a byte-order mark is dropped); else the first fallback encoding that decodes it, with a warning."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        for encoding in CAPTION_FALLBACK_ENCODINGS:
+            try:
+                text = data.decode(encoding)
+            except UnicodeDecodeError:
+                continue
+            log.warning("Caption %s is not UTF-8 (byte 0x%02x at position %d); read it as %s. Save it as UTF-8 "
+                        "if some characters look wrong.", path, data[err.start], err.start, encoding)
+            return text
+        raise  # unreachable: latin-1 decodes any bytes
 
 
 def process_caption(caption: str, rng: random.Random, dropout: float = 0.0,
@@ -87,7 +110,7 @@ def _image_files(folder: Path, recursive: bool) -> list[Path]:
 
 
 def _read_image(path: Path) -> tuple[int, int, str] | None:
-    """(width, height, sha256) of a readable image, else None after one warning naming it."""
+    """(width, height, sha256) of a readable image, else None after one warning naming it and why."""
     try:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as img:
@@ -98,13 +121,32 @@ def _read_image(path: Path) -> tuple[int, int, str] | None:
             width, height = img.size
             img.load()
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
-        log.warning("Skipping unreadable image %s: %s", path, err)
+        log.warning("Skipping unreadable image %s: %s", path, _unreadable_reason(err, path))
         return None
     return width, height, hashlib.sha256(data).hexdigest()
 
 
+def _unreadable_reason(err: Exception, path: Path) -> str:
+    # PIL names the in-memory buffer it was given ("cannot identify image file <_io.BytesIO ...>"),
+    # which tells the user nothing; say what is wrong with the file instead.
+    if isinstance(err, UnidentifiedImageError):
+        size = path.stat().st_size if path.exists() else 0
+        return "the file is empty" if size == 0 else "not an image format PIL can read (damaged, or not an image)"
+    if isinstance(err, PermissionError):
+        return "no permission to read it"
+    text = str(err).strip() or type(err).__name__
+    if isinstance(err, SyntaxError) or "truncated" in text.lower():
+        return f"damaged or cut short ({text})"
+    return text
+
+
 def scan_concept(concept: ConceptConfig) -> list[ImageRecord]:
     """Every usable image of one concept (repeats not applied)."""
+    return _scan_concept(concept)[0]
+
+
+def _scan_concept(concept: ConceptConfig) -> tuple[list[ImageRecord], int]:
+    """(usable images, number of image files skipped as unreadable)."""
     folder = resolve_concept_path(concept.path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -112,32 +154,40 @@ def scan_concept(concept: ConceptConfig) -> list[ImageRecord]:
             "Fix data.concepts[].path or disable the concept.")
     name = concept.name or folder.name
     records = []
-    for path in _image_files(folder, concept.recursive):
+    files = _image_files(folder, concept.recursive)
+    for path in files:
         info = _read_image(path)
         if info is None:
             continue
         width, height, digest = info
         records.append(ImageRecord(path=path, caption=read_caption(path, concept.caption_extension),
                                    concept=name, width=width, height=height, content_hash=digest))
-    return records
+    skipped = len(files) - len(records)
+    if skipped:
+        log.warning("Skipped %d unreadable image(s) of %d in %s (each named above).", skipped, len(files), folder)
+    return records, skipped
 
 
 def scan_concepts(concepts: Sequence[ConceptConfig]) -> ScanResult:
     """Scan all enabled concepts; raise `EmptyDatasetError` if none holds a usable image."""
     images: list[ImageRecord] = []
     item_images: list[int] = []
+    skipped = 0
     enabled = [c for c in concepts if c.enabled]
     for concept in enabled:
         if concept.repeats < 1:
             raise ValueError(f"Concept {concept.path!r} has repeats={concept.repeats}; "
                              "use 1 or more, or set enabled=false to leave it out.")
-        for record in scan_concept(concept):
+        records, unreadable = _scan_concept(concept)
+        skipped += unreadable
+        for record in records:
             index = len(images)
             images.append(record)
             item_images.extend([index] * concept.repeats)
     if not images:
         folders = ", ".join(repr(c.path) for c in enabled) or "(no enabled concept)"
+        found = f" (the {skipped} image file(s) there are unreadable, see above)" if skipped else ""
         raise EmptyDatasetError(
-            f"No usable image found in the concept folders {folders}. Add .png/.jpg/.jpeg/.webp "
+            f"No usable image found in the concept folders {folders}{found}. Add .png/.jpg/.jpeg/.webp "
             "images there, fix data.concepts[].path, or enable a concept that has images.")
     return ScanResult(images=images, item_images=item_images)

@@ -35,6 +35,8 @@ from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARD_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
+SCAN_REPORTED = "TANDEM_SCAN_REPORTED"
+"""Set (to 1) for workers whose launcher has scanned the data and reported its warnings already."""
 
 
 class LaunchError(RuntimeError):
@@ -68,6 +70,10 @@ def setup_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
+    # Every process scans the same image folders: their warnings (unreadable images, caption encodings)
+    # come from the one that reports for the run - the launcher when there is one, else rank 0.
+    reports = rank == 0 and os.environ.get(SCAN_REPORTED) != "1"
+    logging.getLogger("modules.data.concepts").setLevel(logging.NOTSET if reports else logging.ERROR)
     quiet_libraries()
 
 
@@ -143,7 +149,12 @@ def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
     from modules.data import BucketBatchSampler, build_dataset
     from modules.trainer.run_numbers import derive_run_numbers
 
-    dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
+    from modules.data import EmptyDatasetError
+
+    try:
+        dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
+    except (EmptyDatasetError, FileNotFoundError) as e:
+        raise LaunchError(str(e)) from None
     try:
         sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=world_size, rank=0,
                                      seed=cfg.general.seed)
@@ -195,10 +206,11 @@ def _worker_env(plan: LaunchPlan) -> dict:
     # Each worker gets a share of the cores instead of all of them fighting over every core (and
     # torchrun's own default of 1 thread, which starves CPU workers).
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.world_size)))
+    env[SCAN_REPORTED] = "1"  # check_data_fits scanned the data here and warned about what it skipped
     return env
 
 
-_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS")
+_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", SCAN_REPORTED)
 
 
 @contextlib.contextmanager
