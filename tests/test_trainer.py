@@ -67,6 +67,37 @@ def test_derived_numbers_event(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_items_left_out_per_epoch_are_in_the_start_up_line(tmp_path, cache_dir):
+    """10 images at global batch 8: 2 are left out each epoch, and the start-up line says so."""
+    from PIL import Image
+
+    from tests.trainer_helpers import overrides_for, run_script
+    data = tmp_path / "ten"
+    data.mkdir()
+    for i in range(10):
+        Image.new("RGB", (64, 64), (25 * i, 40, 90)).save(data / f"{i}.png")
+    result = run_script("train.py", "--config-path", "#demo", *overrides_for(
+        tmp_path / "ws", cache_dir, f'data.concepts=[{{"path": "{data}"}}]', "training.max_steps=1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("Tandem: ")]
+    assert "global batch 8 | 1 steps/epoch" in line and "| 10 items/epoch, 2 left out per epoch |" in line
+    from modules.trainer.callbacks import parse_event_line
+    config = next(e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "config")
+    assert config["items_per_epoch"] == 10 and config["items_left_out"] == 2
+
+
+def test_items_left_out_count_bucket_remainders_and_short_accumulation():
+    from modules.trainer.run_numbers import derive_run_numbers
+    cfg = demo_config(Path("ws"), Path("cache"), "training.batch_size=4", "training.gradient_accumulation_steps=2")
+    # 3 global micro-batches of 8 fit the buckets, but only one step of 2: 1 micro-batch and the
+    # 30 - 24 bucket remainder are left out.
+    numbers = derive_run_numbers(cfg, world_size=2, micro_batches_per_epoch=3, items_per_epoch=30)
+    assert numbers.steps_per_epoch == 1 and numbers.items_left_out == 30 - 16
+    assert "30 items/epoch, 14 left out per epoch" in numbers.describe()
+    assert "left out" not in derive_run_numbers(cfg, 2, 3).describe()  # unknown without the item count
+
+
+@pytest.mark.slow
 def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
     """Stop after 5 steps (backup on stop), continue to 10: same weights as 10 steps in one go."""
     common = ("training.max_steps=10", "save.backup_on_stop=true", "training.lr_scheduler=cosine",

@@ -357,7 +357,8 @@ class BaseTrainer(ABC):
         return model
 
     def compute_numbers(self) -> RunNumbers:
-        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split)
+        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
+                                  items_per_epoch=len(self.dataset))
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
         return model

@@ -22,6 +22,11 @@ class RunNumbers:
     lr: float
     split: tuple[int, ...] = ()
     """Samples each rank trains per micro-batch when they differ (`multi_gpu.batch_split`); empty when equal."""
+    items_per_epoch: int | None = None
+    """Dataset items (images x repeats); None when the caller did not say."""
+    items_left_out: int | None = None
+    """Items no step of an epoch trains on (bucket remainders, and micro-batches short of a full
+    accumulation); other items each epoch, as the sampler reshuffles."""
 
     def lr_factor(self) -> float:
         return self.lr / self.base_lr
@@ -36,7 +41,12 @@ class RunNumbers:
                    f"per-GPU batch {self.per_gpu_batch} x accumulation {self.accumulation} x {self.world_size}")
         return (f"world size {self.world_size} | {per_gpu} = global batch {self.global_batch} | "
                 f"{self.steps_per_epoch} steps/epoch x {self.epochs} epochs = {self.total_steps} steps | "
-                f"LR {self.base_lr:g} -> {self.lr:g}{scale}")
+                f"{self._items()}LR {self.base_lr:g} -> {self.lr:g}{scale}")
+
+    def _items(self) -> str:
+        if self.items_per_epoch is None:
+            return ""
+        return f"{self.items_per_epoch} items/epoch, {self.items_left_out} left out per epoch | "
 
 
 DEFAULT_CPU_PROCESSES = 2
@@ -54,9 +64,10 @@ def lr_scale_factor(mode: str, world_size: int) -> float:
 
 
 def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int,
-                       split: list[int] | None = None) -> RunNumbers:
+                       split: list[int] | None = None, items_per_epoch: int | None = None) -> RunNumbers:
     """`micro_batches_per_epoch` counts global micro-batches (each = per-GPU batch x world size); `split`:
-    the per-rank sizes when they differ (their sum is still per-GPU batch x world size)."""
+    the per-rank sizes when they differ (their sum is still per-GPU batch x world size);
+    `items_per_epoch` (the dataset's length) adds how many items each epoch leaves out."""
     t = cfg.training
     accumulation = t.gradient_accumulation_steps
     steps_per_epoch = micro_batches_per_epoch // accumulation
@@ -72,9 +83,12 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
         epochs = t.epochs
         total = steps_per_epoch * epochs
     scaling = cfg.multi_gpu.lr_scaling
+    global_batch = t.batch_size * accumulation * world_size
+    left_out = None if items_per_epoch is None else items_per_epoch - steps_per_epoch * global_batch
     return RunNumbers(world_size=world_size, per_gpu_batch=t.batch_size, accumulation=accumulation,
-                      global_batch=t.batch_size * accumulation * world_size,
+                      global_batch=global_batch,
                       micro_batches_per_epoch=micro_batches_per_epoch, steps_per_epoch=steps_per_epoch,
                       epochs=epochs, total_steps=total, base_lr=t.learning_rate, lr_scaling=scaling,
                       lr=t.learning_rate * lr_scale_factor(scaling, world_size),
-                      split=tuple(split) if split and len(set(split)) > 1 else ())
+                      split=tuple(split) if split and len(set(split)) > 1 else (),
+                      items_per_epoch=items_per_epoch, items_left_out=left_out)

@@ -215,9 +215,11 @@ class RunView(ctk.CTkScrollableFrame):
             lr = f"LR {format_lr(info.get('base_lr', 0))}"
             if info.get("lr") != info.get("base_lr"):
                 lr += f" -> {format_lr(info.get('lr', 0))}"
+            left_out = info.get("items_left_out")
+            left_out = f" · {left_out} items left out per epoch" if left_out else ""
             self.run_info.configure(text=f"World size {info.get('world_size')} · global batch "
                                          f"{info.get('global_batch')} · {info.get('steps_per_epoch')} "
-                                         f"steps/epoch · {lr}")
+                                         f"steps/epoch{left_out} · {lr}")
         self.loss_plot.set_points(s.losses)
         if len(s.samples) > self._shown_samples:
             self._shown_samples = len(s.samples)
