@@ -27,6 +27,10 @@ def _load(args, extra_overrides: list[str]) -> TrainConfig:
 
 
 def _fail(message: str) -> int:
+    """One line for the user (no traceback: the message says what to change), and the `error` event
+    whose text the GUI shows as its headline."""
+    from modules.trainer.callbacks import default_callbacks
+    default_callbacks().on_event("error", text=message)
     print(f"error: {message}", file=sys.stderr)
     return 2
 
@@ -60,7 +64,7 @@ def train_main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override general.device")
     args = p.parse_args(argv)
-    from modules.distributed.launch import run_single, run_worker, setup_logging, under_torchrun
+    from modules.distributed.launch import run_worker, setup_logging, under_torchrun
 
     setup_logging()
     try:
@@ -79,10 +83,16 @@ def train_main(argv: list[str] | None = None) -> int:
     if cfg.multi_gpu.enabled:
         log.info("Note: multi_gpu.enabled is set, but scripts/train.py trains in one process. "
                  "Use scripts/train_multi_gpu.py or start-multi-gpu.sh for several GPUs.")
+    return _run_single(cfg, args.resume)
+
+
+def _run_single(cfg: TrainConfig, resume: str | None) -> int:
     from modules.data import EmptyDatasetError
+    from modules.distributed.launch import run_single
+    from modules.preflight import PreflightError
     try:
-        return run_single(cfg, args.resume)
-    except EmptyDatasetError as e:  # its message says what to change; a traceback would bury it
+        return run_single(cfg, resume)
+    except (PreflightError, EmptyDatasetError) as e:  # the message says what to change; a traceback would bury it
         return _fail(str(e))
 
 
@@ -99,7 +109,7 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
                    help="each rank caches and loads only its share of the data")
     p.add_argument("--device", choices=["cuda", "cpu"], help="cpu = N CPU processes over gloo, for trying things")
     args = p.parse_args(argv)
-    from modules.distributed.launch import LaunchError, launch, run_single, setup_logging
+    from modules.distributed.launch import LaunchError, launch, setup_logging
 
     setup_logging()
     flags = ["multi_gpu.enabled=true"]
@@ -124,7 +134,7 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
         return _fail(problem)
     if os.environ.get("TANDEM_FORCE_SINGLE_GPU") == "1":
         log.info("TANDEM_FORCE_SINGLE_GPU=1: training in a single process.")
-        return run_single(cfg, args.resume)
+        return _run_single(cfg, args.resume)
     try:
         return launch(cfg, resume=args.resume)
     except LaunchError as e:

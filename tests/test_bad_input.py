@@ -78,3 +78,127 @@ def test_data_warnings_come_once_per_run_and_the_run_goes_on(tmp_path, cache_dir
     assert output.count(f"Caption {data / 'picture0.txt'} is not UTF-8") == 1
     assert output.count(f"Skipping unreadable image {data / 'zz-broken.png'}") == 1
     assert output.count("Skipped 1 unreadable image(s) of 5") == 1
+
+
+# -- the base model: checked once, before any worker starts --------------------------------------
+
+def _random_safetensors(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 64)
+
+
+def _truncated_safetensors(path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(64, 64)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def _random_ckpt(path: Path) -> None:
+    path.write_bytes(b"PK\x03\x04 not a zip at all " * 100)
+
+
+class _RunsACommand:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def _malicious_ckpt(path: Path) -> None:
+    import torch
+    torch.save({"state_dict": _RunsACommand(path.with_suffix(".ran"))}, path)
+
+
+def _not_a_model_folder(path: Path) -> None:
+    path.mkdir()
+    (path / "notes.txt").write_text("holiday pictures")
+
+
+BAD_MODELS = {
+    "random.safetensors": (_random_safetensors, "not a readable .safetensors file"),
+    "truncated.safetensors": (_truncated_safetensors, "not a readable .safetensors file"),
+    "random.ckpt": (_random_ckpt, "could not be read as a weights-only .ckpt"),
+    "malicious.ckpt": (_malicious_ckpt, "could not be read as a weights-only .ckpt"),
+    "folder": (_not_a_model_folder, "is not a diffusers model folder: model_index.json is missing"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [("train.py",), MULTI, (*MULTI, "--spawn")])
+@pytest.mark.parametrize("name", sorted(BAD_MODELS))
+def test_a_broken_base_model_fails_in_seconds_with_one_line(tmp_path, cache_dir, script, name):
+    import time
+    make, reason = BAD_MODELS[name]
+    model = tmp_path / name
+    make(model)
+    started = time.monotonic()
+    result = run_script(*script, "--config-path", "#demo",
+                        *overrides_for(tmp_path / "ws", cache_dir, f"model.base_model={model}"))
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    (line,) = human_lines(output)
+    assert line.startswith(f"error: {model}") and reason in line, line
+    assert took < 40, f"took {took:.0f} s to refuse the model"
+    assert not model.with_suffix(".ran").exists(), "the pickle's code ran"
+    assert not list((tmp_path / "ws").glob("**/rank-*.json")), "a worker started"
+
+
+def test_probe_accepts_the_demo_folder_and_names_a_truncated_weights_file(tandem_home, tmp_path):
+    import shutil
+
+    from modules.config.train_config import ModelConfig
+    from modules.model import ensure_demo_model
+    from modules.model.probe import probe_model
+    folder = tmp_path / "demo-copy"
+    shutil.copytree(ensure_demo_model(), folder)
+    assert probe_model(ModelConfig(base_model=str(folder))) == "sd1"
+    with pytest.raises(ValueError, match="model.model_type is 'sdxl'"):
+        probe_model(ModelConfig(base_model=str(folder), model_type="sdxl"))
+    weights = next((folder / "unet").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=f"{weights}: not a readable .safetensors file"):
+        probe_model(ModelConfig(base_model=str(folder)))
+
+
+# -- a workspace that cannot be written ----------------------------------------------------------
+
+def _read_only_command(folder: Path, command: list[str]) -> list[str]:
+    """`command` with `folder` unwritable: a read-only mount as root (which ignores permissions), else 0555."""
+    import os
+    import shlex
+    import shutil
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return command
+    if shutil.which("unshare") is None:
+        pytest.skip("running as root without unshare: no way to make a folder read-only")
+    script = f"mount -t tmpfs -o ro none {shlex.quote(str(folder))} && exec {shlex.join(command)}"
+    return ["unshare", "-m", "sh", "-c", script]
+
+
+@pytest.mark.parametrize("script", [("train.py",), MULTI])
+def test_read_only_workspace_is_one_line(tmp_path, cache_dir, script):
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainer_helpers import REPO
+    workspace = tmp_path / "ro-ws"
+    command = [sys.executable, str(REPO / "scripts" / script[0]), *script[1:], "--config-path", "#demo",
+               *overrides_for(workspace, cache_dir)]
+    result = subprocess.run(_read_only_command(workspace, command), capture_output=True, text=True, timeout=300,
+                            cwd=REPO, env=dict(os.environ, TANDEM_EVENTS="1"))
+    if result.returncode != 2 and "mount" in result.stderr and "permission denied" in result.stderr.lower():
+        pytest.skip("this container may not mount a read-only folder")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    (line,) = human_lines(output)
+    assert line.startswith(f"error: general.workspace_dir: cannot write to {workspace} (") and \
+        "choose a folder you can write to" in line, line

@@ -131,6 +131,37 @@ def test_invalid_config_names_the_field(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_nccl_without_a_gpu_is_a_problem(tmp_path, device):
+    """Backend nccl on a machine without GPUs passed the check (and Start launched it)."""
+    config = tmp_path / "nccl.json"
+    config.write_text(json.dumps({"general": {"device": device}, "model": {"base_model": "builtin:demo"},
+                                  "multi_gpu": {"enabled": True, "backend": "nccl"}}))
+    result = run_check("--skip-gloo", "--config-path", str(config))
+    assert result.returncode == 1, result.stdout
+    assert "PROBLEM: multi_gpu.backend: 'nccl' needs CUDA GPUs" in result.stdout
+    assert "'gloo' or 'auto'" in result.stdout
+
+
+def test_backend_problem_rules(monkeypatch):
+    from modules.distributed import backends
+    cfg = TrainConfig()
+    cfg.multi_gpu.backend = "nccl"
+    assert backends.backend_problem(cfg, 0) is None  # multi-GPU off: one process, no backend
+    cfg.multi_gpu.enabled = True
+    assert "none is visible" in backends.backend_problem(cfg, 0)
+    monkeypatch.setattr(backends.platform, "system", lambda: "Linux")
+    assert backends.backend_problem(cfg, 2) is None
+    monkeypatch.setattr(backends.platform, "system", lambda: "Windows")
+    assert "only available on Linux" in backends.backend_problem(cfg, 2)
+    cfg.general.device = "cpu"
+    assert "general.device is 'cpu'" in backends.backend_problem(cfg, 2)
+    for backend in ("gloo", "auto"):
+        cfg.multi_gpu.backend = backend
+        assert backends.backend_problem(cfg, 0) is None
+
+
+@pytest.mark.slow
 def test_failed_allreduce_is_reported_not_raised():
     # NCCL needs CUDA; on this machine the rank fails, and the check must say so instead of crashing.
     result = diagnostics.run_allreduce("nccl", 1, 1)

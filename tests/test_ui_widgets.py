@@ -172,6 +172,30 @@ def test_invalid_values_are_marked_and_start_is_refused(app_factory):
     assert batch.tooltip.text == plain_text(field_doc("training.batch_size"))  # tooltips come from the docstrings
 
 
+def test_start_refuses_nccl_without_a_gpu(app_factory):
+    """Backend nccl on a machine without GPUs: Start names the problem instead of launching a run that fails."""
+    app, _ = app_factory()  # no GPU
+    assert app.load("#demo")
+    app.multi_gpu._cpu_chosen("2")
+    app.binder.write("multi_gpu.backend", "nccl")
+    assert app.run_view.start() is False
+    assert "multi_gpu.backend: 'nccl' needs CUDA GPUs" in app.run_view.error_text()
+    assert app.controller.state.status == "idle"
+
+
+@pytest.mark.slow
+def test_check_setup_fails_for_nccl_without_a_gpu(app_factory):
+    app, _ = app_factory()
+    assert app.load("#demo")
+    app.multi_gpu._cpu_chosen("2")
+    app.binder.write("multi_gpu.backend", "nccl")
+    frame = app.multi_gpu
+    frame.check_button.invoke()
+    assert pump(app, lambda: frame.check_button.cget("text") == "Check setup", timeout=240)
+    report = frame.check_output.get("1.0", "end")
+    assert "PROBLEM: multi_gpu.backend: 'nccl' needs CUDA GPUs" in report and "Problems found" in report
+
+
 def test_multi_gpu_frame_writes_the_config(app_factory):
     gpus = [GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)]
     app, _ = app_factory(gpus=gpus)

@@ -10,7 +10,9 @@ synchronisations (end of warm-up, end of run) and so counts every step's full co
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -23,10 +25,13 @@ import torch
 
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
 from modules.distributed import dist_utils as du
+from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
-from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment
+from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment, worker_variables
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,15 +192,13 @@ class BenchmarkDistributed(BenchmarkMixin, DistributedTrainer):
 
 
 def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None, result_file: str,
-           process_start: float) -> None:
+           process_start: float, rendezvous_at: str | None) -> None:
     setup_logging()
     cfg = config_from_dict(cfg_data)
     if plan is None:
         trainer = BenchmarkGeneric(cfg)
     else:
-        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
-                          LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
-                          MASTER_PORT=str(plan.master_port))
+        os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
         trainer = BenchmarkDistributed(cfg, device_type=case.device)
     trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
     trainer.run()
@@ -208,8 +211,10 @@ def run_case(case: Case) -> dict:
         cfg = case_config(case, Path(tmp) / "ws")
         plan = plan_launch(cfg) if case.world > 1 else None
         result_file = Path(tmp) / "result.json"
-        with spawn_environment(plan):  # the workers get the users' spawn environment
-            mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time()),
+        # The workers get the users' spawn environment, and their rendezvous served as the launcher serves it.
+        with spawn_environment(plan), (rendezvous.serve(plan.master_addr, plan.master_port, RENDEZVOUS_TIMEOUT)
+                                       if plan else contextlib.nullcontext()) as rendezvous_at:
+            mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time(), rendezvous_at),
                      nprocs=case.world, join=True)
         result = json.loads(result_file.read_text())
     return result

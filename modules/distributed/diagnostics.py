@@ -16,14 +16,14 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from . import memory_estimate
+from . import memory_estimate, rendezvous
+from .backends import backend_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3
@@ -38,13 +38,6 @@ SAFETY_FRACTION = 0.9
 
 UNEQUAL_SPEED = 1.5
 """A GPU this much slower (or with this much less free memory) than another gets the batch_split advice."""
-
-
-def free_port() -> int:
-    """A TCP port free right now on this machine; chosen by the parent so that all ranks agree."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def versions() -> dict:
@@ -158,13 +151,14 @@ def topology() -> dict:
     return parse_topology(out.stdout)
 
 
-def _allreduce_worker(rank: int, world: int, backend: str, port: int, numel: int, results) -> None:
+def _allreduce_worker(rank: int, world: int, backend: str, rendezvous_at: str, numel: int, results) -> None:
     """One rank: all-reduce known values, check the sum exactly, then time the same size."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=world, timeout=datetime.timedelta(seconds=120),
+    timeout = datetime.timedelta(seconds=120)
+    torch.distributed.init_process_group(backend, store=rendezvous.connect(rendezvous_at, timeout), rank=rank,
+                                         world_size=world, timeout=timeout,
                                          device_id=device if device.type == "cuda" else None)
     try:
         # Small integers are exact in fp32, so any deviation from the sum is a real fault.
@@ -202,7 +196,9 @@ def run_allreduce(backend: str, world: int, size_mib: int) -> dict:
     queue = mp.get_context("spawn").SimpleQueue()
     started = time.perf_counter()
     try:
-        mp.spawn(_allreduce_worker, args=(world, backend, free_port(), numel, queue), nprocs=world, join=True)
+        # The parent serves the rendezvous on loopback only, as the training launcher does.
+        with rendezvous.serve("127.0.0.1", 0, datetime.timedelta(seconds=120)) as rendezvous_at:
+            mp.spawn(_allreduce_worker, args=(world, backend, rendezvous_at, numel, queue), nprocs=world, join=True)
     except Exception as e:  # a rank died: report it as a failed check, with the rank's message
         result.update(ok=False, error=f"{type(e).__name__}: {e}".strip())
         return result
@@ -333,6 +329,9 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
             problems.append(f"Config {config_path}: {e}")
         else:
             report["memory"] = est
+            backend = backend_problem(cfg, len(cards))
+            if backend:
+                problems.append(backend)
             if cards and cfg.training.precision == "bf16" and not all(c["bf16"] for c in cards):
                 problems.append("training.precision=bf16 but not every GPU supports bf16; set training.precision=fp16.")
             free = assume_free_gib if assume_free_gib is not None else (

@@ -3,12 +3,18 @@
 Both multi-process paths end in `run_worker`, which reads the standard torchrun variables
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a user's own
 `torchrun --nproc_per_node=N scripts/train.py --config-path X.json` works exactly like ours.
-Every check that can fail is done here, before any worker starts.
+Every check that can fail is done here, before any worker starts (`modules/preflight.py` and the
+checks that need the world size). While the workers run, the launcher serves their rendezvous store
+on the configured address only (`rendezvous.py`), turns SIGINT/SIGTERM into a clean stop
+(`supervision.py`), and when the job fails its last line names the rank that failed first and how
+(`failures.py`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import json
 import logging
 import os
 import signal
@@ -19,14 +25,12 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
-from modules.distributed.process_group import (
-    find_free_port,
-    port_is_free,
-    resolve_backend,
-    store_environment,
-    threads_per_worker,
-)
-from modules.trainer.commands import write_command
+from modules.distributed import failures, rendezvous
+from modules.distributed.agent import EXITS_VARIABLE
+from modules.distributed.backends import resolve_backend
+from modules.distributed.process_group import find_free_port, port_is_free, store_environment, threads_per_worker
+from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
+from modules.preflight import PreflightError, preflight
 from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
@@ -34,12 +38,15 @@ from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HARD_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
 SCAN_REPORTED = "TANDEM_SCAN_REPORTED"
 """Set (to 1) for workers whose launcher has scanned the data and reported its warnings already."""
+COMMANDS_FROM = "TANDEM_COMMANDS_FROM"
+"""Byte offset of the commands file from which commands are this run's (taken before workers start)."""
+ABORTED = 130
+"""Exit code when the user aborted a run (a second Ctrl-C), as a shell reports SIGINT."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(PreflightError):
     """A problem found before any worker started; the message says what to change."""
 
 
@@ -146,10 +153,8 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
 
 def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
     """Fail before starting workers when the data cannot fill one global batch per step."""
-    from modules.data import BucketBatchSampler, build_dataset
+    from modules.data import BucketBatchSampler, EmptyDatasetError, build_dataset
     from modules.trainer.run_numbers import derive_run_numbers
-
-    from modules.data import EmptyDatasetError
 
     try:
         dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
@@ -173,7 +178,9 @@ def run_worker(cfg_data: dict, device_type: str, resume: str | None = None) -> N
     setup_logging()
     cfg = config_from_dict(cfg_data)
     rank = int(os.environ["RANK"])
-    inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None)
+    start = os.environ.get(COMMANDS_FROM)
+    inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None,
+                         start=int(start) if start is not None else None)
     inbox.install_signal_handlers()
     callbacks = default_callbacks() if rank == 0 else TrainingCallbacks()
     trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=device_type, resume=resume)
@@ -184,15 +191,21 @@ def run_worker(cfg_data: dict, device_type: str, resume: str | None = None) -> N
     except BaseException as e:
         # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
+        failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e)
         if rank == 0:
             callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
         raise
 
 
-def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan, resume: str | None) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
-                      LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
-                      MASTER_PORT=str(plan.master_port))
+def worker_variables(plan: LaunchPlan, rank: int, rendezvous_at: str) -> dict[str, str]:
+    """The torchrun variables of one spawned worker, and where its launcher serves the rendezvous."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
+                LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr,
+                MASTER_PORT=str(plan.master_port), **{rendezvous.RENDEZVOUS_VARIABLE: rendezvous_at})
+
+
+def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan, rendezvous_at: str, resume: str | None) -> None:
+    os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
     run_worker(cfg_data, plan.device_type, resume)
     exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
 
@@ -242,60 +255,69 @@ def environment(values: dict[str, str]):
                 os.environ[k] = value
 
 
-def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, resume: str | None = None) -> int:
+def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals: StopSignals,
+                 resume: str | None = None) -> tuple[int, list[failures.WorkerExit]]:
+    """(exit code, the failures seen first) of N spawned workers."""
     import torch.multiprocessing as mp
 
-    # Children handle Ctrl-C themselves (stop at the same step, back up); the parent just waits for them.
+    # The children inherit SIGINT ignored until run_worker installs their stop handler: a Ctrl-C
+    # during their start-up (a terminal sends it to every process) must not kill them half-built.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with spawn_environment(plan):
-            mp.spawn(_spawn_entry, args=(config_to_dict(cfg), plan, resume), nprocs=plan.world_size, join=True)
-    except mp.ProcessRaisedException as e:
-        log.error("Training failed in a worker:\n%s", e)
-        return 1
-    except mp.ProcessExitedException as e:
-        log.error("Training failed: worker rank %s exited with code %s; the other workers were stopped.",
-                  e.error_index, e.exit_code)
-        return 1
+            context = mp.start_processes(_spawn_entry, args=(config_to_dict(cfg), plan, rendezvous_at, resume),
+                                         nprocs=plan.world_size, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, previous)
-    return 0
+    processes = context.processes
+    signals.attach(lambda signum: signal_processes(processes, signum))
+    try:
+        exits = watch(processes)
+    finally:
+        for error_file in context.error_files:  # spawn's per-child traceback files
+            with contextlib.suppress(OSError):
+                os.unlink(error_file)
+    if signals.aborted:
+        return ABORTED, []
+    return (1 if exits else 0), exits
 
 
-def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan, resume: str | None = None) -> int:
-    config_file = RunPaths(cfg).workspace / ".tandem" / "launch-config.json"
+def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals: StopSignals,
+                    resume: str | None = None) -> tuple[int, list[failures.WorkerExit]]:
+    """(exit code, the failures torchrun's agent saw first) of torchrun's N workers."""
+    tandem = RunPaths(cfg).workspace / ".tandem"
+    config_file = tandem / "launch-config.json"
     save_config(cfg, config_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
-           f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}", "--max_restarts=0",
+    exits_file = tandem / "worker-exits.json"
+    exits_file.unlink(missing_ok=True)
+    # torchrun's agent joins the store this launcher serves (c10d rendezvous as a client, is_host=false)
+    # and starts no store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): nothing listens on other addresses.
+    cmd = [sys.executable, "-m", "modules.distributed.agent", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint={rendezvous_at}", "--rdzv_conf=is_host=false",
+           f"--rdzv_id=tandem-{os.getpid()}", "--max_restarts=0",
            str(REPO_ROOT / "scripts" / "train.py"), "--config-path", str(config_file)]
     if resume is not None:
         cmd += ["--resume", resume]
-    log.info("Running: %s", " ".join(cmd))
+    log.info("Running torchrun (torch.distributed.run): %s", " ".join(cmd))
     env = _worker_env(plan)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update({rendezvous.RENDEZVOUS_VARIABLE: rendezvous_at, EXITS_VARIABLE: str(exits_file),
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     # torchrun runs in its own process group: a Ctrl-C here becomes a clean "stop" (every rank stops at
     # the same step and backs up) instead of torchrun's signal handling, which reports a failure.
     proc = subprocess.Popen(cmd, env=env, **_own_process_group())
-    commands_file = RunPaths(cfg).commands_file
-    previous_term = signal.signal(signal.SIGTERM, lambda *_: _signal_group(proc, signal.SIGTERM))
-    interrupts = 0
+    signals.attach(lambda signum: _signal_group(proc, signum))
+    code = proc.wait()
+    if signals.aborted:
+        return ABORTED, []
+    return code, _read_exits(exits_file) if code != 0 else []
+
+
+def _read_exits(exits_file: Path) -> list[failures.WorkerExit]:
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:
-                interrupts += 1
-                if interrupts == 1:
-                    write_command(commands_file, "stop")
-                    log.info("Stopping every rank at the next step (with a backup); Ctrl-C again to abort.")
-                else:
-                    _signal_group(proc, signal.SIGTERM if interrupts == 2 else HARD_KILL)
-    finally:
-        signal.signal(signal.SIGTERM, previous_term)
-    if code != 0:
-        log.error("Training failed (torchrun exit code %d); the failing rank is named above.", code)
-    return code
+        return [failures.WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def _own_process_group() -> dict:
@@ -324,18 +346,43 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
     """Start a multi-process run as configured; returns the exit code."""
+    from modules.trainer.callbacks import default_callbacks
+
     plan = plan_launch(cfg)
     try:
         parse_split(cfg.multi_gpu.batch_split, plan.world_size, cfg.training.batch_size)
     except ValueError as reason:
         raise LaunchError(f"multi_gpu.batch_split: {reason}.") from None
+    try:
+        preflight(cfg)
+    except PreflightError as e:
+        raise LaunchError(str(e)) from None
     if check_data:
         check_data_fits(cfg, plan.world_size)
-    log.info("Tandem multi-GPU: %s", plan.describe())
+    paths = RunPaths(cfg)
+    errors_folder = failures.failures_folder(paths.workspace)
     with _workspace_lock(cfg) as lock, environment(lock.child_environment()):
-        if plan.launcher == "spawn":
-            return launch_spawn(cfg, plan, resume)
-        return launch_torchrun(cfg, plan, resume)
+        failures.clear(errors_folder)
+        commands = paths.commands_file
+        # Commands written from here on are this run's, also those written before rank 0 reads the file.
+        start = str(commands.stat().st_size if commands.exists() else 0)
+        try:
+            with environment({COMMANDS_FROM: start}), StopSignals(commands) as signals:
+                log.info("Tandem multi-GPU: %s", plan.describe())
+                with rendezvous.serve(plan.master_addr, plan.master_port,
+                                      datetime.timedelta(minutes=cfg.multi_gpu.timeout_minutes)) as rendezvous_at:
+                    run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
+                    code, exits = run(cfg, plan, rendezvous_at, signals, resume)
+        except rendezvous.RendezvousError as e:
+            raise LaunchError(str(e)) from None
+    if code == ABORTED:
+        log.error("Training aborted by a second stop signal: the workers were ended without a backup.")
+    elif code != 0:
+        # The last line of the log, and the GUI's headline: the rank that failed first, not the last to complain.
+        first = failures.first_failure(exits, failures.read_errors(errors_folder))
+        log.error("Training failed: %s", first.text)
+        default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
+    return code
 
 
 def _workspace_lock(cfg: TrainConfig) -> WorkspaceLock:
@@ -352,6 +399,7 @@ def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
     from modules.trainer.generic_trainer import GenericTrainer
 
     setup_logging()
+    preflight(cfg)  # raises PreflightError, whose message is the whole story
     inbox = CommandInbox(RunPaths(cfg).commands_file)
     inbox.install_signal_handlers()
     callbacks = default_callbacks()

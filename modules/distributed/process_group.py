@@ -10,23 +10,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+from modules.distributed.backends import resolve_backend
+from modules.distributed.rendezvous import RENDEZVOUS_VARIABLE, connect
+
 log = logging.getLogger("tandem")
 
 
 def on_windows() -> bool:
     return platform.system() == "Windows"
-
-
-def resolve_backend(requested: str, device_type: str) -> str:
-    """auto = NCCL for CUDA on Linux, gloo otherwise (CPU processes, Windows, macOS)."""
-    if requested == "auto":
-        return "nccl" if device_type == "cuda" and platform.system() == "Linux" else "gloo"
-    if requested == "nccl" and device_type != "cuda":
-        raise RuntimeError("multi_gpu.backend is 'nccl' but this run has no CUDA GPU: use 'gloo' or 'auto'.")
-    if requested == "nccl" and on_windows():
-        raise RuntimeError("multi_gpu.backend is 'nccl', but PyTorch's Windows builds have no NCCL: "
-                           "use 'gloo' or 'auto' (which picks gloo on Windows).")
-    return requested
 
 
 STORE_ENVIRONMENT_WINDOWS = {"USE_LIBUV": "0"}
@@ -91,6 +82,10 @@ def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch
     os.environ.update(store_environment())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    served = os.environ.get(RENDEZVOUS_VARIABLE)
+    if served:  # Tandem's launcher serves the store, listening on the configured address only
+        kwargs["store"] = connect(served, timeout)
+    # Otherwise (someone else's launcher, e.g. a user's own torchrun) MASTER_ADDR/MASTER_PORT, as PyTorch does.
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return device
 

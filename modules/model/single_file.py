@@ -45,6 +45,7 @@ from modules.model.detect import (
 )
 from modules.model.ldm_layout import clip_to_ldm, open_clip_to_ldm, unet_to_ldm, vae_to_ldm  # noqa: F401 (re-exported)
 from modules.model.files import resolve_save_dtype
+from modules.model.pickled import load_pickled_state
 from modules.model.tokenizer import OPEN_CLIP_PAD_TOKEN, clip_tokenizer
 from modules.util.atomic import save_safetensors_atomically
 
@@ -91,7 +92,7 @@ def read_checkpoint(path: str | Path, prefixes: tuple[str, ...] | None = None) -
         except SafetensorError as error:
             raise ValueError(f"{path}: not a readable .safetensors file ({error}).") from error
     if suffix in PICKLE_SUFFIXES:
-        return {k: v for k, v in _torch_load(path).items() if wanted(k)}, {}
+        return {k: v for k, v in load_pickled_state(path).items() if wanted(k)}, {}
     raise ValueError(
         f"{path}: unsupported checkpoint extension {path.suffix!r}; use .safetensors (preferred) or .ckpt."
     )
@@ -107,27 +108,6 @@ def checkpoint_keys(path: str | Path) -> list[str]:
         except SafetensorError as error:
             raise ValueError(f"{path}: not a readable .safetensors file ({error}).") from error
     return list(read_checkpoint(path)[0])
-
-
-def _torch_load(path: Path) -> dict:
-    # weights_only: a .ckpt is a pickle, and unpickling arbitrary objects can run arbitrary code.
-    try:
-        try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "mmap" not in str(error):
-                raise
-            loaded = torch.load(path, map_location="cpu", weights_only=True)  # pre-zipfile format
-    except Exception as error:  # noqa: BLE001 - any unpickling failure gets the same explanation
-        raise ValueError(
-            f"{path}: could not be read as a weights-only .ckpt ({type(error).__name__}: {str(error)[:300]}). "
-            "Tandem never unpickles arbitrary objects; convert the file to .safetensors and use that."
-        ) from error
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
-        loaded = loaded["state_dict"]
-    if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise ValueError(f"{path}: does not contain a state dict of tensors (nor one under 'state_dict').")
-    return dict(loaded)
 
 
 # ------------------------------------------------------------------------------------------ configs

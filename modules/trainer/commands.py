@@ -15,14 +15,19 @@ COMMANDS = ("stop", "sample", "backup", "save")
 class CommandInbox:
     """Pending command flags of this process."""
 
-    def __init__(self, commands_file: Path | None = None) -> None:
+    def __init__(self, commands_file: Path | None = None, start: int | None = None) -> None:
+        """`start`: the byte offset from which commands are this run's (a launcher passes its own, taken
+        before it started the workers, so a stop it writes during their start-up counts); None: the
+        file's current end - commands written before this run started belong to an earlier run."""
         self.commands_file = Path(commands_file) if commands_file else None
         self._offset = 0
         self.pending: set[str] = set()
         if self.commands_file is not None:
             self.commands_file.parent.mkdir(parents=True, exist_ok=True)
-            # Commands written before this run started belong to an earlier run.
-            self._offset = self.commands_file.stat().st_size if self.commands_file.exists() else 0
+            if start is not None:
+                self._offset = start
+            else:
+                self._offset = self.commands_file.stat().st_size if self.commands_file.exists() else 0
 
     def request(self, command: str) -> None:
         if command not in COMMANDS:

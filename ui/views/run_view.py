@@ -11,6 +11,7 @@ import customtkinter as ctk
 from PIL import Image, ImageOps
 
 from modules.config.run_paths import RunPaths
+from modules.distributed.backends import backend_problem
 
 from ..events import format_duration
 from ..external import Opened, TensorBoard, open_folder
@@ -140,6 +141,9 @@ class RunView(ctk.CTkScrollableFrame):
         """Start training with the current config (continuing the newest backup with `resume="latest"`),
         or say why it cannot start."""
         problems = self.binder.all_problems(check_paths=True)
+        machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
+        if machine:
+            problems.append(machine)
         if problems:
             self._show_cannot_start(problems)
             return False

@@ -1,0 +1,250 @@
+"""What the launchers guarantee while workers run, through the real scripts on 2 CPU processes (gloo):
+the rendezvous listens on the configured address only; a failed job names the rank that failed first;
+SIGINT/SIGTERM stop every rank with a backup, whatever signal dispositions the launcher inherited."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modules.trainer.callbacks import parse_event_line
+from tests.test_distributed import _worker_pids, read_until_step
+from tests.trainer_helpers import REPO, overrides_for, start_script
+
+LAUNCHERS = ["torchrun", "spawn"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def start_training(workspace: Path, cache: Path, launcher: str, *extra: str, **popen_kwargs) -> subprocess.Popen:
+    args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+            *overrides_for(workspace, cache, "training.max_steps=100000", "multi_gpu.timeout_minutes=1", *extra)]
+    if launcher == "spawn":
+        args.append("--spawn")
+    return start_script("train_multi_gpu.py", *args, start_new_session=True, **popen_kwargs)
+
+
+def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 150) -> tuple[int | str, str]:
+    """The exit code (or "timed out") and whole output of a run; the process group is killed whatever happens."""
+    try:
+        rest, _ = proc.communicate(timeout=timeout)
+        code: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = f"timed out after {timeout:g} s"
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code, "".join(lines) + (rest or "")
+
+
+def events(output: str) -> list[dict]:
+    return [e for e in map(parse_event_line, output.splitlines()) if e]
+
+
+def process_tree(root: int) -> list[int]:
+    rows = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+    children: dict[int, list[int]] = {}
+    for row in filter(None, map(str.split, rows)):
+        children.setdefault(int(row[1]), []).append(int(row[0]))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack += children.get(pid, [])
+    return found
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket the processes listen on, from /proc (no psutil, no ss)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+# -- item 8: the rendezvous listens on the configured address only --------------------------------
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_rendezvous_listens_on_loopback_only(tmp_path, cache_dir, launcher):
+    """torchrun's agent store and spawn's rank-0 store listened on every interface (*:port)."""
+    ws = tmp_path / "ws"
+    proc = start_training(ws, cache_dir, launcher)
+    lines: list[str] = []
+    try:
+        lines += read_until_step(proc, 2)
+        sockets = listening_sockets(process_tree(proc.pid))
+        with open(ws / ".tandem" / "commands", "a") as commands:
+            commands.write("stop\n")
+    finally:
+        code, output = finish(proc, lines)
+    port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", output).group(1))
+    assert ("127.0.0.1", port) in sockets, sockets
+    wildcard = [s for s in sockets if s[0] in ("0.0.0.0", "::")]
+    assert not wildcard, f"listening on every interface: {wildcard} (all: {sockets})"
+    assert code == 0, output[-3000:]
+
+
+def test_rendezvous_store_binds_the_named_address_only():
+    import datetime
+
+    from modules.distributed import rendezvous
+    with rendezvous.serve("127.0.0.1", 0, datetime.timedelta(seconds=30)) as address:
+        host, port = rendezvous.split_endpoint(address)
+        assert host == "127.0.0.1" and ("127.0.0.1", port) in listening_sockets([os.getpid()])
+        assert not [s for s in listening_sockets([os.getpid()]) if s[1] == port and s[0] != "127.0.0.1"]
+        store = rendezvous.connect(address, datetime.timedelta(seconds=30))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        with pytest.raises(rendezvous.RendezvousError, match=f"cannot listen on 127.0.0.1:{port}"):
+            with rendezvous.serve("127.0.0.1", port, datetime.timedelta(seconds=5)):
+                pass
+
+
+# -- item 15: the headline names the rank that failed first ---------------------------------------
+
+def test_first_failure_prefers_the_rank_that_died_over_its_peers_complaints():
+    from modules.distributed.failures import WorkerError, WorkerExit, first_failure, is_secondary
+    reset = "RuntimeError", "[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:29588"
+    rank0 = WorkerError(0, 100.0, *reset, is_secondary(*reset))
+    assert rank0.secondary
+    # rank 1 was killed; rank 0 complained first, and both were seen in the same poll.
+    first = first_failure([WorkerExit(0, 1, 101.0), WorkerExit(1, -9, 101.0)], {0: rank0})
+    assert first.rank == 1 and first.text.startswith("rank 1 died first (signal SIGKILL")
+    # A real error on rank 1 beats rank 0's earlier complaint about the lost connection.
+    boom = WorkerError(1, 100.5, "ValueError", "bad value", False)
+    assert first_failure([WorkerExit(0, 1, 101.0), WorkerExit(1, 1, 101.0)], {0: rank0, 1: boom}).rank == 1
+    # Two real errors: the earlier one.
+    early = WorkerError(0, 99.0, "OSError", "disk full", False)
+    assert first_failure([], {0: early, 1: boom}).text == "rank 0 failed first: OSError: disk full"
+    # Only complaints (a timeout on both): the earliest; nothing known: say so.
+    later = WorkerError(1, 130.0, "DistBackendError", "wait timed out", True)
+    assert first_failure([WorkerExit(0, 1, 131.0), WorkerExit(1, 1, 131.0)], {0: rank0, 1: later}).rank == 0
+    assert first_failure([WorkerExit(1, 3, 5.0)], {}).text.startswith("rank 1 died first (exit code 3")
+    assert first_failure([], {}).rank is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_killed_rank_is_the_headline_of_the_log_and_the_gui(tmp_path, cache_dir, launcher):
+    """SIGKILL on rank 1 of a run the GUI's controller started: the log's last error line and the GUI's red
+    headline name rank 1 and SIGKILL (the headline said "Connection reset/closed by peer ... (rank 0)")."""
+    import time
+
+    from tests.trainer_helpers import demo_config
+    from ui.run_controller import RunController
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=100000", "multi_gpu.timeout_minutes=1",
+                      "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", f"multi_gpu.launcher={launcher}")
+    controller = RunController(cwd=REPO)
+    controller.start(cfg, visible_gpus=0)
+    try:
+        deadline = time.monotonic() + 240
+        while controller.state.step < 2 and controller.state.active and time.monotonic() < deadline:
+            controller.poll()
+            time.sleep(0.05)
+        assert controller.state.step >= 2, "\n".join(controller.log)[-3000:]
+        launcher_pid = controller._process.pid
+        os.kill(_worker_pids(launcher_pid)[-1], signal.SIGKILL)  # the worker started last: rank 1
+        assert controller.wait(150), "the job did not end after a worker died"
+    finally:
+        controller.terminate()
+    assert controller.state.status == "failed"
+    headline = controller.state.error.splitlines()[0]
+    assert headline.startswith("rank 1 died first (signal SIGKILL"), controller.state.error[:1500]
+    from modules.trainer.callbacks import EVENT_TYPES
+    echoed = re.compile(rf"\[({'|'.join(EVENT_TYPES)})\] ")  # the controller echoes events as "[error] ..."
+    log_lines = [line for line in controller.log if not echoed.match(line)]
+    last_error = [line for line in log_lines if re.search(r"fail|error", line, re.IGNORECASE)][-1]
+    assert last_error.startswith("Training failed: rank 1 died first (signal SIGKILL"), last_error
+    assert not _worker_pids(launcher_pid), "worker processes left behind"
+
+
+# -- item 16: SIGINT/SIGTERM stop every rank with a backup, whatever was inherited ----------------
+
+def _ignore(*signums: int):
+    def preexec() -> None:
+        for signum in signums:
+            signal.signal(signum, signal.SIG_IGN)
+    return preexec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tmp_path, cache_dir, launcher, signum):
+    """`nohup train_multi_gpu.py &` starts the launcher with SIGINT (and here SIGTERM) ignored: `kill -INT`
+    or a scheduler's SIGTERM to the launcher must still stop every rank at one step, with one backup."""
+    ws = tmp_path / "ws"
+    proc = start_training(ws, cache_dir, launcher, preexec_fn=_ignore(signal.SIGINT, signal.SIGTERM))
+    lines: list[str] = []
+    try:
+        lines += read_until_step(proc, 2)
+        os.kill(proc.pid, signum)  # the launcher only, as `kill -INT <pid>` does
+    finally:
+        code, output = finish(proc, lines)
+    assert code == 0, output[-3000:]
+    found = events(output)
+    done = next(e for e in found if e["type"] == "done")
+    backups = [e for e in found if e["type"] == "backup"]
+    assert not done["completed"] and len(backups) == 1 and backups[0]["step"] == done["step"]
+    assert (ws / "backups" / f"step-{done['step']:08d}").is_dir()
+    assert not _worker_pids(proc.pid), "worker processes left behind"
+
+
+@pytest.mark.slow
+def test_stop_signal_during_worker_start_up_is_not_lost(tmp_path, cache_dir):
+    """A stop the launcher writes before rank 0 has opened the commands file still stops the run."""
+    ws = tmp_path / "ws"
+    proc = start_training(ws, cache_dir, "spawn")
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Tandem multi-GPU:"):
+                os.kill(proc.pid, signal.SIGTERM)
+                break
+    finally:
+        code, output = finish(proc, lines)
+    assert code == 0, output[-3000:]
+    assert "SIGTERM: stopping every rank at the next step (with a backup)" in output
+    found = events(output)
+    done = next(e for e in found if e["type"] == "done")
+    # Commands reach every rank with the next step's report: the first step a stop can end is step 2.
+    assert not done["completed"] and done["step"] <= 2
+    assert [e["step"] for e in found if e["type"] == "backup"] == [done["step"]]
