@@ -259,7 +259,7 @@ class MultiGPUConfig:
     lr_scaling: str = "none"
     """Scale the learning rate with the number of GPUs: `none`, `linear` (x N) or `sqrt` (x sqrt N)."""
     master_addr: str = "127.0.0.1"
-    """Address of rank 0 for the process-group rendezvous."""
+    """Address of rank 0 for the process-group rendezvous; the launcher's store listens on this address only (127.0.0.1: this machine only)."""
     master_port: int = 0
     """Port for the rendezvous. 0: pick a free port."""
     timeout_minutes: float = 10.0
