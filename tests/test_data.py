@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from safetensors.torch import load_file
 
 from modules.config.train_config import ConceptConfig, DataConfig
 from modules.data import (BucketBatchSampler, EmptyDatasetError, build_dataset, closest_bucket, collate,
@@ -304,6 +305,68 @@ def test_cache_of_many_batches_matches_the_images_and_stops_on_a_failed_write(tm
     fresh = build_dataset(cfg, tmp_path / "other-cache", 0)
     with pytest.raises(OSError, match="simulated"):
         fresh.cache(FakeEncoders().encode_images, None, "model-a", cache_text=False, batch_size=3, progress=False)
+
+
+class FakeDistributionEncoder:
+    """Like the VAE: a distribution per image (mean = the fake latents, std = a quarter of |mean| + 0.1);
+    records the batches it was given."""
+
+    def __init__(self):
+        self.batches: list[list[float]] = []
+
+    def encode(self, pixels):
+        mean = FakeEncoders().encode_images(pixels)
+        self.batches.append(sorted(round(float(p.sum()), 3) for p in pixels))
+        return mean, mean.abs() / 4 + 0.1
+
+
+def test_cached_distribution_is_sampled_per_item_and_epoch_whoever_built_or_loads_it(folder, tmp_path):
+    """The cache keeps the latent distribution; the sample depends on (seed, epoch, item) only."""
+    for i in range(12):
+        write_image(folder / "more" / f"{i}.png", colour=(10 * i, 50, 90), caption=f"more {i}")
+    cfg = data_cfg(folder, random_flip=True)
+    by_one = build_dataset(cfg, tmp_path / "one", seed=3)
+    by_one.cache(FakeDistributionEncoder().encode, None, "model-a", progress=False)
+    by_two = build_dataset(cfg, tmp_path / "two", seed=3)
+    for rank in (0, 1):
+        by_two.cache(FakeDistributionEncoder().encode, None, "model-a", rank=rank, world_size=2, progress=False)
+    for name in (p.name for p in (tmp_path / "one" / "latents").iterdir()):
+        assert (tmp_path / "one" / "latents" / name).read_bytes() == (tmp_path / "two" / "latents" / name).read_bytes()
+    index = 4
+    first = by_one[(0, index)]["latents"]
+    assert torch.equal(first, by_two[(0, index)]["latents"]) and torch.equal(first, by_one[(0, index)]["latents"])
+    assert not torch.equal(first, by_one[(1, index)]["latents"]), "each epoch draws a new sample"
+    # A DataLoader worker draws what the main process draws.
+    sampler = BucketBatchSampler(by_one.buckets, 2, seed=3)
+    loaded = {int(i): lat for batch in make_dataloader(by_one, sampler, data_cfg(folder, num_workers=2), False)
+              for i, lat in zip(batch["indices"], batch["latents"])}
+    assert all(torch.equal(lat, by_one[(0, i)]["latents"]) for i, lat in loaded.items())
+    entry = load_file(str(by_one._cache.latent_files[by_one.item_images[index]]))
+    assert set(entry) == {"mean", "std", "mean_flipped", "std_flipped"}
+    # The samples follow the stored distribution (without flips, so that every draw is of one of them).
+    plain = build_dataset(data_cfg(folder), tmp_path / "plain", seed=3)
+    plain.cache(FakeDistributionEncoder().encode, None, "model-a", progress=False)
+    entry = load_file(str(plain._cache.latent_files[plain.item_images[index]]))
+    draws = torch.stack([plain[(epoch, index)]["latents"] for epoch in range(400)])
+    assert torch.allclose(draws.mean(0), entry["mean"], atol=0.05)
+    assert torch.allclose(draws.std(0), entry["std"], rtol=0.2)
+
+
+def test_cache_batches_do_not_depend_on_the_number_of_ranks(tmp_path):
+    """An entry's batch-mates decide a kernel's rounding: batches are cut from the data, whole batches
+    go to ranks, so 1 and 3 ranks encode the very same batches."""
+    root = tmp_path / "imgs"
+    for i in range(21):
+        write_image(root / f"{i:02d}.png", size=(64, 64) if i % 3 else (96, 64), colour=(i * 11, 9, 9))
+    cfg = data_cfg(root)
+    alone = FakeDistributionEncoder()
+    build_dataset(cfg, tmp_path / "c1", 0).cache(alone.encode, None, "m", batch_size=4, progress=False)
+    ranks = [FakeDistributionEncoder() for _ in range(3)]
+    for rank, enc in enumerate(ranks):
+        build_dataset(cfg, tmp_path / "c3", 0).cache(enc.encode, None, "m", rank=rank, world_size=3, batch_size=4,
+                                                     progress=False)
+    assert sorted(alone.batches) == sorted(b for enc in ranks for b in enc.batches)
+    assert sorted(sum(len(b) for b in enc.batches) for enc in ranks) == [6, 7, 8]  # shared out evenly
 
 
 def test_text_cache_refused_when_captions_change_per_use(folder, tmp_path):

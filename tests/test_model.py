@@ -126,6 +126,17 @@ def test_encode_shapes_and_pipeline_equivalence(demo):
     assert torch.equal(text["encoder_hidden_states"], reference)
 
 
+def test_latent_distribution_is_what_encode_images_samples(demo):
+    """The cache stores (mean, std) and draws mean + std * noise; encode_images draws exactly that."""
+    pixels = torch.rand(2, 3, 64, 64) * 2 - 1
+    with torch.no_grad():
+        mean, std = demo.encode_latent_distribution(pixels)
+        sampled = demo.encode_images(pixels, generator=torch.Generator().manual_seed(7))
+    noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(7))
+    assert mean.shape == std.shape == (2, 4, 8, 8) and bool((std > 0).all())
+    torch.testing.assert_close(mean + std * noise, sampled)
+
+
 def test_sdxl_conditioning_matches_the_sdxl_pipeline(demo):
     from diffusers import StableDiffusionXLPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection

@@ -7,6 +7,15 @@ Keys are content hashes of everything that decides an entry's value, never of wh
 So an edited image, another model, another resolution/bucket or another caption misses the cache
 for exactly the affected entries; everything else is reused, also by a run with another number of
 ranks. Stale files are left in place (they are never read again); delete the folder to reclaim space.
+
+Nor does an entry's value depend on who computed it. A VAE's latents are a sample of a distribution:
+a sample drawn while caching would depend on the order the images were encoded in, and so on the
+number of ranks. The cache stores the distribution (its mean and std) instead, and each use of an
+item draws its sample from a generator the dataset keys by (seed, epoch, item) alone. And entries are
+encoded in batches cut from the data (same-size images in item order, `batch_size` at a time), whole
+batches going to ranks, so an image has the same batch-mates - which decide a kernel's rounding -
+whatever the number of ranks: a cache built from scratch by 1 or by N processes is bitwise the same
+(on one device type and thread count: CPU kernels may round differently with other thread counts).
 """
 from __future__ import annotations
 
@@ -26,12 +35,14 @@ from modules.util.atomic import save_safetensors_atomically
 
 from .buckets import CropPlan, load_pixels
 
-CACHE_FORMAT = 1
-"""Part of every key: bump it when the stored layout changes, so old entries are not misread."""
+CACHE_FORMAT = 2
+"""Part of every key: bump it when the stored layout changes, so old entries are not misread.
+2: latent distributions (mean, std) instead of one sample drawn while caching."""
 
-EncodeImages = Callable[[torch.Tensor], torch.Tensor]
-"""CPU float32 pixels in [-1, 1], [B, 3, H, W] -> latents [B, C, H/8, W/8]; moving to the device
-and dtype is the encoder's job. Entries are stored in the dtype it returns."""
+EncodeImages = Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+"""CPU float32 pixels in [-1, 1], [B, 3, H, W] -> latents [B, C, H/8, W/8], or the (mean, std) of
+their distribution (`ModelBundle.encode_latent_distribution`), of which each use draws a sample.
+Moving to the device and dtype is the encoder's job. Entries are stored in the dtype it returns."""
 EncodeText = Callable[[list[str]], dict[str, torch.Tensor]]
 """B captions -> named tensors with the batch dimension first (e.g. `encoder_hidden_states`)."""
 
@@ -81,15 +92,21 @@ class CacheIndex:
     encoded_texts: int = 0
     """Captions this rank encoded in `fill_cache`."""
 
-    def load_latents(self, index: int, flipped: bool = False) -> torch.Tensor:
+    def load_latents(self, index: int, flipped: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Image `index`'s latents: stored ones, or (float32) a sample of the stored distribution drawn
+        from `generator` - the caller keys it, so the sample does not depend on who loads the item."""
         path = self.latent_files[index]
         if path is None:
             raise KeyError(f"Item {index} has no cached latents.")
         entry = _load(path)
-        key = "latents_flipped" if flipped else "latents"
-        if key not in entry:
-            raise KeyError(f"Cache entry {path} has no {key!r}; it was written without flips.")
-        return entry[key]
+        suffix = "_flipped" if flipped else ""
+        if f"mean{suffix}" in entry:
+            mean, std = entry[f"mean{suffix}"].float(), entry[f"std{suffix}"].float()
+            return mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        if f"latents{suffix}" not in entry:
+            raise KeyError(f"Cache entry {path} has no {'flipped ' if flipped else ''}latents; it was written "
+                           "without flips.")
+        return entry[f"latents{suffix}"]
 
     def load_text(self, index: int) -> dict[str, torch.Tensor]:
         path = self.text_files[index]
@@ -111,8 +128,25 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
                                 "the barrier? Deleting the cache folder forces a rebuild.") from err
 
 
-def _my_share(keys: list[str], rank: int, world_size: int) -> list[str]:
-    return [k for i, k in enumerate(keys) if i % world_size == rank]
+def _batches(keys: list[str], size_of: Callable[[str], object], batch_size: int) -> list[list[str]]:
+    """`keys` cut into encoding batches by the data alone: keys of one size together, in order."""
+    groups: dict[object, list[str]] = {}
+    for key in keys:
+        groups.setdefault(size_of(key), []).append(key)
+    return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+
+
+def _my_batches(batches: list[list[str]], rank: int, world_size: int) -> list[list[str]]:
+    """This rank's whole batches: the largest first, each to the rank with the least work so far (ties:
+    the lowest rank). Every rank computes the same assignment."""
+    load = [0] * world_size
+    mine = []
+    for batch in sorted(batches, key=len, reverse=True):  # stable: equal sizes keep their order
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += len(batch)
+        if owner == rank:
+            mine.append(batch)
+    return mine
 
 
 def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, encode_text: EncodeText | None,
@@ -120,10 +154,11 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
                progress: bool = True) -> CacheIndex:
     """Encode this rank's share of the missing entries and return the index of all entries.
 
-    The share is every `world_size`-th distinct entry starting at `rank`, over entries in item
-    order, so it depends on the data only. `encode_images=None` caches no latents; `encode_text=None`
-    (or items with `caption=None`) caches no text. Call a barrier afterwards before reading entries
-    that other ranks wrote.
+    Distinct entries, in item order, are cut into batches (images of one size together), and whole
+    batches are shared out over the ranks (`_my_batches`), so the share and every batch depend on
+    the data only. A batch is encoded when entries of it are missing; only those are encoded.
+    `encode_images=None` caches no latents; `encode_text=None` (or items with `caption=None`)
+    caches no text. Call a barrier afterwards before reading entries that other ranks wrote.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1}.")
@@ -147,23 +182,26 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
         else:
             text_files.append(None)
 
-    latent_todo = [k for k in _my_share(list(latent_items), rank, world_size)
-                   if not (latent_dir / f"{k}.safetensors").is_file()]
-    text_todo = [k for k in _my_share(list(captions), rank, world_size)
-                 if not (text_dir / f"{k}.safetensors").is_file()]
+    def missing(batches: list[list[str]], folder: Path) -> list[list[str]]:
+        batches = ([k for k in batch if not (folder / f"{k}.safetensors").is_file()] for batch in batches)
+        return [batch for batch in batches if batch]
+
+    latent_batches = missing(_my_batches(_batches(list(latent_items), lambda k: latent_items[k].plan.target_size,
+                                                  batch_size), rank, world_size), latent_dir)
+    text_batches = missing(_my_batches(_batches(list(captions), lambda k: None, batch_size), rank, world_size),
+                           text_dir)
     index = CacheIndex(latent_files, text_files)
-    if not latent_todo and not text_todo:
+    todo = sum(map(len, latent_batches)) + sum(map(len, text_batches))
+    if not todo:
         return index
     latent_dir.mkdir(parents=True, exist_ok=True)
     text_dir.mkdir(parents=True, exist_ok=True)
 
-    with tqdm(total=len(latent_todo) + len(text_todo), desc=f"Caching (rank {rank})", unit="entry",
+    with tqdm(total=todo, desc=f"Caching (rank {rank})", unit="entry",
               position=rank, disable=not progress, leave=rank == 0) as bar:
-        if latent_todo:
-            index.encoded_images = _encode_latents(latent_todo, latent_items, encode_images, latent_dir,
-                                                   batch_size, bar)
-        for start in range(0, len(text_todo), batch_size):
-            keys = text_todo[start:start + batch_size]
+        if latent_batches:
+            index.encoded_images = _encode_latents(latent_batches, latent_items, encode_images, latent_dir, bar)
+        for keys in text_batches:
             with torch.no_grad():
                 encoded = encode_text([captions[k] for k in keys])
             for row, key in enumerate(keys):
@@ -174,22 +212,15 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
     return index
 
 
-def _encode_latents(keys: list[str], items: dict[str, CacheItem], encode_images: EncodeImages,
-                    latent_dir: Path, batch_size: int, bar: tqdm) -> int:
-    """Encode the images of `keys` in batches, keeping the encoder busy.
+def _encode_latents(chunks: list[list[str]], items: dict[str, CacheItem], encode_images: EncodeImages,
+                    latent_dir: Path, bar: tqdm) -> int:
+    """Encode the images of each chunk (one batch of same-size images), keeping the encoder busy.
 
     Decoding and resizing (loader threads; PIL releases the GIL) and writing entries (one writer
     thread) overlap with encoding, so the encoder waits on neither; a rank's caching then scales with
     its share of the images instead of being held up by one thread's file work. At most a few
     batches are decoded ahead, so memory stays bounded whatever the dataset's size.
     """
-    # Images only stack with images of the same size, so batch within each bucket size.
-    by_size: dict[tuple[int, int], list[str]] = {}
-    for key in keys:
-        by_size.setdefault(items[key].plan.target_size, []).append(key)
-    chunks = [size_keys[start:start + batch_size]
-              for size_keys in by_size.values() for start in range(0, len(size_keys), batch_size)]
-
     def load(chunk: list[str]) -> tuple[torch.Tensor, list[tuple[str, str]]]:
         pixels, owners = [], []
         for key in chunk:
@@ -219,14 +250,17 @@ def _encode_latents(keys: list[str], items: dict[str, CacheItem], encode_images:
                 ahead.append(loaders.submit(load, chunks[next_chunk]))
                 next_chunk += 1
             with torch.no_grad():
-                latents = encode_images(pixels)
-            if latents.shape[0] != len(owners):
-                raise ValueError(f"encode_images returned {latents.shape[0]} latents for {len(owners)} images; "
-                                 "it must keep the batch dimension first.")
-            latents = latents.cpu()
+                encoded = encode_images(pixels)
+            # Latents, or a distribution stored as its mean and std ("latents" -> "mean", "std").
+            parts = {"": encoded} if torch.is_tensor(encoded) else dict(zip(("mean", "std"), encoded))
             entries: dict[str, dict[str, torch.Tensor]] = {}
-            for row, (key, name) in enumerate(owners):
-                entries.setdefault(key, {})[name] = latents[row]
+            for prefix, tensor in parts.items():
+                if tensor.shape[0] != len(owners):
+                    raise ValueError(f"encode_images returned {tensor.shape[0]} latents for {len(owners)} images; "
+                                     "it must keep the batch dimension first.")
+                tensor = tensor.cpu()
+                for row, (key, name) in enumerate(owners):
+                    entries.setdefault(key, {})[name.replace("latents", prefix) if prefix else name] = tensor[row]
             writes.append(writer.submit(write, entries))
             while writes and writes[0].done():
                 writes.popleft().result()  # a failed write stops caching now, not at the end

@@ -1,11 +1,12 @@
 """`TrainDataset`: scanned images in buckets, served from the latent/text cache or as pixels.
 
-Randomness per use (crop position without cached latents, flip, caption dropout, tag shuffle)
-comes from an RNG seeded by (seed, epoch, item index) only, so an item looks the same whichever
-rank or DataLoader worker loads it and however many of them there are.
+Randomness per use (crop position without cached latents, flip, caption dropout, tag shuffle, the
+sample of a cached latent distribution) comes from RNGs seeded by (seed, epoch, item index) only, so
+an item looks the same whichever rank or DataLoader worker loads it and however many of them there are.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,12 @@ from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts
 
 def _rng(*parts) -> random.Random:
     return random.Random(":".join(str(p) for p in parts))
+
+
+def _torch_rng(*parts) -> torch.Generator:
+    """A torch generator keyed like `_rng` (a hash of the parts, the same in every process)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def text_cache_allowed(data_cfg: DataConfig, train_text_encoder: bool) -> bool:
@@ -103,7 +110,8 @@ class TrainDataset(Dataset):
             plan = self._fixed_plan(image_index)
             flip = cfg.random_flip and rng.random() < 0.5
             plan = replace(plan, flip=flip)
-            item["latents"] = self._cache.load_latents(image_index, flipped=flip)
+            item["latents"] = self._cache.load_latents(image_index, flipped=flip,
+                                                       generator=_torch_rng(self.seed, "latents", epoch, index))
         else:
             if cfg.random_crop:
                 bucket = self.bucket_sizes[self._image_bucket[image_index]]

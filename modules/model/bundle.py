@@ -114,16 +114,28 @@ class ModelBundle:
         Samples the VAE's latent distribution (as the diffusers training scripts do); the caller
         decides about `torch.no_grad()`. `generator` makes the sample reproducible.
         """
-        vae = self.vae
+        distribution = self._latent_distribution(pixels)
+        return self._scaled(distribution.sample(generator=generator))
+
+    def encode_latent_distribution(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the scaled latents of images in [-1, 1], [B, 3, H, W]: `encode_images` draws
+        `mean + std * noise`. The latent cache stores these, so that each use of an image draws its own
+        sample from a generator keyed by the seed and the item alone (see modules/data/cache.py)."""
+        distribution = self._latent_distribution(pixels)
+        return self._scaled(distribution.mean), distribution.std * self.vae.config.scaling_factor
+
+    def _latent_distribution(self, pixels: torch.Tensor):
         if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"encode_images expects pixels of shape [B, 3, H, W], got {tuple(pixels.shape)}")
-        vae_param = next(vae.parameters())
+        vae_param = next(self.vae.parameters())
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
-        latents = vae.encode(pixels).latent_dist.sample(generator=generator)
-        shift = getattr(vae.config, "shift_factor", None)
+        return self.vae.encode(pixels).latent_dist
+
+    def _scaled(self, latents: torch.Tensor) -> torch.Tensor:
+        shift = getattr(self.vae.config, "shift_factor", None)
         if shift is not None:
             latents = latents - shift
-        return latents * vae.config.scaling_factor
+        return latents * self.vae.config.scaling_factor
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode_images` (up to the VAE's quality): scaled latents -> pixels in [-1, 1]."""

@@ -187,8 +187,8 @@ class BaseTrainer(ABC):
 
     def seed_this_process(self) -> None:
         # Only what is not keyed elsewhere uses this stream (LoRA dropout, VAE sampling without a cache):
-        # noise/timesteps are keyed per global batch (objective.draw_noise) and augmentation per item
-        # (data.dataset), so neither depends on the number of ranks.
+        # noise/timesteps are keyed per global batch (objective.draw_noise), augmentation and cached
+        # latents' samples per item (data.dataset), so none of them depends on the number of ranks.
         seed_everything(self.cfg.general.seed * du.world_size() + du.rank())
 
     def configure_backends(self) -> None:
@@ -270,7 +270,7 @@ class BaseTrainer(ABC):
         du.barrier()  # ranks finish loading the model at different times: time the caching alone
         started = time.perf_counter()
         with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
-            self.dataset.cache(self.bundle.encode_images, self.bundle.encode_text, self.bundle.fingerprint(),
+            self.dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint(),
                                rank=du.rank() if share_work else 0,
                                world_size=du.world_size() if share_work else 1,
                                cache_text=self.cache_text())
