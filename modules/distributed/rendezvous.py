@@ -80,9 +80,17 @@ def serve(host: str, port: int, timeout: datetime.timedelta) -> Iterator[str]:
         del store
 
 
+CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+"""How long a worker tries to reach its launcher's store: the store is up before any worker starts, so
+failing to connect means the launcher is gone - better to exit than to wait the whole rendezvous timeout."""
+
+
 def connect(address: str, timeout: datetime.timedelta):
-    """The workers' view of the store a launcher serves at `address` (`host:port`)."""
+    """The workers' view of the store a launcher serves at `address` (`host:port`); `timeout` then
+    applies to waiting for the other ranks."""
     import torch.distributed as dist
 
     host, port = split_endpoint(address)
-    return dist.PrefixStore(WORKER_PREFIX, dist.TCPStore(host, port, None, False, timeout))
+    store = dist.TCPStore(host, port, None, False, min(timeout, CONNECT_TIMEOUT))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(WORKER_PREFIX, store)
