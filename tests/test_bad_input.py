@@ -33,6 +33,7 @@ def write_pictures(folder: Path, count: int) -> None:
         Image.new("RGB", (64, 64), (60 * i % 256, 30, 200)).save(folder / f"picture{i}.png")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [("train.py",), MULTI])
 def test_empty_dataset_is_one_line(tmp_path, cache_dir, script):
     empty = tmp_path / "empty"
@@ -45,6 +46,7 @@ def test_empty_dataset_is_one_line(tmp_path, cache_dir, script):
     assert line.startswith("error: No usable image found in the concept folders") and str(empty) in line
 
 
+@pytest.mark.slow
 def test_only_unreadable_images_one_warning_each_then_one_error(tmp_path, cache_dir):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -62,6 +64,7 @@ def test_only_unreadable_images_one_warning_each_then_one_error(tmp_path, cache_
         "has images."]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_data_warnings_come_once_per_run_and_the_run_goes_on(tmp_path, cache_dir, launcher):
     """A cp1252 caption (which aborted the launch) and a broken image: warned about once - by the
@@ -126,9 +129,13 @@ BAD_MODELS = {
 }
 
 
+# The check runs before either launcher is chosen: every model through train_multi_gpu.py, one through each other path.
+CASES = [(name, MULTI) for name in sorted(BAD_MODELS)] + [("random.ckpt", ("train.py",)),
+                                                           ("truncated.safetensors", (*MULTI, "--spawn"))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [("train.py",), MULTI, (*MULTI, "--spawn")])
-@pytest.mark.parametrize("name", sorted(BAD_MODELS))
+@pytest.mark.parametrize("name,script", CASES)
 def test_a_broken_base_model_fails_in_seconds_with_one_line(tmp_path, cache_dir, script, name):
     import time
     make, reason = BAD_MODELS[name]
@@ -182,6 +189,7 @@ def _read_only_command(folder: Path, command: list[str]) -> list[str]:
     return ["unshare", "-m", "sh", "-c", script]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [("train.py",), MULTI])
 def test_read_only_workspace_is_one_line(tmp_path, cache_dir, script):
     import os

@@ -223,7 +223,7 @@ def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tm
     done = next(e for e in found if e["type"] == "done")
     backups = [e for e in found if e["type"] == "backup"]
     assert not done["completed"] and len(backups) == 1 and backups[0]["step"] == done["step"]
-    assert (ws / "backups" / f"step-{done['step']:08d}").is_dir()
+    assert [p.name for p in (ws / "backups").rglob("step-*")] == [f"step-{done['step']:08d}"]  # backups/<run>/
     assert not _worker_pids(proc.pid), "worker processes left behind"
 
 
