@@ -243,7 +243,8 @@ def _worker_pids(parent: int) -> list[int]:
     while stack:
         for child in children.get(stack.pop(), []):
             stack.append(child)
-            if "python" in args.get(child, "") and "torch.distributed.run" not in args[child]:
+            agent = "torch.distributed.run" in args[child] or "modules.distributed.agent" in args[child]
+            if "python" in args.get(child, "") and not agent:  # torchrun's agent is no worker
                 found.append(child)
     # spawn also starts a resource tracker; workers are the processes that run the training.
     return sorted(p for p in found if "resource_tracker" not in args[p] and "semaphore_tracker" not in args[p])

@@ -82,10 +82,14 @@ def _ranks(launcher: int) -> list[int]:
     for row in rows:
         child, parent = (int(x) for x in row.split())
         children.setdefault(parent, []).append(child)
-    parents = [launcher] + [p for p in children.get(launcher, []) if b"torch.distributed.run" in _cmdline(p)]
+    parents = [launcher] + [p for p in children.get(launcher, []) if _is_torchrun(p)]
     return [c for parent in parents for c in children.get(parent, [])
-            if b"torch.distributed.run" not in _cmdline(c) and b"resource_tracker" not in _cmdline(c)
-            and _cmdline(c)]
+            if not _is_torchrun(c) and b"resource_tracker" not in _cmdline(c) and _cmdline(c)]
+
+
+def _is_torchrun(pid: int) -> bool:
+    """torchrun's agent: Tandem's launcher runs it through modules.distributed.agent (a thin wrapper)."""
+    return any(name in _cmdline(pid) for name in (b"torch.distributed.run", b"modules.distributed.agent"))
 
 
 def _alive(pids: list[int]) -> list[int]:
