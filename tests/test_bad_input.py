@@ -163,8 +163,9 @@ def test_probe_accepts_the_demo_folder_and_names_a_truncated_weights_file(tandem
     from modules.model.probe import probe_model
     folder = tmp_path / "demo-copy"
     shutil.copytree(ensure_demo_model(), folder)
-    assert probe_model(ModelConfig(base_model=str(folder))) == "sd1"
-    with pytest.raises(ValueError, match="model.model_type is 'sdxl'"):
+    assert probe_model(ModelConfig(base_model=str(folder))) is None  # SD 1.x or 2.x: one pipeline class
+    assert probe_model(ModelConfig(base_model=str(folder), model_type="sd2")) is None  # the loader tells them apart
+    with pytest.raises(ValueError, match="model.model_type is 'sdxl' but .* is an SD1 or SD2 model"):
         probe_model(ModelConfig(base_model=str(folder), model_type="sdxl"))
     weights = next((folder / "unet").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-10])

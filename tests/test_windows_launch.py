@@ -61,10 +61,12 @@ def test_torchrun_gets_use_libuv_0_for_its_own_store(windows, monkeypatch, tmp_p
 
     monkeypatch.setattr(launch.subprocess, "Popen", FakeTorchrun)
     monkeypatch.setattr(launch, "_own_process_group", lambda: {})
+    from modules.distributed.supervision import StopSignals
     from tests.trainer_helpers import demo_config
     cfg = demo_config(tmp_path / "ws", tmp_path / "cache")
-    assert launch.launch_torchrun(cfg, PLAN) == 0
-    assert started["cmd"][1:3] == ["-m", "torch.distributed.run"] and started["env"]["USE_LIBUV"] == "0"
+    assert launch.launch_torchrun(cfg, PLAN, "127.0.0.1:29500", StopSignals(tmp_path / "commands")) == (0, [])
+    # torch.distributed.run, through the wrapper that notes how failed workers ended (modules/distributed/agent.py)
+    assert started["cmd"][1:3] == ["-m", "modules.distributed.agent"] and started["env"]["USE_LIBUV"] == "0"
 
 
 def test_backend_is_gloo_on_windows_and_nccl_is_refused(windows):

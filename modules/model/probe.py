@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from modules.config.model_families import BUILTIN_MODELS, FAMILIES
+from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES
 from modules.config.train_config import ModelConfig
 
 from .detect import UNET_PREFIX, VAE_PREFIX, detect_model_type
@@ -45,23 +45,25 @@ def probe_model(model_cfg: ModelConfig) -> str | None:
         if not path.exists():
             raise FileNotFoundError(f"model.base_model {str(path)!r} does not exist; set it to a diffusers folder, "
                                     "a .safetensors/.ckpt file or builtin:demo.")
-        family = _probe_folder(path, own_vae) if path.is_dir() else _probe_file(path, own_vae)
-        _check_requested_type(model_cfg.model_type, family, path)
+        candidates = _probe_folder(path, own_vae) if path.is_dir() else (_probe_file(path, own_vae),)
+        _check_requested_type(model_cfg.model_type, candidates, path)
+        family = candidates[0] if len(candidates) == 1 else None
     if not own_vae:
         _probe_vae(Path(model_cfg.vae_path.strip()).expanduser())
     return family
 
 
-def _check_requested_type(requested: str, family: str | None, path: Path) -> None:
-    if family is None or requested in ("auto", family):
+def _check_requested_type(requested: str, candidates: tuple[str, ...], path: Path) -> None:
+    if requested == "auto" or requested in candidates:
         return
-    if {requested, family} <= {"sd1", "sd2"} and path.is_dir():
-        return  # one pipeline class for both: the loader tells them apart by the text encoder
-    raise ValueError(f"model.model_type is {requested!r} but {path} is an {family.upper()} model; set "
-                     f"model.model_type to 'auto' or {family!r}.")
+    found = " or ".join(c.upper() for c in candidates)
+    choices = ", ".join(repr(c) for c in ("auto", *candidates))
+    raise ValueError(f"model.model_type is {requested!r} but {path} is an {found} model; set "
+                     f"model.model_type to one of {choices}.")
 
 
-def _probe_folder(folder: Path, own_vae: bool) -> str | None:
+def _probe_folder(folder: Path, own_vae: bool) -> tuple[str, ...]:
+    """The families the folder's pipeline class belongs to (SD 1.x and 2.x share one)."""
     index_file = folder / "model_index.json"
     if not index_file.is_file():
         raise FileNotFoundError(
@@ -91,7 +93,7 @@ def _probe_folder(folder: Path, own_vae: bool) -> str | None:
         for file in weights:
             if file.suffix == SAFETENSORS_SUFFIX:
                 _safetensors_keys(file)
-    return matches[0] if len(matches) == 1 else None  # SD 1.x and 2.x share StableDiffusionPipeline
+    return tuple(sorted(matches, key=MODEL_TYPES.index))
 
 
 def _probe_file(path: Path, own_vae: bool) -> str:
