@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
