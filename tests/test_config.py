@@ -148,7 +148,7 @@ ENUMS = {
     "training.method": ["lora", "full"],
     "training.precision": ["bf16", "fp16", "fp32"],
     "training.lr_scheduler": ["constant", "linear", "cosine"],
-    "optimizer.name": ["adamw", "adamw_8bit", "adafactor", "sgd"],
+    "optimizer.name": ["adamw", "adamw_8bit", "adafactor", "sgd", "prodigy", "adamw_schedule_free"],
     "save.lora_format": ["kohya", "peft", "both"],
     "save.full_format": ["diffusers", "single_file", "both"],
     "save.save_dtype": ["fp16", "bf16", "fp32"],
@@ -205,6 +205,13 @@ RANGE_CASES = [
     ("multi_gpu.timeout_minutes", 0.0, "above 0"),
     ("multi_gpu.bucket_cap_mb", 0, "1 or more"),
     ("multi_gpu.num_gpus", -1, "0 or more"),
+    ("optimizer.prodigy_d_coef", 0.0, "above 0"),
+    ("optimizer.prodigy_d0", 0.0, "above 0"),
+    ("optimizer.prodigy_growth_rate", 0.5, "1 or more"),
+    ("optimizer.prodigy_growth_rate", -1.0, "0 or more"),
+    ("optimizer.prodigy_slice_p", 0, "1 or more"),
+    ("optimizer.schedule_free_r", -1.0, "0 or more"),
+    ("optimizer.schedule_free_weight_lr_power", -2.0, "0 or more"),
 ]
 
 
@@ -600,4 +607,28 @@ def test_lora_on_a_half_precision_base_needs_autocast(unet_dtype):
     assert problem.startswith(f"model.unet_dtype: '{unet_dtype}'") and "training.precision" in problem
     for fine in [("lora", "bf16", unet_dtype), ("full", "fp32", unet_dtype), ("lora", "fp32", "fp32")]:
         cfg.training.method, cfg.training.precision, cfg.model.unet_dtype = fine
+        assert validate(cfg) == []
+
+
+def test_schedule_free_adamw_refuses_a_decaying_schedule_and_ema():
+    cfg = valid_config()
+    cfg.optimizer.name, cfg.training.lr_scheduler, cfg.training.ema = "adamw_schedule_free", "cosine", True
+    scheduler, ema = validate(cfg)
+    assert scheduler.startswith("training.lr_scheduler: 'cosine'") and "set training.lr_scheduler to constant" in scheduler
+    assert ema.startswith("training.ema: true") and "set training.ema to false" in ema
+    cfg.training.lr_scheduler, cfg.training.ema, cfg.training.lr_warmup_steps = "constant", False, 100
+    assert validate(cfg) == []
+    cfg.optimizer.name, cfg.training.lr_scheduler, cfg.training.ema = "adamw", "cosine", True
+    assert validate(cfg) == []  # other optimizers take both
+
+
+def test_prodigy_needs_one_learning_rate_for_all_weights():
+    """prodigyopt raises at the first step when parameter groups have different rates (after loading and caching)."""
+    cfg = valid_config()
+    cfg.optimizer.name, cfg.training.train_text_encoder = "prodigy", True
+    cfg.training.learning_rate, cfg.training.text_encoder_learning_rate = 1.0, 0.5
+    (problem,) = validate(cfg)
+    assert problem.startswith("training.text_encoder_learning_rate: 0.5") and "set training.text_encoder_learning_rate to 0" in problem
+    for fine in (0.0, 1.0):
+        cfg.training.text_encoder_learning_rate = fine
         assert validate(cfg) == []

@@ -107,19 +107,35 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    """Optimizer: `adamw`, `adamw_8bit` (needs bitsandbytes), `adafactor` or `sgd`."""
+    """Optimizer: `adamw`, `adamw_8bit` (needs bitsandbytes), `adafactor`, `sgd`, `prodigy` (needs prodigyopt; finds its own step size: set training.learning_rate to 1.0, which then multiplies that step size) or `adamw_schedule_free` (needs schedulefree; averages the weights instead of decaying the learning rate: keep training.lr_scheduler constant; samples and saved models use the averaged weights)."""
     weight_decay: float = 0.01
     """Decoupled weight decay."""
     beta1: float = 0.9
-    """Adam first-moment decay."""
+    """Adam first-moment decay (AdamW, 8-bit AdamW, Prodigy; schedule-free AdamW: how near to its averaged weights, 0 to 1, it takes the gradients)."""
     beta2: float = 0.999
-    """Adam second-moment decay."""
+    """Adam second-moment decay (AdamW, 8-bit AdamW, Prodigy, schedule-free AdamW)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (AdamW, 8-bit AdamW, Prodigy, schedule-free AdamW)."""
     momentum: float = 0.9
     """Momentum for SGD."""
     fused: bool = True
     """Use the fused CUDA AdamW kernel when training on CUDA."""
+    prodigy_d_coef: float = 1.0
+    """Prodigy: multiplies the step size Prodigy estimates (0.5 to 2 are typical); the preferred way to make Prodigy train faster or more gently."""
+    prodigy_d0: float = 1e-6
+    """Prodigy: the step-size estimate it starts from and grows out of in the first steps. Rarely needs changing."""
+    prodigy_growth_rate: float = 0.0
+    """Prodigy: the most the step-size estimate may grow per step, as a factor (1.02 acts like a warm-up). 0: unlimited."""
+    prodigy_use_bias_correction: bool = False
+    """Prodigy: apply Adam's bias correction to its moments. Off in Prodigy's own default; in short runs the first steps after its estimate grows are then larger than the reported rate (the demo LoRA's loss rose again within 40 steps without it)."""
+    prodigy_safeguard_warmup: bool = False
+    """Prodigy: keep the learning rate out of the step-size estimate, so that a learning-rate warm-up (training.lr_warmup_steps) does not inflate it. Turn on together with a warm-up."""
+    prodigy_slice_p: int = 1
+    """Prodigy: estimate the step size from every p-th weight only, which saves memory in large full fine-tunes (11 is reasonable). 1: from every weight, as Prodigy is defined."""
+    schedule_free_r: float = 0.0
+    """Schedule-free AdamW: weight later steps more in its average of the weights, in proportion to step^r. 0: every step alike (the default of schedulefree)."""
+    schedule_free_weight_lr_power: float = 2.0
+    """Schedule-free AdamW: each step counts in the average in proportion to the largest learning rate so far raised to this power, so that warm-up steps count less. 0: no such weighting."""
 
 
 @dataclass

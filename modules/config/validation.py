@@ -36,7 +36,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "method"): ("lora", "full"),
     ("training", "precision"): ("bf16", "fp16", "fp32"),
     ("training", "lr_scheduler"): ("constant", "linear", "cosine"),
-    ("optimizer", "name"): ("adamw", "adamw_8bit", "adafactor", "sgd"),
+    ("optimizer", "name"): ("adamw", "adamw_8bit", "adafactor", "sgd", "prodigy", "adamw_schedule_free"),
     ("save", "lora_format"): ("kohya", "peft", "both"),
     ("save", "full_format"): ("diffusers", "single_file", "both"),
     ("save", "save_dtype"): DTYPES,
@@ -61,6 +61,10 @@ MINIMUMS: dict[tuple[str, str], int | float] = {
     ("training", "flux_guidance"): 0,
     ("model", "t5_max_length"): 0,
     ("optimizer", "weight_decay"): 0,
+    ("optimizer", "prodigy_growth_rate"): 0,
+    ("optimizer", "prodigy_slice_p"): 1,
+    ("optimizer", "schedule_free_r"): 0,
+    ("optimizer", "schedule_free_weight_lr_power"): 0,
     ("data", "num_workers"): 0,
     ("data", "prefetch_factor"): 1,
     ("data", "keep_tags"): 0,
@@ -84,6 +88,8 @@ ABOVE: dict[tuple[str, str], float] = {
     ("training", "lora_alpha"): 0.0,
     ("training", "timestep_logit_std"): 0.0,
     ("optimizer", "eps"): 0.0,
+    ("optimizer", "prodigy_d_coef"): 0.0,
+    ("optimizer", "prodigy_d0"): 0.0,
     ("multi_gpu", "timeout_minutes"): 0.0,
 }
 
@@ -215,6 +221,30 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
     problems += _between("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
     problems += _between("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
     problems += _between("optimizer.momentum", cfg.optimizer.momentum, 0.0, 1.0)
+    return problems + _optimizer_checks(cfg)
+
+
+def _optimizer_checks(cfg: TrainConfig) -> list[str]:
+    """What Prodigy and schedule-free AdamW cannot combine with."""
+    o, t = cfg.optimizer, cfg.training
+    problems = []
+    if 0 < o.prodigy_growth_rate < 1:
+        problems.append(f"optimizer.prodigy_growth_rate: {o.prodigy_growth_rate!r} would shrink Prodigy's step size "
+                        "every step; set it to 1 or more (1.02 is a gentle limit), or 0 for no limit.")
+    if o.name == "prodigy" and t.train_text_encoder and t.text_encoder_learning_rate not in (0, t.learning_rate):
+        # prodigyopt raises at the first step when parameter groups have different non-zero rates.
+        problems.append(f"training.text_encoder_learning_rate: {t.text_encoder_learning_rate!r} differs from "
+                        f"training.learning_rate ({t.learning_rate!r}), and Prodigy estimates one step size for all "
+                        "weights; set training.text_encoder_learning_rate to 0 (the same rate).")
+    if o.name == "adamw_schedule_free":
+        if t.lr_scheduler != "constant":
+            problems.append(f"training.lr_scheduler: {t.lr_scheduler!r} decays the learning rate, which "
+                            "optimizer.name 'adamw_schedule_free' replaces by averaging the weights; set "
+                            "training.lr_scheduler to constant (training.lr_warmup_steps still warms up).")
+        if t.ema:
+            problems.append("training.ema: true keeps a second average of the weights beside the one "
+                            "optimizer.name 'adamw_schedule_free' keeps (its samples and saved models are that "
+                            "average); set training.ema to false.")
     return problems
 
 

@@ -24,7 +24,7 @@ from modules.trainer import backup as backups
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
-from modules.trainer.optim import build_optimizer, build_scheduler, match_param_layouts
+from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr, is_schedule_free, match_param_layouts
 from modules.trainer.outputs import OutputWriter
 from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
@@ -504,7 +504,7 @@ class BaseTrainer(ABC):
 
     def after_step(self, loss: torch.Tensor) -> None:
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
-        self.exchange.send(self.global_step, self.epoch, loss, self.optimizer.param_groups[0]["lr"], self.take_commands(),
+        self.exchange.send(self.global_step, self.epoch, loss, effective_lr(self.optimizer), self.take_commands(),
                            weight=self.batch_part.loss_weight(du.world_size()))
         self.outputs.poll_backups()
         s = self.cfg.save
@@ -593,8 +593,11 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ state
     def training_state(self) -> dict:
+        # A schedule-free optimizer is always in train mode here (OutputWriter's evaluation_weights restores
+        # it): the backup holds the training weights y with the optimizer's state, which resumes exactly.
         return {
             "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+            "optimizer_name": self.cfg.optimizer.name,
             "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
             "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
             "sampler": self.sampler.state_dict(), "accumulation": self.numbers.accumulation,
@@ -629,6 +632,11 @@ class BaseTrainer(ABC):
         if missing:
             raise ValueError(f"the backup does not match this model/training method (missing {missing[:3]}...); "
                              "start fresh or use the config the backup was made with.")
+        saved_optimizer = state.get("optimizer_name")  # backups before it was recorded: not checked
+        if saved_optimizer is not None and saved_optimizer != self.cfg.optimizer.name:
+            raise ValueError(f"optimizer.name: the backup was trained with {saved_optimizer!r} and this run uses "
+                             f"{self.cfg.optimizer.name!r}, whose state it cannot continue; set optimizer.name to "
+                             f"{saved_optimizer!r} to continue the backup, or start a new run without resuming.")
         with torch.no_grad():
             for name, p in own.items():
                 p.copy_(weights[name].to(p.dtype))
@@ -638,6 +646,8 @@ class BaseTrainer(ABC):
         fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         match_param_layouts(self.optimizer)  # a backup from a run with another training.channels_last
+        if is_schedule_free(self.optimizer):
+            self.optimizer.train()  # a no-op for Tandem's backups (taken in train mode); converts any other
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.adapt_to_new_global_batch(state, fresh_base_lrs)
         self.scaler.load_state_dict(state["scaler"])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from modules.distributed import dist_utils as du
 from modules.trainer import backup as backups
+from modules.trainer.optim import evaluation_weights
 from modules.util.atomic import unique_path
 from modules.util.host_copy import HostSnapshot, snapshot_to_host
 
@@ -178,7 +179,8 @@ class OutputWriter:
         t = self.t
         which = t.cfg.save.ema_weights if t.ema is not None else "raw"
         if which in ("raw", "both"):
-            self._write_model(path)
+            with evaluation_weights(t.optimizer):  # schedule-free AdamW: its averaged weights (optim.py)
+                self._write_model(path)
         if which in ("ema", "both"):
             ema_path = path if which == "ema" else path.with_name(path.name.replace(self._suffix(), "") + "-ema" + self._suffix())
             with t.ema.swapped_in():
@@ -219,10 +221,12 @@ class OutputWriter:
 
     @contextlib.contextmanager
     def _weights_for_samples(self):
-        """Samples show the EMA weights when EMA is on and chosen for saving."""
+        """Samples show the weights that are saved: the EMA weights when EMA is on and chosen for saving,
+        schedule-free AdamW's averaged weights with that optimizer (the config never has both)."""
         t = self.t
         if t.ema is not None and t.cfg.save.ema_weights == "ema":
             with t.ema.swapped_in():
                 yield
         else:
-            yield
+            with evaluation_weights(t.optimizer):
+                yield
