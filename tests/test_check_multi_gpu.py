@@ -109,6 +109,25 @@ def test_optimizer_state_sizes():
         memory_estimate.optimizer_state_bytes("lion", shapes, 0.9)
 
 
+@pytest.mark.parametrize("name, slice_p", [("prodigy", 1), ("prodigy", 11), ("adamw_schedule_free", 1)])
+def test_optimizer_state_sizes_match_the_real_optimizers(name, slice_p):
+    """The estimate counts what Prodigy and schedule-free AdamW really keep (their state after one step)."""
+    import torch
+    from modules.config import OptimizerConfig
+    from modules.trainer.optim import build_optimizer
+    pytest.importorskip({"prodigy": "prodigyopt", "adamw_schedule_free": "schedulefree"}[name])
+    shapes = [(32, 24), (32,), (5, 3, 3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    optimizer = build_optimizer([{"params": params, "lr": 1.0}], OptimizerConfig(name=name, prodigy_slice_p=slice_p),
+                                torch.device("cpu"))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    real = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    assert memory_estimate.optimizer_state_bytes(name, shapes, 0.9, slice_p) == real
+
+
 @pytest.mark.slow
 def test_estimate_over_free_memory_fails_with_advice(tmp_path):
     config = write_config(tmp_path, training={"method": "full", "batch_size": 4})

@@ -557,6 +557,23 @@ def test_unused_fields_follow_method_and_optimizer():
     assert all(path in leaf_paths(cfg) for path in unused)
 
 
+def test_prodigy_and_schedule_free_fields_are_used_only_by_their_optimizer():
+    from ui.applicability import unused_fields
+    cfg = TrainConfig()
+    prodigy = [p for p in leaf_paths(cfg) if p.startswith("optimizer.prodigy_")]
+    schedule_free = [p for p in leaf_paths(cfg) if p.startswith("optimizer.schedule_free_")]
+    assert len(prodigy) == 6 and len(schedule_free) == 2
+    unused = unused_fields(cfg)  # AdamW
+    assert all("used only by Prodigy (Optimizer is adamw)" == unused[p] for p in prodigy)
+    assert all("used only by schedule-free AdamW" in unused[p] for p in schedule_free)
+    for name, own, other in (("prodigy", prodigy, schedule_free), ("adamw_schedule_free", schedule_free, prodigy)):
+        cfg.optimizer.name = name
+        unused = unused_fields(cfg)
+        assert not [p for p in own if p in unused] and all(p in unused for p in other)
+        assert not {"optimizer.beta1", "optimizer.beta2", "optimizer.eps"} & set(unused)  # Adam's betas apply
+        assert "optimizer.fused" in unused and "optimizer.momentum" in unused
+
+
 def test_tooltips_have_no_code_marks():
     from ui.binding import plain_text
     text = plain_text(field_doc("general.device"))

@@ -482,6 +482,14 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_fac
     assert "Method is full" in fields["training.lora_rank"].tooltip.text
     method.var.set("lora")
     assert fields["training.lora_rank"].widget.cget("state") == "normal"
+    optimizer.var.set("prodigy")
+    assert fields["optimizer.prodigy_d_coef"].widget.cget("state") == "normal"
+    assert fields["optimizer.schedule_free_r"].widget.cget("state") == "disabled"
+    assert "used only by schedule-free AdamW" in fields["optimizer.schedule_free_r"].tooltip.text
+    assert "Prodigy" in fields["optimizer.prodigy_d_coef"].tooltip.text
+    optimizer.var.set("adamw_schedule_free")
+    assert fields["optimizer.schedule_free_r"].widget.cget("state") == "normal"
+    assert fields["optimizer.prodigy_d_coef"].widget.cget("state") == "disabled"
 
 
 def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory, tmp_path, monkeypatch):

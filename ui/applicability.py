@@ -12,7 +12,8 @@ from modules.config import TrainConfig
 
 Rule = Callable[[TrainConfig], "str | None"]
 
-_ADAM = ("adamw", "adamw_8bit")
+_ADAM = ("adamw", "adamw_8bit", "prodigy", "adamw_schedule_free")
+"""The optimizers that take Adam's betas and epsilon."""
 
 
 def _lora(c: TrainConfig) -> str | None:
@@ -24,7 +25,17 @@ def _full(c: TrainConfig) -> str | None:
 
 
 def _adam(c: TrainConfig) -> str | None:
-    return None if c.optimizer.name in _ADAM else f"used only by AdamW (Optimizer is {c.optimizer.name})"
+    return None if c.optimizer.name in _ADAM else \
+        f"used only by AdamW, 8-bit AdamW, Prodigy and schedule-free AdamW (Optimizer is {c.optimizer.name})"
+
+
+def _prodigy(c: TrainConfig) -> str | None:
+    return None if c.optimizer.name == "prodigy" else f"used only by Prodigy (Optimizer is {c.optimizer.name})"
+
+
+def _schedule_free(c: TrainConfig) -> str | None:
+    return None if c.optimizer.name == "adamw_schedule_free" else \
+        f"used only by schedule-free AdamW (Optimizer is {c.optimizer.name})"
 
 
 def _multi_gpu(c: TrainConfig) -> str | None:
@@ -45,6 +56,14 @@ RULES: dict[str, Rule] = {
     f"used only by AdamW (Optimizer is {c.optimizer.name})",
     "optimizer.momentum": lambda c: None if c.optimizer.name == "sgd" else
     f"used only by SGD (Optimizer is {c.optimizer.name})",
+    "optimizer.prodigy_d_coef": _prodigy,
+    "optimizer.prodigy_d0": _prodigy,
+    "optimizer.prodigy_growth_rate": _prodigy,
+    "optimizer.prodigy_use_bias_correction": _prodigy,
+    "optimizer.prodigy_safeguard_warmup": _prodigy,
+    "optimizer.prodigy_slice_p": _prodigy,
+    "optimizer.schedule_free_r": _schedule_free,
+    "optimizer.schedule_free_weight_lr_power": _schedule_free,
     "training.text_encoder_learning_rate": lambda c: None if c.training.train_text_encoder else
     "used only when the text encoder is trained (Train text encoder is off)",
     "training.epochs": lambda c: None if c.training.max_steps <= 0 else

@@ -217,11 +217,16 @@ def _numel(shape) -> int:
     return n
 
 
-def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: float) -> int:
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: float, prodigy_slice_p: int = 1) -> int:
     """Bytes of optimizer state for trainable tensors of these shapes."""
     params = sum(_numel(s) for s in shapes)
     if name == "adamw":
         return 8 * params  # exp_avg + exp_avg_sq in fp32
+    if name == "adamw_schedule_free":
+        return 8 * params  # z + exp_avg_sq (samples and saves copy the weights once more while they run)
+    if name == "prodigy":
+        # exp_avg + exp_avg_sq, and every p-th element of each tensor twice (its start value p0 and s)
+        return 8 * params + 8 * sum(-(-_numel(s) // prodigy_slice_p) for s in shapes)
     if name == "adamw_8bit":
         return 2 * params  # bitsandbytes: two 8-bit states (block-wise scales are negligible)
     if name == "sgd":
@@ -235,7 +240,8 @@ def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: fl
             else:
                 total += 4 * _numel(s)
         return total
-    raise EstimateError(f"optimizer.name: {name!r} is not one of adamw, adamw_8bit, adafactor, sgd.")
+    raise EstimateError(f"optimizer.name: {name!r} is not one of adamw, adamw_8bit, adafactor, sgd, prodigy, "
+                        "adamw_schedule_free.")
 
 
 def _activation_gib_per_sample(family: str, resolution: int, precision: str, checkpointing: bool) -> float:
@@ -280,7 +286,8 @@ def estimate(cfg) -> dict:
 
     gradient_bytes = trainable_params * 4
     ddp_bucket_bytes = gradient_bytes if cfg.multi_gpu.enabled and not cfg.multi_gpu.gradient_as_bucket_view else 0
-    optimizer_bytes = optimizer_state_bytes(cfg.optimizer.name, trainable, cfg.optimizer.momentum)
+    optimizer_bytes = optimizer_state_bytes(cfg.optimizer.name, trainable, cfg.optimizer.momentum,
+                                            cfg.optimizer.prodigy_slice_p)
     ema_bytes = trainable_params * 4 if t.ema else 0
     # Autocast keeps a half-precision copy of every fp32 UNet weight it uses during the forward.
     fp32_unet = counts["unet"] if (not lora or m.unet_dtype == "fp32") else 0

@@ -33,6 +33,14 @@ LABELS = {
     "training.flux_guidance": "Flux guidance (training)",
     "optimizer.name": "Optimizer",
     "optimizer.fused": "Fused AdamW (CUDA)",
+    "optimizer.prodigy_d_coef": "Prodigy d coefficient",
+    "optimizer.prodigy_d0": "Prodigy initial d",
+    "optimizer.prodigy_growth_rate": "Prodigy d growth limit",
+    "optimizer.prodigy_use_bias_correction": "Prodigy bias correction",
+    "optimizer.prodigy_safeguard_warmup": "Prodigy safeguard warm-up",
+    "optimizer.prodigy_slice_p": "Prodigy slice (every p-th)",
+    "optimizer.schedule_free_r": "Schedule-free r",
+    "optimizer.schedule_free_weight_lr_power": "Schedule-free LR-weight power",
 }
 
 
@@ -46,7 +54,10 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     form.field("training.train_text_encoder")
     form.section("Optimizer")
     form.fields("optimizer.name", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2",
-                "optimizer.eps", "optimizer.momentum", "optimizer.fused")
+                "optimizer.eps", "optimizer.momentum", "optimizer.fused",
+                "optimizer.prodigy_d_coef", "optimizer.prodigy_d0", "optimizer.prodigy_growth_rate",
+                "optimizer.prodigy_use_bias_correction", "optimizer.prodigy_safeguard_warmup",
+                "optimizer.prodigy_slice_p", "optimizer.schedule_free_r", "optimizer.schedule_free_weight_lr_power")
     form.section("Schedule")
     form.fields("training.learning_rate", "training.text_encoder_learning_rate", "training.lr_scheduler",
                 "training.lr_warmup_steps", "training.epochs", "training.max_steps")
