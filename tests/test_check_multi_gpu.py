@@ -79,6 +79,28 @@ def test_sd1_full_finetune_adamw_fp32_needs_16_bytes_per_unet_parameter(tmp_path
     assert est["autocast_cache"] == 0  # fp32 training casts nothing
 
 
+def test_fp8_lora_base_counts_one_byte_per_linear_weight():
+    """The estimate of a float8 base matches what Float8Linear really stores (on the demo UNet)."""
+    import torch
+    from modules.model import load_model
+    from modules.config.train_config import ModelConfig, TrainingConfig
+    bundle = load_model(ModelConfig(unet_dtype="fp8"), training_cfg=TrainingConfig(method="lora"))
+    unet = bundle.unet
+    real = sum(t.numel() * t.element_size() for t in [*unet.parameters(), *unet.buffers()])
+    fresh = load_model(ModelConfig(unet_dtype="bf16"), training_cfg=TrainingConfig(method="lora")).unet
+    assert memory_estimate.frozen_unet_bytes(fresh, "fp8") == real
+    assert memory_estimate.frozen_unet_bytes(fresh, "bf16") == 2 * sum(p.numel() for p in fresh.parameters())
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type, cfg.model.unet_dtype = "unused.safetensors", "sd1", "bf16"
+    bf16 = memory_estimate.estimate(cfg)
+    cfg.model.unet_dtype = "fp8"
+    fp8 = memory_estimate.estimate(cfg)
+    linear = sum(m.weight.numel() for m in memory_estimate.build_meta_models(
+        memory_estimate.resolve_architecture(cfg)[2])["unet"].modules() if isinstance(m, torch.nn.Linear))
+    assert 0.3 * bf16["params"]["unet"] < linear < 0.32 * bf16["params"]["unet"]  # SD1.5: the rest are convolutions
+    assert (bf16["weights"] - fp8["weights"]) * GIB == pytest.approx(linear, rel=1e-3)
+
+
 def test_published_architectures_match_published_parameter_counts():
     for family, expected in memory_estimate.PUBLISHED_PARAMS_M.items():
         models = memory_estimate.build_meta_models(memory_estimate.ARCHITECTURES[family])

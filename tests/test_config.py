@@ -142,7 +142,7 @@ def test_the_defaults_are_valid():
 ENUMS = {
     "model.model_type": ["auto", "sd1", "sd2", "sdxl"],
     "model.prediction_type": ["auto", "epsilon", "v_prediction"],
-    "model.unet_dtype": ["fp32", "bf16", "fp16"],
+    "model.unet_dtype": ["fp32", "bf16", "fp16", "fp8"],
     "model.text_encoder_dtype": ["fp32", "bf16", "fp16"],
     "model.vae_dtype": ["fp32", "bf16", "fp16"],
     "training.method": ["lora", "full"],
@@ -632,3 +632,21 @@ def test_prodigy_needs_one_learning_rate_for_all_weights():
     for fine in (0.0, 1.0):
         cfg.training.text_encoder_learning_rate = fine
         assert validate(cfg) == []
+
+
+def test_fp8_base_is_for_lora_computed_in_bf16():
+    cfg = valid_config()
+    cfg.model.unet_dtype = "fp8"
+    assert validate(cfg) == []  # LoRA, bf16: the defaults
+    cfg.training.method = "full"
+    (problem,) = validate(cfg)
+    assert problem.startswith("model.unet_dtype: 'fp8'") and "training.method 'full'" in problem \
+        and "set model.unet_dtype to fp32 or training.method to lora" in problem
+    cfg.training.method = "lora"
+    for precision in ("fp16", "fp32"):
+        cfg.training.precision = precision
+        (problem,) = validate(cfg)
+        assert problem.startswith("model.unet_dtype: 'fp8'") and "set training.precision to bf16" in problem
+    cfg.training.precision, cfg.model.text_encoder_dtype = "bf16", "fp8"  # only the denoiser
+    (problem,) = validate(cfg)
+    assert problem.startswith("model.text_encoder_dtype: 'fp8' is not a valid choice")

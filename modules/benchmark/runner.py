@@ -93,8 +93,15 @@ class BenchmarkMixin:
 
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle
-        from modules.model.loading import frozen_dtypes
-        return random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"])
+        from modules.model.loading import frozen_dtypes, store_base_in_float8
+        bundle = random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"])
+        store_base_in_float8(bundle, self.cfg.model)  # model.unet_dtype=fp8 (float8.py)
+        if self.device.type == "cuda" and self.cfg.model.unet_dtype == "fp8":
+            # The random model is built on the GPU in bf16 (building 12 B weights on the CPU takes minutes);
+            # load_model quantizes on the CPU, so a user's GPU never holds the bf16 copy: leave it out of the peak.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return bundle
 
     def fill_cache(self):
         """Already cached: the synthetic items carry latents and text embeddings."""
@@ -172,6 +179,9 @@ class BenchmarkMixin:
                                          for k, v in self.phase_times.items()},
                           samples_per_s_mean=round(c.batch * du.world_size() / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
+                          denoiser_gib=round(sum(t.numel() * t.element_size() for t in
+                                                 [*self.bundle.denoiser.parameters(), *self.bundle.denoiser.buffers()])
+                                             / 2**30, 3),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
                           start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
                           compile_gradient_difference=max(self.compiled_shapes_checked.values(), default=None),

@@ -43,7 +43,7 @@ class ModelConfig:
     vae_path: str = ""
     """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
     unet_dtype: str = "fp32"
-    """Storage dtype of the UNet's (SD3, Flux: the transformer's) weights that are not trained (LoRA base weights): fp32, bf16 or fp16 (a half-precision base needs training.precision bf16 or fp16)."""
+    """Storage dtype of the UNet's (SD3, Flux: the transformer's) weights that are not trained (LoRA base weights): fp32, bf16, fp16 (a half-precision base needs training.precision bf16 or fp16) or fp8 (LoRA only, with training.precision bf16: the weights of every Linear layer stored in float8 with one scale per tensor and computed in bf16, the rest in bf16; a Flux.1 transformer then takes about 12 GB instead of 24)."""
     text_encoder_dtype: str = "fp32"
     """Storage dtype of frozen text-encoder weights (T5 is always frozen): fp32, bf16 or fp16."""
     vae_dtype: str = "fp32"

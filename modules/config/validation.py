@@ -30,7 +30,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("general", "device"): ("auto", "cuda", "cpu"),
     ("model", "model_type"): ("auto", *MODEL_TYPES),
     ("model", "prediction_type"): ("auto", "epsilon", "v_prediction"),
-    ("model", "unet_dtype"): DTYPES,
+    ("model", "unet_dtype"): (*DTYPES, "fp8"),
     ("model", "text_encoder_dtype"): DTYPES,
     ("model", "vae_dtype"): DTYPES,
     ("training", "method"): ("lora", "full"),
@@ -213,6 +213,15 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
     if t.method == "lora" and not t.lora_target_modules:
         problems.append("training.lora_target_modules: [] leaves LoRA nothing to train; "
                         'list module names such as ["to_q", "to_k", "to_v", "to_out.0"].')
+    if cfg.model.unet_dtype == "fp8":
+        # float8.py: a frozen base, computed in bf16 (the float8 -> bf16 upcast is exact).
+        if t.method != "lora":
+            problems.append(f"model.unet_dtype: 'fp8' stores the frozen base weights of a LoRA, and training.method "
+                            f"{t.method!r} trains every weight (kept in fp32); set model.unet_dtype to fp32 or "
+                            "training.method to lora.")
+        elif t.precision != "bf16":
+            problems.append(f"model.unet_dtype: 'fp8' weights are computed in bf16, and training.precision is "
+                            f"{t.precision!r}; set training.precision to bf16 (or model.unet_dtype to bf16).")
     if t.method == "lora" and t.precision == "fp32" and cfg.model.unet_dtype in ("bf16", "fp16"):
         # LoRA keeps the frozen UNet in unet_dtype; without autocast its layers would get fp32 inputs.
         problems.append(f"model.unet_dtype: {cfg.model.unet_dtype!r} stores LoRA's frozen UNet in half precision, "

@@ -244,6 +244,16 @@ def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: fl
                         "adamw_schedule_free.")
 
 
+def frozen_unet_bytes(unet: torch.nn.Module, unet_dtype: str) -> int:
+    """Bytes of a frozen (LoRA base) UNet stored as `model.unet_dtype` says; fp8 stores the weights of Linear
+    layers in 1 byte (plus one scale each) and the rest in bf16 (modules/model/float8.py)."""
+    params = sum(p.numel() for p in unet.parameters())
+    if unet_dtype != "fp8":
+        return params * DTYPE_BYTES[unet_dtype]
+    linear = [m.weight.numel() for m in unet.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(linear) + 4 * len(linear) + 2 * (params - sum(linear))
+
+
 def _activation_gib_per_sample(family: str, resolution: int, precision: str, checkpointing: bool) -> float:
     without, with_ckpt = ACTIVATION_GIB_PER_SAMPLE[family]
     scale = (resolution / ACTIVATION_REFERENCE_RESOLUTION[family]) ** 2
@@ -278,7 +288,8 @@ def estimate(cfg) -> dict:
 
     # Trained weights are kept in fp32 (master weights); frozen ones in their configured dtype.
     frozen_unet = counts["unet"] if lora else 0
-    weight_bytes = frozen_unet * DTYPE_BYTES[m.unet_dtype] + trainable_params * 4
+    weight_bytes = frozen_unet_bytes(models["unet"], m.unet_dtype) if lora else 0
+    weight_bytes += trainable_params * 4
     encoder_params = sum(counts[n] for n in encoders)
     if not (t.train_text_encoder and not lora):
         weight_bytes += encoder_params * DTYPE_BYTES[m.text_encoder_dtype]

@@ -26,21 +26,31 @@ SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 BUILTIN_DEMO = "builtin:demo"
 
 
+FLOAT8_BASE = "fp8"
+"""`model.unet_dtype` for a denoiser whose Linear weights are stored in float8 (`float8.py`); the rest is bf16."""
+
+
 def frozen_dtypes(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = None) -> dict[str, torch.dtype]:
     """Storage dtype of each component: the configured ones for frozen parts, fp32 for trained ones.
 
     Without `training_cfg` nothing is trained (inference), so every configured dtype applies.
     LoRA keeps its base weights frozen, so `unet_dtype` applies to it; full training keeps fp32
-    master weights (mixed precision happens in autocast).
+    master weights (mixed precision happens in autocast). `unet_dtype` fp8 loads the denoiser in bf16;
+    `store_base_in_float8` then stores its Linear weights in float8.
     """
     for name in ("unet_dtype", "text_encoder_dtype", "vae_dtype"):
         value = getattr(model_cfg, name)
-        if value not in DTYPES:
-            raise ValueError(f"model.{name} is {value!r}; use one of {', '.join(DTYPES)}")
+        allowed = (*DTYPES, FLOAT8_BASE) if name == "unet_dtype" else tuple(DTYPES)
+        if value not in allowed:
+            raise ValueError(f"model.{name} is {value!r}; use one of {', '.join(allowed)}")
     full = training_cfg is not None and training_cfg.method == "full"
+    if full and model_cfg.unet_dtype == FLOAT8_BASE:
+        raise ValueError("model.unet_dtype is 'fp8', which stores a frozen LoRA base; a full fine-tune trains "
+                         "every weight (in fp32): set model.unet_dtype to fp32 or training.method to lora")
     trains_text = full and training_cfg.train_text_encoder
+    unet = torch.bfloat16 if model_cfg.unet_dtype == FLOAT8_BASE else DTYPES.get(model_cfg.unet_dtype)
     return {
-        "unet": torch.float32 if full else DTYPES[model_cfg.unet_dtype],
+        "unet": torch.float32 if full else unet,
         "text_encoder": torch.float32 if trains_text else DTYPES[model_cfg.text_encoder_dtype],
         "vae": DTYPES[model_cfg.vae_dtype],
     }
@@ -93,7 +103,18 @@ def load_model(
 
     for module in bundle.modules().values():
         module.requires_grad_(False).eval()
+    store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights
     return bundle.to(device)
+
+
+def store_base_in_float8(bundle: ModelBundle, model_cfg: ModelConfig) -> None:
+    """With `model.unet_dtype` fp8: the denoiser's Linear weights in float8 (frozen; see float8.py)."""
+    if model_cfg.unet_dtype != FLOAT8_BASE:
+        return
+    from .float8 import store_linear_weights_in_float8
+    if not store_linear_weights_in_float8(bundle.denoiser, f"the {bundle.denoiser_name}"):
+        raise ValueError(f"model.unet_dtype is 'fp8', but the {bundle.denoiser_name} has no Linear layer to store "
+                         "in float8; set model.unet_dtype to bf16")
 
 
 def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str = "sd1", config: dict | None = None):

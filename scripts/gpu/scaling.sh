@@ -10,13 +10,15 @@
 #           gradient checkpointing, 1 image per GPU
 #   flux2   the same, 2 images per GPU
 #   sd35m   SD3.5-Medium-size transformer, LoRA r16, 1024 px, gradient checkpointing, 2 images per GPU
+#   fp8     the `flux` case with its base in float8 (model.unet_dtype=fp8) beside the bf16 base and the raw
+#           reference on 1 GPU, then at every world size: peak memory (max_mem_gib, denoiser_gib) and speed
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); on 8 GPUs a
 # part takes longer than 10 minutes: split it with WORLDS="1 2" and WORLDS="4 8" (scaling is then
 # computed from the JSON lines; `full` runs the equivalence check at each call's largest world size).
 # FULL_WORLDS="4" with `lora`: re-run the trainer's full fine-tune cases at those world sizes instead
 # of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
-PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m}"
+PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m|fp8}"
 source "$(dirname "$0")/common.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
@@ -58,6 +60,13 @@ flux2)
     ;;
 sd35m)
     matrix --model sd35m --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+fp8)
+    FLUX="--model flux --mode lora --batch 1 --res 1024 --gc --steps 10 --warmup 3"
+    log "Flux-size LoRA on 1 GPU: raw reference (bf16 base), trainer bf16 base, trainer fp8 base"
+    ref 1 $FLUX
+    bench $FLUX --gpus 1 --config-value model.unet_dtype=bf16
+    bench $FLUX --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value model.unet_dtype=fp8
     ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
