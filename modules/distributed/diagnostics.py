@@ -250,7 +250,8 @@ def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: li
         advice.append(f"Or set training.gradient_checkpointing=true: then batch size up to {ckpt} fits.")
     if ckpt == 0:
         advice.append("Even batch size 1 with gradient checkpointing does not fit: use training.method=lora, "
-                      "optimizer.name=adamw_8bit or adafactor, and model.unet_dtype=bf16.")
+                      "optimizer.name=adamw_8bit or adafactor, and model.unet_dtype=bf16 (or fp8, with "
+                      "training.precision=bf16).")
 
 
 def _per_gpu_batches(cfg, cards: list[dict], assume_free_gib: float | None, problems: list) -> list[dict] | None:
