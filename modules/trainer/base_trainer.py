@@ -196,6 +196,9 @@ class BaseTrainer(ABC):
             torch.backends.cuda.matmul.allow_tf32 = self.cfg.training.tf32
             torch.backends.cudnn.allow_tf32 = self.cfg.training.tf32
             torch.backends.cudnn.benchmark = self.cfg.training.cudnn_benchmark
+            # cuDNN's attention backward fails at Flux-size shapes on H100 with torch 2.11
+            # ("mha_graph.execute ... is_good()"); flash and memory-efficient attention serve every shape we train.
+            torch.backends.cuda.enable_cudnn_sdp(False)
 
     def create_dataset(self):
         from modules.data import build_dataset
