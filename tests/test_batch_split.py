@@ -127,3 +127,14 @@ def test_auto_split_fits_each_ranks_room(tmp_path, cache_dir, room, expected):
     assert found and found.group(1) == describe_split(expected, ["CPU process 0", "CPU process 1"]), result.stdout[-3000:]
     if expected != [2, 2]:
         assert "per-GPU batch 3 + 1 x accumulation 1 = global batch 4" in result.stdout
+
+
+def test_probe_counts_a_memory_cap_as_the_cards_size():
+    from modules.trainer.split_probe import free_for_tensors
+    gib = 1 << 30
+    # 80 GiB card, 70 free, the allocator holds 6 of which 4 in tensors: uncapped, 70 + 2 may still be used
+    assert free_for_tensors(70 * gib, 80 * gib, 6 * gib, 4 * gib, 1.0) == 72 * gib
+    # capped at a quarter (20 GiB): 20 - 6 more may be reserved, plus the 2 held unused
+    assert free_for_tensors(70 * gib, 80 * gib, 6 * gib, 4 * gib, 0.25) == 16 * gib
+    # a cap below what is reserved leaves nothing, not a negative room
+    assert free_for_tensors(70 * gib, 80 * gib, 30 * gib, 30 * gib, 0.25) == 0

@@ -199,6 +199,8 @@ class BaseTrainer(ABC):
             # cuDNN's attention backward fails at Flux-size shapes on H100 with torch 2.11
             # ("mha_graph.execute ... is_good()"); flash and memory-efficient attention serve every shape we train.
             torch.backends.cuda.enable_cudnn_sdp(False)
+            from modules.trainer.split_probe import cap_device_memory
+            cap_device_memory(self.device)
 
     def create_dataset(self):
         from modules.data import build_dataset

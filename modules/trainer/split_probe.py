@@ -9,7 +9,9 @@ memory left for activations is the device's free memory minus what training will
 the same split with `choose_split`.
 
 `TANDEM_SIMULATE_SAMPLE_ROOM` (e.g. `3,1`) replaces the measured room by that many samples per rank:
-to try an uneven split on one machine, and for the tests.
+to try an uneven split on one machine, and for the tests. `TANDEM_CUDA_MEMORY_FRACTION` (e.g. `1,0.25`)
+caps each GPU's memory for this run (`torch.cuda.set_per_process_memory_fraction`), so that one card
+stands in for a smaller one: the probe counts the cap as the card's size.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from modules.util.batch_slice import RankCapacity
 log = logging.getLogger("tandem")
 
 SIMULATE_ROOM = "TANDEM_SIMULATE_SAMPLE_ROOM"
+MEMORY_FRACTION = "TANDEM_CUDA_MEMORY_FRACTION"
 MEMORY_MARGIN = 0.9
 """Of the memory free after training's own allocations, the part the split may fill with activations."""
 TRAINING_STATE_BYTES_PER_PARAMETER = {"adamw": 12, "adamw_8bit": 6, "adafactor": 8, "sgd": 8}
@@ -68,6 +71,26 @@ def _one_pass(trainer, sample: dict, n: int, model) -> tuple[float, int]:
     return seconds, used
 
 
+def free_for_tensors(device_free: int, device_total: int, reserved: int, allocated: int, fraction: float) -> float:
+    """Bytes this process may still allocate: what the device has free plus what the caching allocator holds
+    unused, within the share of the card the process is allowed (`set_per_process_memory_fraction`)."""
+    within_cap = fraction * device_total - reserved
+    return max(0.0, min(device_free, within_cap) + reserved - allocated)
+
+
+def cap_device_memory(device: torch.device) -> None:
+    """Apply `TANDEM_CUDA_MEMORY_FRACTION` (one fraction per GPU index) to this process's GPU."""
+    fractions = os.environ.get(MEMORY_FRACTION)
+    if not fractions or device.type != "cuda":
+        return
+    values = [float(x) for x in fractions.split(",")]
+    index = device.index or 0
+    if index >= len(values):
+        raise ValueError(f"{MEMORY_FRACTION}={fractions!r} names {len(values)} GPU(s); GPU {index} has none")
+    torch.cuda.set_per_process_memory_fraction(values[index], device)
+    log.info("GPU %d capped at %.0f%% of its memory (%s)", index, 100 * values[index], MEMORY_FRACTION)
+
+
 def measure_capacity(trainer, model) -> RankCapacity:
     """What this rank can carry: see the module's docstring. `model` is the unwrapped training model."""
     sample = trainer.dataset[0]
@@ -84,8 +107,10 @@ def measure_capacity(trainer, model) -> RankCapacity:
                             seconds_per_sample=seconds_per_sample)
     if trainer.device.type != "cuda":
         return RankCapacity(float("inf"), per_sample_bytes, seconds_per_sample)
-    free, _ = torch.cuda.mem_get_info(trainer.device)
-    free += torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
+    free, total = torch.cuda.mem_get_info(trainer.device)
+    free = free_for_tensors(free, total, torch.cuda.memory_reserved(trainer.device),
+                            torch.cuda.memory_allocated(trainer.device),
+                            torch.cuda.get_per_process_memory_fraction(trainer.device))
     trained = sum(p.numel() for p in trainer.trainable_params())
     later = trained * TRAINING_STATE_BYTES_PER_PARAMETER.get(trainer.cfg.optimizer.name, 12)
     later += trained * 4 if trainer.cfg.training.ema else 0
