@@ -287,7 +287,6 @@ def estimate(cfg) -> dict:
     trainable_params = sum(_numel(s) for s in trainable)
 
     # Trained weights are kept in fp32 (master weights); frozen ones in their configured dtype.
-    frozen_unet = counts["unet"] if lora else 0
     weight_bytes = frozen_unet_bytes(models["unet"], m.unet_dtype) if lora else 0
     weight_bytes += trainable_params * 4
     encoder_params = sum(counts[n] for n in encoders)
