@@ -2,6 +2,8 @@
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
 #   ./run-tests.sh           everything (what CI runs, about 10 minutes on 2 cores)
 #   ./run-tests.sh --fast    the quick set: no training runs, no launched processes (about a minute)
+# Tests run in TANDEM_TEST_WORKERS pytest processes (default 2; 1 runs them in this process, e.g. for -x
+# or pdb); an explicit -n wins.
 set -euo pipefail
 cd "$(dirname "$0")"
 ./install.sh dev
@@ -10,7 +12,11 @@ if ! command -v Xvfb >/dev/null 2>&1; then
     (apt-get update -qq && apt-get install -y -qq xvfb >/dev/null) || echo "warning: could not install xvfb; GUI widget tests will fail"
 fi
 args=()
+workers="${TANDEM_TEST_WORKERS:-2}"
 for arg in "$@"; do
     if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
+    case "$arg" in -n|-n*|--numprocesses*) workers=1 ;; esac
 done
+# worksteal: the slow tests differ in length by 100x; idle workers take queued tests from busy ones.
+if [ "$workers" -gt 1 ]; then args=(-n "$workers" --dist worksteal "${args[@]}"); fi
 exec .venv/bin/python -m pytest -q "${args[@]}"

@@ -26,15 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 def display():
     if shutil.which("Xvfb") is None:
         pytest.fail("Xvfb is not installed; run-tests.sh installs it (apt-get install xvfb)")
-    number = next(n for n in range(71, 200) if not Path(f"/tmp/.X{n}-lock").exists()
-                  and not Path(f"/tmp/.X11-unix/X{n}").exists())
-    server = subprocess.Popen(["Xvfb", f":{number}", "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not Path(f"/tmp/.X11-unix/X{number}").exists():
-        assert server.poll() is None, "Xvfb exited at start"
-        assert time.monotonic() < deadline, "Xvfb did not open its socket"
-        time.sleep(0.05)
+    # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
+    read_end, write_end = os.pipe()
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,))
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        reply = pipe.readline().strip()
+    assert server.poll() is None and reply.isdigit(), "Xvfb exited at start"
+    number = int(reply)
     old = os.environ.get("DISPLAY")
     os.environ["DISPLAY"] = f":{number}"
     yield f":{number}"

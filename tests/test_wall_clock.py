@@ -48,7 +48,7 @@ def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["single", "torchrun", "spawn"])
-def test_the_process_exits_within_two_seconds_of_done(tmp_path, cache_dir, launch):
+def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     """With DataLoader workers (2 per rank) alive until the end; they used to be joined one by one."""
     common = ["--config-path", "#demo", "--device", "cpu",
               *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=6", "data.num_workers=2")]
@@ -57,7 +57,9 @@ def test_the_process_exits_within_two_seconds_of_done(tmp_path, cache_dir, launc
     else:
         took, output = seconds_from_done_to_exit("train_multi_gpu.py", *common, "--num-gpus", "2",
                                                  *(["--spawn"] if launch == "spawn" else []))
-    assert took <= 2.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
+    # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
+    # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
+    assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
 
 
 @pytest.mark.slow
