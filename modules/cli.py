@@ -12,8 +12,8 @@ from modules.config import ConfigError, TrainConfig, load_config
 log = logging.getLogger("tandem")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config-path", "--config", dest="config_path", required=True,
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config-path", "--config", dest="config_path", required=required,
                    help="training config JSON, or a preset name such as '#demo'")
     p.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field, e.g. training.learning_rate=1e-4 (repeatable)")
@@ -61,21 +61,25 @@ def train_main(argv: list[str] | None = None) -> int:
     """scripts/train.py: one process, or one worker when started by torchrun."""
     _note_launch_time()
     p = argparse.ArgumentParser(description="Train with a Tandem config (single process; under torchrun one worker).")
-    _add_config_args(p)
+    _add_config_args(p, required=False)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override general.device")
+    p.add_argument("--launch-file", help="a worker's job as Tandem's launcher wrote it (config, launch, --resume); "
+                                         "instead of --config-path")
     args = p.parse_args(argv)
-    from modules.distributed.launch import run_worker, setup_logging, under_torchrun
+    from modules.distributed.launch import external_worker_job, read_job, run_worker, setup_logging, under_torchrun
 
     setup_logging()
+    if args.launch_file:  # a worker of Tandem's launcher: the config was loaded, checked and resolved there
+        run_worker(read_job(args.launch_file))
+        return 0
+    if not args.config_path:
+        p.error("--config-path is required")
     try:
         cfg = _load(args, [f"general.device={args.device}"] if args.device else [])
     except ConfigError as e:
         return _fail(str(e))
     if under_torchrun():
-        import torch
-        from modules.config import config_to_dict
-        device_type = "cpu" if cfg.general.device == "cpu" or not torch.cuda.is_available() else "cuda"
-        run_worker(config_to_dict(cfg), device_type, args.resume)
+        run_worker(external_worker_job(cfg, args.resume))
         return 0
     problem = _check_resume(cfg, args.resume)
     if problem:

@@ -72,6 +72,7 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
 
     from modules.benchmark import runner
     from modules.distributed.launch import LaunchPlan
+    from tests.trainer_helpers import launch_spec
 
     seen = []
 
@@ -79,7 +80,7 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
         seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
         Path(args[3]).write_text(json.dumps({"world": nprocs}))
 
-    plan = lambda cfg: LaunchPlan(2, "cuda", "nccl", "spawn", "127.0.0.1", 29500, "0,1")  # noqa: E731
+    plan = lambda cfg: LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)  # noqa: E731
     monkeypatch.setattr(runner, "plan_launch", plan)
     monkeypatch.setattr(mp, "spawn", fake_spawn)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -185,7 +185,7 @@ def test_nccl_without_a_gpu_is_a_problem(tmp_path, device):
 
 
 def test_backend_problem_rules(monkeypatch):
-    from modules.distributed import backends
+    from modules.config import backends
     cfg = TrainConfig()
     cfg.multi_gpu.backend = "nccl"
     assert backends.backend_problem(cfg, 0) is None  # multi-GPU off: one process, no backend

@@ -17,7 +17,7 @@ from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.trainer.callbacks import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
-                                   overrides_for, run_script, start_script)
+                                   launch_spec, overrides_for, run_script, start_script)
 
 STEPS = 3
 
@@ -250,6 +250,24 @@ def _worker_pids(parent: int) -> list[int]:
     return sorted(p for p in found if "resource_tracker" not in args[p] and "semaphore_tracker" not in args[p])
 
 
+def test_a_users_torchrun_trains_in_the_world_it_made(monkeypatch, caplog):
+    """multi_gpu.enabled decides what Tandem's own starts run; workers someone else's torchrun started
+    train together whatever it says, and the log says so."""
+    import logging
+
+    import torch
+
+    from modules.config import TrainConfig
+    from modules.distributed import launch as launch_module
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(launch_module.log, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        job = launch_module.external_worker_job(TrainConfig(), "latest")
+    assert (job.spec.launcher, job.spec.world_size, job.spec.device_type, job.resume) == ("external", 3, "cpu", "latest")
+    assert "multi_gpu.enabled is off, but torchrun started 3 workers" in caplog.text
+
+
 def test_validation_before_any_worker_starts(tmp_path, cache_dir):
     cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.backend=nccl")
     with pytest.raises(LaunchError, match="nccl"):
@@ -376,7 +394,7 @@ def test_workers_share_the_cores(monkeypatch):
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    plan = LaunchPlan(4, "cuda", "nccl", "torchrun", "127.0.0.1", 29500, None)
+    plan = LaunchPlan(launch_spec(4, "cuda", "nccl", "torchrun", None), "127.0.0.1", 29500)
     assert _worker_env(plan)["OMP_NUM_THREADS"] == "4"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert _worker_env(plan)["OMP_NUM_THREADS"] == "3"

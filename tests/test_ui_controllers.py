@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from modules.config import TrainConfig, config_to_dict, read_json
+from modules.config.launch_spec import resolve_launch
 from ui.binding import FieldError, field_doc, field_type, get_value, leaf_paths, set_value
 from ui.config_model import ConfigModel, problem_field, problems_by_field
 from ui.events import LogLine, TrainingEvent, format_duration, parse_line
-from ui.launch_command import MULTI_SCRIPT, SINGLE_SCRIPT, build_command
+from ui.launch_command import MULTI_SCRIPT, SINGLE_SCRIPT, build_command, run_config
 from ui.multi_gpu_settings import cpu_process_values, cpu_processes, gpu_selection_values, selected_gpus
 from ui.multi_gpu_summary import format_lr, summarize
 from ui.run_controller import RunController
@@ -120,20 +121,18 @@ def test_single_process_command():
     assert build_command(cfg, "c.json", 1, python="py")[1] == str(SINGLE_SCRIPT)
 
 
-def test_multi_gpu_torchrun_and_spawn_commands():
+def test_multi_gpu_command_names_only_the_config():
+    """The launcher resolves the config file as the GUI does: no option repeats a value of it."""
     cfg = TrainConfig()
     cfg.multi_gpu.enabled = True
-    cfg.multi_gpu.distributed_data_loading = False
-    command = build_command(cfg, "c.json", 4, python="py")
-    assert command == ["py", str(MULTI_SCRIPT), "--config-path", "c.json", "--num-gpus", "4"]
+    assert build_command(cfg, "c.json", 4, python="py") == ["py", str(MULTI_SCRIPT), "--config-path", "c.json"]
     cfg.multi_gpu.launcher = "spawn"
     cfg.multi_gpu.device_indexes = "1,3"
     cfg.multi_gpu.backend = "gloo"
     cfg.multi_gpu.master_port = 29511
-    cfg.multi_gpu.distributed_data_loading = True
-    command = build_command(cfg, "c.json", 4, python="py")
-    assert command[4:] == ["--num-gpus", "2", "--spawn", "--port", "29511", "--distributed-backend", "gloo",
-                           "--distributed-data-loading"]
+    assert build_command(cfg, "c.json", 4, python="py") == ["py", str(MULTI_SCRIPT), "--config-path", "c.json"]
+    launch = resolve_launch(cfg, 4)
+    assert (launch.launcher, launch.world_size, launch.gpus, launch.backend) == ("spawn", 2, (1, 3), "gloo")
 
 
 def test_cpu_process_command():
@@ -141,8 +140,9 @@ def test_cpu_process_command():
     for path, value in cpu_process_values("3").items():
         set_value(cfg, path, value)
     command = build_command(cfg, "c.json", 0, python="py")
-    assert command[1] == str(MULTI_SCRIPT)
-    assert command[4:6] == ["--num-gpus", "3"] and command[-3:-1] == ["--device", "cpu"]
+    assert command == ["py", str(MULTI_SCRIPT), "--config-path", "c.json"]
+    launch = resolve_launch(cfg, 0)
+    assert (launch.world_size, launch.device_type, launch.backend, launch.problem) == (3, "cpu", "gloo", None)
     assert cpu_processes(cfg) == "3"
     for path, value in cpu_process_values("off").items():
         set_value(cfg, path, value)
@@ -290,6 +290,24 @@ def test_summary_world_size_matches_the_launcher_for_cpu_processes():
         assert summarize(cfg, visible_gpus=0).world_size == plan_launch(cfg).world_size
 
 
+def test_the_gui_and_the_launcher_resolve_a_launch_alike(monkeypatch):
+    """One function resolves a launch: what the GUI shows and chooses is what the launcher starts."""
+    from modules.config import apply_overrides
+    from modules.distributed.launch import plan_launch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    for values in ([], ["multi_gpu.num_gpus=2"], ["multi_gpu.device_indexes=1,3"], ["multi_gpu.launcher=spawn"],
+                   ["multi_gpu.lr_scaling=sqrt", "training.gradient_accumulation_steps=2"]):
+        cfg = apply_overrides(TrainConfig(), ["multi_gpu.enabled=true", *values])
+        plan = plan_launch(cfg)
+        assert plan.spec == resolve_launch(cfg, 4, cuda_visible="4,5,6,7")
+        summary = summarize(cfg, 4)
+        assert (summary.world_size, summary.global_batch, summary.lr) == (plan.world_size, plan.spec.global_batch,
+                                                                          plan.spec.lr)
+    cfg = apply_overrides(TrainConfig(), ["multi_gpu.enabled=true", "multi_gpu.device_indexes=1,3"])
+    assert plan_launch(cfg).visible_devices == "5,7"  # indexes count among the GPUs the user made visible
+
+
 def test_continue_passes_resume_on_either_launcher():
     cfg = TrainConfig()
     assert build_command(cfg, "c.json", 1, python="py", resume="latest")[-2:] == ["--resume", "latest"]
@@ -410,10 +428,13 @@ def test_start_refuses_multi_gpu_without_gpus_and_asks_with_one():
     for path, value in cpu_process_values("2").items():
         set_value(cfg, path, value)
     assert start_check(cfg, 0).refuse is None and start_check(cfg, 0).ask is None
-    # One process after all: the command says so, and the trainer's "use train_multi_gpu.py" note stays away.
+    # One process after all: the run's config says so, and the trainer's "use train_multi_gpu.py" note stays away.
     cfg = TrainConfig()
     cfg.multi_gpu.enabled = True
-    assert build_command(cfg, "c.json", 1, python="py")[-2:] == ["--config-value", "multi_gpu.enabled=false"]
+    assert run_config(cfg, 1).multi_gpu.enabled is False and cfg.multi_gpu.enabled is True
+    assert run_config(cfg, 2) is cfg
+    assert build_command(run_config(cfg, 1), "c.json", 1, python="py") == ["py", str(SINGLE_SCRIPT), "--config-path",
+                                                                             "c.json"]
 
 
 def test_rank_gpus_follow_the_selection():

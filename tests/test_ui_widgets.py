@@ -287,7 +287,10 @@ def test_demo_on_two_cpu_processes_from_the_gui(app_factory, tmp_path, monkeypat
     view = app.run_view
     view.start_button.invoke()
     assert app.controller.state.status == "running", view.error_text()
-    assert "--num-gpus" in app.controller.state.command and "cpu" in app.controller.state.command
+    command = app.controller.state.command
+    assert command[1].endswith("train_multi_gpu.py") and command[-1].endswith("gui-config.json")
+    written = json.loads(Path(command[-1]).read_text(encoding="utf-8"))  # the file carries the CPU processes
+    assert written["general"]["device"] == "cpu" and written["multi_gpu"]["num_gpus"] == 2
     assert pump(app, lambda: app.controller.state.step >= 2 or not app.controller.state.active, timeout=150), \
         "no progress from the demo run:\n" + "\n".join(app.controller.log)
     assert app.controller.state.status == "running", app.controller.state.error
@@ -345,8 +348,8 @@ class ScriptedController(RunController):
         self.started: list[list[str]] = []
 
     def start(self, cfg, visible_gpus, command=None, resume=None):
-        from ui.launch_command import build_command
-        self.started.append(build_command(cfg, "gui-config.json", visible_gpus, resume=resume))
+        from ui.launch_command import build_command, run_config
+        self.started.append(build_command(run_config(cfg, visible_gpus), "gui-config.json", visible_gpus, resume=resume))
         return super().start(cfg, visible_gpus, command=[sys.executable, "-c", SCRIPTED_TRAINER, *self.script.pop(0)])
 
 
@@ -536,8 +539,10 @@ def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_fact
     controller.script = [["1", "1", "-", "0"]]
     assert app.run_view.start() is True
     assert controller.started[-1][1].endswith("train.py")
-    assert controller.started[-1][-2:] == ["--config-value", "multi_gpu.enabled=false"]
     assert pump(app, lambda: not controller.state.active, timeout=20)
+    written = json.loads((controller.commands_file.parent / "gui-config.json").read_text(encoding="utf-8"))
+    assert written["multi_gpu"]["enabled"] is False  # the run's config says what ran
+    assert app.model.cfg.multi_gpu.enabled  # and the edited one is as the user left it
 
 
 def _shown(app, path: str) -> bool:

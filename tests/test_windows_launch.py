@@ -20,6 +20,7 @@ from modules import start_multi_gpu
 from modules.distributed import launch, process_group
 from modules.distributed.launch import LaunchPlan, _worker_env, spawn_environment
 from tests.test_launcher_scripts import BAT, PY, REPO, launcher_env, printed_command, run_sh
+from tests.trainer_helpers import launch_spec
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def windows(monkeypatch):
     monkeypatch.setattr(platform, "system", lambda: "Windows")
 
 
-PLAN = LaunchPlan(2, "cuda", "gloo", "torchrun", "127.0.0.1", 29500, "0,1")
+PLAN = LaunchPlan(launch_spec(2, "cuda", "gloo", "torchrun", "0,1"), "127.0.0.1", 29500)
 
 
 def test_worker_environment_turns_libuv_off_on_windows_only(monkeypatch):
@@ -64,9 +65,14 @@ def test_torchrun_gets_use_libuv_0_for_its_own_store(windows, monkeypatch, tmp_p
     from modules.distributed.supervision import StopSignals
     from tests.trainer_helpers import demo_config
     cfg = demo_config(tmp_path / "ws", tmp_path / "cache")
-    assert launch.launch_torchrun(cfg, PLAN, "127.0.0.1:29500", StopSignals(tmp_path / "commands")) == (0, [])
+    job_file = launch.write_job(launch.WorkerJob(cfg, PLAN.spec))
+    assert launch.launch_torchrun(job_file, PLAN, "127.0.0.1:29500", StopSignals(tmp_path / "commands")) == (0, [])
     # torch.distributed.run, through the wrapper that notes how failed workers ended (modules/distributed/agent.py)
     assert started["cmd"][1:3] == ["-m", "modules.distributed.agent"] and started["env"]["USE_LIBUV"] == "0"
+    # The workers get one file, the job: no option repeats a config value.
+    assert started["cmd"][-2:] == ["--launch-file", str(job_file)]
+    job = launch.read_job(job_file)
+    assert job.spec == PLAN.spec and job.resume is None and job.cfg == cfg
 
 
 def test_backend_is_gloo_on_windows_and_nccl_is_refused(windows):

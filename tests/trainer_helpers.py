@@ -94,3 +94,12 @@ def hold_lock(workspace: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
+
+
+def launch_spec(world: int, device_type: str, backend: str, launcher: str, visible_devices: str | None):
+    """A resolved launch for tests that plan one by hand (batch 1, LR 1e-4)."""
+    from modules.config.launch_spec import LaunchSpec
+    gpus = tuple(range(world)) if device_type == "cuda" else ()
+    return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
+                      visible_devices=visible_devices, backend=backend, per_gpu_batch=1, accumulation=1,
+                      base_lr=1e-4, lr_scaling="none")

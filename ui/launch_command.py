@@ -2,16 +2,18 @@
 
 Training never runs inside the GUI process: a crash, an OOM or a hung NCCL collective must not
 take the window down, and CUDA must not be initialised in a process that later forks.
+The command names one file, the config the run uses (`run_config`), and no options that repeat its
+values: the launcher resolves that file as the GUI did (`resolve_launch`).
 """
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config import TrainConfig
-
-from .multi_gpu_summary import world_size
+from modules.config.launch_spec import resolve_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SINGLE_SCRIPT = REPO_ROOT / "scripts" / "train.py"
@@ -19,7 +21,8 @@ MULTI_SCRIPT = REPO_ROOT / "scripts" / "train_multi_gpu.py"
 
 
 def is_multi_process(cfg: TrainConfig, visible_gpus: int) -> bool:
-    return cfg.multi_gpu.enabled and world_size(cfg, visible_gpus) >= 2
+    launch = resolve_launch(cfg, visible_gpus)
+    return launch.multi_process and launch.world_size >= 2
 
 
 @dataclass(frozen=True)
@@ -52,32 +55,21 @@ def start_check(cfg: TrainConfig, visible_gpus: int) -> StartCheck:
     return StartCheck(ask=f"Multi-GPU training is on, but {situation}. Train in one process on that GPU?")
 
 
+def run_config(cfg: TrainConfig, visible_gpus: int) -> TrainConfig:
+    """The config a start runs: `cfg`, with Multi-GPU turned off when fewer than two processes would run
+    (Start asked first, see `start_check`), so that the run's saved config says what it did."""
+    if not cfg.multi_gpu.enabled or is_multi_process(cfg, visible_gpus):
+        return cfg
+    single = copy.deepcopy(cfg)
+    single.multi_gpu.enabled = False
+    return single
+
+
 def build_command(cfg: TrainConfig, config_path: str | Path, visible_gpus: int,
                   python: str = sys.executable, resume: str | None = None) -> list[str]:
-    """`python scripts/train.py --config-path X`, or the multi-process launcher with the options
-    of the multi-GPU frame spelled out, so that the log shows exactly what was started.
-
-    CPU processes (the frame's "for trying" mode) are `general.device = "cpu"` with
-    `multi_gpu.num_gpus` processes; they launch with `--device cpu`. `resume` continues a backup
-    (`--resume`, see modules/trainer/backup.find_backup).
+    """`python scripts/train.py --config-path X`, or `scripts/train_multi_gpu.py` when `cfg` (as
+    `run_config` made it) runs several processes: GPUs, launcher, backend and CPU processes are the
+    config's. `resume` continues a backup (`--resume`, see modules/trainer/backup.find_backup).
     """
-    tail = ["--resume", resume] if resume else []
-    if not is_multi_process(cfg, visible_gpus):
-        command = [python, str(SINGLE_SCRIPT), "--config-path", str(config_path), *tail]
-        if cfg.multi_gpu.enabled:  # one process after all (see start_check): the run's config says so
-            command += ["--config-value", "multi_gpu.enabled=false"]
-        return command
-    m = cfg.multi_gpu
-    command = [python, str(MULTI_SCRIPT), "--config-path", str(config_path),
-               "--num-gpus", str(world_size(cfg, visible_gpus))]
-    if m.launcher == "spawn":
-        command.append("--spawn")
-    if m.master_port:
-        command += ["--port", str(m.master_port)]
-    if cfg.general.device == "cpu":
-        command += ["--device", "cpu"]
-    elif m.backend != "auto":
-        command += ["--distributed-backend", m.backend]
-    if m.distributed_data_loading:
-        command.append("--distributed-data-loading")
-    return command + tail
+    script = MULTI_SCRIPT if is_multi_process(cfg, visible_gpus) else SINGLE_SCRIPT
+    return [python, str(script), "--config-path", str(config_path), *(["--resume", resume] if resume else [])]

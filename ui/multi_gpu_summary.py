@@ -1,16 +1,15 @@
 """The numbers behind the multi-GPU frame's live line.
 
-"World size 2 · global batch 16 (8 x 1 x 2) · LR 1e-4 -> 2e-4 (linear)": computed here from the
-config and the GPUs the GUI can see, the same way the trainer derives them, so the user sees the
-effect of batch, accumulation, GPU selection and LR scaling before starting.
+"World size 2 · global batch 16 (8 x 1 x 2) · LR 1e-4 -> 2e-4 (linear)": the config and the GPUs the
+GUI can see, resolved by `modules.config.launch_spec.resolve_launch` as the launcher resolves them, so
+the user sees the effect of batch, accumulation, GPU selection and LR scaling before starting.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from modules.config import TrainConfig
-from modules.config.validation import parse_device_indexes
-from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES, lr_scale_factor
+from modules.config.launch_spec import resolve_launch
 from modules.util.batch_slice import describe_split, parse_split
 
 
@@ -65,36 +64,9 @@ def format_lr(value: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def world_size(cfg: TrainConfig, visible_gpus: int) -> int:
-    """How many processes a start with this config would run (1 without multi-GPU)."""
-    m = cfg.multi_gpu
-    if not m.enabled:
-        return 1
-    if cfg.general.device == "cpu":
-        return m.num_gpus or DEFAULT_CPU_PROCESSES  # as the launcher decides
-    try:
-        indexes = parse_device_indexes(m.device_indexes)
-    except ValueError:
-        indexes = []
-    if indexes:
-        return len(indexes)
-    return m.num_gpus if m.num_gpus > 0 else visible_gpus
-
-
-def scaled_lr(base_lr: float, world: int, scaling: str) -> float:
-    """The trainer's scaled LR; an unknown mode (mid-edit) shows the base LR, validation names it."""
-    try:
-        return base_lr * lr_scale_factor(scaling, world)
-    except ValueError:
-        return base_lr
-
-
 def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
-    world = world_size(cfg, visible_gpus)
-    t = cfg.training
-    scaling = cfg.multi_gpu.lr_scaling if cfg.multi_gpu.enabled else "none"
-    return MultiGPUSummary(world_size=world, per_gpu_batch=t.batch_size,
-                           accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
-                           lr=scaled_lr(t.learning_rate, max(world, 1), scaling), scaling=scaling,
-                           cpu=cfg.multi_gpu.enabled and cfg.general.device == "cpu",
+    launch = resolve_launch(cfg, visible_gpus)
+    return MultiGPUSummary(world_size=launch.world_size, per_gpu_batch=launch.per_gpu_batch,
+                           accumulation=launch.accumulation, base_lr=launch.base_lr, lr=launch.lr,
+                           scaling=launch.lr_scaling, cpu=launch.multi_process and launch.device_type == "cpu",
                            split=cfg.multi_gpu.batch_split)

@@ -25,7 +25,7 @@ from modules.trainer.callbacks import EVENTS_VARIABLE
 from modules.util.workspace_lock import workspace_in_use
 
 from .events import LogLine, TrainingEvent, parse_line
-from .launch_command import build_command, is_multi_process
+from .launch_command import build_command, is_multi_process, run_config
 from .loss_history import LossHistory
 from .multi_gpu_settings import selected_gpus
 
@@ -159,6 +159,7 @@ class RunController:
         if holder:
             raise RuntimeError(f"the workspace {cfg.general.workspace_dir} is in use by another run ({holder}). "
                                "Wait for it to finish or stop it, or choose another workspace folder.")
+        cfg = run_config(cfg, visible_gpus)
         config_path = self.prepare(cfg)
         command = command or build_command(cfg, config_path, visible_gpus, self.python, resume)
         env = dict(self.env if self.env is not None else os.environ)

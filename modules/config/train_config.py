@@ -261,7 +261,7 @@ class SaveConfig:
 @dataclass
 class MultiGPUConfig:
     enabled: bool = False
-    """Train on several GPUs (or several CPU processes) with DistributedDataParallel."""
+    """Start several processes (GPUs, or CPU processes) training together with DistributedDataParallel when the GUI or `scripts/train_multi_gpu.py` (which turns it on) starts the run. `scripts/train.py` always trains in one process; workers started by your own torchrun train together whatever this says."""
     num_gpus: int = 0
     """How many GPUs to use. 0: all visible GPUs (or those in `device_indexes`)."""
     device_indexes: str = ""

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from . import memory_estimate, rendezvous
-from .backends import backend_problem
+from modules.config.backends import backend_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict, save_config
+from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict
 from modules.distributed import failures, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
-from modules.distributed.backends import resolve_backend
+from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.distributed.process_group import find_free_port, port_is_free, store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
 from modules.preflight import PreflightError, preflight
-from modules.trainer.run_numbers import DEFAULT_CPU_PROCESSES
+from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
@@ -52,13 +52,31 @@ class LaunchError(PreflightError):
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
-    world_size: int
-    device_type: str  # "cuda" or "cpu"
-    backend: str
-    launcher: str
+    """A launch as `resolve_launch` made it, and where its rendezvous listens."""
+    spec: LaunchSpec
     master_addr: str
     master_port: int
-    visible_devices: str | None  # CUDA_VISIBLE_DEVICES for the workers, None = leave as is
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def device_type(self) -> str:
+        return self.spec.device_type
+
+    @property
+    def backend(self) -> str:
+        return self.spec.backend
+
+    @property
+    def launcher(self) -> str:
+        return self.spec.launcher
+
+    @property
+    def visible_devices(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES for the workers, None = leave as is."""
+        return self.spec.visible_devices
 
     def describe(self) -> str:
         gpus = f"GPUs {self.visible_devices}" if self.visible_devices else f"{self.world_size} {self.device_type} process(es)"
@@ -103,43 +121,11 @@ def quiet_libraries() -> None:
 
 # ---------------------------------------------------------------------------- planning
 def plan_launch(cfg: TrainConfig) -> LaunchPlan:
+    """The launch of `cfg` on this machine (`resolve_launch`, as the GUI previewed it) and its rendezvous port."""
+    spec = resolve_launch(cfg, torch.cuda.device_count(), cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if spec.problem:
+        raise LaunchError(spec.problem)
     m = cfg.multi_gpu
-    device_type = "cpu" if cfg.general.device == "cpu" else "cuda"
-    if device_type == "cuda":
-        visible = torch.cuda.device_count()
-        if visible == 0:
-            raise LaunchError("multi-GPU training needs CUDA GPUs, but torch sees none. Use --device cpu to try it "
-                              "with CPU processes, or check the driver and CUDA_VISIBLE_DEVICES.")
-        indexes = [int(i) for i in m.device_indexes.split(",") if i.strip()] if m.device_indexes else []
-        if len(set(indexes)) != len(indexes):
-            raise LaunchError(f"multi_gpu.device_indexes {m.device_indexes!r} lists a GPU twice.")
-        bad = [i for i in indexes if i >= visible]
-        if bad:
-            raise LaunchError(f"multi_gpu.device_indexes names GPU(s) {bad}, but only {visible} are visible "
-                              f"(0..{visible - 1}).")
-        if not indexes:
-            count = m.num_gpus or visible
-            if count > visible:
-                raise LaunchError(f"multi_gpu.num_gpus is {count}, but only {visible} GPU(s) are visible. "
-                                  f"Set --num-gpus {visible} or fewer (0 = all).")
-            indexes = list(range(count))
-        elif m.num_gpus and m.num_gpus != len(indexes):
-            raise LaunchError(f"multi_gpu.num_gpus is {m.num_gpus} but device_indexes lists {len(indexes)} GPUs; "
-                              "set num_gpus to 0 or make them agree.")
-        world = len(indexes)
-        parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if parent_visible:  # indexes are relative to what the user already made visible
-            physical = [s.strip() for s in parent_visible.split(",")]
-            visible_devices = ",".join(physical[i] for i in indexes)
-        else:
-            visible_devices = ",".join(str(i) for i in indexes)
-    else:
-        world = m.num_gpus or DEFAULT_CPU_PROCESSES
-        visible_devices = None
-    try:
-        backend = resolve_backend(m.backend, device_type)
-    except RuntimeError as e:
-        raise LaunchError(str(e)) from None
     addr = os.environ.get("MASTER_ADDR", m.master_addr)
     # An explicit --port / multi_gpu.master_port wins over MASTER_PORT from the environment.
     port = m.master_port or int(os.environ.get("MASTER_PORT", 0))
@@ -148,7 +134,7 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
     elif not port_is_free(port, addr):
         raise LaunchError(f"multi_gpu.master_port {port} is in use on {addr} (another training still running?). "
                           "Pick another with --port, or 0 to choose a free one.")
-    return LaunchPlan(world, device_type, backend, m.launcher, addr, port, visible_devices)
+    return LaunchPlan(spec, addr, port)
 
 
 def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
@@ -169,21 +155,48 @@ def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
 
 
 # ---------------------------------------------------------------------------- workers
-def run_worker(cfg_data: dict, device_type: str, resume: str | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class WorkerJob:
+    """Everything a worker needs besides the torchrun variables: the validated config, the launch
+    resolved from it, and the backup to continue. Tandem's launchers hand it over as one JSON file."""
+    cfg: TrainConfig
+    spec: LaunchSpec
+    resume: str | None = None
+
+
+JOB_FILE = "launch.json"
+"""The job's file, in `<workspace>/.tandem/`; written for each launch, read by every worker."""
+
+
+def write_job(job: WorkerJob) -> Path:
+    path = RunPaths(job.cfg).workspace / ".tandem" / JOB_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"config": config_to_dict(job.cfg), "launch": job.spec.as_dict(), "resume": job.resume}
+    write_text_atomically(path, json.dumps(data, indent=2))
+    return path
+
+
+def read_job(path: str | os.PathLike) -> WorkerJob:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return WorkerJob(config_from_dict(data["config"], source=str(path)), LaunchSpec.from_dict(data["launch"]),
+                     data["resume"])
+
+
+def run_worker(job: WorkerJob) -> None:
     """Body of every worker process (torchrun or spawn): build the trainer and run it."""
     from modules.distributed.distributed_trainer import DistributedTrainer
     from modules.trainer.callbacks import TrainingCallbacks, default_callbacks
     from modules.trainer.commands import CommandInbox
 
     setup_logging()
-    cfg = config_from_dict(cfg_data)
+    cfg = job.cfg
     rank = int(os.environ["RANK"])
     start = os.environ.get(COMMANDS_FROM)
     inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None,
                          start=int(start) if start is not None else None)
     inbox.install_signal_handlers()
     callbacks = default_callbacks() if rank == 0 else TrainingCallbacks()
-    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=device_type, resume=resume)
+    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=job.spec.device_type, resume=job.resume)
     try:
         if rank == 0:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
             WorkspaceLock(cfg.general.workspace_dir).acquire()
@@ -197,6 +210,15 @@ def run_worker(cfg_data: dict, device_type: str, resume: str | None = None) -> N
         raise
 
 
+def external_worker_job(cfg: TrainConfig, resume: str | None) -> WorkerJob:
+    """The job of a worker that someone else's torchrun started: the launch is the world it made."""
+    spec = resolve_launch(cfg, torch.cuda.device_count(), torchrun_world=int(os.environ["WORLD_SIZE"]))
+    if not cfg.multi_gpu.enabled:
+        log.info("Note: multi_gpu.enabled is off, but torchrun started %d workers: they train together "
+                 "(the setting decides only what Tandem's own starts run).", spec.world_size)
+    return WorkerJob(cfg, spec, resume)
+
+
 def worker_variables(plan: LaunchPlan, rank: int, rendezvous_at: str) -> dict[str, str]:
     """The torchrun variables of one spawned worker, and where its launcher serves the rendezvous."""
     return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
@@ -204,9 +226,9 @@ def worker_variables(plan: LaunchPlan, rank: int, rendezvous_at: str) -> dict[st
                 MASTER_PORT=str(plan.master_port), **{rendezvous.RENDEZVOUS_VARIABLE: rendezvous_at})
 
 
-def _spawn_entry(local_rank: int, cfg_data: dict, plan: LaunchPlan, rendezvous_at: str, resume: str | None) -> None:
+def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, rendezvous_at: str) -> None:
     os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
-    run_worker(cfg_data, plan.device_type, resume)
+    run_worker(read_job(job_file))
     exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
 
 
@@ -255,8 +277,8 @@ def environment(values: dict[str, str]):
                 os.environ[k] = value
 
 
-def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals: StopSignals,
-                 resume: str | None = None) -> tuple[int, list[failures.WorkerExit]]:
+def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
+                 signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
     """(exit code, the failures seen first) of N spawned workers."""
     import torch.multiprocessing as mp
 
@@ -265,7 +287,7 @@ def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with spawn_environment(plan):
-            context = mp.start_processes(_spawn_entry, args=(config_to_dict(cfg), plan, rendezvous_at, resume),
+            context = mp.start_processes(_spawn_entry, args=(str(job_file), plan, rendezvous_at),
                                          nprocs=plan.world_size, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -282,12 +304,10 @@ def launch_spawn(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals
     return (1 if exits else 0), exits
 
 
-def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, signals: StopSignals,
-                    resume: str | None = None) -> tuple[int, list[failures.WorkerExit]]:
+def launch_torchrun(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
+                    signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
     """(exit code, the failures torchrun's agent saw first) of torchrun's N workers."""
-    tandem = RunPaths(cfg).workspace / ".tandem"
-    config_file = tandem / "launch-config.json"
-    save_config(cfg, config_file)
+    tandem = job_file.parent
     exits_file = tandem / "worker-exits.json"
     exits_file.unlink(missing_ok=True)
     # torchrun's agent joins the store this launcher serves (c10d rendezvous as a client, is_host=false)
@@ -295,9 +315,7 @@ def launch_torchrun(cfg: TrainConfig, plan: LaunchPlan, rendezvous_at: str, sign
     cmd = [sys.executable, "-m", "modules.distributed.agent", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint={rendezvous_at}", "--rdzv_conf=is_host=false",
            f"--rdzv_id=tandem-{os.getpid()}", "--max_restarts=0",
-           str(REPO_ROOT / "scripts" / "train.py"), "--config-path", str(config_file)]
-    if resume is not None:
-        cmd += ["--resume", resume]
+           str(REPO_ROOT / "scripts" / "train.py"), "--launch-file", str(job_file)]
     log.info("Running torchrun (torch.distributed.run): %s", " ".join(cmd))
     env = _worker_env(plan)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -345,7 +363,9 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 
 def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
-    """Start a multi-process run as configured; returns the exit code."""
+    """Start a multi-process run as configured; returns the exit code.
+
+    The config is resolved once (`plan_launch`); the workers read the result from one file (`write_job`)."""
     from modules.trainer.callbacks import default_callbacks
 
     plan = plan_launch(cfg)
@@ -372,7 +392,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
                 with rendezvous.serve(plan.master_addr, plan.master_port,
                                       datetime.timedelta(minutes=cfg.multi_gpu.timeout_minutes)) as rendezvous_at:
                     run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
-                    code, exits = run(cfg, plan, rendezvous_at, signals, resume)
+                    code, exits = run(write_job(WorkerJob(cfg, plan.spec, resume)), plan, rendezvous_at, signals)
         except rendezvous.RendezvousError as e:
             raise LaunchError(str(e)) from None
     if code == ABORTED:

@@ -10,7 +10,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from modules.distributed.backends import resolve_backend
+from modules.config.backends import resolve_backend
 from modules.distributed.rendezvous import RENDEZVOUS_VARIABLE, connect
 
 log = logging.getLogger("tandem")

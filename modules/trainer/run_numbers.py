@@ -5,6 +5,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from modules.config import TrainConfig
+from modules.config.launch_spec import lr_scale_factor
 
 
 @dataclass(frozen=True)
@@ -47,20 +48,6 @@ class RunNumbers:
         if self.items_per_epoch is None:
             return ""
         return f"{self.items_per_epoch} items/epoch, {self.items_left_out} left out per epoch | "
-
-
-DEFAULT_CPU_PROCESSES = 2
-"""Processes of a `--device cpu` run when `multi_gpu.num_gpus` is 0."""
-
-
-def lr_scale_factor(mode: str, world_size: int) -> float:
-    if mode == "linear":
-        return float(world_size)
-    if mode == "sqrt":
-        return math.sqrt(world_size)
-    if mode == "none":
-        return 1.0
-    raise ValueError(f"multi_gpu.lr_scaling: unknown mode {mode!r}; use none, linear or sqrt")
 
 
 def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int,

@@ -11,7 +11,7 @@ import customtkinter as ctk
 from PIL import Image, ImageOps
 
 from modules.config.run_paths import RunPaths
-from modules.distributed.backends import backend_problem
+from modules.config.backends import backend_problem
 
 from ..events import format_duration
 from ..external import Opened, TensorBoard, open_folder

@@ -1,0 +1,178 @@
+"""What a start with a config runs: how many processes, on which devices, through which launcher and
+backend, and the numbers that need no data (global batch, scaled LR).
+
+`resolve_launch` decides it for everyone: the GUI (its live line, and which script Start runs), the
+launchers (`scripts/train_multi_gpu.py`, `start-multi-gpu`), `scripts/train.py`, and a worker that a
+user's own torchrun started. Torch-free, so that the GUI can import it: the facts of the machine
+(how many GPUs are visible, CUDA_VISIBLE_DEVICES, the world torchrun made) are arguments.
+
+What `multi_gpu.enabled` means (decided here and nowhere else): whether a Tandem start runs several
+processes - the GUI's Start, and `scripts/train_multi_gpu.py`, which turns it on. `scripts/train.py`
+trains in one process whatever it says (a note says so when it is on), and workers
+that someone else's torchrun started train in the world torchrun made (`torchrun_world`): those
+processes exist before any config is read, so the setting cannot undo them (a note says so when it is
+off). The trainer never reads it: a worker trains in the world its launcher made.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .backends import resolve_backend
+from .train_config import TrainConfig
+from .validation import parse_device_indexes
+
+SINGLE = "single"
+"""One process, no process group."""
+EXTERNAL = "external"
+"""Workers started by a launcher that is not Tandem's (the user's own torchrun)."""
+DEFAULT_CPU_PROCESSES = 2
+"""Processes of a `--device cpu` run when `multi_gpu.num_gpus` is 0."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    launcher: str
+    """`single`, `torchrun`, `spawn` (Tandem's launchers) or `external` (someone else's torchrun)."""
+    world_size: int
+    device_type: str
+    """`cuda` or `cpu`."""
+    gpus: tuple[int, ...]
+    """The GPU of each rank, numbered among the visible GPUs; empty for CPU processes and one process."""
+    visible_devices: str | None
+    """CUDA_VISIBLE_DEVICES for the workers (physical numbers); None: leave it as it is."""
+    backend: str
+    """`nccl` or `gloo`; empty for one process."""
+    per_gpu_batch: int
+    accumulation: int
+    base_lr: float
+    lr_scaling: str
+    """The LR scaling that applies: `multi_gpu.lr_scaling` for several processes, else `none`."""
+    problem: str | None = None
+    """Why this launch cannot start here (the message says what to change); None when it can."""
+
+    @property
+    def multi_process(self) -> bool:
+        return self.launcher != SINGLE
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_gpu_batch * self.accumulation * self.world_size
+
+    @property
+    def lr(self) -> float:
+        """The trainer's learning rate; the base LR while the scaling mode is unknown (mid-edit in the GUI)."""
+        try:
+            return self.base_lr * lr_scale_factor(self.lr_scaling, max(self.world_size, 1))
+        except ValueError:
+            return self.base_lr
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchSpec:
+        return cls(**{**data, "gpus": tuple(data["gpus"])})
+
+
+def lr_scale_factor(mode: str, world_size: int) -> float:
+    if mode == "linear":
+        return float(world_size)
+    if mode == "sqrt":
+        return math.sqrt(world_size)
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"multi_gpu.lr_scaling: unknown mode {mode!r}; use none, linear or sqrt")
+
+
+def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | None = None,
+                   torchrun_world: int | None = None) -> LaunchSpec:
+    """The launch a start with `cfg` makes on a machine that shows `visible_gpus` CUDA GPUs.
+
+    `cuda_visible`: the CUDA_VISIBLE_DEVICES the start inherits (the chosen indexes are relative to
+    it); `torchrun_world`: WORLD_SIZE of a worker that someone else's torchrun started. Never raises:
+    what cannot start is in `problem`, so the GUI can show the numbers of a config being edited; the
+    launchers raise it.
+    """
+    m, t = cfg.multi_gpu, cfg.training
+    if torchrun_world is not None:
+        launcher = EXTERNAL
+    elif not m.enabled:
+        launcher = SINGLE
+    else:
+        launcher = m.launcher
+    device_type, problem = resolve_device(cfg.general.device, visible_gpus, launcher)
+    gpus: tuple[int, ...] = ()
+    visible_devices = None
+    if launcher == SINGLE:
+        world = 1
+    elif launcher == EXTERNAL:
+        world = torchrun_world
+    elif device_type == "cpu":
+        world = m.num_gpus or DEFAULT_CPU_PROCESSES
+    else:
+        gpus, selection_problem = _chosen_gpus(cfg, visible_gpus)
+        world = len(gpus)
+        problem = problem or selection_problem
+        if not problem:
+            visible_devices = _physical(gpus, cuda_visible)
+    backend = ""
+    if launcher != SINGLE:
+        try:
+            backend = resolve_backend(m.backend, device_type)
+        except RuntimeError as e:
+            problem = problem or str(e)
+            backend = m.backend
+    return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
+                      visible_devices=visible_devices, backend=backend, per_gpu_batch=t.batch_size,
+                      accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
+                      lr_scaling=m.lr_scaling if launcher != SINGLE else "none", problem=problem)
+
+
+def resolve_device(setting: str, visible_gpus: int, launcher: str = SINGLE) -> tuple[str, str | None]:
+    """(`cuda` or `cpu`, the problem or None): `general.device` on this machine: one process and a user's torchrun fall back to the CPU from
+    `auto`, Tandem's launchers train on GPUs unless asked for CPU processes."""
+    if setting == "cpu":
+        return "cpu", None
+    if launcher == EXTERNAL:
+        return ("cuda" if visible_gpus else "cpu"), None
+    if launcher == SINGLE:
+        if visible_gpus or setting == "auto":
+            return ("cuda" if visible_gpus else "cpu"), None
+        return "cuda", ("general.device is 'cuda' but torch sees no CUDA GPU: set it to 'auto' or 'cpu', "
+                        "or install a CUDA build of torch.")
+    if not visible_gpus:
+        return "cuda", ("multi-GPU training needs CUDA GPUs, but torch sees none. Use --device cpu to try it "
+                        "with CPU processes, or check the driver and CUDA_VISIBLE_DEVICES.")
+    return "cuda", None
+
+
+def _chosen_gpus(cfg: TrainConfig, visible: int) -> tuple[tuple[int, ...], str | None]:
+    """The GPUs `multi_gpu.device_indexes` / `num_gpus` choose, and what is wrong with the choice."""
+    m = cfg.multi_gpu
+    try:
+        indexes = parse_device_indexes(m.device_indexes)
+    except ValueError as reason:
+        return tuple(range(m.num_gpus or visible)), f"multi_gpu.device_indexes {m.device_indexes!r}: {reason}."
+    if not indexes:
+        count = m.num_gpus or visible
+        if count > visible:
+            return tuple(range(count)), (f"multi_gpu.num_gpus is {count}, but only {visible} GPU(s) are visible. "
+                                         f"Set --num-gpus {visible} or fewer (0 = all).")
+        return tuple(range(count)), None
+    bad = [i for i in indexes if i >= visible]
+    if bad:
+        return tuple(indexes), (f"multi_gpu.device_indexes names GPU(s) {bad}, but only {visible} are visible "
+                                f"(0..{visible - 1}).")
+    if m.num_gpus and m.num_gpus != len(indexes):
+        return tuple(indexes), (f"multi_gpu.num_gpus is {m.num_gpus} but device_indexes lists {len(indexes)} GPUs; "
+                                "set num_gpus to 0 or make them agree.")
+    return tuple(indexes), None
+
+
+def _physical(gpus: tuple[int, ...], cuda_visible: str | None) -> str:
+    """The chosen GPUs as CUDA_VISIBLE_DEVICES: relative to what the user already made visible."""
+    if cuda_visible:
+        physical = [s.strip() for s in cuda_visible.split(",")]
+        return ",".join(physical[i] for i in gpus)
+    return ",".join(str(i) for i in gpus)
