@@ -9,7 +9,7 @@ import torch
 
 from modules.config import ConfigError
 from modules.data import BucketBatchSampler
-from modules.trainer.objective import draw_noise
+from modules.model.objective import draw_noise
 from modules.util.batch_slice import (BatchSlice, RankCapacity, SplitDoesNotFit, choose_split, describe_split,
                                       parse_split)
 from tests.trainer_helpers import demo_config, latest_backup_weights, run_script, overrides_for

@@ -107,7 +107,7 @@ def _no_sync_worker(rank, cfg_data, port, queue):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from modules.config import config_from_dict
-    from modules.distributed import dist_utils as du
+    from modules.util import dist_utils as du
     from modules.distributed.distributed_trainer import DistributedTrainer
 
     trainer = DistributedTrainer(config_from_dict(cfg_data), device_type="cpu")

@@ -17,7 +17,7 @@ from modules.model.families.dit_demo import ensure_dit_demo
 from modules.model.families.flux import flux_entries, image_ids, pack_latents, unpack_latents
 from modules.model.families.sd3 import sd3_entries
 from modules.model.families import original_layout as layout
-from modules.trainer.objective import NoiseDraw, draw_flow_noise, flow_shift, shift_times
+from modules.model.objective import NoiseDraw, draw_flow_noise, flow_shift, shift_times
 
 FAMILIES = ("sd3", "flux")
 CAPTIONS = ["a red circle on a blue background", "Zebra! naïve 🙂"]

@@ -7,7 +7,7 @@ from diffusers import DDPMScheduler
 
 from modules.util.batch_slice import BatchSlice
 from modules.config import TrainingConfig
-from modules.trainer.objective import diffusion_loss, draw_noise, snr, training_target
+from modules.model.objective import diffusion_loss, draw_noise, snr, training_target
 from modules.trainer.optim import lr_lambda
 
 

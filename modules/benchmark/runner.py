@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
-from modules.distributed import dist_utils as du
+from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
 from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment, worker_variables

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from modules.distributed import dist_utils as du
+from modules.util import dist_utils as du
 from modules.distributed.process_group import destroy, init_worker
 from modules.trainer.base_trainer import BaseTrainer
 

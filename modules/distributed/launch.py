@@ -185,28 +185,28 @@ def read_job(path: str | os.PathLike) -> WorkerJob:
 def run_worker(job: WorkerJob) -> None:
     """Body of every worker process (torchrun or spawn): build the trainer and run it."""
     from modules.distributed.distributed_trainer import DistributedTrainer
-    from modules.trainer.callbacks import TrainingCallbacks, default_callbacks
+    from modules.trainer.callbacks import default_callbacks
     from modules.trainer.commands import CommandInbox
+    from modules.trainer.rank_duties import rank_duties
 
     setup_logging()
     cfg = job.cfg
     rank = int(os.environ["RANK"])
+    duties = rank_duties(rank, default_callbacks())
     start = os.environ.get(COMMANDS_FROM)
-    inbox = CommandInbox(RunPaths(cfg).commands_file if rank == 0 else None,
+    inbox = CommandInbox(RunPaths(cfg).commands_file if duties.leads else None,
                          start=int(start) if start is not None else None)
     inbox.install_signal_handlers()
-    callbacks = default_callbacks() if rank == 0 else TrainingCallbacks()
-    trainer = DistributedTrainer(cfg, callbacks, inbox, device_type=job.spec.device_type, resume=job.resume)
+    trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=job.resume)
     try:
-        if rank == 0:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
+        if duties.leads:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
             WorkspaceLock(cfg.general.workspace_dir).acquire()
         trainer.run()
     except BaseException as e:
         # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
         failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e)
-        if rank == 0:
-            callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
+        duties.callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
         raise
 
 

@@ -2,8 +2,9 @@
 
 `start()` builds everything, `train()` runs epochs of optimizer steps, `end()` saves and reports.
 Every step is a small method; `DistributedTrainer` overrides only what distribution changes (process
-group, DDP wrapping, gradient-sync skipping, LR scaling), while the helpers in
-`modules.distributed.dist_utils` are no-ops in a single process.
+group, DDP wrapping, gradient-sync skipping), while the helpers in `modules.util.dist_utils` are no-ops
+in a single process. What rank 0 does besides training is decided once, in `rank_duties`: the loop
+never asks which rank it is.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from modules.config import RunPaths, TrainConfig, save_config
-from modules.distributed import dist_utils as du
+from modules.util import dist_utils as du
 from modules.trainer import backup as backups
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
@@ -27,6 +28,7 @@ from modules.trainer.ema import EMA
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr, is_schedule_free, match_param_layouts
 from modules.trainer.outputs import OutputWriter
 from modules.trainer.progress import PhaseTimes, ProgressReporter
+from modules.trainer.rank_duties import RankDuties, rank_duties
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
@@ -54,6 +56,8 @@ class BaseTrainer(ABC):
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
+        self.duties: RankDuties | None = None
+        """This rank's duties besides training, decided once the rank is known (`start`)."""
         self.inbox = inbox
         self.resume = resume
         self.outputs: OutputWriter | None = None
@@ -80,6 +84,7 @@ class BaseTrainer(ABC):
         phase = self.start_phases.time
         with phase("set-up"):
             self.setup_environment()
+            self.duties = rank_duties(du.rank(), self.callbacks)
         with phase("data scan"):
             self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
         with phase("model"):
@@ -108,7 +113,7 @@ class BaseTrainer(ABC):
         self.announce()
         self.progress = ProgressReporter(self.numbers, self.emit, self.global_step,
                                          self.paths.tensorboard if self.cfg.general.tensorboard else None,
-                                         reports=du.is_main())
+                                         reports=self.duties.leads)
         # Keep the model's many long-lived Python objects out of later full garbage collections, which
         # would otherwise rescan all of them at random steps (a pause the other ranks wait for).
         gc.collect()
@@ -281,9 +286,8 @@ class BaseTrainer(ABC):
                                cache_text=self.cache_text())
         du.barrier()
         seconds = time.perf_counter() - started
-        if du.is_main():
-            log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
-                     "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
+                 "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
         self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
 
     def offload_cached_encoders(self) -> None:
@@ -384,11 +388,13 @@ class BaseTrainer(ABC):
         log.info("Tandem: %s", self.numbers.describe())
         log.info("Start-up: %s", self.start_phases.describe())
         self.emit("config", **self.numbers.as_dict())
-        if du.is_main():
-            name = self.run_id if self.resume is None else f"{self.run_id}-resumed-at-step-{self.global_step}"
-            path = unique_path(self.paths.configs / f"{name}.json", time.strftime("%Y%m%d-%H%M%S"))
-            save_config(self.cfg, path)
-            log.info("The resolved config of this run: %s", path)
+        du.on_main(self.save_run_config)
+
+    def save_run_config(self) -> None:
+        name = self.run_id if self.resume is None else f"{self.run_id}-resumed-at-step-{self.global_step}"
+        path = unique_path(self.paths.configs / f"{name}.json", time.strftime("%Y%m%d-%H%M%S"))
+        save_config(self.cfg, path)
+        log.info("The resolved config of this run: %s", path)
 
     # ------------------------------------------------------------------ the loop
     def run_epoch(self) -> None:
@@ -523,11 +529,11 @@ class BaseTrainer(ABC):
         time-based backups, so that every rank backs up at the same step), any rank may catch a signal."""
         commands = set()
         if self.inbox is not None:
-            if du.is_main():
+            if self.duties.leads:
                 self.inbox.poll()
             commands = self.inbox.take()
         minutes = self.cfg.save.backup_every_n_minutes
-        if minutes > 0 and du.is_main() and time.monotonic() - self.outputs.last_backup_started >= 60 * minutes:
+        if minutes > 0 and self.duties.leads and time.monotonic() - self.outputs.last_backup_started >= 60 * minutes:
             commands.add("backup")
         return commands
 
@@ -612,17 +618,16 @@ class BaseTrainer(ABC):
 
     def maybe_resume(self) -> None:
         """Continue the backup `resume` names (same run id), or start a new run with a new id."""
-        if du.is_main():
-            backups.remove_interrupted(self.paths.backups)
+        du.on_main(lambda: backups.remove_interrupted(self.paths.backups))
         chosen = du.on_main(lambda: backups.find_backup(self.paths.backups, self.resume) if self.resume else None)
         chosen = du.broadcast_object(chosen)
         if chosen is not None and chosen.run_id != backups.LEGACY_RUN:
             self.run_id = chosen.run_id
         else:
-            self.run_id = du.broadcast_object(backups.new_run_id(self.paths.backups) if du.is_main() else None)
+            self.run_id = du.broadcast_object(du.on_main(lambda: backups.new_run_id(self.paths.backups)))
         self.outputs = OutputWriter(self, self.run_id)
         if chosen is None:
-            others = backups.describe_other_runs(self.paths.backups, self.run_id) if du.is_main() else None
+            others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:
                 log.info(others)
             return
@@ -685,5 +690,4 @@ class BaseTrainer(ABC):
         return state["sampler"]["global_batch_size"] * state.get("accumulation", 1)
 
     def emit(self, type_: str, **fields) -> None:
-        if du.is_main():
-            self.callbacks.on_event(type_, **fields)
+        self.duties.callbacks.on_event(type_, **fields)

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from modules.distributed import dist_utils as du
+from modules.util import dist_utils as du
 from modules.trainer import backup as backups
 from modules.trainer.optim import evaluation_weights
 from modules.util.atomic import unique_path
@@ -84,8 +84,7 @@ class OutputWriter:
         self.last_backup_started = time.monotonic()
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
-        self.backup_writer = BackupWriter(trainer.paths.backups, run_id, save.rolling_backup_count) \
-            if du.is_main() else None
+        self.backup_writer = du.on_main(lambda: BackupWriter(trainer.paths.backups, run_id, save.rolling_backup_count))
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modules.distributed import dist_utils as du
+from modules.util import dist_utils as du
 from modules.trainer.commands import COMMANDS
 
 

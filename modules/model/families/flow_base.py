@@ -22,7 +22,7 @@ import torch
 from modules.model.files import SAVE_DTYPES
 from modules.model.lora_metadata import IMPLEMENTATION_DIFFUSERS, IMPLEMENTATION_SGM
 from modules.model.variants import component_variant
-from modules.trainer.objective import NoiseDraw, draw_flow_noise, flow_loss, flow_noisy, flow_shift, shift_times
+from modules.model.objective import NoiseDraw, draw_flow_noise, flow_loss, flow_noisy, flow_shift, shift_times
 
 from . import original_layout as layout
 from .base import ModelFamily, Objective

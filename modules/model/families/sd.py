@@ -14,7 +14,7 @@ import torch
 from modules.config.validation import parse_config_overrides
 from modules.model.lora_metadata import IMPLEMENTATION_DIFFUSERS, IMPLEMENTATION_SGM
 from modules.model.variants import component_variant
-from modules.trainer.objective import NoiseDraw, diffusion_loss, draw_noise, training_target
+from modules.model.objective import NoiseDraw, diffusion_loss, draw_noise, training_target
 
 from .base import ModelFamily, Objective
 
