@@ -26,7 +26,7 @@ from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr, is_schedule_free, match_param_layouts
-from modules.trainer.outputs import OutputWriter
+from modules.trainer.outputs import OutputWriter, RunParts
 from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.rank_duties import RankDuties, rank_duties
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
@@ -625,7 +625,10 @@ class BaseTrainer(ABC):
             self.run_id = chosen.run_id
         else:
             self.run_id = du.broadcast_object(du.on_main(lambda: backups.new_run_id(self.paths.backups)))
-        self.outputs = OutputWriter(self, self.run_id)
+        self.outputs = OutputWriter(self, RunParts(
+            cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
+            numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,
+            optimizer=self.optimizer), self.run_id)
         if chosen is None:
             others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:
@@ -688,6 +691,9 @@ class BaseTrainer(ABC):
     @staticmethod
     def backup_global_batch(state: dict) -> int:
         return state["sampler"]["global_batch_size"] * state.get("accumulation", 1)
+
+    def log_image(self, tag: str, image, step: int) -> None:
+        self.progress.log_image(tag, image, step)
 
     def emit(self, type_: str, **fields) -> None:
         self.duties.callbacks.on_event(type_, **fields)

@@ -16,11 +16,18 @@ import logging
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, ContextManager, Protocol
 
+import torch
+
+from modules.config import RunPaths, TrainConfig
 from modules.util import dist_utils as du
 from modules.trainer import backup as backups
+from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
+from modules.trainer.run_numbers import RunNumbers
 from modules.util.atomic import unique_path
 from modules.util.host_copy import HostSnapshot, snapshot_to_host
 
@@ -72,25 +79,62 @@ class BackupWriter:
             self._executor.shutdown(wait=True)
 
 
+class TrainingRun(Protocol):
+    """The live state of a run that outputs are written from (`BaseTrainer` is one)."""
+    global_step: int
+    epoch: int
+
+    def training_state(self) -> dict:
+        """Everything but the weights a backup holds (collective: every rank calls it)."""
+
+    def trainable_state(self) -> dict:
+        """The trained weights by name."""
+
+    def encoders_on_device(self) -> ContextManager:
+        """The VAE and text encoders on the training device for the block (sampling)."""
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What outputs are made of besides the live state: fixed for the run once the model is wrapped."""
+    cfg: TrainConfig
+    paths: RunPaths
+    bundle: Any
+    """The `ModelBundle` (saved, and rendered for samples)."""
+    device: torch.device
+    ema: EMA | None
+    numbers: RunNumbers
+    dataset: Any
+    """The `TrainDataset` (described in a LoRA's metadata)."""
+    emit: Callable[..., None]
+    """`emit(type, **fields)`: an event (`sample`, `backup`, `saved`, `status`)."""
+    log_image: Callable[[str, Any, int], None]
+    """`log_image(tag, image, step)`: a sample to TensorBoard."""
+    optimizer: Any = None
+    """The optimizer: schedule-free AdamW's averaged weights are the ones sampled and saved
+    (`optim.evaluation_weights`); None where none is needed (a backup alone)."""
+
+
 class OutputWriter:
-    def __init__(self, trainer, run_id: str) -> None:
-        self.t = trainer
-        save = trainer.cfg.save
+    def __init__(self, run: TrainingRun, parts: RunParts, run_id: str) -> None:
+        self.run = run
+        self.parts = parts
+        save = parts.cfg.save
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         self.started_at = time.time()  # ss_training_started_at of the saved LoRAs
-        self.output_dir = Path(trainer.paths.output_dir)
+        self.output_dir = Path(parts.paths.output_dir)
         self.last_sample_step: int | None = None
         self.run_id = run_id
         self.last_backup_started = time.monotonic()
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
-        self.backup_writer = du.on_main(lambda: BackupWriter(trainer.paths.backups, run_id, save.rolling_backup_count))
+        self.backup_writer = du.on_main(lambda: BackupWriter(parts.paths.backups, run_id, save.rolling_backup_count))
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 
     def _suffix(self) -> str:
-        s = self.t.cfg.save
-        if self.t.cfg.training.method == "lora" or s.full_format == "single_file":
+        s = self.parts.cfg.save
+        if self.parts.cfg.training.method == "lora" or s.full_format == "single_file":
             return ".safetensors"
         return ""  # a diffusers folder
 
@@ -99,44 +143,44 @@ class OutputWriter:
         """Every rank renders its share of the prompts (prompt i on rank i mod N); rank 0 writes them all.
 
         Each prompt is rendered alone from its own seed, so its pixels do not depend on which rank renders it."""
-        t = self.t
-        prompts = t.cfg.sampling.prompts
-        self.last_sample_step = t.global_step
+        parts = self.parts
+        prompts = parts.cfg.sampling.prompts
+        self.last_sample_step = self.run.global_step
         if not prompts:
             return
         mine = [i for i in range(len(prompts)) if i % du.world_size() == du.rank()]
         images = []
         if mine:
             from modules.model.sampling import render_samples
-            samp = t.cfg.sampling
-            with self._weights_for_samples(), t.encoders_on_device():
-                images = render_samples(t.bundle, [prompts[i] for i in mine], t.cfg.data.resolution,
-                                        samp.inference_steps, samp.guidance_scale, t.device)
+            samp = parts.cfg.sampling
+            with self._weights_for_samples(), self.run.encoders_on_device():
+                images = render_samples(parts.bundle, [prompts[i] for i in mine], parts.cfg.data.resolution,
+                                        samp.inference_steps, samp.guidance_scale, parts.device)
         gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
         du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
 
     def _write_samples(self, rendered: dict) -> None:
-        t = self.t
-        folder = Path(t.paths.samples)
+        parts, step = self.parts, self.run.global_step
+        folder = Path(parts.paths.samples)
         folder.mkdir(parents=True, exist_ok=True)
-        for i, prompt in enumerate(t.cfg.sampling.prompts):
-            path = folder / f"step-{t.global_step:07d}-{i}.png"
+        for i, prompt in enumerate(parts.cfg.sampling.prompts):
+            path = folder / f"step-{step:07d}-{i}.png"
             rank, image = rendered[i]
             image.save(path)
-            t.emit("sample", step=t.global_step, path=str(path), prompt=prompt.prompt, rank=rank)
-            t.progress.log_image(f"sample/{i}", image, t.global_step)
+            parts.emit("sample", step=step, path=str(path), prompt=prompt.prompt, rank=rank)
+            parts.log_image(f"sample/{i}", image, step)
 
     # -- backups
     def backup(self) -> None:
         """Snapshot the training state of this step and hand it to the background writer (rank 0)."""
-        t = self.t
+        run = self.run
         self.last_backup_started = time.monotonic()
-        state = t.training_state()  # collective: every rank contributes its RNG state
+        state = run.training_state()  # collective: every rank contributes its RNG state
         if self.backup_writer is None:
             return
-        manifest = {"config_version": 1, "global_step": t.global_step, "epoch": t.epoch,
+        manifest = {"config_version": 1, "global_step": run.global_step, "epoch": run.epoch,
                     "world_size": du.world_size()}
-        done = self.backup_writer.submit(t.global_step, snapshot_to_host(t.trainable_state()),
+        done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
                                          snapshot_to_host(state), manifest)
         self._announce(done)
 
@@ -157,7 +201,7 @@ class OutputWriter:
     def _announce(self, done: list[tuple[int, Path]]) -> None:
         for step, path in done:
             log.info("Backup written: %s", path)
-            self.t.emit("backup", path=str(path), step=step)
+            self.parts.emit("backup", path=str(path), step=step)
 
     @property
     def last_backup(self) -> Path | None:
@@ -168,64 +212,64 @@ class OutputWriter:
         self._save(self.final_path)
 
     def save_intermediate(self) -> None:
-        name = self.t.cfg.save.output_name + f"-step{self.t.global_step:07d}" + self._suffix()
+        name = self.parts.cfg.save.output_name + f"-step{self.run.global_step:07d}" + self._suffix()
         self._save(unique_path(self.output_dir / name, self.stamp))
 
     def _save(self, path: Path) -> None:
         du.on_main(lambda: self._write_models(path))
 
     def _write_models(self, path: Path) -> None:
-        t = self.t
-        which = t.cfg.save.ema_weights if t.ema is not None else "raw"
+        ema = self.parts.ema
+        which = self.parts.cfg.save.ema_weights if ema is not None else "raw"
         if which in ("raw", "both"):
-            with evaluation_weights(t.optimizer):  # schedule-free AdamW: its averaged weights (optim.py)
+            with evaluation_weights(self.parts.optimizer):  # schedule-free AdamW: its averaged weights (optim.py)
                 self._write_model(path)
         if which in ("ema", "both"):
             ema_path = path if which == "ema" else path.with_name(path.name.replace(self._suffix(), "") + "-ema" + self._suffix())
-            with t.ema.swapped_in():
+            with ema.swapped_in():
                 self._write_model(ema_path)
 
     def _write_model(self, path: Path) -> None:
-        t = self.t
-        s = t.cfg.save
+        parts, step = self.parts, self.run.global_step
+        s = parts.cfg.save
         dtype = s.save_dtype
         path.parent.mkdir(parents=True, exist_ok=True)
         if not sys.stderr.isatty():
             import diffusers.utils.logging
             diffusers.utils.logging.disable_progress_bar()  # its shard-writing bar is noise in a log file
         log.info("Saving the model to %s ...", path)
-        t.emit("status", text=f"saving {path.name}")
-        if t.cfg.training.method == "lora":
+        parts.emit("status", text=f"saving {path.name}")
+        if parts.cfg.training.method == "lora":
             from modules.model.lora import save_lora
             from modules.model.lora_metadata import training_metadata
-            metadata = training_metadata(t.cfg, t.numbers, t.dataset, t.global_step, self.started_at)
-            metadata["tandem_step"] = str(t.global_step)
+            metadata = training_metadata(parts.cfg, parts.numbers, parts.dataset, step, self.started_at)
+            metadata["tandem_step"] = str(step)
             if s.lora_format in ("kohya", "both"):
-                save_lora(t.bundle, path, "kohya", dtype, metadata)
+                save_lora(parts.bundle, path, "kohya", dtype, metadata)
             if s.lora_format in ("peft", "both"):
                 peft_path = path.with_name(path.name.replace(".safetensors", ".peft.safetensors")) \
                     if s.lora_format == "both" else path
-                save_lora(t.bundle, peft_path, "peft", dtype, metadata)
+                save_lora(parts.bundle, peft_path, "peft", dtype, metadata)
         else:
             if s.full_format in ("diffusers", "both"):
                 from modules.model.saving import save_full_diffusers
                 folder = path if s.full_format == "diffusers" else path.with_suffix("")
-                save_full_diffusers(t.bundle, folder, dtype)
+                save_full_diffusers(parts.bundle, folder, dtype)
             if s.full_format in ("single_file", "both"):
                 from modules.model.saving import save_full_single_file
                 file = path if s.full_format == "single_file" else path.with_name(path.name + ".safetensors")
-                save_full_single_file(t.bundle, file, dtype)
+                save_full_single_file(parts.bundle, file, dtype)
         log.info("Model saved: %s", path)
-        t.emit("saved", path=str(path), step=t.global_step)
+        parts.emit("saved", path=str(path), step=step)
 
     @contextlib.contextmanager
     def _weights_for_samples(self):
         """Samples show the weights that are saved: the EMA weights when EMA is on and chosen for saving,
         schedule-free AdamW's averaged weights with that optimizer (the config never has both)."""
-        t = self.t
-        if t.ema is not None and t.cfg.save.ema_weights == "ema":
-            with t.ema.swapped_in():
+        ema = self.parts.ema
+        if ema is not None and self.parts.cfg.save.ema_weights == "ema":
+            with ema.swapped_in():
                 yield
         else:
-            with evaluation_weights(t.optimizer):
+            with evaluation_weights(self.parts.optimizer):
                 yield

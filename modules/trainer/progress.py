@@ -6,6 +6,9 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Callable
+
+from modules.trainer.run_numbers import RunNumbers
 
 log = logging.getLogger("tandem")
 
@@ -32,12 +35,13 @@ class ProgressReporter:
     """Reports finished steps: `loss`/`progress` events, TensorBoard, and a progress bar in a terminal or a
     progress line every few seconds in a log file. The rank that does not report (not rank 0) only keeps time.
 
-    `numbers` needs `total_steps`, `global_batch` and `epochs`; `emit(type, **fields)` sends an event.
+    `emit(type, **fields)` sends an event.
     """
 
     LOG_EVERY_S = 5.0
 
-    def __init__(self, numbers, emit, start_step: int, tensorboard_dir: Path | None, reports: bool) -> None:
+    def __init__(self, numbers: RunNumbers, emit: Callable[..., None], start_step: int, tensorboard_dir: Path | None,
+                 reports: bool) -> None:
         self.numbers = numbers
         self.emit = emit
         self.main = reports
