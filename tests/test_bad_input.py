@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from modules.trainer.callbacks import parse_event_line
+from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import overrides_for, run_script
 
 MULTI = ("train_multi_gpu.py", "--device", "cpu", "--num-gpus", "2")

@@ -15,7 +15,7 @@ import pytest
 
 from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
-from modules.trainer.callbacks import parse_event_line
+from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
                                    launch_spec, overrides_for, run_script, start_script)
 

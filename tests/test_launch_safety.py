@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from modules.trainer.callbacks import parse_event_line
+from modules.util.run_protocol import parse_event_line
 from tests.test_distributed import _worker_pids, read_until_step
 from tests.trainer_helpers import REPO, overrides_for, start_script
 
@@ -186,8 +186,8 @@ def test_killed_rank_is_the_headline_of_the_log_and_the_gui(tmp_path, cache_dir,
     assert controller.state.status == "failed"
     headline = controller.state.error.splitlines()[0]
     assert headline.startswith("rank 1 died first (signal SIGKILL"), controller.state.error[:1500]
-    from modules.trainer.callbacks import EVENT_TYPES
-    echoed = re.compile(rf"\[({'|'.join(EVENT_TYPES)})\] ")  # the controller echoes events as "[error] ..."
+    from modules.util.run_protocol import EVENTS
+    echoed = re.compile(rf"\[({'|'.join(EVENTS)})\] ")  # the controller echoes events as "[error] ..."
     log_lines = [line for line in controller.log if not echoed.match(line)]
     last_error = [line for line in log_lines if re.search(r"fail|error", line, re.IGNORECASE)][-1]
     assert last_error.startswith("Training failed: rank 1 died first (signal SIGKILL"), last_error

@@ -81,7 +81,7 @@ def test_items_left_out_per_epoch_are_in_the_start_up_line(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("Tandem: ")]
     assert "global batch 8 | 1 steps/epoch" in line and "| 10 items/epoch, 2 left out per epoch |" in line
-    from modules.trainer.callbacks import parse_event_line
+    from modules.util.run_protocol import parse_event_line
     config = next(e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "config")
     assert config["items_per_epoch"] == 10 and config["items_left_out"] == 2
 
@@ -172,7 +172,7 @@ def test_rolling_backups_keep_newest(tmp_path, cache_dir):
 def test_commands_file_sample_and_save(tmp_path, cache_dir):
     """`sample` and `save` written to the commands file: sent with the next step, acted on one step later."""
     from modules.config import RunPaths
-    from modules.trainer.commands import write_command
+    from modules.util.run_protocol import write_command
 
     # every_n_steps=3 makes a scheduled sample due at the very step the command acts: one sample, not two.
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "sampling.inference_steps=2",
@@ -225,7 +225,7 @@ def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_train_script_runs_the_demo(tmp_path, cache_dir):
     """scripts/train.py with the demo preset, as the README shows it, in a subprocess."""
-    from modules.trainer.callbacks import parse_event_line
+    from modules.util.run_protocol import parse_event_line
     from tests.trainer_helpers import overrides_for, run_script
     result = run_script("train.py", "--config-path", "#demo",
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=3"))

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from modules.trainer import backup as backups
-from modules.trainer.callbacks import RecordingCallbacks, parse_event_line
+from modules.trainer.callbacks import RecordingCallbacks
+from modules.util.run_protocol import parse_event_line
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.host_copy import snapshot_to_host
 from tests.trainer_helpers import REPO, demo_config, overrides_for, run_script, start_script

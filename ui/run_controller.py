@@ -20,8 +20,7 @@ from typing import Any
 
 from modules.config import TrainConfig, save_config
 from modules.config.run_paths import RunPaths
-
-from modules.trainer.callbacks import EVENTS_VARIABLE
+from modules.util.run_protocol import EVENTS_VARIABLE, command_problem, write_command
 from modules.util.workspace_lock import workspace_in_use
 
 from .events import LogLine, TrainingEvent, parse_line
@@ -29,7 +28,6 @@ from .launch_command import build_command, is_multi_process, run_config
 from .loss_history import LossHistory
 from .multi_gpu_settings import selected_gpus
 
-COMMANDS = ("stop", "sample", "backup", "save")
 ERROR_TAIL_LINES = 25
 STARTING = "starting the training processes"
 
@@ -207,12 +205,12 @@ class RunController:
     # --- commands --------------------------------------------------------------------------
     def send(self, command: str) -> None:
         """Append a command line for rank 0, which reads the file every step."""
-        if command not in COMMANDS:
-            raise ValueError(f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
+        problem = command_problem(command)
+        if problem:
+            raise ValueError(problem)
         if not self.state.active or self.commands_file is None:
             raise RuntimeError(f"no training is running to {command}")
-        with open(self.commands_file, "a", encoding="utf-8") as f:
-            f.write(command + "\n")
+        write_command(self.commands_file, command)
 
     def stop(self) -> None:
         """Ask every rank to stop at the same step (and back up); if the process is still there

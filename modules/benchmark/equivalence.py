@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, args: list[str]) -> list[dict]:
-    from modules.trainer.callbacks import parse_event_line
+    from modules.util.run_protocol import parse_event_line
     env = dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
                           env=env, cwd=REPO)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from modules.distributed.failures import WorkerExit
-from modules.trainer.commands import write_command
+from modules.util.run_protocol import write_command
 
 log = logging.getLogger("tandem")
 HARD_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-COMMANDS = ("stop", "sample", "backup", "save")
+from modules.util.run_protocol import COMMANDS, command_problem
 
 
 class CommandInbox:
@@ -30,8 +30,9 @@ class CommandInbox:
                 self._offset = self.commands_file.stat().st_size if self.commands_file.exists() else 0
 
     def request(self, command: str) -> None:
-        if command not in COMMANDS:
-            raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+        problem = command_problem(command)
+        if problem:
+            raise ValueError(problem)
         self.pending.add(command)
 
     def poll(self) -> None:
@@ -64,13 +65,3 @@ class CommandInbox:
             self.pending.add("stop")
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
-
-
-def write_command(commands_file: Path, command: str) -> None:
-    """Append one command line (used by the GUI and tests)."""
-    if command not in COMMANDS:
-        raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
-    commands_file = Path(commands_file)
-    commands_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(commands_file, "a", encoding="utf-8") as f:
-        f.write(command + "\n")
