@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from modules.config import TrainConfig
 from modules.distributed import diagnostics, memory_estimate
@@ -101,22 +102,41 @@ def test_fp8_lora_base_counts_one_byte_per_linear_weight():
     assert (bf16["weights"] - fp8["weights"]) * GIB == pytest.approx(linear, rel=1e-3)
 
 
-def test_published_architectures_match_published_parameter_counts():
+def test_shipped_architectures_match_published_parameter_counts():
     for family, expected in memory_estimate.PUBLISHED_PARAMS_M.items():
-        models = memory_estimate.build_meta_models(memory_estimate.ARCHITECTURES[family])
+        models = memory_estimate.build_meta_models(memory_estimate.shipped_components(family))
         for name, millions in expected.items():
             count = sum(p.numel() for p in models[name].parameters())
             assert count / 1e6 == pytest.approx(millions, abs=0.1), (family, name)
 
 
 def test_lora_counts_follow_rank_and_targets():
-    models = memory_estimate.build_meta_models(memory_estimate.ARCHITECTURES["sd1"])
+    models = memory_estimate.build_meta_models(memory_estimate.shipped_components("sd1"))
     shapes_16 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 16)
     shapes_32 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 32)
     count_16 = sum(memory_estimate._numel(s) for s in shapes_16)
     assert count_16 == pytest.approx(3.19e6, rel=0.01)  # the well-known 3.2M of an SD1.5 rank-16 LoRA
     assert sum(memory_estimate._numel(s) for s in shapes_32) == 2 * count_16
     assert memory_estimate.lora_shapes(models["unet"], ["to_q"], 16) != shapes_16
+
+
+def test_the_estimate_tells_the_family_by_the_model_layers_rules(tmp_path):
+    """A single file is recognised as the loader recognises it: an SDXL refiner is refused, not sized as SD1."""
+    from safetensors.torch import save_file
+    refiner = tmp_path / "refiner.safetensors"
+    save_file({"conditioner.embedders.0.model.ln_final.weight": torch.zeros(1),
+               "model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1)}, str(refiner))
+    cfg = TrainConfig()
+    cfg.model.base_model = str(refiner)
+    with pytest.raises(memory_estimate.EstimateError, match="SDXL refiner"):
+        memory_estimate.resolve_architecture(cfg)
+    xl = tmp_path / "xl.safetensors"
+    save_file({"conditioner.embedders.0.transformer.text_model.x": torch.zeros(1),
+               "conditioner.embedders.1.model.ln_final.weight": torch.zeros(1),
+               "model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1)}, str(xl))
+    cfg.model.base_model = str(xl)
+    family, source, components = memory_estimate.resolve_architecture(cfg)
+    assert family == "sdxl" and "text_encoder_2" in components and "shipped configs" in source
 
 
 def test_optimizer_state_sizes():

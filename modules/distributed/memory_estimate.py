@@ -4,9 +4,10 @@ Every rank of DistributedDataParallel holds a full copy of the model, its gradie
 optimizer state, so the per-GPU estimate does not shrink with more GPUs; only the global batch grows.
 
 Parameter counts are exact: the networks are built on PyTorch's `meta` device (shapes only, no
-memory, no download) from, in this order, the base model's own diffusers folder, a folder in
-`modules/model/configs/<name>/` when that exists, the demo model's folder, or the published
-architectures below. Activation memory is the one real estimate: a per-sample coefficient measured
+memory, no download) from the base model's own diffusers folder, the demo model's folder, or the
+real-size configs Tandem ships in `modules/model/configs/<type>/` (the ones the single-file loader
+uses); the family is told by the model layer's own rules (`modules.model.families.detect_folder` /
+`detect_checkpoint`). Activation memory is the one real estimate: a per-sample coefficient measured
 once per model family (see `ACTIVATION_GIB_PER_SAMPLE`), scaled by resolution and precision.
 """
 from __future__ import annotations
@@ -21,41 +22,8 @@ from modules.config.model_families import FAMILIES, guess_family
 GIB = 1024 ** 3
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model" / "configs"
 
-# Published Stable Diffusion architectures (the `config.json` files of the official diffusers
-# repositories, reduced to the entries that change shapes). Building them on `meta` gives
-# 859.5M / 865.9M / 2567.5M UNet parameters; tests check these against the published counts.
-_SD_UNET_BASE = {
-    "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
-    "block_out_channels": [320, 640, 1280, 1280],
-    "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-}
-_CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-           "num_attention_heads": 12, "projection_dim": 768, "hidden_act": "quick_gelu"}
-_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2,
-        "block_out_channels": [128, 256, 512, 512],
-        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4}
-ARCHITECTURES: dict[str, dict] = {
-    "sd1": {"unet": {**_SD_UNET_BASE, "cross_attention_dim": 768, "attention_head_dim": 8},
-            "text_encoder": _CLIP_L, "vae": _VAE},
-    "sd2": {"unet": {**_SD_UNET_BASE, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20],
-                     "use_linear_projection": True},
-            "text_encoder": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
-                             "num_attention_heads": 16, "projection_dim": 512, "hidden_act": "gelu"},
-            "vae": _VAE},
-    "sdxl": {"unet": {"in_channels": 4, "out_channels": 4, "layers_per_block": 2,
-                      "block_out_channels": [320, 640, 1280],
-                      "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-                      "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-                      "transformer_layers_per_block": [1, 2, 10], "attention_head_dim": [5, 10, 20],
-                      "cross_attention_dim": 2048, "use_linear_projection": True,
-                      "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-                      "projection_class_embeddings_input_dim": 2816},
-             "text_encoder": _CLIP_L,
-             "text_encoder_2": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
-                                "num_attention_heads": 20, "projection_dim": 1280, "hidden_act": "gelu"},
-             "vae": _VAE},
-}
+# The published parameter counts of the Stable Diffusion architectures Tandem ships configs for
+# (modules/model/configs/<type>/); tests build those configs on `meta` and compare.
 PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
                       "sd2": {"unet": 865.9, "text_encoder": 340.4},
                       "sdxl": {"unet": 2567.5, "text_encoder": 123.1, "text_encoder_2": 694.7}}
@@ -133,18 +101,36 @@ def _demo_folder() -> Path:
 
 
 def _detect_single_file_type(path: Path) -> str:
-    """sd1/sd2/sdxl from the key names of a single-file checkpoint (header only for .safetensors)."""
+    """The family of a single-file checkpoint, by the model layer's rules (header only for .safetensors)."""
     if path.suffix != ".safetensors":
         raise EstimateError(f"model.model_type is auto and {path} is not .safetensors; set model.model_type "
                             "to sd1, sd2 or sdxl for the estimate.")
     from safetensors import safe_open
+
+    from modules.model.families import detect_checkpoint
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
-    if any(k.startswith("conditioner.embedders.1") for k in keys):
-        return "sdxl"
-    if any(k.startswith("cond_stage_model.model.") for k in keys):
-        return "sd2"
-    return "sd1"
+    try:
+        return detect_checkpoint(keys, source=path)
+    except ValueError as e:
+        raise EstimateError(str(e)) from None
+
+
+def _detect_folder_type(folder: Path) -> str:
+    """The family of a diffusers folder, by the model layer's rules."""
+    from modules.model.families import detect_folder
+    try:
+        return detect_folder(folder)[0]
+    except (OSError, ValueError) as e:
+        raise EstimateError(str(e)) from None
+
+
+def shipped_components(model_type: str) -> dict:
+    """The real-size component configs Tandem ships for `model_type` (modules/model/configs/<type>/)."""
+    from modules.model.single_file import shipped_config
+    parts = ("unet", "text_encoder", "text_encoder_2", "vae")
+    return {part: shipped_config(model_type, part) for part in parts
+            if (MODEL_CONFIGS_DIR / model_type / f"{part}.json").is_file()}
 
 
 def resolve_architecture(cfg) -> tuple[str, str, dict]:
@@ -162,21 +148,16 @@ def resolve_architecture(cfg) -> tuple[str, str, dict]:
     path = Path(base)
     if path.is_dir():
         components = _read_folder(path)
-        family = model_type if model_type != "auto" else (
-            "sdxl" if "text_encoder_2" in components else
-            "sd2" if components.get("text_encoder", {}).get("hidden_size") == 1024 else "sd1")
+        family = model_type if model_type != "auto" else _detect_folder_type(path)
         return family, f"diffusers folder {path}", components
     if model_type == "auto":
         if not path.is_file():
             raise EstimateError(f"model.base_model: {base!r} does not exist and model.model_type is auto; "
                                 "fix the path or set model.model_type to sd1, sd2 or sdxl.")
         model_type = _detect_single_file_type(path)
-    if model_type not in ARCHITECTURES:
+    if model_type not in ACTIVATION_GIB_PER_SAMPLE:
         raise EstimateError(f"model.model_type: {model_type!r} is not one of sd1, sd2, sdxl.")
-    local = MODEL_CONFIGS_DIR / model_type
-    if (local / "unet" / "config.json").is_file():
-        return model_type, f"shipped configs {local}", _read_folder(local)
-    return model_type, f"published {model_type} architecture", ARCHITECTURES[model_type]
+    return model_type, f"shipped configs {MODEL_CONFIGS_DIR / model_type}", shipped_components(model_type)
 
 
 def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:
