@@ -92,7 +92,7 @@ def test_no_sync_skips_allreduce_until_last_micro_batch(tmp_path, cache_dir):
     """Inside no_sync the ranks' gradients differ; after the last micro-batch they are identical."""
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.batch_size=4", "multi_gpu.enabled=true")
     import torch.multiprocessing as mp
-    from modules.distributed.process_group import find_free_port
+    from modules.util.ports import find_free_port
     port = find_free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -20,6 +20,7 @@ from modules import start_multi_gpu
 from modules.distributed import launch, process_group
 from modules.distributed.launch import LaunchPlan, _worker_env, spawn_environment
 from tests.test_launcher_scripts import BAT, PY, REPO, launcher_env, printed_command, run_sh
+from modules.util.ports import find_free_port
 from tests.trainer_helpers import launch_spec
 
 
@@ -88,7 +89,7 @@ def test_a_worker_joins_with_a_libuv_free_store_on_windows(windows, monkeypatch)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(process_group.find_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
     monkeypatch.setenv("OMP_NUM_THREADS", str(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         device = process_group.init_worker("auto", "cpu", timeout_minutes=1)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import webbrowser
 from dataclasses import dataclass
 from pathlib import Path
+
+from modules.util.ports import find_free_port
 
 FILE_MANAGER_COMMANDS = ("xdg-open", "gio")
 
@@ -47,12 +48,6 @@ def open_folder(path: str | Path) -> Opened:
     return Opened(True, f"Opened {path}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tensorboard_command(logdir: str | Path, port: int, python: str = sys.executable) -> list[str]:
     return [python, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", str(port),
             "--host", "127.0.0.1"]
@@ -74,7 +69,7 @@ class TensorBoard:
             self.close()
             try:
                 logdir.mkdir(parents=True, exist_ok=True)
-                port = free_port()
+                port = find_free_port()
                 self._process = subprocess.Popen(tensorboard_command(logdir, port, self.python),
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except OSError as e:

@@ -18,14 +18,14 @@ import re
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
-from . import memory_estimate, rendezvous
+from modules.config import load_config
 from modules.config.backends import backend_problem
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from . import memory_estimate, rendezvous
+
 GIB = 1024 ** 3
 GPU_ALLREDUCE_MIB = 256
 CPU_ALLREDUCE_MIB = 8
@@ -215,19 +215,6 @@ def run_allreduce(backend: str, world: int, size_mib: int) -> dict:
         total_seconds=time.perf_counter() - started,
         algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world - 1) / world)
     return result
-
-
-def load_config(path: str):
-    """The config at `path` (or a preset name like `#demo`), validated; raises `ConfigError`."""
-    from modules import config as config_pkg
-    from modules.config.validation import check
-    if hasattr(config_pkg, "load_config"):
-        return check(config_pkg.load_config(path), source=path)
-    # Until modules.config.load_config exists: a file path, or a preset file in training_presets/.
-    file = Path(path)
-    if not file.exists() and (REPO_ROOT / "training_presets" / f"{path}.json").exists():
-        file = REPO_ROOT / "training_presets" / f"{path}.json"
-    return check(config_pkg.config_from_dict(config_pkg.read_json(file), source=str(file)), source=str(file))
 
 
 def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: list) -> None:

@@ -28,12 +28,13 @@ from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_di
 from modules.distributed import failures, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
 from modules.config.launch_spec import LaunchSpec, resolve_launch
-from modules.distributed.process_group import find_free_port, port_is_free, store_environment, threads_per_worker
+from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
 from modules.preflight import PreflightError, preflight
 from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
+from modules.util.ports import find_free_port, port_is_free
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")

@@ -5,7 +5,6 @@ import datetime
 import logging
 import os
 import platform
-import socket
 
 import torch
 import torch.distributed as dist
@@ -29,22 +28,6 @@ wheels are built without libuv: without this, torchrun and `init_process_group` 
 def store_environment() -> dict[str, str]:
     """The variables every process that creates or joins the rendezvous store needs on this OS."""
     return dict(STORE_ENVIRONMENT_WINDOWS) if on_windows() else {}
-
-
-def find_free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
 
 
 def threads_per_worker(local_world: int) -> int:

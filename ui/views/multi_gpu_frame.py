@@ -30,7 +30,6 @@ class MultiGPUFrame(ctk.CTkFrame):
         super().__init__(master)
         self.binder, self.python = binder, python
         self.gpus: list[GpuInfo] = []
-        self._syncing = False
         form = Form(self, binder, tab="Training")
         form.section("Multi-GPU")
         self.enable = form.field("multi_gpu.enabled", "Enable Multi-GPU")
