@@ -1,117 +1,13 @@
 """Render a PNG of every GUI tab into docs/images/ (for docs/GUI.md).
 
     python scripts/render_screenshots.py [--out docs/images] [--example-gpus 2]
-
-Starts its own Xvfb display, opens the demo preset, and for the Run tab really trains the demo
-on 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample and log are
-real; the Run tab is also shown at 1024x600.
-`--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
-GPUs); the picture's caption in docs/GUI.md says so.
 """
-from __future__ import annotations
-
-import argparse
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def start_xvfb() -> subprocess.Popen:
-    if shutil.which("Xvfb") is None:
-        sys.exit("Xvfb is needed: apt-get install xvfb")
-    number = next(n for n in range(90, 200) if not Path(f"/tmp/.X{n}-lock").exists())
-    server = subprocess.Popen(["Xvfb", f":{number}", "-screen", "0", "1180x900x24", "-nolisten", "tcp"])
-    while not Path(f"/tmp/.X11-unix/X{number}").exists():
-        time.sleep(0.05)
-    os.environ["DISPLAY"] = f":{number}"
-    return server
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="docs/images")
-    parser.add_argument("--example-gpus", type=int, default=0)
-    parser.add_argument("--run-steps", type=int, default=20, help="demo steps before the Run tab is captured")
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    server = start_xvfb()
-    try:
-        render(Path(args.out), args.example_gpus, args.run_steps)
-    finally:
-        server.terminate()
-
-
-def render(out: Path, example_gpus: int, run_steps: int) -> None:
-    from PIL import ImageGrab
-
-    from ui.gpu_info import GpuInfo, detect_gpus
-    from ui.settings import RecentConfigs
-    from ui.views.app import TandemApp
-
-    out.mkdir(parents=True, exist_ok=True)
-    home = Path(tempfile.mkdtemp(prefix="tandem-shots-"))
-    gpus = [GpuInfo(i, "NVIDIA H100 80GB HBM3 (example)", 81559) for i in range(example_gpus)]
-    app = TandemApp(recent=RecentConfigs(home), gpu_probe=(lambda: gpus) if example_gpus else detect_gpus)
-    app.geometry("1100x860+0+0")
-    app.load("#demo")
-    app.binder.fields["general.workspace_dir"].var.set(str(home / "workspace"))
-
-    def settle(seconds: float = 0.6) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            app.update()
-            time.sleep(0.02)
-
-    def shoot(name: str) -> None:
-        settle()
-        x, y = app.winfo_rootx(), app.winfo_rooty()
-        ImageGrab.grab(bbox=(x, y, x + app.winfo_width(), y + app.winfo_height()),
-                       xdisplay=os.environ["DISPLAY"]).save(out / f"{name}.png")
-        print("wrote", out / f"{name}.png")
-
-    while app.multi_gpu.detecting:
-        settle(0.1)
-    for tab in ("General", "Model", "Data", "Training", "Sampling", "Backup & Save"):
-        app.tabs.set(tab)
-        shoot("tab-" + tab.lower().replace(" & ", "-"))
-    app.tabs.set("Training")
-    app.multi_gpu.enable.widget.toggle()
-    if len(gpus) < 2:
-        app.multi_gpu._cpu_chosen("2")
-    app.multi_gpu.lr_scaling.var.set("sqrt")
-    settle()
-    canvas = app.multi_gpu.master._parent_canvas
-    canvas.yview_moveto(1.0)
-    shoot("multi-gpu-frame")
-
-    # The Run tab with a real (short) demo run on 2 CPU processes.
-    app.multi_gpu._cpu_chosen("2")
-    app.tabs.set("Run")
-    if not app.run_view.start():
-        sys.exit("could not start the demo run:\n" + app.run_view.error_text())
-    deadline = time.monotonic() + 300
-    state = app.controller.state
-    while state.active and time.monotonic() < deadline and (state.step < run_steps or not state.samples):
-        settle(0.2)
-        state = app.controller.state
-    shoot("tab-run")
-    # The same at 1024x600 (a laptop screen): the tab scrolls; shown scrolled to the per-GPU view and log.
-    app.geometry("1024x600+0+0")
-    settle()
-    app.run_view._parent_canvas.yview_moveto(0.45)
-    shoot("tab-run-1024x600")
-    app.controller.stop()
-    while app.controller.state.active and time.monotonic() < deadline + 60:
-        settle(0.2)
-    app.controller.terminate()
-    app.destroy()
-
+from ui.screenshots import main  # noqa: E402
 
 if __name__ == "__main__":
     main()
