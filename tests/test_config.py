@@ -650,3 +650,19 @@ def test_fp8_base_is_for_lora_computed_in_bf16():
     cfg.training.precision, cfg.model.text_encoder_dtype = "bf16", "fp8"  # only the denoiser
     (problem,) = validate(cfg)
     assert problem.startswith("model.text_encoder_dtype: 'fp8' is not a valid choice")
+
+
+def test_one_field_path_walker_for_overrides_and_the_gui():
+    """overrides.py and ui/binding.py both step through modules/config/field_paths.walk_types."""
+    from modules.config.field_paths import NoSuchField, NotAList, join_path, parse_path, walk_types
+    from ui.binding import field_type
+
+    assert list(walk_types("data.concepts[0].repeats"))[-1] == ("repeats", int, "data.concepts[0]")
+    assert join_path(parse_path("sampling.prompts[2].seed")) == "sampling.prompts[2].seed"
+    assert field_type("data.concepts[7].enabled") is bool  # no config with 8 concepts needed
+    with pytest.raises(NoSuchField):
+        list(walk_types("training.batch_sise"))
+    with pytest.raises(NotAList):
+        list(walk_types("training.batch_size[0]"))
+    cfg = apply_overrides(TrainConfig(), ["data.concepts[1].path=/x"])
+    assert cfg.data.concepts[1].path == "/x"

@@ -14,7 +14,8 @@ import torch
 
 from modules.config import TrainConfig, config_to_dict, read_json
 from modules.config.launch_spec import resolve_launch
-from ui.binding import FieldError, field_doc, field_type, get_value, leaf_paths, set_value
+from modules.config.field_paths import leaf_paths
+from ui.binding import FieldError, field_doc, field_type, get_value, set_value
 from ui.config_model import ConfigModel, problem_field, problems_by_field
 from ui.events import LogLine, TrainingEvent, format_duration, parse_line
 from ui.launch_command import MULTI_SCRIPT, SINGLE_SCRIPT, build_command, run_config

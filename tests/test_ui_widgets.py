@@ -467,7 +467,7 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_fac
                    view.tensorboard_button):
         assert Tooltip.of(widget) is not None and len(Tooltip.of(widget).text) > 40, widget
     # Every config field has a place in the window, so every message can name a tab and a label.
-    from ui.binding import leaf_paths
+    from modules.config.field_paths import leaf_paths
     assert [p for p in leaf_paths(app.model.cfg) if app.binder.places.name(p) is None] == []
     fields = app.binder.fields
     method, optimizer = fields["training.method"], fields["optimizer.name"]

@@ -7,66 +7,51 @@ without a display.
 """
 from __future__ import annotations
 
-import dataclasses
-import re
 import typing
 from typing import Any
 
 from modules.config import TrainConfig
 from modules.config.docs import field_docs
-
-_PART = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?$")
-
+from modules.config.field_paths import BadSegment, PathDoesNotFit, Step, parse_path, walk_types
 
 class FieldError(ValueError):
     """A value that cannot be stored in a field; the message is shown beside the field."""
 
 
-def _parts(path: str) -> list[tuple[str, int | None]]:
-    parts = []
-    for piece in path.split("."):
-        match = _PART.match(piece)
-        if not match:
-            raise KeyError(f"{path!r} is not a field path (expected names like training.batch_size)")
-        parts.append((match.group(1), int(match.group(2)) if match.group(2) is not None else None))
-    return parts
+def _steps(path: str) -> list[tuple[Step, Any, str]]:
+    """The steps of `path` (modules/config/field_paths.walk_types), as KeyErrors the views show."""
+    try:
+        steps = list(walk_types(path))
+    except BadSegment:
+        raise KeyError(f"{path!r} is not a field path (expected names like training.batch_size)") from None
+    except PathDoesNotFit as e:
+        owner = getattr(e.annotation, "__name__", e.annotation)
+        raise KeyError(f"{path!r}: {owner} has no field {e.step!r}") from None
+    if not steps:
+        raise KeyError(f"{path!r} is empty")
+    if isinstance(steps[-1][0], int):
+        raise KeyError(f"{path!r}: a path must end at a field, not a list item")
+    return steps
 
 
 def _walk(cfg: Any, path: str) -> tuple[Any, str, Any]:
     """The object that owns the last field of `path`, the field's name and its annotation."""
+    steps = _steps(path)
     owner: Any = cfg
-    parts = _parts(path)
-    for i, (name, index) in enumerate(parts):
-        hints = typing.get_type_hints(type(owner))
-        if name not in hints:
-            raise KeyError(f"{path!r}: {type(owner).__name__} has no field {name!r}")
-        if i == len(parts) - 1:
-            if index is not None:
-                raise KeyError(f"{path!r}: a path must end at a field, not a list item")
-            return owner, name, hints[name]
-        owner = getattr(owner, name)
-        if index is not None:
-            if not isinstance(owner, list) or index >= len(owner):
-                raise KeyError(f"{path!r}: there is no item {index} in {name}")
-            owner = owner[index]
-    raise KeyError(f"{path!r} is empty")
+    for step, _, walked in steps[:-1]:
+        if isinstance(step, int):
+            if not isinstance(owner, list) or step >= len(owner):
+                raise KeyError(f"{path!r}: there is no item {step} in {walked.rpartition('.')[2]}")
+            owner = owner[step]
+        else:
+            owner = getattr(owner, step)
+    name, annotation, _ = steps[-1]
+    return owner, name, annotation
 
 
-def field_type(path: str, cfg: TrainConfig | None = None) -> Any:
+def field_type(path: str) -> Any:
     """The annotation of the field at `path` (`int`, `str`, `list[str]`, ...)."""
-    return _walk(cfg if cfg is not None else _sample_config(path), path)[2]
-
-
-def _sample_config(path: str) -> TrainConfig:
-    # Item paths like data.concepts[3] need an item to walk through; build enough of them.
-    cfg = TrainConfig()
-    for name, index in _parts(path):
-        if index is not None and name == "concepts":
-            cfg.data.concepts = [type(cfg.data.concepts[0])() for _ in range(index + 1)]
-        if index is not None and name == "prompts":
-            from modules.config import SamplePromptConfig
-            cfg.sampling.prompts = [SamplePromptConfig() for _ in range(index + 1)]
-    return cfg
+    return _steps(path)[-1][1]
 
 
 def get_value(cfg: TrainConfig, path: str) -> Any:
@@ -146,8 +131,9 @@ def format_value(value: Any) -> str:
 
 def field_doc(path: str) -> str:
     """The field's docstring from `TrainConfig` (the one source of tooltip text)."""
-    owner, name, _ = _walk(_sample_config(path), path)
-    return field_docs(type(owner)).get(name, "")
+    steps = _steps(path)
+    section = steps[-2][1] if len(steps) > 1 else TrainConfig
+    return field_docs(section).get(steps[-1][0], "")
 
 
 def plain_text(doc: str) -> str:
@@ -157,26 +143,6 @@ def plain_text(doc: str) -> str:
 
 def field_label(path: str) -> str:
     """`training.lora_rank` -> `Lora rank`: a readable label derived from the field name."""
-    name = _parts(path)[-1][0]
-    words = name.replace("_", " ")
+    name = parse_path(path)[-1]
+    words = str(name).replace("_", " ")
     return words[0].upper() + words[1:]
-
-
-def leaf_paths(cfg: TrainConfig) -> list[str]:
-    """Every leaf field path of `cfg`, list items included (used to refresh all widgets)."""
-    paths: list[str] = []
-
-    def visit(obj: Any, prefix: str) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            path = f"{prefix}.{f.name}" if prefix else f.name
-            if dataclasses.is_dataclass(value):
-                visit(value, path)
-            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-                for i, item in enumerate(value):
-                    visit(item, f"{path}[{i}]")
-            else:
-                paths.append(path)
-
-    visit(cfg, "")
-    return paths

@@ -11,8 +11,8 @@ import dataclasses
 import functools
 import inspect
 import textwrap
-import typing
 
+from .field_paths import field_types, item_type
 from .train_config import TrainConfig
 
 
@@ -41,12 +41,10 @@ def section_classes(cls: type = TrainConfig, prefix: str = "") -> dict[str, type
     """Every dataclass reachable from `cls`, keyed by its path: `""` for the root, `"training"`,
     and `"data.concepts[]"` for the items of a list of sections."""
     found = {prefix: cls}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        path = f"{prefix}.{f.name}" if prefix else f.name
-        if typing.get_origin(tp) is list:
-            (tp,) = typing.get_args(tp)
+    for name, tp in field_types(cls).items():
+        path = f"{prefix}.{name}" if prefix else name
+        if item_type(tp) is not None:
+            tp = item_type(tp)
             path += "[]"
         if dataclasses.is_dataclass(tp):
             found.update(section_classes(tp, path))

@@ -10,36 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import typing
 from typing import Any, Iterable
 
+from .field_paths import BadSegment, NoSuchField, NotAList, NotASection, field_types, parse_path, walk_types
 from .serialization import ConfigError, closest_name, config_from_dict, config_to_dict
 from .train_config import REMOVED_FIELDS, TrainConfig
 
 OVERRIDE_SOURCE = "--config-value"
-
-_SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")
-_INDEX = re.compile(r"\[(\d+)\]")
 
 EXAMPLE = "training.learning_rate=1e-4"
 
 
 class _OverrideProblem(Exception):
     """One bad override; its message is the full sentence reported to the user."""
-
-
-def _parse_key(key: str) -> list[str | int]:
-    """`data.concepts[0].repeats` -> `["data", "concepts", 0, "repeats"]`."""
-    steps: list[str | int] = []
-    for segment in key.split("."):
-        match = _SEGMENT.match(segment.strip())
-        if not match:
-            raise _OverrideProblem(f"{key}: {segment!r} is not a field name; write keys like "
-                                   "'training.batch_size' or 'data.concepts[0].path'.")
-        steps.append(match.group(1))
-        steps.extend(int(i) for i in _INDEX.findall(match.group(2)))
-    return steps
 
 
 def _parse_value(text: str, field_type: Any) -> Any:
@@ -58,43 +41,43 @@ def _default_item(item_type: Any) -> Any:
 
 def _set(data: dict, key: str, text: str) -> None:
     """Set `key` in the config JSON `data` to the parsed `text`, checking the path against the types."""
-    steps = _parse_key(key)
+    try:
+        _walk_and_set(data, key, text)
+    except BadSegment as bad:
+        raise _OverrideProblem(f"{key}: {bad.args[0]!r} is not a field name; write keys like "
+                               "'training.batch_size' or 'data.concepts[0].path'.") from None
+    except NotASection as e:
+        raise _OverrideProblem(f"{key}: {e.walked or 'the config'} has no field {e.step!r} (it holds a value of "
+                               f"type {getattr(e.annotation, '__name__', e.annotation)}, not a section).") from None
+    except NoSuchField as e:
+        if f"{e.walked}.{e.step}" in REMOVED_FIELDS:
+            raise _OverrideProblem(f"{key}: no longer a config field; {REMOVED_FIELDS[f'{e.walked}.{e.step}']}.") from None
+        names = list(field_types(e.annotation))
+        near = closest_name(e.step, names)
+        hint = f" Did you mean '{near}'?" if near else ""
+        prefix = f"{e.walked}." if e.walked else ""
+        raise _OverrideProblem(f"{key}: {e.walked or 'the top level'} has no field {e.step!r}.{hint} "
+                               f"Valid keys: {', '.join(prefix + n for n in names)}.") from None
+    except NotAList as e:
+        raise _OverrideProblem(f"{key}: {e.walked} is not a list, so [{e.step}] cannot index it.") from None
+
+
+def _walk_and_set(data: dict, key: str, text: str) -> None:
     container: Any = data
-    tp: Any = TrainConfig
-    walked = ""
-    for position, step in enumerate(steps):
-        last = position == len(steps) - 1
-        if isinstance(step, str):
-            if not dataclasses.is_dataclass(tp):
-                raise _OverrideProblem(f"{key}: {walked or 'the config'} has no field {step!r} "
-                                       f"(it holds a value of type {getattr(tp, '__name__', tp)}, not a section).")
-            hints = typing.get_type_hints(tp)
-            if step not in hints:
-                if f"{walked}.{step}" in REMOVED_FIELDS:
-                    raise _OverrideProblem(f"{key}: no longer a config field; {REMOVED_FIELDS[f'{walked}.{step}']}.")
-                names = [f.name for f in dataclasses.fields(tp)]
-                near = closest_name(step, names)
-                hint = f" Did you mean '{near}'?" if near else ""
-                prefix = f"{walked}." if walked else ""
-                raise _OverrideProblem(f"{key}: {walked or 'the top level'} has no field {step!r}.{hint} "
-                                       f"Valid keys: {', '.join(prefix + n for n in names)}.")
-            tp = hints[step]
-        else:
-            if typing.get_origin(tp) is not list:
-                raise _OverrideProblem(f"{key}: {walked} is not a list, so [{step}] cannot index it.")
-            (tp,) = typing.get_args(tp)
+    last = len(parse_path(key)) - 1
+    for position, (step, annotation, walked) in enumerate(walk_types(key)):
+        if isinstance(step, int):
             if step == len(container):
                 # One past the end appends a fresh entry, so a concept can be added from the CLI.
-                container.append(_default_item(tp))
+                container.append(_default_item(annotation))
             elif step > len(container):
                 raise _OverrideProblem(f"{key}: index {step} is out of range; {walked} has "
                                        f"{len(container)} item(s): use 0..{len(container) - 1}, "
                                        f"or {len(container)} to add one.")
-        if last:
-            container[step] = _parse_value(text, tp)
+        if position == last:
+            container[step] = _parse_value(text, annotation)
         else:
             container = container[step]
-        walked += f"[{step}]" if isinstance(step, int) else (f".{step}" if walked else step)
 
 
 def apply_overrides(cfg: TrainConfig, overrides: Iterable[str],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from .model_families import FAMILIES, MODEL_TYPES, field_applies, family_of_builtin
 from modules.util.batch_slice import parse_split
 
+from .field_paths import walk_types
 from .serialization import ConfigError
 from .train_config import TrainConfig
 
@@ -194,11 +196,14 @@ def _finite_checks(node, path: str = "") -> list[str]:
 
 
 def _default_of(path: str) -> float | None:
-    node = TrainConfig()
-    for part in path.split("."):
-        if "[" in part or not hasattr(node, part):
-            return None
-        node = getattr(node, part)
+    """The default of a field outside lists (a list item's default depends on the item)."""
+    try:
+        steps = [step for step, _, _ in walk_types(path)]
+    except (ValueError, KeyError):
+        return None
+    if any(isinstance(step, int) for step in steps):
+        return None
+    node = functools.reduce(getattr, steps, TrainConfig())
     return node if isinstance(node, float) and math.isfinite(node) else None
 
 

@@ -41,7 +41,7 @@ class Form:
         text = label or self.labels.get(path) or field_label(path)
         self.binder.places.add(path, self.tab, text)
         choices = choices_for(path)
-        tp = field_type(path, self.binder.model.cfg)
+        tp = field_type(path)
         if tp is bool:
             bound = SwitchField(self.binder, path, self.master, text=text)
             bound.widget.grid(row=self.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)

@@ -62,7 +62,7 @@ class ListEditor(ctk.CTkFrame):
         widgets: list[ctk.CTkBaseClass] = []
         for col, (name, _, width) in enumerate(self.columns):
             path = f"{self.list_path}[{index}].{name}"
-            if field_type(path, self.binder.model.cfg) is bool:
+            if field_type(path) is bool:
                 field = SwitchField(self.binder, path, self.body, text="")
                 field.widget.configure(width=width)
             else:
