@@ -666,3 +666,24 @@ def test_one_field_path_walker_for_overrides_and_the_gui():
         list(walk_types("training.batch_size[0]"))
     cfg = apply_overrides(TrainConfig(), ["data.concepts[1].path=/x"])
     assert cfg.data.concepts[1].path == "/x"
+
+
+def test_a_fields_rules_are_declared_with_it():
+    """Choices, limits and the GUI label live in the field's declaration; validation and the GUI read them."""
+    from modules.config import MultiGPUConfig, TrainingConfig, validate
+    from modules.config.field_rules import rules_of
+    from modules.config.validation import CHOICES, MINIMUMS
+    from ui.binding import field_label
+
+    batch = rules_of(TrainingConfig)["batch_size"]
+    assert (batch.minimum, batch.label) == (1, "Batch size per GPU")
+    assert MINIMUMS[("training", "batch_size")] == 1
+    assert CHOICES[("multi_gpu", "backend")] == rules_of(MultiGPUConfig)["backend"].choices == ("auto", "nccl", "gloo")
+    assert field_label("training.batch_size") == "Batch size per GPU" and field_label("general.seed") == "Seed"
+    cfg = TrainConfig()
+    cfg.training.batch_size = 0
+    cfg.multi_gpu.backend = "mpi"
+    problems = validate(cfg, check_paths=False)
+    assert "training.batch_size: 0 is not allowed; set it to 1 or more." in problems
+    assert any(p.startswith("multi_gpu.backend: 'mpi' is not a valid choice; set it to one of auto, nccl, gloo")
+               for p in problems)

@@ -12,7 +12,8 @@ from typing import Any
 
 from modules.config import TrainConfig
 from modules.config.docs import field_docs
-from modules.config.field_paths import BadSegment, PathDoesNotFit, Step, parse_path, walk_types
+from modules.config.field_paths import BadSegment, PathDoesNotFit, Step, walk_types
+from modules.config.field_rules import rules_of
 
 class FieldError(ValueError):
     """A value that cannot be stored in a field; the message is shown beside the field."""
@@ -142,7 +143,12 @@ def plain_text(doc: str) -> str:
 
 
 def field_label(path: str) -> str:
-    """`training.lora_rank` -> `Lora rank`: a readable label derived from the field name."""
-    name = parse_path(path)[-1]
-    words = str(name).replace("_", " ")
+    """The label the field declares (`rule(..., label=...)` in train_config.py), else one made from its
+    name: `training.seed` -> `Seed`."""
+    steps = _steps(path)
+    section = steps[-2][1] if len(steps) > 1 else TrainConfig
+    declared = rules_of(section).get(steps[-1][0])
+    if declared is not None and declared.label:
+        return declared.label
+    words = str(steps[-1][0]).replace("_", " ")
     return words[0].upper() + words[1:]

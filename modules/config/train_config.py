@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .field_rules import rule
+from .model_families import MODEL_TYPES
+
+DTYPES = ("fp32", "bf16", "fp16")
+"""Storage and saving dtypes."""
+
 CONFIG_VERSION = 2
 """The `__version` written into every saved config; bump it together with a new migration."""
 
@@ -20,39 +26,39 @@ REMOVED_FIELDS = {
 
 @dataclass
 class GeneralConfig:
-    workspace_dir: str = "workspace/run"
+    workspace_dir: str = rule("workspace/run", label="Workspace folder")
     """Run folder: backups, samples, TensorBoard logs and the resolved config are written here."""
-    cache_dir: str = ""
+    cache_dir: str = rule("", label="Cache folder")
     """Folder for cached latents and text embeddings. Empty: `<workspace_dir>/cache`."""
     seed: int = 42
     """Seed for model initialisation, noise and augmentation. Each rank derives its own from it."""
-    device: str = "auto"
+    device: str = rule("auto", choices=("auto", "cuda", "cpu"))
     """Where to train: `auto` (CUDA when available, else CPU), `cuda` or `cpu`."""
-    tensorboard: bool = True
+    tensorboard: bool = rule(True, label="Write TensorBoard logs")
     """Write loss, learning rate, throughput and samples to TensorBoard under the run folder."""
 
 
 @dataclass
 class ModelConfig:
-    base_model: str = "builtin:demo"
+    base_model: str = rule("builtin:demo", label="Base model")
     """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`)."""
-    model_type: str = "auto"
+    model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
     """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5) or `flux` (Flux.1 dev/schnell)."""
-    prediction_type: str = "auto"
+    prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
-    vae_path: str = ""
+    vae_path: str = rule("", label="VAE (optional)")
     """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
-    unet_dtype: str = "fp32"
+    unet_dtype: str = rule("fp32", choices=(*DTYPES, "fp8"))
     """Storage dtype of the UNet's (SD3, Flux: the transformer's) weights that are not trained (LoRA base weights): fp32, bf16, fp16 (a half-precision base needs training.precision bf16 or fp16) or fp8 (LoRA only, with training.precision bf16: the weights of every Linear layer stored in float8 with one scale per tensor and computed in bf16, the rest in bf16; a Flux.1 transformer then takes about 12 GB instead of 24)."""
-    text_encoder_dtype: str = "fp32"
+    text_encoder_dtype: str = rule("fp32", choices=DTYPES)
     """Storage dtype of frozen text-encoder weights (T5 is always frozen): fp32, bf16 or fp16."""
-    vae_dtype: str = "fp32"
+    vae_dtype: str = rule("fp32", choices=DTYPES)
     """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
-    config_overrides: str = ""
+    config_overrides: str = rule("", label="Config overrides (JSON)")
     """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
-    components_folder: str = ""
+    components_folder: str = rule("", label="Components folder")
     """SD3 and Flux single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
-    t5_max_length: int = 0
+    t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")
     """SD3 and Flux: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256)."""
 
 
@@ -78,123 +84,125 @@ class DataConfig:
     """The image folders to train on."""
     resolution: int = 512
     """Target training resolution in pixels (the side of a square of the same area)."""
-    aspect_bucketing: bool = True
+    aspect_bucketing: bool = rule(True, label="Aspect-ratio buckets")
     """Group images by aspect ratio so that each batch keeps one shape without heavy cropping."""
     bucket_step: int = 64
     """Bucket sides are multiples of this many pixels."""
-    random_flip: bool = False
+    random_flip: bool = rule(False, label="Random horizontal flip")
     """Flip images horizontally at random (not with cached latents: both flips are cached then)."""
-    random_crop: bool = False
+    random_crop: bool = rule(False, label="Random crop")
     """Crop at a random position instead of the centre when an image is larger than its bucket."""
     caption_dropout: float = 0.0
     """Probability of training on an empty caption (helps classifier-free guidance)."""
-    shuffle_tags: bool = False
+    shuffle_tags: bool = rule(False, label="Shuffle tags")
     """Shuffle comma-separated tags in captions each time an image is used."""
-    keep_tags: int = 0
+    keep_tags: int = rule(0, minimum=0, label="Keep first N tags")
     """Number of leading tags kept in place when shuffling."""
     cache_latents: bool = True
     """Encode every image with the VAE once and train from the cached latents."""
     cache_text_embeddings: bool = True
     """Encode captions once (only when the text encoder is frozen and tags are not shuffled)."""
-    num_workers: int = 2
+    num_workers: int = rule(2, minimum=0, label="Loader workers")
     """DataLoader worker processes per rank."""
     pin_memory: bool = True
     """Pin host memory so that batches reach the GPU without an extra copy."""
-    prefetch_factor: int = 2
+    prefetch_factor: int = rule(2, minimum=1)
     """Batches each worker prepares ahead."""
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
+    name: str = rule("adamw", choices=("adamw", "adamw_8bit", "adafactor", "sgd", "prodigy", "adamw_schedule_free"),
+                     label="Optimizer")
     """Optimizer: `adamw`, `adamw_8bit` (needs bitsandbytes), `adafactor`, `sgd`, `prodigy` (needs prodigyopt; finds its own step size: set training.learning_rate to 1.0, which then multiplies that step size) or `adamw_schedule_free` (needs schedulefree; averages the weights instead of decaying the learning rate: keep training.lr_scheduler constant; samples and saved models use the averaged weights)."""
-    weight_decay: float = 0.01
+    weight_decay: float = rule(0.01, minimum=0)
     """Decoupled weight decay."""
     beta1: float = 0.9
     """Adam first-moment decay (AdamW, 8-bit AdamW, Prodigy; schedule-free AdamW: how near to its averaged weights, 0 to 1, it takes the gradients)."""
     beta2: float = 0.999
     """Adam second-moment decay (AdamW, 8-bit AdamW, Prodigy, schedule-free AdamW)."""
-    eps: float = 1e-8
+    eps: float = rule(1e-8, above=0.0)
     """Adam epsilon (AdamW, 8-bit AdamW, Prodigy, schedule-free AdamW)."""
     momentum: float = 0.9
     """Momentum for SGD."""
-    fused: bool = True
+    fused: bool = rule(True, label="Fused AdamW (CUDA)")
     """Use the fused CUDA AdamW kernel when training on CUDA."""
-    prodigy_d_coef: float = 1.0
+    prodigy_d_coef: float = rule(1.0, above=0.0, label="Prodigy d coefficient")
     """Prodigy: multiplies the step size Prodigy estimates (0.5 to 2 are typical); the preferred way to make Prodigy train faster or more gently."""
-    prodigy_d0: float = 1e-6
+    prodigy_d0: float = rule(1e-6, above=0.0, label="Prodigy initial d")
     """Prodigy: the step-size estimate it starts from and grows out of in the first steps. Rarely needs changing."""
-    prodigy_growth_rate: float = 0.0
+    prodigy_growth_rate: float = rule(0.0, minimum=0, label="Prodigy d growth limit")
     """Prodigy: the most the step-size estimate may grow per step, as a factor (1.02 acts like a warm-up). 0: unlimited."""
-    prodigy_use_bias_correction: bool = False
+    prodigy_use_bias_correction: bool = rule(False, label="Prodigy bias correction")
     """Prodigy: apply Adam's bias correction to its moments. Off in Prodigy's own default; in short runs the first steps after its estimate grows are then larger than the reported rate (the demo LoRA's loss rose again within 40 steps without it)."""
-    prodigy_safeguard_warmup: bool = False
+    prodigy_safeguard_warmup: bool = rule(False, label="Prodigy safeguard warm-up")
     """Prodigy: keep the learning rate out of the step-size estimate, so that a learning-rate warm-up (training.lr_warmup_steps) does not inflate it. Turn on together with a warm-up."""
-    prodigy_slice_p: int = 1
+    prodigy_slice_p: int = rule(1, minimum=1, label="Prodigy slice (every p-th)")
     """Prodigy: estimate the step size from every p-th weight only, which saves memory in large full fine-tunes (11 is reasonable). 1: from every weight, as Prodigy is defined."""
-    schedule_free_r: float = 0.0
+    schedule_free_r: float = rule(0.0, minimum=0, label="Schedule-free r")
     """Schedule-free AdamW: weight later steps more in its average of the weights, in proportion to step^r. 0: every step alike (the default of schedulefree)."""
-    schedule_free_weight_lr_power: float = 2.0
+    schedule_free_weight_lr_power: float = rule(2.0, minimum=0, label="Schedule-free LR-weight power")
     """Schedule-free AdamW: each step counts in the average in proportion to the largest learning rate so far raised to this power, so that warm-up steps count less. 0: no such weighting."""
 
 
 @dataclass
 class TrainingConfig:
-    method: str = "lora"
+    method: str = rule("lora", choices=("lora", "full"))
     """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
-    lora_rank: int = 16
+    lora_rank: int = rule(16, minimum=1, label="LoRA rank")
     """LoRA rank (size of the adapter)."""
-    lora_alpha: float = 16.0
+    lora_alpha: float = rule(16.0, above=0.0, label="LoRA alpha")
     """LoRA alpha; the adapter's output is scaled by alpha / rank."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = rule(0.0, label="LoRA dropout")
     """Dropout inside the LoRA layers."""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    lora_target_modules: list[str] = rule(factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+                                          label="LoRA target modules")
     """Names of the UNet modules that get LoRA adapters."""
     train_text_encoder: bool = False
     """Also train the text encoder(s) (LoRA or full, as `method` says)."""
     epochs: int = 10
     """Number of passes over the data."""
-    max_steps: int = 0
+    max_steps: int = rule(0, minimum=0, label="Max steps (0: epochs)")
     """Stop after this many optimizer steps. 0: train for `epochs`."""
-    batch_size: int = 1
+    batch_size: int = rule(1, minimum=1, label="Batch size per GPU")
     """Images per GPU per micro-batch. The global batch is this x accumulation x number of GPUs."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = rule(1, minimum=1, label="Gradient accumulation")
     """Micro-batches summed before each optimizer step."""
-    learning_rate: float = 1e-4
+    learning_rate: float = rule(1e-4, above=0.0)
     """Learning rate for the UNet (before multi-GPU scaling, see `multi_gpu.lr_scaling`)."""
-    text_encoder_learning_rate: float = 0.0
+    text_encoder_learning_rate: float = rule(0.0, minimum=0, label="Text encoder LR")
     """Learning rate for the text encoder. 0: the same as `learning_rate`."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = rule("constant", choices=("constant", "linear", "cosine"), label="LR scheduler")
     """Learning-rate schedule after warm-up: `constant`, `linear` or `cosine`."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = rule(0, minimum=0, label="Warm-up steps")
     """Optimizer steps of linear warm-up from 0 to the learning rate."""
-    precision: str = "bf16"
+    precision: str = rule("bf16", choices=("bf16", "fp16", "fp32"))
     """Mixed precision for the forward pass: `bf16`, `fp16` (with loss scaling) or `fp32`."""
-    tf32: bool = True
+    tf32: bool = rule(True, label="Allow TF32")
     """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
-    cudnn_benchmark: bool = True
+    cudnn_benchmark: bool = rule(True, label="cuDNN benchmark")
     """Let cuDNN pick the fastest convolution algorithms for the shapes seen."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
-    channels_last: bool = False
+    channels_last: bool = rule(False, label="Channels-last UNet")
     """Store the UNet's convolution weights in channels-last (NHWC) memory layout for training, so that cuDNN need not convert layouts around every convolution (on CUDA). Affects speed only: results are the same up to floating-point rounding, and models and backups are saved in the usual layout. Off by default: on an H100 (SD1.5, bf16) it removed cuDNN's layout conversions but added as much copying elsewhere (GPU time +1.3%, see docs/Performance.md)."""
-    compile: bool = False
+    compile: bool = rule(False, label="Compile UNet (torch.compile)")
     """Compile the UNet with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python. The first step of each batch shape (image size) is compiled - about 2 minutes on a GPU the first time, under a minute once PyTorch's compile cache holds it - and its gradients are checked against the uncompiled UNet's: if they differ, training stops with an error before that step changes any weight. Needs Triton on GPUs (not in PyTorch's Windows builds). On CPU the UNet is traced but runs uncompiled kernels (no speed-up; PyTorch's CPU compiler got the UNet's gradients wrong)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = rule(1.0, minimum=0, label="Clip gradient norm")
     """Clip the gradient norm to this value. 0: no clipping."""
-    ema: bool = False
+    ema: bool = rule(False, label="EMA of weights")
     """Keep an exponential moving average of the trained weights."""
-    ema_decay: float = 0.999
+    ema_decay: float = rule(0.999, label="EMA decay")
     """EMA decay per optimizer step."""
-    min_snr_gamma: float = 0.0
+    min_snr_gamma: float = rule(0.0, minimum=0, label="Min-SNR gamma")
     """Min-SNR loss weighting gamma (5 is typical). 0: off."""
-    offset_noise: float = 0.0
+    offset_noise: float = rule(0.0, minimum=0)
     """Offset-noise strength (0.05-0.1 typical). 0: off."""
-    timestep_logit_mean: float = 0.0
+    timestep_logit_mean: float = rule(0.0, label="Timestep logit mean")
     """SD3 and Flux: timesteps are drawn logit-normal (sigmoid of a normal value with this mean), then shifted as the model's scheduler shifts them (SD3 by its fixed shift, Flux.1-dev by image size)."""
-    timestep_logit_std: float = 1.0
+    timestep_logit_std: float = rule(1.0, above=0.0, label="Timestep logit std")
     """SD3 and Flux: standard deviation of the logit-normal timestep draw."""
-    flux_guidance: float = 1.0
+    flux_guidance: float = rule(1.0, minimum=0, label="Flux guidance (training)")
     """Flux.1-dev: the distilled-guidance value the transformer is given while training (1.0 as kohya sd-scripts and ai-toolkit train; samples use sampling.guidance_scale). Ignored by models without a guidance input (Flux.1-schnell)."""
 
 
@@ -216,71 +224,71 @@ class SamplePromptConfig:
 class SamplingConfig:
     prompts: list[SamplePromptConfig] = field(default_factory=list)
     """Prompts rendered during training."""
-    every_n_steps: int = 0
+    every_n_steps: int = rule(0, minimum=0, label="Sample every N steps")
     """Render samples every this many optimizer steps. 0: off."""
-    every_n_epochs: int = 1
+    every_n_epochs: int = rule(1, minimum=0, label="Sample every N epochs")
     """Render samples at the end of every this many epochs. 0: off."""
-    sample_at_start: bool = False
+    sample_at_start: bool = rule(False, label="Sample before training")
     """Render samples before the first step, as a baseline."""
-    inference_steps: int = 20
+    inference_steps: int = rule(20, minimum=1)
     """Denoising steps per sample."""
-    guidance_scale: float = 7.0
+    guidance_scale: float = rule(7.0, minimum=0)
     """Classifier-free guidance scale for samples."""
 
 
 @dataclass
 class SaveConfig:
-    output_dir: str = ""
+    output_dir: str = rule("", label="Output folder")
     """Folder for the trained model. Empty: `<workspace_dir>/output`."""
     output_name: str = "tandem"
     """File or folder name of the trained model (without extension)."""
-    lora_format: str = "kohya"
+    lora_format: str = rule("kohya", choices=("kohya", "peft", "both"))
     """LoRA file layout: `kohya` (ComfyUI, A1111, Forge), `peft` (diffusers) or `both`."""
-    full_format: str = "diffusers"
+    full_format: str = rule("diffusers", choices=("diffusers", "single_file", "both"))
     """Full model layout: `diffusers` folder, `single_file` .safetensors, or `both`."""
-    save_dtype: str = "fp16"
+    save_dtype: str = rule("fp16", choices=DTYPES)
     """dtype of saved weights: fp16, bf16 or fp32."""
-    ema_weights: str = "ema"
+    ema_weights: str = rule("ema", choices=("ema", "raw", "both"))
     """With EMA on: save the `ema` weights, the `raw` weights, or `both`."""
-    save_every_n_epochs: int = 0
+    save_every_n_epochs: int = rule(0, minimum=0, label="Save every N epochs")
     """Also save a numbered copy of the model every this many epochs. 0: only at the end."""
-    save_every_n_steps: int = 0
+    save_every_n_steps: int = rule(0, minimum=0, label="Save every N steps")
     """Also save a numbered copy of the model every this many steps. 0: off."""
-    backup_every_n_steps: int = 0
+    backup_every_n_steps: int = rule(0, minimum=0, label="Backup every N steps")
     """Write a full training-state backup every this many steps. 0: off."""
-    backup_every_n_epochs: int = 1
+    backup_every_n_epochs: int = rule(1, minimum=0, label="Backup every N epochs")
     """Write a full training-state backup every this many epochs. 0: off."""
-    backup_every_n_minutes: float = 0.0
+    backup_every_n_minutes: float = rule(0.0, minimum=0, label="Backup every N minutes")
     """Also write a backup when this many minutes have passed since the last one (or the start), so a long epoch or a crash costs at most this much training. Backups are written in the background; the step that takes one pauses for the copy to host memory only. 0: off."""
-    rolling_backup_count: int = 3
+    rolling_backup_count: int = rule(3, minimum=1, label="Backups kept")
     """Backups kept; older ones are deleted once a newer one is complete."""
-    backup_on_stop: bool = True
+    backup_on_stop: bool = rule(True, label="Backup when stopped")
     """Write a backup when training is stopped before the end."""
 
 
 @dataclass
 class MultiGPUConfig:
-    enabled: bool = False
+    enabled: bool = rule(False, label="Enable Multi-GPU")
     """Start several processes (GPUs, or CPU processes) training together with DistributedDataParallel when the GUI or `scripts/train_multi_gpu.py` (which turns it on) starts the run. `scripts/train.py` always trains in one process; workers started by your own torchrun train together whatever this says."""
-    num_gpus: int = 0
+    num_gpus: int = rule(0, minimum=0)
     """How many GPUs to use. 0: all visible GPUs (or those in `device_indexes`)."""
     device_indexes: str = ""
     """Comma-separated GPU indexes to use, e.g. `0,1,3`. Empty: the first `num_gpus`."""
-    backend: str = "auto"
+    backend: str = rule("auto", choices=("auto", "nccl", "gloo"), label="Backend")
     """Communication backend: `auto` (NCCL with CUDA on Linux, else GLOO), `nccl` or `gloo`."""
-    launcher: str = "torchrun"
+    launcher: str = rule("torchrun", choices=("torchrun", "spawn"))
     """How worker processes are started: `torchrun` or `spawn` (torch.multiprocessing)."""
-    distributed_data_loading: bool = True
+    distributed_data_loading: bool = rule(True, label="Distributed data loading")
     """Each rank caches and loads only its share of the data (faster caching, less RAM)."""
-    lr_scaling: str = "none"
+    lr_scaling: str = rule("none", choices=("none", "linear", "sqrt"), label="Scale learning rate")
     """Scale the learning rate with the number of GPUs: `none`, `linear` (x N) or `sqrt` (x sqrt N)."""
     master_addr: str = "127.0.0.1"
     """Address of rank 0 for the process-group rendezvous; the launcher's store listens on this address only (127.0.0.1: this machine only)."""
-    master_port: int = 0
+    master_port: int = rule(0, label="Port (0: free port)")
     """Port for the rendezvous. 0: pick a free port."""
-    timeout_minutes: float = 10.0
+    timeout_minutes: float = rule(10.0, above=0.0)
     """How long ranks wait for each other before the job fails with a message naming the rank."""
-    bucket_cap_mb: int = 100
+    bucket_cap_mb: int = rule(100, minimum=1)
     """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces (PyTorch's default is 25; 100 was faster for full fine-tunes on 2 GPUs, see docs/Performance.md)."""
     find_unused_parameters: bool = False
     """Let DDP tolerate parameters that get no gradient in a step (slower; rarely needed)."""
@@ -288,9 +296,9 @@ class MultiGPUConfig:
     """Tell DDP the set of used parameters never changes (enables some optimisations). Not with gradient accumulation or `training.compile`: PyTorch's DDP fails on a static graph whose first backward is not synchronised (pytorch/pytorch#143580)."""
     gradient_as_bucket_view: bool = True
     """Let gradients live inside DDP's communication buckets (saves memory and a copy)."""
-    gradient_compression: str = "none"
+    gradient_compression: str = rule("none", choices=("none", "bf16", "fp16"))
     """Compress gradients for the all-reduce: `none`, `bf16` or `fp16`."""
-    batch_split: str = "equal"
+    batch_split: str = rule("equal", label="Batch per GPU (equal, auto, 6,2)")
     """How each global batch is split over unequal GPUs: `equal` (training.batch_size each), `auto` (measured at start from each GPU's free memory and speed: a faster or larger GPU takes more samples) or one size per GPU, e.g. `6,2` (adding up to training.batch_size x GPUs). The global batch and the result stay the same: only where each sample is computed changes."""
 
 

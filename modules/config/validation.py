@@ -16,84 +16,35 @@ import json
 import math
 from pathlib import Path
 
-from .model_families import FAMILIES, MODEL_TYPES, field_applies, family_of_builtin
+from .model_families import FAMILIES, field_applies, family_of_builtin
 from modules.util.batch_slice import parse_split
 
+from .docs import section_classes
 from .field_paths import walk_types
+from .field_rules import rules_of
 from .serialization import ConfigError
 from .train_config import TrainConfig
 
 BUILTIN_PREFIX = "builtin:"
 
-DTYPES = ("fp32", "bf16", "fp16")
+def _rule_table(attribute: str) -> dict[tuple[str, str], object]:
+    """(section, field) -> one kind of rule, for every field of a section that declares it (train_config.py)."""
+    table = {}
+    for section, cls in section_classes(TrainConfig).items():
+        if section and "[" not in section:
+            for name, field_rule in rules_of(cls).items():
+                value = getattr(field_rule, attribute)
+                if value not in ((), None):
+                    table[(section, name)] = value
+    return table
 
-# (section, field) -> allowed values. The GUI offers these as the options of its drop-downs.
-CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("general", "device"): ("auto", "cuda", "cpu"),
-    ("model", "model_type"): ("auto", *MODEL_TYPES),
-    ("model", "prediction_type"): ("auto", "epsilon", "v_prediction"),
-    ("model", "unet_dtype"): (*DTYPES, "fp8"),
-    ("model", "text_encoder_dtype"): DTYPES,
-    ("model", "vae_dtype"): DTYPES,
-    ("training", "method"): ("lora", "full"),
-    ("training", "precision"): ("bf16", "fp16", "fp32"),
-    ("training", "lr_scheduler"): ("constant", "linear", "cosine"),
-    ("optimizer", "name"): ("adamw", "adamw_8bit", "adafactor", "sgd", "prodigy", "adamw_schedule_free"),
-    ("save", "lora_format"): ("kohya", "peft", "both"),
-    ("save", "full_format"): ("diffusers", "single_file", "both"),
-    ("save", "save_dtype"): DTYPES,
-    ("save", "ema_weights"): ("ema", "raw", "both"),
-    ("multi_gpu", "backend"): ("auto", "nccl", "gloo"),
-    ("multi_gpu", "launcher"): ("torchrun", "spawn"),
-    ("multi_gpu", "lr_scaling"): ("none", "linear", "sqrt"),
-    ("multi_gpu", "gradient_compression"): ("none", "bf16", "fp16"),
-}
 
-# (section, field) -> smallest allowed value (inclusive).
-MINIMUMS: dict[tuple[str, str], int | float] = {
-    ("training", "batch_size"): 1,
-    ("training", "gradient_accumulation_steps"): 1,
-    ("training", "lora_rank"): 1,
-    ("training", "max_steps"): 0,
-    ("training", "lr_warmup_steps"): 0,
-    ("training", "text_encoder_learning_rate"): 0,
-    ("training", "max_grad_norm"): 0,
-    ("training", "min_snr_gamma"): 0,
-    ("training", "offset_noise"): 0,
-    ("training", "flux_guidance"): 0,
-    ("model", "t5_max_length"): 0,
-    ("optimizer", "weight_decay"): 0,
-    ("optimizer", "prodigy_growth_rate"): 0,
-    ("optimizer", "prodigy_slice_p"): 1,
-    ("optimizer", "schedule_free_r"): 0,
-    ("optimizer", "schedule_free_weight_lr_power"): 0,
-    ("data", "num_workers"): 0,
-    ("data", "prefetch_factor"): 1,
-    ("data", "keep_tags"): 0,
-    ("sampling", "every_n_steps"): 0,
-    ("sampling", "every_n_epochs"): 0,
-    ("sampling", "inference_steps"): 1,
-    ("sampling", "guidance_scale"): 0,
-    ("save", "save_every_n_epochs"): 0,
-    ("save", "save_every_n_steps"): 0,
-    ("save", "backup_every_n_steps"): 0,
-    ("save", "backup_every_n_epochs"): 0,
-    ("save", "backup_every_n_minutes"): 0,
-    ("save", "rolling_backup_count"): 1,
-    ("multi_gpu", "num_gpus"): 0,
-    ("multi_gpu", "bucket_cap_mb"): 1,
-}
-
-# (section, field) -> value must be strictly greater than this.
-ABOVE: dict[tuple[str, str], float] = {
-    ("training", "learning_rate"): 0.0,
-    ("training", "lora_alpha"): 0.0,
-    ("training", "timestep_logit_std"): 0.0,
-    ("optimizer", "eps"): 0.0,
-    ("optimizer", "prodigy_d_coef"): 0.0,
-    ("optimizer", "prodigy_d0"): 0.0,
-    ("multi_gpu", "timeout_minutes"): 0.0,
-}
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = _rule_table("choices")
+"""(section, field) -> allowed values, as the fields declare them. The GUI offers these in its drop-downs."""
+MINIMUMS: dict[tuple[str, str], int | float] = _rule_table("minimum")
+"""(section, field) -> smallest allowed value (inclusive)."""
+ABOVE: dict[tuple[str, str], float] = _rule_table("above")
+"""(section, field) -> values must be strictly greater than this."""
 
 
 OUTPUT_NAME_FORBIDDEN = ("/", "\\", "\0")

@@ -18,9 +18,8 @@ def choices_for(path: str) -> tuple[str, ...] | None:
 class Form:
     """A two-column grid (label | widget) on `master`, one row per field plus its error line."""
 
-    def __init__(self, master, binder: Binder, labels: dict[str, str] | None = None, tab: str = ""):
+    def __init__(self, master, binder: Binder, tab: str = ""):
         self.master, self.binder = master, binder
-        self.labels = labels or {}
         self.tab = tab
         """The tab the form is on: messages about its fields name it."""
         self.row = 0
@@ -38,7 +37,7 @@ class Form:
     def field(self, path: str, label: str | None = None, browse_kind: str | None = None,
               width: int = 260) -> BoundField:
         """The widget that fits the field: switch for bool, menu for a choice, else an entry."""
-        text = label or self.labels.get(path) or field_label(path)
+        text = label or field_label(path)
         self.binder.places.add(path, self.tab, text)
         choices = choices_for(path)
         tp = field_type(path)

@@ -32,7 +32,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.gpus: list[GpuInfo] = []
         form = Form(self, binder, tab="Training")
         form.section("Multi-GPU")
-        self.enable = form.field("multi_gpu.enabled", "Enable Multi-GPU")
+        self.enable = form.field("multi_gpu.enabled")
         # The fields the controls below write without a bound widget of their own.
         for path in ("multi_gpu.device_indexes", "multi_gpu.num_gpus"):
             binder.places.add(path, "Training", "Multi-GPU GPU list")
@@ -60,17 +60,17 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.cpu_menu.grid(row=form.row, column=1, sticky="w", padx=4)
         form.row += 1
 
-        self.backend = form.field("multi_gpu.backend", "Backend")
-        self.data_loading = form.field("multi_gpu.distributed_data_loading", "Distributed data loading")
+        self.backend = form.field("multi_gpu.backend")
+        self.data_loading = form.field("multi_gpu.distributed_data_loading")
         self.torchrun_var = tk.BooleanVar(self, binder.model.cfg.multi_gpu.launcher == "torchrun")
         self.torchrun = ctk.CTkSwitch(self, text="Use torchrun (else spawn)", variable=self.torchrun_var,
                                       command=self._launcher_chosen)
         self.torchrun.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)
         Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
         form.row += 1
-        self.lr_scaling = form.field("multi_gpu.lr_scaling", "Scale learning rate")
-        self.batch_split = form.field("multi_gpu.batch_split", "Batch per GPU (equal, auto, 6,2)", width=120)
-        self.port = form.field("multi_gpu.master_port", "Port (0: free port)", width=100)
+        self.lr_scaling = form.field("multi_gpu.lr_scaling")
+        self.batch_split = form.field("multi_gpu.batch_split", width=120)
+        self.port = form.field("multi_gpu.master_port", width=100)
 
         self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))
         self.summary.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(8, 2))

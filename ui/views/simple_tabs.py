@@ -12,33 +12,6 @@ from .fields import Binder
 from .form import Form
 from .list_editor import ListEditor
 
-LABELS = {
-    "general.workspace_dir": "Workspace folder",
-    "general.cache_dir": "Cache folder",
-    "general.tensorboard": "Write TensorBoard logs",
-    "model.base_model": "Base model",
-    "model.vae_path": "VAE (optional)",
-    "model.config_overrides": "Config overrides (JSON)",
-    "model.components_folder": "Components folder",
-    "model.t5_max_length": "T5 tokens (0: default)",
-    "data.aspect_bucketing": "Aspect-ratio buckets",
-    "data.random_flip": "Random horizontal flip",
-    "data.random_crop": "Random crop",
-    "data.shuffle_tags": "Shuffle tags",
-    "data.keep_tags": "Keep first N tags",
-    "data.num_workers": "Loader workers",
-    "sampling.every_n_steps": "Sample every N steps",
-    "sampling.every_n_epochs": "Sample every N epochs",
-    "sampling.sample_at_start": "Sample before training",
-    "save.output_dir": "Output folder",
-    "save.save_every_n_epochs": "Save every N epochs",
-    "save.save_every_n_steps": "Save every N steps",
-    "save.backup_every_n_steps": "Backup every N steps",
-    "save.backup_every_n_epochs": "Backup every N epochs",
-    "save.backup_every_n_minutes": "Backup every N minutes",
-    "save.rolling_backup_count": "Backups kept",
-    "save.backup_on_stop": "Backup when stopped",
-}
 
 
 def _scrolling(parent) -> ctk.CTkScrollableFrame:
@@ -48,7 +21,7 @@ def _scrolling(parent) -> ctk.CTkScrollableFrame:
 
 
 def build_general_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS, tab="General")
+    form = Form(_scrolling(parent), binder, tab="General")
     form.section("Run")
     form.field("general.workspace_dir", browse_kind="folder")
     form.field("general.cache_dir", browse_kind="folder")
@@ -58,7 +31,7 @@ def build_general_tab(parent, binder: Binder) -> None:
 
 
 def build_model_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS, tab="Model")
+    form = Form(_scrolling(parent), binder, tab="Model")
     form.section("Base model")
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
@@ -79,7 +52,7 @@ def _ask_concept() -> ConceptConfig | None:
 
 def build_data_tab(parent, binder: Binder) -> ListEditor:
     frame = _scrolling(parent)
-    form = Form(frame, binder, LABELS, tab="Data")
+    form = Form(frame, binder, tab="Data")
     form.section("Concepts")
     concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
                           [("path", "Folder", 300), ("name", "Name", 110), ("enabled", "On", 50),
@@ -101,7 +74,7 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
 
 def build_sampling_tab(parent, binder: Binder) -> ListEditor:
     frame = _scrolling(parent)
-    form = Form(frame, binder, LABELS, tab="Sampling")
+    form = Form(frame, binder, tab="Sampling")
     form.section("Prompts")
     prompts = ListEditor(frame, binder, "sampling.prompts", "Sampling", "Prompts",
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
@@ -117,7 +90,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
 
 
 def build_save_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, LABELS, tab="Backup & Save")
+    form = Form(_scrolling(parent), binder, tab="Backup & Save")
     form.section("Output model")
     form.field("save.output_dir", browse_kind="folder")
     form.fields("save.output_name", "save.lora_format", "save.full_format", "save.save_dtype",

@@ -9,45 +9,12 @@ from .fields import Binder
 from .form import Form
 from .multi_gpu_frame import MultiGPUFrame
 
-LABELS = {
-    "training.lora_target_modules": "LoRA target modules",
-    "training.lora_rank": "LoRA rank",
-    "training.lora_alpha": "LoRA alpha",
-    "training.lora_dropout": "LoRA dropout",
-    "training.max_steps": "Max steps (0: epochs)",
-    "training.batch_size": "Batch size per GPU",
-    "training.gradient_accumulation_steps": "Gradient accumulation",
-    "training.text_encoder_learning_rate": "Text encoder LR",
-    "training.lr_scheduler": "LR scheduler",
-    "training.lr_warmup_steps": "Warm-up steps",
-    "training.tf32": "Allow TF32",
-    "training.cudnn_benchmark": "cuDNN benchmark",
-    "training.channels_last": "Channels-last UNet",
-    "training.compile": "Compile UNet (torch.compile)",
-    "training.max_grad_norm": "Clip gradient norm",
-    "training.ema": "EMA of weights",
-    "training.ema_decay": "EMA decay",
-    "training.min_snr_gamma": "Min-SNR gamma",
-    "training.timestep_logit_mean": "Timestep logit mean",
-    "training.timestep_logit_std": "Timestep logit std",
-    "training.flux_guidance": "Flux guidance (training)",
-    "optimizer.name": "Optimizer",
-    "optimizer.fused": "Fused AdamW (CUDA)",
-    "optimizer.prodigy_d_coef": "Prodigy d coefficient",
-    "optimizer.prodigy_d0": "Prodigy initial d",
-    "optimizer.prodigy_growth_rate": "Prodigy d growth limit",
-    "optimizer.prodigy_use_bias_correction": "Prodigy bias correction",
-    "optimizer.prodigy_safeguard_warmup": "Prodigy safeguard warm-up",
-    "optimizer.prodigy_slice_p": "Prodigy slice (every p-th)",
-    "optimizer.schedule_free_r": "Schedule-free r",
-    "optimizer.schedule_free_weight_lr_power": "Schedule-free LR-weight power",
-}
 
 
 def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> MultiGPUFrame:
     frame = ctk.CTkScrollableFrame(parent, fg_color="transparent")
     frame.pack(fill="both", expand=True)
-    form = Form(frame, binder, LABELS, tab="Training")
+    form = Form(frame, binder, tab="Training")
     form.section("Method")
     form.fields("training.method", "training.lora_rank", "training.lora_alpha", "training.lora_dropout")
     form.field("training.lora_target_modules", width=380)
