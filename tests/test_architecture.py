@@ -38,3 +38,30 @@ def test_only_rank_0_reports():
     assert not other.leads and type(other.callbacks) is TrainingCallbacks
     other.callbacks.on_event("loss", step=1, loss=0.5)
     assert given.events == []
+
+
+def test_every_declared_choice_has_an_implementation():
+    """The code that acts on a choice (LR scaling, optimizers, schedules) knows every choice the field declares."""
+    import pytest
+    import torch
+
+    from modules.config import OptimizerConfig, TrainingConfig
+    from modules.config.launch_spec import lr_scale_factor
+    from modules.config.validation import CHOICES
+    from modules.trainer.optim import build_optimizer, lr_lambda
+
+    for mode in CHOICES[("multi_gpu", "lr_scaling")]:
+        assert lr_scale_factor(mode, 4) >= 1.0
+    with pytest.raises(ValueError, match="unknown mode"):
+        lr_scale_factor("cubic", 4)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for name in CHOICES[("optimizer", "name")]:
+        try:
+            build_optimizer([{"params": params}], OptimizerConfig(name=name), torch.device("cpu"))
+        except RuntimeError as e:  # an optional package that is not installed here: named, with the way out
+            assert "pip install" in str(e), (name, e)
+    shapes = {}
+    for schedule in CHOICES[("training", "lr_scheduler")]:
+        factor = lr_lambda(TrainingConfig(lr_scheduler=schedule), total_steps=10)
+        shapes[schedule] = (factor(0), factor(2))
+    assert len(set(shapes.values())) == len(shapes), "each schedule shapes the LR its own way"
