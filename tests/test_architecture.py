@@ -57,7 +57,7 @@ def test_every_declared_choice_has_an_implementation():
     params = [torch.nn.Parameter(torch.zeros(2))]
     for name in CHOICES[("optimizer", "name")]:
         try:
-            build_optimizer([{"params": params}], OptimizerConfig(name=name), torch.device("cpu"))
+            build_optimizer([{"params": params, "lr": 1.0}], OptimizerConfig(name=name), torch.device("cpu"))
         except RuntimeError as e:  # an optional package that is not installed here: named, with the way out
             assert "pip install" in str(e), (name, e)
     shapes = {}
