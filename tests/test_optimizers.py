@@ -15,7 +15,7 @@ from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.trainer.optim import build_optimizer, effective_lr, evaluation_weights
-from tests.trainer_helpers import demo_config, latest_backup_weights
+from tests.trainer_helpers import demo_config, latest_backup_weights, train
 
 # Prodigy grows its step size from d0 over the first steps; bias correction keeps its early steps from
 # overshooting while its second moment still holds the small early gradients (without it the demo's loss
@@ -29,12 +29,6 @@ OPTIMIZERS = {"prodigy": PRODIGY, "adamw_schedule_free": SCHEDULE_FREE}
 @pytest.fixture(scope="module")
 def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
-
-
-def train(cfg, callbacks=None, inbox=None, resume=None) -> GenericTrainer:
-    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox, resume)
-    trainer.run()
-    return trainer
 
 
 def peft_names(tensors: dict) -> dict:

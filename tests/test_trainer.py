@@ -12,19 +12,12 @@ from safetensors.torch import load_file
 from modules.trainer import backup as backups
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.commands import CommandInbox
-from modules.trainer.generic_trainer import GenericTrainer
-from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights
+from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights, train
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
-
-
-def train(cfg, callbacks=None, inbox=None, resume=None) -> GenericTrainer:
-    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox, resume)
-    trainer.run()
-    return trainer
 
 
 @pytest.mark.slow

@@ -36,6 +36,15 @@ def overrides_for(workspace: Path, cache: Path, *extra: str, method: str = "lora
     return args
 
 
+def train(cfg, callbacks=None, inbox=None, resume=None):
+    """Run a `GenericTrainer` in this process; returns it (its callbacks hold the events)."""
+    from modules.trainer.callbacks import RecordingCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+    trainer = GenericTrainer(cfg, callbacks or RecordingCallbacks(), inbox, resume)
+    trainer.run()
+    return trainer
+
+
 def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_EVENTS="1", **(env_extra or {}))
     return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
