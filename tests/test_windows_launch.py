@@ -201,8 +201,8 @@ def test_the_bat_only_installs_and_hands_over_to_the_helper():
                            capture_output=True, text=True, timeout=60)
     assert clean.returncode == 0 and clean.stdout.strip() == "[]", clean.stdout + clean.stderr
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_the_helper_runs_the_command_it_prints(tmp_path):
     result = run_helper("--yes", "--device", "cpu", "--num-gpus", "2", "--config", "#demo",
                         "--config-value", "training.max_steps=1",
