@@ -116,12 +116,14 @@ def test_resume_with_another_split_continues_exactly(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("room,expected", [("3,1", [3, 1]), ("8,8", [2, 2])])
-def test_auto_split_fits_each_ranks_room(tmp_path, cache_dir, room, expected):
+@pytest.mark.parametrize("room,seconds,expected", [("3,1", "0.02,0.02", [3, 1]), ("8,8", "0.02,0.02", [2, 2]),
+                                                   ("8,8", "0.01,0.03", [3, 1])])
+def test_auto_split_fits_each_ranks_room_and_speed(tmp_path, cache_dir, room, seconds, expected):
+    # the speeds are given too: two CPU processes on a loaded machine measure speeds that differ by chance
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=2",
                                        "multi_gpu.batch_split=auto"),
-                        env_extra={"TANDEM_SIMULATE_SAMPLE_ROOM": room})
+                        env_extra={"TANDEM_SIMULATE_SAMPLE_ROOM": room, "TANDEM_SIMULATE_SAMPLE_SECONDS": seconds})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = re.search(r"Batch split \(auto, measured\): (global batch .*?) \(", result.stdout)
     assert found and found.group(1) == describe_split(expected, ["CPU process 0", "CPU process 1"]), result.stdout[-3000:]

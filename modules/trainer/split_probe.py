@@ -9,7 +9,9 @@ memory left for activations is the device's free memory minus what training will
 the same split with `choose_split`.
 
 `TANDEM_SIMULATE_SAMPLE_ROOM` (e.g. `3,1`) replaces the measured room by that many samples per rank:
-to try an uneven split on one machine, and for the tests. `TANDEM_CUDA_MEMORY_FRACTION` (e.g. `1,0.25`)
+to try an uneven split on one machine, and for the tests. `TANDEM_SIMULATE_SAMPLE_SECONDS` (e.g. `0.01,0.03`)
+replaces the measured time per sample the same way: CPU processes sharing a loaded machine measure
+speeds that differ by chance, and a test of the room alone must not depend on them. `TANDEM_CUDA_MEMORY_FRACTION` (e.g. `1,0.25`)
 caps each GPU's memory for this run (`torch.cuda.set_per_process_memory_fraction`), so that one card
 stands in for a smaller one: the probe counts the cap as the card's size.
 """
@@ -26,6 +28,7 @@ from modules.util.batch_slice import RankCapacity
 log = logging.getLogger("tandem")
 
 SIMULATE_ROOM = "TANDEM_SIMULATE_SAMPLE_ROOM"
+SIMULATE_SECONDS = "TANDEM_SIMULATE_SAMPLE_SECONDS"
 MEMORY_FRACTION = "TANDEM_CUDA_MEMORY_FRACTION"
 MEMORY_MARGIN = 0.9
 """Of the memory free after training's own allocations, the part the split may fill with activations."""
@@ -91,6 +94,18 @@ def cap_device_memory(device: torch.device) -> None:
     log.info("GPU %d capped at %.0f%% of its memory (%s)", index, 100 * values[index], MEMORY_FRACTION)
 
 
+def _simulated(variable: str) -> float | None:
+    """This rank's entry of a per-rank list in environment variable `variable`, if it is set."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    entries = [float(x) for x in value.split(",")]
+    rank = int(os.environ.get("RANK", "0"))
+    if rank >= len(entries):
+        raise ValueError(f"{variable}={value!r} names {len(entries)} rank(s); rank {rank} has none")
+    return entries[rank]
+
+
 def measure_capacity(trainer, model) -> RankCapacity:
     """What this rank can carry: see the module's docstring. `model` is the unwrapped training model."""
     sample = trainer.dataset[0]
@@ -99,11 +114,12 @@ def measure_capacity(trainer, model) -> RankCapacity:
     two_s, two_bytes = _one_pass(trainer, sample, 2, model)
     per_sample_bytes = max(two_bytes - one_bytes, one_bytes // 2, 1)
     seconds_per_sample = max(two_s / 2, 1e-6)
-    simulated = os.environ.get(SIMULATE_ROOM)
-    if simulated:
-        rooms = [float(x) for x in simulated.split(",")]
-        rank = int(os.environ.get("RANK", "0"))
-        return RankCapacity(free_bytes=rooms[rank] * per_sample_bytes, bytes_per_sample=per_sample_bytes,
+    simulated_seconds = _simulated(SIMULATE_SECONDS)
+    if simulated_seconds is not None:
+        seconds_per_sample = simulated_seconds
+    simulated_room = _simulated(SIMULATE_ROOM)
+    if simulated_room is not None:
+        return RankCapacity(free_bytes=simulated_room * per_sample_bytes, bytes_per_sample=per_sample_bytes,
                             seconds_per_sample=seconds_per_sample)
     if trainer.device.type != "cuda":
         return RankCapacity(float("inf"), per_sample_bytes, seconds_per_sample)
