@@ -14,6 +14,9 @@ from .model_families import MODEL_TYPES
 DTYPES = ("fp32", "bf16", "fp16")
 """Storage and saving dtypes."""
 
+CONCEPT_ROLES = ("train", "regularisation", "validation")
+"""`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
+
 CONFIG_VERSION = 2
 """The `__version` written into every saved config; bump it together with a new migration."""
 
@@ -70,12 +73,20 @@ class ConceptConfig:
     """Display name of the concept. Empty: the folder name."""
     enabled: bool = True
     """Whether this concept is part of the training data."""
-    repeats: int = 1
+    repeats: int = rule(1, minimum=1)
     """How many times each image of this concept appears per epoch."""
     recursive: bool = True
     """Also read images from sub-folders."""
     caption_extension: str = ".txt"
     """Extension of the caption file beside each image. Without one, the file name is the caption."""
+    role: str = rule("train", choices=CONCEPT_ROLES)
+    """What the concept's images are for: `train`, `regularisation` (prior-preservation images, kohya's reg folder: as many of them per epoch as training images, mixed evenly into each global batch) or `validation` (held out: never trained on, only scored for the validation loss)."""
+    loss_weight: float = rule(1.0, minimum=0)
+    """Multiplies the loss of this concept's images (kohya's prior_loss_weight for a regularisation concept)."""
+    masks: bool = False
+    """Train on the masked part of each image only: `<image>-masklabel.png` beside `<image>.png` (same size, white = learn, black = leave out, grey in between). Images without a mask file are trained whole."""
+    unmasked_weight: float = 0.0
+    """With masks: the loss weight of the black (masked-out) areas, 0 to 1. 0 leaves them out; 0.1 still trains the background a little."""
 
 
 @dataclass
@@ -102,6 +113,8 @@ class DataConfig:
     """Encode every image with the VAE once and train from the cached latents."""
     cache_text_embeddings: bool = True
     """Encode captions once (only when the text encoder is frozen and tags are not shuffled)."""
+    validation_fraction: float = rule(0.0, label="Hold out for validation")
+    """Hold out this fraction (0 to 0.5) of the training concepts' images for the validation loss; which images is fixed by their content, not by the seed or the order. 0: only `validation` concepts are held out."""
     num_workers: int = rule(2, minimum=0, label="Loader workers")
     """DataLoader worker processes per rank."""
     pin_memory: bool = True
@@ -202,6 +215,8 @@ class TrainingConfig:
     """SD3 and Flux: timesteps are drawn logit-normal (sigmoid of a normal value with this mean), then shifted as the model's scheduler shifts them (SD3 by its fixed shift, Flux.1-dev by image size)."""
     timestep_logit_std: float = rule(1.0, above=0.0, label="Timestep logit std")
     """SD3 and Flux: standard deviation of the logit-normal timestep draw."""
+    validation_every_n_steps: int = rule(0, minimum=0, label="Validate every N steps (0: epochs)")
+    """With a validation set (a `validation` concept or data.validation_fraction): compute the validation loss every this many optimizer steps. 0: at the end of every epoch."""
     flux_guidance: float = rule(1.0, minimum=0, label="Flux guidance (training)")
     """Flux.1-dev: the distilled-guidance value the transformer is given while training (1.0 as kohya sd-scripts and ai-toolkit train; samples use sampling.guidance_scale). Ignored by models without a guidance input (Flux.1-schnell)."""
 

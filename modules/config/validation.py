@@ -21,7 +21,7 @@ from modules.util.batch_slice import parse_split
 
 from .docs import section_classes
 from .field_paths import walk_types
-from .field_rules import rules_of
+from .field_rules import FieldRule, rules_of
 from .serialization import ConfigError
 from .train_config import TrainConfig
 
@@ -129,6 +129,29 @@ def _value_checks(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _rule_problems(path: str, value, field_rule: FieldRule) -> list[str]:
+    problems = _one_of(path, value, field_rule.choices) if field_rule.choices else []
+    if field_rule.minimum is not None:
+        problems += _at_least(path, value, field_rule.minimum)
+    if field_rule.above is not None:
+        problems += _above(path, value, field_rule.above)
+    return problems
+
+
+def _list_item_checks(cfg: TrainConfig) -> list[str]:
+    """The rules declared on the fields of list items (`data.concepts[2].role`), item by item; the tables
+    above hold the sections' own fields, which have one path each."""
+    problems = []
+    for section, cls in section_classes(TrainConfig).items():
+        if not section.endswith("[]") or section.count("[") > 1:
+            continue
+        items = functools.reduce(getattr, section[:-2].split("."), cfg)
+        for i, item in enumerate(items):
+            for name, field_rule in rules_of(cls).items():
+                problems += _rule_problems(f"{section[:-2]}[{i}].{name}", getattr(item, name), field_rule)
+    return problems
+
+
 def _finite_checks(node, path: str = "") -> list[str]:
     """Every float field must be a real number: JSON and overrides accept NaN and Infinity, which pass
     the range checks (`inf > 0`, and a NaN compares as neither) and then fail deep inside training."""
@@ -231,8 +254,12 @@ def _data_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
     if not enabled:
         problems.append(f"data.concepts: none of the {len(d.concepts)} concept(s) is enabled; "
                         "add a concept or set enabled to true on one.")
-    for i, concept in enumerate(d.concepts):
-        problems += _at_least(f"data.concepts[{i}].repeats", concept.repeats, 1)
+    elif not any(d.concepts[i].role == "train" for i in enabled):
+        problems.append("data.concepts: no enabled concept has role 'train' (regularisation and validation "
+                        "images only accompany training images); set one concept's role to 'train'.")
+    problems += _between("data.validation_fraction", d.validation_fraction, 0.0, 0.5)
+    for i, concept in enumerate(d.concepts):  # repeats, role and loss_weight: their rules (_list_item_checks)
+        problems += _between(f"data.concepts[{i}].unmasked_weight", concept.unmasked_weight, 0.0, 1.0)
         if concept.enabled and check_paths:
             problems += _path_problem(f"data.concepts[{i}].path", concept.path,
                                       "a folder of images, or disable the concept")
@@ -401,7 +428,7 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> list[str]:
     folders): presets name models the user has yet to download, and the GUI validates while the
     user is still typing a path.
     """
-    return (_value_checks(cfg) + _finite_checks(cfg) + _model_checks(cfg, check_paths)
+    return (_value_checks(cfg) + _list_item_checks(cfg) + _finite_checks(cfg) + _model_checks(cfg, check_paths)
             + _data_checks(cfg, check_paths) + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg)
             + _family_checks(cfg))
 

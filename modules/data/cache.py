@@ -3,7 +3,9 @@
 Keys are content hashes of everything that decides an entry's value, never of who computed it:
 - latents: image bytes (sha256), model fingerprint, resize/crop plan (original size, resized size,
   crop offset, bucket size) and whether a mirrored copy is stored;
-- text: caption and model fingerprint.
+- text: caption and model fingerprint;
+- masks (`masks.py`): mask bytes (sha256) and the image's resize/crop plan (no model: a mask is the same
+  for every model; their own format number, so latent and text entries kept their keys when masks came).
 So an edited image, another model, another resolution/bucket or another caption misses the cache
 for exactly the affected entries; everything else is reused, also by a run with another number of
 ranks. Stale files are left in place (they are never read again); delete the folder to reclaim space.
@@ -23,7 +25,7 @@ import hashlib
 import json
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -34,10 +36,15 @@ from tqdm import tqdm
 from modules.util.atomic import save_safetensors_atomically
 
 from .buckets import CropPlan, load_pixels
+from .masks import flip_mask, load_mask
 
 CACHE_FORMAT = 2
 """Part of every key: bump it when the stored layout changes, so old entries are not misread.
 2: latent distributions (mean, std) instead of one sample drawn while caching."""
+
+MASK_FORMAT = 1
+"""Part of every mask entry's key, bumped like CACHE_FORMAT. 1: float32 [1, H/8, W/8], un-flipped, before
+`unmasked_weight` (which may change without re-caching)."""
 
 EncodeImages = Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 """CPU float32 pixels in [-1, 1], [B, 3, H, W] -> latents [B, C, H/8, W/8], or the (mean, std) of
@@ -59,6 +66,9 @@ class CacheItem:
     """Also store the mirrored latents (for random flips on cached latents)."""
     caption: str | None = None
     """Caption whose embedding is cached; None when text is not cached."""
+    mask_path: Path | None = None
+    """The image's loss mask, cached at latent resolution; None without one."""
+    mask_hash: str = ""
 
 
 def _digest(parts: dict) -> str:
@@ -69,6 +79,11 @@ def latent_key(item: CacheItem, fingerprint: str) -> str:
     return _digest({"format": CACHE_FORMAT, "kind": "latents", "image": item.content_hash,
                     "model": fingerprint, "plan": replace(item.plan, flip=False).key(),
                     "flipped": item.with_flipped})
+
+
+def mask_key(item: CacheItem) -> str:
+    return _digest({"format": MASK_FORMAT, "kind": "mask", "mask": item.mask_hash,
+                    "plan": replace(item.plan, flip=False).key()})
 
 
 def text_key(caption: str, fingerprint: str) -> str:
@@ -91,6 +106,8 @@ class CacheIndex:
     """Images this rank encoded in `fill_cache` (mirrored copies count separately)."""
     encoded_texts: int = 0
     """Captions this rank encoded in `fill_cache`."""
+    mask_files: list[Path | None] = field(default_factory=list)
+    """Per item, its mask entry (None: no mask); empty when no item has one."""
 
     def load_latents(self, index: int, flipped: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
         """Image `index`'s latents: stored ones, or (float32) a sample of the stored distribution drawn
@@ -108,6 +125,14 @@ class CacheIndex:
                            "without flips.")
         return entry[f"latents{suffix}"]
 
+    def load_mask(self, index: int, flipped: bool = False) -> torch.Tensor | None:
+        """Image `index`'s mask at latent resolution (`masks.load_mask`), None when it has none."""
+        path = self.mask_files[index] if index < len(self.mask_files) else None
+        if path is None:
+            return None
+        mask = _load(path)["mask"]
+        return flip_mask(mask) if flipped else mask
+
     def load_text(self, index: int) -> dict[str, torch.Tensor]:
         path = self.text_files[index]
         if path is None:
@@ -116,7 +141,7 @@ class CacheIndex:
 
     def missing(self) -> list[Path]:
         """Entry files that do not exist (after all ranks filled their share, this is empty)."""
-        files = {p for p in self.latent_files + self.text_files if p is not None}
+        files = {p for p in self.latent_files + self.text_files + self.mask_files if p is not None}
         return sorted(p for p in files if not p.is_file())
 
 
@@ -163,12 +188,20 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1}.")
     cache_dir = Path(cache_dir)
-    latent_dir, text_dir = cache_dir / "latents", cache_dir / "text"
+    latent_dir, text_dir, mask_dir = cache_dir / "latents", cache_dir / "text", cache_dir / "masks"
     latent_files: list[Path | None] = []
     text_files: list[Path | None] = []
+    mask_files: list[Path | None] = []
     latent_items: dict[str, CacheItem] = {}
+    mask_items: dict[str, CacheItem] = {}
     captions: dict[str, str] = {}
     for item in items:
+        if encode_images is not None and item.mask_path is not None:
+            key = mask_key(item)
+            mask_items.setdefault(key, item)
+            mask_files.append(mask_dir / f"{key}.safetensors")
+        else:
+            mask_files.append(None)
         if encode_images is not None:
             key = latent_key(item, fingerprint)
             latent_items.setdefault(key, item)
@@ -190,12 +223,16 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
                                                   batch_size), rank, world_size), latent_dir)
     text_batches = missing(_my_batches(_batches(list(captions), lambda k: None, batch_size), rank, world_size),
                            text_dir)
-    index = CacheIndex(latent_files, text_files)
-    todo = sum(map(len, latent_batches)) + sum(map(len, text_batches))
+    mask_batches = missing(_my_batches(_batches(list(mask_items), lambda k: None, batch_size), rank, world_size),
+                           mask_dir)
+    index = CacheIndex(latent_files, text_files, mask_files=mask_files if mask_items else [])
+    todo = sum(map(len, latent_batches)) + sum(map(len, text_batches)) + sum(map(len, mask_batches))
     if not todo:
         return index
     latent_dir.mkdir(parents=True, exist_ok=True)
     text_dir.mkdir(parents=True, exist_ok=True)
+    if mask_batches:
+        mask_dir.mkdir(parents=True, exist_ok=True)
 
     with tqdm(total=todo, desc=f"Caching (rank {rank})", unit="entry",
               position=rank, disable=not progress, leave=rank == 0) as bar:
@@ -208,6 +245,12 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
                 _write_atomic({name: value[row] for name, value in encoded.items()},
                               text_dir / f"{key}.safetensors")
             index.encoded_texts += len(keys)
+            bar.update(len(keys))
+        for keys in mask_batches:
+            for key in keys:
+                item = mask_items[key]
+                _write_atomic({"mask": load_mask(item.mask_path, replace(item.plan, flip=False))},
+                              mask_dir / f"{key}.safetensors")
             bar.update(len(keys))
     return index
 

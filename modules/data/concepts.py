@@ -11,7 +11,7 @@ import hashlib
 import io
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -20,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 from modules.config.train_config import ConceptConfig
 
 from .demo_dataset import resolve_concept_path
+from .masks import find_mask, is_mask_file
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,18 @@ class ImageRecord:
     height: int
     content_hash: str
     """sha256 of the file bytes: the cache key part that notices any edit of the image."""
+    role: str = "train"
+    """`train`, `regularisation` or `validation` (its concept's `role`)."""
+    repeats: int = 1
+    """Its concept's repeats."""
+    loss_weight: float = 1.0
+    """Its concept's loss weight."""
+    mask_path: Path | None = None
+    """The loss mask beside it (`masks.MASK_SUFFIX`) when its concept uses masks and it has one."""
+    mask_hash: str = ""
+    """sha256 of the mask file (its cache key part)."""
+    unmasked_weight: float = 0.0
+    """Loss weight of the mask's black areas (its concept's `unmasked_weight`)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,9 @@ class ScanResult:
     images: list[ImageRecord]
     """Each usable image once."""
     item_images: list[int]
-    """Per dataset item (repeats expanded), the index into `images`."""
+    """Per dataset item (repeats expanded, regularisation items balanced, see `roles.py`), the index into `images`."""
+    validation: list[ImageRecord] = field(default_factory=list)
+    """The held-out images (validation concepts and `data.validation_fraction`), each once; not in `images`."""
 
 
 CAPTION_FALLBACK_ENCODINGS = ("cp1252", "latin-1")
@@ -103,7 +118,7 @@ def process_caption(caption: str, rng: random.Random, dropout: float = 0.0,
 
 def _image_files(folder: Path, recursive: bool) -> list[Path]:
     pattern = folder.rglob("*") if recursive else folder.glob("*")
-    files = [p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    files = [p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not is_mask_file(p)]
     # Sorted so that item indexes (and with them sampler order and RNG streams) are the same on
     # every rank and every run, whatever order the file system lists entries in.
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
@@ -160,34 +175,49 @@ def _scan_concept(concept: ConceptConfig) -> tuple[list[ImageRecord], int]:
         if info is None:
             continue
         width, height, digest = info
+        mask = find_mask(path, width, height) if concept.masks else None
         records.append(ImageRecord(path=path, caption=read_caption(path, concept.caption_extension),
-                                   concept=name, width=width, height=height, content_hash=digest))
+                                   concept=name, width=width, height=height, content_hash=digest,
+                                   role=concept.role, repeats=concept.repeats, loss_weight=concept.loss_weight,
+                                   mask_path=mask[0] if mask else None, mask_hash=mask[1] if mask else "",
+                                   unmasked_weight=concept.unmasked_weight))
     skipped = len(files) - len(records)
     if skipped:
         log.warning("Skipped %d unreadable image(s) of %d in %s (each named above).", skipped, len(files), folder)
+    unmasked = [r.path.name for r in records if r.mask_path is None]
+    if concept.masks and unmasked:
+        log.warning("%d of %d image(s) in %s have no mask (%s%s): they are trained whole. A mask is "
+                    "<image name>-masklabel.png beside the image.", len(unmasked), len(records), folder,
+                    ", ".join(unmasked[:3]), ", ..." if len(unmasked) > 3 else "")
     return records, skipped
 
 
-def scan_concepts(concepts: Sequence[ConceptConfig]) -> ScanResult:
-    """Scan all enabled concepts; raise `EmptyDatasetError` if none holds a usable image."""
-    images: list[ImageRecord] = []
-    item_images: list[int] = []
+def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float = 0.0) -> ScanResult:
+    """Scan all enabled concepts; raise `EmptyDatasetError` if no training concept holds a usable image.
+
+    Validation images (validation concepts, and `validation_fraction` of the training concepts' images) are
+    set apart; regularisation images are balanced against the training images (`roles.epoch_items`)."""
+    from .roles import epoch_items, hold_out
+    records: list[ImageRecord] = []
     skipped = 0
     enabled = [c for c in concepts if c.enabled]
     for concept in enabled:
         if concept.repeats < 1:
             raise ValueError(f"Concept {concept.path!r} has repeats={concept.repeats}; "
                              "use 1 or more, or set enabled=false to leave it out.")
-        records, unreadable = _scan_concept(concept)
+        found, unreadable = _scan_concept(concept)
         skipped += unreadable
-        for record in records:
-            index = len(images)
-            images.append(record)
-            item_images.extend([index] * concept.repeats)
-    if not images:
-        folders = ", ".join(repr(c.path) for c in enabled) or "(no enabled concept)"
+        records += found
+    training = [r for r in records if r.role == "train"]
+    if not training:
+        trained = [c for c in enabled if c.role == "train"]
+        folders = ", ".join(repr(c.path) for c in trained) or "(no enabled concept with role 'train')"
         found = f" (the {skipped} image file(s) there are unreadable, see above)" if skipped else ""
         raise EmptyDatasetError(
             f"No usable image found in the concept folders {folders}{found}. Add .png/.jpg/.jpeg/.webp "
             "images there, fix data.concepts[].path, or enable a concept that has images.")
-    return ScanResult(images=images, item_images=item_images)
+    kept, held = hold_out(training, validation_fraction)
+    kept_ids = {id(r) for r in kept}
+    images = [r for r in records if (r.role == "train" and id(r) in kept_ids) or r.role == "regularisation"]
+    validation = [r for r in records if r.role == "validation"] + held
+    return ScanResult(images=images, item_images=epoch_items(images), validation=validation)

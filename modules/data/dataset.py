@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from modules.config.train_config import DataConfig
 
-from .buckets import CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
+from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
 from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts
+from .masks import load_mask, loss_weights
 
 
 def _rng(*parts) -> random.Random:
@@ -55,6 +56,10 @@ class TrainDataset(Dataset):
         """Used for plain integer indexes; `make_dataloader` passes the sampler's epoch with each index."""
         self._image_bucket = [closest_bucket(im.width, im.height, bucket_sizes) for im in self.images]
         self.buckets: list[int] = [self._image_bucket[j] for j in self.item_images]
+        self.validation_images: list[ImageRecord] = scan.validation
+        """Images held out for the validation loss (`validation_set()` serves them)."""
+        self.uses_masks = any(im.mask_path is not None for im in self.images)
+        """Whether items carry a `mask` (then every item does: all ones for an image without one)."""
         self._cache: CacheIndex | None = None
         self._text_cached = False
         self._latents_cached = False
@@ -64,6 +69,21 @@ class TrainDataset(Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def validation_set(self) -> "TrainDataset | None":
+        """The held-out images as a dataset of one item each, without any random augmentation (no flip, no
+        random crop, no caption dropout or tag shuffling), so an item looks the same at every evaluation;
+        None when nothing is held out."""
+        if not self.validation_images:
+            return None
+        fixed = replace(self.data_cfg, random_flip=False, random_crop=False, caption_dropout=0.0, shuffle_tags=False)
+        scan = ScanResult(images=list(self.validation_images), item_images=list(range(len(self.validation_images))))
+        return TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
+
+    def item_groups(self) -> list[int] | None:
+        """Each item's group for the sampler's balancing (training / regularisation); None without the latter."""
+        from .roles import item_groups
+        return item_groups(self.images, self.item_images)
 
     @property
     def latents_cached(self) -> bool:
@@ -89,7 +109,8 @@ class TrainDataset(Dataset):
                              "data.shuffle_tags on (each use gives another caption); pass cache_text=False "
                              "(see text_cache_allowed()).")
         items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
-                           with_flipped=cfg.random_flip, caption=im.caption if cache_text else None)
+                           with_flipped=cfg.random_flip, caption=im.caption if cache_text else None,
+                           mask_path=im.mask_path, mask_hash=im.mask_hash)
                  for j, im in enumerate(self.images)]
         self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
                                  encode_text if cache_text else None, fingerprint, self.cache_dir,
@@ -112,6 +133,7 @@ class TrainDataset(Dataset):
             plan = replace(plan, flip=flip)
             item["latents"] = self._cache.load_latents(image_index, flipped=flip,
                                                        generator=_torch_rng(self.seed, "latents", epoch, index))
+            mask = self._cache.load_mask(image_index, flipped=flip) if self.uses_masks else None
         else:
             if cfg.random_crop:
                 bucket = self.bucket_sizes[self._image_bucket[image_index]]
@@ -120,6 +142,13 @@ class TrainDataset(Dataset):
                 plan = self._fixed_plan(image_index)
             plan = replace(plan, flip=cfg.random_flip and rng.random() < 0.5)
             item["pixels"] = load_pixels(image.path, plan)
+            mask = load_mask(image.mask_path, plan) if image.mask_path is not None else None
+        if self.uses_masks:
+            if mask is None:  # an image without a mask file is trained whole
+                height, width = plan.target_size
+                mask = torch.ones(1, height // VAE_FACTOR, width // VAE_FACTOR)
+            item["mask"] = loss_weights(mask, image.unmasked_weight)
+        item["loss_weight"] = image.loss_weight
         if self._text_cached:
             item["caption"] = image.caption
             item["text"] = self._cache.load_text(image_index)
@@ -135,7 +164,10 @@ class TrainDataset(Dataset):
 def collate(items: Sequence[dict]) -> dict:
     """Stack items of one bucket into a batch dict (sizes as LongTensor [B, 2], (height, width))."""
     batch: dict = {"indices": torch.tensor([it["index"] for it in items], dtype=torch.long),
-                   "captions": [it["caption"] for it in items]}
+                   "captions": [it["caption"] for it in items],
+                   "loss_weights": torch.tensor([float(it.get("loss_weight", 1.0)) for it in items])}
+    if "mask" in items[0]:
+        batch["masks"] = torch.stack([it["mask"] for it in items])
     for name in ("latents", "pixels"):
         if name in items[0]:
             batch[name] = torch.stack([it[name] for it in items])
@@ -150,7 +182,8 @@ def collate(items: Sequence[dict]) -> dict:
 def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:
     """Scan the concepts and assign buckets; needs no model, so data errors show up first."""
     bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing)
-    return TrainDataset(scan_concepts(data_cfg.concepts), bucket_sizes, data_cfg, cache_dir, seed)
+    return TrainDataset(scan_concepts(data_cfg.concepts, data_cfg.validation_fraction), bucket_sizes, data_cfg,
+                        cache_dir, seed)
 
 
 class _EpochTaggedBatches:

@@ -8,6 +8,9 @@ batch 2B sees.
 
 Epoch plan: each bucket's items are shuffled (seeded by seed and epoch only, so the per-bucket
 order does not depend on the batch size), cut into global batches, and the batches are shuffled.
+With item `groups` (training and regularisation items, `roles.py`), each group of a bucket is shuffled
+on its own and the groups are interleaved in proportion to their sizes before the cut, so that every
+global batch holds them in the bucket's proportion (half and half when the bucket holds as many of each).
 Remainder rule: the last `len(bucket) % global_batch` items of each bucket's shuffled order are
 left out of this epoch; the order reshuffles every epoch, so it is other items each time.
 
@@ -41,8 +44,10 @@ class BucketBatchSampler:
     """Yields this rank's list of dataset indexes for every global batch of the epoch."""
 
     def __init__(self, buckets: list[int], batch_size: int, world_size: int = 1, rank: int = 0,
-                 seed: int = 0, shuffle: bool = True, split: list[int] | None = None):
-        """`split`: each rank's number of items per global batch (unequal GPUs); default `batch_size` each."""
+                 seed: int = 0, shuffle: bool = True, split: list[int] | None = None,
+                 groups: list[int] | None = None):
+        """`split`: each rank's number of items per global batch (unequal GPUs); default `batch_size` each.
+        `groups`: each item's group (0 training, 1 regularisation), mixed evenly into the global batches."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}; it must be 1 or more.")
         if not 0 <= rank < world_size:
@@ -51,6 +56,9 @@ class BucketBatchSampler:
         if len(self.split) != world_size or min(self.split) < 1:
             raise ValueError(f"split={split} needs one size of 1 or more per rank ({world_size} ranks).")
         self.buckets = list(buckets)
+        self.groups = list(groups) if groups is not None else None
+        if self.groups is not None and len(self.groups) != len(self.buckets):
+            raise ValueError(f"groups has {len(self.groups)} entries for {len(self.buckets)} items.")
         self.batch_size = self.split[rank]
         self.world_size = world_size
         self.rank = rank
@@ -122,11 +130,27 @@ class BucketBatchSampler:
     def _bucket_orders(self) -> dict[int, list[int]]:
         orders = {}
         for bucket, members in sorted(self._members.items()):
+            if self.groups is not None:
+                orders[bucket] = self._interleaved(bucket, members)
+                continue
             order = list(members)
             if self.shuffle:
                 _rng(self.seed, self.epoch, "bucket", bucket).shuffle(order)
             orders[bucket] = order
         return orders
+
+    def _interleaved(self, bucket: int, members: list[int]) -> list[int]:
+        """The bucket's groups, each shuffled on its own, merged in proportion: item k of a group of n sits
+        at (k + 0.5) / n of the way through, so any run of consecutive items holds the groups' proportion."""
+        by_group: dict[int, list[int]] = {}
+        for index in members:
+            by_group.setdefault(self.groups[index], []).append(index)
+        placed = []
+        for group, order in sorted(by_group.items()):
+            if self.shuffle:
+                _rng(self.seed, self.epoch, "bucket", bucket, "group", group).shuffle(order)
+            placed += [((k + 0.5) / len(order), group, index) for k, index in enumerate(order)]
+        return [index for _, _, index in sorted(placed)]
 
     def _plan(self, orders: dict[int, list[int]], global_batch: int, segment: int) -> list[list[int]]:
         batches = []
@@ -154,7 +178,10 @@ class BucketBatchSampler:
     # -- resume -------------------------------------------------------------------------------
 
     def _buckets_digest(self) -> str:
-        return hashlib.sha256(",".join(map(str, self.buckets)).encode()).hexdigest()[:16]
+        text = ",".join(map(str, self.buckets))
+        if self.groups is not None:  # without groups the digest is what it always was (older backups match)
+            text += ";groups:" + ",".join(map(str, self.groups))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,

@@ -60,15 +60,44 @@ def snr(scheduler, timesteps: torch.Tensor) -> torch.Tensor:
     return alphas_cumprod / (1 - alphas_cumprod)
 
 
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] mean-squared error of each sample; with a `mask` ([B, 1, H, W] loss weights at latent resolution,
+    `data.masks`), the mask-weighted mean: a latent of weight 0 adds nothing to the loss or its gradient, and a
+    sample's loss keeps its scale whatever the masked area (a sample weighted 0 everywhere has loss 0)."""
+    error = F.mse_loss(pred.float(), target.float(), reduction="none")
+    dims = tuple(range(1, pred.ndim))
+    if mask is None:
+        return error.mean(dim=dims)
+    if mask.shape[0] != pred.shape[0] or mask.shape[-2:] != pred.shape[-2:]:
+        raise ValueError(f"loss mask of shape {list(mask.shape)} for predictions of shape {list(pred.shape)}; "
+                         "masks are cached at latent resolution (image size / 8)")
+    weights = mask.float().expand_as(error)
+    return (error * weights).sum(dim=dims) / weights.sum(dim=dims).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def weighted_mean(per_sample: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The micro-batch's loss: the mean over its samples of each one's loss x its weight (a concept's
+    `loss_weight`, as kohya weighs regularisation images by prior_loss_weight)."""
+    if weights is None:
+        return per_sample.mean()
+    return (per_sample * weights.to(per_sample.device, per_sample.dtype)).mean()
+
+
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, scheduler, timesteps: torch.Tensor,
-                   prediction_type: str, min_snr_gamma: float) -> torch.Tensor:
-    """Mean-squared error, optionally with min-SNR-gamma weighting (Hang et al. 2023)."""
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+                   prediction_type: str, min_snr_gamma: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean-squared error, optionally with min-SNR-gamma weighting (Hang et al. 2023): the batch's mean."""
+    return diffusion_per_sample(pred, target, scheduler, timesteps, prediction_type, min_snr_gamma, mask).mean()
+
+
+def diffusion_per_sample(pred: torch.Tensor, target: torch.Tensor, scheduler, timesteps: torch.Tensor,
+                         prediction_type: str, min_snr_gamma: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] `diffusion_loss` of each sample (mask-weighted with a mask)."""
+    per_sample = per_sample_mse(pred, target, mask)
     if min_snr_gamma > 0:
         s = snr(scheduler, timesteps)
         weight = torch.clamp(s, max=min_snr_gamma) / (s + 1 if prediction_type == "v_prediction" else s)
         per_sample = per_sample * weight
-    return per_sample.mean()
+    return per_sample
 
 
 # ------------------------------------------------------------------ rectified flow (SD3, Flux)
@@ -116,7 +145,14 @@ def flow_noisy(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> t
     return (1 - t) * latents + t * noise
 
 
-def flow_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean-squared error of the velocity (noise - latents), the same weight for every t."""
-    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none")
-    return per_sample.mean(dim=tuple(range(1, prediction.ndim))).mean()
+def flow_loss(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean-squared error of the velocity (noise - latents), the same weight for every t: the batch's mean."""
+    return flow_per_sample(prediction, target, mask).mean()
+
+
+def flow_per_sample(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] `flow_loss` of each sample (mask-weighted with a mask).
+
+    The prediction is compared in the latents' layout (Flux's objective unpacks its 2x2-patch tokens before
+    the loss), so a mask at latent resolution lines up with it for every family."""
+    return per_sample_mse(prediction, target, mask)

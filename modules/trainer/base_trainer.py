@@ -317,7 +317,7 @@ class BaseTrainer(ABC):
         from modules.data import BucketBatchSampler, make_dataloader
         sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
                                      world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed,
-                                     split=self.split)
+                                     split=self.split, groups=self.dataset.item_groups())
         loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
         return sampler, loader
 
@@ -493,7 +493,9 @@ class BaseTrainer(ABC):
         with self.autocast():
             pred = (self.model if model is None else model)(noisy, draw.timesteps, text, batch.get("captions"),
                               batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
-        return objective.loss(pred, target, draw)
+        masks, weights = batch.get("masks"), batch.get("loss_weights")
+        return objective.loss(pred, target, draw, mask=None if masks is None else masks.to(dev, non_blocking=True),
+                              weights=None if weights is None else weights.to(dev, non_blocking=True))
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.cfg.training.precision)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from modules.config.model_families import FAMILIES, FamilyInfo
+from modules.model.objective import weighted_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from modules.config.train_config import ModelConfig, TrainingConfig
@@ -50,8 +51,14 @@ class Objective(ABC):
         """What the denoiser is trained to output, in the latents' shape."""
 
     @abstractmethod
-    def loss(self, prediction: torch.Tensor, target: torch.Tensor, draw) -> torch.Tensor:
-        """The mean loss of the micro-batch."""
+    def per_sample_loss(self, prediction: torch.Tensor, target: torch.Tensor, draw,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] each sample's loss; `mask`: [B, 1, H, W] loss weights at latent resolution (`data.masks`)."""
+
+    def loss(self, prediction: torch.Tensor, target: torch.Tensor, draw, mask: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's loss: the mean of each sample's loss x its `weights` entry (concepts' loss weights)."""
+        return weighted_mean(self.per_sample_loss(prediction, target, draw, mask), weights)
 
     @abstractmethod
     def predict(self, denoiser, noisy: torch.Tensor, timesteps: torch.Tensor, text: dict[str, torch.Tensor],

@@ -22,7 +22,7 @@ import torch
 from modules.model.files import SAVE_DTYPES
 from modules.model.lora_metadata import IMPLEMENTATION_DIFFUSERS, IMPLEMENTATION_SGM
 from modules.model.variants import component_variant
-from modules.model.objective import NoiseDraw, draw_flow_noise, flow_loss, flow_noisy, flow_shift, shift_times
+from modules.model.objective import NoiseDraw, draw_flow_noise, flow_noisy, flow_per_sample, flow_shift, shift_times
 
 from . import original_layout as layout
 from .base import ModelFamily, Objective
@@ -59,8 +59,8 @@ class FlowMatching(Objective):
     def target(self, latents, draw):
         return draw.noise - latents
 
-    def loss(self, prediction, target, draw):
-        return flow_loss(prediction, target)
+    def per_sample_loss(self, prediction, target, draw, mask=None):
+        return flow_per_sample(prediction, target, mask)
 
 
 class FlowFamily(ModelFamily):

@@ -14,7 +14,7 @@ import torch
 from modules.config.validation import parse_config_overrides
 from modules.model.lora_metadata import IMPLEMENTATION_DIFFUSERS, IMPLEMENTATION_SGM
 from modules.model.variants import component_variant
-from modules.model.objective import NoiseDraw, diffusion_loss, draw_noise, training_target
+from modules.model.objective import NoiseDraw, diffusion_per_sample, draw_noise, training_target
 
 from .base import ModelFamily, Objective
 
@@ -48,9 +48,9 @@ class NoisePrediction(Objective):
     def target(self, latents, draw):
         return training_target(self.scheduler, latents, draw.noise, draw.timesteps, self.prediction_type)
 
-    def loss(self, prediction, target, draw):
-        return diffusion_loss(prediction, target, self.scheduler, draw.timesteps, self.prediction_type,
-                              self.min_snr_gamma)
+    def per_sample_loss(self, prediction, target, draw, mask=None):
+        return diffusion_per_sample(prediction, target, self.scheduler, draw.timesteps, self.prediction_type,
+                              self.min_snr_gamma, mask)
 
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
         added = self.added_cond(text, original_sizes, crop_coords, target_sizes) if self.added_cond else None
