@@ -74,6 +74,9 @@ RULES: dict[str, Rule] = {
     "data.bucket_step": lambda c: None if c.data.aspect_bucketing else "used only with Aspect-ratio buckets on",
     "data.cache_text_embeddings": lambda c: None if not (c.training.train_text_encoder or c.data.shuffle_tags)
     else "not possible while the text encoder trains or tags are shuffled (captions change every time)",
+    "training.validation_every_n_steps": lambda c: None if c.data.validation_fraction > 0 or any(
+        concept.enabled and concept.role == "validation" for concept in c.data.concepts) else
+    "used only with a validation set (a concept with Role validation, or Hold out for validation above 0)",
     "data.prefetch_factor": lambda c: None if c.data.num_workers > 0 else "used only with Loader workers above 0",
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,

@@ -46,6 +46,8 @@ class RunState:
     lr: float | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     """The loss curve: a resumed run's earlier points (from the run folder), then this run's."""
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)
+    """The validation-loss curve of this run (a held-out set: `validation` concepts, data.validation_fraction)."""
     rank_losses: list[float] = field(default_factory=list)
     """The last step's loss of each rank (several processes only)."""
     rank_images_per_s: list[float] = field(default_factory=list)
@@ -290,6 +292,8 @@ class RunController:
                 self.history.append(step, loss)
             s.lr = event.get("lr", s.lr)
             s.rank_losses = list(event.get("rank_losses") or [])
+        elif event.type == "validation":
+            s.validation_losses.append((int(event.get("step", 0)), float(event.get("loss"))))
         elif event.type == "sample":
             s.samples.append(dict(event.data))
         elif event.type == "saved":

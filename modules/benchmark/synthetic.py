@@ -37,6 +37,14 @@ class SyntheticCachedLatents(Dataset):
         self.text = {name: torch.randn(pool, *shape, generator=gen) for name, shape in text_shapes.items()}
         self.buckets = [0] * length
 
+    def validation_set(self):
+        """No held-out images: benchmarks time training steps only."""
+        return None
+
+    def item_groups(self):
+        """No regularisation items."""
+        return None
+
     def __len__(self) -> int:
         return self.length
 

@@ -2,7 +2,7 @@
 
 - **Validation** images are held out: validation concepts whole, and `data.validation_fraction` of the
   training concepts' images, chosen by a hash of each image's content (`hold_out`) - so the same images are
-  held out whatever the seed, the file order or the number of processes, and adding images moves no other.
+  held out whatever the seed, the file order or the number of processes.
 - **Regularisation** images are balanced as kohya's sd-scripts balances them: each epoch holds as many
   regularisation items as training items (`epoch_items`: the regularisation images in turn, each as often as
   its concept's repeats allow before any repeats, then around again), and the sampler mixes the two evenly

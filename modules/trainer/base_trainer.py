@@ -32,6 +32,7 @@ from modules.trainer.rank_duties import RankDuties, rank_duties
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
+from modules.trainer.validation_loss import ValidationLoss
 from modules.util.atomic import unique_path
 from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
 from modules.util.rng import rng_state, seed_everything, set_rng_state
@@ -87,6 +88,7 @@ class BaseTrainer(ABC):
             self.duties = rank_duties(du.rank(), self.callbacks)
         with phase("data scan"):
             self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
+            self.validation_set = self.dataset.validation_set()  # held-out images, or None
         with phase("model"):
             self.bundle = self.create_model()
             # One seed for what creates weights (LoRA init), set after loading (which may build and seed
@@ -108,6 +110,8 @@ class BaseTrainer(ABC):
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
             self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
             self.exchange = StepExchange()
+            self.validation = (ValidationLoss(self.validation_set, self.cfg.training.batch_size, self.cfg.general.seed)
+                               if self.validation_set is not None else None)
         with phase("resume"):
             self.maybe_resume()
         self.announce()
@@ -125,11 +129,15 @@ class BaseTrainer(ABC):
             faulthandler.dump_traceback_later(float(trace), repeat=True)
         if self.cfg.sampling.sample_at_start and self.global_step == 0:
             self.outputs.sample()  # the baseline every later sample is compared with
+        if self.validation is not None and self.global_step == 0:
+            self.validate()  # where the curve starts: the untrained weights' validation loss
         while self.global_step < self.numbers.total_steps and not self.stop_requested:
             self.run_epoch()
         requested = self.act_on(self.exchange.receive())  # the last step's loss (and any command sent with it)
         self.write_outputs("sample" in requested, "backup" in requested, "save" in requested)
         self.completed = self.global_step >= self.numbers.total_steps
+        if self.completed and self.validation is not None and self.validation.last_step != self.global_step:
+            self.validate()  # where the finished model stands, whatever the cadence
 
     def end(self) -> None:
         self.check_weights_finite()
@@ -280,10 +288,13 @@ class BaseTrainer(ABC):
         du.barrier()  # ranks finish loading the model at different times: time the caching alone
         started = time.perf_counter()
         with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
-            self.dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint(),
-                               rank=du.rank() if share_work else 0,
-                               world_size=du.world_size() if share_work else 1,
-                               cache_text=self.cache_text())
+            for dataset in (self.dataset, self.validation_set):
+                if dataset is None:
+                    continue
+                dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint(),
+                              rank=du.rank() if share_work else 0,
+                              world_size=du.world_size() if share_work else 1,
+                              cache_text=self.cache_text())
         du.barrier()
         seconds = time.perf_counter() - started
         log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
@@ -525,6 +536,8 @@ class BaseTrainer(ABC):
         self.write_outputs(sample="sample" in requested or due(self.cfg.sampling.every_n_steps),
                            backup="backup" in requested or due(s.backup_every_n_steps),
                            save="save" in requested or due(s.save_every_n_steps))
+        if self.validation is not None and due(self.cfg.training.validation_every_n_steps):
+            self.validate()
 
     def take_commands(self) -> set[str]:
         """Commands this rank saw since the last step: rank 0 reads the commands file (and its clock decides
@@ -568,6 +581,15 @@ class BaseTrainer(ABC):
         if save:
             self.outputs.save_intermediate()
 
+    def validate(self) -> None:
+        """The held-out images' loss (every rank scores its share: call it on every rank at the same step)."""
+        started = time.perf_counter()
+        loss = self.validation.evaluate(self)
+        log.info("Validation loss at step %d: %.6f (%d images, %.1f s)", self.global_step, loss, len(self.validation),
+                 time.perf_counter() - started)
+        self.progress.validation(self.global_step, loss)
+        self.emit("validation", step=self.global_step, loss=loss, images=len(self.validation))
+
     def check_loss_finite(self, report: StepReport) -> None:
         """Stop at the first non-finite loss; with fp16 loss scaling, skipped steps are normal unless they persist."""
         if math.isfinite(report.loss):
@@ -601,6 +623,8 @@ class BaseTrainer(ABC):
         if self.global_step >= self.numbers.total_steps:
             return  # the end-of-training save covers the last epoch
         every = lambda n: n > 0 and self.epoch % n == 0  # noqa: E731
+        if self.validation is not None and self.cfg.training.validation_every_n_steps == 0:
+            self.validate()
         self.write_outputs(every(self.cfg.sampling.every_n_epochs), every(self.cfg.save.backup_every_n_epochs),
                            every(self.cfg.save.save_every_n_epochs))
 

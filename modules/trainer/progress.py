@@ -130,6 +130,11 @@ class ProgressReporter:
         local = self.numbers.per_gpu_batch * self.numbers.accumulation
         return {"rank_images_per_s": [round(local / s, 3) if s else 0.0 for s in self.rank_step_s]}
 
+    def validation(self, step: int, loss: float) -> None:
+        """The validation loss (TensorBoard `validation_loss`, beside the training `loss`)."""
+        if self.writer is not None:
+            self.writer.add_scalar("validation_loss", loss, step)
+
     def log_image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:
             import numpy as np

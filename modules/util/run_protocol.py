@@ -40,14 +40,16 @@ EVENTS: dict[str, EventType] = {
     "progress": EventType(("epoch", "epochs", "step", "total_steps", "images_per_s", "eta_s"),
                           ("rank_images_per_s",)),
     "loss": EventType(("step", "loss", "lr"), ("rank_losses",)),
+    "validation": EventType(("step", "loss", "images")),
     "sample": EventType(("step", "path", "prompt", "rank")),
     "saved": EventType(("path", "step")),
     "backup": EventType(("path", "step")),
     "error": EventType(("text",), ("rank", "failed_rank")),
     "done": EventType(("output", "step", "completed", "images", "train_s", "images_per_s")),
 }
-"""Every event type and its fields: `config` is the run's `RunNumbers`, `error` names the rank that
-failed (`rank`: the rank reporting its own failure; `failed_rank`: the launcher naming the first)."""
+"""Every event type and its fields: `config` is the run's `RunNumbers`, `validation` the held-out images'
+mean loss (`loss`) over `images` images at `step`, `error` names the rank that failed (`rank`: the rank
+reporting its own failure; `failed_rank`: the launcher naming the first)."""
 
 COMMANDS = ("stop", "sample", "backup", "save")
 """What a watcher may ask a running training to do (one word per line in the commands file)."""

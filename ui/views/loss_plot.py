@@ -19,11 +19,15 @@ class LossPlot(tk.Canvas):
     def __init__(self, master, width=560, height=220):
         super().__init__(master, width=width, height=height, background="#1e1e1e", highlightthickness=0)
         self.points: list[tuple[int, float]] = []
+        self.validation: list[tuple[int, float]] = []
+        """Validation-loss points, drawn over the training loss in the same axes (orange)."""
         self.bind("<Configure>", lambda _e: self.redraw())
 
-    def set_points(self, points: list[tuple[int, float]]) -> None:
-        if len(points) != len(self.points) or points[-1:] != self.points[-1:]:
+    def set_points(self, points: list[tuple[int, float]], validation: list[tuple[int, float]] | None = None) -> None:
+        validation = list(validation or [])
+        if len(points) != len(self.points) or points[-1:] != self.points[-1:] or validation != self.validation:
             self.points = list(points)
+            self.validation = validation
             self.redraw()
 
     def redraw(self) -> None:
@@ -39,10 +43,11 @@ class LossPlot(tk.Canvas):
             return
         steps = [s for s, _ in self.points]
         losses = [v for _, v in self.points]
-        low, high = min(losses), max(losses)
+        low, high = min(losses + [v for _, v in self.validation]), max(losses + [v for _, v in self.validation])
         if high - low < 1e-12:
             low, high = low - 0.5, high + 0.5
-        first, last = steps[0], max(steps[-1], steps[0] + 1)
+        first = min([steps[0]] + [s for s, _ in self.validation])
+        last = max(steps[-1], first + 1)
 
         def xy(step, value):
             return (x0 + (step - first) / (last - first) * (x1 - x0),
@@ -58,3 +63,12 @@ class LossPlot(tk.Canvas):
         self.create_line(*raw, fill="#4a6a8a", width=1, tags="raw")
         smoothed = [c for s, v in zip(steps, smooth(losses)) for c in xy(s, v)]
         self.create_line(*smoothed, fill="#5fb0ff", width=2, tags="smoothed")
+        held_out = [c for s, v in self.validation for c in xy(s, v)]
+        if len(self.validation) >= 2:
+            self.create_line(*held_out, fill="#ffa040", width=2, tags="validation")
+        for s, v in self.validation:
+            x, y = xy(s, v)
+            self.create_oval(x - 3, y - 3, x + 3, y + 3, outline="#ffa040", fill="#ffa040", tags="validation")
+        if self.validation:
+            self.create_text(x1 - 4, y0 + 4, text="training (blue) · validation (orange)", anchor="ne", fill="#aaa",
+                             font=("TkDefaultFont", 8))

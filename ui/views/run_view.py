@@ -224,7 +224,7 @@ class RunView(ctk.CTkScrollableFrame):
             self.run_info.configure(text=f"World size {info.get('world_size')} · global batch "
                                          f"{info.get('global_batch')} · {info.get('steps_per_epoch')} "
                                          f"steps/epoch{left_out} · {lr}")
-        self.loss_plot.set_points(s.losses)
+        self.loss_plot.set_points(s.losses, s.validation_losses)
         if len(s.samples) > self._shown_samples:
             self._shown_samples = len(s.samples)
             self._show_sample(s.samples[-1])

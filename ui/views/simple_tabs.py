@@ -55,15 +55,19 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     form = Form(frame, binder, tab="Data")
     form.section("Concepts")
     concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
-                          [("path", "Folder", 300), ("name", "Name", 110), ("enabled", "On", 50),
-                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 70),
-                           ("recursive", "Sub-folders", 80)],
+                          # Narrow enough that a row and its Remove button fit the default window (1100 px).
+                          [("path", "Folder", 210), ("name", "Name", 100), ("enabled", "On", 50),
+                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
+                           ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
+                           ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
                           _ask_concept, "Add concept folder")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.random_flip",
                 "data.random_crop")
+    form.section("Validation")
+    form.fields("data.validation_fraction", "training.validation_every_n_steps")
     form.section("Captions")
     form.fields("data.caption_dropout", "data.shuffle_tags", "data.keep_tags")
     form.section("Caching and loading")

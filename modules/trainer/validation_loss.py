@@ -1,0 +1,94 @@
+"""The validation loss: the held-out images' mean loss, the same on 1 and N processes.
+
+The held-out set (validation concepts and `data.validation_fraction`, `modules/data/roles.py`) is scored with
+everything random fixed per image: the noise and timestep come from a generator keyed by (seed, image) alone
+and the VAE sample of a cached latent distribution is that of epoch 0, so the curve moves only when the
+weights do. Images of one size are cut into batches of `training.batch_size` in item order, and whole batches
+go to the ranks in turn: an image has the same batch-mates (which decide a kernel's rounding) whatever the
+number of ranks. Each rank writes its images' losses into a vector of every image's slot (zeros elsewhere,
+float64), one all-reduce adds the vectors - adding zeros is exact - and every rank sums the slots in image
+order: the mean is bitwise the same on 1 and N processes (of one device type), not an average of averages.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from modules.util import dist_utils as du
+from modules.util.batch_slice import BatchSlice
+
+VALIDATION_KEY = -1
+"""Draws are keyed like training's (seed, step, micro) with step = VALIDATION_KEY - image: never a training step."""
+
+
+def evaluation_batches(buckets: list[int], batch_size: int) -> list[list[int]]:
+    """Item indexes cut into batches: items of one bucket together, in order, `batch_size` at a time."""
+    groups: dict[int, list[int]] = {}
+    for index, bucket in enumerate(buckets):
+        groups.setdefault(bucket, []).append(index)
+    return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+
+
+class ValidationLoss:
+    """Scores the held-out `dataset` (a `TrainDataset` without augmentation, cached like the training data)."""
+
+    def __init__(self, dataset, batch_size: int, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        batches = evaluation_batches(dataset.buckets, batch_size)
+        self.my_batches = batches[du.rank()::du.world_size()]
+        self.last_step: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def per_image(self, trainer) -> torch.Tensor:
+        """float64 [images]: this rank's images' losses in their slots, 0 in the others'."""
+        from modules.data import collate
+        losses = torch.zeros(len(self.dataset), dtype=torch.float64, device=trainer.device)
+        model = getattr(trainer.model, "module", trainer.model)  # the TrainingModel, not DDP: no gradient sync
+        for batch_items in self.my_batches:
+            batch = collate([self.dataset[(0, index)] for index in batch_items])
+            losses[batch["indices"].to(trainer.device)] = self.batch_losses(trainer, model, batch).double()
+        return losses
+
+    def batch_losses(self, trainer, model, batch: dict) -> torch.Tensor:
+        dev, objective = trainer.device, trainer.objective
+        if "latents" in batch:
+            latents = batch["latents"].to(dev).float()
+        else:
+            latents = trainer.bundle.encode_images(batch["pixels"].to(dev)).float()
+        text = batch.get("text")
+        if text is not None:
+            text = {k: v.to(dev) for k, v in text.items()}
+        draws = [objective.draw((1, *latents.shape[1:]), self.seed, VALIDATION_KEY - int(index), 0,
+                                BatchSlice(0, 1, 1), dev, trainer.cfg.training.offset_noise)
+                 for index in batch["indices"]]
+        draw = type(draws[0])(torch.cat([d.noise for d in draws]), torch.cat([d.timesteps for d in draws]))
+        with trainer.autocast():
+            pred = model(objective.noisy(latents, draw), draw.timesteps, text, batch.get("captions"),
+                         batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
+        masks = batch.get("masks")
+        return objective.per_sample_loss(pred, objective.target(latents, draw), draw,
+                                         None if masks is None else masks.to(dev))
+
+    def evaluate(self, trainer) -> float:
+        """The mean loss over every held-out image; every rank must call it at the same step."""
+        from modules.trainer.optim import evaluation_weights
+        denoiser = trainer.bundle.denoiser
+        encoders = [(te, te.training) for te in trainer.bundle.text_encoders]
+        denoiser.eval()  # no LoRA dropout: the same weights give the same loss
+        for te, _ in encoders:
+            te.eval()
+        try:
+            with torch.no_grad(), evaluation_weights(trainer.optimizer):
+                losses = self.per_image(trainer)
+        finally:
+            denoiser.train()
+            for te, was_training in encoders:
+                te.train(was_training)
+        losses = du.all_reduce_sum_tensor(losses)
+        self.last_step = trainer.global_step
+        # fsum is exactly rounded: the same slots give the same mean whatever device or order sums them.
+        return math.fsum(losses.cpu().tolist()) / len(self.dataset)
