@@ -5,6 +5,7 @@ The central property: N processes x batch B train exactly what 1 process x batch
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -447,3 +448,51 @@ def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_d
     assert ddp() is None, "the DDP wrapper outlived the run"
     assert not dist.is_initialized()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_with_masks_regularisation_and_validation(tmp_path, cache_dir, capfd, monkeypatch):
+    """2 x batch 4 == 1 x batch 8 with a masked concept, a regularisation concept (its own repeats and loss
+    weight) and a validation concept: the same weights, and the same validation loss at every evaluation."""
+    import torch
+
+    from modules.distributed.process_group import share_cpu_threads
+    from modules.trainer.callbacks import RecordingCallbacks
+    from tests.test_masks import make_masked_demo
+    from tests.trainer_helpers import train
+    from tests.test_validation_loss import validation_folder
+    masked = make_masked_demo(tmp_path / "masked", count=16)
+    regularisation = tmp_path / "regularisation"
+    regularisation.mkdir()
+    for path in sorted(masked.glob("*.png"))[:6]:
+        if not path.stem.endswith("-masklabel"):
+            shutil.copy(path, regularisation / path.name)
+    held_out = validation_folder(tmp_path, count=5)
+    common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}", "training.precision=fp32",
+              "optimizer.name=sgd", "training.learning_rate=0.05", "training.validation_every_n_steps=1",
+              "data.caption_dropout=0",
+              f"data.concepts[0].path={masked}", "data.concepts[0].masks=true", "data.concepts[0].unmasked_weight=0.1",
+              f"data.concepts[1].path={regularisation}", "data.concepts[1].role=regularisation",
+              "data.concepts[1].repeats=2", "data.concepts[1].loss_weight=0.5",
+              f"data.concepts[2].path={held_out}", "data.concepts[2].role=validation")
+    callbacks = RecordingCallbacks()
+    threads = torch.get_num_threads()
+    # Each of the 2 workers gets its share of the cores (process_group.share_cpu_threads); CPU kernels round
+    # by their thread count, so the single process runs with as many threads as one worker.
+    share_cpu_threads(2)
+    try:
+        train(demo_config(tmp_path / "one", cache_dir, *common, "training.batch_size=8"), callbacks)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("TANDEM_EVENTS", "1")
+    capfd.readouterr()
+    multi(tmp_path / "two", cache_dir, *common, "training.batch_size=4")
+    two_events = [e for e in _events(capfd.readouterr().out) if e["type"] == "validation"]
+    one_events = callbacks.of_type("validation")
+    assert [e["step"] for e in one_events] == [e["step"] for e in two_events] == list(range(STEPS + 1))
+    assert all(e["images"] == 5 for e in one_events + two_events)
+    assert two_events[0]["loss"] == one_events[0]["loss"], "the same weights score the same on 1 and 2 processes"
+    for one, two in zip(one_events, two_events):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=0)
+    assert_weights_close(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one"),
+                         atol=2e-5, rtol=1e-4)

@@ -3,9 +3,10 @@
 The held-out set (validation concepts and `data.validation_fraction`, `modules/data/roles.py`) is scored with
 everything random fixed per image: the noise and timestep come from a generator keyed by (seed, image) alone
 and the VAE sample of a cached latent distribution is that of epoch 0, so the curve moves only when the
-weights do. Images of one size are cut into batches of `training.batch_size` in item order, and whole batches
-go to the ranks in turn: an image has the same batch-mates (which decide a kernel's rounding) whatever the
-number of ranks. Each rank writes its images' losses into a vector of every image's slot (zeros elsewhere,
+weights do. Each image is scored alone (batch-mates change a kernel's rounding, and any batch size tied to
+training.batch_size would change with the number of GPUs in a 1 x 2B against 2 x B comparison), the images
+going to the ranks in turn; a forward pass without gradients per image is quick beside the training steps
+for the few dozen images a validation set holds. Each rank writes its images' losses into a vector of every image's slot (zeros elsewhere,
 float64), one all-reduce adds the vectors - adding zeros is exact - and every rank sums the slots in image
 order: the mean is bitwise the same on 1 and N processes (of one device type), not an average of averages.
 """
@@ -18,6 +19,8 @@ import torch
 from modules.util import dist_utils as du
 from modules.util.batch_slice import BatchSlice
 
+EVALUATION_BATCH = 1
+"""Images per forward pass: one, so that an image's loss never depends on its batch-mates (see above)."""
 VALIDATION_KEY = -1
 """Draws are keyed like training's (seed, step, micro) with step = VALIDATION_KEY - image: never a training step."""
 
@@ -33,10 +36,10 @@ def evaluation_batches(buckets: list[int], batch_size: int) -> list[list[int]]:
 class ValidationLoss:
     """Scores the held-out `dataset` (a `TrainDataset` without augmentation, cached like the training data)."""
 
-    def __init__(self, dataset, batch_size: int, seed: int) -> None:
+    def __init__(self, dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
-        batches = evaluation_batches(dataset.buckets, batch_size)
+        batches = evaluation_batches(dataset.buckets, EVALUATION_BATCH)
         self.my_batches = batches[du.rank()::du.world_size()]
         self.last_step: int | None = None
 
