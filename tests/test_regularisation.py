@@ -89,3 +89,49 @@ def test_roles_are_checked():
     problems = validate(cfg, check_paths=False)
     assert any(p.startswith("data.concepts[0].loss_weight: -1.0") for p in problems)
     assert any(p.startswith("data.concepts[0].unmasked_weight: 2.0") for p in problems)
+
+
+def test_a_balanced_epoch_resumes_mid_way_also_with_another_global_batch():
+    buckets = [0] * 24
+    groups = [TRAIN] * 12 + [REGULARISATION] * 12
+    full = BucketBatchSampler(buckets, 4, seed=2, groups=groups)
+    full.set_epoch(3)
+    whole = list(full)
+    stopped = BucketBatchSampler(buckets, 4, seed=2, groups=groups)
+    stopped.set_epoch(3)
+    stopped.mark_consumed(2)
+    resumed = BucketBatchSampler(buckets, 4, seed=2, groups=groups)
+    resumed.load_state_dict(stopped.state_dict())
+    assert whole[:2] + list(resumed) == whole
+    # Another global batch (2 GPUs x 4): the rest of the epoch regrouped, still balanced, nothing repeated.
+    ranks = [BucketBatchSampler(buckets, 4, world_size=2, rank=r, seed=2, groups=groups) for r in range(2)]
+    for sampler in ranks:
+        sampler.load_state_dict(stopped.state_dict())
+    rest = [a + b for a, b in zip(*(list(s) for s in ranks))]
+    assert all(sorted(groups[i] for i in batch) == [TRAIN] * 4 + [REGULARISATION] * 4 for batch in rest)
+    assert not {i for batch in rest for i in batch} & {i for batch in whole[:2] for i in batch}
+    # A backup from before the groups existed (other digest) restarts the epoch instead of misplacing it.
+    plain = BucketBatchSampler(buckets, 4, seed=2)
+    plain.set_epoch(3)
+    plain.mark_consumed(2)
+    resumed.load_state_dict(plain.state_dict())
+    assert resumed.consumed_batches == 0
+
+
+def test_every_declared_role_is_acted_on(tmp_path):
+    """Each choice `data.concepts[].role` declares (train_config.CONCEPT_ROLES) puts a concept's images in a place
+    of its own: trained as training items, balanced in as regularisation items, or held out for validation."""
+    from modules.config.train_config import CONCEPT_ROLES
+    from modules.data.roles import item_groups
+    train = images(tmp_path / "train", 2, "t")
+    other = images(tmp_path / "other", 2, "o")
+    places = {}
+    for role in CONCEPT_ROLES:
+        scan = scan_concepts([ConceptConfig(path=str(train)), ConceptConfig(path=str(other), role=role)])
+        groups = item_groups(scan.images, scan.item_images) or [TRAIN] * len(scan.item_images)
+        trained_as = {groups[k] for k, i in enumerate(scan.item_images) if scan.images[i].path.parent == other}
+        held_out = any(im.path.parent == other for im in scan.validation)
+        places[role] = (tuple(sorted(trained_as)), held_out)
+        assert trained_as or held_out, f"role {role!r}: its images went nowhere"
+    assert places == {"train": ((TRAIN,), False), "regularisation": ((REGULARISATION,), False),
+                      "validation": ((), True)}

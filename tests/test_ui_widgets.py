@@ -328,6 +328,8 @@ SCRIPTED_TRAINER = textwrap.dedent("""
         emit(type="loss", step=step, loss=1.0 / step, lr=2e-4, rank_losses=[0.9 / step, 1.1 / step])
         emit(type="progress", epoch=1, epochs=1, step=step, total_steps=10, images_per_s=8.0, eta_s=3,
              rank_images_per_s=[4.0, 4.0])
+        if step % 2 == 0:
+            emit(type="validation", step=step, loss=2.0 / step, images=3)
     if sample != "-":
         emit(type="sample", step=last, path=sample, prompt="a red circle")
     if code:
@@ -371,6 +373,8 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert view.sample_caption.cget("text") == "step 4: a red circle" and view.sample_image.cget("text") == ""
     assert "World size 2" in view.run_info.cget("text") and "step 4/10" in view.progress_text.cget("text")
     assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4]
+    assert view.loss_plot.validation == [(2, 1.0), (4, 0.5)], "validation events plotted beside the loss"
+    assert len(view.loss_plot.find_withtag("validation")) == 3  # the line through them and a dot each
 
     # Continue from step 2's backup: the resumed run reports step 3 first.
     import torch
@@ -576,3 +580,29 @@ def test_model_family_rows_appear_and_disappear_with_the_model_type(app_factory)
     app.binder.fields["model.model_type"].var.set("auto")
     pump(app)
     assert _shown(app, "model.prediction_type") and not _shown(app, "training.timestep_logit_mean")
+
+
+def test_concept_rows_offer_roles_masks_and_weights_with_tooltips(app_factory):
+    app, _ = app_factory()
+    binder = app.binder
+    role = binder.fields["data.concepts[0].role"]
+    assert role.widget.cget("values") == ["train", "regularisation", "validation"]
+    role.var.set("validation")
+    pump(app)
+    assert app.binder.model.cfg.data.concepts[0].role == "validation"
+    # No training concept left: the list says so; the cadence field needs a validation set, which there is now.
+    assert any("no enabled concept has role 'train'" in p for p in binder.problems.get("data.concepts", []))
+    role.var.set("train")
+    binder.fields["data.concepts[0].masks"].widget.toggle()
+    binder.fields["data.concepts[0].unmasked_weight"].var.set("0.1")
+    binder.fields["data.concepts[0].loss_weight"].var.set("0.5")
+    pump(app)
+    concept = app.binder.model.cfg.data.concepts[0]
+    assert (concept.masks, concept.unmasked_weight, concept.loss_weight) == (True, 0.1, 0.5)
+    assert "-masklabel.png" in plain_text(field_doc("data.concepts[0].masks"))
+    assert "prior" in plain_text(field_doc("data.concepts[0].role"))
+    cadence = binder.fields["training.validation_every_n_steps"]
+    assert cadence.widget.cget("state") == "disabled", "no validation set: the cadence does nothing"
+    binder.fields["data.validation_fraction"].var.set("0.1")
+    pump(app)
+    assert cadence.widget.cget("state") == "normal"

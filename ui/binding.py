@@ -142,6 +142,15 @@ def plain_text(doc: str) -> str:
     return doc.replace("`", "")
 
 
+def field_choices(path: str) -> tuple[str, ...]:
+    """The values the field accepts as it declares them (`rule(..., choices=...)`); empty: any of its type.
+    List items' fields too: `data.concepts[0].role`."""
+    steps = _steps(path)
+    section = steps[-2][1] if len(steps) > 1 else TrainConfig
+    declared = rules_of(section).get(steps[-1][0])
+    return declared.choices if declared is not None else ()
+
+
 def field_label(path: str) -> str:
     """The label the field declares (`rule(..., label=...)` in train_config.py), else one made from its
     name: `training.seed` -> `Seed`."""

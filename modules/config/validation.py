@@ -40,7 +40,8 @@ def _rule_table(attribute: str) -> dict[tuple[str, str], object]:
 
 
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = _rule_table("choices")
-"""(section, field) -> allowed values, as the fields declare them. The GUI offers these in its drop-downs."""
+"""(section, field) -> allowed values, as the fields declare them (the GUI's drop-downs read the same
+declarations through ui/binding.field_choices, list items' fields included)."""
 MINIMUMS: dict[tuple[str, str], int | float] = _rule_table("minimum")
 """(section, field) -> smallest allowed value (inclusive)."""
 ABOVE: dict[tuple[str, str], float] = _rule_table("above")

@@ -80,6 +80,21 @@ class TrainDataset(Dataset):
         scan = ScanResult(images=list(self.validation_images), item_images=list(range(len(self.validation_images))))
         return TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
 
+    def describe_roles(self) -> str:
+        """One start-up line: training, regularisation and held-out images, masks."""
+        counts = {role: sum(im.role == role for im in self.images) for role in ("train", "regularisation")}
+        items = {role: sum(self.images[i].role == role for i in self.item_images) for role in counts}
+        parts = [f"{counts['train']} training images ({items['train']} items per epoch)"]
+        if counts["regularisation"]:
+            parts.append(f"{counts['regularisation']} regularisation images ({items['regularisation']} items per "
+                         "epoch, mixed evenly into every global batch)")
+        masked = sum(im.mask_path is not None for im in self.images)
+        if masked:
+            parts.append(f"{masked} with masks")
+        parts.append(f"{len(self.validation_images)} held out for the validation loss" if self.validation_images
+                     else "no validation set")
+        return ", ".join(parts)
+
     def item_groups(self) -> list[int] | None:
         """Each item's group for the sampler's balancing (training / regularisation); None without the latter."""
         from .roles import item_groups

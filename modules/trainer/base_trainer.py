@@ -217,7 +217,9 @@ class BaseTrainer(ABC):
 
     def create_dataset(self):
         from modules.data import build_dataset
-        return build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
+        dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
+        log.info("Data: %s", dataset.describe_roles())  # rank 0's INFO only (rank_duties.py)
+        return dataset
 
     def create_model(self):
         from modules.model.loading import load_model

@@ -12,6 +12,7 @@ order: the mean is bitwise the same on 1 and N processes (of one device type), n
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -84,8 +85,11 @@ class ValidationLoss:
         denoiser.eval()  # no LoRA dropout: the same weights give the same loss
         for te, _ in encoders:
             te.eval()
+        model = getattr(trainer.model, "module", trainer.model)
+        # training.compile: the uncompiled denoiser, whose one-image shapes need no compiling (and no check).
+        eager = model.eager_unet() if hasattr(model, "eager_unet") else contextlib.nullcontext()
         try:
-            with torch.no_grad(), evaluation_weights(trainer.optimizer):
+            with torch.no_grad(), evaluation_weights(trainer.optimizer), eager:
                 losses = self.per_image(trainer)
         finally:
             denoiser.train()

@@ -3,16 +3,9 @@ from __future__ import annotations
 
 import customtkinter as ctk
 
-from modules.config.validation import CHOICES
-
-from ..binding import field_label, field_type
+from ..binding import field_choices, field_label, field_type
 from .fields import ERROR_COLOR, Binder, BoundField, ChoiceField, EntryField, SwitchField, browse
 from .tooltip import Tooltip
-
-
-def choices_for(path: str) -> tuple[str, ...] | None:
-    section, _, name = path.rpartition(".")
-    return CHOICES.get((section, name))
 
 
 class Form:
@@ -39,7 +32,7 @@ class Form:
         """The widget that fits the field: switch for bool, menu for a choice, else an entry."""
         text = label or field_label(path)
         self.binder.places.add(path, self.tab, text)
-        choices = choices_for(path)
+        choices = field_choices(path)
         tp = field_type(path)
         if tp is bool:
             bound = SwitchField(self.binder, path, self.master, text=text)

@@ -5,13 +5,14 @@ from typing import Any, Callable
 
 import customtkinter as ctk
 
-from ..binding import field_doc, field_type, get_value
-from .fields import ERROR_COLOR, Binder, EntryField, SwitchField
+from ..binding import field_choices, field_doc, field_type, get_value
+from .fields import ERROR_COLOR, Binder, ChoiceField, EntryField, SwitchField
 from .tooltip import Tooltip
 
 
 class ListEditor(ctk.CTkFrame):
-    """Rows for `list_path` (e.g. `data.concepts`); `columns` are (field name, header, width)."""
+    """Rows for `list_path` (e.g. `data.concepts`); `columns` are (field name, header, width). A field that
+    declares choices (`data.concepts[].role`) gets a drop-down, a bool a switch, any other an entry."""
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
                  columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str):
@@ -62,7 +63,10 @@ class ListEditor(ctk.CTkFrame):
         widgets: list[ctk.CTkBaseClass] = []
         for col, (name, _, width) in enumerate(self.columns):
             path = f"{self.list_path}[{index}].{name}"
-            if field_type(path) is bool:
+            choices = field_choices(path)
+            if choices:
+                field = ChoiceField(self.binder, path, self.body, choices, width=width)
+            elif field_type(path) is bool:
                 field = SwitchField(self.binder, path, self.body, text="")
                 field.widget.configure(width=width)
             else:
