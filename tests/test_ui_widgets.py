@@ -394,6 +394,8 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     pump(app)
     assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4, 5]
     assert view.loss_plot.points[2] == (3, 1.0 / 3)
+    # The validation curve continues too: step 2's point from the first run, step 4 scored again.
+    assert view.loss_plot.validation == [(2, 1.0), (4, 0.5)]
     assert pump(app, lambda: controller.state.status == "finished", timeout=20)
     pump(app)
     assert view.status.cget("text") == "Finished"

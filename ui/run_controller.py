@@ -121,6 +121,8 @@ class RunController:
         self._stop_deadline: float | None = None
         self._terminated = False
         self.history: LossHistory | None = None
+        self.validation_history: LossHistory | None = None
+        """The validation curve on disk (`gui-validation-losses.csv`), continued like the loss curve."""
 
     # --- starting --------------------------------------------------------------------------
     def prepare(self, cfg: TrainConfig) -> Path:
@@ -135,9 +137,11 @@ class RunController:
         self.commands_file = commands
         config_path = commands.parent / "gui-config.json"
         save_config(cfg, config_path)
-        if self.history is not None:
-            self.history.close()
+        for history in (self.history, self.validation_history):
+            if history is not None:
+                history.close()
         self.history = LossHistory(commands.parent / "gui-losses.csv")
+        self.validation_history = LossHistory(commands.parent / "gui-validation-losses.csv")
         return config_path
 
     def _absolute(self, path: Path) -> Path:
@@ -293,7 +297,14 @@ class RunController:
             s.lr = event.get("lr", s.lr)
             s.rank_losses = list(event.get("rank_losses") or [])
         elif event.type == "validation":
-            s.validation_losses.append((int(event.get("step", 0)), float(event.get("loss"))))
+            step, loss = int(event.get("step", 0)), float(event.get("loss"))
+            if not s.validation_losses and self.validation_history is not None:
+                # A new run scores its start (step 0): the file starts over. A resumed run's first point is
+                # later, and the earlier points of the same training stay on the plot.
+                s.validation_losses = self.validation_history.begin(step)
+            s.validation_losses.append((step, loss))
+            if self.validation_history is not None:
+                self.validation_history.append(step, loss)
         elif event.type == "sample":
             s.samples.append(dict(event.data))
         elif event.type == "saved":
@@ -313,8 +324,9 @@ class RunController:
         s = self.state
         stopping = s.status == "stopping"
         self._stop_deadline = None
-        if self.history is not None:
-            self.history.close()
+        for history in (self.history, self.validation_history):
+            if history is not None:
+                history.close()
         if returncode == 0 and s.error is None:
             s.status = "stopped" if stopping else "finished"
             s.message = ""

@@ -3,12 +3,13 @@
 The held-out set (validation concepts and `data.validation_fraction`, `modules/data/roles.py`) is scored with
 everything random fixed per image: the noise and timestep come from a generator keyed by (seed, image) alone
 and the VAE sample of a cached latent distribution is that of epoch 0, so the curve moves only when the
-weights do. Each image is scored alone (batch-mates change a kernel's rounding, and any batch size tied to
-training.batch_size would change with the number of GPUs in a 1 x 2B against 2 x B comparison), the images
-going to the ranks in turn; a forward pass without gradients per image is quick beside the training steps
-for the few dozen images a validation set holds. Each rank writes its images' losses into a vector of every image's slot (zeros elsewhere,
-float64), one all-reduce adds the vectors - adding zeros is exact - and every rank sums the slots in image
-order: the mean is bitwise the same on 1 and N processes (of one device type), not an average of averages.
+weights do. Each image is scored alone - batch-mates change a kernel's rounding, and a batch size tied to
+training.batch_size would change with the number of GPUs in a 1 x 2B against 2 x B comparison - and the
+images go to the ranks in turn; a forward pass without gradients per image is quick beside the training
+steps for the few dozen images a validation set holds. Each rank writes its images' losses into its slots
+of one float64 vector of every image (zeros elsewhere), one all-reduce adds the vectors - adding zeros is
+exact - and every rank sums the slots exactly (`math.fsum`): the mean is bitwise the same on 1 and N
+processes (of one device type and, on CPUs, thread count), not an average of averages.
 """
 from __future__ import annotations
 
