@@ -91,12 +91,12 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _run_single(cfg: TrainConfig, resume: str | None) -> int:
-    from modules.data import EmptyDatasetError
+    from modules.data import EmptyDatasetError, MaskError
     from modules.distributed.launch import run_single
     from modules.preflight import PreflightError
     try:
         return run_single(cfg, resume)
-    except (PreflightError, EmptyDatasetError) as e:  # the message says what to change; a traceback would bury it
+    except (PreflightError, EmptyDatasetError, MaskError) as e:  # the message says what to change; a traceback would bury it
         return _fail(str(e))
 
 

@@ -47,6 +47,22 @@ def test_empty_dataset_is_one_line(tmp_path, cache_dir, script):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script", [("train.py",), MULTI])
+def test_a_mask_of_another_size_is_one_line(tmp_path, cache_dir, script):
+    folder = tmp_path / "masked"
+    write_pictures(folder, 2)
+    Image.new("L", (32, 32), 255).save(folder / "picture1-masklabel.png")
+    result = run_script(*script, "--config-path", "#demo", *overrides_for(
+        tmp_path / "ws", cache_dir, f'data.concepts=[{{"path": "{folder}", "masks": true}}]'))
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output
+    (line,) = human_lines(output)
+    assert line.startswith("error: Mask ") and "picture1-masklabel.png is 32x32 but its image picture1.png is " \
+        "64x64" in line
+
+
+@pytest.mark.slow
 def test_only_unreadable_images_one_warning_each_then_one_error(tmp_path, cache_dir):
     bad = tmp_path / "bad"
     bad.mkdir()

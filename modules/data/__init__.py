@@ -5,4 +5,5 @@ from .concepts import (EmptyDatasetError, ImageRecord, ScanResult, process_capti
                        scan_concept, scan_concepts)
 from .dataset import TrainDataset, build_dataset, collate, make_dataloader, text_cache_allowed
 from .demo_dataset import DEMO_SCHEME, ensure_demo_dataset, resolve_concept_path
+from .masks import MaskError
 from .sampler import BucketBatchSampler

@@ -140,12 +140,12 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
 
 def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
     """Fail before starting workers when the data cannot fill one global batch per step."""
-    from modules.data import BucketBatchSampler, EmptyDatasetError, build_dataset
+    from modules.data import BucketBatchSampler, EmptyDatasetError, MaskError, build_dataset
     from modules.trainer.run_numbers import derive_run_numbers
 
     try:
         dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
-    except (EmptyDatasetError, FileNotFoundError) as e:
+    except (EmptyDatasetError, MaskError, FileNotFoundError) as e:
         raise LaunchError(str(e)) from None
     try:
         sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=world_size, rank=0,
