@@ -60,6 +60,8 @@ class RunState:
     backups: list[str] = field(default_factory=list)
     output: str | None = None
     error: str | None = None
+    restarts: list[str] = field(default_factory=list)
+    """The automatic restarts so far, as the trainer said them ("restart 1 of 3: rank 1 died ...")."""
     command: list[str] = field(default_factory=list)
 
     @property
@@ -315,6 +317,11 @@ class RunController:
             rank = event.get("rank")
             where = f" (rank {rank})" if rank is not None else ""
             s.error = f"{event.get('text', 'unknown error')}{where}"
+        elif event.type == "restart":
+            # The failure before it was restarted past: the run goes on, its error stays in the log only.
+            s.restarts.append(str(event.get("text", "")))
+            s.message = s.restarts[-1]
+            s.error = None
         elif event.type == "done":
             s.output = event.get("output")
         if event.type not in ("progress", "loss"):  # those arrive every step; the view shows them

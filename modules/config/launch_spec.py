@@ -26,6 +26,8 @@ SINGLE = "single"
 """One process, no process group."""
 EXTERNAL = "external"
 """Workers started by a launcher that is not Tandem's (the user's own torchrun)."""
+TORCHRUN = "torchrun"
+SPAWN = "spawn"
 DEFAULT_CPU_PROCESSES = 2
 """Processes of a `--device cpu` run when `multi_gpu.num_gpus` is 0."""
 
@@ -50,6 +52,21 @@ class LaunchSpec:
     """The LR scaling that applies: `multi_gpu.lr_scaling` for several processes, else `none`."""
     problem: str | None = None
     """Why this launch cannot start here (the message says what to change); None when it can."""
+    nnodes: int = 1
+    """Machines training together; `world_size` counts the processes of all of them."""
+    node_rank: int = 0
+    """This machine's number among them (0 serves the rendezvous and holds global rank 0)."""
+    local_world_size: int = 0
+    """Processes started on this machine (0 in specs written before several machines: `world_size`)."""
+    max_restarts: int = 0
+    """How often torchrun's agent restarts every worker after a failure (`multi_gpu.max_restarts`)."""
+    min_nodes: int = 0
+    """The fewest machines the run continues on after losing some (`multi_gpu.min_gpus`); 0: all of them."""
+
+    @property
+    def processes_here(self) -> int:
+        """Workers this machine starts."""
+        return self.local_world_size or self.world_size
 
     @property
     def multi_process(self) -> bool:
@@ -116,6 +133,10 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
         problem = problem or selection_problem
         if not problem:
             visible_devices = _physical(gpus, cuda_visible)
+    local_world = world
+    nodes = m.nnodes if launcher in (SPAWN, TORCHRUN) else 1
+    if nodes > 1:
+        world = local_world * nodes  # every machine runs the same config, so the same number of processes
     backend = ""
     if launcher != SINGLE:
         try:
@@ -126,7 +147,17 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
     return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
                       visible_devices=visible_devices, backend=backend, per_gpu_batch=t.batch_size,
                       accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
-                      lr_scaling=m.lr_scaling if launcher != SINGLE else "none", problem=problem)
+                      lr_scaling=m.lr_scaling if launcher != SINGLE else "none", problem=problem,
+                      nnodes=nodes, node_rank=m.node_rank if nodes > 1 else 0, local_world_size=local_world,
+                      max_restarts=m.max_restarts if launcher == TORCHRUN else 0,
+                      min_nodes=min_nodes(m.min_gpus, local_world, nodes) if launcher == TORCHRUN else 0)
+
+
+def min_nodes(min_gpus: int, local_world: int, nnodes: int) -> int:
+    """The machines `min_gpus` needs (each brings `local_world` GPUs); 0 when all `nnodes` are needed."""
+    if min_gpus <= 0 or nnodes <= 1 or local_world <= 0:
+        return 0
+    return min(nnodes, max(1, math.ceil(min_gpus / local_world)))
 
 
 def resolve_device(setting: str, visible_gpus: int, launcher: str = SINGLE) -> tuple[str, str | None]:

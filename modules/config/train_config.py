@@ -298,11 +298,19 @@ class MultiGPUConfig:
     lr_scaling: str = rule("none", choices=("none", "linear", "sqrt"), label="Scale learning rate")
     """Scale the learning rate with the number of GPUs: `none`, `linear` (x N) or `sqrt` (x sqrt N)."""
     master_addr: str = "127.0.0.1"
-    """Address of rank 0 for the process-group rendezvous; the launcher's store listens on this address only (127.0.0.1: this machine only)."""
+    """Address of rank 0 for the process-group rendezvous; the launcher's store listens on this address only (127.0.0.1: this machine only). With several machines: node 0's address on the network the others reach it by."""
     master_port: int = rule(0, label="Port (0: free port)")
-    """Port for the rendezvous. 0: pick a free port."""
+    """Port for the rendezvous. 0: pick a free port (one machine only: several machines need the same fixed port, e.g. 29500)."""
     timeout_minutes: float = rule(10.0, above=0.0)
-    """How long ranks wait for each other before the job fails with a message naming the rank."""
+    """How long ranks wait for each other (a collective, the start of every node) before the job fails with a message naming the rank - or, with `max_restarts`, restarts. PyTorch's own defaults are 10-30 minutes."""
+    max_restarts: int = rule(0, minimum=0, label="Restarts after a failure")
+    """Restart every worker this many times when one dies or hangs (a collective timing out after `timeout_minutes`); the workers continue from the run's newest complete backup by themselves. Needs the torchrun launcher. 0: a failure ends the job. With restarts on and no backup cadence by steps or minutes, backups are written every 10 minutes."""
+    min_gpus: int = rule(0, minimum=0, label="Continue on at least N GPUs")
+    """With several machines: keep training on at least this many GPUs when a machine is lost for good (the others continue after a restart, gradient accumulation raised so the global batch stays the same). 0: every machine is needed."""
+    nnodes: int = rule(1, minimum=1, label="Machines (nodes)")
+    """Number of machines (nodes) that train together; each runs the launcher with the same config and dataset, and its own `node_rank`."""
+    node_rank: int = rule(0, minimum=0, label="This machine is node")
+    """This machine's number among `nnodes`: 0 serves the rendezvous on `master_addr` and writes the outputs; the others connect to it. Set per machine (e.g. `--node-rank 1`); it is the one field that differs between the machines' configs."""
     bucket_cap_mb: int = rule(100, minimum=1)
     """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces (PyTorch's default is 25; 100 was faster for full fine-tunes on 2 GPUs, see docs/Performance.md)."""
     find_unused_parameters: bool = False

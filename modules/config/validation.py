@@ -308,6 +308,7 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
                         f"{len(indexes)}, or list {m.num_gpus} indexes.")
+    problems += _nodes_and_restarts_checks(cfg)
     if m.enabled and m.static_graph:
         # PyTorch's DDP asserts (expect_autograd_hooks_) when a static graph's first backward runs
         # inside no_sync(), and past that it stops all-reducing (pytorch/pytorch#143580, PR #187732).
@@ -321,6 +322,32 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
                 problems.append(f"multi_gpu.static_graph: true cannot be combined with {path} = "
                                 f"{str(value).lower()} (PyTorch's DDP fails on a static graph's unsynchronised "
                                 "first backward, pytorch/pytorch#143580); set multi_gpu.static_graph to false.")
+    return problems
+
+
+def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
+    """Several machines and restarts: what torchrun's elastic agent can do, and a node number that exists."""
+    m = cfg.multi_gpu
+    problems = []
+    if m.nnodes >= 1 and not 0 <= m.node_rank < m.nnodes:
+        problems.append(f"multi_gpu.node_rank: {m.node_rank} is not a node of multi_gpu.nnodes = {m.nnodes}; "
+                        f"number the machines 0 to {m.nnodes - 1} (--node-rank), 0 on the one at master_addr.")
+    if m.launcher == "spawn":
+        for path, value, active in (("multi_gpu.nnodes", m.nnodes, m.nnodes > 1),
+                                    ("multi_gpu.max_restarts", m.max_restarts, m.max_restarts > 0),
+                                    ("multi_gpu.min_gpus", m.min_gpus, m.min_gpus > 0)):
+            if active:
+                problems.append(f"{path}: {value} needs torchrun's elastic agent; set multi_gpu.launcher to "
+                                "torchrun (drop --spawn).")
+    if m.min_gpus > 0 and m.nnodes < 2:
+        problems.append(f"multi_gpu.min_gpus: {m.min_gpus} applies to several machines (a lost machine's GPUs "
+                        "are left out after a restart); with multi_gpu.nnodes = 1 set it to 0.")
+    if m.min_gpus > 0 and m.max_restarts == 0:
+        problems.append(f"multi_gpu.min_gpus: {m.min_gpus} continues after a restart; set multi_gpu.max_restarts "
+                        "to 1 or more.")
+    if m.nnodes > 1 and m.master_port == 0:
+        problems.append("multi_gpu.master_port: 0 (a free port) cannot be found by the other machines; "
+                        "set the same fixed port on every machine, e.g. --master-port 29500.")
     return problems
 
 

@@ -41,8 +41,9 @@ def _no_buffer_sync_per_forward() -> dict:
 
 
 class DistributedTrainer(BaseTrainer):
-    def __init__(self, cfg, callbacks=None, inbox=None, device_type: str = "cuda", resume: str | None = None) -> None:
-        super().__init__(cfg, callbacks, inbox, resume)
+    def __init__(self, cfg, callbacks=None, inbox=None, device_type: str = "cuda", resume: str | None = None,
+                 run_id: str | None = None) -> None:
+        super().__init__(cfg, callbacks, inbox, resume, run_id)
         self.device_type = device_type
 
     def setup_environment(self) -> None:

@@ -25,6 +25,9 @@ SECONDARY_KINDS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Ke
 SECONDARY_WORDS = ("connection reset", "connection closed", "broken pipe", "connection refused", "by peer",
                    "remote process", "timed out", "timeout", "communicator was aborted", "socket")
 """Words of errors about a lost peer, in gloo's and NCCL's messages (which are plain RuntimeErrors)."""
+RESTART_COUNT_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun's agent for its workers: how often it has restarted them."""
+MAX_RESTARTS_VARIABLE = "TORCHELASTIC_MAX_RESTARTS"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class WorkerExit:
     exitcode: int
     """Negative: killed by that signal (the subprocess convention)."""
     seen_at: float
+    attempt: int = 0
+    """Which round of workers (0: the first; torchrun's agent counts its restarts)."""
 
     def how(self) -> str:
         if self.exitcode >= 0:
@@ -55,6 +60,10 @@ class WorkerError:
     text: str
     secondary: bool
     """Whether it follows from another rank's failure (see SECONDARY_KINDS / SECONDARY_WORDS)."""
+    attempt: int = 0
+    """Which round of workers raised it (`TORCHELASTIC_RESTART_COUNT`)."""
+    step: int | None = None
+    """The training step the rank had reached; None before training started."""
 
     def describe(self) -> str:
         return f"{self.kind}: {self.text}" if self.text else self.kind
@@ -83,10 +92,15 @@ def clear(folder: Path) -> None:
             old.unlink(missing_ok=True)
 
 
-def record_error(folder: Path, rank: int, error: BaseException) -> None:
+def current_attempt() -> int:
+    """This worker's round: how often torchrun's agent has restarted the workers (0 outside torchrun)."""
+    return int(os.environ.get(RESTART_COUNT_VARIABLE, "0") or 0)
+
+
+def record_error(folder: Path, rank: int, error: BaseException, step: int | None = None) -> None:
     """Note this rank's exception for the launcher. Never raises: the error being handled matters more."""
     kind, text = type(error).__name__, " ".join(str(error).split())[:2000]
-    entry = WorkerError(rank, time.time(), kind, text, is_secondary(kind, text))
+    entry = WorkerError(rank, time.time(), kind, text, is_secondary(kind, text), current_attempt(), step)
     try:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,15 +111,63 @@ def record_error(folder: Path, rank: int, error: BaseException) -> None:
         pass
 
 
-def read_errors(folder: Path) -> dict[int, WorkerError]:
+def read_errors(folder: Path, attempt: int | None = None) -> dict[int, WorkerError]:
+    """The recorded errors by rank; of one round of workers when `attempt` is given."""
     found = {}
     for path in sorted(Path(folder).glob("rank-*.json")):
         try:
             entry = WorkerError(**json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             continue
-        found[entry.rank] = entry
+        if attempt is None or entry.attempt == attempt:
+            found[entry.rank] = entry
     return found
+
+
+def last_round(exits: list[WorkerExit]) -> list[WorkerExit]:
+    """The exits of the last failed round (earlier rounds were restarted)."""
+    if not exits:
+        return []
+    last = max(e.attempt for e in exits)
+    return [e for e in exits if e.attempt == last]
+
+
+def round_cause(exits: list[WorkerExit], errors: dict[int, WorkerError], world_size: int,
+                timeout_minutes: float) -> str:
+    """What ended a round of workers, in a few words: "rank 1 died (SIGKILL)", "rank 0 failed (ValueError: ...)",
+    or, when every recorded error is a timeout and some rank reported nothing, "rank 1 stopped answering"."""
+    recorded = list(errors.values())
+    if recorded and all(e.secondary and ("timed out" in e.text.lower() or "timeout" in e.text.lower())
+                        for e in recorded):
+        # Every rank that spoke was waiting for another. A quiet rank that ended before they gave up died;
+        # one that ended after (torchrun's agent ends every worker when one fails) or never had hung.
+        gave_up = min(e.time for e in recorded)
+        ended = {e.rank: e for e in exits if e.rank not in errors}
+        died = sorted((e for e in ended.values() if e.exitcode != 0 and e.seen_at < gave_up), key=lambda e: e.seen_at)
+        if died:
+            return f"rank {died[0].rank} died ({died[0].how().replace('signal ', '')})"
+        quiet = [r for r in range(world_size) if r not in errors]
+        who = f"rank {', '.join(map(str, quiet))}" if quiet else "a rank"
+        return (f"{who} stopped answering (a collective timed out after multi_gpu.timeout_minutes = "
+                f"{timeout_minutes:g})")
+    first = first_failure(exits, errors)
+    silent = [e for e in exits if e.exitcode != 0 and e.rank not in errors and e.rank == first.rank]
+    if silent:
+        return f"rank {first.rank} died ({silent[0].how().replace('signal ', '')})"
+    if first.rank is not None and first.rank in errors:
+        error = errors[first.rank]
+        text = error.describe()
+        return f"rank {first.rank} failed ({text[:200]}{'...' if len(text) > 200 else ''})"
+    return first.text.rstrip(".")
+
+
+def restart_line(restart: int, max_restarts: int, cause: str, failed_step: int | None,
+                 resumed_step: int | None) -> str:
+    """"restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from the backup at step 400"."""
+    at = f" at step {failed_step}" if failed_step else " before training started"
+    then = (f"resuming from the backup at step {resumed_step}" if resumed_step is not None
+            else "no backup of this run yet: starting again from the beginning")
+    return f"restart {restart} of {max_restarts}: {cause}{at}; {then}"
 
 
 def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Failure:

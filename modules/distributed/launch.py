@@ -20,12 +20,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict
-from modules.distributed import failures, rendezvous
+from modules.distributed import failures, nodes, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
 from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.distributed.process_group import store_environment, threads_per_worker
@@ -45,6 +46,9 @@ COMMANDS_FROM = "TANDEM_COMMANDS_FROM"
 """Byte offset of the commands file from which commands are this run's (taken before workers start)."""
 ABORTED = 130
 """Exit code when the user aborted a run (a second Ctrl-C), as a shell reports SIGINT."""
+RESTART_BACKUP_MINUTES = 10.0
+"""Backups every this many minutes when restarts are on and no backup cadence by steps or minutes is set:
+a restart then repeats at most this much training."""
 
 
 class LaunchError(PreflightError):
@@ -57,6 +61,8 @@ class LaunchPlan:
     spec: LaunchSpec
     master_addr: str
     master_port: int
+    timeout_minutes: float = 10.0
+    """How long ranks and machines wait for each other (`multi_gpu.timeout_minutes`)."""
 
     @property
     def world_size(self) -> int:
@@ -80,9 +86,12 @@ class LaunchPlan:
         return self.spec.visible_devices
 
     def describe(self) -> str:
-        gpus = f"GPUs {self.visible_devices}" if self.visible_devices else f"{self.world_size} {self.device_type} process(es)"
-        return (f"{self.world_size} worker(s) via {self.launcher}, backend {self.backend}, {gpus}, "
-                f"rendezvous {self.master_addr}:{self.master_port}")
+        spec = self.spec
+        gpus = f"GPUs {self.visible_devices}" if self.visible_devices else f"{spec.processes_here} {self.device_type} process(es)"
+        nodes = (f" on node {spec.node_rank} of {spec.nnodes} ({spec.processes_here} here)" if spec.nnodes > 1 else "")
+        restarts = f", up to {spec.max_restarts} restart(s)" if spec.max_restarts else ""
+        return (f"{self.world_size} worker(s){nodes} via {self.launcher}, backend {self.backend}, {gpus}, "
+                f"rendezvous {self.master_addr}:{self.master_port}{restarts}")
 
 
 def setup_logging() -> None:
@@ -132,14 +141,14 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
     port = m.master_port or int(os.environ.get("MASTER_PORT", 0))
     if port == 0:
         port = find_free_port(addr)
-    elif not port_is_free(port, addr):
+    elif spec.node_rank == 0 and not port_is_free(port, addr):  # node 0 serves it; the others connect to it
         raise LaunchError(f"multi_gpu.master_port {port} is in use on {addr} (another training still running?). "
                           "Pick another with --port, or 0 to choose a free one.")
-    return LaunchPlan(spec, addr, port)
+    return LaunchPlan(spec, addr, port, m.timeout_minutes)
 
 
-def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
-    """Fail before starting workers when the data cannot fill one global batch per step."""
+def check_data_fits(cfg: TrainConfig, world_size: int):
+    """Fail before starting workers when the data cannot fill one global batch per step; the scanned dataset."""
     from modules.data import BucketBatchSampler, EmptyDatasetError, MaskError, build_dataset
     from modules.trainer.run_numbers import derive_run_numbers
 
@@ -153,6 +162,31 @@ def check_data_fits(cfg: TrainConfig, world_size: int) -> None:
         derive_run_numbers(cfg, world_size, len(sampler))
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    return dataset
+
+
+def with_restart_backups(cfg: TrainConfig, spec: LaunchSpec) -> TrainConfig:
+    """`cfg` with timed backups when restarts are on and nothing else would back up within an epoch."""
+    s = cfg.save
+    if spec.max_restarts == 0 or s.backup_every_n_minutes > 0 or s.backup_every_n_steps > 0:
+        return cfg
+    log.info("multi_gpu.max_restarts is %d: backups every %g minutes, so a restart repeats at most that much "
+             "(set save.backup_every_n_minutes or save.backup_every_n_steps to choose).", spec.max_restarts,
+             RESTART_BACKUP_MINUTES)
+    return dataclasses.replace(cfg, save=dataclasses.replace(s, backup_every_n_minutes=RESTART_BACKUP_MINUTES))
+
+
+def run_id_for(cfg: TrainConfig, resume: str | None) -> str:
+    """The run's id, decided before any worker starts so that restarted workers find its backups: the id of
+    the backup `resume` names, else a new one."""
+    from modules.trainer import backup as backups
+
+    folder = RunPaths(cfg).backups
+    if resume is not None:
+        chosen = backups.find_backup(folder, resume)
+        if chosen.run_id != backups.LEGACY_RUN:
+            return chosen.run_id
+    return backups.new_run_id(folder)
 
 
 # ---------------------------------------------------------------------------- workers
@@ -163,16 +197,27 @@ class WorkerJob:
     cfg: TrainConfig
     spec: LaunchSpec
     resume: str | None = None
+    run_id: str | None = None
+    """The run's id when the launcher decided it (None: rank 0 decides, as in one process)."""
+    launched_at: float = 0.0
+    """When the launch began (seconds since the epoch): a backup of `run_id` written since then was written
+    by this launch's workers, so a restarted round continues from it."""
 
 
 JOB_FILE = "launch.json"
 """The job's file, in `<workspace>/.tandem/`; written for each launch, read by every worker."""
 
 
+def job_file_name(node_rank: int) -> str:
+    """Each machine's job differs (its node rank): with a shared workspace they must not share a file."""
+    return JOB_FILE if node_rank == 0 else f"launch-node-{node_rank}.json"
+
+
 def write_job(job: WorkerJob) -> Path:
-    path = RunPaths(job.cfg).workspace / ".tandem" / JOB_FILE
+    path = RunPaths(job.cfg).workspace / ".tandem" / job_file_name(job.spec.node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"config": config_to_dict(job.cfg), "launch": job.spec.as_dict(), "resume": job.resume}
+    data = {"config": config_to_dict(job.cfg), "launch": job.spec.as_dict(), "resume": job.resume,
+            "run_id": job.run_id, "launched_at": job.launched_at}
     write_text_atomically(path, json.dumps(data, indent=2))
     return path
 
@@ -180,7 +225,20 @@ def write_job(job: WorkerJob) -> Path:
 def read_job(path: str | os.PathLike) -> WorkerJob:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     return WorkerJob(config_from_dict(data["config"], source=str(path)), LaunchSpec.from_dict(data["launch"]),
-                     data["resume"])
+                     data["resume"], data.get("run_id"), data.get("launched_at", 0.0))
+
+
+def restart_point(job: WorkerJob) -> tuple[str | None, object | None]:
+    """(what to resume, the backup of this launch it is) for a round of workers: the newest complete backup
+    that this launch wrote of its run - a restarted round continues there - else what the user asked for."""
+    from modules.trainer import backup as backups
+
+    if job.run_id is None:
+        return job.resume, None
+    newest = backups.latest_backup(RunPaths(job.cfg).backups, job.run_id)
+    if newest is not None and newest.written >= job.launched_at:
+        return str(newest.path), newest
+    return job.resume, None
 
 
 def run_worker(job: WorkerJob) -> None:
@@ -198,7 +256,13 @@ def run_worker(job: WorkerJob) -> None:
     inbox = CommandInbox(RunPaths(cfg).commands_file if duties.leads else None,
                          start=int(start) if start is not None else None)
     inbox.install_signal_handlers()
-    trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=job.resume)
+    resume, restarted_from = restart_point(job)
+    if failures.current_attempt() > 0:
+        os.environ.pop("TANDEM_LAUNCH_TIME", None)  # the user's command started long before this round
+        if duties.leads:
+            announce_restart(job, restarted_from, duties.callbacks)
+    trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=resume,
+                                 run_id=job.run_id)
     try:
         if duties.leads:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
             WorkspaceLock(cfg.general.workspace_dir).acquire()
@@ -206,9 +270,28 @@ def run_worker(job: WorkerJob) -> None:
     except BaseException as e:
         # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
-        failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e)
+        failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e,
+                              step=getattr(trainer, "global_step", None) if getattr(trainer, "first_step_done", False) else None)
         duties.callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
         raise
+
+
+def announce_restart(job: WorkerJob, backup, callbacks) -> None:
+    """The restarted round's first words: "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from
+    the backup at step 400" - in the log and as the GUI's `restart` event."""
+    attempt = failures.current_attempt()
+    limit = int(os.environ.get(failures.MAX_RESTARTS_VARIABLE, job.spec.max_restarts) or job.spec.max_restarts)
+    exits_file = os.environ.get(EXITS_VARIABLE)
+    exits = [e for e in _read_exits(Path(exits_file)) if e.attempt == attempt - 1] if exits_file else []
+    errors = failures.read_errors(failures.failures_folder(RunPaths(job.cfg).workspace), attempt - 1)
+    cause = failures.round_cause(exits, errors, job.spec.world_size, job.cfg.multi_gpu.timeout_minutes)
+    steps = [e.step for e in errors.values() if e.step is not None]
+    failed_step = max(steps) if steps else None
+    resumed = backup.step if backup is not None else None
+    text = failures.restart_line(attempt, limit, cause, failed_step, resumed)
+    log.warning(text)
+    callbacks.on_event("restart", text=text, restart=attempt, max_restarts=limit, step=failed_step,
+                       resumed_step=resumed)
 
 
 def external_worker_job(cfg: TrainConfig, resume: str | None) -> WorkerJob:
@@ -307,15 +390,10 @@ def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
 
 def launch_torchrun(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
                     signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
-    """(exit code, the failures torchrun's agent saw first) of torchrun's N workers."""
-    tandem = job_file.parent
-    exits_file = tandem / "worker-exits.json"
+    """(exit code, the failures torchrun's agent saw first) of torchrun's workers on this machine."""
+    exits_file = exits_file_of(job_file, plan.spec.node_rank)
     exits_file.unlink(missing_ok=True)
-    # torchrun's agent joins the store this launcher serves (c10d rendezvous as a client, is_host=false)
-    # and starts no store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): nothing listens on other addresses.
-    cmd = [sys.executable, "-m", "modules.distributed.agent", f"--nproc_per_node={plan.world_size}", "--nnodes=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint={rendezvous_at}", "--rdzv_conf=is_host=false",
-           f"--rdzv_id=tandem-{os.getpid()}", "--max_restarts=0",
+    cmd = [sys.executable, "-m", "modules.distributed.agent", *agent_arguments(plan, rendezvous_at),
            str(REPO_ROOT / "scripts" / "train.py"), "--launch-file", str(job_file)]
     log.info("Running torchrun (torch.distributed.run): %s", " ".join(cmd))
     env = _worker_env(plan)
@@ -332,11 +410,43 @@ def launch_torchrun(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
     return code, _read_exits(exits_file) if code != 0 else []
 
 
+def exits_file_of(job_file: Path, node_rank: int) -> Path:
+    return job_file.parent / ("worker-exits.json" if node_rank == 0 else f"worker-exits-node-{node_rank}.json")
+
+
+def agent_arguments(plan: LaunchPlan, rendezvous_at: str) -> list[str]:
+    """torchrun's options for this machine's agent.
+
+    It joins the store this launcher (node 0's) serves - c10d rendezvous as a client, is_host=false - and
+    starts no store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): nothing listens on other addresses.
+    Every machine's agent waits `multi_gpu.timeout_minutes` for the others (join_timeout; torchrun's own
+    default is 10 minutes). The rendezvous numbers machines in the order of their `local_addr`, so naming
+    each after its node rank puts global rank 0 on node 0, which writes the outputs."""
+    spec = plan.spec
+    timeout_s = max(1, round(60 * plan.timeout_minutes))
+    nodes = f"{spec.min_nodes}:{spec.nnodes}" if spec.min_nodes and spec.min_nodes < spec.nnodes else str(spec.nnodes)
+    arguments = [f"--nproc_per_node={spec.processes_here}", f"--nnodes={nodes}", "--rdzv_backend=c10d",
+                 f"--rdzv_endpoint={rendezvous_at}", f"--rdzv_conf=is_host=false,join_timeout={timeout_s}",
+                 f"--rdzv_id=tandem-{plan.master_port}", f"--max_restarts={spec.max_restarts}"]
+    if spec.nnodes > 1:
+        arguments.append(f"--local_addr=tandem-node-{spec.node_rank:04d}")
+    return arguments
+
+
 def _read_exits(exits_file: Path) -> list[failures.WorkerExit]:
+    """Every failed round's exits as the agent noted them (not its notes about the rendezvous)."""
     try:
-        return [failures.WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8"))]
+        return [failures.WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8"))
+                if "rank" in entry]
     except (OSError, ValueError, TypeError):
         return []
+
+
+def _rendezvous_timed_out(exits_file: Path) -> bool:
+    try:
+        return any(entry.get("rendezvous") == "timeout" for entry in json.loads(exits_file.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def _own_process_group() -> dict:
@@ -364,53 +474,120 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 
 def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
-    """Start a multi-process run as configured; returns the exit code.
+    """Start a multi-process run as configured (this machine's part of it, with several); returns the exit code.
 
     The config is resolved once (`plan_launch`); the workers read the result from one file (`write_job`)."""
     from modules.trainer.callbacks import default_callbacks
 
     plan = plan_launch(cfg)
+    cfg = with_restart_backups(cfg, plan.spec)
     try:
-        parse_split(cfg.multi_gpu.batch_split, plan.world_size, cfg.training.batch_size)
+        parse_split(cfg.multi_gpu.batch_split, plan.spec.processes_here, cfg.training.batch_size)
     except ValueError as reason:
         raise LaunchError(f"multi_gpu.batch_split: {reason}.") from None
     try:
         preflight(cfg)
     except PreflightError as e:
         raise LaunchError(str(e)) from None
-    if check_data:
-        check_data_fits(cfg, plan.world_size)
+    dataset = check_data_fits(cfg, plan.world_size) if check_data or plan.spec.nnodes > 1 else None
     paths = RunPaths(cfg)
     errors_folder = failures.failures_folder(paths.workspace)
-    with _workspace_lock(cfg) as lock, environment(lock.child_environment()):
-        failures.clear(errors_folder)
+    node_rank = plan.spec.node_rank
+    with _workspace_lock(cfg, node_rank) as lock, environment(lock.child_environment()):
+        if node_rank == 0:
+            failures.clear(errors_folder)
         commands = paths.commands_file
         # Commands written from here on are this run's, also those written before rank 0 reads the file.
         start = str(commands.stat().st_size if commands.exists() else 0)
         try:
             with environment({COMMANDS_FROM: start}), StopSignals(commands) as signals:
                 log.info("Tandem multi-GPU: %s", plan.describe())
-                with rendezvous.serve(plan.master_addr, plan.master_port,
-                                      datetime.timedelta(minutes=cfg.multi_gpu.timeout_minutes)) as rendezvous_at:
+                with node_rendezvous(plan) as (rendezvous_at, store):
+                    if plan.spec.nnodes > 1:
+                        nodes.agree(store, nodes.node_job(cfg, dataset, plan.spec.processes_here), plan.spec.nnodes,
+                                    datetime.timedelta(minutes=plan.timeout_minutes), rendezvous_at)
+                        log.info("All %d machines joined with the same config and dataset.", plan.spec.nnodes)
+                    job = WorkerJob(cfg, plan.spec, resume, _run_id(cfg, resume, store, plan), time.time())
                     run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
-                    code, exits = run(write_job(WorkerJob(cfg, plan.spec, resume)), plan, rendezvous_at, signals)
+                    job_file = write_job(job)
+                    code, exits = run(job_file, plan, rendezvous_at, signals)
         except rendezvous.RendezvousError as e:
+            raise LaunchError(str(e)) from None
+        except nodes.NodeMismatch as e:
             raise LaunchError(str(e)) from None
     if code == ABORTED:
         log.error("Training aborted by a second stop signal: the workers were ended without a backup.")
     elif code != 0:
         # The last line of the log, and the GUI's headline: the rank that failed first, not the last to complain.
-        first = failures.first_failure(exits, failures.read_errors(errors_folder))
+        if plan.launcher != "spawn" and _rendezvous_timed_out(exits_file_of(job_file, node_rank)):
+            text = (f"the machines did not all come to the rendezvous at {rendezvous_at} within "
+                    f"multi_gpu.timeout_minutes = {plan.timeout_minutes:g} (a machine lost, or its launcher not "
+                    "started); start scripts/train_multi_gpu.py --resume on every machine to continue.")
+            first = failures.Failure(None, text)
+        else:
+            exits = failures.last_round(exits)
+            attempt = max((e.attempt for e in exits), default=None)
+            first = failures.first_failure(exits, failures.read_errors(errors_folder, attempt))
         log.error("Training failed: %s", first.text)
         default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
     return code
 
 
-def _workspace_lock(cfg: TrainConfig) -> WorkspaceLock:
+@contextlib.contextmanager
+def node_rendezvous(plan: LaunchPlan):
+    """(`host:port`, a client of the store there) for this launch: node 0 serves it on master_addr (one
+    machine: loopback unless the user names another address); other machines connect to node 0's."""
+    timeout = datetime.timedelta(minutes=plan.timeout_minutes)
+    if plan.spec.node_rank == 0:
+        with rendezvous.serve(plan.master_addr, plan.master_port, timeout) as rendezvous_at:
+            yield rendezvous_at, rendezvous.client(rendezvous_at, timeout) if plan.spec.nnodes > 1 else None
+        return
+    rendezvous_at = rendezvous.endpoint(plan.master_addr, plan.master_port)
+    log.info("Node %d: connecting to node 0's rendezvous at %s (waiting up to %g minutes)", plan.spec.node_rank,
+             rendezvous_at, plan.timeout_minutes)
+    try:
+        store = rendezvous.client(rendezvous_at, timeout)
+    except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError alike
+        raise LaunchError(f"node 0's rendezvous at {rendezvous_at} did not answer within multi_gpu.timeout_minutes = "
+                          f"{plan.timeout_minutes:g} ({type(e).__name__}): start node 0 first (or at the same "
+                          "time), and check multi_gpu.master_addr, the port and the firewall.") from None
+    yield rendezvous_at, store
+
+
+RUN_ID_KEY = "tandem-nodes/run-id"
+
+
+def _run_id(cfg: TrainConfig, resume: str | None, store, plan: LaunchPlan) -> str:
+    """The run id, decided by node 0 (and shared with the other machines through the store)."""
+    if plan.spec.node_rank == 0:
+        run_id = run_id_for(cfg, resume)
+        if store is not None:
+            store.set(RUN_ID_KEY, run_id)
+        return run_id
+    store.wait([RUN_ID_KEY], datetime.timedelta(minutes=plan.timeout_minutes))
+    return store.get(RUN_ID_KEY).decode()
+
+
+def _workspace_lock(cfg: TrainConfig, node_rank: int = 0):
+    """The workspace, taken for this launch; on machines other than node 0 nothing (node 0 holds it, and a
+    shared workspace folder would otherwise refuse the second machine)."""
+    if node_rank > 0:
+        return _NoLock()
     try:
         return WorkspaceLock(cfg.general.workspace_dir).acquire()
     except WorkspaceBusy as e:
         raise LaunchError(str(e)) from None
+
+
+class _NoLock:
+    def __enter__(self) -> "_NoLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def child_environment(self) -> dict[str, str]:
+        return {}
 
 
 def run_single(cfg: TrainConfig, resume: str | None = None) -> int:

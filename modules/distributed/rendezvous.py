@@ -90,7 +90,17 @@ def connect(address: str, timeout: datetime.timedelta):
     applies to waiting for the other ranks."""
     import torch.distributed as dist
 
-    host, port = split_endpoint(address)
-    store = dist.TCPStore(host, port, None, False, min(timeout, CONNECT_TIMEOUT))
+    from modules.distributed.agent import ROUND_VARIABLE
+
+    store = client(address, min(timeout, CONNECT_TIMEOUT))
     store.set_timeout(timeout)
-    return dist.PrefixStore(WORKER_PREFIX, store)
+    # Each round of workers (a restart makes a new one) has keys of its own: a dead round's would mislead it.
+    return dist.PrefixStore(f"{WORKER_PREFIX}round-{os.environ.get(ROUND_VARIABLE, '0')}/", store)
+
+
+def client(address: str, timeout: datetime.timedelta):
+    """A client of the store served at `address` (`host:port`), trying to reach it for up to `timeout`."""
+    import torch.distributed as dist
+
+    host, port = split_endpoint(address)
+    return dist.TCPStore(host, port, None, False, timeout)

@@ -52,8 +52,9 @@ FP16_SKIPS_TOLERATED = 10
 
 class BaseTrainer(ABC):
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
-                 inbox: CommandInbox | None = None, resume: str | None = None) -> None:
-        """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path."""
+                 inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None) -> None:
+        """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
+        `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it)."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
@@ -61,6 +62,7 @@ class BaseTrainer(ABC):
         """This rank's duties besides training, decided once the rank is known (`start`)."""
         self.inbox = inbox
         self.resume = resume
+        self.given_run_id = run_id
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
         self.first_step_done = False
@@ -652,7 +654,7 @@ class BaseTrainer(ABC):
         if chosen is not None and chosen.run_id != backups.LEGACY_RUN:
             self.run_id = chosen.run_id
         else:
-            self.run_id = du.broadcast_object(du.on_main(lambda: backups.new_run_id(self.paths.backups)))
+            self.run_id = du.broadcast_object(du.on_main(lambda: self.given_run_id or backups.new_run_id(self.paths.backups)))
         self.outputs = OutputWriter(self, RunParts(
             cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
             numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,

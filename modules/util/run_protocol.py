@@ -45,11 +45,14 @@ EVENTS: dict[str, EventType] = {
     "saved": EventType(("path", "step")),
     "backup": EventType(("path", "step")),
     "error": EventType(("text",), ("rank", "failed_rank")),
+    "restart": EventType(("text", "restart", "max_restarts", "step", "resumed_step")),
     "done": EventType(("output", "step", "completed", "images", "train_s", "images_per_s")),
 }
 """Every event type and its fields: `config` is the run's `RunNumbers`, `validation` the held-out images'
 mean loss (`loss`) over `images` images at `step`, `error` names the rank that failed (`rank`: the rank
-reporting its own failure; `failed_rank`: the launcher naming the first)."""
+reporting its own failure; `failed_rank`: the launcher naming the first); `restart` is a restarted
+round's first word (`step`: where the failed round was, `resumed_step`: the backup it continues from;
+either None when unknown / none)."""
 
 COMMANDS = ("stop", "sample", "backup", "save")
 """What a watcher may ask a running training to do (one word per line in the commands file)."""
