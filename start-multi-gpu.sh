@@ -22,6 +22,11 @@ Options:
   --launcher torchrun|spawn  the same as a choice (default: torchrun)
   --port N               rendezvous port (default: $MASTER_PORT, else a free port)
   --device cpu           train in CPU processes over gloo (no GPU needed; for trying things out)
+  --nnodes N             machines training together (default: 1); run this on each of them
+  --node-rank K          this machine is node K of N (0: the one the others connect to)
+  --master-addr ADDR     node 0's address, reachable from every machine (several machines)
+  --max-restarts N       restart every worker after a failure, up to N times; training continues
+                         from the newest backup (default: 0)
   --config-value K=V     override one config field, e.g. training.max_steps=100 (repeatable)
   --dry-run              print the command instead of running it
   --help, -h             this text
@@ -42,6 +47,7 @@ EOF
 die() { echo "start-multi-gpu.sh: $*" >&2; exit 2; }
 
 assume_yes=0 dry_run=0 config="" num_gpus="" backend="" launcher="" port="" device=""
+nnodes="" node_rank="" master_addr="" max_restarts=""
 overrides=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -49,7 +55,7 @@ while [ $# -gt 0 ]; do
         -y|--yes) assume_yes=1 ;;
         --dry-run) dry_run=1 ;;
         --spawn) launcher=spawn ;;
-        --config|--num-gpus|--backend|--launcher|--port|--device|--config-value)
+        --config|--num-gpus|--backend|--launcher|--port|--device|--config-value|--nnodes|--node-rank|--master-addr|--max-restarts)
             [ $# -ge 2 ] || die "$1 needs a value (see --help)"
             case "$1" in
                 --config) config="$2" ;;
@@ -59,6 +65,10 @@ while [ $# -gt 0 ]; do
                 --port) port="$2" ;;
                 --device) device="$2" ;;
                 --config-value) overrides+=("$2") ;;
+                --nnodes) nnodes="$2" ;;
+                --node-rank) node_rank="$2" ;;
+                --master-addr) master_addr="$2" ;;
+                --max-restarts) max_restarts="$2" ;;
             esac
             shift ;;
         *) die "unknown option '$1' (see --help)" ;;
@@ -142,6 +152,19 @@ case "$launcher" in torchrun|spawn) ;; *) die "--launcher must be torchrun or sp
 [ -n "$port" ] || port="${MASTER_PORT:-}"
 [ -z "$port" ] || [[ "$port" =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
 
+# Several machines: each runs this script with the same config and its own node number.
+[ -n "$nnodes" ] || nnodes="$(ask "Machines training together (nodes)" "1")"
+[[ "$nnodes" =~ ^[1-9][0-9]*$ ]] || die "--nnodes must be a whole number of 1 or more, got '$nnodes'"
+if [ "$nnodes" -gt 1 ]; then
+    [ -n "$node_rank" ] || node_rank="$(ask "This machine is node K of $nnodes; K (0: the one the others connect to)" "0")"
+    [[ "$node_rank" =~ ^[0-9]+$ ]] && [ "$node_rank" -lt "$nnodes" ] || die "--node-rank must be 0 to $((nnodes - 1)), got '$node_rank'"
+    [ -n "$master_addr" ] || master_addr="$(ask "Address of node 0 (reachable from every machine)" "${MASTER_ADDR:-127.0.0.1}")"
+    [ -n "$port" ] || port="$(ask "Rendezvous port (the same on every machine)" "29500")"
+    [[ "$port" =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
+fi
+[ -n "$max_restarts" ] || max_restarts="$(ask "Restarts after a failure (0: none)" "0")"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts must be a whole number, got '$max_restarts'"
+
 for name in CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NCCL_DEBUG NCCL_P2P_DISABLE TANDEM_FORCE_SINGLE_GPU; do
     echo "$name=${!name:-(unset)}"
 done
@@ -156,6 +179,8 @@ else
     [ "$launcher" != "spawn" ] || cmd+=(--spawn)
     [ -z "$port" ] || cmd+=(--port "$port")
     [ "$device" != "cpu" ] || cmd+=(--device cpu)
+    [ "$nnodes" = "1" ] || cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_addr")
+    [ "$max_restarts" = "0" ] || cmd+=(--max-restarts "$max_restarts")
 fi
 for kv in ${overrides[@]+"${overrides[@]}"}; do
     cmd+=(--config-value "$kv")

@@ -107,7 +107,16 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--num-gpus", type=int, help="number of GPUs / processes (0 = all visible GPUs)")
     p.add_argument("--spawn", action="store_true", help="use torch.multiprocessing.spawn instead of torchrun")
-    p.add_argument("--port", type=int, help="rendezvous port (0 = pick a free one)")
+    p.add_argument("--port", "--master-port", dest="port", type=int,
+                   help="rendezvous port (0 = pick a free one; several machines: the same fixed port on each)")
+    p.add_argument("--master-addr", help="address of node 0, where the rendezvous listens (several machines: "
+                                         "its address on the network the others reach it by)")
+    p.add_argument("--nnodes", type=int, help="number of machines training together (each runs this script)")
+    p.add_argument("--node-rank", type=int, help="this machine's number, 0 to nnodes-1 (0 serves the rendezvous)")
+    p.add_argument("--max-restarts", type=int, help="restart all workers this many times after a failure; they "
+                                                    "continue from the newest backup")
+    p.add_argument("--min-gpus", type=int, help="several machines: continue on at least this many GPUs after a "
+                                                "machine is lost (global batch kept)")
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="communication backend")
     p.add_argument("--distributed-data-loading", action=argparse.BooleanOptionalAction, default=None,
                    help="each rank caches and loads only its share of the data")
@@ -123,6 +132,10 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
         flags.append("multi_gpu.launcher=spawn")
     if args.port is not None:
         flags.append(f"multi_gpu.master_port={args.port}")
+    for flag, field in (("master_addr", "master_addr"), ("nnodes", "nnodes"), ("node_rank", "node_rank"),
+                        ("max_restarts", "max_restarts"), ("min_gpus", "min_gpus")):
+        if getattr(args, flag) is not None:
+            flags.append(f"multi_gpu.{field}={getattr(args, flag)}")
     if args.distributed_backend:
         flags.append(f"multi_gpu.backend={args.distributed_backend}")
     if args.distributed_data_loading is not None:

@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", help="torchrun|spawn, the same as a choice (default: torchrun)")
     p.add_argument("--port", help="rendezvous port (default: %%MASTER_PORT%%, else a free port)")
     p.add_argument("--device", help="cpu: train in CPU processes over gloo (no GPU needed)")
+    p.add_argument("--nnodes", help="machines training together (default: 1); run this on each of them")
+    p.add_argument("--node-rank", help="this machine is node K of N (0: the one the others connect to)")
+    p.add_argument("--master-addr", help="node 0's address, reachable from every machine (several machines)")
+    p.add_argument("--max-restarts", help="restart every worker after a failure, up to N times; training "
+                                          "continues from the newest backup (default: 0)")
     p.add_argument("--config-value", action="append", default=[], metavar="K=V",
                    help="override one config field, e.g. training.max_steps=100 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
@@ -162,6 +167,25 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
     if port and not re.fullmatch(r"[0-9]+", port):
         raise UsageError(f"--port must be a number, got '{port}'")
 
+    # Several machines: each runs this with the same config and its own node number.
+    nnodes = args.nnodes or questions.ask("Machines training together (nodes)", "1")
+    if not re.fullmatch(r"[1-9][0-9]*", nnodes):
+        raise UsageError(f"--nnodes must be a whole number of 1 or more, got '{nnodes}'")
+    node_rank, master_addr = args.node_rank, args.master_addr
+    if int(nnodes) > 1:
+        node_rank = node_rank or questions.ask(f"This machine is node K of {nnodes}; K (0: the one the others "
+                                               "connect to)", "0")
+        if not re.fullmatch(r"[0-9]+", node_rank) or int(node_rank) >= int(nnodes):
+            raise UsageError(f"--node-rank must be 0 to {int(nnodes) - 1}, got '{node_rank}'")
+        master_addr = master_addr or questions.ask("Address of node 0 (reachable from every machine)",
+                                                   environ.get("MASTER_ADDR") or "127.0.0.1")
+        port = port or questions.ask("Rendezvous port (the same on every machine)", "29500")
+        if not re.fullmatch(r"[0-9]+", port):
+            raise UsageError(f"--port must be a number, got '{port}'")
+    max_restarts = args.max_restarts or questions.ask("Restarts after a failure (0: none)", "0")
+    if not re.fullmatch(r"[0-9]+", max_restarts):
+        raise UsageError(f"--max-restarts must be a whole number, got '{max_restarts}'")
+
     for name in SHOWN_ENVIRONMENT:
         stdout.write(f"{name}={environ.get(name) or '(unset)'}\n")
     command = [python]
@@ -179,6 +203,10 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
             command += ["--port", port]
         if device == "cpu":
             command += ["--device", "cpu"]
+        if nnodes != "1":
+            command += ["--nnodes", nnodes, "--node-rank", node_rank, "--master-addr", master_addr]
+        if max_restarts != "0":
+            command += ["--max-restarts", max_restarts]
     for value in args.config_value:
         command += ["--config-value", value]
     env = dict(environ)

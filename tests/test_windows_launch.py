@@ -123,6 +123,11 @@ SCENARIOS = [
       "--dry-run"), "", {}),
     (("--yes", "--device", "cpu", "--config", "#demo", "--dry-run", "--config-value", "training.epochs=1"), "",
      {"TANDEM_FORCE_SINGLE_GPU": "1"}),
+    # several machines and restarts (#17): asked ("this machine is node K of M"), or given as flags
+    (("--device", "cpu", "--config", "#demo", "--num-gpus", "2", "--backend", "gloo", "--launcher", "torchrun",
+      "--dry-run"), "2\n1\n\n\n2\n", {"MASTER_ADDR": "10.0.0.5"}),
+    (("--yes", "--device", "cpu", "--config", "#demo", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+      "10.0.0.5", "--port", "29501", "--max-restarts", "3", "--dry-run"), "", {}),
 ]
 
 
@@ -145,6 +150,9 @@ def test_the_bat_logic_gives_the_same_command_as_the_sh(args, stdin, env):
     (["--device", "tpu"], "--device accepts only 'cpu'"),
     (["--launcher", "mpirun"], "--launcher must be torchrun or spawn"),
     (["--port", "x1"], "--port must be a number"),
+    (["--nnodes", "0"], "--nnodes must be a whole number of 1 or more"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be 0 to 1"),
+    (["--max-restarts", "x"], "--max-restarts must be a whole number"),
 ])
 def test_the_bat_logic_refuses_what_the_sh_refuses(args, message):
     base = {"--config": "#demo", "--num-gpus": "2", "--device": "cpu"}
@@ -209,3 +217,13 @@ def test_the_helper_runs_the_command_it_prints(tmp_path):
                         "--config-value", f"general.workspace_dir={Path(tmp_path) / 'run'}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scripts/train_multi_gpu.py" in result.stdout and (tmp_path / "run").is_dir()
+
+
+def test_several_machines_and_restarts_are_asked_and_passed_on():
+    """#17: "this machine is node K of M", node 0's address, a shared port and restarts become the launcher's flags."""
+    helper = run_helper("--device", "cpu", "--config", "#demo", "--num-gpus", "2", "--backend", "gloo",
+                        "--launcher", "torchrun", "--dry-run", stdin="2\n1\n\n\n2\n", MASTER_ADDR="10.0.0.5")
+    assert "This machine is node K of 2; K (0: the one the others connect to) [0]: " in helper.stderr
+    command = " ".join(printed_command(helper))
+    assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.5" in command and "--port 29500" in command
+    assert command.endswith("--max-restarts 2")

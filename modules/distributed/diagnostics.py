@@ -9,7 +9,9 @@ Every finding that would make training fail is a problem and makes the exit stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -17,6 +19,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import torch
@@ -151,9 +154,11 @@ def topology() -> dict:
     return parse_topology(out.stdout)
 
 
-def _allreduce_worker(rank: int, world: int, backend: str, rendezvous_at: str, numel: int, results) -> None:
+def _allreduce_worker(local_rank: int, world: int, backend: str, rendezvous_at: str, numel: int, results,
+                      first_rank: int = 0) -> None:
     """One rank: all-reduce known values, check the sum exactly, then time the same size."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    rank = first_rank + local_rank
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=120)
@@ -187,22 +192,53 @@ def _time_allreduce(tensor: torch.Tensor, device: torch.device) -> float:
     return (time.perf_counter() - start) / TIMED_ITERATIONS
 
 
-def run_allreduce(backend: str, world: int, size_mib: int) -> dict:
-    """Spawn `world` processes that all-reduce `size_mib` MiB of fp32; a dict with ok, error, bandwidth."""
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """This machine's place in a check over several machines (the same options as the training launcher's)."""
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+@contextlib.contextmanager
+def _rendezvous_of(nodes: Nodes | None):
+    """One machine: served on loopback only, as the training launcher does. Several: node 0 serves it on
+    master_addr, the others connect there."""
+    timeout = datetime.timedelta(seconds=120)
+    if nodes is None:
+        with rendezvous.serve("127.0.0.1", 0, timeout) as rendezvous_at:
+            yield rendezvous_at
+    elif nodes.node_rank == 0:
+        with rendezvous.serve(nodes.master_addr, nodes.master_port, timeout) as rendezvous_at:
+            yield rendezvous_at
+    else:
+        yield rendezvous.endpoint(nodes.master_addr, nodes.master_port)
+
+
+def run_allreduce(backend: str, world: int, size_mib: int, nodes: Nodes | None = None) -> dict:
+    """Spawn `world` processes (on each machine, with `nodes`) that all-reduce `size_mib` MiB of fp32; a dict
+    with ok, error, bandwidth."""
     import torch.multiprocessing as mp
     numel = size_mib * 1024 * 1024 // 4
+    local = world
+    total = world * (nodes.nnodes if nodes else 1)
+    first = local * nodes.node_rank if nodes else 0
     result = {"backend": backend, "device": "cuda" if backend == "nccl" else "cpu",
-              "world_size": world, "size_mib": size_mib}
+              "world_size": total, "size_mib": size_mib}
+    if nodes:
+        result.update(nnodes=nodes.nnodes, node_rank=nodes.node_rank)
     queue = mp.get_context("spawn").SimpleQueue()
     started = time.perf_counter()
     try:
-        # The parent serves the rendezvous on loopback only, as the training launcher does.
-        with rendezvous.serve("127.0.0.1", 0, datetime.timedelta(seconds=120)) as rendezvous_at:
-            mp.spawn(_allreduce_worker, args=(world, backend, rendezvous_at, numel, queue), nprocs=world, join=True)
+        with _rendezvous_of(nodes) as rendezvous_at:
+            mp.spawn(_allreduce_worker, args=(total, backend, rendezvous_at, numel, queue, first), nprocs=local,
+                     join=True)
     except Exception as e:  # a rank died: report it as a failed check, with the rank's message
         result.update(ok=False, error=f"{type(e).__name__}: {e}".strip())
         return result
-    ranks = sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
+    world = total
+    ranks = sorted((queue.get() for _ in range(local)), key=lambda r: r["rank"])
     bad = [r for r in ranks if r["wrong_elements"]]
     seconds = max(r["seconds"] for r in ranks)
     algbw = size_mib * 1024 * 1024 / seconds / 1e9
@@ -399,6 +435,44 @@ def format_report(report: dict) -> str:
     return "\n".join(out)
 
 
+def network_findings(nodes: Nodes, backend: str) -> list[str]:
+    """Advice for an all-reduce between machines: which network NCCL/gloo will use, InfiniBand or not."""
+    advice = []
+    infiniband = sorted(p.name for p in Path("/sys/class/infiniband").glob("*")) if Path("/sys/class/infiniband").is_dir() else []
+    if infiniband:
+        advice.append(f"InfiniBand seen ({', '.join(infiniband)}): NCCL uses it unless NCCL_IB_DISABLE=1; "
+                      "NCCL_DEBUG=INFO prints 'NET/IB' when it does.")
+    elif backend == "nccl":
+        advice.append("No InfiniBand seen: NCCL talks over TCP sockets between the machines (NCCL_DEBUG=INFO "
+                      "prints 'NET/Socket'); expect a fraction of one machine's bandwidth.")
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if not os.environ.get(variable):
+        advice.append(f"{variable} is not set: if the machines have several networks, set it to the interface "
+                      f"that reaches {nodes.master_addr} (e.g. {variable}=eth0) on every machine.")
+    return advice
+
+
+def run_node_check(nodes: Nodes, size_mib: int) -> dict:
+    """The cross-machine part of the check: every machine runs it with its --node-rank."""
+    cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if cards and torch.distributed.is_nccl_available() else "gloo"
+    result = run_allreduce(backend, cards or 1, size_mib, nodes)
+    result["advice"] = network_findings(nodes, backend)
+    return result
+
+
+def format_node_check(result: dict) -> str:
+    lines = [f"All-reduce over {result['nnodes']} machines ({result['world_size']} processes, {result['backend']}, "
+             f"this is node {result['node_rank']}):"]
+    if result.get("ok"):
+        lines.append(f"  correct; {result['size_mib']} MiB in {1000 * result['seconds_per_allreduce']:.1f} ms: "
+                     f"bus bandwidth {result['busbw_gbps']:.2f} GB/s")
+    else:
+        lines.append(f"  FAILED: {result.get('error')}")
+    lines += [f"Recommendation: {a}" for a in result["advice"]]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="check_multi_gpu.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-path", help="config JSON or preset name (e.g. '#demo') to estimate memory for")
@@ -406,12 +480,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-gloo", action="store_true", help="skip the 2-process gloo all-reduce on the CPU")
     parser.add_argument("--assume-free-gib", type=float,
                         help="compare the memory estimate with this much free GPU memory instead of the GPUs'")
+    parser.add_argument("--nnodes", type=int, default=1, help="check the all-reduce between this many machines "
+                                                              "(run it on each, with its --node-rank)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's number (0 serves the rendezvous)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address the others reach it by")
+    parser.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on node 0")
+    parser.add_argument("--size-mib", type=int, default=GPU_ALLREDUCE_MIB, help="all-reduce size between machines")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the report; 0 when every check passed, 1 when a problem was found."""
     args = parse_args(argv)
+    if args.nnodes > 1:
+        if not 0 <= args.node_rank < args.nnodes:
+            print(f"error: --node-rank {args.node_rank} is not a node of --nnodes {args.nnodes} (0 to {args.nnodes - 1}).",
+                  file=sys.stderr)
+            return 2
+        result = run_node_check(Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port), args.size_mib)
+        print(json.dumps(result, indent=2) if args.json else format_node_check(result), flush=True)
+        return 0 if result.get("ok") else 1
     report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
     return 1 if report["problems"] else 0

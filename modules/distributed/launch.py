@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict
+from modules.config.train_config import MultiGPUConfig
 from modules.distributed import failures, nodes, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
 from modules.config.launch_spec import LaunchSpec, resolve_launch
@@ -136,7 +137,8 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
     if spec.problem:
         raise LaunchError(spec.problem)
     m = cfg.multi_gpu
-    addr = os.environ.get("MASTER_ADDR", m.master_addr)
+    # A master_addr set in the config (or by --master-addr) wins over MASTER_ADDR from the environment.
+    addr = m.master_addr if m.master_addr != MultiGPUConfig.master_addr else os.environ.get("MASTER_ADDR", m.master_addr)
     # An explicit --port / multi_gpu.master_port wins over MASTER_PORT from the environment.
     port = m.master_port or int(os.environ.get("MASTER_PORT", 0))
     if port == 0:

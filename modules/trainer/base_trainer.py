@@ -300,6 +300,14 @@ class BaseTrainer(ABC):
                               world_size=du.world_size() if share_work else 1,
                               cache_text=self.cache_text())
         du.barrier()
+        if du.local_world_size() < du.world_size():
+            # Several machines: a cache folder on each machine's own disk lacks what the other machines'
+            # ranks encoded. This machine's ranks encode what is missing here (nothing, with a shared folder).
+            with torch.no_grad():
+                self.dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text,
+                                   self.bundle.fingerprint(), rank=du.local_rank(), world_size=du.local_world_size(),
+                                   cache_text=self.cache_text(), progress=False)
+            du.barrier()
         seconds = time.perf_counter() - started
         log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
                  "each encoded its share" if share_work else "rank 0 encoded, the others reused it")

@@ -29,6 +29,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank())) if is_distributed() else 0
 
 
+def local_world_size() -> int:
+    """Processes of this machine (several machines: fewer than `world_size`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) if is_distributed() else 1
+
+
 def is_main() -> bool:
     return rank() == 0
 

@@ -1,0 +1,280 @@
+"""#17: automatic restart and several machines, through the real launchers (torchrun's elastic agent) on
+CPU processes over gloo; and the pieces they are made of, without processes."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules.config import TrainConfig, apply_overrides, validate
+from modules.config.launch_spec import resolve_launch
+from modules.distributed import failures, nodes
+from modules.distributed.launch import LaunchPlan, agent_arguments, launch, read_job, restart_point, write_job, WorkerJob
+from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, start_script
+from ui.events import parse_line
+
+from tests.test_distributed import _worker_pids
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def _events(lines: list[str]) -> list[dict]:
+    found = []
+    for line in lines:
+        event = parse_line(line)
+        if hasattr(event, "type"):
+            found.append({"type": event.type, **event.data})
+    return found
+
+
+def _read_until(proc, predicate, lines: list[str], what: str) -> dict:
+    for line in proc.stdout:
+        lines.append(line)
+        event = parse_line(line)
+        if hasattr(event, "type") and predicate({"type": event.type, **event.data}):
+            return {"type": event.type, **event.data}
+    raise AssertionError(f"the run ended before {what}:\n" + "".join(lines)[-4000:])
+
+
+def _finish(proc, lines: list[str], timeout: float) -> int:
+    try:
+        lines += proc.stdout.readlines()
+        return proc.wait(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ---------------------------------------------------------------------------- pieces
+def test_restart_line_names_the_dead_rank_the_step_and_the_backup():
+    exits = [failures.WorkerExit(1, -9, 100.0), failures.WorkerExit(0, 1, 101.0)]
+    errors = {0: failures.WorkerError(0, 100.5, "RuntimeError", "Connection reset by peer", True, 0, 431)}
+    cause = failures.round_cause(exits, errors, 2, 10)
+    assert cause == "rank 1 died (SIGKILL)"
+    assert failures.restart_line(1, 3, cause, 431, 400) == \
+        "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from the backup at step 400"
+    assert "starting again from the beginning" in failures.restart_line(1, 3, cause, None, None)
+
+
+def test_a_hung_rank_is_named_when_the_others_timed_out():
+    """The hung rank says nothing; torchrun's agent kills it after the others gave up waiting."""
+    errors = {0: failures.WorkerError(0, 100.0, "RuntimeError", "Timed out waiting 12000ms for recv operation",
+                                      True, 0, 7)}
+    exits = [failures.WorkerExit(0, 1, 100.2), failures.WorkerExit(1, -9, 111.0)]
+    assert failures.round_cause(exits, errors, 2, 0.2) == \
+        "rank 1 stopped answering (a collective timed out after multi_gpu.timeout_minutes = 0.2)"
+    # A rank that died before the others timed out (NCCL reports a dead peer as a timeout) died.
+    exits = [failures.WorkerExit(1, -9, 90.0), failures.WorkerExit(0, 1, 100.2)]
+    assert failures.round_cause(exits, errors, 2, 0.2) == "rank 1 died (SIGKILL)"
+
+
+def test_errors_are_read_per_round(tmp_path, monkeypatch):
+    monkeypatch.setenv(failures.RESTART_COUNT_VARIABLE, "0")
+    failures.record_error(tmp_path, 1, ValueError("first round"), step=3)
+    monkeypatch.setenv(failures.RESTART_COUNT_VARIABLE, "1")
+    failures.record_error(tmp_path, 0, ValueError("second round"), step=9)
+    assert set(failures.read_errors(tmp_path, 0)) == {1} and failures.read_errors(tmp_path, 0)[1].step == 3
+    assert set(failures.read_errors(tmp_path, 1)) == {0}
+
+
+def test_restart_and_node_settings_are_checked():
+    def problems(*overrides):
+        return " ".join(validate(apply_overrides(TrainConfig(), list(overrides)), check_paths=False))
+    assert "needs torchrun" in problems("multi_gpu.launcher=spawn", "multi_gpu.max_restarts=2")
+    assert "node_rank: 2 is not a node" in problems("multi_gpu.nnodes=2", "multi_gpu.node_rank=2",
+                                                    "multi_gpu.master_port=29500")
+    assert "same fixed port" in problems("multi_gpu.nnodes=2")
+    assert "max_restarts" in problems("multi_gpu.nnodes=2", "multi_gpu.master_port=29500", "multi_gpu.min_gpus=2")
+    assert problems("multi_gpu.nnodes=2", "multi_gpu.node_rank=1", "multi_gpu.master_port=29500",
+                    "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2") == ""
+
+
+def test_agent_arguments_for_restarts_and_several_machines():
+    cfg = apply_overrides(TrainConfig(), ["multi_gpu.enabled=true", "general.device=cpu", "multi_gpu.num_gpus=2",
+                          "multi_gpu.nnodes=3", "multi_gpu.node_rank=2", "multi_gpu.master_port=29500",
+                          "multi_gpu.max_restarts=2", "multi_gpu.min_gpus=3", "multi_gpu.timeout_minutes=0.5"])
+    spec = resolve_launch(cfg, 0)
+    assert (spec.world_size, spec.processes_here, spec.nnodes, spec.node_rank, spec.min_nodes) == (6, 2, 3, 2, 2)
+    assert spec.global_batch == 6 * cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+    arguments = agent_arguments(LaunchPlan(spec, "10.0.0.1", 29500, 0.5), "10.0.0.1:29500")
+    assert "--nproc_per_node=2" in arguments and "--nnodes=2:3" in arguments and "--max_restarts=2" in arguments
+    assert "--rdzv_conf=is_host=false,join_timeout=30" in arguments
+    assert "--local_addr=tandem-node-0002" in arguments  # the rendezvous orders machines by it: rank 0 on node 0
+
+
+def test_a_restarted_round_continues_from_this_launchs_newest_backup(tmp_path, cache_dir):
+    from modules.trainer import backup as backups
+    cfg = demo_config(tmp_path / "ws", cache_dir)
+    folder = tmp_path / "ws" / "backups"
+    weights = {"w": torch.zeros(1)}
+    backups.write_backup(folder, "run-a", 4, weights, {"global_step": 4}, {}, 3)
+    job = WorkerJob(cfg, resolve_launch(cfg, 0), resume=None, run_id="run-b", launched_at=time.time())
+    assert restart_point(job) == (None, None)  # nothing of this launch yet: what the user asked for
+    backups.write_backup(folder, "run-b", 6, weights, {"global_step": 6}, {}, 3)
+    resume, info = restart_point(job)
+    assert info.step == 6 and resume == str(info.path)
+    later = WorkerJob(cfg, job.spec, resume="latest", run_id="run-b", launched_at=time.time() + 60)
+    assert restart_point(later) == ("latest", None)  # a backup older than the launch is not this launch's
+    assert read_job(write_job(job)) == job
+
+
+def test_nodes_that_differ_are_named_with_what_differs(tmp_path, cache_dir):
+    from modules.data import build_dataset
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.nnodes=2", "multi_gpu.master_port=29500")
+    dataset = build_dataset(cfg.data, cache_dir, cfg.general.seed)
+    ours = nodes.node_job(cfg, dataset, 2)
+    other_cfg = demo_config(tmp_path / "ws", tmp_path / "elsewhere", "multi_gpu.nnodes=2",
+                            "multi_gpu.master_port=29500", "multi_gpu.node_rank=1", "training.learning_rate=0.002")
+    theirs = nodes.node_job(other_cfg, dataset, 2)
+    assert nodes.differences(ours, theirs) == ["training.learning_rate = 0.002 (node 0: 0.001)"]
+    fewer = nodes.NodeJob(1, ours.config, ours.dataset[1:], 2)
+    (found,) = nodes.differences(ours, fewer)
+    assert "the dataset" in found and f"{ours.dataset[0][0]}/{ours.dataset[0][1]}: missing" in found
+
+    store = torch.distributed.HashStore()
+    store.set(f"{nodes.KEY_PREFIX}node-1", theirs.to_json())
+    with pytest.raises(nodes.NodeMismatch, match="node 1 would train another job.*learning_rate"):
+        nodes.agree(store, ours, 2, datetime.timedelta(seconds=5), "here")
+    with pytest.raises(nodes.NodeMismatch, match=r"node\(s\) 2 of 3 did not join .* --node-rank 2"):
+        nodes.agree(store, ours, 3, datetime.timedelta(seconds=1), "here")
+
+
+def test_the_gui_shows_restarts_and_forgets_the_error_restarted_past():
+    from ui.run_controller import RunController
+    from ui.events import TrainingEvent
+    controller = RunController.__new__(RunController)
+    from ui.run_controller import RunState
+    controller.state = RunState(status="running")
+    controller.log = []
+    controller._log = controller.log.append
+    controller.history = None
+    controller._apply(TrainingEvent("error", {"text": "RuntimeError: Connection reset by peer", "rank": 0}))
+    line = "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from the backup at step 400"
+    controller._apply(TrainingEvent("restart", {"text": line, "restart": 1, "max_restarts": 3}))
+    assert controller.state.error is None and controller.state.restarts == [line]
+    assert controller.state.headline == f"Running - {line}"
+
+
+# ---------------------------------------------------------------------------- through the launchers
+RESTART_RUN = ("training.max_steps=8", "save.backup_every_n_steps=2", "multi_gpu.timeout_minutes=1")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_resumes_and_ends_like_an_uninterrupted_run(tmp_path, cache_dir):
+    """kill -9 of a random rank at a random step, max_restarts=2: the job restarts, every rank resumes from the
+    newest backup by itself, the job finishes, and its weights equal an uninterrupted run's (fp32)."""
+    from tests.test_distributed import multi
+    rng = random.Random()
+    victim, at_step = rng.randrange(2), rng.randint(3, 6)
+    ws = tmp_path / "killed"
+    proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+                        "--max-restarts", "2", *overrides_for(ws, cache_dir, *RESTART_RUN), start_new_session=True)
+    lines: list[str] = []
+    try:
+        _read_until(proc, lambda e: e["type"] == "progress" and e["step"] >= at_step, lines, f"step {at_step}")
+        os.kill(_worker_pids(proc.pid)[victim], signal.SIGKILL)
+    finally:
+        code = _finish(proc, lines, 240)
+    output = "".join(lines)
+    assert code == 0, output[-4000:]
+    (restart,) = [e for e in _events(lines) if e["type"] == "restart"]
+    assert restart["text"].startswith(f"restart 1 of 2: rank {victim} died (SIGKILL) at step "), restart
+    assert f"resuming from the backup at step {restart['resumed_step']}" in output
+    assert restart["resumed_step"] >= 2 and restart["resumed_step"] % 2 == 0
+    assert [e for e in _events(lines) if e["type"] == "done"][-1]["completed"]
+    multi(tmp_path / "whole", cache_dir, *RESTART_RUN, launcher="spawn")
+    killed, whole = latest_backup_weights(ws), latest_backup_weights(tmp_path / "whole")
+    assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_a_collective_is_restarted_within_the_timeout(tmp_path, cache_dir):
+    """A rank that stops answering (SIGSTOP: stuck as in a hung collective) -> the others time out after
+    multi_gpu.timeout_minutes (not PyTorch's 10-30 minutes), torchrun's agent restarts the round."""
+    timeout_s = 12
+    ws = tmp_path / "ws"
+    proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+                        "--max-restarts", "1",
+                        *overrides_for(ws, cache_dir, "training.max_steps=6", "save.backup_every_n_steps=2",
+                                       f"multi_gpu.timeout_minutes={timeout_s / 60}"), start_new_session=True)
+    lines: list[str] = []
+    try:
+        _read_until(proc, lambda e: e["type"] == "progress" and e["step"] >= 3, lines, "step 3")
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGSTOP)
+        stuck = time.monotonic()
+        restart = _read_until(proc, lambda e: e["type"] == "restart", lines, "the restart")
+        took = time.monotonic() - stuck
+    finally:
+        code = _finish(proc, lines, 240)
+    assert restart["text"].startswith("restart 1 of 1: rank 1 stopped answering (a collective timed out after "
+                                      f"multi_gpu.timeout_minutes = {timeout_s / 60:g})"), restart
+    # the timeout, the agent's 10 s grace for the stuck worker, then starting the new round
+    assert took < timeout_s + 10 + 20, f"restarted {took:.0f} s after the rank got stuck"
+    assert code == 0, "".join(lines)[-4000:]
+
+
+def _node_command(ws: Path, cache: Path, node_rank: int, port: int, *extra: str) -> list[str]:
+    return ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2", "--nnodes", "2",
+            "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *overrides_for(ws, cache, *extra)]
+
+
+@pytest.mark.slow
+def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_dir):
+    """Two launchers on 127.0.0.1 as node 0 and node 1 (2 CPU processes each) == 1 node x 4 (rel L2 <= 1e-6);
+    rank 0 (node 0) writes the outputs; node 1 may cache in a folder of its own."""
+    from modules.distributed.process_group import find_free_port
+    from tests.test_distributed import multi
+    common = ("training.max_steps=3", "training.batch_size=4", "multi_gpu.timeout_minutes=2", "save.save_dtype=fp32")
+    port = find_free_port()
+    ws = tmp_path / "nodes"
+    node0 = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, port, *common), start_new_session=True)
+    node1 = start_script("train_multi_gpu.py", *_node_command(ws, tmp_path / "node1-cache", 1, port, *common),
+                         start_new_session=True)
+    lines0: list[str] = []
+    lines1: list[str] = []
+    code1 = _finish(node1, lines1, 300)
+    code0 = _finish(node0, lines0, 60)
+    assert code0 == 0 and code1 == 0, "".join(lines0)[-3000:] + "\n----\n" + "".join(lines1)[-3000:]
+    assert "All 2 machines joined with the same config and dataset." in "".join(lines0)
+    config = next(e for e in _events(lines0) if e["type"] == "config")
+    assert config["world_size"] == 4 and config["global_batch"] == 16
+    assert not [e for e in _events(lines1) if e["type"] in ("saved", "backup", "config")]  # rank 0 is on node 0
+    # node 1's own cache folder holds every entry its ranks read, not only those they encoded
+    assert sorted(os.listdir(tmp_path / "node1-cache" / "latents")) == sorted(os.listdir(cache_dir / "latents"))
+    multi(tmp_path / "one", cache_dir, *common, launcher="spawn", world=4)
+    from safetensors.torch import load_file
+    two, one = (load_file(str(folder / "output" / "demo.safetensors")) for folder in (ws, tmp_path / "one"))
+    assert two.keys() == one.keys()
+    for name in one:
+        assert (two[name] - one[name]).norm() <= 1e-6 * one[name].norm() + 1e-12, name
+
+
+@pytest.mark.slow
+def test_a_machine_that_never_joins_ends_the_other_within_the_timeout(tmp_path, cache_dir):
+    from modules.distributed.process_group import find_free_port
+    ws = tmp_path / "ws"
+    started = time.monotonic()
+    proc = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, find_free_port(),
+                                                              "multi_gpu.timeout_minutes=0.1"),
+                        start_new_session=True)
+    lines: list[str] = []
+    code = _finish(proc, lines, 120)
+    took = time.monotonic() - started
+    output = "".join(lines)
+    assert code == 2, output[-3000:]
+    assert "node(s) 1 of 2 did not join the rendezvous at 127.0.0.1:" in output and "--node-rank 1" in output
+    assert took < 6 + 30, f"took {took:.0f} s"  # the timeout, and the launcher's start-up
+    assert not (ws / "backups").exists()
