@@ -70,3 +70,21 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
                            accumulation=launch.accumulation, base_lr=launch.base_lr, lr=launch.lr,
                            scaling=launch.lr_scaling, cpu=launch.multi_process and launch.device_type == "cpu",
                            split=cfg.multi_gpu.batch_split)
+
+
+def nodes_and_restarts_line(cfg) -> str:
+    """What the restart and several-machines settings do, in one or two sentences (empty when both are off)."""
+    m = cfg.multi_gpu
+    parts = []
+    if m.nnodes > 1:
+        port = m.master_port or "a fixed port"
+        parts.append(f"This machine is node {m.node_rank} of {m.nnodes}: start the same config and dataset on every "
+                     f"machine, each with its own node number; node 0 listens on {m.master_addr}:{port}.")
+    if m.max_restarts > 0:
+        timed = (" (backups every 10 minutes unless a backup cadence is set)"
+                 if not (cfg.save.backup_every_n_minutes > 0 or cfg.save.backup_every_n_steps > 0) else "")
+        parts.append(f"After a failure the workers restart up to {m.max_restarts} time(s) and continue from the "
+                     f"newest backup{timed}.")
+    if m.min_gpus > 0 and m.nnodes > 1:
+        parts.append(f"A lost machine is left behind while {m.min_gpus} or more GPUs remain (global batch kept).")
+    return " ".join(parts)

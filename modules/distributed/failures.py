@@ -135,21 +135,24 @@ def last_round(exits: list[WorkerExit]) -> list[WorkerExit]:
 def round_cause(exits: list[WorkerExit], errors: dict[int, WorkerError], world_size: int,
                 timeout_minutes: float) -> str:
     """What ended a round of workers, in a few words: "rank 1 died (SIGKILL)", "rank 0 failed (ValueError: ...)",
-    or, when every recorded error is a timeout and some rank reported nothing, "rank 1 stopped answering"."""
+    "rank 1 stopped answering (...)" when the others timed out waiting for it, or "ranks 2, 3 were lost (...)"
+    when the others lost their connection to ranks that this machine did not see end (another machine)."""
     recorded = list(errors.values())
-    if recorded and all(e.secondary and ("timed out" in e.text.lower() or "timeout" in e.text.lower())
-                        for e in recorded):
-        # Every rank that spoke was waiting for another. A quiet rank that ended before they gave up died;
-        # one that ended after (torchrun's agent ends every worker when one fails) or never had hung.
+    if recorded and all(e.secondary for e in recorded):
+        # Every rank that spoke was waiting for, or lost, another: the cause is a rank that said nothing.
+        timed_out = all("timed out" in e.text.lower() or "timeout" in e.text.lower() for e in recorded)
         gave_up = min(e.time for e in recorded)
-        ended = {e.rank: e for e in exits if e.rank not in errors}
-        died = sorted((e for e in ended.values() if e.exitcode != 0 and e.seen_at < gave_up), key=lambda e: e.seen_at)
+        ended = {e.rank: e for e in exits if e.rank not in errors and e.exitcode != 0}
+        # After a timeout, a rank that ended later was ended by torchrun's agent: it had hung, not died.
+        died = sorted((e for e in ended.values() if not timed_out or e.seen_at < gave_up), key=lambda e: e.seen_at)
         if died:
             return f"rank {died[0].rank} died ({died[0].how().replace('signal ', '')})"
         quiet = [r for r in range(world_size) if r not in errors]
-        who = f"rank {', '.join(map(str, quiet))}" if quiet else "a rank"
-        return (f"{who} stopped answering (a collective timed out after multi_gpu.timeout_minutes = "
-                f"{timeout_minutes:g})")
+        who = (f"rank {quiet[0]}" if len(quiet) == 1 else f"ranks {', '.join(map(str, quiet))}") if quiet else "a rank"
+        if timed_out:
+            return (f"{who} stopped answering (a collective timed out after multi_gpu.timeout_minutes = "
+                    f"{timeout_minutes:g})")
+        return f"{who} {'was' if len(quiet) == 1 else 'were'} lost (the connection closed: their machine or processes ended)"
     first = first_failure(exits, errors)
     silent = [e for e in exits if e.exitcode != 0 and e.rank not in errors and e.rank == first.rank]
     if silent:

@@ -251,9 +251,17 @@ def run_worker(job: WorkerJob) -> None:
     from modules.trainer.rank_duties import rank_duties
 
     setup_logging()
+    launched = job
+    job = keep_global_batch(job, int(os.environ["WORLD_SIZE"]))
     cfg = job.cfg
     rank = int(os.environ["RANK"])
     duties = rank_duties(rank, default_callbacks())
+    if job is not launched and duties.leads:
+        text = (f"CONTINUING ON {job.spec.world_size} OF {launched.spec.world_size} PROCESSES (a machine was lost; "
+                f"multi_gpu.min_gpus = {cfg.multi_gpu.min_gpus}): gradient accumulation {launched.spec.accumulation} "
+                f"-> {job.spec.accumulation} keeps the global batch at {job.spec.global_batch}.")
+        log.warning(text)
+        duties.callbacks.on_event("status", text=text)
     start = os.environ.get(COMMANDS_FROM)
     inbox = CommandInbox(RunPaths(cfg).commands_file if duties.leads else None,
                          start=int(start) if start is not None else None)
@@ -262,7 +270,7 @@ def run_worker(job: WorkerJob) -> None:
     if failures.current_attempt() > 0:
         os.environ.pop("TANDEM_LAUNCH_TIME", None)  # the user's command started long before this round
         if duties.leads:
-            announce_restart(job, restarted_from, duties.callbacks)
+            announce_restart(job, restarted_from, duties.callbacks, launched.spec.world_size)
     trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=resume,
                                  run_id=job.run_id)
     try:
@@ -278,7 +286,25 @@ def run_worker(job: WorkerJob) -> None:
         raise
 
 
-def announce_restart(job: WorkerJob, backup, callbacks) -> None:
+def keep_global_batch(job: WorkerJob, world_size: int) -> WorkerJob:
+    """The job for a round with fewer processes than launched (a machine lost, `multi_gpu.min_gpus`): the
+    gradient accumulation raised so that the global batch - and the result - stay those of the launch."""
+    spec = job.spec
+    if world_size >= spec.world_size:
+        return job
+    launched = spec.accumulation * spec.world_size
+    if launched % world_size:
+        raise LaunchError(f"continuing on {world_size} of {spec.world_size} processes cannot keep the global batch "
+                          f"of {spec.global_batch} (training.batch_size {spec.per_gpu_batch} x accumulation "
+                          f"{spec.accumulation} x {spec.world_size} processes): {launched} micro-batches per step do "
+                          f"not divide by {world_size}. Set multi_gpu.min_gpus to a GPU count that divides it.")
+    accumulation = launched // world_size
+    training = dataclasses.replace(job.cfg.training, gradient_accumulation_steps=accumulation)
+    return dataclasses.replace(job, cfg=dataclasses.replace(job.cfg, training=training),
+                               spec=dataclasses.replace(spec, accumulation=accumulation, world_size=world_size))
+
+
+def announce_restart(job: WorkerJob, backup, callbacks, world_before: int) -> None:
     """The restarted round's first words: "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from
     the backup at step 400" - in the log and as the GUI's `restart` event."""
     attempt = failures.current_attempt()
@@ -286,7 +312,7 @@ def announce_restart(job: WorkerJob, backup, callbacks) -> None:
     exits_file = os.environ.get(EXITS_VARIABLE)
     exits = [e for e in _read_exits(Path(exits_file)) if e.attempt == attempt - 1] if exits_file else []
     errors = failures.read_errors(failures.failures_folder(RunPaths(job.cfg).workspace), attempt - 1)
-    cause = failures.round_cause(exits, errors, job.spec.world_size, job.cfg.multi_gpu.timeout_minutes)
+    cause = failures.round_cause(exits, errors, world_before, job.cfg.multi_gpu.timeout_minutes)
     steps = [e.step for e in errors.values() if e.step is not None]
     failed_step = max(steps) if steps else None
     resumed = backup.step if backup is not None else None

@@ -17,7 +17,7 @@ from ..gpu_info import GpuInfo
 from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
-from ..multi_gpu_summary import summarize
+from ..multi_gpu_summary import nodes_and_restarts_line, summarize
 from .fields import Binder
 from .form import Form
 from .tooltip import Tooltip
@@ -89,6 +89,15 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.check_output = ctk.CTkTextbox(self, height=140, width=620, wrap="none")
         self.check_output.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(0, 10))
         self.check_output.grid_remove()
+        form.row += 1
+        form.section("Restarts and several machines")
+        for path, label in (("multi_gpu.max_restarts", "Restarts after a failure"),
+                            ("multi_gpu.nnodes", "Machines (nodes)"),
+                            ("multi_gpu.node_rank", "This machine is node"),
+                            ("multi_gpu.min_gpus", "Continue on at least N GPUs")):
+            form.field(path, label, width=100)
+        self.nodes_hint = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=560, text_color="gray60")
+        self.nodes_hint.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
         form.row += 1
         form.section("Multi-GPU advanced")
         for path, label in (("multi_gpu.timeout_minutes", "Timeout (minutes)"),
@@ -172,6 +181,7 @@ class MultiGPUFrame(ctk.CTkFrame):
             self.explanation.configure(text="Untick GPUs to leave them out.")
         self.summary.configure(text=summarize(cfg, len(visible)).line() if cfg.multi_gpu.enabled
                                else "Multi-GPU off: one process. " + summarize(cfg, len(visible)).line())
+        self.nodes_hint.configure(text=nodes_and_restarts_line(cfg) if cfg.multi_gpu.enabled else "")
 
     # --- Check setup -------------------------------------------------------------------------
     def check_setup(self) -> None:
