@@ -608,3 +608,23 @@ def test_concept_rows_offer_roles_masks_and_weights_with_tooltips(app_factory):
     binder.fields["data.validation_fraction"].var.set("0.1")
     pump(app)
     assert cadence.widget.cget("state") == "normal"
+
+
+def test_multi_gpu_frame_sets_restarts_and_several_machines(app_factory):
+    """#17: the frame's restart and machine fields write the config; the line under them says what they do,
+    and the summary counts the processes of every machine."""
+    gpus = [GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)]
+    app, _ = app_factory(gpus=gpus)
+    frame = app.multi_gpu
+    app.binder.fields["training.batch_size"].var.set("8")
+    frame.enable.widget.toggle()
+    assert frame.nodes_hint.cget("text") == ""
+    for path, value in (("multi_gpu.max_restarts", "3"), ("multi_gpu.nnodes", "2"), ("multi_gpu.node_rank", "1"),
+                        ("multi_gpu.master_port", "29500")):
+        app.binder.fields[path].var.set(value)
+    m = app.model.cfg.multi_gpu
+    assert (m.max_restarts, m.nnodes, m.node_rank) == (3, 2, 1)
+    hint = frame.nodes_hint.cget("text")
+    assert "This machine is node 1 of 2" in hint and "127.0.0.1:29500" in hint
+    assert "restart up to 3 time(s)" in hint and "backups every 10 minutes" in hint
+    assert frame.summary.cget("text").startswith("World size 4 · global batch 32 (8 x 1 x 4)")
