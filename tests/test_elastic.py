@@ -16,7 +16,8 @@ import torch
 from modules.config import TrainConfig, apply_overrides, validate
 from modules.config.launch_spec import resolve_launch
 from modules.distributed import failures, nodes
-from modules.distributed.launch import LaunchPlan, agent_arguments, launch, read_job, restart_point, write_job, WorkerJob
+from modules.distributed.launch import LaunchPlan, WorkerJob, agent_arguments, read_job, restart_point, write_job
+from modules.util.ports import find_free_port
 from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, start_script
 from ui.events import parse_line
 
@@ -226,7 +227,6 @@ def _node_command(ws: Path, cache: Path, node_rank: int, port: int, *extra: str)
 def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_dir):
     """Two launchers on 127.0.0.1 as node 0 and node 1 (2 CPU processes each) == 1 node x 4 (rel L2 <= 1e-6);
     rank 0 (node 0) writes the outputs; node 1 may cache in a folder of its own."""
-    from modules.distributed.process_group import find_free_port
     from tests.test_distributed import multi
     common = ("training.max_steps=3", "training.batch_size=4", "multi_gpu.timeout_minutes=2", "save.save_dtype=fp32")
     port = find_free_port()
@@ -255,7 +255,6 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
 
 @pytest.mark.slow
 def test_a_machine_that_never_joins_ends_the_other_within_the_timeout(tmp_path, cache_dir):
-    from modules.distributed.process_group import find_free_port
     ws = tmp_path / "ws"
     started = time.monotonic()
     proc = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, find_free_port(),
@@ -277,7 +276,6 @@ def test_check_multi_gpu_measures_the_all_reduce_between_machines():
     all-reduce, its bandwidth, and the advice about the network."""
     import subprocess
     import sys
-    from modules.distributed.process_group import find_free_port
     port = str(find_free_port())
     command = [sys.executable, "scripts/check_multi_gpu.py", "--nnodes", "2", "--master-addr", "127.0.0.1",
                "--master-port", port, "--size-mib", "1", "--json"]
@@ -314,7 +312,6 @@ def test_a_lost_machine_is_left_behind_with_min_gpus_and_the_global_batch_kept(t
     """Two machines of 2 processes, multi_gpu.min_gpus=2: machine 1 dies for good (its launcher, agent and
     workers killed); machine 0 restarts on its 2 processes, accumulates twice and finishes at global batch 16."""
     from modules.benchmark.fault_trials import _descendants
-    from modules.distributed.process_group import find_free_port
     common = ("training.max_steps=16", "training.batch_size=4", "save.backup_every_n_steps=2",
               "multi_gpu.timeout_minutes=1", "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2")
     port = find_free_port()

@@ -91,11 +91,8 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.check_output.grid_remove()
         form.row += 1
         form.section("Restarts and several machines")
-        for path, label in (("multi_gpu.max_restarts", "Restarts after a failure"),
-                            ("multi_gpu.nnodes", "Machines (nodes)"),
-                            ("multi_gpu.node_rank", "This machine is node"),
-                            ("multi_gpu.min_gpus", "Continue on at least N GPUs")):
-            form.field(path, label, width=100)
+        for path in ("multi_gpu.max_restarts", "multi_gpu.nnodes", "multi_gpu.node_rank", "multi_gpu.min_gpus"):
+            form.field(path, width=100)
         self.nodes_hint = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=560, text_color="gray60")
         self.nodes_hint.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
         form.row += 1
