@@ -352,7 +352,7 @@ def _worker_env(plan: LaunchPlan) -> dict:
     env.update(store_environment())
     # Each worker gets a share of the cores instead of all of them fighting over every core (and
     # torchrun's own default of 1 thread, which starves CPU workers).
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.spec.processes_here)))
     env[SCAN_REPORTED] = "1"  # check_data_fits scanned the data here and warned about what it skipped
     return env
 
@@ -588,7 +588,10 @@ RUN_ID_KEY = "tandem-nodes/run-id"
 def _run_id(cfg: TrainConfig, resume: str | None, store, plan: LaunchPlan) -> str:
     """The run id, decided by node 0 (and shared with the other machines through the store)."""
     if plan.spec.node_rank == 0:
-        run_id = run_id_for(cfg, resume)
+        try:
+            run_id = run_id_for(cfg, resume)
+        except FileNotFoundError as e:  # --resume names no backup (the scripts check it before; a caller may not)
+            raise LaunchError(str(e)) from None
         if store is not None:
             store.set(RUN_ID_KEY, run_id)
         return run_id
