@@ -115,7 +115,7 @@ def test_agent_arguments_for_restarts_and_several_machines():
     assert spec.global_batch == 6 * cfg.training.batch_size * cfg.training.gradient_accumulation_steps
     arguments = agent_arguments(LaunchPlan(spec, "10.0.0.1", 29500, 0.5), "10.0.0.1:29500")
     assert "--nproc_per_node=2" in arguments and "--nnodes=2:3" in arguments and "--max_restarts=2" in arguments
-    assert "--rdzv_conf=is_host=false,join_timeout=30" in arguments
+    assert "--rdzv_conf=is_host=false,join_timeout=30,last_call_timeout=10" in arguments
     assert "--local_addr=tandem-node-0002" in arguments  # the rendezvous orders machines by it: rank 0 on node 0
 
 
@@ -312,8 +312,8 @@ def test_a_lost_machine_is_left_behind_with_min_gpus_and_the_global_batch_kept(t
     """Two machines of 2 processes, multi_gpu.min_gpus=2: machine 1 dies for good (its launcher, agent and
     workers killed); machine 0 restarts on its 2 processes, accumulates twice and finishes at global batch 16."""
     from modules.benchmark.fault_trials import _descendants
-    common = ("training.max_steps=16", "training.batch_size=4", "save.backup_every_n_steps=2",
-              "multi_gpu.timeout_minutes=1", "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2")
+    common = ("training.max_steps=6", "training.batch_size=4", "save.backup_every_n_steps=2",
+              "multi_gpu.timeout_minutes=0.75", "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2")
     port = find_free_port()
     ws = tmp_path / "ws"
     node0 = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, port, *common), start_new_session=True)

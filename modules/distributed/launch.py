@@ -448,13 +448,16 @@ def agent_arguments(plan: LaunchPlan, rendezvous_at: str) -> list[str]:
     It joins the store this launcher (node 0's) serves - c10d rendezvous as a client, is_host=false - and
     starts no store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): nothing listens on other addresses.
     Every machine's agent waits `multi_gpu.timeout_minutes` for the others (join_timeout; torchrun's own
-    default is 10 minutes). The rendezvous numbers machines in the order of their `local_addr`, so naming
+    default is 10 minutes). With `min_gpus`, a round that has its least machines waits for the missing ones
+    10 s more (or half that timeout if shorter: the whole rendezvous must end within it) after the
+    rendezvous forgot the lost one (3 missed 5 s heartbeats) - last_call_timeout, torchrun's is 30 s. The
+    agents of the machines still alive rejoin at once, so 10 s only waits for a machine that comes back. The rendezvous numbers machines in the order of their `local_addr`, so naming
     each after its node rank puts global rank 0 on node 0, which writes the outputs."""
     spec = plan.spec
     timeout_s = max(1, round(60 * plan.timeout_minutes))
     nodes = f"{spec.min_nodes}:{spec.nnodes}" if spec.min_nodes and spec.min_nodes < spec.nnodes else str(spec.nnodes)
     arguments = [f"--nproc_per_node={spec.processes_here}", f"--nnodes={nodes}", "--rdzv_backend=c10d",
-                 f"--rdzv_endpoint={rendezvous_at}", f"--rdzv_conf=is_host=false,join_timeout={timeout_s}",
+                 f"--rdzv_endpoint={rendezvous_at}", f"--rdzv_conf=is_host=false,join_timeout={timeout_s},last_call_timeout={max(1, min(10, timeout_s // 2))}",
                  f"--rdzv_id=tandem-{plan.master_port}", f"--max_restarts={spec.max_restarts}"]
     if spec.nnodes > 1:
         arguments.append(f"--local_addr=tandem-node-{spec.node_rank:04d}")
