@@ -227,12 +227,14 @@ def _node_command(ws: Path, cache: Path, node_rank: int, port: int, *extra: str)
 @pytest.mark.slow
 def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_dir):
     """Two launchers on 127.0.0.1 as node 0 and node 1 (2 CPU processes each) == 1 node x 4 (rel L2 <= 1e-6);
-    rank 0 (node 0) writes the outputs; node 1 may cache in a folder of its own."""
+    rank 0 (node 0) writes the outputs; node 1 may cache in a folder of its own; node 0 splits its part 5 + 3."""
     from tests.test_distributed import multi
     common = ("training.max_steps=3", "training.batch_size=4", "multi_gpu.timeout_minutes=2", "save.save_dtype=fp32")
     port = find_free_port()
     ws = tmp_path / "nodes"
-    node0 = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, port, *common), start_new_session=True)
+    # each machine splits its own part of the global batch (multi_gpu.batch_split is per machine)
+    node0 = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, port, *common,
+                                                              "multi_gpu.batch_split=5,3"), start_new_session=True)
     node1 = start_script("train_multi_gpu.py", *_node_command(ws, tmp_path / "node1-cache", 1, port, *common),
                          start_new_session=True)
     lines0: list[str] = []
@@ -242,7 +244,7 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
     assert code0 == 0 and code1 == 0, "".join(lines0)[-3000:] + "\n----\n" + "".join(lines1)[-3000:]
     assert "All 2 machines joined with the same config and dataset." in "".join(lines0)
     config = next(e for e in _events(lines0) if e["type"] == "config")
-    assert config["world_size"] == 4 and config["global_batch"] == 16
+    assert config["world_size"] == 4 and config["global_batch"] == 16 and config["split"] == [5, 3, 4, 4]
     assert not [e for e in _events(lines1) if e["type"] in ("saved", "backup", "config")]  # rank 0 is on node 0
     # node 1's own cache folder holds every entry its ranks read, not only those they encoded
     assert sorted(os.listdir(tmp_path / "node1-cache" / "latents")) == sorted(os.listdir(cache_dir / "latents"))
@@ -250,8 +252,9 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
     from safetensors.torch import load_file
     two, one = (load_file(str(folder / "output" / "demo.safetensors")) for folder in (ws, tmp_path / "one"))
     assert two.keys() == one.keys()
-    for name in one:
-        assert (two[name] - one[name]).norm() <= 1e-6 * one[name].norm() + 1e-12, name
+    from tests.test_batch_split import rel_l2
+    assert rel_l2(two, one) <= 1e-6  # the issue's bound, over the weights (an uneven split rounds differently)
+    assert any(v.abs().max() > 0 for k, v in one.items() if "lora_up" in k)  # not a comparison of zeros
 
 
 @pytest.mark.slow

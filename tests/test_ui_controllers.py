@@ -612,3 +612,7 @@ def test_summary_line_shows_the_split_over_unequal_gpus():
     assert "split at start by each GPU's memory and speed" in summarize(cfg, 2).line()
     cfg.multi_gpu.batch_split = "6,"  # mid-edit
     assert "global batch 8 (4 x 1 x 2)" in summarize(cfg, 2).line()
+    # several machines: the list is this machine's GPUs
+    cfg.multi_gpu.batch_split, cfg.multi_gpu.nnodes, cfg.multi_gpu.master_port = "6,2", 2, 29500
+    assert summarize(cfg, 2).line() == \
+        "World size 4 · global batch 16 (4 x 1 x 4), this machine's 8 = 6 on GPU 0 + 2 on GPU 1 · LR 1e-4"

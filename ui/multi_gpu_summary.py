@@ -24,6 +24,8 @@ class MultiGPUSummary:
     cpu: bool
     split: str = "equal"
     """multi_gpu.batch_split as set: equal, auto, or a list such as 6,2."""
+    processes_here: int = 0
+    """Processes on this machine (several machines: fewer than world_size); 0: all of them."""
 
     @property
     def global_batch(self) -> int:
@@ -45,10 +47,14 @@ class MultiGPUSummary:
             return equal
         if self.split.strip().lower() == "auto":
             return equal + ", split at start by each GPU's memory and speed"
+        here = self.processes_here or self.world_size
         try:
-            sizes = parse_split(self.split, self.world_size, self.per_gpu_batch)
+            sizes = parse_split(self.split, here, self.per_gpu_batch)
         except ValueError:
             return equal  # mid-edit: validation names the problem
+        if here < self.world_size:
+            split = " + ".join(f"{size} on GPU {i}" for i, size in enumerate(sizes))
+            return f"{equal}, this machine's {sum(sizes)} = {split}"
         text = describe_split(sizes, [f"GPU {i}" for i in range(self.world_size)])
         return text + (f" (x {self.accumulation} accumulation)" if self.accumulation > 1 else "")
 
@@ -69,7 +75,7 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
     return MultiGPUSummary(world_size=launch.world_size, per_gpu_batch=launch.per_gpu_batch,
                            accumulation=launch.accumulation, base_lr=launch.base_lr, lr=launch.lr,
                            scaling=launch.lr_scaling, cpu=launch.multi_process and launch.device_type == "cpu",
-                           split=cfg.multi_gpu.batch_split)
+                           split=cfg.multi_gpu.batch_split, processes_here=launch.processes_here)
 
 
 def nodes_and_restarts_line(cfg) -> str:

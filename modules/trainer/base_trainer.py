@@ -347,8 +347,13 @@ class BaseTrainer(ABC):
     def decide_split(self) -> list[int]:
         """How many samples of each global micro-batch each rank trains (`multi_gpu.batch_split`)."""
         world, batch = du.world_size(), self.cfg.training.batch_size
-        choice = parse_split(self.cfg.multi_gpu.batch_split, world, batch)
-        if choice is None or world == 1:
+        # batch_split is per machine, like device_indexes: a list names this machine's GPUs only.
+        choice = parse_split(self.cfg.multi_gpu.batch_split, du.local_world_size(), batch)
+        if world == 1:
+            return equal_split(batch, world)
+        if du.local_world_size() != world:
+            choice = self._split_of_all_machines(choice)
+        if choice is None:
             return equal_split(batch, world)
         if choice != "auto":
             log.info("Batch split: %s.", describe_split(choice, self.device_names()))
@@ -372,6 +377,19 @@ class BaseTrainer(ABC):
             log.warning("One GPU is %.1fx slower than the fastest: the split gives it fewer samples, but every step "
                         "still waits for it.", slowest / fastest)
         return split
+
+    def _split_of_all_machines(self, mine: list[int] | str | None) -> list[int] | str | None:
+        """Several machines: every rank's size from its own machine's `batch_split` (global ranks follow
+        machines, node 0's processes first); `auto` only when every machine chose it."""
+        batch = self.cfg.training.batch_size
+        sizes = du.all_gather_objects("auto" if mine == "auto" else mine[du.local_rank()] if mine else batch)
+        if "auto" in sizes:
+            if any(size != "auto" for size in sizes):
+                raise RuntimeError("multi_gpu.batch_split is auto on some machines and not on others: the "
+                                   "measurement is made by every GPU together. Set auto on every machine, or "
+                                   "equal / a list of this machine's sizes on each.")
+            return "auto"
+        return None if all(size == batch for size in sizes) else sizes
 
     def device_names(self) -> list[str]:
         """Each rank's device, for messages (`GPU 1`, `CPU process 0`)."""
