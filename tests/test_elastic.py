@@ -16,7 +16,8 @@ import torch
 from modules.config import TrainConfig, apply_overrides, validate
 from modules.config.launch_spec import resolve_launch
 from modules.distributed import failures, nodes
-from modules.distributed.launch import LaunchPlan, WorkerJob, agent_arguments, read_job, restart_point, write_job
+from modules.distributed.launch import (LaunchPlan, WorkerJob, agent_arguments, read_job, reads_commands, restart_point,
+                                       write_job)
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, start_script
 from ui.events import parse_line
@@ -117,6 +118,20 @@ def test_agent_arguments_for_restarts_and_several_machines():
     assert "--nproc_per_node=2" in arguments and "--nnodes=2:3" in arguments and "--max_restarts=2" in arguments
     assert "--rdzv_conf=is_host=false,join_timeout=30,last_call_timeout=10" in arguments
     assert "--local_addr=tandem-node-0002" in arguments  # the rendezvous orders machines by it: rank 0 on node 0
+
+
+def test_the_first_process_of_every_machine_reads_its_commands_file(monkeypatch):
+    """A stop written on any machine (its launcher's Ctrl-C) reaches the step exchange, which unites all ranks'."""
+    one = apply_overrides(TrainConfig(), ["multi_gpu.enabled=true", "general.device=cpu", "multi_gpu.num_gpus=2"])
+    two = apply_overrides(one, ["multi_gpu.nnodes=2", "multi_gpu.node_rank=1", "multi_gpu.master_port=29500"])
+    job_one, job_two = (WorkerJob(cfg, resolve_launch(cfg, 0)) for cfg in (one, two))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [reads_commands(job_one, rank) for rank in range(2)] == [True, False]
+    readers = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        readers.append(reads_commands(job_two, rank))
+    assert readers == [True, False, True, False]
 
 
 def test_a_restarted_round_continues_from_this_launchs_newest_backup(tmp_path, cache_dir):
@@ -255,6 +270,42 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
     from tests.test_batch_split import rel_l2
     assert rel_l2(two, one) <= 1e-6  # the issue's bound, over the weights (an uneven split rounds differently)
     assert any(v.abs().max() > 0 for k, v in one.items() if "lora_up" in k)  # not a comparison of zeros
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_another_machine_stops_every_machine_at_one_step_with_a_backup(tmp_path):
+    """Each 'machine' has its own folder (the same relative workspace path, as machines have the same
+    paths on their own disks): node 1's launcher gets SIGINT and writes `stop` into node 1's commands file,
+    which node 0's rank 0 never reads - node 1's first worker does, and the step exchange stops all."""
+    import subprocess
+    import sys
+    from tests.trainer_helpers import REPO, _answer_ctrl_c
+    port = find_free_port()
+
+    def machine(k: int) -> subprocess.Popen:
+        folder = tmp_path / f"machine{k}"
+        folder.mkdir()
+        command = _node_command(Path("ws"), folder / "cache", k, port, "training.max_steps=200",
+                                "training.batch_size=2", "multi_gpu.timeout_minutes=1")
+        return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), *command],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=folder,
+                                preexec_fn=_answer_ctrl_c, start_new_session=True,
+                                env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)))
+    node0, node1 = machine(0), machine(1)
+    lines0: list[str] = []
+    lines1: list[str] = []
+    try:
+        _read_until(node0, lambda e: e["type"] == "progress" and e["step"] >= 2, lines0, "step 2")
+        os.kill(node1.pid, signal.SIGINT)
+    finally:
+        code1 = _finish(node1, lines1, 120)
+        code0 = _finish(node0, lines0, 120)
+    assert code0 == 0 and code1 == 0, "".join(lines0)[-3000:] + "\n----\n" + "".join(lines1)[-3000:]
+    assert "SIGINT: stopping every rank at the next step" in "".join(lines1)
+    done = [e for e in _events(lines0) if e["type"] == "done"][-1]
+    assert not done["completed"] and done["step"] < 200
+    (backup,) = [e for e in _events(lines0) if e["type"] == "backup"]
+    assert backup["step"] == done["step"] and (tmp_path / "machine0" / backup["path"]).is_dir()
 
 
 @pytest.mark.slow

@@ -243,6 +243,15 @@ def restart_point(job: WorkerJob) -> tuple[str | None, object | None]:
     return job.resume, None
 
 
+def reads_commands(job: WorkerJob, rank: int) -> bool:
+    """Whether this worker reads the workspace's commands file: rank 0, and with several machines the
+    first process of each, so that a stop written by any machine's launcher (its Ctrl-C) or by a person
+    there reaches the step exchange, which gives every rank the union of all ranks' commands."""
+    if job.spec.nnodes > 1:
+        return int(os.environ.get("LOCAL_RANK", rank)) == 0
+    return rank == 0
+
+
 def run_worker(job: WorkerJob) -> None:
     """Body of every worker process (torchrun or spawn): build the trainer and run it."""
     from modules.distributed.distributed_trainer import DistributedTrainer
@@ -263,7 +272,7 @@ def run_worker(job: WorkerJob) -> None:
         log.warning(text)
         duties.callbacks.on_event("status", text=text)
     start = os.environ.get(COMMANDS_FROM)
-    inbox = CommandInbox(RunPaths(cfg).commands_file if duties.leads else None,
+    inbox = CommandInbox(RunPaths(cfg).commands_file if reads_commands(job, rank) else None,
                          start=int(start) if start is not None else None)
     inbox.install_signal_handlers()
     resume, restarted_from = restart_point(job)

@@ -570,12 +570,12 @@ class BaseTrainer(ABC):
             self.validate()
 
     def take_commands(self) -> set[str]:
-        """Commands this rank saw since the last step: rank 0 reads the commands file (and its clock decides
-        time-based backups, so that every rank backs up at the same step), any rank may catch a signal."""
+        """Commands this rank saw since the last step: from the commands file if its inbox reads one (rank 0;
+        with several machines the first process of each), from a signal on any rank. Rank 0's clock decides
+        time-based backups, so that every rank backs up at the same step."""
         commands = set()
         if self.inbox is not None:
-            if self.duties.leads:
-                self.inbox.poll()
+            self.inbox.poll()
             commands = self.inbox.take()
         minutes = self.cfg.save.backup_every_n_minutes
         if minutes > 0 and self.duties.leads and time.monotonic() - self.outputs.last_backup_started >= 60 * minutes:

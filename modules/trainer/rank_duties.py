@@ -7,7 +7,8 @@ ranks get stand-ins that do nothing, so the loop never asks which rank it is:
 | --- | --- | --- |
 | events (`@tandem` lines for the GUI) | the callbacks given | `TrainingCallbacks()`, silent |
 | progress bar, TensorBoard scalars, step log lines | `ProgressReporter(leads=True)` | it only keeps time |
-| reading the commands file, the clock of timed backups | yes (`StepExchange` shares what it read) | signals only |
+| reading the commands file | yes (`StepExchange` shares what it read) | signals only; with several machines the first process of each reads its machine's file too (`launch.reads_commands`) |
+| the clock of timed backups | yes | - |
 | the workspace lock of a run no launcher started (a user's torchrun) | takes it | - |
 | INFO logging | stdout | warnings and errors on stderr (`launch.setup_logging`) |
 
