@@ -284,7 +284,11 @@ class SaveConfig:
 @dataclass
 class MultiGPUConfig:
     enabled: bool = rule(False, label="Enable Multi-GPU")
-    """Start several processes (GPUs, or CPU processes) training together with DistributedDataParallel when the GUI or `scripts/train_multi_gpu.py` (which turns it on) starts the run. `scripts/train.py` always trains in one process; workers started by your own torchrun train together whatever this says."""
+    """Start several processes (GPUs, or CPU processes) training together when the GUI or `scripts/train_multi_gpu.py` (which turns it on) starts the run; `strategy` says how the model is spread over them. `scripts/train.py` always trains in one process; workers started by your own torchrun train together whatever this says."""
+    strategy: str = rule("auto", choices=("auto", "ddp", "fsdp"), label="Strategy (auto, ddp, fsdp)")
+    """How the model is spread over the GPUs: `ddp` (DistributedDataParallel: every GPU holds the whole model, its gradients and optimizer state), `fsdp` (FSDP2: parameters, gradients and optimizer state sharded over the GPUs, block by block; for full fine-tunes larger than one GPU), or `auto` (DDP when the memory estimate says the model, gradients, optimizer state and activations fit each GPU, else FSDP; a LoRA that fits always gets DDP; printed at start with the reason)."""
+    fsdp_cpu_offload: bool = rule(False, label="FSDP: keep shards in CPU memory")
+    """With FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory and run the optimizer step there (much less GPU memory, slower steps). Ignored with DDP and on CPU processes."""
     num_gpus: int = rule(0, minimum=0)
     """How many GPUs to use. 0: all visible GPUs (or those in `device_indexes`)."""
     device_indexes: str = ""

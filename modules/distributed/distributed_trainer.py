@@ -1,10 +1,12 @@
-"""The multi-process trainer: the same loop as `GenericTrainer`, with DDP around the trained module.
+"""The multi-process trainer: the same loop as `GenericTrainer`, with DDP or FSDP around the trained module.
 
-What changes with N processes, and nothing else, lives here: joining the process group, identical
-initial weights on every rank, the DistributedDataParallel wrapper (with its bucket, graph and
-compression settings) and skipping the gradient all-reduce on all micro-batches but the last.
+What changes with N processes, and nothing else, lives here: joining the process group, choosing the
+strategy (`multi_gpu.strategy`, `strategy.py`), identical initial weights on every rank, the wrapper
+(DistributedDataParallel with its bucket, graph and compression settings, or FSDP2's sharding,
+`fsdp.py`) and skipping the gradient exchange on all micro-batches but the last.
 The sampler, rank-0-only writing, LR scaling and the loss/command exchange use the rank/world helpers
-in `dist_utils`, which the base loop already calls.
+in `dist_utils`, which the base loop already calls; outputs of a sharded run are written by all ranks
+together (`BaseTrainer.sharded`).
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from modules.util import dist_utils as du
+from modules.distributed import fsdp
 from modules.distributed.process_group import destroy, init_worker
+from modules.distributed.strategy import choose_strategy
 from modules.trainer.base_trainer import BaseTrainer
+from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")
 
@@ -49,8 +53,40 @@ class DistributedTrainer(BaseTrainer):
     def setup_environment(self) -> None:
         self.device = init_worker(self.cfg.multi_gpu.backend, self.device_type, self.cfg.multi_gpu.timeout_minutes)
         self.configure_backends()
+        self.strategy = self.choose_strategy()
+        self.sharded = self.strategy == "fsdp"
+
+    def choose_strategy(self) -> str:
+        """`multi_gpu.strategy`, or what `auto` makes of it (decided on rank 0 from the smallest free GPU
+        memory of all ranks, so that every rank takes the same)."""
+        free = None
+        if self.device.type == "cuda":
+            free = du.gather_objects(torch.cuda.mem_get_info(self.device)[0] / 1024 ** 3)
+        choice = du.broadcast_object(du.on_main(lambda: choose_strategy(
+            self.cfg, du.world_size(), self.device.type, min(free) if free else None)))
+        log.info("Multi-GPU strategy: %s (%s).", choice.strategy.upper(), choice.reason)
+        return choice.strategy
+
+    def enable_gradient_checkpointing(self) -> None:
+        if not self.sharded:  # FSDP checkpoints each block itself, before sharding it (fsdp.shard)
+            super().enable_gradient_checkpointing()
+
+    def move_to_device(self) -> None:
+        if not self.sharded:
+            return super().move_to_device()
+        # The trained module stays where it was loaded: sharding moves each rank's part to the GPU, block
+        # by block, so no GPU ever holds the whole of it.
+        trained = [self.bundle.denoiser, *self.trained_text_encoders()]
+        for module in self.bundle.modules().values():
+            if not any(module is t for t in trained):
+                module.to(self.device)
+
+    def trained_text_encoders(self) -> list[torch.nn.Module]:
+        return self.bundle.trainable_text_encoders() if self.cfg.training.train_text_encoder else []
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.sharded:
+            return self.shard(model)
         m = self.cfg.multi_gpu
         # Randomly initialised LoRA weights differ per rank unless rank 0's are copied everywhere.
         du.broadcast_parameters(model)
@@ -61,7 +97,27 @@ class DistributedTrainer(BaseTrainer):
         register_compression(ddp, m.gradient_compression)
         return ddp
 
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP over the family's blocks (and the layers of text encoders that train); the trained
+        parameters become sharded ones, so the list the optimizer and EMA take is made anew."""
+        t = self.cfg.training
+        if t.method == "lora":  # randomly initialised adapters must start alike on every rank
+            du.broadcast_parameters(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        trained = [names[id(p)] for p in self.trainable]
+        family = self.bundle.family
+        blocks = family.repeated_blocks(self.bundle)
+        for encoder in self.trained_text_encoders():
+            blocks += family.text_encoder_blocks(encoder)
+        fsdp.shard(model, blocks, self.device, t.precision, t.gradient_checkpointing,
+                   self.cfg.multi_gpu.fsdp_cpu_offload)
+        params = dict(model.named_parameters())
+        self.trainable = [params[name] for name in trained]
+        return model
+
     def gradient_sync(self, last_micro_batch: bool):
+        if self.sharded:
+            return fsdp.gradient_sync(self.model, last_micro_batch)
         return contextlib.nullcontext() if last_micro_batch else self.model.no_sync()
 
     def teardown(self) -> None:

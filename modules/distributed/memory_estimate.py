@@ -2,6 +2,9 @@
 
 Every rank of DistributedDataParallel holds a full copy of the model, its gradients and its
 optimizer state, so the per-GPU estimate does not shrink with more GPUs; only the global batch grows.
+With FSDP (`estimate_fsdp`) each rank keeps 1/N of the trained module's parameters, gradients,
+optimizer state and EMA, plus the blocks being gathered at the moment; `modules/distributed/strategy.py`
+compares the two for `multi_gpu.strategy = auto`.
 
 Parameter counts are exact: the networks are built on PyTorch's `meta` device (shapes only, no
 memory, no download) from the base model's own diffusers folder, the demo model's folder, or the
@@ -27,6 +30,9 @@ MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model" / "configs"
 PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
                       "sd2": {"unet": 865.9, "text_encoder": 340.4},
                       "sdxl": {"unet": 2567.5, "text_encoder": 123.1, "text_encoder_2": 694.7}}
+
+TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+"""The diffusers class of each transformer family's denoiser (built on `meta` from its config)."""
 
 # GiB of activations per sample at `ACTIVATION_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA
 # attention, (without, with) gradient checkpointing. Measured on an H200 (torch 2.11+cu130, diffusers
@@ -63,12 +69,28 @@ def _build_vae(config: dict) -> torch.nn.Module:
         return AutoencoderKL(**_known_args(AutoencoderKL, config))
 
 
-def _build_text_encoder(config: dict, with_projection: bool) -> torch.nn.Module:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
-    clip_config = CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+def _build_transformer(class_name: str, config: dict) -> torch.nn.Module:
+    import diffusers
+    cls = getattr(diffusers, class_name)
     with torch.device("meta"):
-        return cls(clip_config)
+        return cls(**_known_args(cls, config))
+
+
+def _build_text_encoder(config: dict, with_projection: bool) -> torch.nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    fields = {k: v for k, v in config.items() if not k.startswith("_") and k != "architectures"}
+    if "T5EncoderModel" in config.get("architectures", ()):
+        with torch.device("meta"):
+            return T5EncoderModel(T5Config(**fields))
+    if "CLIPTextModelWithProjection" in config.get("architectures", ()):
+        with_projection = True
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    with torch.device("meta"):
+        return cls(CLIPTextConfig(**fields))
+
+
+def _is_t5(model: torch.nn.Module) -> bool:
+    return type(model).__name__.startswith("T5")
 
 
 def _known_args(cls, config: dict) -> dict:
@@ -78,16 +100,19 @@ def _known_args(cls, config: dict) -> dict:
     return {k: v for k, v in config.items() if k in names}
 
 
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+
+
 def _read_folder(folder: Path) -> dict:
     """Component configs of a diffusers model folder: `{"unet": {...}, "text_encoder": {...}, ...}`."""
     found = {}
-    for part in ("unet", "text_encoder", "text_encoder_2", "vae"):
+    for part in COMPONENTS:
         path = folder / part / "config.json"
         if path.is_file():
             found[part] = json.loads(path.read_text(encoding="utf-8"))
-    if "unet" not in found:
-        raise EstimateError(f"{folder} has no unet/config.json; model.base_model must be a diffusers folder, "
-                            "a single .safetensors/.ckpt file or builtin:demo.")
+    if "unet" not in found and "transformer" not in found:
+        raise EstimateError(f"{folder} has no unet/config.json or transformer/config.json; model.base_model must "
+                            "be a diffusers folder, a single .safetensors/.ckpt file or a builtin: model.")
     return found
 
 
@@ -128,8 +153,7 @@ def _detect_folder_type(folder: Path) -> str:
 def shipped_components(model_type: str) -> dict:
     """The real-size component configs Tandem ships for `model_type` (modules/model/configs/<type>/)."""
     from modules.model.single_file import shipped_config
-    parts = ("unet", "text_encoder", "text_encoder_2", "vae")
-    return {part: shipped_config(model_type, part) for part in parts
+    return {part: shipped_config(model_type, part) for part in COMPONENTS
             if (MODEL_CONFIGS_DIR / model_type / f"{part}.json").is_file()}
 
 
@@ -137,10 +161,8 @@ def resolve_architecture(cfg) -> tuple[str, str, dict]:
     """(model family, where the shapes came from, component configs) for `cfg.model`."""
     base, model_type = cfg.model.base_model, cfg.model.model_type
     family = guess_family(base, model_type)
-    if family is not None and family not in ACTIVATION_GIB_PER_SAMPLE:
-        raise EstimateError(f"no memory estimate for {FAMILIES[family].title} yet: its activation memory per "
-                            "image has not been measured (the estimate scales measured figures). Start a short "
-                            "run with training.max_steps and watch the GPU memory instead.")
+    if family in TRANSFORMER_CLASSES:
+        return _transformer_architecture(family, base)
     if base == "builtin:demo":
         local = MODEL_CONFIGS_DIR / "demo"
         folder = local if (local / "unet" / "config.json").is_file() else _demo_folder()
@@ -160,13 +182,32 @@ def resolve_architecture(cfg) -> tuple[str, str, dict]:
     return model_type, f"shipped configs {MODEL_CONFIGS_DIR / model_type}", shipped_components(model_type)
 
 
+def _transformer_architecture(family: str, base: str) -> tuple[str, str, dict]:
+    """SD3 / Flux: the folder's own configs, the built-in model's, or the real-size ones Tandem ships."""
+    if base == FAMILIES[family].demo:
+        from modules.model.families import family as family_of
+        folder = Path(family_of(family).build_demo())
+        return family, f"built-in model ({folder})", _read_folder(folder)
+    path = Path(base)
+    if path.is_dir():
+        return family, f"diffusers folder {path}", _read_folder(path)
+    return (family, f"shipped configs {MODEL_CONFIGS_DIR / family} (the published {FAMILIES[family].title} sizes)",
+            shipped_components(family))
+
+
 def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:
     """Shape-only modules for each component config (no memory is allocated)."""
-    models = {"unet": _build_unet(components["unet"])}
-    if "text_encoder" in components:
-        models["text_encoder"] = _build_text_encoder(components["text_encoder"], with_projection=False)
-    if "text_encoder_2" in components:
-        models["text_encoder_2"] = _build_text_encoder(components["text_encoder_2"], with_projection=True)
+    if "unet" in components:
+        models = {"unet": _build_unet(components["unet"])}
+    else:
+        class_name = components["transformer"].get("_class_name")
+        if class_name not in TRANSFORMER_CLASSES.values():
+            raise EstimateError(f"transformer/config.json names {class_name!r}; the estimate knows "
+                                f"{', '.join(TRANSFORMER_CLASSES.values())}.")
+        models = {"transformer": _build_transformer(class_name, components["transformer"])}
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if name in components:
+            models[name] = _build_text_encoder(components[name], with_projection=name == "text_encoder_2")
     if "vae" in components:
         models["vae"] = _build_vae(components["vae"])
     return models
@@ -235,45 +276,66 @@ def frozen_unet_bytes(unet: torch.nn.Module, unet_dtype: str) -> int:
     return sum(linear) + 4 * len(linear) + 2 * (params - sum(linear))
 
 
-def _activation_gib_per_sample(family: str, resolution: int, precision: str, checkpointing: bool) -> float:
+def _activation_gib_per_sample(family: str, resolution: int, precision: str, checkpointing: bool) -> float | None:
+    """None for a family whose activations have not been measured (SD3, Flux)."""
+    if family not in ACTIVATION_GIB_PER_SAMPLE:
+        return None
     without, with_ckpt = ACTIVATION_GIB_PER_SAMPLE[family]
     scale = (resolution / ACTIVATION_REFERENCE_RESOLUTION[family]) ** 2
     return (with_ckpt if checkpointing else without) * scale * (2.0 if precision == "fp32" else 1.0)
 
 
-def estimate(cfg) -> dict:
-    """Per-GPU memory in GiB for training `cfg`: weights, gradients, optimizer state, EMA, activations.
+def _unit_sizes(family: str, denoiser: torch.nn.Module, encoders: list[torch.nn.Module]) -> tuple[int, int]:
+    """(largest FSDP unit, parameters outside every unit) of the trained modules: the family's repeated
+    blocks and the text encoders' layers are the units, as `fsdp.shard` makes them."""
+    from types import SimpleNamespace
 
-    Raises `EstimateError` naming the config field when the model cannot be sized.
+    from modules.model.families import family as family_of
+
+    fam = family_of(family)
+    blocks = fam.repeated_blocks(SimpleNamespace(unet=denoiser, denoiser=denoiser))
+    for encoder in encoders:
+        blocks += fam.text_encoder_blocks(encoder)
+    sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    total = sum(p.numel() for m in [denoiser, *encoders] for p in m.parameters())
+    return max(sizes, default=0), total - sum(sizes)
+
+
+def estimate(cfg) -> dict:
+    """Per-GPU memory in GiB for training `cfg` with DDP: weights, gradients, optimizer state, EMA, activations.
+
+    Raises `EstimateError` naming the config field when the model cannot be sized. Activations are None
+    (and left out of the total) for a family whose activation memory has not been measured.
     """
     family, source, components = resolve_architecture(cfg)
     models = build_meta_models(components)
     t, m = cfg.training, cfg.model
     lora = t.method == "lora"
     counts = {name: sum(p.numel() for p in mod.parameters()) for name, mod in models.items()}
+    denoiser = "unet" if "unet" in models else "transformer"
+    what = "UNet" if denoiser == "unet" else "transformer"
 
     trainable: list[tuple[int, ...]] = []
     if lora:
-        trainable += lora_shapes(models["unet"], t.lora_target_modules, t.lora_rank)
+        trainable += lora_shapes(models[denoiser], t.lora_target_modules, t.lora_rank)
         if not trainable:
             raise EstimateError(f"training.lora_target_modules: {t.lora_target_modules} match no module of "
-                                "the UNet; use names like to_q, to_k, to_v, to_out.0.")
+                                f"the {what}; use names like to_q, to_k, to_v, to_out.0.")
     else:
-        trainable += [tuple(p.shape) for p in models["unet"].parameters()]
-    encoders = [n for n in ("text_encoder", "text_encoder_2") if n in models]
-    if t.train_text_encoder:
-        for name in encoders:
-            trainable += (lora_shapes(models[name], TEXT_ENCODER_LORA_TARGETS, t.lora_rank) if lora
-                          else [tuple(p.shape) for p in models[name].parameters()])
+        trainable += [tuple(p.shape) for p in models[denoiser].parameters()]
+    encoders = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if n in models]
+    trained_encoders = [n for n in encoders if not _is_t5(models[n])] if t.train_text_encoder else []  # T5 never trains
+    for name in trained_encoders:
+        trainable += (lora_shapes(models[name], TEXT_ENCODER_LORA_TARGETS, t.lora_rank) if lora
+                      else [tuple(p.shape) for p in models[name].parameters()])
     trainable_params = sum(_numel(s) for s in trainable)
 
     # Trained weights are kept in fp32 (master weights); frozen ones in their configured dtype.
-    weight_bytes = frozen_unet_bytes(models["unet"], m.unet_dtype) if lora else 0
+    weight_bytes = frozen_unet_bytes(models[denoiser], m.unet_dtype) if lora else 0
     weight_bytes += trainable_params * 4
-    encoder_params = sum(counts[n] for n in encoders)
-    if not (t.train_text_encoder and not lora):
-        weight_bytes += encoder_params * DTYPE_BYTES[m.text_encoder_dtype]
-    weight_bytes += counts.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
+    frozen_encoders = [n for n in encoders if lora or n not in trained_encoders]
+    frozen_encoder_bytes = sum(counts[n] for n in frozen_encoders) * DTYPE_BYTES[m.text_encoder_dtype]
+    weight_bytes += frozen_encoder_bytes + counts.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
 
     gradient_bytes = trainable_params * 4
     ddp_bucket_bytes = gradient_bytes if cfg.multi_gpu.enabled and not cfg.multi_gpu.gradient_as_bucket_view else 0
@@ -281,14 +343,21 @@ def estimate(cfg) -> dict:
                                             cfg.optimizer.prodigy_slice_p)
     ema_bytes = trainable_params * 4 if t.ema else 0
     # Autocast keeps a half-precision copy of every fp32 UNet weight it uses during the forward.
-    fp32_unet = counts["unet"] if (not lora or m.unet_dtype == "fp32") else 0
-    autocast_bytes = 2 * fp32_unet if t.precision in ("bf16", "fp16") else 0
+    fp32_denoiser = counts[denoiser] if (not lora or m.unet_dtype == "fp32") else 0
+    autocast_bytes = 2 * fp32_denoiser if t.precision in ("bf16", "fp16") else 0
 
     per_sample = {ck: _activation_gib_per_sample(family, cfg.data.resolution, t.precision, ck)
                   for ck in (False, True)}
-    activations = per_sample[t.gradient_checkpointing] * t.batch_size
+    measured = per_sample[False] is not None
+    activations = per_sample[t.gradient_checkpointing] * t.batch_size if measured else None
     fixed = (weight_bytes + gradient_bytes + ddp_bucket_bytes + optimizer_bytes + ema_bytes + autocast_bytes) / GIB \
         + RUNTIME_OVERHEAD_GIB
+    largest_unit, outside_units = _unit_sizes(family, models[denoiser], [models[n] for n in trained_encoders])
+    note = ("Weights, gradients and optimizer state are exact for the shapes; activations use a per-sample "
+            "coefficient measured on an H200 and are an estimate." if measured else
+            f"Weights, gradients and optimizer state are exact for the shapes; the activation memory of "
+            f"{FAMILIES[family].title} has not been measured, so it is NOT included: leave room for it (a few "
+            "GiB per image at 1024 px with gradient checkpointing).")
     return {
         "model_type": family,
         "architecture_source": source,
@@ -297,6 +366,7 @@ def estimate(cfg) -> dict:
         "optimizer": cfg.optimizer.name,
         "batch_size": t.batch_size,
         "resolution": cfg.data.resolution,
+        "precision": t.precision,
         "gradient_checkpointing": t.gradient_checkpointing,
         "weights": weight_bytes / GIB,
         "gradients": gradient_bytes / GIB,
@@ -305,19 +375,55 @@ def estimate(cfg) -> dict:
         "ema": ema_bytes / GIB,
         "autocast_cache": autocast_bytes / GIB,
         "activations": activations,
+        "activations_measured": measured,
         "runtime_overhead": RUNTIME_OVERHEAD_GIB,
-        "total": fixed + activations,
+        "total": fixed + (activations or 0.0),
         "fixed": fixed,
         "activations_per_sample": per_sample[False],
         "activations_per_sample_checkpointed": per_sample[True],
-        "note": ("Weights, gradients and optimizer state are exact for the shapes; activations use a "
-                 "per-sample coefficient measured on an H200 and are an estimate."),
+        # What FSDP shards (the trained module: the denoiser and the text encoders that train) and
+        # what it does not (the VAE and frozen text encoders), for estimate_fsdp.
+        "replicated_weights": (sum(counts[n] for n in encoders if n not in trained_encoders)
+                               * DTYPE_BYTES[m.text_encoder_dtype] + counts.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]) / GIB,
+        "largest_unit_params": largest_unit,
+        "params_outside_units": outside_units,
+        "note": note,
     }
 
 
-def largest_batch_that_fits(est: dict, free_gib: float, checkpointing: bool) -> int:
-    """Largest per-GPU batch size whose estimate stays within `free_gib` (0 when none fits)."""
+def estimate_fsdp(est: dict, world_size: int, cpu_offload: bool = False) -> dict:
+    """Per-GPU memory in GiB for the same training with FSDP over `world_size` GPUs, from `estimate`'s result.
+
+    Sharded 1/N: the trained module's weights (frozen LoRA base included), gradients, optimizer state and
+    EMA - or none of them on the GPU with `cpu_offload` (then they take host memory, `host_offload`).
+    Whole on every GPU: the VAE and the frozen text encoders, the parameters outside the blocks (the root
+    unit, kept gathered from forward to backward), two gathered blocks (the running one and the next,
+    prefetched) with the gradients of one, activations and the runtime overhead. No autocast copies:
+    with bf16 the gathered weights are bf16 already.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    compute_bytes = 2 if est["precision"] == "bf16" else 4
+    sharded = est["weights"] - est["replicated_weights"] + est["gradients"] + est["optimizer_state"] + est["ema"]
+    unit = est["largest_unit_params"] * compute_bytes / GIB
+    gathered = 2 * unit + unit + est["params_outside_units"] * compute_bytes / GIB
+    on_gpu_sharded = 0.0 if cpu_offload else sharded / world_size
+    fixed = on_gpu_sharded + est["replicated_weights"] + gathered + est["runtime_overhead"]
+    return {
+        "strategy": "fsdp", "world_size": world_size, "cpu_offload": cpu_offload,
+        "sharded": on_gpu_sharded, "host_offload": sharded / world_size if cpu_offload else 0.0,
+        "replicated_weights": est["replicated_weights"], "gathered_blocks": gathered,
+        "activations": est["activations"], "runtime_overhead": est["runtime_overhead"],
+        "fixed": fixed, "total": fixed + (est["activations"] or 0.0),
+    }
+
+
+def largest_batch_that_fits(est: dict, free_gib: float, checkpointing: bool) -> int | None:
+    """Largest per-GPU batch size whose estimate stays within `free_gib` (0 when none fits; None when the
+    family's activation memory is unknown)."""
     per_sample = est["activations_per_sample_checkpointed" if checkpointing else "activations_per_sample"]
+    if per_sample is None:
+        return None
     room = free_gib - est["fixed"]
     if room <= 0 or per_sample <= 0:
         return 0

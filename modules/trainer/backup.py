@@ -7,6 +7,8 @@ Folders of the layout before run ids (`backups/step-<N>`) are still found and re
 
 A backup folder holds the trained weights (`weights.safetensors`), the rest of the state (`state.pt`:
 optimizer, schedule, sampler position, step, RNG of every rank, EMA, loss scaler) and `backup.json`.
+A sharded (FSDP) run writes `shards/` instead of the weights, with the optimizer state and EMA in it
+too, every rank its own part (`sharded_backup.py`); `state.pt` then holds only the plain values.
 `state.pt` holds tensors and plain values only and is read with `weights_only=True`, so a doctored
 backup cannot run code when it is resumed. The folder is written under a temporary name and renamed
 into place in one step, so a crash mid-write leaves the previous backup as the newest complete one.
@@ -72,12 +74,22 @@ def write_backup(backups_dir: Path, run_id: str, step: int, weights: dict[str, t
         return target
     with atomic_directory(target) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        torch.save(state, tmp / STATE)
-        (tmp / MANIFEST).write_text(json.dumps({**manifest, "run_id": run_id, "step": step, "time": time.time()},
-                                               indent=2))
+        write_state_and_manifest(tmp, run_id, step, state, manifest)
+    rotate(run_dir, keep)
+    return target
+
+
+def write_state_and_manifest(folder: Path, run_id: str, step: int, state: dict, manifest: dict) -> None:
+    """The non-weight part of a backup folder: `state.pt` and, last, `backup.json` (what marks it complete)."""
+    torch.save(state, folder / STATE)
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "run_id": run_id, "step": step, "time": time.time()},
+                                              indent=2))
+
+
+def rotate(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete backups of one run."""
     for old in _complete_in(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return target
 
 
 def _complete_in(folder: Path) -> list[Path]:
@@ -155,6 +167,13 @@ def read_backup(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     need to run code to load."""
     path = Path(path)
     weights = load_file(str(path / WEIGHTS))
+    state, manifest = read_state_and_manifest(path)
+    return weights, state, manifest
+
+
+def read_state_and_manifest(path: Path) -> tuple[dict, dict]:
+    """(state, manifest) of a backup folder, the state read without running any code (UnsafeBackupError)."""
+    path = Path(path)
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             state = torch.load(path / STATE, map_location="cpu", weights_only=True)
@@ -164,7 +183,7 @@ def read_backup(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
             f"{path / STATE} holds something other than tensors and plain values, which could run code when "
             f"loaded, so it was not loaded{f' ({found})' if found else ''}. Resume only backups Tandem wrote.") from None
     manifest = json.loads((path / MANIFEST).read_text())
-    return weights, state, manifest
+    return state, manifest
 
 
 def remove_interrupted(backups_dir: Path) -> None:

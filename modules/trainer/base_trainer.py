@@ -22,6 +22,7 @@ import torch
 from modules.config import RunPaths, TrainConfig, save_config
 from modules.util import dist_utils as du
 from modules.trainer import backup as backups
+from modules.trainer import sharded_backup
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
@@ -51,6 +52,10 @@ FP16_SKIPS_TOLERATED = 10
 
 
 class BaseTrainer(ABC):
+    sharded = False
+    """Whether every rank holds only a shard of the trained weights (FSDP): outputs are then written by all
+    ranks together (`outputs.py`, `sharded_backup.py`)."""
+
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
@@ -255,8 +260,8 @@ class BaseTrainer(ABC):
         for dead_end in bundle.unused_text_encoder_modules():
             dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
         if t.gradient_checkpointing:
-            bundle.denoiser.enable_gradient_checkpointing()
-        bundle.to(self.device)
+            self.enable_gradient_checkpointing()
+        self.move_to_device()
         if t.channels_last:
             # NHWC convolution weights (4-D tensors only); a convolution then runs in NHWC and so do its
             # outputs, whatever the layout of the latents fed in. Parameters keep their identity (their
@@ -268,6 +273,13 @@ class BaseTrainer(ABC):
         for te in bundle.text_encoders:
             te.train(any(te is trained for trained in trained_encoders))
         return params
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.bundle.denoiser.enable_gradient_checkpointing()
+
+    def move_to_device(self) -> None:
+        """Every part of the model onto the training device (sharded training moves the trained part later)."""
+        self.bundle.to(self.device)
 
     def trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.trainable if p.requires_grad]
@@ -634,7 +646,7 @@ class BaseTrainer(ABC):
     def check_weights_finite(self) -> None:
         """Before anything is written from the weights: every trained weight must be a finite number."""
         params = self.trainable_params()
-        if params and not bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()):
+        if params and not du.all_finite(params):
             self.fail_non_finite(f"the trained weights hold NaN or infinite values after step {self.global_step}")
 
     def fail_non_finite(self, what: str) -> None:
@@ -662,11 +674,16 @@ class BaseTrainer(ABC):
     def training_state(self) -> dict:
         # A schedule-free optimizer is always in train mode here (OutputWriter's evaluation_weights restores
         # it): the backup holds the training weights y with the optimizer's state, which resumes exactly.
+        return {**self.progress_state(), "optimizer": self.optimizer.state_dict(),
+                "ema": self.ema.state_dict() if self.ema else None}
+
+    def progress_state(self) -> dict:
+        """Where the run stands, in plain values: step, sampler, schedule, loss scaler, every rank's RNG
+        (a collective: every rank calls it), and which optimizer the state belongs to."""
         return {
             "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "optimizer_name": self.cfg.optimizer.name,
-            "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
-            "scaler": self.scaler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
+            "lr_schedule": self.lr_schedule.state_dict(), "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(), "accumulation": self.numbers.accumulation,
             "rng": du.gather_objects(rng_state()),
             "world_size": du.world_size(),
@@ -690,38 +707,54 @@ class BaseTrainer(ABC):
             if others:
                 log.info(others)
             return
-        weights, state, manifest = backups.read_backup(chosen.path)
-        self.load_training_state(weights, state)
+        fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
+        if sharded_backup.is_sharded(chosen.path):
+            state, _ = sharded_backup.load_sharded_backup(self, chosen.path)
+        else:
+            weights, state, _ = backups.read_backup(chosen.path)
+            self.load_trained_tensors(weights, state)
+        self.restore_progress(state, fresh_base_lrs)
         log.info("Continuing %s from %s (now at step %d, epoch %d)", chosen.describe(), chosen.path,
                  self.global_step, self.epoch + 1)
 
-    def load_training_state(self, weights: dict, state: dict) -> None:
+    def load_trained_tensors(self, weights: dict, state: dict) -> None:
+        """A backup's trained weights, optimizer state and EMA (whole tensors) into this run's."""
         own = self.trainable_state()
         missing = sorted(set(own) - set(weights))
         if missing:
             raise ValueError(f"the backup does not match this model/training method (missing {missing[:3]}...); "
                              "start fresh or use the config the backup was made with.")
+        self.check_backup_optimizer(state)
+        if self.sharded:  # every rank keeps its part of each whole tensor
+            names = dict(zip(own, sharded_backup.parameter_names(self, own.values())))
+            sharded_backup.load_full_backup(self, weights, state, names)
+            return
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(weights[name].to(p.dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+
+    def check_backup_optimizer(self, state: dict) -> None:
+        """Refuse a backup whose optimizer state belongs to another optimizer, before any of it is loaded."""
         saved_optimizer = state.get("optimizer_name")  # backups before it was recorded: not checked
         if saved_optimizer is not None and saved_optimizer != self.cfg.optimizer.name:
             raise ValueError(f"optimizer.name: the backup was trained with {saved_optimizer!r} and this run uses "
                              f"{self.cfg.optimizer.name!r}, whose state it cannot continue; set optimizer.name to "
                              f"{saved_optimizer!r} to continue the backup, or start a new run without resuming.")
-        with torch.no_grad():
-            for name, p in own.items():
-                p.copy_(weights[name].to(p.dtype))
+
+    def restore_progress(self, state: dict, fresh_base_lrs: list[float]) -> None:
+        """Step, sampler position, schedule, loss scaler and RNG from a backup's `progress_state`."""
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.step_in_epoch = state["step_in_epoch"]
         self.sampler.load_state_dict(state["sampler"])  # regroups the epoch's rest if the global batch changed
-        fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
         match_param_layouts(self.optimizer)  # a backup from a run with another training.channels_last
         if is_schedule_free(self.optimizer):
             self.optimizer.train()  # a no-op for Tandem's backups (taken in train mode); converts any other
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.adapt_to_new_global_batch(state, fresh_base_lrs)
         self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
         rngs = state["rng"]
         if du.rank() < len(rngs):
             set_rng_state(rngs[du.rank()])

@@ -40,6 +40,13 @@ class TrainingModel(nn.Module):
         finally:
             self.__dict__["unet_call"] = compiled
 
+    def run_part(self, name: str, *args, **kwargs):
+        """One part's own forward (`unet`, `text_encoders.0`), entered through this module: under sharded
+        training the sampling pipeline calls the parts this way, so FSDP gathers their weights as in a
+        training step (`fsdp.calls_through_root`)."""
+        part = self.get_submodule(name)
+        return type(part).forward(part, *args, **kwargs)
+
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: dict | None,
                 captions: list[str] | None, original_sizes=None, crop_coords=None, target_sizes=None) -> torch.Tensor:
         if text is None:

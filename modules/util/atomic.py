@@ -83,25 +83,43 @@ def atomic_directory(target: str | os.PathLike, replace: bool = False) -> Iterat
     folder is moved aside and deleted only once the new one is in place, so at every moment either
     the complete old or the complete new folder exists.
     """
+    tmp = begin_directory(target, replace)
+    try:
+        yield tmp
+        commit_directory(tmp, target)
+    finally:
+        discard_directory(tmp)
+
+
+def begin_directory(target: str | os.PathLike, replace: bool = False) -> Path:
+    """The first half of `atomic_directory`, for a folder that several processes fill (sharded backups):
+    an empty temporary folder beside `target`. Finish with `commit_directory`, or `discard_directory`."""
     target = Path(target)
     if target.exists() and not replace:
         raise FileExistsError(f"{target} already exists; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _make_temporary_folder(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        yield tmp
-        _follow_umask(tmp)
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            old.rmdir()
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    return _make_temporary_folder(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+
+
+def commit_directory(tmp: Path, target: str | os.PathLike) -> None:
+    """Make the complete temporary folder `tmp` the folder `target` in one step (an old one is replaced),
+    its contents given the umask's permissions first."""
+    target = Path(target)
+    _follow_umask(tmp)
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        old.rmdir()
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_directory(tmp: Path) -> None:
+    """Delete a temporary folder that did not become its target (a no-op once committed)."""
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_folder_once(target: str | os.PathLike, build: Callable[[Path], None],

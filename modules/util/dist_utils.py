@@ -142,3 +142,20 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
         dist.broadcast(buf, src=src)
         if buf.data_ptr() != p.data.data_ptr():
             p.data.copy_(buf)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (FSDP's DTensor parameters), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element is a finite number - over every rank's shard when the tensors are sharded,
+    so that all ranks give the same answer."""
+    parts = [local_part(t.detach()) for t in tensors]
+    finite = torch.stack([torch.isfinite(p).all() for p in parts]).all()
+    if is_distributed() and any(hasattr(t, "to_local") for t in tensors):
+        bad = all_reduce_sum_tensor((~finite).to(torch.float32).reshape(1))
+        return bool(bad.item() == 0)
+    return bool(finite)

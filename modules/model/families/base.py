@@ -146,6 +146,20 @@ class ModelFamily(ABC):
                 f"{self.info.title} takes images whose sides are multiples of {step} px, but the buckets include "
                 f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
 
+    # ------------------------------------------------------------------ sharding
+
+    @abstractmethod
+    def repeated_blocks(self, bundle: "ModelBundle") -> list[nn.Module]:
+        """The denoiser's repeated blocks. Sharded training (FSDP) shards each one as
+        a unit - gathered whole just before it runs, freed after - and gradient checkpointing under FSDP
+        recomputes each one; whatever lies outside them stays in the whole model's own unit."""
+
+    def text_encoder_blocks(self, encoder: nn.Module) -> list[nn.Module]:
+        """The repeated layers of a text encoder that trains (CLIP's `text_model.encoder.layers`)."""
+        text_model = getattr(encoder, "text_model", encoder)
+        layers = getattr(getattr(text_model, "encoder", None), "layers", None)
+        return list(layers) if layers is not None else []
+
     # ------------------------------------------------------------------ sampling
 
     @abstractmethod

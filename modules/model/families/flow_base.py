@@ -187,6 +187,13 @@ class FlowFamily(ModelFamily):
 
         return as_dtype(load_vae_file(path, model_type=self.name, config=config), dtype)
 
+    # ------------------------------------------------------------------ sharding
+
+    def repeated_blocks(self, bundle):
+        """The transformer's blocks: SD3's joint blocks; Flux's double-stream, then single-stream blocks."""
+        transformer = bundle.denoiser
+        return list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", []))
+
     # ------------------------------------------------------------------ single files
 
     def layout(self, config, keys: Sequence[str]) -> list[layout.Entry]:

@@ -208,6 +208,16 @@ class SDFamily(ModelFamily):
         vae_factor = 2 ** (len(bundle.vae.config.block_out_channels) - 1)
         return vae_factor * 2 ** (len(bundle.unet.config.block_out_channels) - 1)
 
+    # ------------------------------------------------------------------ sharding
+
+    def repeated_blocks(self, bundle):
+        """Every ResNet block and every transformer block of the UNet: the units diffusers' own gradient
+        checkpointing recomputes, so checkpointing under FSDP keeps the same activations as under DDP."""
+        from diffusers.models.attention import BasicTransformerBlock
+        from diffusers.models.resnet import ResnetBlock2D
+
+        return [m for m in bundle.unet.modules() if isinstance(m, (ResnetBlock2D, BasicTransformerBlock))]
+
     # ------------------------------------------------------------------ saving
 
     def model_index_extras(self):

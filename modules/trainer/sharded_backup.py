@@ -1,0 +1,207 @@
+"""Backups of a sharded (FSDP) run, through `torch.distributed.checkpoint` (DCP).
+
+No rank holds the whole model, so no rank can write `weights.safetensors`: every rank writes its own
+shards of the trained weights, the optimizer state and the EMA into `shards/` (DCP's format: one
+`.distcp` file per rank and a `.metadata` index). Rank 0 adds `state.pt` - the plain values: step,
+sampler position, schedule, RNG of every rank, and the optimizer's per-parameter hyper-parameters -
+and `backup.json`, and renames the folder into place, as for every backup (`backup.py`).
+
+Reading reshards: DCP loads each tensor into whatever shape this run holds it in, so a backup of N
+processes resumes on M processes, sharded or not (one process, DDP), and a one-process or DDP backup
+resumes under FSDP (`load_full_backup`). Keys are the trained module's own parameter names
+(`unet.…`, `text_encoders.0.…`), the same in every strategy.
+
+Safety: `state.pt` is read with `weights_only=True` and DCP's `.metadata` index (a pickle) with an
+unpickler that allows DCP's own metadata classes only, so a doctored backup cannot run code. Only
+tensors go through DCP (its non-tensor entries would be unpickled freely).
+
+Written synchronously: every rank writes its 1/N at once, and training waits. DCP's `async_save` would
+let training go on, but it needs a copy of every rank's shards in host memory (for a Flux full
+fine-tune the whole 190 GB of weights and Adam state, on the host, next to the CPU copy training may
+already keep) and a second process group for its background collectives; that is the next step.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+
+from modules.util import dist_utils as du
+from modules.trainer import backup as backups
+from modules.util.atomic import begin_directory, commit_directory, discard_directory
+
+SHARDS = "shards"
+FORMAT = "sharded"
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDS).is_dir()
+
+
+def _options(full: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    # Frozen weights (a LoRA's base) come from the base model, never from a backup.
+    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, full_state_dict=full,
+                            strict=False)
+
+
+def _module(trainer) -> torch.nn.Module:
+    return getattr(trainer.model, "module", trainer.model)  # the TrainingModel (DDP wraps it)
+
+
+def parameter_names(trainer, params) -> list[str]:
+    names = {id(p): name for name, p in _module(trainer).named_parameters()}
+    return [names[id(p)] for p in params]
+
+
+def _state_dicts(trainer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    return get_state_dict(trainer.model, trainer.optimizer, options=_options())
+
+
+def checkpoint_state(trainer) -> tuple[dict, dict]:
+    """(tensors through DCP, the optimizer's non-tensor entries) of this step; the tensors are the live
+    sharded ones, so the backup must be written before the next step changes them."""
+    model, optimizer = _state_dicts(trainer)
+    tensors = {"model": model, "optimizer": {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
+    if trainer.ema is not None:
+        tensors["ema"] = dict(zip(parameter_names(trainer, trainer.ema.params), trainer.ema.shadow))
+    return tensors, {k: v for k, v in optimizer.items() if not isinstance(v, torch.Tensor)}
+
+
+def write_sharded_backup(backups_dir: Path, run_id: str, step: int, tensors: dict, state: dict, manifest: dict,
+                         keep: int) -> Path:
+    """Write one backup with every rank (a collective); returns its path. All ranks raise together if
+    any part fails; a half-written folder never becomes a backup."""
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(backups_dir) / run_id / backups.backup_name(step)
+    if du.broadcast_object(target.exists() if du.is_main() else None):
+        return target  # this very step was backed up already ("backup now" twice)
+    tmp = du.broadcast_object(du.on_main(lambda: begin_directory(target)))
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp / SHARDS))
+
+        def finish() -> None:
+            backups.write_state_and_manifest(tmp, run_id, step, state, {**manifest, "format": FORMAT})
+            commit_directory(tmp, target)
+            backups.rotate(target.parent, keep)
+        du.on_main(finish)
+    finally:
+        if du.is_main():
+            discard_directory(tmp)
+    return target
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's index, unpickled with only the classes it is made of: a pickle naming anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" or name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise backups.UnsafeBackupError(
+            f"the sharded backup's index names {module}.{name}, which is not part of a checkpoint index and could "
+            "run code when loaded, so it was not loaded. Resume only backups Tandem wrote.")
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            data = (Path(self.path) / ".metadata").read_bytes()
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(Path(path) / SHARDS))
+
+
+def _saved_keys(path: Path) -> set[str]:
+    return set(_reader(path).read_metadata().state_dict_metadata)
+
+
+def load_sharded_backup(trainer, path: Path) -> tuple[dict, dict]:
+    """Load a sharded backup's tensors into the trainer's model, optimizer and EMA, in whatever layout
+    this run holds them (sharded or whole, any number of processes); returns (plain state, manifest)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    state, manifest = backups.read_state_and_manifest(path)
+    trainer.check_backup_optimizer(state)
+    model, optimizer = _state_dicts(trainer)  # templates in this run's layout
+    tensors = {"model": model, "optimizer": {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
+    saved = {key.split(".", 1)[0] for key in _saved_keys(path)}
+    if trainer.ema is not None and "ema" in saved:
+        tensors["ema"] = dict(zip(parameter_names(trainer, trainer.ema.params), trainer.ema.shadow))
+    _check_same_parameters(path, set(model), state)
+    dcp.load(tensors, storage_reader=_reader(path))
+    optimizer = {**optimizer, **tensors["optimizer"], **state.pop("optimizer_entries")}
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict=optimizer, options=_options())
+    return state, manifest
+
+
+def _check_same_parameters(path: Path, wanted: set[str], state: dict) -> None:
+    have = set(state.get("trained_parameters", ()))
+    missing = sorted(wanted - have)
+    if missing:
+        raise ValueError(f"the backup {path} does not match this model/training method (missing {missing[:3]}...); "
+                         "start fresh or use the config the backup was made with.")
+
+
+def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, names: dict[str, str]) -> None:
+    """A backup of whole tensors (one process or DDP: `weights.safetensors`, the optimizer's state dict by
+    parameter index) into a sharded model: each rank keeps its part. `names`: backup name -> parameter name."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from modules.distributed.fsdp import copy_full_into
+
+    order = parameter_names(trainer, [p for g in trainer.optimizer.param_groups for p in g["params"]])
+    saved = state["optimizer"]
+    optimizer = {}
+    for group in saved["param_groups"]:
+        for index in group["params"]:
+            name = order[index]
+            for key, value in saved["state"].get(index, {}).items():
+                optimizer[f"state.{name}.{key}"] = value
+            for key, value in group.items():
+                if key != "params":
+                    optimizer[f"param_groups.{name}.{key}"] = value
+    model = {names[key]: value for key, value in weights.items() if key in names}
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model, optim_state_dict=optimizer,
+                   options=_options(full=True))
+    if trainer.ema is not None and state.get("ema") is not None:
+        for shadow, full in zip(trainer.ema.shadow, state["ema"]["shadow"]):
+            copy_full_into(shadow, full)
+
+
+def read_sharded_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole trained weights of a sharded backup, by parameter name, read in this process alone (tools,
+    tests): `{"unet.conv_in.weight": tensor, ...}`."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = _reader(path)
+    metadata = reader.read_metadata().state_dict_metadata
+    model = {key.split(".", 1)[1]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.items() if key.startswith("model.")}
+    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
