@@ -1,12 +1,15 @@
 """Save a fully trained model: a diffusers folder, or one single-file checkpoint in the family's layout.
 
-Weights are converted to the save dtype one tensor at a time, so the model being trained is never
-touched (no lossy in-place dtype round trip) and no full second copy in the training dtype is made.
+Weights are converted to the save dtype and written one block at a time (`streamed_save.py`), so the
+model being trained is never touched (no lossy in-place dtype round trip), no full second copy of it is
+made, and a sharded run (FSDP) writes the same files without ever gathering the whole model.
 The folder layout is the same for every family (one subfolder per component, as the family's
-pipeline saves it); the single-file layout is the family's (`family.save_single_file`).
+pipeline saves it); the single-file layout is the family's (`family.single_file_parts`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -16,6 +19,9 @@ from modules.util.atomic import atomic_directory
 
 from .bundle import ModelBundle, checkpoint_text_encoder_key, text_encoder_name
 from .files import resolve_save_dtype
+from .streamed_save import LOCAL, FilePart, TensorSource, stream_file
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def save_full_diffusers(
@@ -23,37 +29,68 @@ def save_full_diffusers(
     folder: str | Path,
     dtype: str | torch.dtype = "fp16",
     unet_state_override: dict[str, torch.Tensor] | None = None,
+    source: TensorSource = LOCAL,
 ) -> Path:
     """Write a complete diffusers model folder that `from_pretrained` (and Tandem) can load.
 
     `unet_state_override` replaces the denoiser's weights (UNet or transformer; e.g. the EMA copy). The folder is written
-    beside its final place and renamed in, so an existing output is replaced whole or not at all.
+    beside its final place and renamed in, so an existing output is replaced whole or not at all. Each
+    weight file is written piece by piece (`streamed_save`); under sharded training every rank calls this
+    with a `source` that gathers the sharded weights, and only the writing rank touches the disk.
     """
-    import diffusers
-
     torch_dtype = resolve_save_dtype(dtype)
     folder = Path(folder)
     _refuse_adapters(bundle)
-    denoiser = bundle.denoiser
-    unet_state = unet_state_override if unet_state_override is not None else denoiser.state_dict()
-    _check_same_keys(denoiser.state_dict(), unet_state)
-
-    with atomic_directory(folder, replace=True) as temp:
-        _save_diffusers_model(denoiser, unet_state, temp / bundle.denoiser_name, torch_dtype)
-        _save_diffusers_model(bundle.vae, bundle.vae.state_dict(), temp / "vae", torch_dtype)
-        components = {bundle.denoiser_name: denoiser, "vae": bundle.vae}
-        for index, (encoder, tokenizer) in enumerate(zip(bundle.text_encoders, bundle.tokenizers)):
-            name = text_encoder_name(index)
-            _save_text_encoder(encoder, temp / name, torch_dtype)
-            tokenizer.save_pretrained(temp / name.replace("text_encoder", "tokenizer"))
-            components[name] = encoder
-            components[name.replace("text_encoder", "tokenizer")] = tokenizer
-        scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
-        scheduler.save_pretrained(temp / "scheduler")
-        components["scheduler"] = scheduler
-        index = _model_index(bundle.family, components, diffusers.__version__)
-        (temp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if unet_state_override is not None:
+        _check_same_keys(bundle.denoiser.state_dict(), unet_state_override)
+    with (atomic_directory(folder, replace=True) if source.writes else contextlib.nullcontext(folder)) as temp:
+        for relative, part in diffusers_weight_files(bundle, unet_state_override):
+            if source.writes:
+                (temp / relative).parent.mkdir(parents=True, exist_ok=True)
+            stream_file(temp / relative, [part], torch_dtype, {"format": "pt"}, source)
+        if source.writes:
+            _write_configs(bundle, temp, torch_dtype)
     return folder
+
+
+def diffusers_weight_files(bundle: ModelBundle, unet_state_override: dict | None = None) -> list[tuple[str, FilePart]]:
+    """(path in the folder, what it holds) of every weight file of the bundle's diffusers folder."""
+    denoiser = bundle.denoiser
+    denoiser_state = (lambda: dict(unet_state_override)) if unet_state_override is not None else denoiser.state_dict
+    files = [(f"{bundle.denoiser_name}/{DIFFUSERS_WEIGHTS}",
+              FilePart(denoiser, denoiser_state, dict, tuple(bundle.family.repeated_blocks(bundle)))),
+             (f"vae/{DIFFUSERS_WEIGHTS}", FilePart(bundle.vae, bundle.vae.state_dict, dict))]
+    for index, encoder in enumerate(bundle.text_encoders):
+        # CLIP: checkpoint key names (with `text_model.`) load in transformers 4 and 5 alike.
+        is_clip = type(encoder).__name__.startswith("CLIP")
+        rename = (lambda state: {checkpoint_text_encoder_key(k): v for k, v in state.items()}) if is_clip else dict
+        files.append((f"{text_encoder_name(index)}/model.safetensors",
+                      FilePart(encoder, functools.partial(_untied, encoder), rename,
+                               tuple(bundle.family.text_encoder_blocks(encoder)))))
+    return files
+
+
+def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
+    """Everything of the folder but the weights: configs, tokenizers, scheduler, model_index.json."""
+    import diffusers
+
+    bundle.denoiser.save_config(folder / bundle.denoiser_name)
+    bundle.vae.save_config(folder / "vae")
+    components = {bundle.denoiser_name: bundle.denoiser, "vae": bundle.vae}
+    for index, (encoder, tokenizer) in enumerate(zip(bundle.text_encoders, bundle.tokenizers)):
+        name = text_encoder_name(index)
+        config = encoder.config.to_dict()
+        config["architectures"] = [type(encoder).__name__]
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (folder / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+        tokenizer.save_pretrained(folder / name.replace("text_encoder", "tokenizer"))
+        components[name] = encoder
+        components[name.replace("text_encoder", "tokenizer")] = tokenizer
+    scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
+    scheduler.save_pretrained(folder / "scheduler")
+    components["scheduler"] = scheduler
+    index = _model_index(bundle.family, components, diffusers.__version__)
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def save_full_single_file(
@@ -61,14 +98,19 @@ def save_full_single_file(
     path: str | Path,
     dtype: str | torch.dtype = "fp16",
     unet_state_override: dict[str, torch.Tensor] | None = None,
+    source: TensorSource = LOCAL,
 ) -> Path:
     """Write one `.safetensors` checkpoint in the layout of the family's original files (SD: LDM, as
-    A1111/ComfyUI/Forge read it; SD3.5: Stability's; Flux: Black Forest Labs')."""
+    A1111/ComfyUI/Forge read it; SD3.5: Stability's; Flux: Black Forest Labs'), piece by piece
+    (`streamed_save`; `source` as for `save_full_diffusers`)."""
     _refuse_adapters(bundle)
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
     if unet_state_override is not None:
         _check_same_keys(bundle.denoiser.state_dict(), unet_state_override)
-    bundle.family.save_single_file(bundle, Path(path), resolve_save_dtype(dtype), unet_state_override)
-    return Path(path)
+    parts, metadata = bundle.family.single_file_parts(bundle, unet_state_override)
+    return stream_file(path, parts, resolve_save_dtype(dtype), metadata, source)
 
 
 def _refuse_adapters(bundle: ModelBundle) -> None:
@@ -87,36 +129,6 @@ def _check_same_keys(expected: dict, given: dict) -> None:
             f"unet_state_override does not match the denoiser: {len(missing)} missing keys "
             f"(e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]})"
         )
-
-
-def _converted(state: dict[str, torch.Tensor], dtype: torch.dtype, rename=lambda key: key) -> dict[str, torch.Tensor]:
-    # Floating tensors take the save dtype; integer buffers (e.g. CLIP position ids) keep theirs.
-    return {
-        rename(key): (value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype)).contiguous()
-        for key, value in state.items()
-    }
-
-
-def _save_diffusers_model(model, state: dict, folder: Path, dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    model.save_config(folder)
-    save_file(_converted(state, dtype), folder / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
-
-
-def _save_text_encoder(encoder, folder: Path, dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    config = encoder.config.to_dict()
-    config["architectures"] = [type(encoder).__name__]
-    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    # CLIP: checkpoint key names (with `text_model.`) load in transformers 4 and 5 alike.
-    is_clip = type(encoder).__name__.startswith("CLIP")
-    state = _converted(_untied(encoder), dtype, checkpoint_text_encoder_key if is_clip else (lambda key: key))
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def _untied(model) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ back identical tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +48,7 @@ from modules.model.ldm_layout import clip_to_ldm, open_clip_to_ldm, unet_to_ldm,
 from modules.model.files import resolve_save_dtype
 from modules.model.pickled import load_pickled_state
 from modules.model.tokenizer import OPEN_CLIP_PAD_TOKEN, clip_tokenizer
-from modules.util.atomic import save_safetensors_atomically
+from modules.model.streamed_save import LOCAL, FilePart, stream_file
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
@@ -207,9 +208,8 @@ def _clip_keys_for(model, canonical: dict) -> dict:
     return {k.removeprefix("text_model."): v for k, v in canonical.items()}
 
 
-def _canonical_clip_state(model) -> dict:
-    """`model.state_dict()` with `text_model.` prefixes whatever the transformers version."""
-    state = model.state_dict()
+def _canonical_keys(model, state: dict) -> dict:
+    """`state` (of `model`, or a part of it) with `text_model.` prefixes whatever the transformers version."""
     if hasattr(model, "text_model"):
         return state
     return {k if k.startswith("text_projection") else "text_model." + k: v for k, v in state.items()}
@@ -340,30 +340,45 @@ def save_single_file(
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
         raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
-    dtype = resolve_save_dtype(dtype)
-    unet_state = dict(unet_state_override) if unet_state_override is not None else bundle.unet.state_dict()
-    expected = set(bundle.unet.state_dict())
-    if set(unet_state) != expected:
-        diff = sorted(set(unet_state) ^ expected)
-        raise ValueError(
-            f"unet_state_override does not match the UNet's keys ({len(diff)} differ, e.g. {', '.join(diff[:3])}); "
-            "merge LoRA weights into a plain diffusers UNet state dict first."
-        )
-    ldm = unet_to_ldm(unet_state, bundle.unet.config)
-    ldm.update(vae_to_ldm(bundle.vae.state_dict(), bundle.vae.config))
-    configs = {"unet": _model_config(bundle.unet), "vae": _model_config(bundle.vae)}
+    parts, metadata = single_file_parts(bundle, unet_state_override)
+    return stream_file(path, parts, resolve_save_dtype(dtype), metadata, LOCAL)
+
+
+def single_file_parts(bundle, unet_state_override: Mapping | None = None) -> tuple[list[FilePart], dict[str, str]]:
+    """The parts of an SD single file (UNet, VAE, text encoders, each with its LDM renaming) and its
+    metadata; written whole or, under sharded training, block by block (`streamed_save`)."""
+    from modules.model.families import family
+
+    blocks = family(bundle.model_type)
+    unet, vae = bundle.unet, bundle.vae
+    unet_state = unet.state_dict
+    if unet_state_override is not None:
+        expected = set(unet.state_dict())
+        if set(unet_state_override) != expected:
+            diff = sorted(set(unet_state_override) ^ expected)
+            raise ValueError(
+                f"unet_state_override does not match the UNet's keys ({len(diff)} differ, e.g. {', '.join(diff[:3])}); "
+                "merge LoRA weights into a plain diffusers UNet state dict first."
+            )
+        unet_state = lambda: dict(unet_state_override)  # noqa: E731
+    parts = [FilePart(unet, unet_state, lambda state: unet_to_ldm(state, unet.config), tuple(blocks.repeated_blocks(bundle))),
+             FilePart(vae, vae.state_dict, lambda state: vae_to_ldm(state, vae.config))]
+    configs = {"unet": _model_config(unet), "vae": _model_config(vae)}
     prefixes = _TEXT_PREFIXES[bundle.model_type]
     for index, (prefix, encoder) in enumerate(zip(prefixes, bundle.text_encoders, strict=True)):
-        canonical = _canonical_clip_state(encoder)
-        is_openai_clip = prefix.endswith("transformer.")
-        ldm.update(clip_to_ldm(canonical, prefix) if is_openai_clip else open_clip_to_ldm(canonical, prefix))
+        parts.append(FilePart(encoder, encoder.state_dict, functools.partial(_encoder_to_ldm, encoder, prefix),
+                              tuple(blocks.text_encoder_blocks(encoder))))
         configs["text_encoder" if index == 0 else "text_encoder_2"] = _model_config(encoder)
-
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in ldm.items()}
     metadata = {
         "format": "pt",
         META_MODEL_TYPE: bundle.model_type,
         META_PREDICTION_TYPE: bundle.prediction_type,
         META_CONFIGS: json.dumps(configs),
     }
-    return save_safetensors_atomically(tensors, path, metadata)
+    return parts, metadata
+
+
+def _encoder_to_ldm(encoder, prefix: str, state: dict) -> dict:
+    canonical = _canonical_keys(encoder, state)
+    is_openai_clip = prefix.endswith("transformer.")
+    return clip_to_ldm(canonical, prefix) if is_openai_clip else open_clip_to_ldm(canonical, prefix)

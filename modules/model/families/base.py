@@ -8,7 +8,7 @@ call the bundle's family (`bundle.family`), which knows how its models are
 - **trained** (`objective`: noise and timesteps for the global batch, the noisy input, the target, the
   loss, and how the denoiser is called - packing, position ids, guidance input),
 - **sampled** (`pipeline` and `pipeline_arguments`: the stock diffusers pipeline),
-- **saved** (`save_single_file`, the diffusers folder's `model_index.json`, the kohya LoRA layout).
+- **saved** (`single_file_parts`, the diffusers folder's `model_index.json`, the kohya LoRA layout).
 
 One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`. Their static
 facts (name, pipeline class, image-size step, the config fields they use) are in
@@ -182,9 +182,10 @@ class ModelFamily(ABC):
         return {}
 
     @abstractmethod
-    def save_single_file(self, bundle: "ModelBundle", path: Path, dtype: torch.dtype,
-                         denoiser_state_override: dict | None = None) -> Path:
-        """One `.safetensors` in the layout the family's original checkpoints use."""
+    def single_file_parts(self, bundle: "ModelBundle", denoiser_state_override: dict | None = None):
+        """(parts, metadata) of one `.safetensors` in the layout the family's original checkpoints use: each
+        part a module and how a piece of its state dict is named there (`streamed_save.FilePart`);
+        `saving.save_full_single_file` writes them."""
 
     # ------------------------------------------------------------------ real-size random models
 

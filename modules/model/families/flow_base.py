@@ -231,25 +231,23 @@ class FlowFamily(ModelFamily):
         """The file's own VAE, or None when it has none (then the components folder's is used)."""
         return None
 
-    def save_single_file(self, bundle, path, dtype, denoiser_state_override=None):
-        from modules.util.atomic import save_safetensors_atomically
+    def single_file_parts(self, bundle, denoiser_state_override=None):
+        from modules.model.streamed_save import FilePart
 
-        path = Path(path)
-        if path.suffix.lower() != ".safetensors":
-            raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
         transformer = bundle.denoiser
-        state = dict(denoiser_state_override) if denoiser_state_override is not None else transformer.state_dict()
-        tensors = layout.to_original(state, self.layout(transformer.config, state), self.file_prefix)
+        state = (lambda: dict(denoiser_state_override)) if denoiser_state_override is not None else transformer.state_dict
+        entries = self.layout(transformer.config, list(state()))
+        parts = [FilePart(transformer, state, lambda piece: layout.to_original(piece, entries, self.file_prefix),
+                          tuple(self.repeated_blocks(bundle)))]
         configs = {"transformer": plain_config(transformer.config)}
-        tensors.update(self.extra_file_tensors(bundle, configs))
+        parts += self.extra_file_parts(bundle, configs)
         metadata = {"format": "pt", META_MODEL_TYPE: self.name, META_CONFIGS: json.dumps(configs)}
-        tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-                   for k, v in tensors.items()}
-        return save_safetensors_atomically(tensors, path, metadata)
+        return parts, metadata
 
-    def extra_file_tensors(self, bundle, configs: dict) -> dict:
-        """What the family's single files hold besides the transformer (SD3.5: the VAE)."""
-        return {}
+    def extra_file_parts(self, bundle, configs: dict) -> list:
+        """What the family's single files hold besides the transformer (SD3.5: the VAE), recording the
+        configs of what they add in `configs`."""
+        return []
 
     # ------------------------------------------------------------------ text
 

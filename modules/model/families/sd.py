@@ -224,10 +224,10 @@ class SDFamily(ModelFamily):
         return {"safety_checker": [None, None], "feature_extractor": [None, None], "image_encoder": [None, None],
                 "requires_safety_checker": False}
 
-    def save_single_file(self, bundle, path, dtype, denoiser_state_override=None):
-        from modules.model.single_file import save_single_file
+    def single_file_parts(self, bundle, denoiser_state_override=None):
+        from modules.model.single_file import single_file_parts
 
-        return save_single_file(bundle, path, dtype, unet_state_override=denoiser_state_override)
+        return single_file_parts(bundle, denoiser_state_override)
 
     def kohya_lora_tensors(self, bundle, modules, alphas):
         """kohya sd-scripts' names (`modules/model/kohya_lora.py`): SD1/SD2 in diffusers' module paths, SDXL's

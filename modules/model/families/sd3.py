@@ -111,11 +111,13 @@ class SD3Family(FlowFamily):
         recorded = json.loads(metadata[META_CONFIGS]).get("vae") if META_CONFIGS in metadata else None
         return _load_vae_from_state(vae_state, recorded or shipped("sd3", "vae"), path)
 
-    def extra_file_tensors(self, bundle, configs):
+    def extra_file_parts(self, bundle, configs):
         from modules.model.ldm_layout import vae_to_ldm
+        from modules.model.streamed_save import FilePart
 
-        configs["vae"] = plain_config(bundle.vae.config)
-        return vae_to_ldm(bundle.vae.state_dict(), bundle.vae.config, prefix=VAE_PREFIX)
+        vae = bundle.vae
+        configs["vae"] = plain_config(vae.config)
+        return [FilePart(vae, vae.state_dict, lambda piece: vae_to_ldm(piece, vae.config, prefix=VAE_PREFIX))]
 
 
 def sd3_entries(num_layers: int) -> list[layout.Entry]:
