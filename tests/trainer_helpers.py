@@ -15,9 +15,10 @@ from modules.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def demo_config(workspace: Path, cache: Path, *overrides: str, method: str = "lora"):
-    """The demo preset, made small and fast: no samples, no TensorBoard, a shared cache."""
-    return load_config("#demo", [
+def demo_config(workspace: Path, cache: Path, *overrides: str, method: str = "lora", preset: str = "#demo"):
+    """The demo preset (or another demo's: `#demo_sd3`, `#demo_flux`), made small and fast: no samples, no
+    TensorBoard, a shared cache."""
+    return load_config(preset, [
         f"general.workspace_dir={workspace}", f"general.cache_dir={cache}", "general.tensorboard=false",
         "general.device=cpu", "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0",
         "save.save_dtype=fp32", f"training.method={method}", "training.learning_rate=0.001",

@@ -115,6 +115,12 @@ class DistributedTrainer(BaseTrainer):
         self.trainable = [params[name] for name in trained]
         return model
 
+    def sampling_calls(self):
+        if not self.sharded:
+            return super().sampling_calls()
+        parts = ["unet"] + [f"text_encoders.{i}" for i in range(len(self.trained_text_encoders()))]
+        return fsdp.calls_through_root(self.model, parts, self.autocast())
+
     def gradient_sync(self, last_micro_batch: bool):
         if self.sharded:
             return fsdp.gradient_sync(self.model, last_micro_batch)

@@ -121,6 +121,20 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def gathering_source(device: torch.device):
+    """The `streamed_save.TensorSource` of a sharded run: every rank gathers each tensor (to `device`
+    first, as NCCL moves GPU tensors only - shards offloaded to the CPU included); rank 0 writes."""
+    from modules.distributed import dist_utils as du
+    from modules.model.streamed_save import TensorSource
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        if hasattr(value, "full_tensor"):
+            return value.to(device).full_tensor()
+        return value
+
+    return TensorSource(whole=whole, writes=du.is_main())
+
+
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write a whole tensor (read from a file on every rank) into a possibly sharded parameter or state,
     keeping only this rank's part - no communication."""

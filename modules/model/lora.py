@@ -153,8 +153,12 @@ def save_lora(
     fmt: str = "kohya",
     dtype: str | torch.dtype = "fp16",
     metadata: dict | None = None,
+    source=None,
 ) -> Path:
-    """Write the LoRA weights to `path` (.safetensors) in `fmt` layout, atomically; returns the path."""
+    """Write the LoRA weights to `path` (.safetensors) in `fmt` layout, atomically; returns the path.
+
+    `source` (`streamed_save.TensorSource`): how sharded adapters are read - under sharded training every
+    rank calls this, each adapter tensor is gathered whole (they are small) and only the writing rank writes."""
     if fmt not in LORA_FORMATS:
         raise ValueError(f"LoRA format {fmt!r} is not one of {', '.join(LORA_FORMATS)}")
     path = Path(path)
@@ -162,6 +166,10 @@ def save_lora(
         raise ValueError(f"LoRA output {path} must end in .safetensors")
     torch_dtype = resolve_save_dtype(dtype)
     modules = lora_modules(bundle)
+    if source is not None:
+        modules = {c: {k: source.whole(v.detach()) for k, v in state.items()} for c, state in modules.items()}
+        if not source.writes:
+            return path
     if fmt == "kohya":
         alphas = {component: lora_alpha_and_rank(bundle, component)[0] for component in modules}
         tensors = bundle.family.kohya_lora_tensors(bundle, modules, alphas)

@@ -348,6 +348,11 @@ class BaseTrainer(ABC):
             for m, home in zip(parts, homes):
                 m.to(home)
 
+    def sampling_calls(self):
+        """Inside the block the sampling pipeline calls the trained parts (sharded training routes the
+        calls through the wrapper, `DistributedTrainer`)."""
+        return contextlib.nullcontext()
+
     def create_loader(self):
         from modules.data import BucketBatchSampler, make_dataloader
         sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
@@ -701,7 +706,7 @@ class BaseTrainer(ABC):
         self.outputs = OutputWriter(self, RunParts(
             cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
             numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,
-            optimizer=self.optimizer), self.run_id)
+            optimizer=self.optimizer, model=self.model, sharded=self.sharded), self.run_id)
         if chosen is None:
             others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:
@@ -726,7 +731,7 @@ class BaseTrainer(ABC):
                              "start fresh or use the config the backup was made with.")
         self.check_backup_optimizer(state)
         if self.sharded:  # every rank keeps its part of each whole tensor
-            names = dict(zip(own, sharded_backup.parameter_names(self, own.values())))
+            names = dict(zip(own, sharded_backup.parameter_names(self.model, own.values())))
             sharded_backup.load_full_backup(self, weights, state, names)
             return
         with torch.no_grad():

@@ -8,11 +8,18 @@ rendering samples (each rank renders its share of the prompts).
 Backups are written in the background: the state is copied to host memory at the step (queued on the
 GPU, see modules/util/host_copy.py) and a writer thread on rank 0 writes it while training goes on.
 One backup is in flight at a time; `finish_backups()` waits for it (at the end of a run).
+
+Under sharded training (FSDP, `trainer.sharded`) no rank holds the whole model, so writing takes every
+rank: backups are written by all ranks together and synchronously (`sharded_backup.py`), and a model is
+saved by every rank gathering one block at a time while rank 0 writes (`streamed_save.py`). Samples are
+rendered as under DDP, each rank its share of the prompts, but every rank renders equally often, since
+each call of a sharded denoiser gathers its weights from all ranks.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +32,7 @@ import torch
 from modules.config import RunPaths, TrainConfig
 from modules.util import dist_utils as du
 from modules.trainer import backup as backups
+from modules.trainer import sharded_backup
 from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
 from modules.trainer.run_numbers import RunNumbers
@@ -87,11 +95,19 @@ class TrainingRun(Protocol):
     def training_state(self) -> dict:
         """Everything but the weights a backup holds (collective: every rank calls it)."""
 
+    def progress_state(self) -> dict:
+        """The plain values of `training_state` without the optimizer state and EMA (a sharded backup keeps
+        those in its shards; collective)."""
+
     def trainable_state(self) -> dict:
         """The trained weights by name."""
 
     def encoders_on_device(self) -> ContextManager:
         """The VAE and text encoders on the training device for the block (sampling)."""
+
+    def sampling_calls(self) -> ContextManager:
+        """Inside the block the sampling pipeline may call the trained parts (through the sharded root
+        under FSDP)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,11 @@ class RunParts:
     optimizer: Any = None
     """The optimizer: schedule-free AdamW's averaged weights are the ones sampled and saved
     (`optim.evaluation_weights`); None where none is needed (a backup alone)."""
+    model: Any = None
+    """The wrapped trained module (`TrainingModel`, under DDP or FSDP); a sharded backup reads its state."""
+    sharded: bool = False
+    """Whether every rank holds only a shard of the trained weights (FSDP): every rank then takes part in
+    backups and saves."""
 
 
 class OutputWriter:
@@ -149,13 +170,17 @@ class OutputWriter:
         if not prompts:
             return
         mine = [i for i in range(len(prompts)) if i % du.world_size() == du.rank()]
+        renders = mine
+        if parts.sharded:  # as many renders on every rank (each denoiser call is collective); extra ones dropped
+            rounds = math.ceil(len(prompts) / du.world_size())
+            renders = mine + [(mine or [0])[0]] * (rounds - len(mine))
         images = []
-        if mine:
+        if renders:
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
-            with self._weights_for_samples(), self.run.encoders_on_device():
-                images = render_samples(parts.bundle, [prompts[i] for i in mine], parts.cfg.data.resolution,
-                                        samp.inference_steps, samp.guidance_scale, parts.device)
+            with self._weights_for_samples(), self.run.encoders_on_device(), self.run.sampling_calls():
+                images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
+                                        samp.inference_steps, samp.guidance_scale, parts.device)[:len(mine)]
         gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
         du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
 
@@ -175,11 +200,17 @@ class OutputWriter:
         """Snapshot the training state of this step and hand it to the background writer (rank 0)."""
         run = self.run
         self.last_backup_started = time.monotonic()
+        manifest = {"config_version": 1, "global_step": run.global_step, "epoch": run.epoch,
+                    "world_size": du.world_size()}
+        if self.parts.sharded:
+            path = sharded_backup.write_run_backup(run, self.parts, self.run_id, manifest)
+            if self.backup_writer is not None:
+                self.backup_writer.last_written = path
+                self._announce([(run.global_step, path)])
+            return
         state = run.training_state()  # collective: every rank contributes its RNG state
         if self.backup_writer is None:
             return
-        manifest = {"config_version": 1, "global_step": run.global_step, "epoch": run.epoch,
-                    "world_size": du.world_size()}
         done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
                                          snapshot_to_host(state), manifest)
         self._announce(done)
@@ -216,7 +247,18 @@ class OutputWriter:
         self._save(unique_path(self.output_dir / name, self.stamp))
 
     def _save(self, path: Path) -> None:
-        du.on_main(lambda: self._write_models(path))
+        if self.parts.sharded:  # every rank gathers, rank 0 writes
+            du.on_every_rank(lambda: self._write_models(path))
+        else:
+            du.on_main(lambda: self._write_models(path))
+
+    def _source(self):
+        """How the weights are read for a save: whole from this process, or gathered from every rank."""
+        from modules.model.streamed_save import LOCAL
+        if not self.parts.sharded:
+            return LOCAL
+        from modules.distributed.fsdp import gathering_source
+        return gathering_source(self.parts.device)
 
     def _write_models(self, path: Path) -> None:
         ema = self.parts.ema
@@ -233,7 +275,9 @@ class OutputWriter:
         parts, step = self.parts, self.run.global_step
         s = parts.cfg.save
         dtype = s.save_dtype
-        path.parent.mkdir(parents=True, exist_ok=True)
+        source = self._source()
+        if source.writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
         if not sys.stderr.isatty():
             import diffusers.utils.logging
             diffusers.utils.logging.disable_progress_bar()  # its shard-writing bar is noise in a log file
@@ -245,20 +289,20 @@ class OutputWriter:
             metadata = training_metadata(parts.cfg, parts.numbers, parts.dataset, step, self.started_at)
             metadata["tandem_step"] = str(step)
             if s.lora_format in ("kohya", "both"):
-                save_lora(parts.bundle, path, "kohya", dtype, metadata)
+                save_lora(parts.bundle, path, "kohya", dtype, metadata, source if parts.sharded else None)
             if s.lora_format in ("peft", "both"):
                 peft_path = path.with_name(path.name.replace(".safetensors", ".peft.safetensors")) \
                     if s.lora_format == "both" else path
-                save_lora(parts.bundle, peft_path, "peft", dtype, metadata)
+                save_lora(parts.bundle, peft_path, "peft", dtype, metadata, source if parts.sharded else None)
         else:
             if s.full_format in ("diffusers", "both"):
                 from modules.model.saving import save_full_diffusers
                 folder = path if s.full_format == "diffusers" else path.with_suffix("")
-                save_full_diffusers(parts.bundle, folder, dtype)
+                save_full_diffusers(parts.bundle, folder, dtype, source=source)
             if s.full_format in ("single_file", "both"):
                 from modules.model.saving import save_full_single_file
                 file = path if s.full_format == "single_file" else path.with_name(path.name + ".safetensors")
-                save_full_single_file(parts.bundle, file, dtype)
+                save_full_single_file(parts.bundle, file, dtype, source=source)
         log.info("Model saved: %s", path)
         parts.emit("saved", path=str(path), step=step)
 

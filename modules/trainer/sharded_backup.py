@@ -47,28 +47,40 @@ def _options(full: bool = False):
                             strict=False)
 
 
-def _module(trainer) -> torch.nn.Module:
-    return getattr(trainer.model, "module", trainer.model)  # the TrainingModel (DDP wraps it)
+def _module(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # the TrainingModel (DDP wraps it)
 
 
-def parameter_names(trainer, params) -> list[str]:
-    names = {id(p): name for name, p in _module(trainer).named_parameters()}
+def parameter_names(model: torch.nn.Module, params) -> list[str]:
+    """The names of `params` in the trained module `model` (wrapped or not)."""
+    names = {id(p): name for name, p in _module(model).named_parameters()}
     return [names[id(p)] for p in params]
 
 
-def _state_dicts(trainer) -> tuple[dict, dict]:
+def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    return get_state_dict(trainer.model, trainer.optimizer, options=_options())
+    return get_state_dict(model, optimizer, options=_options())
 
 
-def checkpoint_state(trainer) -> tuple[dict, dict]:
+def checkpoint_state(model: torch.nn.Module, optimizer, ema) -> tuple[dict, dict]:
     """(tensors through DCP, the optimizer's non-tensor entries) of this step; the tensors are the live
     sharded ones, so the backup must be written before the next step changes them."""
-    model, optimizer = _state_dicts(trainer)
-    tensors = {"model": model, "optimizer": {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
-    if trainer.ema is not None:
-        tensors["ema"] = dict(zip(parameter_names(trainer, trainer.ema.params), trainer.ema.shadow))
-    return tensors, {k: v for k, v in optimizer.items() if not isinstance(v, torch.Tensor)}
+    weights, optimizer_state = _state_dicts(model, optimizer)
+    tensors = {"model": weights,
+               "optimizer": {k: v for k, v in optimizer_state.items() if isinstance(v, torch.Tensor)}}
+    if ema is not None:
+        tensors["ema"] = dict(zip(parameter_names(model, ema.params), ema.shadow))
+    return tensors, {k: v for k, v in optimizer_state.items() if not isinstance(v, torch.Tensor)}
+
+
+def write_run_backup(run, parts, run_id: str, manifest: dict) -> Path:
+    """Back up the current step of a run (`outputs.TrainingRun`, with its `outputs.RunParts`); every rank
+    calls this. Returns the backup's path."""
+    tensors, optimizer_entries = checkpoint_state(parts.model, parts.optimizer, parts.ema)
+    state = {**run.progress_state(), "optimizer_entries": optimizer_entries,
+             "trained_parameters": sorted(tensors["model"])}
+    return write_sharded_backup(parts.paths.backups, run_id, run.global_step, tensors, state, manifest,
+                                parts.cfg.save.rolling_backup_count)
 
 
 def write_sharded_backup(backups_dir: Path, run_id: str, step: int, tensors: dict, state: dict, manifest: dict,
@@ -147,11 +159,11 @@ def load_sharded_backup(trainer, path: Path) -> tuple[dict, dict]:
     path = Path(path)
     state, manifest = backups.read_state_and_manifest(path)
     trainer.check_backup_optimizer(state)
-    model, optimizer = _state_dicts(trainer)  # templates in this run's layout
+    model, optimizer = _state_dicts(trainer.model, trainer.optimizer)  # templates in this run's layout
     tensors = {"model": model, "optimizer": {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
     saved = {key.split(".", 1)[0] for key in _saved_keys(path)}
     if trainer.ema is not None and "ema" in saved:
-        tensors["ema"] = dict(zip(parameter_names(trainer, trainer.ema.params), trainer.ema.shadow))
+        tensors["ema"] = dict(zip(parameter_names(trainer.model, trainer.ema.params), trainer.ema.shadow))
     _check_same_parameters(path, set(model), state)
     dcp.load(tensors, storage_reader=_reader(path))
     optimizer = {**optimizer, **tensors["optimizer"], **state.pop("optimizer_entries")}
@@ -175,7 +187,7 @@ def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, nam
 
     from modules.distributed.fsdp import copy_full_into
 
-    order = parameter_names(trainer, [p for g in trainer.optimizer.param_groups for p in g["params"]])
+    order = parameter_names(trainer.model, [p for g in trainer.optimizer.param_groups for p in g["params"]])
     saved = state["optimizer"]
     optimizer = {}
     for group in saved["param_groups"]:

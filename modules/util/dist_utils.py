@@ -85,6 +85,25 @@ def on_main(work: Callable[[], T]) -> T | None:
     return result
 
 
+def on_every_rank(work: Callable[[], T]) -> T:
+    """Run `work` on every rank (work that holds collectives: gathering a sharded model to save it), then
+    tell every rank how it went, as `on_main` does: if it raised anywhere, every rank raises (the rank
+    that failed its own error, the others `MainRankFailed` naming the first rank that failed)."""
+    result, error = None, None
+    try:
+        result = work()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = e
+    if is_distributed():
+        failures = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+        first = next(((r, f) for r, f in enumerate(failures) if f is not None), None)
+        if first is not None and error is None:
+            raise MainRankFailed(f"rank {first[0]} failed: {first[1]}")
+    if error is not None:
+        raise error
+    return result
+
+
 def _comm_device() -> torch.device:
     # NCCL only moves CUDA tensors; gloo only CPU ones.
     if is_distributed() and dist.get_backend() == "nccl":

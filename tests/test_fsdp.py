@@ -1,0 +1,168 @@
+"""Sharded training (multi_gpu.strategy = fsdp, FSDP2) on 2 CPU processes over gloo, through the launcher.
+
+The property is the same as DDP's: 2 processes x batch 4 train what 1 process x batch 8 trains (fp32,
+relative L2 distance of all trained weights <= 1e-5 after 10 steps). DDP == 1 process is
+tests/test_distributed.py's; here FSDP is held to the 1-process run. One launched run serves several
+assertions (CI time): its sharded backups, its streamed final model and its resumes.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from modules.distributed.launch import launch
+from modules.trainer.backup import latest_backup
+from modules.trainer.generic_trainer import GenericTrainer
+from modules.trainer.sharded_backup import SHARDS, is_sharded, read_sharded_weights
+from tests.trainer_helpers import demo_config
+
+STEPS = 10
+# Adam turns gradients that are pure rounding noise (biases before a GroupNorm) into full-size steps, so
+# the order of a sum alone moves those weights by ~lr (measured: rel. L2 7e-5 after 10 steps, all of it
+# in such biases); SGD with momentum (optimizer state that is sharded and resumed too) keeps it tight.
+COMMON = (f"training.max_steps={STEPS}", "save.backup_every_n_steps=5", "training.precision=fp32",
+          "save.full_format=both", "optimizer.name=sgd", "training.learning_rate=0.05")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def one_process(workspace, cache, *overrides, method="full", resume=None, preset="#demo"):
+    GenericTrainer(demo_config(workspace, cache, *COMMON, "training.batch_size=8", *overrides, method=method,
+                               preset=preset), resume=resume).run()
+
+
+def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#demo"):
+    cfg = demo_config(workspace, cache, *COMMON, "training.batch_size=4", "multi_gpu.enabled=true",
+                      "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp", *overrides,
+                      method=method, preset=preset)
+    assert launch(cfg, resume=resume) == 0
+
+
+def backup_weights(workspace: Path, step: int | None = None) -> dict[str, torch.Tensor]:
+    """The trained weights of a backup (newest, or of `step`), sharded or not, by the trained module's
+    parameter names (`unet.…`, `text_encoders.0.…`)."""
+    path = backup_path(workspace, step)
+    if is_sharded(path):
+        return read_sharded_weights(path)
+    weights = load_file(str(path / "weights.safetensors"))
+    renamed = {}
+    for key, value in weights.items():
+        component, _, rest = key.partition(".")
+        if component.startswith("text_encoder_"):
+            component = "text_encoders." + component.removeprefix("text_encoder_")
+        renamed[("unet" if component in ("unet", "transformer") else component) + "." + rest] = value
+    return renamed
+
+
+def backup_path(workspace: Path, step: int | None = None) -> Path:
+    newest = latest_backup(Path(workspace) / "backups").path
+    return newest if step is None else newest.parent / f"step-{step:08d}"
+
+
+def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    norm = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return math.sqrt(diff / norm)
+
+
+def final_file(workspace: Path, suffix: str = ".safetensors") -> Path:
+    (path,) = [p for p in (Path(workspace) / "output").iterdir() if p.name.endswith(suffix)]
+    return path
+
+
+@pytest.fixture(scope="module")
+def sd_runs(tmp_path_factory, cache_dir):
+    """The SD demo, full fine-tune, 10 steps: 1 process x 8 and FSDP 2 x 4 (each backs up at 5 and 10)."""
+    root = tmp_path_factory.mktemp("fsdp_sd")
+    one_process(root / "one", cache_dir)
+    sharded(root / "fsdp", cache_dir)
+    return root
+
+
+@pytest.mark.slow
+def test_fsdp_full_fine_tune_equals_one_process(sd_runs):
+    one, fsdp = backup_weights(sd_runs / "one"), backup_weights(sd_runs / "fsdp")
+    assert any(k.startswith("unet.") for k in fsdp)
+    assert relative_l2(fsdp, one) <= 1e-5
+    start = backup_weights(sd_runs / "fsdp", 5)
+    assert relative_l2(fsdp, start) > 1e-4, "the weights did not train (the comparison would be vacuous)"
+    # The backups are DCP's: every rank wrote its own shards, rank 0 the plain state; no weights file.
+    folder = latest_backup(sd_runs / "fsdp" / "backups").path
+    assert sorted(p.name for p in (folder / SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (folder / "weights.safetensors").exists()
+    # The streamed final model (gathered block by block) holds what the 1-process run saved.
+    one_file, fsdp_file = load_file(final_file(sd_runs / "one")), load_file(final_file(sd_runs / "fsdp"))
+    assert relative_l2(fsdp_file, one_file) <= 1e-5
+    one_unet = load_file(sd_runs / "one" / "output" / final_file(sd_runs / "one").stem / "unet" /
+                         "diffusion_pytorch_model.safetensors")
+    fsdp_unet = load_file(sd_runs / "fsdp" / "output" / final_file(sd_runs / "fsdp").stem / "unet" /
+                          "diffusion_pytorch_model.safetensors")
+    assert relative_l2(fsdp_unet, one_unet) <= 1e-5
+
+
+@pytest.mark.slow
+def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp_path):
+    """The file FSDP's ranks wrote together (gathering one block at a time) is the file one process
+    writes from the same weights: same names, order, metadata, bytes."""
+    from modules.config import load_config
+    from modules.model.loading import load_model
+    from modules.model.saving import save_full_single_file
+
+    cfg = load_config("#demo", ["general.device=cpu", "training.method=full"])
+    bundle = load_model(cfg.model, "cpu", cfg.training)
+    weights = backup_weights(sd_runs / "fsdp")
+    bundle.unet.load_state_dict({k.removeprefix("unet."): v for k, v in weights.items()})
+    reference = save_full_single_file(bundle, tmp_path / "whole.safetensors", "fp32")
+    streamed = final_file(sd_runs / "fsdp")
+    assert streamed.read_bytes() == reference.read_bytes()
+    with safe_open(streamed, "pt") as f:
+        assert f.metadata()["format"] == "pt"
+
+
+@pytest.mark.slow
+def test_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_path, cache_dir):
+    """From the step-5 sharded backup: FSDP on 2 processes continues exactly as the uninterrupted run;
+    1 process (DCP reshards every tensor into a whole one) continues as the 1-process run."""
+    step5 = str(backup_path(sd_runs / "fsdp", 5))
+    sharded(tmp_path / "two", cache_dir, resume=step5)
+    uninterrupted = backup_weights(sd_runs / "fsdp")
+    resumed = backup_weights(tmp_path / "two")
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+    one_process(tmp_path / "one", cache_dir, resume=step5)
+    assert relative_l2(backup_weights(tmp_path / "one"), backup_weights(sd_runs / "one")) <= 1e-5
+
+
+@pytest.mark.slow
+def test_lora_with_accumulation_checkpointing_and_ema_under_fsdp(tmp_path, cache_dir):
+    """LoRA (frozen base sharded too), 2 micro-batches per step (the gradient sync on the last only),
+    checkpointing of each block before sharding, a sharded EMA: as 1 process trains it."""
+    common = ("training.gradient_accumulation_steps=2", "training.gradient_checkpointing=true", "training.ema=true",
+              "save.ema_weights=both")
+    one_process(tmp_path / "one", cache_dir, *common, method="lora")
+    sharded(tmp_path / "fsdp", cache_dir, *common, method="lora")
+    one, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
+    assert fsdp and all("lora" in k for k in fsdp)
+    assert relative_l2(fsdp, one) <= 1e-5
+    for name in ("demo.safetensors", "demo-ema.safetensors"):  # raw and EMA LoRA files, gathered on rank 0
+        one_file, fsdp_file = load_file(tmp_path / "one" / "output" / name), load_file(tmp_path / "fsdp" / "output" / name)
+        assert relative_l2(fsdp_file, one_file) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["#demo_sd3", "#demo_flux"])
+def test_dit_demos_under_fsdp_equal_one_process(tmp_path, cache_dir, preset):
+    """The transformer families: each joint/double/single block a unit; the single file streamed."""
+    one_process(tmp_path / "one", cache_dir, "save.full_format=single_file", preset=preset)
+    sharded(tmp_path / "fsdp", cache_dir, "save.full_format=single_file", preset=preset)
+    assert relative_l2(backup_weights(tmp_path / "fsdp"), backup_weights(tmp_path / "one")) <= 1e-5
+    assert relative_l2(load_file(final_file(tmp_path / "fsdp")), load_file(final_file(tmp_path / "one"))) <= 1e-5
