@@ -58,8 +58,12 @@ def parameter_names(model: torch.nn.Module, params) -> list[str]:
 
 
 def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(trained weights, flattened optimizer state) by parameter name; buffers (SD3's fixed position
+    embedding) are not backed up, as in `backup.py`'s backups: the model rebuilds them."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    return get_state_dict(model, optimizer, options=_options())
+    weights, optimizer_state = get_state_dict(model, optimizer, options=_options())
+    trained = {name for name, p in _module(model).named_parameters() if p.requires_grad}
+    return {k: v for k, v in weights.items() if k in trained}, optimizer_state
 
 
 def checkpoint_state(model: torch.nn.Module, optimizer, ema) -> tuple[dict, dict]:
@@ -165,7 +169,7 @@ def load_sharded_backup(trainer, path: Path) -> tuple[dict, dict]:
     if trainer.ema is not None and "ema" in saved:
         tensors["ema"] = dict(zip(parameter_names(trainer.model, trainer.ema.params), trainer.ema.shadow))
     _check_same_parameters(path, set(model), state)
-    dcp.load(tensors, storage_reader=_reader(path))
+    dcp.load(tensors, storage_reader=_reader(path), no_dist=not du.is_distributed())
     optimizer = {**optimizer, **tensors["optimizer"], **state.pop("optimizer_entries")}
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=optimizer, options=_options())
