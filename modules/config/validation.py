@@ -309,6 +309,10 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
                         f"{len(indexes)}, or list {m.num_gpus} indexes.")
     problems += _nodes_and_restarts_checks(cfg)
+    if m.enabled and m.strategy == "fsdp":
+        from modules.distributed.strategy import fsdp_blockers
+        problems += [f"multi_gpu.strategy fsdp with {blocker}, or set multi_gpu.strategy to ddp."
+                     for blocker in fsdp_blockers(cfg)]
     if m.enabled and m.static_graph:
         # PyTorch's DDP asserts (expect_autograd_hooks_) when a static graph's first backward runs
         # inside no_sync(), and past that it stops all-reducing (pytorch/pytorch#143580, PR #187732).

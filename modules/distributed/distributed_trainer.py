@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from modules.distributed import fsdp
 from modules.distributed.process_group import destroy, init_worker
-from modules.distributed.strategy import choose_strategy
+from modules.distributed.strategy import choose_strategy, fsdp_blockers
 from modules.trainer.base_trainer import BaseTrainer
 from modules.util import dist_utils as du
+from modules.util.batch_slice import equal_split
 
 log = logging.getLogger("tandem")
 
@@ -65,7 +66,18 @@ class DistributedTrainer(BaseTrainer):
         choice = du.broadcast_object(du.on_main(lambda: choose_strategy(
             self.cfg, du.world_size(), self.device.type, min(free) if free else None)))
         log.info("Multi-GPU strategy: %s (%s).", choice.strategy.upper(), choice.reason)
+        blockers = fsdp_blockers(self.cfg) if choice.strategy == "fsdp" else []
+        if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
+            raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
         return choice.strategy
+
+    def decide_split(self) -> list[int]:
+        if self.sharded and self.cfg.multi_gpu.batch_split.strip().lower() == "auto":
+            # The probe trains the whole model on each GPU, which a sharded run may not fit on one.
+            log.info("Batch split: equal (multi_gpu.batch_split auto measures each GPU with the whole model, "
+                     "which FSDP does not hold on one GPU; give an explicit split such as 6,2 for unequal GPUs).")
+            return equal_split(self.cfg.training.batch_size, du.world_size())
+        return super().decide_split()
 
     def enable_gradient_checkpointing(self) -> None:
         if not self.sharded:  # FSDP checkpoints each block itself, before sharding it (fsdp.shard)

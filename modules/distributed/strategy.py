@@ -25,6 +25,22 @@ class StrategyChoice:
     """One sentence for the start-up log: why this strategy."""
 
 
+def fsdp_blockers(cfg) -> list[str]:
+    """What in `cfg` sharded training does not support yet, each with its fix (empty: FSDP can train it)."""
+    t = cfg.training
+    blockers = []
+    if t.precision == "fp16":
+        blockers.append("training.precision fp16: loss scaling over sharded gradients is not supported; use bf16 "
+                        "(or fp32)")
+    if t.compile:
+        blockers.append("training.compile: the compiled denoiser's check against eager mode runs on whole "
+                        "weights; turn training.compile off")
+    if cfg.optimizer.name == "adamw_8bit":
+        blockers.append("optimizer.name adamw_8bit: bitsandbytes' 8-bit state does not take sharded parameters; "
+                        "use adamw (sharded, its state costs 1/N per GPU) or adafactor")
+    return blockers
+
+
 def planned_world_size(cfg, visible_gpus: int) -> int:
     """The number of processes a multi-GPU start with `cfg` would run (as the launchers decide it)."""
     multi = dataclasses.replace(cfg, multi_gpu=dataclasses.replace(cfg.multi_gpu, enabled=True))
@@ -61,6 +77,11 @@ def choose_strategy(cfg, world_size: int, device_type: str, free_gib: float | No
     if ddp["total"] <= usable:
         return StrategyChoice("ddp", f"DDP needs ~{ddp['total']:.1f} GiB per GPU{unmeasured}, which fits the "
                                      f"{free_gib:.1f} GiB free")
+    blockers = fsdp_blockers(cfg)
+    if blockers:
+        return StrategyChoice("ddp", f"DDP would need ~{ddp['total']:.1f} GiB per GPU{unmeasured}, more than the "
+                                     f"{free_gib:.1f} GiB free, but FSDP cannot train this config ("
+                                     f"{'; '.join(blockers)}); DDP is tried")
     fits = "fits" if fsdp["total"] <= usable else "still does not fit (lower the batch size, turn on gradient " \
                                                    "checkpointing or multi_gpu.fsdp_cpu_offload)"
     return StrategyChoice("fsdp", f"DDP would need ~{ddp['total']:.1f} GiB per GPU{unmeasured}, more than the "

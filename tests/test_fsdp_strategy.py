@@ -1,0 +1,83 @@
+"""`multi_gpu.strategy`: what `auto` picks and why, FSDP's per-GPU estimate, and the configs FSDP refuses.
+(Training under FSDP: tests/test_fsdp.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from modules.config import TrainConfig
+from modules.config.validation import validate
+from modules.distributed import memory_estimate
+from modules.distributed.strategy import choose_strategy, fsdp_blockers, strategy_estimates
+
+
+def config(model_type: str, method: str, **training) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type = "unused.safetensors", model_type
+    cfg.training.method, cfg.training.precision = method, "bf16"
+    cfg.training.gradient_checkpointing = True
+    cfg.data.resolution = 1024
+    cfg.multi_gpu.enabled = True
+    for key, value in training.items():
+        setattr(cfg.training, key, value)
+    return cfg
+
+
+def test_flux_full_fine_tune_gets_fsdp_on_four_h100s_and_a_lora_gets_ddp():
+    full = choose_strategy(config("flux", "full"), 4, "cuda", free_gib=79.0)
+    assert full.strategy == "fsdp"
+    assert "DDP would need ~" in full.reason and "FSDP over 4 GPUs needs ~" in full.reason and "which fits" in full.reason
+    cfg = config("flux", "lora")
+    cfg.model.unet_dtype = cfg.model.text_encoder_dtype = cfg.model.vae_dtype = "bf16"  # the usual LoRA set-up
+    lora = choose_strategy(cfg, 4, "cuda", free_gib=79.0)
+    assert lora.strategy == "ddp" and "which fits the 79.0 GiB free" in lora.reason
+    # Only a LoRA that does not fit is sharded: an fp32 base of 12 B parameters (~63 GiB) plus autocast's copies.
+    cfg.model.unet_dtype = cfg.model.text_encoder_dtype = cfg.model.vae_dtype = "fp32"
+    assert choose_strategy(cfg, 4, "cuda", free_gib=79.0).strategy == "fsdp"
+
+
+def test_sdxl_full_fine_tune_fits_an_h100_with_ddp_and_not_a_24_gib_card():
+    cfg = config("sdxl", "full", batch_size=1)
+    assert choose_strategy(cfg, 2, "cuda", free_gib=79.0).strategy == "ddp"
+    small = choose_strategy(cfg, 8, "cuda", free_gib=24.0)
+    assert small.strategy == "fsdp"
+
+
+def test_auto_keeps_ddp_where_sharding_cannot_help_or_is_unknown():
+    cfg = config("flux", "full")
+    assert choose_strategy(cfg, 1, "cuda", 79.0).reason == "one process: nothing to shard"
+    assert choose_strategy(cfg, 2, "cpu", None).strategy == "ddp"
+    assert "free GPU memory is unknown" in choose_strategy(cfg, 2, "cuda", None).reason
+    cfg.model.model_type, cfg.model.base_model = "auto", "/nonexistent/model.safetensors"
+    unknown = choose_strategy(cfg, 2, "cuda", 79.0)
+    assert unknown.strategy == "ddp" and "no memory estimate for this model" in unknown.reason
+    blocked = choose_strategy(config("flux", "full", precision="fp16"), 4, "cuda", 79.0)
+    assert blocked.strategy == "ddp" and "FSDP cannot train this config (training.precision fp16" in blocked.reason
+    for explicit in ("ddp", "fsdp"):
+        cfg = config("flux", "lora")
+        cfg.multi_gpu.strategy = explicit
+        assert choose_strategy(cfg, 4, "cuda", 1.0).strategy == explicit
+
+
+def test_fsdp_estimate_shards_the_trained_state_and_keeps_the_rest_whole():
+    cfg = config("flux", "full")
+    est = strategy_estimates(cfg, 4)
+    ddp, fsdp = est["ddp"], est["fsdp"]
+    sharded = ddp["weights"] - ddp["replicated_weights"] + ddp["gradients"] + ddp["optimizer_state"] + ddp["ema"]
+    assert fsdp["sharded"] == pytest.approx(sharded / 4)
+    assert ddp["total"] > 150 and fsdp["total"] < 79  # Flux.1 (12 B): ~16 bytes per trained parameter
+    eight = memory_estimate.estimate_fsdp(ddp, 8)
+    assert eight["sharded"] == pytest.approx(fsdp["sharded"] / 2) and eight["replicated_weights"] == fsdp["replicated_weights"]
+    offload = memory_estimate.estimate_fsdp(ddp, 4, cpu_offload=True)
+    assert offload["sharded"] == 0 and offload["host_offload"] == pytest.approx(sharded / 4)
+
+
+def test_configs_fsdp_cannot_train_are_refused_with_the_field_and_the_fix():
+    cfg = config("sdxl", "full", precision="fp16", compile=True)
+    cfg.optimizer.name = "adamw_8bit"
+    cfg.multi_gpu.strategy = "fsdp"
+    problems = [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]
+    assert len(problems) == 3 and len(fsdp_blockers(cfg)) == 3
+    assert any("training.precision fp16" in p and "use bf16" in p for p in problems)
+    assert all(p.endswith("or set multi_gpu.strategy to ddp.") for p in problems)
+    cfg.multi_gpu.strategy = "auto"
+    assert not [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]
