@@ -280,3 +280,32 @@ def test_an_explicit_split_is_estimated_per_gpu(tmp_path):
     full = memory_estimate.estimate(cfg)["total"]  # batch 4
     assert rows[1]["estimate_gib"] < full < rows[0]["estimate_gib"]
     assert any("gives GPU 0 a batch of 6" in p for p in problems) == (rows[0]["estimate_gib"] > 20.0 * 0.9)
+
+
+def test_memory_per_strategy_and_the_strategy_auto_picks(tmp_path):
+    """A Flux.1 full fine-tune on 4 GPUs of 79 GiB: DDP does not fit, FSDP does, auto picks FSDP - said per
+    strategy as "fits / does not fit, per GPU ~X GiB", and no problem reported."""
+    weights = tmp_path / "flux.safetensors"
+    weights.write_bytes(b"")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model": {"base_model": str(weights), "model_type": "flux"},
+                                  "data": {"resolution": 1024},
+                                  "training": {"method": "full", "precision": "bf16", "batch_size": 1,
+                                               "gradient_checkpointing": True},
+                                  "multi_gpu": {"enabled": True, "num_gpus": 4}}))
+    report = diagnostics.build_report(str(config), skip_gloo=True, assume_free_gib=79.0)
+    strategies = report["strategies"]
+    assert strategies["world_size"] == 4 and strategies["choice"] == "fsdp"
+    assert strategies["ddp"]["fits"] is False and strategies["fsdp"]["fits"] is True
+    assert not report["problems"], report["problems"]
+    text = diagnostics.format_report(report)
+    assert f"DDP:  does not fit, per GPU ~{strategies['ddp']['total']:.1f} GiB" in text
+    assert f"FSDP over 4 GPUs: fits, per GPU ~{strategies['fsdp']['total']:.1f} GiB" in text
+    assert "multi_gpu.strategy: FSDP, DDP would need" in text
+    assert ["activations", "not", "measured"] in [line.split() for line in text.splitlines()]  # never guessed
+
+    config.write_text(config.read_text().replace('"num_gpus": 4', '"num_gpus": 2'))
+    two = diagnostics.build_report(str(config), skip_gloo=True, assume_free_gib=79.0)
+    assert two["strategies"]["fsdp"]["fits"] is False
+    assert any("FSDP over 2 GPUs" in p for p in two["problems"])
+    assert any("multi_gpu.fsdp_cpu_offload=true" in a for a in two["recommendations"])

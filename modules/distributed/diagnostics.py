@@ -278,6 +278,41 @@ def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: li
                       "training.precision=bf16).")
 
 
+def _strategy_estimates(cfg, est: dict, visible_gpus: int, free_gib: float | None) -> dict:
+    """Per-GPU memory with DDP and with FSDP over the planned number of GPUs (2 when fewer are visible, to
+    plan), whether each fits `free_gib`, and what `multi_gpu.strategy` makes of it."""
+    from modules.distributed.strategy import choose_strategy, planned_world_size
+
+    world = max(2, planned_world_size(cfg, visible_gpus))
+    fsdp = memory_estimate.estimate_fsdp(est, world, cfg.multi_gpu.fsdp_cpu_offload)
+    usable = None if free_gib is None else free_gib * SAFETY_FRACTION
+    if cfg.multi_gpu.enabled:
+        choice = choose_strategy(cfg, world, "cuda", free_gib, {"ddp": est, "fsdp": fsdp})
+        chosen, reason = choice.strategy, choice.reason
+    else:
+        chosen, reason = None, "multi_gpu.enabled is false: one GPU holds the whole model, as with DDP"
+    return {"world_size": world, "free_gib": free_gib, "activations_measured": est["activations_measured"],
+            "ddp": {"total": est["total"], "fits": None if usable is None else est["total"] <= usable},
+            "fsdp": {**fsdp, "fits": None if usable is None else fsdp["total"] <= usable},
+            "choice": chosen, "reason": reason}
+
+
+def _fsdp_findings(strategies: dict, cfg, free_gib: float, problems: list, advice: list) -> None:
+    fsdp, world = strategies["fsdp"], strategies["world_size"]
+    if fsdp["fits"]:
+        advice.append(f"Memory: DDP would need about {strategies['ddp']['total']:.1f} GiB per GPU, more than the "
+                      f"{free_gib:.1f} GiB free; FSDP over {world} GPUs needs about {fsdp['total']:.1f} GiB per GPU "
+                      "and fits (multi_gpu.strategy auto or fsdp).")
+        return
+    problems.append(f"Estimated memory per GPU with FSDP over {world} GPUs ({fsdp['total']:.1f} GiB) exceeds "
+                    f"{SAFETY_FRACTION:.0%} of the free memory ({free_gib:.1f} GiB).")
+    if not cfg.multi_gpu.fsdp_cpu_offload:
+        advice.append("Set multi_gpu.fsdp_cpu_offload=true (the sharded weights, gradients and optimizer state "
+                      "then live in CPU memory), use more GPUs, or lower training.batch_size.")
+    elif not cfg.training.gradient_checkpointing:
+        advice.append("Set training.gradient_checkpointing=true, or lower training.batch_size.")
+
+
 def _per_gpu_batches(cfg, cards: list[dict], assume_free_gib: float | None, problems: list) -> list[dict] | None:
     """With an explicit multi_gpu.batch_split: each GPU's batch and estimated memory against its free memory."""
     from modules.util.batch_slice import parse_split
@@ -361,8 +396,11 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
                 problems.append("training.precision=bf16 but not every GPU supports bf16; set training.precision=fp16.")
             free = assume_free_gib if assume_free_gib is not None else (
                 min(c["free_gib"] for c in cards) if cards else None)
+            report["strategies"] = strategies = _strategy_estimates(cfg, est, len(cards), free)
             if free is None:
                 advice.append("No GPU to compare the memory estimate against (use --assume-free-gib to plan).")
+            elif strategies["choice"] == "fsdp":
+                _fsdp_findings(strategies, cfg, free, problems, advice)
             else:
                 _memory_findings(est, cfg, free, problems, advice)
             report["per_gpu"] = _per_gpu_batches(cfg, cards, assume_free_gib, problems)
@@ -423,8 +461,9 @@ def format_report(report: dict) -> str:
                 "  parameters: " + ", ".join(f"{k} {n / 1e6:.1f}M" for k, n in p.items())]
         for key in ("weights", "gradients", "ddp_buckets", "optimizer_state", "ema", "autocast_cache",
                     "activations", "runtime_overhead", "total"):
-            out.append(f"  {key.replace('_', ' '):<17}{m[key]:8.2f} GiB")
+            out.append(f"  {key.replace('_', ' '):<17}" + ("not measured" if m[key] is None else f"{m[key]:8.2f} GiB"))
         out.append(f"  ({m['note']})")
+        out += format_strategies(report.get("strategies"))
     for row in report.get("per_gpu") or []:
         free = f"{row['free_gib']:.1f} GiB free" if row["free_gib"] is not None else "free memory unknown"
         out.append(f"  GPU {row['rank']}: batch {row['batch']}, about {row['estimate_gib']:.1f} GiB ({free})")
@@ -434,6 +473,26 @@ def format_report(report: dict) -> str:
     out.append("Result: " + ("all checks passed." if not report["problems"] else
                              f"{len(report['problems'])} problem(s) found."))
     return "\n".join(out)
+
+
+def fits_text(fits: bool | None, total: float) -> str:
+    """"fits, per GPU ~X GiB" - the GUI's multi-GPU frame says it the same way."""
+    verdict = {True: "fits", False: "does not fit", None: "free memory unknown"}[fits]
+    return f"{verdict}, per GPU ~{total:.1f} GiB"
+
+
+def format_strategies(s: dict | None) -> list[str]:
+    if not s:
+        return []
+    free = f" of {s['free_gib']:.1f} GiB free" if s["free_gib"] is not None else ""
+    unmeasured = "" if s["activations_measured"] else " (activations not included)"
+    f = s["fsdp"]
+    offload = f"; {f['host_offload']:.1f} GiB per GPU in CPU memory (fsdp_cpu_offload)" if f["cpu_offload"] else ""
+    return ["", f"Strategy per GPU{free}{unmeasured}:",
+            f"  DDP:  {fits_text(s['ddp']['fits'], s['ddp']['total'])} (whole model, gradients, optimizer state)",
+            f"  FSDP over {s['world_size']} GPUs: {fits_text(f['fits'], f['total'])} (sharded {f['sharded']:.1f}, "
+            f"whole frozen parts {f['replicated_weights']:.1f}, gathered blocks {f['gathered_blocks']:.1f} GiB{offload})",
+            f"  multi_gpu.strategy: {s['choice'].upper() + ', ' if s['choice'] else ''}{s['reason']}"]
 
 
 def network_findings(nodes: Nodes, backend: str) -> list[str]:
