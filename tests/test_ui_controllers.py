@@ -616,3 +616,23 @@ def test_summary_line_shows_the_split_over_unequal_gpus():
     cfg.multi_gpu.batch_split, cfg.multi_gpu.nnodes, cfg.multi_gpu.master_port = "6,2", 2, 29500
     assert summarize(cfg, 2).line() == \
         "World size 4 · global batch 16 (4 x 1 x 4), this machine's 8 = 6 on GPU 0 + 2 on GPU 1 · LR 1e-4"
+
+
+def test_memory_line_per_strategy():
+    """The multi-GPU frame's memory line: DDP and FSDP per GPU, fits or not, and what auto picks."""
+    from ui.multi_gpu_summary import memory_line
+
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type = "unused.safetensors", "flux"
+    cfg.training.method, cfg.training.precision, cfg.training.gradient_checkpointing = "full", "bf16", True
+    cfg.data.resolution = 1024
+    cfg.multi_gpu.enabled = True
+    line = memory_line(cfg, 4, 80.0)
+    assert line.startswith("Memory per GPU of 80 GiB: DDP does not fit, per GPU ~")
+    assert "FSDP over 4: fits, per GPU ~" in line and line.endswith("· strategy: FSDP (auto)")
+    assert "(activations not included)" in line
+    cfg.multi_gpu.strategy = "ddp"
+    assert memory_line(cfg, 4, 80.0).endswith("· strategy: DDP")
+    assert "no GPU to compare" in memory_line(cfg, 4, None) and "free memory unknown" in memory_line(cfg, 4, None)
+    cfg.model.model_type, cfg.model.base_model = "auto", "/nonexistent/model.safetensors"
+    assert memory_line(cfg, 2, 80.0).startswith("Memory estimate: none for this config (")

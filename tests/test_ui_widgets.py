@@ -216,6 +216,16 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
     assert app.model.cfg.multi_gpu.launcher == "spawn"
     app.binder.fields["training.gradient_accumulation_steps"].var.set("2")
     assert "global batch 32 (8 x 2 x 2)" in frame.summary.cget("text")
+    # The memory line per strategy, estimated off the Tk thread for the chosen GPUs (here the demo model).
+    frame.strategy.var.set("fsdp")
+    assert app.model.cfg.multi_gpu.strategy == "fsdp"
+    deadline = time.monotonic() + 30
+    while "estimating" in frame.memory.cget("text") and time.monotonic() < deadline:
+        app.update()
+        time.sleep(0.05)
+    text = frame.memory.cget("text")
+    assert text.startswith("Memory per GPU of 80 GiB: DDP fits, per GPU ~") and "FSDP over 2: fits" in text, text
+    assert text.endswith("· strategy: FSDP")
 
 
 def test_multi_gpu_frame_without_gpus_offers_cpu_processes(app_factory):

@@ -1,6 +1,9 @@
-"""The multi-GPU settings: GPUs to use, backend, launcher, LR scaling, and the live summary line."""
+"""The multi-GPU settings: GPUs to use, strategy, backend, launcher, LR scaling, and the live summary and
+memory lines."""
 from __future__ import annotations
 
+import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -11,18 +14,22 @@ from pathlib import Path
 
 import customtkinter as ctk
 
-from modules.config import save_config
+from modules.config import config_to_dict, save_config
 
 from ..gpu_info import GpuInfo
 from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
-from ..multi_gpu_summary import nodes_and_restarts_line, summarize
+from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, summarize
 from .fields import Binder
 from .form import Form
 from .tooltip import Tooltip
 
 CHECK_SCRIPT = REPO_ROOT / "scripts" / "check_multi_gpu.py"
+
+
+def using_cpu_processes(cfg) -> bool:
+    return cpu_processes(cfg) != "off"
 
 
 class MultiGPUFrame(ctk.CTkFrame):
@@ -68,6 +75,8 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.torchrun.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)
         Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
         form.row += 1
+        self.strategy = form.field("multi_gpu.strategy")
+        self.cpu_offload = form.field("multi_gpu.fsdp_cpu_offload")
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
         self.batch_split = form.field("multi_gpu.batch_split", width=120)
         self.port = form.field("multi_gpu.master_port", width=100)
@@ -78,6 +87,14 @@ class MultiGPUFrame(ctk.CTkFrame):
                               "(batch size per GPU x gradient accumulation x processes: the images behind each "
                               "optimizer step) and the learning rate before and after multi-GPU scaling. The "
                               "trainer computes the same numbers and prints them when it starts.")
+        form.row += 1
+        self.memory = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=620)
+        self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
+        Tooltip(self.memory, "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients "
+                             "and optimizer state) and with FSDP (sharded over the GPUs), against the smallest "
+                             "chosen GPU; and the strategy multi_gpu.strategy gives. The same estimate as Check "
+                             "setup; activations are included where they have been measured.")
+        self._memory_key: str | None = None
         form.row += 1
         self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
@@ -166,7 +183,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.cpu_var.set(cpu_processes(cfg))
         self.torchrun_var.set(cfg.multi_gpu.launcher == "torchrun")
         enough = len(visible) >= 2
-        using_cpu = cpu_processes(cfg) != "off"
+        using_cpu = using_cpu_processes(cfg)
         for check in self.gpu_checks:
             check.configure(state="normal" if enough and cfg.multi_gpu.enabled and not using_cpu else "disabled")
         if self.detecting:
@@ -179,6 +196,42 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.summary.configure(text=summarize(cfg, len(visible)).line() if cfg.multi_gpu.enabled
                                else "Multi-GPU off: one process. " + summarize(cfg, len(visible)).line())
         self.nodes_hint.configure(text=nodes_and_restarts_line(cfg) if cfg.multi_gpu.enabled else "")
+        self._estimate_memory(cfg, chosen)
+
+    def _estimate_memory(self, cfg, chosen: list[int]) -> None:
+        """The memory line, estimated on a worker thread (building the shapes of a large model takes a
+        moment) whenever the config or the GPUs change; the newest request wins."""
+        if not cfg.multi_gpu.enabled or using_cpu_processes(cfg):
+            self._memory_key = None
+            self.memory.configure(text="")
+            return
+        sizes = [g.memory_mib / 1024 for g in self.gpus if g.index in chosen]
+        world = summarize(cfg, len(self._visible())).world_size
+        gib = min(sizes) if sizes else None
+        key = json.dumps([config_to_dict(cfg), world, gib], sort_keys=True, default=str)
+        if key == self._memory_key:
+            return
+        self._memory_key = key
+        self.memory.configure(text="Memory per GPU: estimating...")
+        cfg = copy.deepcopy(cfg)  # the worker reads its own copy while the form goes on editing
+        result: list[str] = []
+
+        def run() -> None:
+            try:
+                result.append(memory_line(cfg, world, gib))
+            except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
+                result.append(f"Memory estimate failed: {e}")
+
+        def wait() -> None:
+            if self._memory_key != key:
+                return  # a newer estimate replaced this one
+            if result:
+                self.memory.configure(text=result[0])
+            else:
+                self.after(100, wait)
+
+        threading.Thread(target=run, daemon=True, name="tandem-memory-estimate").start()
+        self.after(100, wait)
 
     # --- Check setup -------------------------------------------------------------------------
     def check_setup(self) -> None:
