@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.generic_trainer import GenericTrainer
-from modules.trainer.sharded_backup import SHARDS, is_sharded, read_sharded_weights
+from modules.trainer.sharded_backup import SHARDS, read_trained_weights
 from tests.trainer_helpers import demo_config
 
 STEPS = 10
@@ -47,19 +47,9 @@ def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#d
 
 
 def backup_weights(workspace: Path, step: int | None = None) -> dict[str, torch.Tensor]:
-    """The trained weights of a backup (newest, or of `step`), sharded or not, by the trained module's
-    parameter names (`unet.…`, `text_encoders.0.…`)."""
-    path = backup_path(workspace, step)
-    if is_sharded(path):
-        return read_sharded_weights(path)
-    weights = load_file(str(path / "weights.safetensors"))
-    renamed = {}
-    for key, value in weights.items():
-        component, _, rest = key.partition(".")
-        if component.startswith("text_encoder_"):
-            component = "text_encoders." + component.removeprefix("text_encoder_")
-        renamed[("unet" if component in ("unet", "transformer") else component) + "." + rest] = value
-    return renamed
+    """The trained weights of a backup (newest, or of `step`), sharded or not, by the names of
+    `weights.safetensors` (`unet.…`, `transformer.…`)."""
+    return read_trained_weights(backup_path(workspace, step))
 
 
 def backup_path(workspace: Path, step: int | None = None) -> Path:

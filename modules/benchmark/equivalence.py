@@ -78,10 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _backup_weights(workspace: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from modules.trainer.backup import WEIGHTS, latest_backup
+    from modules.trainer.backup import latest_backup
+    from modules.trainer.sharded_backup import read_trained_weights
     newest = latest_backup(workspace / "backups")  # backups are grouped by run: backups/<run id>/step-N
     if newest is None:
         raise FileNotFoundError(f"no backup under {workspace / 'backups'}; the run wrote none")
-    return load_file(str(newest.path / WEIGHTS))
+    return read_trained_weights(newest.path)  # sharded (FSDP) backups too

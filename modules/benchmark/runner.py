@@ -171,6 +171,7 @@ class BenchmarkMixin:
             trainable = sum(p.numel() for p in self.trainable_params())
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
+                          strategy=getattr(self, "strategy", "single"),  # what multi_gpu.strategy gave
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),

@@ -124,7 +124,7 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 def gathering_source(device: torch.device):
     """The `streamed_save.TensorSource` of a sharded run: every rank gathers each tensor (to `device`
     first, as NCCL moves GPU tensors only - shards offloaded to the CPU included); rank 0 writes."""
-    from modules.distributed import dist_utils as du
+    from modules.util import dist_utils as du
     from modules.model.streamed_save import TensorSource
 
     def whole(value: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,11 @@ def write_run_backup(run, parts, run_id: str, manifest: dict) -> Path:
     """Back up the current step of a run (`outputs.TrainingRun`, with its `outputs.RunParts`); every rank
     calls this. Returns the backup's path."""
     tensors, optimizer_entries = checkpoint_state(parts.model, parts.optimizer, parts.ema)
+    own = run.trainable_state()
     state = {**run.progress_state(), "optimizer_entries": optimizer_entries,
-             "trained_parameters": sorted(tensors["model"])}
+             "trained_parameters": sorted(tensors["model"]),
+             # parameter name -> the name `weights.safetensors` of other backups uses (`transformer.…`, `text_encoder_0.…`)
+             "weight_names": dict(zip(parameter_names(parts.model, own.values()), own))}
     return write_sharded_backup(parts.paths.backups, run_id, run.global_step, tensors, state, manifest,
                                 parts.cfg.save.rolling_backup_count)
 
@@ -208,6 +211,17 @@ def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, nam
     if trainer.ema is not None and state.get("ema") is not None:
         for shadow, full in zip(trainer.ema.shadow, state["ema"]["shadow"]):
             copy_full_into(shadow, full)
+
+
+def read_trained_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole trained weights of any backup, in this process alone (tools, tests), by the names of
+    `weights.safetensors` (`unet.conv_in.weight`, `transformer.…`, `text_encoder_0.…`) whatever its format."""
+    path = Path(path)
+    if not is_sharded(path):
+        from safetensors.torch import load_file
+        return load_file(str(path / backups.WEIGHTS))
+    names = backups.read_state_and_manifest(path)[0].get("weight_names", {})
+    return {names.get(k, k): v for k, v in read_sharded_weights(path).items()}
 
 
 def read_sharded_weights(path: Path) -> dict[str, torch.Tensor]:
