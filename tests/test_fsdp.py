@@ -39,9 +39,9 @@ def one_process(workspace, cache, *overrides, method="full", resume=None, preset
                                preset=preset), resume=resume).run()
 
 
-def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#demo"):
+def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#demo", launcher="spawn"):
     cfg = demo_config(workspace, cache, *COMMON, "training.batch_size=4", "multi_gpu.enabled=true",
-                      "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp", *overrides,
+                      "multi_gpu.num_gpus=2", f"multi_gpu.launcher={launcher}", "multi_gpu.strategy=fsdp", *overrides,
                       method=method, preset=preset)
     assert launch(cfg, resume=resume) == 0
 
@@ -133,15 +133,24 @@ def test_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_pat
 
 
 @pytest.mark.slow
-def test_lora_with_accumulation_checkpointing_and_ema_under_fsdp(tmp_path, cache_dir):
-    """LoRA (frozen base sharded too), 2 micro-batches per step (the gradient sync on the last only),
-    checkpointing of each block before sharding, a sharded EMA: as 1 process trains it."""
+def test_a_one_process_backup_resumes_under_fsdp(sd_runs, tmp_path, cache_dir):
+    """The other way: whole tensors (weights.safetensors, the optimizer state by index) into shards."""
+    sharded(tmp_path / "two", cache_dir, resume=str(backup_path(sd_runs / "one", 5)))
+    assert relative_l2(backup_weights(tmp_path / "two"), backup_weights(sd_runs / "one")) <= 1e-5
+
+
+@pytest.mark.slow
+def test_lora_with_accumulation_checkpointing_ema_and_text_encoder_under_fsdp(tmp_path, cache_dir):
+    """LoRA (frozen base sharded too) on the UNet and the text encoder (its layers sharded), 2 micro-batches
+    per step (the gradient sync on the last only), checkpointing of each block before sharding, a sharded
+    EMA: as 1 process trains it."""
     common = ("training.gradient_accumulation_steps=2", "training.gradient_checkpointing=true", "training.ema=true",
-              "save.ema_weights=both")
+              "save.ema_weights=both", "training.train_text_encoder=true",
+              "training.max_steps=4", "save.backup_every_n_steps=4")  # 8 micro-batches: CI time
     one_process(tmp_path / "one", cache_dir, *common, method="lora")
     sharded(tmp_path / "fsdp", cache_dir, *common, method="lora")
     one, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
-    assert fsdp and all("lora" in k for k in fsdp)
+    assert fsdp and all("lora" in k for k in fsdp) and any(k.startswith("text_encoder_0.") for k in fsdp)
     assert relative_l2(fsdp, one) <= 1e-5
     for name in ("demo.safetensors", "demo-ema.safetensors"):  # raw and EMA LoRA files, gathered on rank 0
         one_file, fsdp_file = load_file(tmp_path / "one" / "output" / name), load_file(tmp_path / "fsdp" / "output" / name)
@@ -149,10 +158,11 @@ def test_lora_with_accumulation_checkpointing_and_ema_under_fsdp(tmp_path, cache
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["#demo_sd3", "#demo_flux"])
-def test_dit_demos_under_fsdp_equal_one_process(tmp_path, cache_dir, preset):
-    """The transformer families: each joint/double/single block a unit; the single file streamed."""
+@pytest.mark.parametrize("preset,launcher", [("#demo_sd3", "spawn"), ("#demo_flux", "torchrun")])
+def test_dit_demos_under_fsdp_equal_one_process(tmp_path, cache_dir, preset, launcher):
+    """The transformer families: each joint/double/single block a unit; the single file streamed; both
+    launchers."""
     one_process(tmp_path / "one", cache_dir, "save.full_format=single_file", preset=preset)
-    sharded(tmp_path / "fsdp", cache_dir, "save.full_format=single_file", preset=preset)
+    sharded(tmp_path / "fsdp", cache_dir, "save.full_format=single_file", preset=preset, launcher=launcher)
     assert relative_l2(backup_weights(tmp_path / "fsdp"), backup_weights(tmp_path / "one")) <= 1e-5
     assert relative_l2(load_file(final_file(tmp_path / "fsdp")), load_file(final_file(tmp_path / "one"))) <= 1e-5

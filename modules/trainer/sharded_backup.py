@@ -194,20 +194,17 @@ def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, nam
 
     from modules.distributed.fsdp import copy_full_into
 
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # The saved optimizer state names parameters by their index in the optimizer; FSDP's loader by name.
     order = parameter_names(trainer.model, [p for g in trainer.optimizer.param_groups for p in g["params"]])
     saved = state["optimizer"]
-    optimizer = {}
-    for group in saved["param_groups"]:
-        for index in group["params"]:
-            name = order[index]
-            for key, value in saved["state"].get(index, {}).items():
-                optimizer[f"state.{name}.{key}"] = value
-            for key, value in group.items():
-                if key != "params":
-                    optimizer[f"param_groups.{name}.{key}"] = value
+    optimizer = {"state": {order[index]: value for index, value in saved["state"].items()},
+                 "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
+                                  for group in saved["param_groups"]]}
     model = {names[key]: value for key, value in weights.items() if key in names}
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model, optim_state_dict=optimizer,
-                   options=_options(full=True))
+                   options=StateDictOptions(ignore_frozen_params=True, full_state_dict=True, strict=False))
     if trainer.ema is not None and state.get("ema") is not None:
         for shadow, full in zip(trainer.ema.shadow, state["ema"]["shadow"]):
             copy_full_into(shadow, full)
