@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -143,15 +145,23 @@ def test_a_one_process_backup_resumes_under_fsdp(sd_runs, tmp_path, cache_dir):
 def test_lora_with_accumulation_checkpointing_ema_and_text_encoder_under_fsdp(tmp_path, cache_dir):
     """LoRA (frozen base sharded too) on the UNet and the text encoder (its layers sharded), 2 micro-batches
     per step (the gradient sync on the last only), checkpointing of each block before sharding, a sharded
-    EMA: as 1 process trains it."""
+    EMA: as 1 process trains it. Samples too: 3 prompts on 2 ranks, each rank rendering as often (the
+    trained parts called through the sharded root)."""
     common = ("training.gradient_accumulation_steps=2", "training.gradient_checkpointing=true", "training.ema=true",
               "save.ema_weights=both", "training.train_text_encoder=true",
-              "training.max_steps=4", "save.backup_every_n_steps=4")  # 8 micro-batches: CI time
+              "training.max_steps=4", "save.backup_every_n_steps=4",  # 8 micro-batches: CI time
+              "sampling.every_n_steps=4", "sampling.inference_steps=2")
     one_process(tmp_path / "one", cache_dir, *common, method="lora")
     sharded(tmp_path / "fsdp", cache_dir, *common, method="lora")
     one, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
     assert fsdp and all("lora" in k for k in fsdp) and any(k.startswith("text_encoder_0.") for k in fsdp)
     assert relative_l2(fsdp, one) <= 1e-5
+    samples = {run: sorted((tmp_path / run / "samples").glob("*.png")) for run in ("one", "fsdp")}
+    assert [p.name for p in samples["fsdp"]] == [p.name for p in samples["one"]] and len(samples["one"]) == 3
+    for mine, theirs in zip(samples["fsdp"], samples["one"]):
+        difference = torch.from_numpy(numpy.asarray(Image.open(mine), dtype=numpy.float32) -
+                                      numpy.asarray(Image.open(theirs), dtype=numpy.float32))
+        assert difference.abs().mean() < 1.0, mine.name  # of 255: the same weights render the same image
     for name in ("demo.safetensors", "demo-ema.safetensors"):  # raw and EMA LoRA files, gathered on rank 0
         one_file, fsdp_file = load_file(tmp_path / "one" / "output" / name), load_file(tmp_path / "fsdp" / "output" / name)
         assert relative_l2(fsdp_file, one_file) <= 1e-5
