@@ -151,3 +151,17 @@ def test_resume_flag_of_the_script(tmp_path, cache_dir):
     steps = [json.loads(line[len("@tandem "):])["step"] for line in second.stdout.splitlines()
              if line.startswith('@tandem {"type": "loss"')]
     assert steps == [3]
+
+
+def test_compare_backups_measures_each_run_against_the_first(tmp_path):
+    """scripts/gpu/compare_backups.py (the GPU end-to-end check): newest backup of each run vs the first's."""
+    from modules.benchmark.equivalence import compare_backups
+    fake_backup(tmp_path / "one" / "backups", "run-a", 4, written=1.0)
+    fake_backup(tmp_path / "two" / "backups", "run-b", 2, written=1.0)
+    fake_backup(tmp_path / "two" / "backups", "run-b", 4, written=2.0)
+    result = compare_backups(tmp_path, "one", "two")
+    assert result["steps"] == {"one": 4, "two": 4} and result["relative_l2"] == {"two": 0.0}
+    fake_backup(tmp_path / "two" / "backups", "run-b", 8, written=3.0)  # weights 8 against 4: 100% apart
+    assert compare_backups(tmp_path, "one", "two")["relative_l2"] == {"two": pytest.approx(1.0)}
+    with pytest.raises(FileNotFoundError, match="three"):
+        compare_backups(tmp_path, "one", "three")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from modules.config import TrainConfig
-from modules.config.validation import validate
+from modules.config.validation import fsdp_blockers, validate
 from modules.distributed import memory_estimate
-from modules.distributed.strategy import choose_strategy, fsdp_blockers, strategy_estimates
+from modules.distributed.strategy import choose_strategy, strategy_estimates
 
 
 def config(model_type: str, method: str, **training) -> TrainConfig:

@@ -84,3 +84,18 @@ def _backup_weights(workspace: Path) -> dict:
     if newest is None:
         raise FileNotFoundError(f"no backup under {workspace / 'backups'}; the run wrote none")
     return read_trained_weights(newest.path)  # sharded (FSDP) backups too
+
+
+def compare_backups(root: Path, first: str, *others: str) -> dict:
+    """The newest backups of several runs in one folder (`<root>/<run>/backups`, sharded or not) against
+    the first run's: each run's step and the relative L2 distance of its trained weights."""
+    from modules.trainer.backup import latest_backup
+    newest = {run: latest_backup(Path(root) / run / "backups") for run in (first, *others)}
+    missing = [run for run, info in newest.items() if info is None]
+    if missing:
+        raise FileNotFoundError(f"no backup under {', '.join(str(Path(root) / r / 'backups') for r in missing)}")
+    reference = _backup_weights(Path(root) / first)
+    return {"check": "backups_compared", "reference": first,
+            "steps": {run: info.step for run, info in newest.items()},
+            "relative_l2": {run: compare(_backup_weights(Path(root) / run), reference)["relative_l2"]
+                            for run in others}}

@@ -287,6 +287,22 @@ def _output_checks(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def fsdp_blockers(cfg: TrainConfig) -> list[str]:
+    """What in `cfg` sharded training does not support yet, each with its fix (empty: FSDP can train it)."""
+    t = cfg.training
+    blockers = []
+    if t.precision == "fp16":
+        blockers.append("training.precision fp16: loss scaling over sharded gradients is not supported; use bf16 "
+                        "(or fp32)")
+    if t.compile:
+        blockers.append("training.compile: the compiled denoiser's check against eager mode runs on whole "
+                        "weights; turn training.compile off")
+    if cfg.optimizer.name == "adamw_8bit":
+        blockers.append("optimizer.name adamw_8bit: bitsandbytes' 8-bit state does not take sharded parameters; "
+                        "use adamw (sharded, its state costs 1/N per GPU) or adafactor")
+    return blockers
+
+
 def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
     m = cfg.multi_gpu
     problems = _between("multi_gpu.master_port", m.master_port, 0, 65535)
@@ -310,7 +326,6 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
                         f"{len(indexes)}, or list {m.num_gpus} indexes.")
     problems += _nodes_and_restarts_checks(cfg)
     if m.enabled and m.strategy == "fsdp":
-        from modules.distributed.strategy import fsdp_blockers
         problems += [f"multi_gpu.strategy fsdp with {blocker}, or set multi_gpu.strategy to ddp."
                      for blocker in fsdp_blockers(cfg)]
     if m.enabled and m.static_graph:

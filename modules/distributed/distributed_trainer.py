@@ -18,9 +18,10 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from modules.config.validation import fsdp_blockers
 from modules.distributed import fsdp
 from modules.distributed.process_group import destroy, init_worker
-from modules.distributed.strategy import choose_strategy, fsdp_blockers
+from modules.distributed.strategy import choose_strategy
 from modules.trainer.base_trainer import BaseTrainer
 from modules.util import dist_utils as du
 from modules.util.batch_slice import equal_split

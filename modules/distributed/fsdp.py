@@ -111,37 +111,3 @@ def gradient_sync(model: nn.Module, sync: bool):
     rank until the last micro-batch (FSDP's equivalent of DDP's `no_sync`)."""
     model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
-
-
-def full_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a sharded parameter (collective: every rank must ask for the same one), or
-    `value` itself when it is not sharded."""
-    if hasattr(value, "full_tensor"):
-        return value.full_tensor()
-    return value
-
-
-def gathering_source(device: torch.device):
-    """The `streamed_save.TensorSource` of a sharded run: every rank gathers each tensor (to `device`
-    first, as NCCL moves GPU tensors only - shards offloaded to the CPU included); rank 0 writes."""
-    from modules.util import dist_utils as du
-    from modules.model.streamed_save import TensorSource
-
-    def whole(value: torch.Tensor) -> torch.Tensor:
-        if hasattr(value, "full_tensor"):
-            return value.to(device).full_tensor()
-        return value
-
-    return TensorSource(whole=whole, writes=du.is_main())
-
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write a whole tensor (read from a file on every rank) into a possibly sharded parameter or state,
-    keeping only this rank's part - no communication."""
-    with torch.no_grad():
-        if hasattr(param, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-            part = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(part.to_local())
-        else:
-            param.copy_(full.to(param.dtype))

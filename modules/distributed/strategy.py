@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from modules.config.launch_spec import resolve_launch
+from modules.config.validation import fsdp_blockers
 
 SAFETY_FRACTION = 0.9
 """Share of the free GPU memory an estimate may fill: the allocator rounds up and fragments."""
@@ -23,22 +24,6 @@ class StrategyChoice:
     """`ddp` or `fsdp`."""
     reason: str
     """One sentence for the start-up log: why this strategy."""
-
-
-def fsdp_blockers(cfg) -> list[str]:
-    """What in `cfg` sharded training does not support yet, each with its fix (empty: FSDP can train it)."""
-    t = cfg.training
-    blockers = []
-    if t.precision == "fp16":
-        blockers.append("training.precision fp16: loss scaling over sharded gradients is not supported; use bf16 "
-                        "(or fp32)")
-    if t.compile:
-        blockers.append("training.compile: the compiled denoiser's check against eager mode runs on whole "
-                        "weights; turn training.compile off")
-    if cfg.optimizer.name == "adamw_8bit":
-        blockers.append("optimizer.name adamw_8bit: bitsandbytes' 8-bit state does not take sharded parameters; "
-                        "use adamw (sharded, its state costs 1/N per GPU) or adafactor")
-    return blockers
 
 
 def planned_world_size(cfg, visible_gpus: int) -> int:

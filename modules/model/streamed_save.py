@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from modules.util import dist_utils as du
 from modules.util.atomic import atomic_path
 
 SAFETENSORS_DTYPES = {
@@ -66,6 +67,18 @@ class TensorSource:
 
 LOCAL = TensorSource(whole=lambda t: t, writes=True)
 """One process holding every weight."""
+
+
+def gathering_source(device: torch.device) -> TensorSource:
+    """The source of a sharded run: every rank gathers each tensor (to `device` first, as NCCL moves GPU
+    tensors only - shards offloaded to the CPU included); rank 0 writes."""
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        if hasattr(value, "full_tensor"):  # an FSDP (DTensor) parameter
+            return value.to(device).full_tensor()
+        return value
+
+    return TensorSource(whole=whole, writes=du.is_main())
 
 
 def _file_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

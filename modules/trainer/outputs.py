@@ -254,11 +254,8 @@ class OutputWriter:
 
     def _source(self):
         """How the weights are read for a save: whole from this process, or gathered from every rank."""
-        from modules.model.streamed_save import LOCAL
-        if not self.parts.sharded:
-            return LOCAL
-        from modules.distributed.fsdp import gathering_source
-        return gathering_source(self.parts.device)
+        from modules.model.streamed_save import LOCAL, gathering_source
+        return gathering_source(self.parts.device) if self.parts.sharded else LOCAL
 
     def _write_models(self, path: Path) -> None:
         ema = self.parts.ema

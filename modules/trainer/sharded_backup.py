@@ -40,11 +40,10 @@ def is_sharded(path: Path) -> bool:
     return (Path(path) / SHARDS).is_dir()
 
 
-def _options(full: bool = False):
+def _options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     # Frozen weights (a LoRA's base) come from the base model, never from a backup.
-    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, full_state_dict=full,
-                            strict=False)
+    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=False)
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:
@@ -190,11 +189,7 @@ def _check_same_parameters(path: Path, wanted: set[str], state: dict) -> None:
 def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, names: dict[str, str]) -> None:
     """A backup of whole tensors (one process or DDP: `weights.safetensors`, the optimizer's state dict by
     parameter index) into a sharded model: each rank keeps its part. `names`: backup name -> parameter name."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from modules.distributed.fsdp import copy_full_into
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     # The saved optimizer state names parameters by their index in the optimizer; FSDP's loader by name.
     order = parameter_names(trainer.model, [p for g in trainer.optimizer.param_groups for p in g["params"]])
@@ -207,7 +202,7 @@ def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, nam
                    options=StateDictOptions(ignore_frozen_params=True, full_state_dict=True, strict=False))
     if trainer.ema is not None and state.get("ema") is not None:
         for shadow, full in zip(trainer.ema.shadow, state["ema"]["shadow"]):
-            copy_full_into(shadow, full)
+            du.copy_full_into(shadow, full)
 
 
 def read_trained_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -178,3 +178,15 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
         bad = all_reduce_sum_tensor((~finite).to(torch.float32).reshape(1))
         return bool(bad.item() == 0)
     return bool(finite)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a whole tensor (read from a file on every rank) into a possibly sharded parameter or state,
+    keeping only this rank's part - no communication."""
+    with torch.no_grad():
+        if hasattr(param, "device_mesh"):  # an FSDP (DTensor) parameter
+            from torch.distributed.tensor import distribute_tensor
+            part = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(part.to_local())
+        else:
+            param.copy_(full.to(param.dtype))
