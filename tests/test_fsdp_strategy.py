@@ -81,3 +81,34 @@ def test_configs_fsdp_cannot_train_are_refused_with_the_field_and_the_fix():
     assert all(p.endswith("or set multi_gpu.strategy to ddp.") for p in problems)
     cfg.multi_gpu.strategy = "auto"
     assert not [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]
+
+
+def test_prodigy_is_refused_under_fsdp_and_schedule_free_is_not():
+    """Prodigy's step size is a sum over all weights, which FSDP's ranks each take over their shards only;
+    schedule-free AdamW is element-wise and trains under FSDP as under DDP."""
+    cfg = config("sdxl", "full", precision="bf16")
+    cfg.multi_gpu.strategy = "fsdp"
+    cfg.optimizer.name = "prodigy"
+    (problem,) = [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]
+    assert "optimizer.name prodigy" in problem and "use adamw or adamw_schedule_free" in problem
+    cfg.optimizer.name, cfg.training.lr_scheduler = "adamw_schedule_free", "constant"
+    assert fsdp_blockers(cfg) == []
+    assert not [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]
+
+
+def test_cpu_offload_is_fsdp2s_policy_on_gpus_and_cpu_processes_alike():
+    """multi_gpu.fsdp_cpu_offload: the shards in (pinned, for a GPU) host memory; CPU processes run the same
+    policy, which is how tests/test_fsdp.py trains, backs up, resumes and saves with it. On GPUs the process
+    group gets gloo beside NCCL for the collectives over those host-memory shards."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from modules.distributed.fsdp import offload_policy
+    from modules.distributed.process_group import with_cpu_collectives
+
+    on_gpu, on_cpu = offload_policy(True, torch.device("cuda", 0)), offload_policy(True, torch.device("cpu"))
+    assert isinstance(on_gpu, CPUOffloadPolicy) and on_gpu.pin_memory
+    assert isinstance(on_cpu, CPUOffloadPolicy) and not on_cpu.pin_memory
+    assert not isinstance(offload_policy(False, torch.device("cuda", 0)), CPUOffloadPolicy)
+    assert with_cpu_collectives("nccl", True) == "cuda:nccl,cpu:gloo"
+    assert with_cpu_collectives("nccl", False) == "nccl" and with_cpu_collectives("gloo", True) == "gloo"

@@ -288,7 +288,7 @@ class MultiGPUConfig:
     strategy: str = rule("auto", choices=("auto", "ddp", "fsdp"), label="Strategy (auto, ddp, fsdp)")
     """How the model is spread over the GPUs: `ddp` (DistributedDataParallel: every GPU holds the whole model, its gradients and optimizer state), `fsdp` (FSDP2: parameters, gradients and optimizer state sharded over the GPUs, block by block; for full fine-tunes larger than one GPU), or `auto` (DDP when the memory estimate says the model, gradients, optimizer state and activations fit each GPU, else FSDP; a LoRA that fits always gets DDP; printed at start with the reason)."""
     fsdp_cpu_offload: bool = rule(False, label="FSDP: keep shards in CPU memory")
-    """With FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory and run the optimizer step there (much less GPU memory, slower steps). Ignored with DDP and on CPU processes."""
+    """With FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory and run the optimizer step there (much less GPU memory, slower steps; the process group then runs gloo beside NCCL for the collectives over them). Ignored with DDP. CPU processes run the same code with nothing to move."""
     num_gpus: int = rule(0, minimum=0)
     """How many GPUs to use. 0: all visible GPUs (or those in `device_indexes`)."""
     device_indexes: str = ""

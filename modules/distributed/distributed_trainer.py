@@ -53,7 +53,8 @@ class DistributedTrainer(BaseTrainer):
         self.device_type = device_type
 
     def setup_environment(self) -> None:
-        self.device = init_worker(self.cfg.multi_gpu.backend, self.device_type, self.cfg.multi_gpu.timeout_minutes)
+        m = self.cfg.multi_gpu
+        self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload)
         self.configure_backends()
         self.strategy = self.choose_strategy()
         self.sharded = self.strategy == "fsdp"

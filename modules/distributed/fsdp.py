@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import torch
 from torch import nn
-
-log = logging.getLogger("tandem")
 
 RUN_PART = "run_part"
 """The trained module's method that runs one of its parts alone (`TrainingModel.run_part`), registered
@@ -58,6 +55,16 @@ def mixed_precision(precision: str):
                      "scaling is not supported with sharded gradients), or set multi_gpu.strategy to ddp.")
 
 
+def offload_policy(cpu_offload: bool, device: torch.device):
+    """FSDP2's `CPUOffloadPolicy` with `multi_gpu.fsdp_cpu_offload`: the shards, their gradients and the
+    optimizer step live in host memory (pinned, for a GPU's copies in and out). CPU processes run the same
+    code with nothing to move, which is how the tests cover it. Without it, no offload."""
+    CPUOffloadPolicy, OffloadPolicy = _api()[0], _api()[3]
+    if cpu_offload:
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return OffloadPolicy()
+
+
 def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, precision: str, checkpointing: bool,
           cpu_offload: bool) -> nn.Module:
     """Shard `model` in place: each block a unit (checkpointed first when `checkpointing`), `model` the root.
@@ -68,15 +75,9 @@ def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, preci
     from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed as dist
 
-    CPUOffloadPolicy, _, _, OffloadPolicy, fully_shard, register_method = _api()
+    fully_shard, register_method = _api()[4:]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    offload = OffloadPolicy()
-    if cpu_offload:
-        if device.type == "cuda":
-            offload = CPUOffloadPolicy(pin_memory=True)
-        else:
-            log.info("multi_gpu.fsdp_cpu_offload: ignored, the model is on the CPU already.")
-    options = dict(mesh=mesh, mp_policy=mixed_precision(precision), offload_policy=offload)
+    options = dict(mesh=mesh, mp_policy=mixed_precision(precision), offload_policy=offload_policy(cpu_offload, device))
     if checkpointing:
         from torch.distributed._composable import checkpoint
     for block in blocks:

@@ -46,8 +46,19 @@ def share_cpu_threads(local_world: int) -> None:
         torch.set_num_threads(threads_per_worker(local_world))
 
 
-def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch.device:
-    """Join the process group described by the standard torchrun variables and pick this rank's device."""
+def with_cpu_collectives(backend: str, cpu_collectives: bool) -> str:
+    """The process group's backend string: NCCL moves GPU tensors only, so when collectives must also run
+    on tensors in host memory (FSDP's CPU offload keeps the shards and their gradients there: gradient
+    clipping's norm and the finite-weights check reduce over them) gloo serves the CPU beside it."""
+    if cpu_collectives and backend == "nccl":
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
+def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_collectives: bool = False) -> torch.device:
+    """Join the process group described by the standard torchrun variables and pick this rank's device.
+
+    `cpu_collectives`: collectives on CPU tensors too (`with_cpu_collectives`)."""
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -69,7 +80,8 @@ def init_worker(backend: str, device_type: str, timeout_minutes: float) -> torch
     if served:  # Tandem's launcher serves the store, listening on the configured address only
         kwargs["store"] = connect(served, timeout)
     # Otherwise (someone else's launcher, e.g. a user's own torchrun) MASTER_ADDR/MASTER_PORT, as PyTorch does.
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    dist.init_process_group(backend=with_cpu_collectives(backend, cpu_collectives), rank=rank, world_size=world,
+                            timeout=timeout, **kwargs)
     return device
 
 

@@ -105,8 +105,9 @@ def on_every_rank(work: Callable[[], T]) -> T:
 
 
 def _comm_device() -> torch.device:
-    # NCCL only moves CUDA tensors; gloo only CPU ones.
-    if is_distributed() and dist.get_backend() == "nccl":
+    # NCCL only moves CUDA tensors; gloo only CPU ones. With both ("cuda:nccl,cpu:gloo", for FSDP's CPU
+    # offload) the GPU keeps carrying the loop's own collectives.
+    if is_distributed() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -3,7 +3,9 @@
 # (.bench/raw_ddp_reference.py, --fsdp: fully_shard per block) beside the trainer in the same call, in
 # parts that each fit a 10-minute call:
 #   check    FSDP on GPUs (NCCL): the demo's 2 x 4 == 1 x 8 through torchrun (full fine-tune, fp32),
-#            LoRA bf16 the same; check_multi_gpu's per-strategy estimate for the Flux full fine-tune
+#            LoRA bf16 the same, the full fine-tune with CPU offload; a run with CPU offload and gradient
+#            clipping (its norm reduces over host-memory shards: the NCCL + gloo process group);
+#            check_multi_gpu's per-strategy estimate for the Flux full fine-tune
 #   sdxl2    SDXL-size UNet, full fine-tune at 1024 px, 4 images per GPU, gradient checkpointing, 2 GPUs:
 #            DDP vs FSDP, reference and trainer (img/s, peak GiB per GPU)
 #   sdxl4    the same on 4 GPUs
@@ -34,6 +36,16 @@ check)
     log "equivalence demo under FSDP, spawn, LoRA bf16"
     python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers spawn \
         --config-value training.method=lora --config-value training.precision=bf16 $FSDP | tee -a "$RES"
+    log "equivalence demo under FSDP with CPU offload, torchrun, full fp32"
+    python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers torchrun \
+        --config-value training.method=full --config-value training.precision=fp32 $FSDP \
+        --config-value multi_gpu.fsdp_cpu_offload=true | tee -a "$RES"
+    log "CPU offload with gradient clipping (bf16, 5 steps): must exit 0"
+    python3 scripts/train_multi_gpu.py --num-gpus 2 --config-path '#demo' $FSDP \
+        --config-value multi_gpu.fsdp_cpu_offload=true --config-value training.method=full \
+        --config-value training.max_grad_norm=1.0 --config-value training.max_steps=5 \
+        --config-value general.workspace_dir=/tmp/fsdp-offload --config-value sampling.every_n_epochs=0
+    echo "{\"check\": \"offload_with_clipping\", \"exit\": $?}" | tee -a "$RES"
     log "check_multi_gpu: Flux full fine-tune on 4 GPUs, per strategy"
     mkdir -p /tmp/fsdp-check && : > /tmp/fsdp-check/flux.safetensors
     cat > /tmp/fsdp-check/flux.json <<'EOF'
