@@ -165,3 +165,20 @@ def test_compare_backups_measures_each_run_against_the_first(tmp_path):
     assert compare_backups(tmp_path, "one", "two")["relative_l2"] == {"two": pytest.approx(1.0)}
     with pytest.raises(FileNotFoundError, match="three"):
         compare_backups(tmp_path, "one", "three")
+
+
+def test_a_sharded_backup_holds_the_trained_parameters_only():
+    """What a sharded (FSDP) backup writes through DCP: trained weights and their optimizer state - no
+    frozen weight (a LoRA's base comes from the base model) and no buffer (SD3's position embedding, which
+    the model rebuilds), as in the other backups."""
+    from modules.trainer.sharded_backup import checkpoint_state
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    model[0].register_buffer("pos_embed", torch.ones(3))
+    model[1].weight.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    tensors, entries = checkpoint_state(model, optimizer, None)
+    assert sorted(tensors["model"]) == ["0.bias", "0.weight", "1.bias"]
+    assert sorted(tensors["optimizer"]) == [f"state.{name}.momentum_buffer" for name in ("0.bias", "0.weight", "1.bias")]
+    assert entries["param_groups.0.weight.momentum"] == 0.9
