@@ -596,6 +596,22 @@ def test_prodigy_and_schedule_free_fields_are_used_only_by_their_optimizer():
         assert "optimizer.fused" in unused and "optimizer.momentum" in unused
 
 
+def test_fsdp_and_ddp_settings_are_used_only_by_their_strategy():
+    from ui.applicability import unused_fields
+    cfg = TrainConfig()
+    assert unused_fields(cfg)["multi_gpu.fsdp_cpu_offload"] == "used only with Multi-GPU on"
+    cfg.multi_gpu.enabled = True  # strategy auto: either may run
+    assert not {"multi_gpu.fsdp_cpu_offload", "multi_gpu.bucket_cap_mb", "multi_gpu.strategy"} & set(unused_fields(cfg))
+    cfg.multi_gpu.strategy = "ddp"
+    assert unused_fields(cfg)["multi_gpu.fsdp_cpu_offload"] == "used only by FSDP (Strategy is ddp)"
+    cfg.multi_gpu.strategy = "fsdp"
+    unused = unused_fields(cfg)
+    assert "multi_gpu.fsdp_cpu_offload" not in unused
+    assert all(unused[f"multi_gpu.{name}"] == "used only by DDP (Strategy is fsdp)" for name in
+               ("bucket_cap_mb", "gradient_compression", "static_graph", "find_unused_parameters",
+                "gradient_as_bucket_view"))
+
+
 def test_tooltips_have_no_code_marks():
     from ui.binding import plain_text
     text = plain_text(field_doc("general.device"))

@@ -42,6 +42,19 @@ def _multi_gpu(c: TrainConfig) -> str | None:
     return None if c.multi_gpu.enabled else "used only with Multi-GPU on"
 
 
+def _ddp(c: TrainConfig) -> str | None:
+    """DDP's own settings: unused when the run shards with FSDP (with `auto` either may run)."""
+    if not c.multi_gpu.enabled:
+        return "used only with Multi-GPU on"
+    return "used only by DDP (Strategy is fsdp)" if c.multi_gpu.strategy == "fsdp" else None
+
+
+def _fsdp(c: TrainConfig) -> str | None:
+    if not c.multi_gpu.enabled:
+        return "used only with Multi-GPU on"
+    return "used only by FSDP (Strategy is ddp)" if c.multi_gpu.strategy == "ddp" else None
+
+
 RULES: dict[str, Rule] = {
     "training.lora_rank": _lora,
     "training.lora_alpha": _lora,
@@ -78,17 +91,19 @@ RULES: dict[str, Rule] = {
         concept.enabled and concept.role == "validation" for concept in c.data.concepts) else
     "used only with a validation set (a concept with Role validation, or Hold out for validation above 0)",
     "data.prefetch_factor": lambda c: None if c.data.num_workers > 0 else "used only with Loader workers above 0",
+    "multi_gpu.strategy": _multi_gpu,
+    "multi_gpu.fsdp_cpu_offload": _fsdp,
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,
     "multi_gpu.lr_scaling": _multi_gpu,
     "multi_gpu.master_port": _multi_gpu,
     "multi_gpu.master_addr": _multi_gpu,
     "multi_gpu.timeout_minutes": _multi_gpu,
-    "multi_gpu.bucket_cap_mb": _multi_gpu,
-    "multi_gpu.gradient_compression": _multi_gpu,
-    "multi_gpu.static_graph": _multi_gpu,
-    "multi_gpu.find_unused_parameters": _multi_gpu,
-    "multi_gpu.gradient_as_bucket_view": _multi_gpu,
+    "multi_gpu.bucket_cap_mb": _ddp,
+    "multi_gpu.gradient_compression": _ddp,
+    "multi_gpu.static_graph": _ddp,
+    "multi_gpu.find_unused_parameters": _ddp,
+    "multi_gpu.gradient_as_bucket_view": _ddp,
     "multi_gpu.max_restarts": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher == "torchrun"
                                                            else "needs the torchrun launcher"),
     "multi_gpu.nnodes": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher == "torchrun"
