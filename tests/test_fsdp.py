@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.sharded_backup import SHARDS, read_trained_weights
+from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import demo_config, train
 
 STEPS = 10
@@ -42,8 +43,9 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
 
 
 def one_process(workspace, cache, *overrides, method="full", resume=None, preset="#demo"):
-    train(demo_config(workspace, cache, *COMMON, "training.batch_size=8", *overrides, method=method, preset=preset),
-          resume=resume)
+    """Returns the trainer (its callbacks hold the events)."""
+    return train(demo_config(workspace, cache, *COMMON, "training.batch_size=8", *overrides, method=method,
+                             preset=preset), resume=resume)
 
 
 def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#demo", launcher="spawn"):
@@ -144,17 +146,28 @@ def test_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_pat
 
 
 @pytest.mark.slow
-def test_lora_with_accumulation_checkpointing_ema_and_text_encoder_under_fsdp(tmp_path, cache_dir):
+def test_lora_with_accumulation_checkpointing_ema_and_text_encoder_under_fsdp(tmp_path, cache_dir, capfd,
+                                                                              monkeypatch):
     """LoRA (frozen base sharded too) on the UNet and the text encoder (its layers sharded), 2 micro-batches
     per step (the gradient sync on the last only), checkpointing of each block before sharding, a sharded
     EMA: as 1 process trains it. Samples too: 3 prompts on 2 ranks, each rank rendering as often (the
-    trained parts called through the sharded root)."""
+    trained parts called through the sharded root); and the validation loss of 5 held-out images (3 on
+    rank 0, 2 on rank 1, which runs one forward more to keep the gathers in step) as 1 process scores it."""
+    from tests.test_validation_loss import validation_folder
     common = ("training.gradient_accumulation_steps=2", "training.gradient_checkpointing=true", "training.ema=true",
               "save.ema_weights=both", "training.train_text_encoder=true",
               "training.max_steps=4", "save.backup_every_n_steps=4",  # 8 micro-batches: CI time
-              "sampling.every_n_steps=4", "sampling.inference_steps=2")
-    one_process(tmp_path / "one", cache_dir, *common, method="lora")
+              "sampling.every_n_steps=4", "sampling.inference_steps=2", "training.validation_every_n_steps=2",
+              f"data.concepts[1].path={validation_folder(tmp_path)}", "data.concepts[1].role=validation")
+    one_events = one_process(tmp_path / "one", cache_dir, *common, method="lora").callbacks.of_type("validation")
+    monkeypatch.setenv("TANDEM_EVENTS", "1")
+    capfd.readouterr()
     sharded(tmp_path / "fsdp", cache_dir, *common, method="lora")
+    fsdp_events = [e for e in map(parse_event_line, capfd.readouterr().out.splitlines()) if e and e["type"] == "validation"]
+    assert [e["step"] for e in fsdp_events] == [e["step"] for e in one_events] == [0, 2, 4]
+    assert all(e["images"] == 5 for e in fsdp_events)
+    for mine, theirs in zip(fsdp_events, one_events):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=0)
     one, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
     assert fsdp and all("lora" in k for k in fsdp) and any(k.startswith("text_encoder_0.") for k in fsdp)
     assert relative_l2(fsdp, one) <= 1e-5

@@ -117,7 +117,7 @@ class BaseTrainer(ABC):
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
             self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
             self.exchange = StepExchange()
-            self.validation = (ValidationLoss(self.validation_set, self.cfg.general.seed)
+            self.validation = (ValidationLoss(self.validation_set, self.cfg.general.seed, equal_calls=self.sharded)
                                if self.validation_set is not None else None)
         with phase("resume"):
             self.maybe_resume()

@@ -9,7 +9,9 @@ images go to the ranks in turn; a forward pass without gradients per image is qu
 steps for the few dozen images a validation set holds. Each rank writes its images' losses into its slots
 of one float64 vector of every image (zeros elsewhere), one all-reduce adds the vectors - adding zeros is
 exact - and every rank sums the slots exactly (`math.fsum`): the mean is bitwise the same on 1 and N
-processes (of one device type and, on CPUs, thread count), not an average of averages.
+processes (of one device type and, on CPUs, thread count), not an average of averages. Under sharded
+training (FSDP) each forward gathers weights from every rank, so every rank runs as many: one with fewer
+images scores one of its batches again and drops the result (`equal_calls`).
 """
 from __future__ import annotations
 
@@ -38,11 +40,15 @@ def evaluation_batches(buckets: list[int], batch_size: int) -> list[list[int]]:
 class ValidationLoss:
     """Scores the held-out `dataset` (a `TrainDataset` without augmentation, cached like the training data)."""
 
-    def __init__(self, dataset, seed: int) -> None:
+    def __init__(self, dataset, seed: int, equal_calls: bool = False) -> None:
+        """`equal_calls`: every rank runs the model as often (sharded training, where each forward gathers
+        weights from all ranks): a rank with fewer images scores one of its batches again and drops it."""
         self.dataset = dataset
         self.seed = seed
         batches = evaluation_batches(dataset.buckets, EVALUATION_BATCH)
         self.my_batches = batches[du.rank()::du.world_size()]
+        rounds = math.ceil(len(batches) / du.world_size())
+        self.extra_batches = [batches[0]] * (rounds - len(self.my_batches)) if equal_calls and batches else []
         self.last_step: int | None = None
 
     def __len__(self) -> int:
@@ -56,6 +62,8 @@ class ValidationLoss:
         for batch_items in self.my_batches:
             batch = collate([self.dataset[(0, index)] for index in batch_items])
             losses[batch["indices"].to(trainer.device)] = self.batch_losses(trainer, model, batch).double()
+        for batch_items in self.extra_batches:  # only for the collectives of a sharded forward; dropped
+            self.batch_losses(trainer, model, collate([self.dataset[(0, index)] for index in batch_items]))
         return losses
 
     def batch_losses(self, trainer, model, batch: dict) -> torch.Tensor:
