@@ -2,12 +2,14 @@
 
 The property is the same as DDP's: 2 processes x batch 4 train what 1 process x batch 8 trains (fp32,
 relative L2 distance of all trained weights <= 1e-5). DDP == 1 process is tests/test_distributed.py's;
-here FSDP is held to the 1-process run. Each launched run serves several assertions (CI time): the SD
-full fine-tune continues a 1-process backup (whole tensors into shards) with CPU offload, and its
-sharded backups, streamed final models and resumes are checked from that one run; the Flux run (a
-transformer family: SD3 shares its blocks' sharding, `flow_base.repeated_blocks`) starts from scratch
-through torchrun. That sharded backups leave buffers out (SD3's position embedding) is
-tests/test_backups.py's.
+here FSDP is held to the 1-process run. Three launched runs (CI time), each serving several assertions:
+- the SD demo's full fine-tune with everything around it (text encoder trained, accumulation, per-block
+  checkpointing, a sharded EMA, samples, CPU offload), continuing a 1-process backup (whole tensors into
+  shards); its sharded backups, streamed final models (raw and EMA, folder and single file) and resumes;
+- its sharded backup resumed on 2 processes (exactly) and on 1;
+- a Flux LoRA from scratch through torchrun (a transformer family: SD3's blocks are sharded by the same
+  `flow_base.repeated_blocks`), its text encoder's adapters too, with the validation loss.
+That sharded backups leave buffers out (SD3's position embedding) is tests/test_backups.py's.
 """
 from __future__ import annotations
 
@@ -27,14 +29,18 @@ from modules.trainer.sharded_backup import SHARDS, read_trained_weights
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import demo_config, train
 
-STEPS = 10
 # Adam turns gradients that are pure rounding noise (biases before a GroupNorm) into full-size steps, so
 # the order of a sum alone moves those weights by ~lr (measured: rel. L2 7e-5 after 10 steps, all of it
 # in such biases); SGD with momentum (optimizer state that is sharded and resumed too) keeps it tight.
-COMMON = (f"training.max_steps={STEPS}", "save.backup_every_n_steps=5", "training.precision=fp32",
+COMMON = ("training.max_steps=6", "save.backup_every_n_steps=3", "training.precision=fp32",
           "save.full_format=both", "optimizer.name=sgd", "training.learning_rate=0.05")
 OFFLOAD = "multi_gpu.fsdp_cpu_offload=true"
 """FSDP2's CPUOffloadPolicy: on CPU processes nothing moves, but the offloading code paths run."""
+AROUND = ("training.train_text_encoder=true", "training.ema=true", "save.ema_weights=both",
+          "sampling.every_n_steps=3", "sampling.inference_steps=2")
+"""What the SD full fine-tune trains with: the text encoder's layers sharded too, a sharded EMA, samples
+(3 prompts on 2 ranks, each rendering as often, the trained parts called through the sharded root).
+Accumulation and checkpointing are the Flux LoRA's."""
 
 
 @pytest.fixture(scope="module")
@@ -73,42 +79,51 @@ def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
     return math.sqrt(diff / norm)
 
 
-def final_file(workspace: Path, suffix: str = ".safetensors") -> Path:
-    (path,) = [p for p in (Path(workspace) / "output").iterdir() if p.name.endswith(suffix)]
-    return path
+def output(workspace: Path, name: str) -> dict[str, torch.Tensor]:
+    """A saved model's tensors: a single file, or a diffusers folder's UNet and text encoder."""
+    path = Path(workspace) / "output" / name
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    return {f"{part}/{k}": v for part, file in (("unet", "unet/diffusion_pytorch_model.safetensors"),
+                                                ("text_encoder", "text_encoder/model.safetensors"))
+            for k, v in load_file(path / file).items()}
 
 
 @pytest.fixture(scope="module")
 def sd_runs(tmp_path_factory, cache_dir):
-    """The SD demo, full fine-tune, 10 steps of batch 8: 1 process (backups at 5 and 10), and FSDP 2 x 4 with
-    CPU offload continuing the 1-process backup of step 5 (sharded backups at 6, 8 and 10)."""
+    """The SD demo, full fine-tune, 6 steps of 8: 1 process (backups at 3 and 6), and FSDP 2 processes x 4
+    with CPU offload continuing the 1-process backup of step 3 (sharded backups at 4, 5 and 6)."""
     root = tmp_path_factory.mktemp("fsdp_sd")
-    one_process(root / "one", cache_dir)
-    sharded(root / "fsdp", cache_dir, OFFLOAD, "save.backup_every_n_steps=2", resume=str(backup_path(root / "one", 5)))
+    one_process(root / "one", cache_dir, *AROUND)
+    sharded(root / "fsdp", cache_dir, *AROUND, OFFLOAD, "save.backup_every_n_steps=1",
+            resume=str(backup_path(root / "one", 3)))
     return root
 
 
 @pytest.mark.slow
 def test_fsdp_full_fine_tune_equals_one_process(sd_runs):
-    """Whole tensors (weights.safetensors, the optimizer state by index) resumed into shards, 5 steps under
-    FSDP with CPU offload: as the 1 process trains them."""
+    """Whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 3 steps
+    under FSDP: as the 1 process trains them - the UNet and the text encoder, raw and EMA, and the samples."""
     one, fsdp = backup_weights(sd_runs / "one"), backup_weights(sd_runs / "fsdp")
-    assert any(k.startswith("unet.") for k in fsdp)
+    assert {k.split(".")[0] for k in fsdp} == {"unet", "text_encoder_0"}
     assert relative_l2(fsdp, one) <= 1e-5
-    start = backup_weights(sd_runs / "one", 5)
+    start = backup_weights(sd_runs / "one", 3)
     assert relative_l2(fsdp, start) > 1e-4, "the weights did not train (the comparison would be vacuous)"
     # The backups are DCP's: every rank wrote its own shards, rank 0 the plain state; no weights file.
     folder = latest_backup(sd_runs / "fsdp" / "backups").path
     assert sorted(p.name for p in (folder / SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (folder / "weights.safetensors").exists()
-    # The streamed final model (gathered block by block) holds what the 1-process run saved.
-    one_file, fsdp_file = load_file(final_file(sd_runs / "one")), load_file(final_file(sd_runs / "fsdp"))
-    assert relative_l2(fsdp_file, one_file) <= 1e-5
-    one_unet = load_file(sd_runs / "one" / "output" / final_file(sd_runs / "one").stem / "unet" /
-                         "diffusion_pytorch_model.safetensors")
-    fsdp_unet = load_file(sd_runs / "fsdp" / "output" / final_file(sd_runs / "fsdp").stem / "unet" /
-                          "diffusion_pytorch_model.safetensors")
-    assert relative_l2(fsdp_unet, one_unet) <= 1e-5
+    # The streamed final models (gathered block by block): raw and EMA, single file and diffusers folder.
+    for name in ("demo.safetensors", "demo-ema.safetensors", "demo", "demo-ema"):
+        assert relative_l2(output(sd_runs / "fsdp", name), output(sd_runs / "one", name)) <= 1e-5, name
+    ema, raw = output(sd_runs / "fsdp", "demo-ema.safetensors"), output(sd_runs / "fsdp", "demo.safetensors")
+    assert relative_l2(ema, raw) > 1e-7, "the EMA file holds the EMA weights"
+    samples = {run: sorted((sd_runs / run / "samples").glob("step-0000006-*.png")) for run in ("one", "fsdp")}
+    assert [p.name for p in samples["fsdp"]] == [p.name for p in samples["one"]] and len(samples["one"]) == 3
+    for mine, theirs in zip(samples["fsdp"], samples["one"]):
+        difference = torch.from_numpy(numpy.asarray(Image.open(mine), dtype=numpy.float32) -
+                                      numpy.asarray(Image.open(theirs), dtype=numpy.float32))
+        assert difference.abs().mean() < 1.0, mine.name  # of 255: the same weights render the same image
 
 
 @pytest.mark.slow
@@ -119,12 +134,14 @@ def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp
     from modules.model.loading import load_model
     from modules.model.saving import save_full_single_file
 
-    cfg = load_config("#demo", ["general.device=cpu", "training.method=full"])
+    cfg = load_config("#demo", ["general.device=cpu", "training.method=full", "training.train_text_encoder=true"])
     bundle = load_model(cfg.model, "cpu", cfg.training)
     weights = backup_weights(sd_runs / "fsdp")
-    bundle.unet.load_state_dict({k.removeprefix("unet."): v for k, v in weights.items()})
+    bundle.unet.load_state_dict({k.removeprefix("unet."): v for k, v in weights.items() if k.startswith("unet.")})
+    encoder = {k.removeprefix("text_encoder_0."): v for k, v in weights.items() if k.startswith("text_encoder_0.")}
+    bundle.text_encoders[0].load_state_dict(encoder, strict=False)  # its position ids are no trained weight
     reference = save_full_single_file(bundle, tmp_path / "whole.safetensors", "fp32")
-    streamed = final_file(sd_runs / "fsdp")
+    streamed = sd_runs / "fsdp" / "output" / "demo.safetensors"
     assert streamed.read_bytes() == reference.read_bytes()
     with safe_open(streamed, "pt") as f:
         assert f.metadata()["format"] == "pt"
@@ -132,63 +149,50 @@ def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp
 
 @pytest.mark.slow
 def test_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_path, cache_dir):
-    """From the step-8 sharded backup: FSDP on 2 processes continues exactly as the uninterrupted run;
-    1 process (DCP reshards every tensor into a whole one) continues as the 1-process run."""
-    step8 = str(backup_path(sd_runs / "fsdp", 8))
-    sharded(tmp_path / "two", cache_dir, OFFLOAD, resume=step8)
+    """From the step-4 sharded backup (weights, optimizer state, EMA): FSDP on 2 processes continues exactly
+    as the uninterrupted run; 1 process (DCP reshards every tensor into a whole one) as the 1-process run."""
+    step4 = str(backup_path(sd_runs / "fsdp", 4))
+    fewer_outputs = ("sampling.every_n_steps=0", "save.full_format=single_file")  # nothing that trains
+    sharded(tmp_path / "two", cache_dir, *AROUND, OFFLOAD, *fewer_outputs, resume=step4)
     uninterrupted = backup_weights(sd_runs / "fsdp")
     resumed = backup_weights(tmp_path / "two")
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    # The EMA continued too: the EMA model saved at the end is the uninterrupted run's.
+    ema = output(tmp_path / "two", "demo-ema.safetensors")
+    assert all(torch.equal(v, output(sd_runs / "fsdp", "demo-ema.safetensors")[k]) for k, v in ema.items())
 
-    one_process(tmp_path / "one", cache_dir, resume=step8)
+    one_process(tmp_path / "one", cache_dir, *AROUND, *fewer_outputs, resume=step4)
     assert relative_l2(backup_weights(tmp_path / "one"), backup_weights(sd_runs / "one")) <= 1e-5
 
 
 @pytest.mark.slow
-def test_lora_with_accumulation_checkpointing_ema_and_text_encoder_under_fsdp(tmp_path, cache_dir, capfd,
-                                                                              monkeypatch):
-    """LoRA (frozen base sharded too) on the UNet and the text encoder (its layers sharded), 2 micro-batches
-    per step (the gradient sync on the last only), checkpointing of each block before sharding, a sharded
-    EMA: as 1 process trains it. Samples too: 3 prompts on 2 ranks, each rank rendering as often (the
-    trained parts called through the sharded root); and the validation loss of 5 held-out images (3 on
-    rank 0, 2 on rank 1, which runs one forward more to keep the gathers in step) as 1 process scores it."""
+def test_flux_lora_under_fsdp_through_torchrun_equals_one_process(tmp_path, cache_dir, capfd, monkeypatch):
+    """LoRA from scratch (the adapters' random start broadcast from rank 0, the frozen base sharded too) on
+    Flux's double- and single-stream blocks and its CLIP text encoder (its layers sharded), 2 micro-batches
+    per step, checkpointing, a sharded EMA: as 1 process trains it, in the raw and EMA LoRA files gathered on
+    rank 0 too. And the validation loss of 5 held-out images (3 on rank 0, 2 on rank 1, which runs one
+    forward more to keep the gathers in step) as 1 process scores it."""
     from tests.test_validation_loss import validation_folder
-    common = ("training.gradient_accumulation_steps=2", "training.gradient_checkpointing=true", "training.ema=true",
-              "save.ema_weights=both", "training.train_text_encoder=true",
-              "training.max_steps=4", "save.backup_every_n_steps=4",  # 8 micro-batches: CI time
-              "sampling.every_n_steps=4", "sampling.inference_steps=2", "training.validation_every_n_steps=2",
+    common = ("training.train_text_encoder=true", "training.gradient_accumulation_steps=2",
+              "training.gradient_checkpointing=true", "training.ema=true", "save.ema_weights=both",
+              "training.max_steps=2", "save.backup_every_n_steps=2", "training.validation_every_n_steps=1",
               f"data.concepts[1].path={validation_folder(tmp_path)}", "data.concepts[1].role=validation")
-    one_events = one_process(tmp_path / "one", cache_dir, *common, method="lora").callbacks.of_type("validation")
+    one = one_process(tmp_path / "one", cache_dir, *common, method="lora", preset="#demo_flux")
     monkeypatch.setenv("TANDEM_EVENTS", "1")
     capfd.readouterr()
-    sharded(tmp_path / "fsdp", cache_dir, *common, method="lora")
-    fsdp_events = [e for e in map(parse_event_line, capfd.readouterr().out.splitlines()) if e and e["type"] == "validation"]
-    assert [e["step"] for e in fsdp_events] == [e["step"] for e in one_events] == [0, 2, 4]
-    assert all(e["images"] == 5 for e in fsdp_events)
-    for mine, theirs in zip(fsdp_events, one_events):
+    sharded(tmp_path / "fsdp", cache_dir, *common, method="lora", preset="#demo_flux", launcher="torchrun")
+    events = [e for e in map(parse_event_line, capfd.readouterr().out.splitlines()) if e and e["type"] == "validation"]
+    one_events = one.callbacks.of_type("validation")
+    assert [e["step"] for e in events] == [e["step"] for e in one_events] == [0, 1, 2]
+    assert all(e["images"] == 5 for e in events)
+    for mine, theirs in zip(events, one_events):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=0)
-    one, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
-    assert fsdp and all("lora" in k for k in fsdp) and any(k.startswith("text_encoder_0.") for k in fsdp)
-    assert relative_l2(fsdp, one) <= 1e-5
+    ones, fsdp = backup_weights(tmp_path / "one"), backup_weights(tmp_path / "fsdp")
+    assert fsdp and all("lora" in k for k in fsdp)
+    assert {k.split(".")[0] for k in fsdp} == {"transformer", "text_encoder_0"}
+    assert relative_l2(fsdp, ones) <= 1e-5
     up = [k for k in fsdp if "lora_B" in k]
     assert up and any(float(fsdp[k].abs().max()) > 0 for k in up), "the adapters did not train"
-    samples = {run: sorted((tmp_path / run / "samples").glob("*.png")) for run in ("one", "fsdp")}
-    assert [p.name for p in samples["fsdp"]] == [p.name for p in samples["one"]] and len(samples["one"]) == 3
-    for mine, theirs in zip(samples["fsdp"], samples["one"]):
-        difference = torch.from_numpy(numpy.asarray(Image.open(mine), dtype=numpy.float32) -
-                                      numpy.asarray(Image.open(theirs), dtype=numpy.float32))
-        assert difference.abs().mean() < 1.0, mine.name  # of 255: the same weights render the same image
-    for name in ("demo.safetensors", "demo-ema.safetensors"):  # raw and EMA LoRA files, gathered on rank 0
-        one_file, fsdp_file = load_file(tmp_path / "one" / "output" / name), load_file(tmp_path / "fsdp" / "output" / name)
-        assert relative_l2(fsdp_file, one_file) <= 1e-5
-
-
-@pytest.mark.slow
-def test_flux_full_fine_tune_under_fsdp_through_torchrun_equals_one_process(tmp_path, cache_dir):
-    """A transformer family from scratch: each double- and single-stream block a unit, the BFL single file
-    streamed, torchrun as the launcher."""
-    one_process(tmp_path / "one", cache_dir, "save.full_format=single_file", preset="#demo_flux")
-    sharded(tmp_path / "fsdp", cache_dir, "save.full_format=single_file", preset="#demo_flux", launcher="torchrun")
-    assert relative_l2(backup_weights(tmp_path / "fsdp"), backup_weights(tmp_path / "one")) <= 1e-5
-    assert relative_l2(load_file(final_file(tmp_path / "fsdp")), load_file(final_file(tmp_path / "one"))) <= 1e-5
+    for name in ("demo_flux.safetensors", "demo_flux-ema.safetensors"):
+        assert relative_l2(output(tmp_path / "fsdp", name), output(tmp_path / "one", name)) <= 1e-5, name
