@@ -83,9 +83,14 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     if len(gpus) < 2:
         app.multi_gpu._cpu_chosen("2")
     app.multi_gpu.lr_scaling.var.set("sqrt")
+    deadline = time.monotonic() + 60
+    while "estimating" in app.multi_gpu.memory.cget("text") and time.monotonic() < deadline:
+        settle(0.2)
     settle()
+    # the frame from its heading down: the tab scrolled so that the frame's top is the view's top
     canvas = app.multi_gpu.master._parent_canvas
-    canvas.yview_moveto(1.0)
+    top, height = app.multi_gpu.winfo_y(), float(canvas.bbox("all")[3])
+    canvas.yview_moveto(max(0.0, (top - 8) / height))
     shoot("multi-gpu-frame")
 
     # The Run tab with a real (short) demo run on 2 CPU processes.
