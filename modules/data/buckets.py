@@ -96,13 +96,18 @@ def load_pixels(path, plan: CropPlan) -> torch.Tensor:
         if img.size != (plan.original_size[1], plan.original_size[0]):
             raise ValueError(f"Image {path} is now {img.size[0]}x{img.size[1]} but was "
                              f"{plan.original_size[1]}x{plan.original_size[0]} when scanned; restart to rescan.")
-        resized_h, resized_w = plan.resized_size
-        img = img.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
-        top, left = plan.crop_top_left
-        target_h, target_w = plan.target_size
-        img = img.crop((left, top, left + target_w, top + target_h))
-        if plan.flip:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        array = np.asarray(img, dtype=np.uint8).copy()
+        array = np.asarray(apply_plan(img, plan), dtype=np.uint8).copy()
     pixels = torch.from_numpy(array).permute(2, 0, 1).float()
     return pixels / 127.5 - 1.0
+
+
+def apply_plan(img: Image.Image, plan: CropPlan) -> Image.Image:
+    """`img` resized, cropped and flipped as `plan` says (an image and its mask take the same plan)."""
+    resized_h, resized_w = plan.resized_size
+    img = img.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
+    top, left = plan.crop_top_left
+    target_h, target_w = plan.target_size
+    img = img.crop((left, top, left + target_w, top + target_h))
+    if plan.flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return img

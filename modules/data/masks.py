@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
-from .buckets import VAE_FACTOR, CropPlan
+from .buckets import VAE_FACTOR, CropPlan, apply_plan
 
 MASK_SUFFIX = "-masklabel.png"
 """`photo.jpg` has the mask `photo-masklabel.png` in the same folder."""
@@ -61,17 +61,9 @@ def find_mask(image: Path, width: int, height: int) -> tuple[Path, str] | None:
 def load_mask(path: Path, plan: CropPlan) -> torch.Tensor:
     """The mask after the image's `plan` (resize, crop, flip), at latent resolution: float32 [1, H/8, W/8] in [0, 1]."""
     with Image.open(path) as img:
-        img = img.convert("L")
-        resized_h, resized_w = plan.resized_size
-        # The image's own resampling filter, so that the mask's edges fall where the image's do; its
-        # overshoot at hard edges is clipped back into [0, 1] below.
-        img = img.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
-        top, left = plan.crop_top_left
-        target_h, target_w = plan.target_size
-        img = img.crop((left, top, left + target_w, top + target_h))
-        if plan.flip:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        array = np.asarray(img, dtype=np.uint8).copy()
+        # The image's own plan and resampling filter, so that the mask's edges fall where the image's do;
+        # the filter's overshoot at hard edges is clipped back into [0, 1] below.
+        array = np.asarray(apply_plan(img.convert("L"), plan), dtype=np.uint8).copy()
     pixels = torch.from_numpy(array).float().div_(255.0)[None, None]
     return F.avg_pool2d(pixels, VAE_FACTOR)[0].clamp_(0.0, 1.0)
 
