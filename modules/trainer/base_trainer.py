@@ -706,7 +706,7 @@ class BaseTrainer(ABC):
         self.outputs = OutputWriter(self, RunParts(
             cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
             numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,
-            optimizer=self.optimizer, model=self.model, sharded=self.sharded), self.run_id)
+            optimizer=self.optimizer, sharded=self.sharded), self.run_id)
         if chosen is None:
             others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:

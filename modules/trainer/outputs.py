@@ -91,6 +91,9 @@ class TrainingRun(Protocol):
     """The live state of a run that outputs are written from (`BaseTrainer` is one)."""
     global_step: int
     epoch: int
+    model: Any
+    """The wrapped trained module (`TrainingModel` under DDP or FSDP); a sharded backup reads its state. Live
+    state, not a part: the run lets go of it at its end (the wrapper holds the process group)."""
 
     def training_state(self) -> dict:
         """Everything but the weights a backup holds (collective: every rank calls it)."""
@@ -129,8 +132,6 @@ class RunParts:
     optimizer: Any = None
     """The optimizer: schedule-free AdamW's averaged weights are the ones sampled and saved
     (`optim.evaluation_weights`); None where none is needed (a backup alone)."""
-    model: Any = None
-    """The wrapped trained module (`TrainingModel`, under DDP or FSDP); a sharded backup reads its state."""
     sharded: bool = False
     """Whether every rank holds only a shard of the trained weights (FSDP): every rank then takes part in
     backups and saves."""

@@ -79,12 +79,12 @@ def checkpoint_state(model: torch.nn.Module, optimizer, ema) -> tuple[dict, dict
 def write_run_backup(run, parts, run_id: str, manifest: dict) -> Path:
     """Back up the current step of a run (`outputs.TrainingRun`, with its `outputs.RunParts`); every rank
     calls this. Returns the backup's path."""
-    tensors, optimizer_entries = checkpoint_state(parts.model, parts.optimizer, parts.ema)
+    tensors, optimizer_entries = checkpoint_state(run.model, parts.optimizer, parts.ema)
     own = run.trainable_state()
     state = {**run.progress_state(), "optimizer_entries": optimizer_entries,
              "trained_parameters": sorted(tensors["model"]),
              # parameter name -> the name `weights.safetensors` of other backups uses (`transformer.…`, `text_encoder_0.…`)
-             "weight_names": dict(zip(parameter_names(parts.model, own.values()), own))}
+             "weight_names": dict(zip(parameter_names(run.model, own.values()), own))}
     return write_sharded_backup(parts.paths.backups, run_id, run.global_step, tensors, state, manifest,
                                 parts.cfg.save.rolling_backup_count)
 
