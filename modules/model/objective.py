@@ -145,13 +145,9 @@ def flow_noisy(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> t
     return (1 - t) * latents + t * noise
 
 
-def flow_loss(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean-squared error of the velocity (noise - latents), the same weight for every t: the batch's mean."""
-    return flow_per_sample(prediction, target, mask).mean()
-
-
 def flow_per_sample(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] `flow_loss` of each sample (mask-weighted with a mask).
+    """[B] mean-squared error of each sample's velocity (noise - latents), the same weight for every t
+    (mask-weighted with a mask).
 
     The prediction is compared in the latents' layout (Flux's objective unpacks its 2x2-patch tokens before
     the loss), so a mask at latent resolution lines up with it for every family."""
