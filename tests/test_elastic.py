@@ -244,7 +244,8 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
     """Two launchers on 127.0.0.1 as node 0 and node 1 (2 CPU processes each) == 1 node x 4 (rel L2 <= 1e-6);
     rank 0 (node 0) writes the outputs; node 1 may cache in a folder of its own; node 0 splits its part 5 + 3."""
     from tests.test_distributed import multi
-    common = ("training.max_steps=3", "training.batch_size=4", "multi_gpu.timeout_minutes=2", "save.save_dtype=fp32")
+    common = ("training.max_steps=3", "training.batch_size=4", "multi_gpu.timeout_minutes=2", "save.save_dtype=fp32",
+              "data.validation_fraction=0.1")  # held-out images are cached (and scored) on every machine too
     port = find_free_port()
     ws = tmp_path / "nodes"
     # each machine splits its own part of the global batch (multi_gpu.batch_split is per machine)
@@ -260,6 +261,7 @@ def test_two_machines_of_two_processes_train_like_one_of_four(tmp_path, cache_di
     assert "All 2 machines joined with the same config and dataset." in "".join(lines0)
     config = next(e for e in _events(lines0) if e["type"] == "config")
     assert config["world_size"] == 4 and config["global_batch"] == 16 and config["split"] == [5, 3, 4, 4]
+    assert [e["step"] for e in _events(lines0) if e["type"] == "validation"] == [0, 3]
     assert not [e for e in _events(lines1) if e["type"] in ("saved", "backup", "config")]  # rank 0 is on node 0
     # node 1's own cache folder holds every entry its ranks read, not only those they encoded
     assert sorted(os.listdir(tmp_path / "node1-cache" / "latents")) == sorted(os.listdir(cache_dir / "latents"))

@@ -303,22 +303,20 @@ class BaseTrainer(ABC):
         share_work = self.cfg.multi_gpu.distributed_data_loading
         du.barrier()  # ranks finish loading the model at different times: time the caching alone
         started = time.perf_counter()
+        datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
+        encoders = (self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint())
         with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
-            for dataset in (self.dataset, self.validation_set):
-                if dataset is None:
-                    continue
-                dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint(),
-                              rank=du.rank() if share_work else 0,
-                              world_size=du.world_size() if share_work else 1,
-                              cache_text=self.cache_text())
+            for dataset in datasets:
+                dataset.cache(*encoders, rank=du.rank() if share_work else 0,
+                              world_size=du.world_size() if share_work else 1, cache_text=self.cache_text())
         du.barrier()
         if du.local_world_size() < du.world_size():
             # Several machines: a cache folder on each machine's own disk lacks what the other machines'
             # ranks encoded. This machine's ranks encode what is missing here (nothing, with a shared folder).
             with torch.no_grad():
-                self.dataset.cache(self.bundle.encode_latent_distribution, self.bundle.encode_text,
-                                   self.bundle.fingerprint(), rank=du.local_rank(), world_size=du.local_world_size(),
-                                   cache_text=self.cache_text(), progress=False)
+                for dataset in datasets:
+                    dataset.cache(*encoders, rank=du.local_rank(), world_size=du.local_world_size(),
+                                  cache_text=self.cache_text(), progress=False)
             du.barrier()
         seconds = time.perf_counter() - started
         log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
