@@ -279,20 +279,14 @@ def test_ctrl_c_on_another_machine_stops_every_machine_at_one_step_with_a_backup
     """Each 'machine' has its own folder (the same relative workspace path, as machines have the same
     paths on their own disks): node 1's launcher gets SIGINT and writes `stop` into node 1's commands file,
     which node 0's rank 0 never reads - node 1's first worker does, and the step exchange stops all."""
-    import subprocess
-    import sys
-    from tests.trainer_helpers import REPO, _answer_ctrl_c
     port = find_free_port()
 
-    def machine(k: int) -> subprocess.Popen:
+    def machine(k: int):
         folder = tmp_path / f"machine{k}"
         folder.mkdir()
         command = _node_command(Path("ws"), folder / "cache", k, port, "training.max_steps=200",
                                 "training.batch_size=2", "multi_gpu.timeout_minutes=1")
-        return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), *command],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=folder,
-                                preexec_fn=_answer_ctrl_c, start_new_session=True,
-                                env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)))
+        return start_script("train_multi_gpu.py", *command, cwd=folder, start_new_session=True)
     node0, node1 = machine(0), machine(1)
     lines0: list[str] = []
     lines1: list[str] = []

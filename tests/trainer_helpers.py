@@ -59,11 +59,13 @@ def _answer_ctrl_c() -> None:
 
 
 def start_script(script: str, *args: str, **popen_kwargs) -> subprocess.Popen:
-    """A script running in the background with stdout+stderr in one text pipe and event lines on."""
+    """A script running in the background with stdout+stderr in one text pipe and event lines on (in the
+    repository unless `cwd=` says where)."""
     if os.name == "posix":
         popen_kwargs.setdefault("preexec_fn", _answer_ctrl_c)
+    popen_kwargs.setdefault("cwd", REPO)
     return subprocess.Popen([sys.executable, str(REPO / "scripts" / script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"), **popen_kwargs)
 
 
