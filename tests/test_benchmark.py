@@ -94,3 +94,19 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
         assert seen[-1] == "0,1"  # the workers get the plan's GPUs
         assert os.environ.get("CUDA_VISIBLE_DEVICES") == before  # the parent gets its own back
         assert os.environ.get("OMP_NUM_THREADS") == threads_before  # and its thread setting
+
+
+@pytest.mark.parametrize("model, mode, expected", [("flux", "full", "fsdp"), ("flux", "lora", "ddp"),
+                                                   ("sdxl", "full", "ddp")])
+def test_auto_strategy_sizes_the_real_model_a_case_builds(tmp_path, model, mode, expected):
+    """`multi_gpu.strategy=auto` in a benchmark case weighs the real-size model the case trains, not the demo
+    model a default config names: on 4 GPUs with 78 GiB free each, DDP cannot hold a Flux.1 full fine-tune
+    (~219 GiB per GPU), so auto must pick FSDP (a 4x H100 run picked DDP from the demo's 1.9 GiB and ran out
+    of memory); a LoRA of it and an SDXL full fine-tune fit."""
+    from modules.benchmark.runner import Case, case_config
+    from modules.distributed.strategy import choose_strategy
+
+    case = Case(model=model, mode=mode, batch=1, resolution=1024, world=4, gradient_checkpointing=True,
+                extra=("multi_gpu.strategy=auto",))
+    choice = choose_strategy(case_config(case, tmp_path / "ws"), 4, "cuda", 78.2)
+    assert choice.strategy == expected, choice.reason
