@@ -167,3 +167,32 @@ def test_time_based_backups_on_two_ranks_happen_at_the_same_step(tmp_path, cache
     steps = [e["step"] for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "backup"]
     assert len(steps) >= 3 and steps == sorted(set(steps))
     assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == steps
+
+
+@pytest.mark.parametrize("base, in_turn", [("builtin:demo", True), ("{folder}", False)])
+def test_ranks_load_a_model_from_disk_at_once_and_build_the_demo_in_turn(monkeypatch, tmp_path, base, in_turn):
+    """A built-in model is built into shared files on first use, so rank 0 goes first; a model on disk is only
+    read, so every rank loads it at the same time (in turn, 4 GPUs spent 4 loads' time before step 1)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from modules.config import TrainConfig
+    from modules.trainer.base_trainer import BaseTrainer
+    from modules.util import dist_utils as du
+
+    turns = []
+
+    @contextlib.contextmanager
+    def main_first():
+        turns.append("rank 0 first")
+        yield
+
+    bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes: None))
+    monkeypatch.setattr(du, "main_first", main_first)
+    monkeypatch.setattr("modules.model.loading.load_model", lambda *args: bundle)
+    cfg = TrainConfig()
+    cfg.model.base_model = base.format(folder=tmp_path)
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[]))
+    assert BaseTrainer.create_model(trainer) is bundle
+    assert turns == (["rank 0 first"] if in_turn else [])
+

@@ -60,13 +60,16 @@ class DistributedTrainer(BaseTrainer):
         self.sharded = self.strategy == "fsdp"
 
     def choose_strategy(self) -> str:
-        """`multi_gpu.strategy`, or what `auto` makes of it (decided on rank 0 from the smallest free GPU
-        memory of all ranks, so that every rank takes the same)."""
+        """`multi_gpu.strategy`, or what `auto` makes of it from the smallest free GPU memory of all ranks;
+        every rank takes rank 0's decision."""
         free = None
         if self.device.type == "cuda":
-            free = du.gather_objects(torch.cuda.mem_get_info(self.device)[0] / 1024 ** 3)
-        choice = du.broadcast_object(du.on_main(lambda: choose_strategy(
-            self.cfg, du.world_size(), self.device.type, min(free) if free else None)))
+            free = du.all_gather_objects(torch.cuda.mem_get_info(self.device)[0] / 1024 ** 3)
+        # Every rank sizes the model at the same time: the estimate imports diffusers and builds the model on
+        # `meta` (~10 s the first time). Made on rank 0 alone, the other ranks first waited for it, then spent
+        # that time again on their own imports while rank 0 waited for them (GPU runs: ~10 s per start).
+        mine = choose_strategy(self.cfg, du.world_size(), self.device.type, min(free) if free else None)
+        choice = du.broadcast_object(mine)
         log.info("Multi-GPU strategy: %s (%s).", choice.strategy.upper(), choice.reason)
         blockers = fsdp_blockers(self.cfg) if choice.strategy == "fsdp" else []
         if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
