@@ -378,6 +378,36 @@ def test_text_cache_refused_when_captions_change_per_use(folder, tmp_path):
         cache(build_dataset(cfg, tmp_path / "cache", 0), FakeEncoders())
 
 
+def test_text_cached_with_caption_dropout_gives_the_captions_and_embeddings_of_an_uncached_run(folder, tmp_path):
+    """Caption dropout trains on the empty caption instead of an image's: cached once beside the captions,
+    so the text encoder need not run each step; every use draws the same caption as without the cache."""
+    cfg = data_cfg(folder, caption_dropout=0.4)
+    assert text_cache_allowed(cfg, train_text_encoder=False)
+    cached = build_dataset(cfg, tmp_path / "cache", seed=3)
+    enc = FakeEncoders()
+    index = cache(cached, enc)
+    assert enc.texts.count("") == 1 and len(index.missing()) == 0  # the empty caption, encoded once
+    uncached = build_dataset(cfg, tmp_path / "cache", seed=3)
+    cache(uncached, FakeEncoders(), text=False)
+    own, empty = FakeEncoders().encode_text, FakeEncoders().encode_text([""])
+    dropped = 0
+    for epoch in range(8):
+        for i in range(len(cached)):
+            item, plain = cached[(epoch, i)], uncached[(epoch, i)]
+            assert item["caption"] == plain["caption"]
+            expected = own([item["caption"]])
+            assert all(torch.equal(item["text"][k], expected[k][0]) for k in expected)
+            dropped += item["caption"] == "" != cached.images[cached.item_images[i]].caption
+    assert 0 < dropped < 8 * len(cached)
+    assert torch.equal(index.load_extra_text("")["pooled"], empty["pooled"][0])
+
+
+def test_no_extra_caption_without_caption_dropout(folder, tmp_path):
+    enc = FakeEncoders()
+    index = cache(build_dataset(data_cfg(folder), tmp_path / "cache", 0), enc)
+    assert "" not in enc.texts and index.extra_text_files == {}
+
+
 # -- dataset items, batches, loader --------------------------------------------------------------
 
 def test_items_and_collate_with_cached_latents_and_text(folder, tmp_path):

@@ -108,6 +108,8 @@ class CacheIndex:
     """Captions this rank encoded in `fill_cache`."""
     mask_files: list[Path | None] = field(default_factory=list)
     """Per item, its mask entry (None: no mask); empty when no item has one."""
+    extra_text_files: dict[str, Path] = field(default_factory=dict)
+    """Caption -> entry of the captions cached beside the items' own (`fill_cache`'s `extra_captions`)."""
 
     def load_latents(self, index: int, flipped: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
         """Image `index`'s latents: stored ones, or (float32) a sample of the stored distribution drawn
@@ -139,9 +141,16 @@ class CacheIndex:
             raise KeyError(f"Item {index} has no cached text embedding.")
         return _load(path)
 
+    def load_extra_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """The cached embedding of one of `fill_cache`'s `extra_captions` (the empty caption of caption dropout)."""
+        if caption not in self.extra_text_files:
+            raise KeyError(f"Caption {caption!r} has no cached text embedding (not one of the extra captions).")
+        return _load(self.extra_text_files[caption])
+
     def missing(self) -> list[Path]:
         """Entry files that do not exist (after all ranks filled their share, this is empty)."""
-        files = {p for p in self.latent_files + self.text_files + self.mask_files if p is not None}
+        files = {p for p in self.latent_files + self.text_files + self.mask_files + list(self.extra_text_files.values())
+                 if p is not None}
         return sorted(p for p in files if not p.is_file())
 
 
@@ -176,14 +185,16 @@ def _my_batches(batches: list[list[str]], rank: int, world_size: int) -> list[li
 
 def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, encode_text: EncodeText | None,
                fingerprint: str, cache_dir: Path, rank: int = 0, world_size: int = 1, batch_size: int = 8,
-               progress: bool = True) -> CacheIndex:
+               progress: bool = True, extra_captions: Sequence[str] = ()) -> CacheIndex:
     """Encode this rank's share of the missing entries and return the index of all entries.
 
     Distinct entries, in item order, are cut into batches (images of one size together), and whole
     batches are shared out over the ranks (`_my_batches`), so the share and every batch depend on
     the data only. A batch is encoded when entries of it are missing; only those are encoded.
     `encode_images=None` caches no latents; `encode_text=None` (or items with `caption=None`)
-    caches no text. Call a barrier afterwards before reading entries that other ranks wrote.
+    caches no text. `extra_captions` are cached too when text is (after the items' captions): the empty
+    caption that caption dropout trains on. Call a barrier afterwards before reading entries that other
+    ranks wrote.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1}.")
@@ -214,6 +225,12 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
             text_files.append(text_dir / f"{key}.safetensors")
         else:
             text_files.append(None)
+    extra_text_files: dict[str, Path] = {}
+    if encode_text is not None and any(item.caption is not None for item in items):
+        for caption in extra_captions:
+            key = text_key(caption, fingerprint)
+            captions.setdefault(key, caption)
+            extra_text_files[caption] = text_dir / f"{key}.safetensors"
 
     def missing(batches: list[list[str]], folder: Path) -> list[list[str]]:
         batches = ([k for k in batch if not (folder / f"{k}.safetensors").is_file()] for batch in batches)
@@ -225,7 +242,8 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
                            text_dir)
     mask_batches = missing(_my_batches(_batches(list(mask_items), lambda k: None, batch_size), rank, world_size),
                            mask_dir)
-    index = CacheIndex(latent_files, text_files, mask_files=mask_files if mask_items else [])
+    index = CacheIndex(latent_files, text_files, mask_files=mask_files if mask_items else [],
+                       extra_text_files=extra_text_files)
     todo = sum(map(len, latent_batches)) + sum(map(len, text_batches)) + sum(map(len, mask_batches))
     if not todo:
         return index

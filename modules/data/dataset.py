@@ -33,11 +33,15 @@ def _torch_rng(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+DROPPED_CAPTION = ""
+"""What caption dropout trains on instead of an image's caption; cached once beside the captions."""
+
+
 def text_cache_allowed(data_cfg: DataConfig, train_text_encoder: bool) -> bool:
-    """Whether caption embeddings may be cached: the encoder is frozen and every use of a caption
-    gives the same text (no dropout, no tag shuffling)."""
-    return (data_cfg.cache_text_embeddings and not train_text_encoder
-            and data_cfg.caption_dropout == 0.0 and not data_cfg.shuffle_tags)
+    """Whether caption embeddings may be cached: the encoder is frozen and every use of a caption gives
+    one of two texts - the caption, or with caption dropout the empty caption (cached once) - which tag
+    shuffling would not (each use a new order)."""
+    return data_cfg.cache_text_embeddings and not train_text_encoder and not data_cfg.shuffle_tags
 
 
 class TrainDataset(Dataset):
@@ -119,17 +123,17 @@ class TrainDataset(Dataset):
         Call a barrier afterwards: items are then read from entries any rank wrote.
         """
         cfg = self.data_cfg
-        if cache_text and (cfg.caption_dropout > 0.0 or cfg.shuffle_tags):
-            raise ValueError("Text embeddings cannot be cached with data.caption_dropout > 0 or "
-                             "data.shuffle_tags on (each use gives another caption); pass cache_text=False "
-                             "(see text_cache_allowed()).")
+        if cache_text and cfg.shuffle_tags:
+            raise ValueError("Text embeddings cannot be cached with data.shuffle_tags on (each use gives another "
+                             "caption); pass cache_text=False (see text_cache_allowed()).")
         items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
                            with_flipped=cfg.random_flip, caption=im.caption if cache_text else None,
                            mask_path=im.mask_path, mask_hash=im.mask_hash)
                  for j, im in enumerate(self.images)]
         self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
                                  encode_text if cache_text else None, fingerprint, self.cache_dir,
-                                 rank=rank, world_size=world_size, batch_size=batch_size, progress=progress)
+                                 rank=rank, world_size=world_size, batch_size=batch_size, progress=progress,
+                                 extra_captions=[DROPPED_CAPTION] if cfg.caption_dropout > 0.0 else [])
         self._text_cached = cache_text
         self._latents_cached = cfg.cache_latents and encode_images is not None
         return self._cache
@@ -164,12 +168,12 @@ class TrainDataset(Dataset):
                 mask = torch.ones(1, height // VAE_FACTOR, width // VAE_FACTOR)
             item["mask"] = loss_weights(mask, image.unmasked_weight)
         item["loss_weight"] = image.loss_weight
+        # The same draw with the text cached or not, so an item trains on the same caption either way.
+        item["caption"] = process_caption(image.caption, rng, cfg.caption_dropout, cfg.shuffle_tags, cfg.keep_tags)
         if self._text_cached:
-            item["caption"] = image.caption
-            item["text"] = self._cache.load_text(image_index)
-        else:
-            item["caption"] = process_caption(image.caption, rng, cfg.caption_dropout, cfg.shuffle_tags,
-                                              cfg.keep_tags)
+            dropped = item["caption"] != image.caption
+            item["text"] = (self._cache.load_extra_text(DROPPED_CAPTION) if dropped
+                            else self._cache.load_text(image_index))
         item["original_size"] = plan.original_size
         item["crop_coords"] = plan.crop_coords
         item["target_size"] = plan.target_size
