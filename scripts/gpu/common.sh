@@ -11,3 +11,7 @@ ref() { # raw reference: 1 GPU plain, N GPUs under torchrun
         | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
 }
 bench() { python3 scripts/benchmark.py "$@" --json "$RES" | grep -v '^{'; }
+# `limited SECONDS command...`: stop a part at its time limit for good. A plain `timeout` sends SIGTERM, on
+# which the trainer stops gracefully (finishing its step, writing a stop backup) - and went on using the
+# GPUs the next part measured on (session 9).
+limited() { local seconds=$1; shift; timeout -k 5 -s KILL "$seconds" "$@"; }

@@ -14,8 +14,9 @@
 #            strategy auto, which must pick FSDP
 #   lora     LoRA r16 at batch 1 (where SimpleTuner found FSDP2 3-6x slower than DDP): SDXL-size at
 #            1024 px on 2 GPUs, DDP vs FSDP vs auto (auto must pick DDP), reference DDP and FSDP
-#   e2e      the whole path on a real-size model read from files: SDXL-size random model folder, full
-#            fine-tune under FSDP on 2 GPUs (bf16, 512 px, global batch 4) with a sharded backup every
+#   e2e      the whole path on a real-size model read from files: SD1.5-size random model folder (an
+#            SDXL-size one wrote ~80 GB of backups and models before the first resume and outran a 250 s
+#            limit in session 9), full fine-tune under FSDP on 2 GPUs (bf16, 512 px, global batch 4) with a sharded backup every
 #            3 steps and the final model (diffusers folder + single file, streamed) - then resumed from
 #            the step-3 backup on 4 GPUs (FSDP) and on 1 GPU (DCP resharding), each to step 6, and the
 #            three step-6 backups compared (relative L2; bf16, so ~1e-2 is the same training)
@@ -81,8 +82,8 @@ lora)
     ;;
 e2e)
     W=/tmp/fsdp-e2e; rm -rf "$W"; mkdir -p "$W"
-    log "SDXL-size random model folder"
-    python3 -c "from modules.benchmark.synthetic import write_random_model; write_random_model('sdxl', '$W/model')"
+    log "SD1.5-size random model folder"
+    python3 -c "from modules.benchmark.synthetic import write_random_model; write_random_model('sd1', '$W/model')"
     run() { # workspace, per-GPU batch, then the launch command; global batch 4 in every run
         local ws=$1 batch=$2; shift 2
         local flags=()
