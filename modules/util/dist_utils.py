@@ -70,33 +70,29 @@ def on_main(work: Callable[[], T]) -> T | None:
     waits at a barrier for a rank 0 that took an error path (a failed save used to hang the other ranks
     until the process-group timeout), and every rank can take the same recovery path together.
     """
-    result, error = None, None
-    if is_main():
-        try:
-            result = work()
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-            error = e
-    if is_distributed():
-        failure = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-        if failure is not None and error is None:
-            raise MainRankFailed(f"rank 0 failed: {failure}")
-    if error is not None:
-        raise error
-    return result
+    return _run_and_share(work, is_main(), lambda failure: [(0, broadcast_object(failure))])
 
 
 def on_every_rank(work: Callable[[], T]) -> T:
     """Run `work` on every rank (work that holds collectives: gathering a sharded model to save it), then
     tell every rank how it went, as `on_main` does: if it raised anywhere, every rank raises (the rank
     that failed its own error, the others `MainRankFailed` naming the first rank that failed)."""
+    return _run_and_share(work, True, lambda failure: list(enumerate(all_gather_objects(failure))))
+
+
+def _run_and_share(work: Callable[[], T], runs_here: bool,
+                   share: Callable[[str | None], list[tuple[int, str | None]]]) -> T | None:
+    """Run `work` where `runs_here`, then `share` this rank's failure (None if none) and get (rank, failure)
+    of the ranks that ran it; raise this rank's own error, or `MainRankFailed` naming the first that failed."""
     result, error = None, None
-    try:
-        result = work()
-    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = e
+    if runs_here:
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = e
     if is_distributed():
-        failures = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
-        first = next(((r, f) for r, f in enumerate(failures) if f is not None), None)
+        failures = share(None if error is None else f"{type(error).__name__}: {error}")
+        first = next(((rank, failure) for rank, failure in failures if failure is not None), None)
         if first is not None and error is None:
             raise MainRankFailed(f"rank {first[0]} failed: {first[1]}")
     if error is not None:
