@@ -1,6 +1,7 @@
 """The customtkinter views under Xvfb, driven through their variables and `.invoke()`/`.toggle()`."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -109,6 +110,10 @@ def app_factory(display, tmp_path):
             app.destroy()
         except Exception:
             pass
+    # The closed windows' Tk objects (fonts, images) are freed now, on the thread that owns their interpreter.
+    # Left to a later collection on a worker thread (a memory estimate's), a font's __del__ waited forever for
+    # an interpreter nobody runs any more, and the estimates queued behind it never came.
+    gc.collect()
 
 
 def test_preset_edit_save_and_reload(app_factory, tmp_path):

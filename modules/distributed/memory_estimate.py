@@ -16,7 +16,6 @@ once per model family (see `ACTIVATION_GIB_PER_SAMPLE`), scaled by resolution an
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import torch
@@ -302,21 +301,14 @@ def _unit_sizes(family: str, denoiser: torch.nn.Module, encoders: list[torch.nn.
     return max(sizes, default=0), total - sum(sizes)
 
 
-_ONE_AT_A_TIME = threading.Lock()
-"""The GUI estimates on a worker thread per change, so several may run at once; the first use of diffusers'
-model classes imports them lazily, and two threads doing that together failed ("cannot import name
-'UNet2DConditionModel' from 'diffusers'"), as could two building the built-in model's folder."""
-
-
 def estimate(cfg) -> dict:
     """Per-GPU memory in GiB for training `cfg` with DDP: weights, gradients, optimizer state, EMA, activations.
 
     Raises `EstimateError` naming the config field when the model cannot be sized. Activations are None
     (and left out of the total) for a family whose activation memory has not been measured.
     """
-    with _ONE_AT_A_TIME:
-        family, source, components = resolve_architecture(cfg)
-        models = build_meta_models(components)
+    family, source, components = resolve_architecture(cfg)
+    models = build_meta_models(components)
     t, m = cfg.training, cfg.model
     lora = t.method == "lora"
     counts = {name: sum(p.numel() for p in mod.parameters()) for name, mod in models.items()}

@@ -32,6 +32,12 @@ def using_cpu_processes(cfg) -> bool:
     return cpu_processes(cfg) != "off"
 
 
+_ONE_ESTIMATE_AT_A_TIME = threading.Lock()
+"""Estimates run on worker threads, one at a time: two importing diffusers' model classes together failed
+("cannot import name 'UNet2DConditionModel' from 'diffusers'"), as could two building the built-in
+model's folder."""
+
+
 class MultiGPUFrame(ctk.CTkFrame):
     def __init__(self, master, binder: Binder, python: str = sys.executable):
         super().__init__(master)
@@ -198,6 +204,10 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.nodes_hint.configure(text=nodes_and_restarts_line(cfg) if cfg.multi_gpu.enabled else "")
         self._estimate_memory(cfg, chosen)
 
+    def destroy(self) -> None:
+        self._memory_key = None  # estimates still waiting for their turn are dropped
+        super().destroy()
+
     def _estimate_memory(self, cfg, chosen: list[int]) -> None:
         """The memory line, estimated on a worker thread (building the shapes of a large model takes a
         moment) whenever the config or the GPUs change; the newest request wins."""
@@ -217,10 +227,13 @@ class MultiGPUFrame(ctk.CTkFrame):
         result: list[str] = []
 
         def run() -> None:
-            try:
-                result.append(memory_line(cfg, world, gib))
-            except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
-                result.append(f"Memory estimate failed: {e}")
+            with _ONE_ESTIMATE_AT_A_TIME:
+                if self._memory_key != key:
+                    return  # replaced by a newer request (or the frame closed) while it waited its turn
+                try:
+                    result.append(memory_line(cfg, world, gib))
+                except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
+                    result.append(f"Memory estimate failed: {e}")
 
         def wait() -> None:
             if self._memory_key != key:
