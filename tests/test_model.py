@@ -266,6 +266,27 @@ def test_samples_have_the_requested_size_and_are_seeded(demo):
     demo.unet.eval()
 
 
+def test_samples_are_rendered_without_cudnn_autotuning(demo, monkeypatch):
+    """Autotuning the few dozen sampling calls' new shapes costs more than it saves; training's setting
+    (`training.cudnn_benchmark`) comes back afterwards, also when rendering fails."""
+    import modules.model.sampling as sampling
+    seen = []
+
+    def render_one(*args):
+        seen.append(torch.backends.cudnn.benchmark)
+        if len(seen) == 2:
+            raise RuntimeError("a failed render")
+        return "image"
+
+    monkeypatch.setattr(sampling, "render_one", render_one)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert render_samples(demo, [SamplePromptConfig(prompt="a red circle")], 64, 2) == ["image"]
+    assert seen == [False] and torch.backends.cudnn.benchmark is True
+    with pytest.raises(RuntimeError, match="a failed render"):
+        render_samples(demo, [SamplePromptConfig(prompt="a red circle")], 64, 2)
+    assert seen == [False, False] and torch.backends.cudnn.benchmark is True
+
+
 # ---------------------------------------------------------------------------- fp16-variant folders
 
 def _as_fp16_variant(folder: Path) -> None:

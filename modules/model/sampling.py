@@ -42,7 +42,7 @@ def render_samples(
             module.eval()
             module.to(target)
         pipeline = sampling_pipeline(bundle)
-        with torch.no_grad(), _autocast_for(bundle, target):
+        with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning():
             return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale)
                     for prompt in prompts]
     finally:
@@ -69,6 +69,22 @@ def render_one(bundle: ModelBundle, pipeline, prompt: SamplePromptConfig, resolu
     result = pipeline(width=width, height=height, num_inference_steps=inference_steps, generator=generator,
                       output_type="pil", **bundle.family.pipeline_arguments(bundle, prompt, guidance_scale))
     return result.images[0]
+
+
+@contextlib.contextmanager
+def without_cudnn_autotuning():
+    """cuDNN's autotuning (`training.cudnn_benchmark`) pays for itself over thousands of training steps
+    at a few shapes. A sampling calls the denoiser a few dozen times at shapes training never used (the
+    guidance batch, the VAE decoder), where tuning costs seconds: the first sampling of the end-to-end
+    job took 3.5-4.3 s longer than the second on H100s (docs/Performance.md, session 10), about what
+    tuning the VAE encoder cost at the start of caching (~3 s, session 6)."""
+    cudnn = torch.backends.cudnn
+    tuning = cudnn.benchmark
+    cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        cudnn.benchmark = tuning
 
 
 def _autocast_for(bundle: ModelBundle, device: torch.device):

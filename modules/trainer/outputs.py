@@ -176,6 +176,7 @@ class OutputWriter:
             rounds = math.ceil(len(prompts) / du.world_size())
             renders = mine + [(mine or [0])[0]] * (rounds - len(mine))
         images = []
+        started = time.monotonic()
         if renders:
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
@@ -184,6 +185,10 @@ class OutputWriter:
                                         samp.inference_steps, samp.guidance_scale, parts.device)[:len(mine)]
         gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
         du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
+        # What a sampling costs the run (it stops training on every rank), for the log and the benchmarks.
+        shared = f" ({du.world_size()} processes, each rendered its share)" if du.world_size() > 1 else ""
+        log.info("Samples at step %d: %d image(s) in %.1f s%s.", self.run.global_step, len(prompts),
+                 time.monotonic() - started, shared)
 
     def _write_samples(self, rendered: dict) -> None:
         parts, step = self.parts, self.run.global_step
