@@ -110,3 +110,51 @@ def test_auto_strategy_sizes_the_real_model_a_case_builds(tmp_path, model, mode,
                 extra=("multi_gpu.strategy=auto",))
     choice = choose_strategy(case_config(case, tmp_path / "ws"), 4, "cuda", 78.2)
     assert choice.strategy == expected, choice.reason
+
+
+def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_ends(tmp_path, monkeypatch):
+    """scripts/end_to_end.py: a run's log is written as its lines come (a run stopped at a device time
+    limit still leaves its log), the line of a run that ended is reported while another run of its group
+    still goes on, and the log's start-up phases, first step and samplings come into the result."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from modules.benchmark import end_to_end
+
+    release = tmp_path / "release"
+    printed = ['@tandem {"type": "config"}',
+               "Start-up: launch 1.5 s, set-up 0.2 s, data scan 0.1 s, model 3.0 s, cache 0.4 s, wrap 0.0 s, resume 0.0 s",
+               "First step: 2.5 s (first batch from the loader 0.0 s, the step itself 2.5 s).",
+               "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
+               "Samples at step 10: 4 image(s) in 2.3 s.",
+               '@tandem {"type": "done", "images_per_s": 12.5}']
+
+    def command_for(spec, args, workspace):
+        wait = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)\n" if spec.label == "slow" else ""
+        return [sys.executable, "-c", f"print({printed!r}[0], flush=True)\n{wait}print('\\n'.join({printed!r}[1:]))"]
+
+    monkeypatch.setattr(end_to_end, "command_for", command_for)
+    args = SimpleNamespace(json=tmp_path / "results.jsonl", images=8, resolution=64, batch=2, epochs=1, prompts=4,
+                           sample_every=1, config_value=[], label_config=[])
+    specs = [end_to_end.RunSpec("quick", tmp_path, 1, None), end_to_end.RunSpec("slow", tmp_path, 2, None)]
+    group = threading.Thread(target=end_to_end.run_group, args=(specs, args, tmp_path))
+    group.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = args.json.read_text().splitlines() if args.json.exists() else []
+            slow_logs = list(tmp_path.glob("slow-2gpu-*.log"))
+            if lines and slow_logs and "config" in slow_logs[0].read_text():
+                break
+            time.sleep(0.05)
+        (quick,) = map(json.loads, lines)
+        assert quick["label"] == "quick" and quick["exit_code"] == 0
+        assert quick["startup_phases_s"]["model"] == 3.0 and quick["first_step_s"] == 2.5
+        assert quick["sampling_s"] == [6.1, 2.3] and quick["run_images_per_s"] == 12.5
+        assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None
+        assert group.is_alive(), "the slow run is still going"
+    finally:
+        release.touch()
+        group.join(60)
+    assert [json.loads(line)["label"] for line in args.json.read_text().splitlines()] == ["quick", "slow"]

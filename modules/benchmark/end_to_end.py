@@ -114,36 +114,27 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
     command = command_for(spec, args, workspace)
     marks: dict[str, float] = {}
     phases: dict[str, float] = {}
-    lines = []
+    samplings: list[float] = []
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=spec.tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace")
-    for line in proc.stdout:
-        at = time.monotonic() - started
-        lines.append(f"{at:8.2f} {line}")
-        if line.startswith("@tandem "):
-            try:
-                event = json.loads(line[len("@tandem "):])
-            except json.JSONDecodeError:
-                continue
-            marks.setdefault(event.get("type", "?"), at)
-            if event.get("type") == "done":
-                marks["done_event"] = event
-        elif line.startswith("Start-up: "):
-            phases = {name.strip(): float(sec)
-                      for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])}
-        elif line.startswith("First step: "):
-            marks["first_step_s"] = float(line.split()[2])
+    # Written as the lines come: a run stopped at a time limit still leaves what it printed.
+    with open(work / f"{workspace.name}.log", "w", encoding="utf-8") as log_file:
+        for line in proc.stdout:
+            at = time.monotonic() - started
+            log_file.write(f"{at:8.2f} {line}")
+            log_file.flush()
+            _read_line(line, at, marks, phases, samplings)
     code = proc.wait()
     wall = time.monotonic() - started
-    (work / f"{workspace.name}.log").write_text("".join(lines))
     done = marks.get("done")
     result = {"label": spec.label, "tree": str(spec.tree), "gpus": spec.gpus, "devices": spec.devices,
               "exit_code": code, "wall_s": round(wall, 1),
               "before_step1_s": round(marks["config"], 1) if "config" in marks else None,
               "train_s": round(done - marks["config"], 1) if done is not None and "config" in marks else None,
               "done_to_exit_s": round(wall - done, 2) if done is not None else None,
-              "first_step_s": marks.get("first_step_s"), "startup_phases_s": phases, "log": f"{workspace.name}.log",
+              "first_step_s": marks.get("first_step_s"), "startup_phases_s": phases, "sampling_s": samplings,
+              "log": f"{workspace.name}.log",
               "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
@@ -154,12 +145,43 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
     return result
 
 
+def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list) -> None:
+    """Note what one output line of a run tells (events, start-up phases, first step, samplings)."""
+    if line.startswith("@tandem "):
+        try:
+            event = json.loads(line[len("@tandem "):])
+        except json.JSONDecodeError:
+            return
+        marks.setdefault(event.get("type", "?"), at)
+        if event.get("type") == "done":
+            marks["done_event"] = event
+    elif line.startswith("Start-up: "):
+        phases.update({name.strip(): float(sec)
+                       for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])})
+    elif line.startswith("First step: "):
+        marks["first_step_s"] = float(line.split()[2])
+    elif match := re.match(r"Samples at step \d+: \d+ image\(s\) in ([\d.]+) s", line):
+        samplings.append(float(match.group(1)))
+
+
+def report(result: dict, json_path: Path | None) -> None:
+    print(json.dumps(result), flush=True)
+    if json_path:
+        with open(json_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def run_group(specs: list[RunSpec], args, work: Path) -> list[dict]:
-    """Run specs at the same time (each on its own GPUs) and return their results in order."""
+    """Run specs at the same time (each on its own GPUs) and return their results in order. Each run's
+    line is reported when it ends, not when the group does: a group stopped at a time limit keeps the
+    lines of the runs that finished."""
     results: list[dict | None] = [None] * len(specs)
+    reporting = threading.Lock()
 
     def go(i: int) -> None:
         results[i] = run_one(specs[i], args, work)
+        with reporting:
+            report(results[i], args.json)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(specs))]
     for t in threads:
@@ -217,12 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     results = []
     for group in args.run:
-        done = run_group([RunSpec.parse(s) for s in group.split("+")], args, args.work)
-        for r in done:
-            print(json.dumps(r), flush=True)
-            if args.json:
-                with open(args.json, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(r) + "\n")
-        results += done
+        results += run_group([RunSpec.parse(s) for s in group.split("+")], args, args.work)
     print(table(results))
     return 0 if all(r["exit_code"] == 0 for r in results) else 1
