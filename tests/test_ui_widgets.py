@@ -23,8 +23,13 @@ from ui.settings import RecentConfigs
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def display():
+    """One X server for the whole test process, never one per stretch of this module's tests: a worker
+    that runs other modules' tests between them (pytest-xdist's worksteal) would otherwise stop the server
+    while a closed window's Tk interpreter still held a connection to it, and Xlib ended the whole process
+    at that connection's next use (xdist: "node down: Not properly terminated"; reproduced in one process
+    by running a test of another module between two of these)."""
     if shutil.which("Xvfb") is None:
         pytest.fail("Xvfb is not installed; run-tests.sh installs it (apt-get install xvfb)")
     # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
