@@ -151,6 +151,9 @@ class OutputWriter:
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
         self.backup_writer = du.on_main(lambda: BackupWriter(parts.paths.backups, run_id, save.rolling_backup_count))
+        self.backup_pauses: dict[int, float] = {}
+        """Seconds the loop spent on each backup not yet announced (snapshot and hand-over; all of a sharded
+        write), so its announcement says what it cost the training."""
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 
@@ -212,6 +215,7 @@ class OutputWriter:
             path = sharded_backup.write_run_backup(run, self.parts, self.run_id, manifest)
             if self.backup_writer is not None:
                 self.backup_writer.last_written = path
+                self.backup_pauses[run.global_step] = time.monotonic() - self.last_backup_started
                 self._announce([(run.global_step, path)])
             return
         state = run.training_state()  # collective: every rank contributes its RNG state
@@ -219,6 +223,7 @@ class OutputWriter:
             return
         done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
                                          snapshot_to_host(state), manifest)
+        self.backup_pauses[run.global_step] = time.monotonic() - self.last_backup_started
         self._announce(done)
 
     def poll_backups(self) -> None:
@@ -237,8 +242,14 @@ class OutputWriter:
 
     def _announce(self, done: list[tuple[int, Path]]) -> None:
         for step, path in done:
-            log.info("Backup written: %s", path)
-            self.parts.emit("backup", path=str(path), step=step)
+            paused = self.backup_pauses.pop(step, None)
+            if paused is None:
+                log.info("Backup written: %s", path)
+                self.parts.emit("backup", path=str(path), step=step)
+                continue
+            # The loop's own time; the snapshot's copies queued on the GPU delay the next steps a little more.
+            log.info("Backup written: %s (training paused %.2f s for it)", path, paused)
+            self.parts.emit("backup", path=str(path), step=step, paused_s=round(paused, 3))
 
     @property
     def last_backup(self) -> Path | None:
