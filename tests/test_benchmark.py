@@ -126,6 +126,9 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
     printed = ['@tandem {"type": "config"}',
                "Start-up: launch 1.5 s, set-up 0.2 s, data scan 0.1 s, model 3.0 s, cache 0.4 s, wrap 0.0 s, resume 0.0 s",
                "First step: 2.5 s (first batch from the loader 0.0 s, the step itself 2.5 s).",
+               '@tandem {"type": "progress", "step": 5}',
+               '@tandem {"type": "sample", "step": 5}',
+               '@tandem {"type": "sample", "step": 5}',
                "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
                "Samples at step 10: 4 image(s) in 2.3 s.",
                '@tandem {"type": "done", "images_per_s": 12.5}']
@@ -152,6 +155,7 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         assert quick["label"] == "quick" and quick["exit_code"] == 0
         assert quick["startup_phases_s"]["model"] == 3.0 and quick["first_step_s"] == 2.5
         assert quick["sampling_s"] == [6.1, 2.3] and quick["run_images_per_s"] == 12.5
+        assert len(quick["sampling_from_events_s"]) == 1 and 0 <= quick["sampling_from_events_s"][0] < 5
         assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None
         assert group.is_alive(), "the slow run is still going"
     finally:

@@ -139,6 +139,7 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
                                                           if v.split(":", 1)[0] == spec.label]}}
+    result["sampling_from_events_s"] = [round(end - start, 2) for start, end in marks.get("sample_spans", {}).values()]
     done_event = marks.get("done_event") or {}
     if "images_per_s" in done_event:
         result["run_images_per_s"] = done_event["images_per_s"]
@@ -152,9 +153,17 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             event = json.loads(line[len("@tandem "):])
         except json.JSONDecodeError:
             return
-        marks.setdefault(event.get("type", "?"), at)
-        if event.get("type") == "done":
+        kind = event.get("type", "?")
+        marks.setdefault(kind, at)
+        if kind == "done":
             marks["done_event"] = event
+        elif kind == "progress":
+            marks["last_progress"] = at
+        elif kind == "sample":
+            # From the step's report to its last image written: what a sampling cost, for any tree (older
+            # ones print no "Samples at step" line).
+            spans = marks.setdefault("sample_spans", {})
+            spans[event.get("step")] = (spans.get(event.get("step"), (marks.get("last_progress", at),))[0], at)
     elif line.startswith("Start-up: "):
         phases.update({name.strip(): float(sec)
                        for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])})

@@ -11,9 +11,13 @@
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
 #            against none (the two at the same time on GPUs 0,1 | 2,3); the LoRA job on 1 GPU with and
 #            without backups (GPU 0 | GPU 1), both with data.num_workers=4 (the shut-down with 4 workers)
+#   sampling the first and the second sampling (2 epochs, samples every epoch), 1 GPU: the tree in
+#            $SAMPLING_BASE (default .bench/sampling-base: the code before samples were rendered without
+#            cuDNN autotuning) | this tree (GPU 0 | GPU 1)
+#   launchers launch to exit of 8 steps on 2 GPUs: torchrun | spawn (GPUs 0,1 | 2,3)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
 set -u
-PART="${1:?usage: end_to_end.sh before|after|backups|startup}"
+PART="${1:?usage: end_to_end.sh before|baseline|after|backups|sampling|launchers|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline
@@ -33,13 +37,26 @@ after)
     log "this tree: 1 GPU beside 2 GPUs, then 4 GPUs"
     e2e --run "new@.:1:0+new@.:2:1,2" --run "new@.:4"
     ;;
-backups)
-    log "full fine-tune 2 GPUs 3 epochs: backups every epoch | none"
-    e2e --epochs 3 --prompts 0 --sample-every 0 --config-value training.method=full \
-        --label-config "nobackup:save.backup_every_n_epochs=0" --run "backup@.:2:0,1+nobackup@.:2:2,3"
-    log "the LoRA job on 1 GPU, 4 loader workers: backups every epoch | none"
-    e2e --config-value data.num_workers=4 --label-config "nobackup:save.backup_every_n_epochs=0" \
-        --run "backup@.:1:0+nobackup@.:1:1"
+backups)  # BACKUPS="full" runs the full fine-tune's pair only (default "full lora")
+    if [[ " ${BACKUPS:-full lora} " == *" full "* ]]; then
+        log "full fine-tune 2 GPUs 3 epochs: backups every epoch | none"
+        e2e --epochs 3 --prompts 0 --sample-every 0 --config-value training.method=full \
+            --label-config "nobackup:save.backup_every_n_epochs=0" --run "backup@.:2:0,1+nobackup@.:2:2,3"
+    fi
+    if [[ " ${BACKUPS:-full lora} " == *" lora "* ]]; then
+        log "the LoRA job on 1 GPU, 4 loader workers: backups every epoch | none"
+        e2e --config-value data.num_workers=4 --label-config "nobackup:save.backup_every_n_epochs=0" \
+            --run "backup@.:1:0+nobackup@.:1:1"
+    fi
+    ;;
+sampling)
+    log "samplings (2 epochs, every epoch, 4 prompts): ${SAMPLING_BASE:-.bench/sampling-base} | this tree"
+    e2e --epochs 2 --sample-every 1 --run "before@${SAMPLING_BASE:-.bench/sampling-base}:1:0+new@.:1:1"
+    ;;
+launchers)
+    log "8 steps on 2 GPUs: torchrun | spawn"
+    e2e --config-value training.max_steps=8 --prompts 0 --sample-every 0 \
+        --label-config "spawn:multi_gpu.launcher=spawn" --run "torchrun@.:2:0,1+spawn@.:2:2,3"
     ;;
 startup)
     log "first step with and without cuDNN autotuning, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"
