@@ -194,7 +194,7 @@ class TrainingConfig:
     tf32: bool = rule(True, label="Allow TF32")
     """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
     cudnn_benchmark: bool = rule(True, label="cuDNN benchmark")
-    """Let cuDNN pick the fastest convolution algorithms for the shapes seen."""
+    """Let cuDNN pick the fastest convolution algorithms for the shapes seen, by trying them (in training and caching; samples are rendered without it: their few calls at new shapes would spend longer trying than they save)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
     channels_last: bool = rule(False, label="Channels-last UNet")
