@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,14 @@ from ui.settings import RecentConfigs
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _die_with_parent() -> None:
+    """The X server ends with the test process that started it, also when that process crashes (a crashed
+    xdist worker never runs the fixture's teardown; its servers were left running)."""
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def display():
     """One X server for the whole test process, never one per stretch of this module's tests: a worker
@@ -35,7 +44,8 @@ def display():
     # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
     read_end, write_end = os.pipe()
     server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
+                              preexec_fn=_die_with_parent)
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         reply = pipe.readline().strip()
