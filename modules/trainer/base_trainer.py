@@ -530,7 +530,7 @@ class BaseTrainer(ABC):
         self.compiled_shapes_checked[shape] = compare_with_eager(
             backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
             self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
-        log.info("UNet compiled and checked for batch shape %s in %.1f s.", list(shape), time.perf_counter() - started)
+        log.info("Denoiser compiled and checked for batch shape %s in %.1f s.", list(shape), time.perf_counter() - started)
 
     def gradient_sync(self, last_micro_batch: bool):
         """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""

@@ -108,10 +108,10 @@ def compare_with_eager(eager_pass, compiled_pass, params: list[torch.nn.Paramete
     loss_diff = abs(compiled_loss - eager_loss) / max(abs(eager_loss), 1e-30)
     if not (grad_diff <= GRADIENT_TOLERANCE and loss_diff <= LOSS_TOLERANCE):  # NaN fails too
         raise CompiledGradientError(
-            f"training.compile: on {what} the compiled UNet's gradients differ from the "
-            f"uncompiled UNet's by {grad_diff:.1%} (allowed {GRADIENT_TOLERANCE:.0%}) and its loss by "
+            f"training.compile: on {what} the compiled denoiser's gradients differ from the "
+            f"uncompiled one's by {grad_diff:.1%} (allowed {GRADIENT_TOLERANCE:.0%}) and its loss by "
             f"{loss_diff:.2%} (allowed {LOSS_TOLERANCE:.0%}) - torch {torch.__version__} miscompiles this "
             f"model. Nothing was trained. Set training.compile to false (or try another torch version).")
-    log.info("Compiled UNet checked against the uncompiled one on %s: gradients differ by %.2e (allowed "
+    log.info("Compiled denoiser checked against the uncompiled one on %s: gradients differ by %.2e (allowed "
              "%.0e), loss by %.2e.", what, grad_diff, GRADIENT_TOLERANCE, loss_diff)
     return grad_diff
