@@ -162,8 +162,9 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
         elif kind == "sample":
             # From the step's report to its last image written: what a sampling cost, for any tree (older
             # ones print no "Samples at step" line).
-            spans = marks.setdefault("sample_spans", {})
-            spans[event.get("step")] = (spans.get(event.get("step"), (marks.get("last_progress", at),))[0], at)
+            spans, step = marks.setdefault("sample_spans", {}), event.get("step")
+            start = spans[step][0] if step in spans else marks.get("last_progress", at)
+            spans[step] = (start, at)
     elif line.startswith("Start-up: "):
         phases.update({name.strip(): float(sec)
                        for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])})

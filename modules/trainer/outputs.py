@@ -242,14 +242,11 @@ class OutputWriter:
 
     def _announce(self, done: list[tuple[int, Path]]) -> None:
         for step, path in done:
-            paused = self.backup_pauses.pop(step, None)
-            if paused is None:
-                log.info("Backup written: %s", path)
-                self.parts.emit("backup", path=str(path), step=step)
-                continue
             # The loop's own time; the snapshot's copies queued on the GPU delay the next steps a little more.
-            log.info("Backup written: %s (training paused %.2f s for it)", path, paused)
-            self.parts.emit("backup", path=str(path), step=step, paused_s=round(paused, 3))
+            paused = self.backup_pauses.pop(step, None)
+            cost = {} if paused is None else {"paused_s": round(paused, 3)}
+            log.info("Backup written: %s%s", path, "" if paused is None else f" (training paused {paused:.2f} s for it)")
+            self.parts.emit("backup", path=str(path), step=step, **cost)
 
     @property
     def last_backup(self) -> Path | None:
