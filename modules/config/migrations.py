@@ -24,7 +24,16 @@ def _v1_to_v2(data: dict) -> dict:
     return data
 
 
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2}
+def _v2_to_v3(data: dict) -> dict:
+    # training.cudnn_benchmark was a switch whose default (true) every saved config wrote out; it is now
+    # auto | on | off, and `auto` is what that default does today. An explicit false stays off.
+    training = data.get("training")
+    if isinstance(training, dict) and isinstance(training.get("cudnn_benchmark"), bool):
+        training["cudnn_benchmark"] = "auto" if training["cudnn_benchmark"] else "off"
+    return data
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,

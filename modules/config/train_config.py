@@ -17,7 +17,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 CONCEPT_ROLES = ("train", "regularisation", "validation")
 """`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
 
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 """The `__version` written into every saved config; bump it together with a new migration."""
 
 REMOVED_FIELDS = {
@@ -193,8 +193,8 @@ class TrainingConfig:
     """Mixed precision for the forward pass: `bf16`, `fp16` (with loss scaling) or `fp32`."""
     tf32: bool = rule(True, label="Allow TF32")
     """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
-    cudnn_benchmark: bool = rule(True, label="cuDNN benchmark")
-    """Let cuDNN pick the fastest convolution algorithms for the shapes seen, by trying them (in training and caching; samples are rendered without it: their few calls at new shapes would spend longer trying than they save)."""
+    cudnn_benchmark: str = rule("auto", choices=("auto", "on", "off"), label="cuDNN autotuning")
+    """Let cuDNN try its convolution algorithms at each new shape and keep the fastest. `auto` (default): for the training steps when convolution weights train (a full fine-tune of a UNet, LoRA on convolutions), where it gave an SD1.5 full fine-tune 16% more images/s on an H100; not when only attention and linear weights train (LoRA on attention; SD3 and Flux), where its trials cost 5-12 s before the first step and the steps were no faster (docs/Performance.md, session 11). `on`: always, caching included (what `true` did in configs before version 3). `off`: never. Samples are rendered without it whatever this says."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
     channels_last: bool = rule(False, label="Channels-last UNet")

@@ -108,6 +108,7 @@ class BaseTrainer(ABC):
             self.fill_cache()
             self.offload_cached_encoders()
         with phase("wrap"):
+            self.decide_cudnn_autotuning()
             self.split = self.decide_split()
             self.batch_part = BatchSlice.of(self.split, du.rank())
             self.sampler, self.loader = self.create_loader()
@@ -216,12 +217,22 @@ class BaseTrainer(ABC):
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.cfg.training.tf32
             torch.backends.cudnn.allow_tf32 = self.cfg.training.tf32
-            torch.backends.cudnn.benchmark = self.cfg.training.cudnn_benchmark
+            # `auto` decides once it is known what trains (decide_cudnn_autotuning): caching runs untuned.
+            torch.backends.cudnn.benchmark = self.cfg.training.cudnn_benchmark == "on"
             # cuDNN's attention backward fails at Flux-size shapes on H100 with torch 2.11
             # ("mha_graph.execute ... is_good()"); flash and memory-efficient attention serve every shape we train.
             torch.backends.cuda.enable_cudnn_sdp(False)
             from modules.trainer.split_probe import cap_device_memory
             cap_device_memory(self.device)
+
+    def decide_cudnn_autotuning(self) -> None:
+        if self.device.type != "cuda" or self.cfg.training.cudnn_benchmark != "auto":
+            return
+        tuning = trains_convolutions(self.bundle.modules().values())
+        torch.backends.cudnn.benchmark = tuning
+        log.info("cuDNN autotuning (training.cudnn_benchmark=auto): %s.",
+                 "on for the training steps: convolution weights train" if tuning else
+                 "off: no convolution weight trains, so it would only lengthen the start")
 
     def create_dataset(self):
         from modules.data import build_dataset
@@ -794,3 +805,10 @@ class BaseTrainer(ABC):
 
     def emit(self, type_: str, **fields) -> None:
         self.duties.callbacks.on_event(type_, **fields)
+
+
+def trains_convolutions(modules) -> bool:
+    """Whether any convolution's own weight trains: cuDNN's autotuning pays back its trials there
+    (the weight-gradient kernels), not where frozen convolutions only pass gradients through."""
+    return any(isinstance(m, torch.nn.modules.conv._ConvNd) and any(p.requires_grad for p in m.parameters(recurse=False))
+               for root in modules for m in root.modules())

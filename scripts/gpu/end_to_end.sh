@@ -60,7 +60,7 @@ launchers)
     ;;
 startup)
     log "first step with and without cuDNN autotuning, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"
-    e2e --config-value training.max_steps=40 --label-config "noautotune:training.cudnn_benchmark=false" \
+    e2e --config-value training.max_steps=40 --label-config "noautotune:training.cudnn_benchmark=off" \
         --run "autotune@.:1:0+noautotune@.:1:1"
     log "launch to first step with a complete cache: fill it (1 GPU), then 1 GPU and 4 GPUs"
     rm -rf /tmp/tandem-e2e/shared-cache

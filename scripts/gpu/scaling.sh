@@ -45,7 +45,7 @@ lora)
         bench --model sd15 --mode full --batch 32 --steps 20 --warmup 5 --gpus "$FULL_WORLDS"
     else
         log "lever: full b8 on 1 GPU without cuDNN autotuning"
-        bench --model sd15 --mode full --batch 8 --gpus 1 --config-value training.cudnn_benchmark=false
+        bench --model sd15 --mode full --batch 8 --gpus 1 --config-value training.cudnn_benchmark=off
     fi
     ;;
 sdxl)

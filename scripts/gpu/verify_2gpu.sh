@@ -64,7 +64,7 @@ profile)
     bench --model sd15 --mode lora --batch 8 --gpus 1,2 --profile "$OUTDIR"
     log "levers for the worst case (LoRA b8 on 2 GPUs: 80% on 4x H100, reference 101%)"
     bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value multi_gpu.static_graph=true
-    bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value training.cudnn_benchmark=false
+    bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value training.cudnn_benchmark=off
     bench --model sd15 --mode lora --batch 8 --gpus 2 --config-value data.num_workers=0
     ;;
 compile)
