@@ -125,7 +125,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
     release = tmp_path / "release"
     printed = ['@tandem {"type": "config"}',
                "Start-up: launch 1.5 s, set-up 0.2 s, data scan 0.1 s, model 3.0 s, cache 0.4 s, wrap 0.0 s, resume 0.0 s",
-               "First step: 2.5 s (first batch from the loader 0.0 s, the step itself 2.5 s).",
+               "First step: 2.5 s (first batch from the loader 0.0 s, the step itself 2.5 s); 10.2 s before it since "
+               "the start-up summary (starting the loader's workers 9.8 s).",
                '@tandem {"type": "progress", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
@@ -154,6 +155,7 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         (quick,) = map(json.loads, lines)
         assert quick["label"] == "quick" and quick["exit_code"] == 0
         assert quick["startup_phases_s"]["model"] == 3.0 and quick["first_step_s"] == 2.5
+        assert quick["summary_to_step1_s"] == 10.2 and quick["loader_workers_s"] == 9.8
         assert quick["sampling_s"] == [6.1, 2.3] and quick["run_images_per_s"] == 12.5
         assert len(quick["sampling_from_events_s"]) == 1 and 0 <= quick["sampling_from_events_s"][0] < 5
         assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None

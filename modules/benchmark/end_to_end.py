@@ -133,7 +133,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
               "before_step1_s": round(marks["config"], 1) if "config" in marks else None,
               "train_s": round(done - marks["config"], 1) if done is not None and "config" in marks else None,
               "done_to_exit_s": round(wall - done, 2) if done is not None else None,
-              "first_step_s": marks.get("first_step_s"), "startup_phases_s": phases, "sampling_s": samplings,
+              "first_step_s": marks.get("first_step_s"), "summary_to_step1_s": marks.get("summary_to_step1_s"),
+              "loader_workers_s": marks.get("loader_workers_s"), "startup_phases_s": phases, "sampling_s": samplings,
               "log": f"{workspace.name}.log",
               "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
@@ -170,6 +171,8 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
                        for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])})
     elif line.startswith("First step: "):
         marks["first_step_s"] = float(line.split()[2])
+        if gap := re.search(r"; ([\d.]+) s before it since the start-up summary \(starting the loader's workers ([\d.]+) s\)", line):
+            marks["summary_to_step1_s"], marks["loader_workers_s"] = float(gap.group(1)), float(gap.group(2))
     elif match := re.match(r"Samples at step \d+: \d+ image\(s\) in ([\d.]+) s", line):
         samplings.append(float(match.group(1)))
 

@@ -124,6 +124,7 @@ class BaseTrainer(ABC):
         with phase("resume"):
             self.maybe_resume()
         self.announce()
+        self.announced_at = time.perf_counter()
         self.progress = ProgressReporter(self.numbers, self.emit, self.global_step,
                                          self.paths.tensorboard if self.cfg.general.tensorboard else None,
                                          reports=self.duties.leads)
@@ -472,7 +473,9 @@ class BaseTrainer(ABC):
     def run_epoch(self) -> None:
         self.sampler.set_epoch(self.epoch)  # keeps a resumed position within the same epoch
         accumulation = self.numbers.accumulation
-        batches = iter(self.loader)
+        iterating = time.perf_counter()
+        batches = iter(self.loader)  # the first call starts the loader's (persistent) worker processes
+        workers_s = time.perf_counter() - iterating
         while self.sampler.batches_remaining() >= accumulation:
             first = not self.first_step_done
             started = time.perf_counter()
@@ -480,7 +483,7 @@ class BaseTrainer(ABC):
             loaded = time.perf_counter()
             loss = self.optimizer_step(micro_batches)
             if first:
-                self.report_first_step(started, loaded)
+                self.report_first_step(started, loaded, workers_s)
             # Told after training, not when handed out: prefetching workers run ahead of the trained position.
             self.sampler.mark_consumed(accumulation)
             self.global_step += 1
@@ -492,16 +495,18 @@ class BaseTrainer(ABC):
         self.step_in_epoch = 0
         self.after_epoch()
 
-    def report_first_step(self, started: float, loaded: float) -> None:
+    def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """Log where the first step's time goes (it is start-up time the user waits through: loader
-        workers starting, kernel selection, first allocations). The one synchronisation the loop makes."""
+        workers starting, kernel selection, first allocations) and what ran between the start-up summary
+        and it (an unexplained 10 s there under spawn on H100s, session 11). The one synchronisation the loop makes."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         done = time.perf_counter()
         faulthandler.cancel_dump_traceback_later()
         self.first_step_done = True
-        log.info("First step: %.1f s (first batch from the loader %.1f s, the step itself %.1f s).",
-                 done - started, loaded - started, done - loaded)
+        log.info("First step: %.1f s (first batch from the loader %.1f s, the step itself %.1f s); %.1f s before it "
+                 "since the start-up summary (starting the loader's workers %.1f s).",
+                 done - started, loaded - started, done - loaded, started - self.announced_at, workers_s)
 
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
         if self.cfg.training.compile:

@@ -37,7 +37,7 @@ from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
 from modules.trainer.run_numbers import RunNumbers
 from modules.util.atomic import unique_path
-from modules.util.host_copy import HostSnapshot, snapshot_to_host
+from modules.util.host_copy import HostSnapshot, pinned_alloc_seconds, snapshot_to_host
 
 log = logging.getLogger("tandem")
 
@@ -151,9 +151,10 @@ class OutputWriter:
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
         self.backup_writer = du.on_main(lambda: BackupWriter(parts.paths.backups, run_id, save.rolling_backup_count))
-        self.backup_pauses: dict[int, float] = {}
+        self.backup_pauses: dict[int, tuple[float, float]] = {}
         """Seconds the loop spent on each backup not yet announced (snapshot and hand-over; all of a sharded
-        write), so its announcement says what it cost the training."""
+        write) and how many of them went to growing the pinned host memory pool, so its announcement says
+        what it cost the training and why."""
         # Decided at start so a later run never overwrites an earlier run's model.
         self.final_path = unique_path(self.output_dir / (save.output_name + self._suffix()), self.stamp)
 
@@ -215,15 +216,17 @@ class OutputWriter:
             path = sharded_backup.write_run_backup(run, self.parts, self.run_id, manifest)
             if self.backup_writer is not None:
                 self.backup_writer.last_written = path
-                self.backup_pauses[run.global_step] = time.monotonic() - self.last_backup_started
+                self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started, 0.0)
                 self._announce([(run.global_step, path)])
             return
         state = run.training_state()  # collective: every rank contributes its RNG state
         if self.backup_writer is None:
             return
+        pinning_before = pinned_alloc_seconds()
         done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
                                          snapshot_to_host(state), manifest)
-        self.backup_pauses[run.global_step] = time.monotonic() - self.last_backup_started
+        self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started,
+                                               pinned_alloc_seconds() - pinning_before)
         self._announce(done)
 
     def poll_backups(self) -> None:
@@ -243,9 +246,10 @@ class OutputWriter:
     def _announce(self, done: list[tuple[int, Path]]) -> None:
         for step, path in done:
             # The loop's own time; the snapshot's copies queued on the GPU delay the next steps a little more.
-            paused = self.backup_pauses.pop(step, None)
-            cost = {} if paused is None else {"paused_s": round(paused, 3)}
-            log.info("Backup written: %s%s", path, "" if paused is None else f" (training paused {paused:.2f} s for it)")
+            paused, pinning = self.backup_pauses.pop(step, (None, 0.0))
+            cost = {} if paused is None else {"paused_s": round(paused, 3), "pinned_alloc_s": round(pinning, 3)}
+            why = f", {pinning:.2f} s of it allocating pinned host memory (reused by later backups)" if pinning >= 0.05 else ""
+            log.info("Backup written: %s%s", path, "" if paused is None else f" (training paused {paused:.2f} s for it{why})")
             self.parts.emit("backup", path=str(path), step=step, **cost)
 
     @property

@@ -51,3 +51,14 @@ def snapshot_to_host(value: Any) -> HostSnapshot:
         event = torch.cuda.Event()
         event.record()
     return HostSnapshot(copied, event)
+
+
+def pinned_alloc_seconds() -> float:
+    """Seconds this process has spent so far asking CUDA for pinned host memory (growing PyTorch's pinned
+    pool; later snapshots of the same sizes reuse it). 0 before CUDA is in use."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    try:
+        return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
+    except (RuntimeError, AttributeError):  # a PyTorch without the pinned pool's statistics
+        return 0.0

@@ -43,7 +43,7 @@ EVENTS: dict[str, EventType] = {
     "validation": EventType(("step", "loss", "images")),
     "sample": EventType(("step", "path", "prompt", "rank")),
     "saved": EventType(("path", "step")),
-    "backup": EventType(("path", "step"), ("paused_s",)),
+    "backup": EventType(("path", "step"), ("paused_s", "pinned_alloc_s")),
     "error": EventType(("text",), ("rank", "failed_rank")),
     "restart": EventType(("text", "restart", "max_restarts", "step", "resumed_step")),
     "done": EventType(("output", "step", "completed", "images", "train_s", "images_per_s")),
@@ -53,7 +53,8 @@ mean loss (`loss`) over `images` images at `step`, `error` names the rank that f
 reporting its own failure; `failed_rank`: the launcher naming the first); `restart` is a restarted
 round's first word (`step`: where the failed round was, `resumed_step`: the backup it continues from;
 either None when unknown / none); `backup`'s `paused_s` is what taking it cost the training loop (rank 0's
-seconds: the snapshot and hand-over to the writer thread, or the whole write when sharded)."""
+seconds: the snapshot and hand-over to the writer thread, or the whole write when sharded), `pinned_alloc_s`
+the part of it spent growing PyTorch's pinned host memory pool (the first backup's snapshot; later ones reuse it)."""
 
 COMMANDS = ("stop", "sample", "backup", "save")
 """What a watcher may ask a running training to do (one word per line in the commands file)."""
