@@ -10,6 +10,10 @@
 #           gradient checkpointing, 1 image per GPU
 #   flux2   the same, 2 images per GPU
 #   sd35m   SD3.5-Medium-size transformer, LoRA r16, 1024 px, gradient checkpointing, 2 images per GPU
+#   sd35mc  the `sd35m` case with training.compile=true (the reference uncompiled); a cold compile takes
+#           ~4 minutes per world size: run WORLDS="1" and WORLDS="2" in separate calls
+#   autotune  cuDNN autotuning on | off at the same time on GPUs 0 | 1, 1 GPU each: SD1.5 full and LoRA
+#           at 8 per GPU, SDXL LoRA at 4 per GPU (1024 px)
 #   fp8     the `flux` case with its base in float8 (model.unet_dtype=fp8) beside the bf16 base and the raw
 #           reference on 1 GPU, then at every world size: peak memory (max_mem_gib, denoiser_gib) and speed
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); on 8 GPUs a
@@ -18,7 +22,7 @@
 # FULL_WORLDS="4" with `lora`: re-run the trainer's full fine-tune cases at those world sizes instead
 # of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
-PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m|fp8}"
+PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m|sd35mc|autotune|fp8}"
 source "$(dirname "$0")/common.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
@@ -60,6 +64,22 @@ flux2)
     ;;
 sd35m)
     matrix --model sd35m --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3
+    ;;
+sd35mc)
+    SD35="--model sd35m --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3"
+    log "$SD35, the trainer compiled"
+    for n in $WORLDS; do ref "$n" $SD35; done
+    bench $SD35 --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=true
+    ;;
+autotune)
+    for case in "--model sd15 --mode full --batch 8" "--model sd15 --mode lora --batch 8" \
+                "--model sdxl --mode lora --batch 4 --res 1024 --gc --steps 10 --warmup 3"; do
+        log "$case: cuDNN autotuning on (GPU 0) | off (GPU 1), at once"
+        CUDA_VISIBLE_DEVICES=0 bench $case --gpus 1 --config-value training.cudnn_benchmark=on > "$OUTDIR/autotune-on.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=1 bench $case --gpus 1 --config-value training.cudnn_benchmark=off > "$OUTDIR/autotune-off.log" 2>&1
+        wait
+        grep -h "^| [a-z]" "$OUTDIR/autotune-on.log" "$OUTDIR/autotune-off.log" | grep -v "^| case"
+    done
     ;;
 fp8)
     FLUX="--model flux --mode lora --batch 1 --res 1024 --gc --steps 10 --warmup 3"
