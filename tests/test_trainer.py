@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modules.config import CONFIG_VERSION
 from modules.trainer import backup as backups
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.commands import CommandInbox
@@ -43,7 +44,7 @@ def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
     (config_file,) = (tmp_path / "ws" / "config").iterdir()
     assert config_file.name == f"{trainer.run_id}.json"
     saved = json.loads(config_file.read_text())
-    assert saved["training"]["max_steps"] == 24 and saved["__version"] == 2
+    assert saved["training"]["max_steps"] == 24 and saved["__version"] == CONFIG_VERSION
     assert trainer.numbers.global_batch == 8
 
 

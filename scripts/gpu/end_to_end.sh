@@ -7,7 +7,8 @@
 #   before   both trees at the same time on different GPUs: 1 GPU (GPU 0 | GPU 1), 2 GPUs (0,1 | 2,3);
 #            then the baseline on 4 GPUs
 #   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
-#   startup  the first step with and without cuDNN autotuning; launch to first step with a complete cache
+#   startup  the first step with cuDNN autotuning on | auto (the default: off for this LoRA); launch to first
+#            step with a complete cache
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
 #            against none (the two at the same time on GPUs 0,1 | 2,3); the LoRA job on 1 GPU with and
 #            without backups (GPU 0 | GPU 1), both with data.num_workers=4 (the shut-down with 4 workers)
@@ -59,9 +60,9 @@ launchers)
         --label-config "spawn:multi_gpu.launcher=spawn" --run "torchrun@.:2:0,1+spawn@.:2:2,3"
     ;;
 startup)
-    log "first step with and without cuDNN autotuning, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"
-    e2e --config-value training.max_steps=40 --label-config "noautotune:training.cudnn_benchmark=off" \
-        --run "autotune@.:1:0+noautotune@.:1:1"
+    log "first step with cuDNN autotuning on | auto, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"
+    e2e --config-value training.max_steps=40 --label-config "autotune:training.cudnn_benchmark=on" \
+        --run "autotune@.:1:0+auto@.:1:1"
     log "launch to first step with a complete cache: fill it (1 GPU), then 1 GPU and 4 GPUs"
     rm -rf /tmp/tandem-e2e/shared-cache
     e2e --shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 $STARTUP_EXTRA \
