@@ -17,6 +17,9 @@ for arg in "$@"; do
     if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
     case "$arg" in -n|-n*|--numprocesses*) workers=1 ;; esac
 done
+# One torch thread per test process: the pytest workers already fill the cores, and two threads each
+# oversubscribed them (the in-process training tests ran ~9% slower; launched workers set their own).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # worksteal: the slow tests differ in length by 100x; idle workers take queued tests from busy ones.
 if [ "$workers" -gt 1 ]; then args=(-n "$workers" --dist worksteal "${args[@]}"); fi
 # the slowest tests in the log: where CI time goes (CI must stay under 20 minutes)

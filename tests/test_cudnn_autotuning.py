@@ -8,7 +8,9 @@ import torch
 
 from modules.config import config_from_dict, migrate
 from modules.trainer.base_trainer import BaseTrainer, trains_convolutions
-from tests.trainer_helpers import demo_config, train
+from modules.trainer.callbacks import RecordingCallbacks
+from modules.trainer.generic_trainer import GenericTrainer
+from tests.trainer_helpers import demo_config
 
 
 @pytest.mark.parametrize("old, new", [(True, "auto"), (False, "off")])
@@ -23,15 +25,21 @@ def test_a_config_without_the_field_gets_the_default():
     assert config_from_dict({"__version": 2}).training.cudnn_benchmark == "auto"
 
 
+def _prepared(workspace, method, *extra):
+    """A demo trainer as far as choosing what trains (what `auto` decides from), without training."""
+    trainer = GenericTrainer(demo_config(workspace, workspace / "cache", *extra, method=method), RecordingCallbacks())
+    trainer.setup_environment()
+    trainer.dataset = trainer.create_dataset()
+    trainer.bundle = trainer.create_model()
+    trainer.trainable = trainer.prepare_trainable()
+    return trainer
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One step of the demo per way of training: what trains decides `auto`."""
+def trained(tandem_home, tmp_path_factory):
     root = tmp_path_factory.mktemp("autotune")
-    runs = {}
-    for name, method, extra in [("lora", "lora", []), ("full", "full", []),
-                                ("lora_conv", "lora", ["training.lora_target_modules=[\"to_q\", \"conv1\"]"])]:
-        runs[name] = train(demo_config(root / name, root / "cache", "training.max_steps=1", *extra, method=method))
-    return runs
+    return {"lora": _prepared(root / "lora", "lora"), "full": _prepared(root / "full", "full"),
+            "lora_conv": _prepared(root / "lora_conv", "lora", 'training.lora_target_modules=["to_q", "conv1"]')}
 
 
 def test_only_trained_convolution_weights_count(trained):
