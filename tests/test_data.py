@@ -3,6 +3,7 @@ DataLoader, demo dataset. Fake encoders stand in for the VAE and text encoder: n
 import logging
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -493,3 +494,22 @@ def test_demo_dataset_built_concurrently_by_several_ranks(tmp_path):
     assert results == [root] * 3
     assert len(list(root.glob("*.png"))) == 64
     assert [p.name for p in root.parent.iterdir()] == ["demo-shapes"], "temporary folders left behind"
+
+
+def _report_loader_start(rank: int, out: str) -> None:
+    """Runs in a rank started by torch.multiprocessing.spawn (the spawn launcher's ranks)."""
+    import multiprocessing
+
+    from modules.data.dataset import make_dataloader
+    loader = make_dataloader([], [], DataConfig(num_workers=2), device_is_cuda=False)
+    Path(out).write_text(f"{multiprocessing.get_start_method()} {loader.multiprocessing_context.get_start_method()}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forking is Linux's; elsewhere workers spawn")
+def test_loader_workers_are_forked_in_a_rank_the_spawn_launcher_started(tmp_path):
+    """Such a rank's default start method is spawn, and spawned workers re-import torch and the model
+    libraries before their first batch (~10 s on H100 hosts, session 11): the loader forks them anyway."""
+    out = tmp_path / "start-methods"
+    torch.multiprocessing.spawn(_report_loader_start, args=(str(out),), nprocs=1)
+    assert out.read_text() == "spawn fork"
