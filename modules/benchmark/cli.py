@@ -29,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: smoke-test the benchmark with CPU processes (numbers mean nothing)")
     p.add_argument("--json", type=Path, help="append one JSON line per case to this file")
     p.add_argument("--profile", type=Path, metavar="DIR",
-                   help="after the measured steps, profile 3 more on rank 0 and write the op tables and "
-                        "the GPU-busy fraction (GPU-bound or host-bound?) to DIR")
+                   help="after the measured steps, profile a few more on every rank and write the op tables "
+                        "and the GPU-busy fraction (GPU-bound or host-bound?) to DIR")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps --profile records (default 3)")
     args = p.parse_args(argv)
 
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be at least 1 (the first step includes one-off set-up work)")
+    if args.warmup < 1 or args.steps < 1 or args.profile_steps < 1:
+        p.error("--warmup, --steps and --profile-steps must be at least 1 (the first step includes one-off set-up work)")
     import torch
     from modules.benchmark.runner import Case, run_case, scaling_table
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for world in worlds:
         case = Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
-                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""))
+                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps)
         runs = [run_case(case) for _ in range(args.repeat)]
         result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
         result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]

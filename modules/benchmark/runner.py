@@ -34,6 +34,9 @@ from modules.util.atomic import unique_path
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+PROFILE_STEPS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     model: str  # sd1 | sdxl
@@ -46,7 +49,8 @@ class Case:
     warmup: int = 8
     extra: tuple[str, ...] = ()  # --config-value overrides, e.g. multi_gpu.bucket_cap_mb=100
     device: str = "cuda"  # cpu: a smoke test of the benchmark itself (gloo), not a measurement
-    profile_dir: str = ""  # non-empty: profile `PROFILE_STEPS` extra steps after the measured ones
+    profile_dir: str = ""  # non-empty: profile `profile_steps` extra steps after the measured ones
+    profile_steps: int = PROFILE_STEPS
 
     def name(self) -> str:
         extra = f" {' '.join(self.extra)}" if self.extra else ""
@@ -54,10 +58,9 @@ class Case:
         return f"{self.model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
 
     def total_steps(self) -> int:
-        return self.warmup + self.steps + (PROFILE_STEPS if self.profile_dir else 0)
+        return self.warmup + self.steps + (self.profile_steps if self.profile_dir else 0)
 
 
-PROFILE_STEPS = 3
 
 
 def case_config(case: Case, workspace: Path) -> TrainConfig:
@@ -169,7 +172,7 @@ class BenchmarkMixin:
             # Repeats and other cases never overwrite an earlier report.
             report = unique_path(Path(c.profile_dir) / f"profile-{slug}-world{du.world_size()}-rank{du.rank()}.txt",
                                  time.strftime("%H%M%S"))
-            self.profile_summary = self.profiler.stop(PROFILE_STEPS, report)
+            self.profile_summary = self.profiler.stop(c.profile_steps, report)
         self.last_step_end = time.perf_counter()
 
     def end(self):
