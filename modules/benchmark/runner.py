@@ -61,8 +61,6 @@ class Case:
         return self.warmup + self.steps + (self.profile_steps if self.profile_dir else 0)
 
 
-
-
 def case_config(case: Case, workspace: Path) -> TrainConfig:
     """The config a user would write for this case (bf16 autocast, fused AdamW, caching on).
 

@@ -498,7 +498,8 @@ class BaseTrainer(ABC):
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """Log where the first step's time goes (it is start-up time the user waits through: loader
         workers starting, kernel selection, first allocations) and what ran between the start-up summary
-        and it (an unexplained 10 s there under spawn on H100s, session 11). The one synchronisation the loop makes."""
+        and it (10 s under the spawn launcher on H100s, session 11: its ranks spawned their loader workers).
+        The one synchronisation the loop makes."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         done = time.perf_counter()
