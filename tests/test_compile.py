@@ -64,7 +64,6 @@ def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_
     assert caplog.text.count("checked against the uncompiled one") == 3
 
 
-
 @pytest.mark.slow
 def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_path):
     """SD3 and Flux compile their transformer the same way (the SD3.5 Medium GPU runs take this path),
@@ -82,6 +81,7 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
     assert not any("_orig_mod" in k for k in runs["compiled"])
     up = [v for k, v in runs["compiled"].items() if "lora_B" in k]  # zero at the start: nonzero only if trained
     assert up and all(v.abs().max() > 0 for v in up)
+
 
 @pytest.mark.slow
 def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory):
