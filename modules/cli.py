@@ -5,9 +5,9 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 from modules.config import ConfigError, TrainConfig, load_config
+from modules.util.launch_clock import note_launch_time
 
 log = logging.getLogger("tandem")
 
@@ -48,18 +48,9 @@ def _check_resume(cfg: TrainConfig, resume: str | None) -> str | None:
     return None
 
 
-LAUNCH_TIME = "TANDEM_LAUNCH_TIME"
-"""When the user's command started (seconds since the epoch), inherited by every worker: start-up is
-reported from it, so the time spent starting processes and importing libraries is not hidden."""
-
-
-def _note_launch_time() -> None:
-    os.environ.setdefault(LAUNCH_TIME, repr(time.time()))
-
-
 def train_main(argv: list[str] | None = None) -> int:
     """scripts/train.py: one process, or one worker when started by torchrun."""
-    _note_launch_time()
+    note_launch_time()
     p = argparse.ArgumentParser(description="Train with a Tandem config (single process; under torchrun one worker).")
     _add_config_args(p, required=False)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override general.device")
@@ -102,7 +93,7 @@ def _run_single(cfg: TrainConfig, resume: str | None) -> int:
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     """scripts/train_multi_gpu.py: start N workers (torchrun or spawn); flags override the config."""
-    _note_launch_time()
+    note_launch_time()
     p = argparse.ArgumentParser(description="Train on several GPUs (or CPU processes) with a Tandem config.")
     _add_config_args(p)
     p.add_argument("--num-gpus", type=int, help="number of GPUs / processes (0 = all visible GPUs)")

@@ -61,6 +61,19 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
     # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
     assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
+    # Where the start went, as the end-to-end harness reads it from the log.
+    from modules.benchmark.end_to_end import _read_line
+    marks, phases = {}, {}
+    for line in output.splitlines():
+        _read_line(line + "\n", 0.0, marks, phases, [])
+    parts = marks.get("startup_parts", {})
+    if launch == "single":
+        assert "launch" not in parts and phases["launch"] > 0
+        return
+    assert list(parts["launch"]) == ["launcher's imports and checks", "starting the worker processes", "worker's imports"]
+    assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.15, (parts, phases)  # each part rounded
+    assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]
+    assert sum(parts["set-up"].values()) <= phases["set-up"] + 0.15, (parts, phases)
 
 
 @pytest.mark.slow

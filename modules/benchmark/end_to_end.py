@@ -134,7 +134,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
               "train_s": round(done - marks["config"], 1) if done is not None and "config" in marks else None,
               "done_to_exit_s": round(wall - done, 2) if done is not None else None,
               "first_step_s": marks.get("first_step_s"), "summary_to_step1_s": marks.get("summary_to_step1_s"),
-              "loader_workers_s": marks.get("loader_workers_s"), "startup_phases_s": phases, "sampling_s": samplings,
+              "loader_workers_s": marks.get("loader_workers_s"), "startup_phases_s": phases,
+              "startup_parts_s": marks.get("startup_parts", {}), "sampling_s": samplings,
               "log": f"{workspace.name}.log",
               "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
@@ -169,6 +170,11 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
     elif line.startswith("Start-up: "):
         phases.update({name.strip(): float(sec)
                        for name, sec in re.findall(r"([\w -]+?) ([\d.]+) s", line[len("Start-up: "):])})
+    elif line.startswith("Start-up parts: "):
+        for phase_parts in line[len("Start-up parts: "):].strip().split("; "):
+            phase, _, listed = phase_parts.partition(" = ")
+            marks.setdefault("startup_parts", {})[phase] = {name.strip(): float(sec)
+                                                           for name, sec in re.findall(r"(.+?) ([\d.]+) s(?: \+ |$)", listed)}
     elif line.startswith("First step: "):
         marks["first_step_s"] = float(line.split()[2])
         if gap := re.search(r"; ([\d.]+) s before it since the start-up summary \(starting the loader's workers ([\d.]+) s\)", line):

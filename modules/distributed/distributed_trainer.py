@@ -14,6 +14,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,9 +55,19 @@ class DistributedTrainer(BaseTrainer):
 
     def setup_environment(self) -> None:
         m = self.cfg.multi_gpu
+        parts = self.start_phases.parts.setdefault("set-up", {})
+        arrived, started = time.time(), time.perf_counter()
         self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload)
+        joined = time.perf_counter() - started
+        # Joining waits for the last rank to arrive: a slow start elsewhere, not a slow process group.
+        # (Clocks of other machines may differ: the wait is bounded by the time the join took.)
+        waited = min(joined, max(0.0, max(du.all_gather_objects(arrived)) - arrived))
+        parts["waiting for the last rank to start"] = waited
+        parts["process group"] = joined - waited
         self.configure_backends()
+        started = time.perf_counter()
         self.strategy = self.choose_strategy()
+        parts["choosing the strategy"] = time.perf_counter() - started
         self.sharded = self.strategy == "fsdp"
 
     def choose_strategy(self) -> str:

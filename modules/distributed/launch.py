@@ -36,6 +36,7 @@ from modules.preflight import PreflightError, preflight
 from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
+from modules.util.launch_clock import WORKERS_STARTED, forget_launch_times
 from modules.util.ports import find_free_port, port_is_free
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
@@ -277,7 +278,7 @@ def run_worker(job: WorkerJob) -> None:
     inbox.install_signal_handlers()
     resume, restarted_from = restart_point(job)
     if failures.current_attempt() > 0:
-        os.environ.pop("TANDEM_LAUNCH_TIME", None)  # the user's command started long before this round
+        forget_launch_times()
         if duties.leads:
             announce_restart(job, restarted_from, duties.callbacks, launched.spec.world_size)
     trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=resume,
@@ -550,7 +551,8 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
                     job = WorkerJob(cfg, plan.spec, resume, _run_id(cfg, resume, store, plan), time.time())
                     run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
                     job_file = write_job(job)
-                    code, exits = run(job_file, plan, rendezvous_at, signals)
+                    with environment({WORKERS_STARTED: repr(time.time())}):
+                        code, exits = run(job_file, plan, rendezvous_at, signals)
         except rendezvous.RendezvousError as e:
             raise LaunchError(str(e)) from None
         except nodes.NodeMismatch as e:

@@ -37,6 +37,7 @@ from modules.trainer.training_model import TrainingModel
 from modules.trainer.validation_loss import ValidationLoss
 from modules.util.atomic import unique_path
 from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
+from modules.util.launch_clock import launch_split
 from modules.util.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("tandem")
@@ -87,9 +88,10 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        launched = os.environ.get("TANDEM_LAUNCH_TIME")
-        if launched:  # processes starting, libraries importing, the launcher's checks
-            self.start_phases.seconds["launch"] = max(0.0, time.time() - float(launched))
+        launched, parts = launch_split(time.time())
+        if launched is not None:  # processes starting, libraries importing, the launcher's checks
+            self.start_phases.seconds["launch"] = launched
+            self.start_phases.parts["launch"] = parts
         phase = self.start_phases.time
         with phase("set-up"):
             self.setup_environment()
@@ -460,6 +462,8 @@ class BaseTrainer(ABC):
     def announce(self) -> None:
         log.info("Tandem: %s", self.numbers.describe())
         log.info("Start-up: %s", self.start_phases.describe())
+        if self.start_phases.describe_parts():
+            log.info("Start-up parts: %s", self.start_phases.describe_parts())
         self.emit("config", **self.numbers.as_dict())
         du.on_main(self.save_run_config)
 

@@ -18,6 +18,8 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.parts: dict[str, dict[str, float]] = {}
+        """What some phases consist of (phase -> part -> seconds), where a part is known."""
 
     @contextlib.contextmanager
     def time(self, name: str):
@@ -29,6 +31,11 @@ class PhaseTimes:
 
     def describe(self) -> str:
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())
+
+    def describe_parts(self) -> str:
+        """`phase = part X s + part Y s; ...`, or "" when no part is known."""
+        return "; ".join(f"{phase} = " + " + ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items())
+                         for phase, parts in self.parts.items() if parts)
 
 
 class ProgressReporter:

@@ -16,9 +16,11 @@
 #            $SAMPLING_BASE (default .bench/sampling-base: the code before samples were rendered without
 #            cuDNN autotuning) | this tree (GPU 0 | GPU 1)
 #   launchers launch to exit of 8 steps on 2 GPUs: torchrun | spawn (GPUs 0,1 | 2,3)
+#   launch4  launch to first step with a complete cache, 8 steps: 1 GPU, then 4 GPUs under torchrun and
+#            under spawn (the start-up's parts: the launcher, starting workers, imports, process group)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
 set -u
-PART="${1:?usage: end_to_end.sh before|baseline|after|backups|sampling|launchers|startup}"
+PART="${1:?usage: end_to_end.sh before|baseline|after|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline
@@ -58,6 +60,13 @@ launchers)
     log "8 steps on 2 GPUs: torchrun | spawn"
     e2e --config-value training.max_steps=8 --prompts 0 --sample-every 0 \
         --label-config "spawn:multi_gpu.launcher=spawn" --run "torchrun@.:2:0,1+spawn@.:2:2,3"
+    ;;
+launch4)
+    log "launch to first step with a complete cache, 8 steps: fill it (1 GPU), 1 GPU, 4 GPUs torchrun, 4 GPUs spawn"
+    rm -rf /tmp/tandem-e2e/shared-cache
+    e2e --shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0 \
+        --label-config "spawn:multi_gpu.launcher=spawn" --run "fill@.:1:0" --run "complete@.:1:0" --run "torchrun@.:4" \
+        --run "spawn@.:4"
     ;;
 startup)
     log "first step with cuDNN autotuning on | auto, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"

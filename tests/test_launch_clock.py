@@ -1,0 +1,36 @@
+"""The clocks behind the start-up report's `launch` split (modules/util/launch_clock.py)."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from modules.util import launch_clock
+from tests.trainer_helpers import REPO
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process start times come from /proc")
+
+
+def test_a_process_knows_when_it_started():
+    before = time.time()
+    code = (f"import sys, time, json; sys.path.insert(0, {str(REPO)!r}); from modules.util import launch_clock; "
+            "print(json.dumps([launch_clock.process_start_time(), time.time()]))")
+    started, child_now = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                   check=True).stdout)
+    assert before - 0.02 <= started <= child_now  # the clock ticks in 10 ms
+
+
+def test_the_launch_splits_into_the_launcher_starting_the_workers_and_their_imports(monkeypatch):
+    mine = launch_clock.process_start_time()
+    monkeypatch.setenv(launch_clock.LAUNCH_TIME, repr(mine - 5.0))
+    monkeypatch.delenv(launch_clock.WORKERS_STARTED, raising=False)
+    total, parts = launch_clock.launch_split(mine + 2.0)
+    assert total == pytest.approx(7.0, abs=0.02) and parts == {}  # one process: nothing to split
+    monkeypatch.setenv(launch_clock.WORKERS_STARTED, repr(mine - 1.0))
+    total, parts = launch_clock.launch_split(mine + 2.0)
+    assert total == pytest.approx(7.0, abs=0.02)
+    assert parts == pytest.approx({"launcher's imports and checks": 4.0, "starting the worker processes": 1.0,
+                                   "worker's imports": 2.0}, abs=0.02)  # the start read again, to 10 ms
+    launch_clock.forget_launch_times()
+    assert launch_clock.launch_split(mine + 2.0) == (None, {})
