@@ -23,20 +23,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import sys
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
 from modules.util.atomic import save_safetensors_atomically
+from modules.util.durations import format_seconds
 
 from .buckets import CropPlan, load_pixels
 from .masks import flip_mask, load_mask
+
+log = logging.getLogger("tandem")
 
 CACHE_FORMAT = 2
 """Part of every key: bump it when the stored layout changes, so old entries are not misread.
@@ -252,8 +259,7 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
     if mask_batches:
         mask_dir.mkdir(parents=True, exist_ok=True)
 
-    with tqdm(total=todo, desc=f"Caching (rank {rank})", unit="entry",
-              position=rank, disable=not progress, leave=rank == 0) as bar:
+    with _caching_progress(todo, rank, progress) as bar:
         if latent_batches:
             index.encoded_images = _encode_latents(latent_batches, latent_items, encode_images, latent_dir, bar)
         for keys in text_batches:
@@ -273,8 +279,64 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
     return index
 
 
+class Progress(Protocol):
+    """Where caching counts its finished entries: a tqdm bar or `_LoggedProgress`."""
+
+    def update(self, n: int = 1) -> object: ...
+
+
+class _LoggedProgress:
+    """Caching progress for a log file: a line every few seconds and one when this rank's share is done.
+
+    Only the rank that reports logs (`reports`): each rank encodes an equal share, so rank 0's count stands
+    for the others', whose lines would only repeat it.
+    """
+
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, total: int, reports: bool) -> None:
+        self.total = total
+        self.reports = reports
+        self.done = 0
+        self.started = self.last_log = time.perf_counter()
+
+    def __enter__(self) -> _LoggedProgress:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:  # a failed share says so with its error, not with a line that looks finished
+            self._log(time.perf_counter())
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.done < self.total and now - self.last_log >= self.LOG_EVERY_S:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        self.last_log = now
+        if not self.reports:
+            return
+        elapsed = now - self.started
+        rate = self.done / elapsed if elapsed > 0 and self.done else None
+        speed = f"{rate:.1f} entries/s" if rate else "measuring speed"
+        eta = format_seconds((self.total - self.done) / rate if rate else None)
+        log.info("Caching: %d/%d entries (%d%%) on this rank, %s, ETA %s", self.done, self.total,
+                 100 * self.done // max(1, self.total), speed, eta)
+
+
+def _caching_progress(total: int, rank: int, show: bool) -> AbstractContextManager[Progress]:
+    """A bar per rank in a terminal. Elsewhere (a log file, a pipe, nohup, a scheduler) a bar cannot redraw
+    in place: every update would add a line, cursor moves included, from every rank; there rank 0 logs
+    plain lines instead, as the training loop does for its steps."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=f"Caching (rank {rank})", unit="entry", position=rank, disable=not show,
+                    leave=rank == 0)
+    return _LoggedProgress(total, reports=show and rank == 0)
+
+
 def _encode_latents(chunks: list[list[str]], items: dict[str, CacheItem], encode_images: EncodeImages,
-                    latent_dir: Path, bar: tqdm) -> int:
+                    latent_dir: Path, bar: Progress) -> int:
     """Encode the images of each chunk (one batch of same-size images), keeping the encoder busy.
 
     Decoding and resizing (loader threads; PIL releases the GIL) and writing entries (one writer
