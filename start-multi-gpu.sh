@@ -18,8 +18,10 @@ Options:
   --num-gpus N           GPUs (or CPU processes with --device cpu) to use (default: all visible GPUs;
                          2 with --device cpu)
   --backend nccl|gloo    communication backend (default: nccl on Linux with CUDA, else gloo)
-  --spawn                start workers with torch.multiprocessing instead of torchrun
-  --launcher torchrun|spawn  the same as a choice (default: torchrun)
+  --spawn                start workers with torch.multiprocessing (the same as --launcher spawn)
+  --launcher auto|torchrun|spawn  how workers start (default: auto = as the config's multi_gpu.launcher
+                         says, whose default picks torchrun where restarts or several machines need its
+                         agent, else spawn, which reaches the first step sooner)
   --port N               rendezvous port (default: $MASTER_PORT, else a free port)
   --device cpu           train in CPU processes over gloo (no GPU needed; for trying things out)
   --nnodes N             machines training together (default: 1); run this on each of them
@@ -55,6 +57,7 @@ while [ $# -gt 0 ]; do
         -y|--yes) assume_yes=1 ;;
         --dry-run) dry_run=1 ;;
         --spawn) launcher=spawn ;;
+        --torchrun) launcher=torchrun ;;
         --config|--num-gpus|--backend|--launcher|--port|--device|--config-value|--nnodes|--node-rank|--master-addr|--max-restarts)
             [ $# -ge 2 ] || die "$1 needs a value (see --help)"
             case "$1" in
@@ -147,8 +150,8 @@ fi
 case "$backend" in nccl|gloo) ;; *) die "--backend must be nccl or gloo, got '$backend'" ;; esac
 [ "$backend" = "nccl" ] && [ "$device" = "cpu" ] && die "--backend nccl needs GPUs; use gloo with --device cpu"
 
-[ -n "$launcher" ] || launcher="$(ask "Launcher (torchrun/spawn)" "torchrun")"
-case "$launcher" in torchrun|spawn) ;; *) die "--launcher must be torchrun or spawn, got '$launcher'" ;; esac
+[ -n "$launcher" ] || launcher="$(ask "Launcher (auto/torchrun/spawn)" "auto")"
+case "$launcher" in auto|torchrun|spawn) ;; *) die "--launcher must be auto, torchrun or spawn, got '$launcher'" ;; esac
 [ -n "$port" ] || port="${MASTER_PORT:-}"
 [ -z "$port" ] || [[ "$port" =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
 
@@ -176,7 +179,7 @@ if [ "${TANDEM_FORCE_SINGLE_GPU:-0}" = "1" ]; then
     [ "$device" != "cpu" ] || cmd+=(--config-value general.device=cpu)
 else
     cmd+=(scripts/train_multi_gpu.py --config-path "$config" --num-gpus "$num_gpus" --distributed-backend "$backend")
-    [ "$launcher" != "spawn" ] || cmd+=(--spawn)
+    [ "$launcher" = "auto" ] || cmd+=(--launcher "$launcher")  # auto: as the config says (its default is auto)
     [ -z "$port" ] || cmd+=(--port "$port")
     [ "$device" != "cpu" ] || cmd+=(--device cpu)
     [ "$nnodes" = "1" ] || cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_addr")

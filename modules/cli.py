@@ -97,7 +97,13 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Train on several GPUs (or CPU processes) with a Tandem config.")
     _add_config_args(p)
     p.add_argument("--num-gpus", type=int, help="number of GPUs / processes (0 = all visible GPUs)")
-    p.add_argument("--spawn", action="store_true", help="use torch.multiprocessing.spawn instead of torchrun")
+    p.add_argument("--launcher", choices=["auto", "torchrun", "spawn"],
+                   help="how workers start (multi_gpu.launcher): auto = torchrun where restarts or several "
+                        "machines need its agent, else spawn (sooner to the first step)")
+    p.add_argument("--spawn", action="store_const", const="spawn", dest="launcher",
+                   help="the same as --launcher spawn (torch.multiprocessing.spawn)")
+    p.add_argument("--torchrun", action="store_const", const="torchrun", dest="launcher",
+                   help="the same as --launcher torchrun")
     p.add_argument("--port", "--master-port", dest="port", type=int,
                    help="rendezvous port (0 = pick a free one; several machines: the same fixed port on each)")
     p.add_argument("--master-addr", help="address of node 0, where the rendezvous listens (several machines: "
@@ -119,8 +125,8 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     flags = ["multi_gpu.enabled=true"]
     if args.num_gpus is not None:
         flags.append(f"multi_gpu.num_gpus={args.num_gpus}")
-    if args.spawn:
-        flags.append("multi_gpu.launcher=spawn")
+    if args.launcher:
+        flags.append(f"multi_gpu.launcher={args.launcher}")
     if args.port is not None:
         flags.append(f"multi_gpu.master_port={args.port}")
     for flag, field in (("master_addr", "master_addr"), ("nnodes", "nnodes"), ("node_rank", "node_rank"),

@@ -57,8 +57,11 @@ def parser() -> argparse.ArgumentParser:
                                       "GPUs; 2 with --device cpu)")
     p.add_argument("--backend", help="communication backend nccl|gloo (default: nccl on Linux with CUDA, else gloo)")
     p.add_argument("--spawn", action="store_const", const="spawn", dest="launcher",
-                   help="start workers with torch.multiprocessing instead of torchrun")
-    p.add_argument("--launcher", help="torchrun|spawn, the same as a choice (default: torchrun)")
+                   help="start workers with torch.multiprocessing (the same as --launcher spawn)")
+    p.add_argument("--launcher", help="auto|torchrun|spawn: how workers start (default: auto = as the config's "
+                                      "multi_gpu.launcher says, whose default picks torchrun where restarts or "
+                                      "several machines need its agent, else spawn, which reaches the first "
+                                      "step sooner)")
     p.add_argument("--port", help="rendezvous port (default: %%MASTER_PORT%%, else a free port)")
     p.add_argument("--device", help="cpu: train in CPU processes over gloo (no GPU needed)")
     p.add_argument("--nnodes", help="machines training together (default: 1); run this on each of them")
@@ -160,9 +163,9 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
     if backend == "nccl" and windows:
         raise UsageError("--backend nccl: PyTorch's Windows builds have no NCCL; use gloo")
 
-    launcher = args.launcher or questions.ask("Launcher (torchrun/spawn)", "torchrun")
-    if launcher not in ("torchrun", "spawn"):
-        raise UsageError(f"--launcher must be torchrun or spawn, got '{launcher}'")
+    launcher = args.launcher or questions.ask("Launcher (auto/torchrun/spawn)", "auto")
+    if launcher not in ("auto", "torchrun", "spawn"):
+        raise UsageError(f"--launcher must be auto, torchrun or spawn, got '{launcher}'")
     port = args.port if args.port is not None else environ.get("MASTER_PORT", "")
     if port and not re.fullmatch(r"[0-9]+", port):
         raise UsageError(f"--port must be a number, got '{port}'")
@@ -197,8 +200,8 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
     else:
         command += [os.path.join("scripts", "train_multi_gpu.py"), "--config-path", config, "--num-gpus", num_gpus,
                     "--distributed-backend", backend]
-        if launcher == "spawn":
-            command.append("--spawn")
+        if launcher != "auto":  # auto: as the config says (its own default is auto)
+            command += ["--launcher", launcher]
         if port:
             command += ["--port", port]
         if device == "cpu":

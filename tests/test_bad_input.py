@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from modules.util.run_protocol import parse_event_line
-from tests.trainer_helpers import overrides_for, run_script
+from tests.trainer_helpers import launcher_flag, overrides_for, run_script
 
 MULTI = ("train_multi_gpu.py", "--device", "cpu", "--num-gpus", "2")
 
@@ -89,7 +89,7 @@ def test_data_warnings_come_once_per_run_and_the_run_goes_on(tmp_path, cache_dir
     write_pictures(data, 4)
     (data / "picture0.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("cp1252"))
     (data / "zz-broken.png").write_bytes(b"garbage")
-    result = run_script(*MULTI, *(["--spawn"] if launcher == "spawn" else []), "--config-path", "#demo",
+    result = run_script(*MULTI, *launcher_flag(launcher), "--config-path", "#demo",
                         *overrides_for(tmp_path / "ws", cache_dir, concept(data), "training.batch_size=1",
                                        "training.max_steps=1"))
     output = result.stdout + result.stderr

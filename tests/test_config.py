@@ -155,7 +155,7 @@ ENUMS = {
     "save.ema_weights": ["ema", "raw", "both"],
     "general.device": ["auto", "cuda", "cpu"],
     "multi_gpu.backend": ["auto", "nccl", "gloo"],
-    "multi_gpu.launcher": ["torchrun", "spawn"],
+    "multi_gpu.launcher": ["auto", "torchrun", "spawn"],
     "multi_gpu.lr_scaling": ["none", "linear", "sqrt"],
     "multi_gpu.gradient_compression": ["none", "bf16", "fp16"],
 }

@@ -18,7 +18,7 @@ from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
-                                   launch_spec, overrides_for, run_script, start_script)
+                                   launch_spec, launcher_flag, overrides_for, run_script, start_script)
 
 STEPS = 3
 
@@ -134,8 +134,9 @@ def _events(stdout: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
-    """scripts/train_multi_gpu.py without --spawn goes through torchrun and finishes the demo."""
+    """scripts/train_multi_gpu.py --torchrun goes through torchrun and finishes the demo."""
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
+                        "--torchrun",
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     events = _events(result.stdout)
@@ -197,8 +198,7 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
     ws = tmp_path / "ws"
     args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
             *overrides_for(ws, cache_dir, "training.max_steps=100000", "multi_gpu.timeout_minutes=1")]
-    if launcher == "spawn":
-        args.append("--spawn")
+    args += launcher_flag(launcher)
     proc = start_script("train_multi_gpu.py", *args, start_new_session=True)
     try:
         lines = read_until_step(proc, 2)
@@ -320,7 +320,7 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
     ws = tmp_path / "ws"
     args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
             *overrides_for(ws, cache_dir, "training.max_steps=100000")]
-    proc = start_script("train_multi_gpu.py", *args, *(["--spawn"] if launcher == "spawn" else []),
+    proc = start_script("train_multi_gpu.py", *args, *launcher_flag(launcher),
                         start_new_session=True)
     try:
         lines = read_until_step(proc, 2)

@@ -14,7 +14,7 @@ import pytest
 
 from modules.util.run_protocol import parse_event_line
 from tests.test_distributed import _worker_pids, read_until_step
-from tests.trainer_helpers import REPO, overrides_for, start_script
+from tests.trainer_helpers import REPO, launcher_flag, overrides_for, start_script
 
 LAUNCHERS = ["torchrun", "spawn"]
 
@@ -27,8 +27,7 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
 def start_training(workspace: Path, cache: Path, launcher: str, *extra: str, **popen_kwargs) -> subprocess.Popen:
     args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
             *overrides_for(workspace, cache, "training.max_steps=100000", "multi_gpu.timeout_minutes=1", *extra)]
-    if launcher == "spawn":
-        args.append("--spawn")
+    args += launcher_flag(launcher)
     return start_script("train_multi_gpu.py", *args, start_new_session=True, **popen_kwargs)
 
 

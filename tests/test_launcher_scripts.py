@@ -58,7 +58,8 @@ def test_non_interactive_cpu_command():
 def test_port_comes_from_master_port_and_spawn_flag():
     result = run_sh("--yes", "--device", "cpu", "--config", "#demo", "--spawn", "--dry-run", MASTER_PORT="29611")
     command = printed_command(result)
-    assert command[command.index("--port") + 1] == "29611" and "--spawn" in command
+    assert command[command.index("--port") + 1] == "29611"
+    assert command[command.index("--launcher") + 1] == "spawn"
 
 
 def test_interactive_answers_from_stdin():
@@ -66,7 +67,7 @@ def test_interactive_answers_from_stdin():
     result = run_sh("--device", "cpu", "--dry-run", stdin="#demo\n3\n\nspawn\n")
     assert printed_command(result) == [
         PY, "scripts/train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "3",
-        "--distributed-backend", "gloo", "--spawn", "--device", "cpu"]
+        "--distributed-backend", "gloo", "--launcher", "spawn", "--device", "cpu"]
     assert "Number of CPU processes [2]" in result.stderr
 
 

@@ -15,7 +15,7 @@ from modules.trainer.base_trainer import NonFiniteTrainingError
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use
-from tests.trainer_helpers import demo_config, hold_lock, overrides_for, run_script
+from tests.trainer_helpers import demo_config, hold_lock, launcher_flag, overrides_for, run_script
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     blocker.write_text("not a folder")
     started = time.monotonic()
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu",
-                        *(["--spawn"] if launcher == "spawn" else []),
+                        *launcher_flag(launcher),
                         *overrides_for(ws, cache_dir, "training.max_steps=3", f"save.output_dir={blocker / 'out'}",
                                        "multi_gpu.timeout_minutes=4"), timeout=400)
     elapsed = time.monotonic() - started

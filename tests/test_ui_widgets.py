@@ -232,8 +232,9 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
     assert frame.summary.cget("text").startswith("World size 1 ")
     frame.gpu_checks[0].toggle()  # "All GPUs"
     assert (app.model.cfg.multi_gpu.device_indexes, app.model.cfg.multi_gpu.num_gpus) == ("", 0)
-    frame.torchrun.toggle()
-    assert app.model.cfg.multi_gpu.launcher == "spawn"
+    assert frame.launcher.var.get() == "auto"
+    frame.launcher.var.set("torchrun")
+    assert app.model.cfg.multi_gpu.launcher == "torchrun"
     app.binder.fields["training.gradient_accumulation_steps"].var.set("2")
     assert "global batch 32 (8 x 2 x 2)" in frame.summary.cget("text")
     # The memory line per strategy, estimated off the Tk thread for the chosen GPUs (here the demo model).

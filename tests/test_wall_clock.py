@@ -18,7 +18,7 @@ from modules.trainer.callbacks import RecordingCallbacks
 from modules.util.run_protocol import parse_event_line
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.host_copy import snapshot_to_host
-from tests.trainer_helpers import REPO, demo_config, overrides_for, run_script, start_script
+from tests.trainer_helpers import REPO, demo_config, launcher_flag, overrides_for, run_script, start_script
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
         took, output = seconds_from_done_to_exit("train.py", *common)
     else:
         took, output = seconds_from_done_to_exit("train_multi_gpu.py", *common, "--num-gpus", "2",
-                                                 *(["--spawn"] if launch == "spawn" else []))
+                                                 *launcher_flag(launch))
     # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
     # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
     assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
@@ -70,7 +70,8 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     if launch == "single":
         assert "launch" not in parts and phases["launch"] > 0
         return
-    assert list(parts["launch"]) == ["launcher's imports and checks", "starting the worker processes", "worker's imports"]
+    assert list(parts["launch"]) == ["launcher's imports and checks", "starting the worker processes",
+                                     "worker's imports"]
     assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.15, (parts, phases)  # each part rounded
     assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]
     assert sum(parts["set-up"].values()) <= phases["set-up"] + 0.15, (parts, phases)

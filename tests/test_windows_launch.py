@@ -148,7 +148,7 @@ def test_the_bat_logic_gives_the_same_command_as_the_sh(args, stdin, env):
     (["--backend", "nccl"], "--backend nccl needs GPUs"),
     (["--config", "missing.json"], "neither a file nor a preset"),
     (["--device", "tpu"], "--device accepts only 'cpu'"),
-    (["--launcher", "mpirun"], "--launcher must be torchrun or spawn"),
+    (["--launcher", "mpirun"], "--launcher must be auto, torchrun or spawn"),
     (["--port", "x1"], "--port must be a number"),
     (["--nnodes", "0"], "--nnodes must be a whole number of 1 or more"),
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be 0 to 1"),

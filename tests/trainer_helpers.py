@@ -46,6 +46,11 @@ def train(cfg, callbacks=None, inbox=None, resume=None):
     return trainer
 
 
+def launcher_flag(launcher: str) -> list[str]:
+    """scripts/train_multi_gpu.py's flag for a launcher by name (the default, auto, would pick spawn)."""
+    return ["--launcher", launcher]
+
+
 def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_EVENTS="1", **(env_extra or {}))
     return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,

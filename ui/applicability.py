@@ -104,10 +104,10 @@ RULES: dict[str, Rule] = {
     "multi_gpu.static_graph": _ddp,
     "multi_gpu.find_unused_parameters": _ddp,
     "multi_gpu.gradient_as_bucket_view": _ddp,
-    "multi_gpu.max_restarts": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher == "torchrun"
-                                                           else "needs the torchrun launcher"),
-    "multi_gpu.nnodes": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher == "torchrun"
-                                                     else "needs the torchrun launcher"),
+    "multi_gpu.max_restarts": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher != "spawn"
+                                                           else "needs the torchrun launcher (or auto)"),
+    "multi_gpu.nnodes": lambda c: _multi_gpu(c) or (None if c.multi_gpu.launcher != "spawn"
+                                                     else "needs the torchrun launcher (or auto)"),
     "multi_gpu.node_rank": lambda c: _multi_gpu(c) or (None if c.multi_gpu.nnodes > 1 else "used only with several machines"),
     "multi_gpu.min_gpus": lambda c: _multi_gpu(c) or (None if c.multi_gpu.nnodes > 1 and c.multi_gpu.max_restarts > 0
                                                        else "used only with several machines and restarts on"),

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         many = {}
         for launcher in [x.strip() for x in args.launchers.split(",") if x.strip()]:
             events = _run("train_multi_gpu.py", ["--config-path", args.config_path, "--num-gpus", str(args.num_gpus),
-                                                 *(["--spawn"] if launcher == "spawn" else []), "--device", args.device,
+                                                 "--launcher", launcher, "--device", args.device,
                                                  *flags([f"general.workspace_dir={tmp}/{launcher}",
                                                          f"training.batch_size={args.batch}"])])
             many[launcher] = (events, _backup_weights(Path(tmp) / launcher))

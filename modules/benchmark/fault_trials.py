@@ -111,9 +111,7 @@ def _command(workspace: Path, cache: Path, launcher: str, world: int, extra: lis
               "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0", "save.backup_every_n_steps=3",
               "data.num_workers=1", "training.max_steps=100000", "multi_gpu.timeout_minutes=2", *extra]
     command = [sys.executable, str(REPO / "scripts" / "train_multi_gpu.py"), "--config-path", "#demo", "--device",
-               "cpu", "--num-gpus", str(world)]
-    if launcher == "spawn":
-        command.append("--spawn")
+               "cpu", "--num-gpus", str(world), "--launcher", launcher]
     for value in values:
         command += ["--config-value", value]
     return command

@@ -28,6 +28,8 @@ EXTERNAL = "external"
 """Workers started by a launcher that is not Tandem's (the user's own torchrun)."""
 TORCHRUN = "torchrun"
 SPAWN = "spawn"
+AUTO = "auto"
+"""`multi_gpu.launcher = auto`: decided by `chosen_launcher`; never a launch's launcher."""
 DEFAULT_CPU_PROCESSES = 2
 """Processes of a `--device cpu` run when `multi_gpu.num_gpus` is 0."""
 
@@ -117,7 +119,7 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
     elif not m.enabled:
         launcher = SINGLE
     else:
-        launcher = m.launcher
+        launcher = chosen_launcher(cfg)
     device_type, problem = resolve_device(cfg.general.device, visible_gpus, launcher)
     gpus: tuple[int, ...] = ()
     visible_devices = None
@@ -151,6 +153,16 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
                       nnodes=nodes, node_rank=m.node_rank if nodes > 1 else 0, local_world_size=local_world,
                       max_restarts=m.max_restarts if launcher == TORCHRUN else 0,
                       min_nodes=min_nodes(m.min_gpus, local_world, nodes) if launcher == TORCHRUN else 0)
+
+
+def chosen_launcher(cfg: TrainConfig) -> str:
+    """`multi_gpu.launcher`, with `auto` made torchrun where its elastic agent is needed (several machines,
+    restarts), else spawn: no agent process importing PyTorch before the workers do, so the first step
+    comes sooner (docs/Performance.md, session 12)."""
+    m = cfg.multi_gpu
+    if m.launcher != AUTO:
+        return m.launcher
+    return TORCHRUN if m.nnodes > 1 or m.max_restarts > 0 or m.min_gpus > 0 else SPAWN
 
 
 def min_nodes(min_gpus: int, local_world: int, nnodes: int) -> int:

@@ -33,7 +33,17 @@ def _v2_to_v3(data: dict) -> dict:
     return data
 
 
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3}
+def _v3_to_v4(data: dict) -> dict:
+    # multi_gpu.launcher gained `auto` (torchrun where its elastic agent is needed, else spawn, which starts
+    # sooner). `torchrun` was the default every saved config wrote out, and `auto` runs torchrun wherever
+    # it does something spawn cannot, so it becomes `auto`; an explicit spawn stays.
+    multi_gpu = data.get("multi_gpu")
+    if isinstance(multi_gpu, dict) and multi_gpu.get("launcher") == "torchrun":
+        multi_gpu["launcher"] = "auto"
+    return data
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,

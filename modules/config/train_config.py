@@ -17,7 +17,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 CONCEPT_ROLES = ("train", "regularisation", "validation")
 """`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
 
-CONFIG_VERSION = 3
+CONFIG_VERSION = 4
 """The `__version` written into every saved config; bump it together with a new migration."""
 
 REMOVED_FIELDS = {
@@ -295,8 +295,8 @@ class MultiGPUConfig:
     """Comma-separated GPU indexes to use, e.g. `0,1,3`. Empty: the first `num_gpus`."""
     backend: str = rule("auto", choices=("auto", "nccl", "gloo"), label="Backend")
     """Communication backend: `auto` (NCCL with CUDA on Linux, else GLOO), `nccl` or `gloo`."""
-    launcher: str = rule("torchrun", choices=("torchrun", "spawn"))
-    """How worker processes are started: `torchrun` or `spawn` (torch.multiprocessing)."""
+    launcher: str = rule("auto", choices=("auto", "torchrun", "spawn"), label="Launcher")
+    """How worker processes are started: `spawn` (torch.multiprocessing: the launching process starts them) or `torchrun` (PyTorch's elastic agent, a process of its own that starts them; needed for `nnodes`, `max_restarts` and `min_gpus`). `auto` (default): torchrun where one of those needs it, else spawn, which reached the first step 10-14 s sooner on 2 and 4 H100s (no agent process importing PyTorch first; docs/Performance.md, session 12)."""
     distributed_data_loading: bool = rule(True, label="Distributed data loading")
     """Each rank caches and loads only its share of the data (faster caching, less RAM)."""
     lr_scaling: str = rule("none", choices=("none", "linear", "sqrt"), label="Scale learning rate")

@@ -7,6 +7,7 @@
 #   before   both trees at the same time on different GPUs: 1 GPU (GPU 0 | GPU 1), 2 GPUs (0,1 | 2,3);
 #            then the baseline on 4 GPUs
 #   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
+#   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
 #   startup  the first step with cuDNN autotuning on | auto (the default: off for this LoRA); launch to first
 #            step with a complete cache
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
@@ -20,7 +21,7 @@
 #            under spawn (the start-up's parts: the launcher, starting workers, imports, process group)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
 set -u
-PART="${1:?usage: end_to_end.sh before|baseline|after|backups|sampling|launchers|launch4|startup}"
+PART="${1:?usage: end_to_end.sh before|baseline|after|alone|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline
@@ -39,6 +40,10 @@ baseline)
 after)
     log "this tree: 1 GPU beside 2 GPUs, then 4 GPUs"
     e2e --run "new@.:1:0+new@.:2:1,2" --run "new@.:4"
+    ;;
+alone)
+    log "this tree: 1 GPU, 2 GPUs, 4 GPUs, one at a time"
+    e2e --run "new@.:1:0" --run "new@.:2:0,1" --run "new@.:4"
     ;;
 backups)  # BACKUPS="full" runs the full fine-tune's pair only (default "full lora")
     if [[ " ${BACKUPS:-full lora} " == *" full "* ]]; then
@@ -59,14 +64,15 @@ sampling)
 launchers)
     log "8 steps on 2 GPUs: torchrun | spawn"
     e2e --config-value training.max_steps=8 --prompts 0 --sample-every 0 \
-        --label-config "spawn:multi_gpu.launcher=spawn" --run "torchrun@.:2:0,1+spawn@.:2:2,3"
+        --label-config "spawn:multi_gpu.launcher=spawn" --label-config "torchrun:multi_gpu.launcher=torchrun" \
+        --run "torchrun@.:2:0,1+spawn@.:2:2,3"
     ;;
 launch4)
     log "launch to first step with a complete cache, 8 steps: fill it (1 GPU), 1 GPU, 4 GPUs torchrun, 4 GPUs spawn"
     rm -rf /tmp/tandem-e2e/shared-cache
     e2e --shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0 \
-        --label-config "spawn:multi_gpu.launcher=spawn" --run "fill@.:1:0" --run "complete@.:1:0" --run "torchrun@.:4" \
-        --run "spawn@.:4"
+        --label-config "spawn:multi_gpu.launcher=spawn" --label-config "torchrun:multi_gpu.launcher=torchrun" \
+        --run "fill@.:1:0" --run "complete@.:1:0" --run "torchrun@.:4" --run "spawn@.:4"
     ;;
 startup)
     log "first step with cuDNN autotuning on | auto, 40 steps of the LoRA job on 1 GPU (GPU 0 | GPU 1)"

@@ -49,7 +49,6 @@ class MultiGPUFrame(ctk.CTkFrame):
         # The fields the controls below write without a bound widget of their own.
         for path in ("multi_gpu.device_indexes", "multi_gpu.num_gpus"):
             binder.places.add(path, "Training", "Multi-GPU GPU list")
-        binder.places.add("multi_gpu.launcher", "Training", "Use torchrun (else spawn)")
 
         self.gpu_box = ctk.CTkFrame(self, fg_color="transparent")
         self.gpu_box.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
@@ -75,12 +74,7 @@ class MultiGPUFrame(ctk.CTkFrame):
 
         self.backend = form.field("multi_gpu.backend")
         self.data_loading = form.field("multi_gpu.distributed_data_loading")
-        self.torchrun_var = tk.BooleanVar(self, binder.model.cfg.multi_gpu.launcher == "torchrun")
-        self.torchrun = ctk.CTkSwitch(self, text="Use torchrun (else spawn)", variable=self.torchrun_var,
-                                      command=self._launcher_chosen)
-        self.torchrun.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=3)
-        Tooltip(self.torchrun, "How worker processes are started: torchrun, or torch.multiprocessing spawn.")
-        form.row += 1
+        self.launcher = form.field("multi_gpu.launcher")
         self.strategy = form.field("multi_gpu.strategy")
         self.cpu_offload = form.field("multi_gpu.fsdp_cpu_offload")
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
@@ -175,9 +169,6 @@ class MultiGPUFrame(ctk.CTkFrame):
     def _cpu_chosen(self, choice: str) -> None:
         self.binder.model.update(cpu_process_values(choice))
 
-    def _launcher_chosen(self) -> None:
-        self.binder.write("multi_gpu.launcher", "torchrun" if self.torchrun_var.get() else "spawn")
-
     # --- keeping the controls in step with the config ---------------------------------------
     def sync(self) -> None:
         cfg = self.binder.model.cfg
@@ -187,7 +178,6 @@ class MultiGPUFrame(ctk.CTkFrame):
         for index, var in self.gpu_vars.items():
             var.set(index in chosen)
         self.cpu_var.set(cpu_processes(cfg))
-        self.torchrun_var.set(cfg.multi_gpu.launcher == "torchrun")
         enough = len(visible) >= 2
         using_cpu = using_cpu_processes(cfg)
         for check in self.gpu_checks:
