@@ -21,7 +21,6 @@ def test_a_snapshot_is_staged_on_the_gpu_only_with_room_beside_trainings_peak(mo
     fits, why = stage_on_gpu(10 * GIB, cuda)
     assert fits and "10.0 GiB fits in the 40.0 GiB free at training's peak (keeping 8.0 GiB spare)" == why
     assert not stage_on_gpu(33 * GIB, cuda)[0]
-    assert stage_on_gpu(48 * 2 ** 20, cuda)[1].startswith("48 MiB fits in the 40.0 GiB")  # a LoRA's state
     fake_gpu(monkeypatch, free_gib=6, reserved_gib=14, peak_gib=16, total_gib=24)  # a 24 GB card: 4 GiB at the peak
     fits, why = stage_on_gpu(3 * GIB, cuda)
     assert not fits and "does not fit" in why and "2.4 GiB spare" in why

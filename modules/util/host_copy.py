@@ -122,13 +122,8 @@ def stage_on_gpu(snapshot_bytes: int, device: torch.device) -> tuple[bool, str]:
     room = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_reserved(device)
     margin = max(2 * GIB, total // 10)  # later batches of other shapes, a sampling's decoder, fragmentation
     fits = room >= snapshot_bytes + margin
-    return fits, (f"{_size(snapshot_bytes)} {'fits' if fits else 'does not fit'} in the "
+    return fits, (f"{snapshot_bytes / GIB:.1f} GiB {'fits' if fits else 'does not fit'} in the "
                   f"{room / GIB:.1f} GiB free at training's peak (keeping {margin / GIB:.1f} GiB spare)")
-
-
-def _size(n: int) -> str:
-    """GiB, or MiB below one (a LoRA's state is tens of MiB)."""
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2 ** 20:.0f} MiB"
 
 
 def pinned_alloc_seconds() -> float:
