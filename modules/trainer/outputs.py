@@ -5,9 +5,8 @@ whether the write worked: all ranks leave together, or all raise together, so no
 rank 0 that failed. Work that takes every rank happens before: gathering RNG states for a backup, and
 rendering samples (each rank renders its share of the prompts).
 
-Backups are written in the background: the state is copied at the step (queued on the GPU; cloned on
-the GPU when it has room, else into pinned host memory, see modules/util/host_copy.py) and a writer
-thread on rank 0 moves it to the host and writes it while training goes on.
+Backups are written in the background: the state is copied to host memory at the step (queued on the
+GPU, see modules/util/host_copy.py) and a writer thread on rank 0 writes it while training goes on.
 One backup is in flight at a time; `finish_backups()` waits for it (at the end of a run).
 
 Under sharded training (FSDP, `trainer.sharded`) no rank holds the whole model, so writing takes every
@@ -38,7 +37,7 @@ from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
 from modules.trainer.run_numbers import RunNumbers
 from modules.util.atomic import unique_path
-from modules.util.host_copy import HostSnapshot, SnapshotPlan, gpu_bytes, pinned_alloc_seconds, snapshot_to_host
+from modules.util.host_copy import HostSnapshot, pinned_alloc_seconds, snapshot_to_host
 
 log = logging.getLogger("tandem")
 
@@ -152,7 +151,6 @@ class OutputWriter:
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
         # Only rank 0 writes, so only rank 0 has a writer thread.
         self.backup_writer = du.on_main(lambda: BackupWriter(parts.paths.backups, run_id, save.rolling_backup_count))
-        self.snapshot_plan = SnapshotPlan()
         self.backup_pauses: dict[int, tuple[float, float]] = {}
         """Seconds the loop spent on each backup not yet announced (snapshot and hand-over; all of a sharded
         write) and how many of them went to growing the pinned host memory pool, so its announcement says
@@ -224,15 +222,9 @@ class OutputWriter:
         state = run.training_state()  # collective: every rank contributes its RNG state
         if self.backup_writer is None:
             return
-        weights = run.trainable_state()
-        plan = self.snapshot_plan
-        if plan.stage_on_gpu is None:
-            plan.decide(gpu_bytes(weights) + gpu_bytes(state), self.parts.device)
-            log.info("Backups: the state is copied %s (%s).", "on the GPU first, to the host in the background"
-                     if plan.stage_on_gpu else "to pinned host memory", plan.reason)
         pinning_before = pinned_alloc_seconds()
-        done = self.backup_writer.submit(run.global_step, snapshot_to_host(weights, plan.stage_on_gpu),
-                                         snapshot_to_host(state, plan.stage_on_gpu), manifest)
+        done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
+                                         snapshot_to_host(state), manifest)
         self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started,
                                                pinned_alloc_seconds() - pinning_before)
         self._announce(done)
