@@ -109,6 +109,23 @@ def test_a_snapshot_keeps_the_values_of_its_step():
     assert torch.equal(value["weights"]["w"], torch.ones(3)) and value["step"] == 4 and value["rng"] == (1, [2, 3])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_a_gpu_snapshot_holds_its_steps_values_while_the_next_steps_change_them():
+    """The copies are queued on the stream: the in-place updates queued after them (the next optimizer
+    steps) must not reach the snapshot, however busy the GPU still is when it is read."""
+    device = torch.device("cuda")
+    live = {"weights": {"w": torch.randn(4096, 4096, device=device)}, "adam": [torch.randn(1024, device=device)],
+            "step": torch.tensor(7)}
+    expected = {"w": live["weights"]["w"].cpu(), "adam": live["adam"][0].cpu()}
+    snap = snapshot_to_host(live)
+    for _ in range(20):  # slow enough that the GPU is still busy when the snapshot is read
+        live["weights"]["w"].mul_(1.01).add_(live["weights"]["w"] @ live["weights"]["w"] * 1e-6)
+        live["adam"][0].add_(1)
+    value = snap.ready()
+    assert value["weights"]["w"].device.type == "cpu" and torch.equal(value["weights"]["w"], expected["w"])
+    assert torch.equal(value["adam"][0], expected["adam"]) and int(value["step"]) == 7
+
+
 def test_backups_are_written_while_training_goes_on(tmp_path, cache_dir, monkeypatch):
     """The write of step 2's backup is held until the loop has reported step 2, which it does while
     running step 3: training went on while the backup was being written. The run still ends with every
