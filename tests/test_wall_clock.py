@@ -50,9 +50,12 @@ def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["single", "torchrun", "spawn"])
 def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
-    """With DataLoader workers (2 per rank) alive until the end; they used to be joined one by one."""
+    """With DataLoader workers (2 per rank) alive until the end; they used to be joined one by one. A sampling
+    at the start creates tqdm's multiprocessing lock (diffusers' progress bar), whose semaphore the spawn
+    launcher's resource tracker reported as leaked when the workers skipped their clean-up."""
     common = ["--config-path", "#demo", "--device", "cpu",
-              *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=6", "data.num_workers=2")]
+              *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=6", "data.num_workers=2",
+                             "sampling.sample_at_start=true", "sampling.inference_steps=2")]
     if launch == "single":
         took, output = seconds_from_done_to_exit("train.py", *common)
     else:
@@ -61,6 +64,7 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
     # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
     assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
+    assert "leaked semaphore" not in output  # the spawn launcher's resource tracker found nothing to clean up
     # Where the start went, as the end-to-end harness reads it from the log.
     from modules.benchmark.end_to_end import _read_line
     marks, phases = {}, {}

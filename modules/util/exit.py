@@ -15,6 +15,12 @@ def exit_now(code: int) -> NoReturn:
     is free a model's worth of objects, CUDA's memory pools and library threads one by one, which kept
     finished runs alive for 10-20 s on GPUs; the operating system frees all of it at once.
     """
+    multiprocessing_util = sys.modules.get("multiprocessing.util")
+    if multiprocessing_util is not None:
+        # Its finalizers release the named semaphores of this process's queues and locks (the loader's);
+        # skipped, a spawn launcher's resource tracker warned at the end of every run about "leaked
+        # semaphore objects" it then had to clean up itself.
+        multiprocessing_util._run_finalizers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
