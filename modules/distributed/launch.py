@@ -551,7 +551,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
                     job = WorkerJob(cfg, plan.spec, resume, _run_id(cfg, resume, store, plan), time.time())
                     run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
                     job_file = write_job(job)
-                    with environment({WORKERS_STARTED: repr(time.time())}):
+                    with environment({WORKERS_STARTED: repr(job.launched_at)}):
                         code, exits = run(job_file, plan, rendezvous_at, signals)
         except rendezvous.RendezvousError as e:
             raise LaunchError(str(e)) from None

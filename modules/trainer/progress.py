@@ -153,4 +153,3 @@ class ProgressReporter:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
-
