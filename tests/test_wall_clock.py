@@ -79,6 +79,8 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.15, (parts, phases)  # each part rounded
     assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]
     assert sum(parts["set-up"].values()) <= phases["set-up"] + 0.15, (parts, phases)
+    assert list(parts["cache"]) == ["waiting for the slowest rank's model", "encoding"]
+    assert sum(parts["cache"].values()) <= phases["cache"] + 0.15, (parts, phases)
 
 
 @pytest.mark.slow
