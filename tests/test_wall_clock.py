@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,6 +81,7 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]
     assert sum(parts["set-up"].values()) <= phases["set-up"] + 0.15, (parts, phases)
     assert list(parts["cache"]) == ["waiting for the slowest rank's model", "encoding"]
+    assert re.search(r"Model loaded in [\d.]+-[\d.]+ s on the 2 ranks \(slowest: rank [01]\)\.", output), output[-2000:]
     assert sum(parts["cache"].values()) <= phases["cache"] + 0.15, (parts, phases)
 
 

@@ -321,10 +321,15 @@ class BaseTrainer(ABC):
             return
         share_work = self.cfg.multi_gpu.distributed_data_loading
         waiting = time.perf_counter()
-        du.barrier()  # ranks finish loading the model at different times: time the caching alone
+        # Ranks finish loading the model at different times: the caching is timed once all have (this
+        # collective is also the barrier), and which rank was slowest is said.
+        model_seconds = du.all_gather_objects(self.start_phases.seconds.get("model", 0.0))
         started = time.perf_counter()
         if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
             self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting}
+            slowest = max(range(len(model_seconds)), key=model_seconds.__getitem__)
+            log.info("Model loaded in %.1f-%.1f s on the %d ranks (slowest: rank %d).", min(model_seconds),
+                     model_seconds[slowest], len(model_seconds), slowest)
         datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
         encoders = (self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint())
         with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
