@@ -325,8 +325,7 @@ class BaseTrainer(ABC):
         # collective is also the barrier), and which rank was slowest is said.
         model_seconds = du.all_gather_objects(self.start_phases.seconds.get("model", 0.0))
         started = time.perf_counter()
-        if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
-            self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting}
+        if du.world_size() > 1:
             slowest = max(range(len(model_seconds)), key=model_seconds.__getitem__)
             log.info("Model loaded in %.1f-%.1f s on the %d ranks (slowest: rank %d).", min(model_seconds),
                      model_seconds[slowest], len(model_seconds), slowest)
@@ -346,8 +345,9 @@ class BaseTrainer(ABC):
                                   cache_text=self.cache_text(), progress=False)
             du.barrier()
         seconds = time.perf_counter() - started
-        if "cache" in self.start_phases.parts:
-            self.start_phases.parts["cache"]["encoding"] = seconds
+        if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
+            self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting,
+                                                "encoding": seconds}
         log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
                  "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
         self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
@@ -472,8 +472,9 @@ class BaseTrainer(ABC):
     def announce(self) -> None:
         log.info("Tandem: %s", self.numbers.describe())
         log.info("Start-up: %s", self.start_phases.describe())
-        if self.start_phases.describe_parts():
-            log.info("Start-up parts: %s", self.start_phases.describe_parts())
+        parts = self.start_phases.describe_parts()
+        if parts:
+            log.info("Start-up parts: %s", parts)
         self.emit("config", **self.numbers.as_dict())
         du.on_main(self.save_run_config)
 
