@@ -17,10 +17,9 @@ def exit_now(code: int) -> NoReturn:
     """
     multiprocessing_util = sys.modules.get("multiprocessing.util")
     if multiprocessing_util is not None:
-        # Its finalizers release the named semaphores of this process's locks and queues (tqdm's lock, made by
-        # diffusers' sampling progress bar);
-        # skipped, a spawn launcher's resource tracker warned at the end of every run about "leaked
-        # semaphore objects" it then had to clean up itself.
+        # Its finalizers release the named semaphores of this process's locks and queues (tqdm's lock, made
+        # by diffusers' sampling progress bar); skipped, a spawn launcher's resource tracker warned at the
+        # end of every run about "leaked semaphore objects" it then had to clean up itself.
         multiprocessing_util._run_finalizers()
     logging.shutdown()
     sys.stdout.flush()
