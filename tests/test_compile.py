@@ -3,6 +3,7 @@ compiler that gets the gradients wrong stops the run at its first step with noth
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,9 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     assert trainer.model.unet_call is not trainer.bundle.unet  # it really predicted through the compiled UNet
     assert list(trainer.compiled_shapes_checked) == [(8, 4, 8, 8)]
     assert "checked against the uncompiled one" in caplog.text
+    # Where the compile's seconds went (the 2-GPU warm compile is diagnosed from this line).
+    assert re.search(r"compiled and checked for batch shape \[8, 4, 8, 8\] in [\d.]+ s: tracing [\d.]+ s, "
+                     r"compiling [\d.]+ s .*; [1-9]\d* graphs; cache: autograd \d+ hits", caplog.text)
     assert_weights_close(latest_backup_weights(tmp_path), eager_weights, atol=1e-5, rtol=1e-4)
     # Saves are the plain UNet's weights: no compiler wrapper names in the keys.
     assert not any("_orig_mod" in k for k in latest_backup_weights(tmp_path))
@@ -185,3 +189,14 @@ def test_a_gpu_build_without_triton_gets_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_probe, "has_triton", lambda: False)
     with pytest.raises(compiled_unet.CompileUnavailable, match=r"training\.compile.*Triton.*Set training\.compile to false"):
         compiled_unet.compile_unet(torch.nn.Linear(2, 2), torch.device("cuda", 0), image_sizes=1, dropout=False)
+
+
+def test_compile_readings_count_a_compile_and_describe_the_difference():
+    before = compiled_unet.compile_readings()
+    fn = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager")
+    fn(torch.randn(3, requires_grad=True)).sum().backward()
+    after = compiled_unet.compile_readings()
+    assert after["graphs"] == before["graphs"] + 1 and after["tracing"] > before["tracing"]
+    text = compiled_unet.describe_compile(before, after)
+    assert re.fullmatch(r"tracing [\d.]+ s, compiling [\d.]+ s \(loading kernels [\d.]+ s\), backward [\d.]+ s; "
+                        r"1 graphs; cache: autograd 0 hits 0 misses, kernels 0 hits 0 misses", text), text

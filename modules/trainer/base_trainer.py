@@ -542,7 +542,7 @@ class BaseTrainer(ABC):
     def check_compiled_unet(self, batch: dict) -> None:
         """On the first batch of each shape: compile, and compare the gradients with the uncompiled UNet's
         (compiled_unet.py) before the step trains on them."""
-        from modules.trainer.compiled_unet import compare_with_eager
+        from modules.trainer.compiled_unet import compare_with_eager, compile_readings, describe_compile
         shape = tuple((batch["latents"] if "latents" in batch else batch["pixels"]).shape)
         if shape in self.compiled_shapes_checked:
             return
@@ -558,11 +558,12 @@ class BaseTrainer(ABC):
 
         # The compiled pass goes through the DDP wrapper, so the compiler splits the backward at DDP's
         # buckets and the all-reduce overlaps it; without synchronising, so no rank's gradients leave it yet.
-        started = time.perf_counter()
+        started, readings = time.perf_counter(), compile_readings()
         self.compiled_shapes_checked[shape] = compare_with_eager(
             backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
             self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
-        log.info("Denoiser compiled and checked for batch shape %s in %.1f s.", list(shape), time.perf_counter() - started)
+        log.info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.", list(shape),
+                 time.perf_counter() - started, describe_compile(readings, compile_readings()))
 
     def gradient_sync(self, last_micro_batch: bool):
         """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""
