@@ -88,11 +88,14 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
 
 
 @pytest.mark.slow
-def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory):
-    """The compiled UNet inside DDP (split at DDP's buckets by the compiler) gives N x B == 1 x NB, and a
-    new aspect bucket mid-run is checked (an unsynchronised backward beside DDP, after synchronised
-    steps): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends, over three buckets (a full
-    fine-tune: every UNet weight is compared)."""
+@pytest.mark.parametrize("buckets_mb,graphs", [(1, "one graph per DDP gradient bucket"),
+                                               (100, "the denoiser compiles as one graph")])
+def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory, capfd, buckets_mb, graphs):
+    """The compiled UNet inside DDP gives N x B == 1 x NB, split at DDP's buckets by the compiler (the
+    demo UNet's 3 MiB of gradients in 1 MiB buckets) or as one graph (the gradients fit in one bucket,
+    like a LoRA's on GPUs), and a new aspect bucket mid-run is checked (an unsynchronised backward beside
+    DDP, after synchronised steps): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends,
+    over three aspect buckets (a full fine-tune: every UNet weight is compared)."""
     from modules.distributed.launch import launch
 
     cache = tmp_path_factory.mktemp("bucket_cache_ddp")
@@ -104,7 +107,9 @@ def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_
                    RecordingCallbacks()).run()
     assert launch(demo_config(tmp_path / "two", cache, *buckets, COMPILE, "training.batch_size=2",
                               "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
-                              method="full")) == 0
+                              f"multi_gpu.bucket_cap_mb={buckets_mb}", method="full")) == 0
+    assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
+                     capfd.readouterr().out)
     assert_weights_close(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one"),
                          atol=2e-5, rtol=1e-4)
 
@@ -123,7 +128,7 @@ class _HalfGradient(torch.autograd.Function):
 
 @pytest.mark.slow
 def test_a_miscompiled_unet_stops_the_run_before_any_weight_changes(tmp_path, cache_dir, monkeypatch):
-    def miscompile(unet, device, image_sizes, dropout):
+    def miscompile(unet, device, image_sizes, dropout, split_at_ddp_buckets):
         def call(*args, **kwargs):
             out = unet(*args, **kwargs)
             out.sample = _HalfGradient.apply(out.sample)

@@ -227,6 +227,8 @@ class BaseTrainer(ABC):
             torch.backends.cuda.enable_cudnn_sdp(False)
             from modules.trainer.split_probe import cap_device_memory
             cap_device_memory(self.device)
+            from modules.util.host_copy import use_fast_pinning
+            use_fast_pinning()  # the first backup's pinned memory: 2.4 s instead of 8 s on H100 hosts
 
     def decide_cudnn_autotuning(self) -> None:
         if self.device.type != "cuda" or self.cfg.training.cudnn_benchmark != "auto":
@@ -447,8 +449,13 @@ class BaseTrainer(ABC):
         if t.compile:
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
-            model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)), dropout))
+            model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)),
+                                                 dropout, self.compile_split_at_ddp_buckets()))
         return model
+
+    def compile_split_at_ddp_buckets(self) -> bool:
+        """training.compile under DDP: one graph per gradient bucket (see DistributedTrainer)."""
+        return False
 
     def compute_numbers(self) -> RunNumbers:
         return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
@@ -556,8 +563,8 @@ class BaseTrainer(ABC):
                 return loss.detach()
             return run
 
-        # The compiled pass goes through the DDP wrapper, so the compiler splits the backward at DDP's
-        # buckets and the all-reduce overlaps it; without synchronising, so no rank's gradients leave it yet.
+        # The compiled pass goes through the DDP wrapper (where the compiler may split the backward at DDP's
+        # buckets), without synchronising, so no rank's gradients leave it yet.
         started, readings = time.perf_counter(), compile_readings()
         self.compiled_shapes_checked[shape] = compare_with_eager(
             backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),

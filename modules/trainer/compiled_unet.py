@@ -35,8 +35,12 @@ class CompileUnavailable(RuntimeError):
     pass
 
 
-def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, dropout: bool):
-    """The compiled callable for `unet`; its parameters stay the module's own (nothing is copied)."""
+def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, dropout: bool,
+                 split_at_ddp_buckets: bool = True):
+    """The compiled callable for `unet`; its parameters stay the module's own (nothing is copied).
+
+    `split_at_ddp_buckets`: under DDP, compile one graph per gradient bucket so each bucket's all-reduce
+    overlaps the rest of the backward (PyTorch's default), or one graph for the whole denoiser."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     from torch.utils._triton import has_triton
@@ -54,6 +58,7 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)
+    dynamo_config.optimize_ddp = "ddp_optimizer" if split_at_ddp_buckets else False
     if dropout:
         # Compiled dropout draws from its own random stream; with the eager one the check compares like
         # with like (same masks).

@@ -6,13 +6,17 @@ every later kernel (the next optimizer step, an EMA swap) runs after them, so th
 and the CPU goes on queuing work at once. Whoever reads the snapshot waits for `HostSnapshot.ready()`
 first (a background writer does, not the training loop).
 
-The first snapshot of a size grows PyTorch's pinned pool (a full SD1.5 fine-tune: 10 GB, 8 s of the
-first backup's pause on H100 hosts; later backups reuse it). Cloning on the GPU and copying to pageable
-host memory in the writer thread was tried and measured worse (session 12, docs/Performance.md): the
-loop paused 0.2 s, but training stalled ~9 s per backup while the 10 GB pageable copy ran.
+The first snapshot of a size grows PyTorch's pinned pool (a full SD1.5 fine-tune: 10 GB; later
+backups reuse it). PyTorch's default pins each block with one cudaHostAlloc call: 8.0-8.5 s of the first
+backup's pause on H100 hosts. `use_fast_pinning` has it page the memory in from 8 threads and register
+it instead: 2.4 s (session 13, docs/Performance.md). Cloning on the GPU and copying to pageable host
+memory in the writer thread was tried and measured worse (session 12): the loop paused 0.2 s, but
+training stalled ~9 s per backup while the 10 GB pageable copy ran; copying those clones through two
+64 MiB pinned buffers stalled training as long (session 13).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -67,3 +71,18 @@ def pinned_alloc_seconds() -> float:
         return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
     except (RuntimeError, AttributeError):  # a PyTorch without the pinned pool's statistics
         return 0.0
+
+
+FAST_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+def use_fast_pinning() -> bool:
+    """Have PyTorch's pinned pool grow through cudaHostRegister from 8 threads (see the module doc);
+    False where the user's PYTORCH_ALLOC_CONF (or the older PYTORCH_CUDA_ALLOC_CONF) already says how to
+    pin - theirs wins - or this PyTorch has no setter. Affects pinned memory allocated afterwards."""
+    own = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if "pinned_" in own or setter is None:
+        return False
+    setter(",".join(filter(None, (own, FAST_PINNING))))  # the user's other settings restated with ours
+    return True
