@@ -87,10 +87,29 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
     assert up and all(v.abs().max() > 0 for v in up)
 
 
+# 48x80, 64x64 and 80x48 px buckets of 4, 56 and 4 images: one epoch at a global batch of 4 is 16 steps.
+BUCKETS = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16", "training.precision=fp32",
+           "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
+
+
+@pytest.fixture(scope="module")
+def bucket_cache(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bucket_cache_ddp")
+
+
+@pytest.fixture(scope="module")
+def one_process_bucket_weights(bucket_cache, tmp_path_factory) -> dict[str, torch.Tensor]:
+    workspace = tmp_path_factory.mktemp("one")
+    GenericTrainer(demo_config(workspace, bucket_cache, *BUCKETS, "training.batch_size=4", method="full"),
+                   RecordingCallbacks()).run()
+    return latest_backup_weights(workspace)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("buckets_mb,graphs", [(1, "one graph per DDP gradient bucket"),
                                                (100, "the denoiser compiles as one graph")])
-def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_factory, capfd, buckets_mb, graphs):
+def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, bucket_cache, one_process_bucket_weights,
+                                                             capfd, buckets_mb, graphs):
     """The compiled UNet inside DDP gives N x B == 1 x NB, split at DDP's buckets by the compiler (the
     demo UNet's 3 MiB of gradients in 1 MiB buckets) or as one graph (the gradients fit in one bucket,
     like a LoRA's on GPUs), and a new aspect bucket mid-run is checked (an unsynchronised backward beside
@@ -98,20 +117,12 @@ def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, tmp_path_
     over three aspect buckets (a full fine-tune: every UNet weight is compared)."""
     from modules.distributed.launch import launch
 
-    cache = tmp_path_factory.mktemp("bucket_cache_ddp")
-    # 48x80, 64x64 and 80x48 px buckets of 4, 56 and 4 images: one epoch at a global batch of 4 is 16 steps.
-    buckets = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16",
-               "training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05",
-               "training.max_grad_norm=0")
-    GenericTrainer(demo_config(tmp_path / "one", cache, *buckets, "training.batch_size=4", method="full"),
-                   RecordingCallbacks()).run()
-    assert launch(demo_config(tmp_path / "two", cache, *buckets, COMPILE, "training.batch_size=2",
+    assert launch(demo_config(tmp_path, bucket_cache, *BUCKETS, COMPILE, "training.batch_size=2",
                               "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
                               f"multi_gpu.bucket_cap_mb={buckets_mb}", method="full")) == 0
     assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
                      capfd.readouterr().out)
-    assert_weights_close(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one"),
-                         atol=2e-5, rtol=1e-4)
+    assert_weights_close(latest_backup_weights(tmp_path), one_process_bucket_weights, atol=2e-5, rtol=1e-4)
 
 
 class _HalfGradient(torch.autograd.Function):
