@@ -3,6 +3,7 @@ compiler that gets the gradients wrong stops the run at its first step with noth
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -216,3 +217,48 @@ def test_compile_readings_count_a_compile_and_describe_the_difference():
     text = compiled_unet.describe_compile(before, after)
     assert re.fullmatch(r"tracing [\d.]+ s, compiling [\d.]+ s \(loading kernels [\d.]+ s\), backward [\d.]+ s; "
                         r"1 graphs; cache: autograd 0 hits 0 misses, kernels 0 hits 0 misses", text), text
+
+
+COMPILE_POOL_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch._inductor.async_compile as async_compile
+import torch._inductor.config as inductor_config
+from modules.trainer.compiled_unet import log_compile_workers_to_a_file
+from modules.util.exit import exit_now
+log_compile_workers_to_a_file(inductor_config)
+pool = async_compile.AsyncCompile.process_pool()
+async_compile.AsyncCompile.wait_pool_ready()
+print("helper's stdout", os.readlink(f"/proc/{{pool.process.pid}}/fd/1"), flush=True)
+print("done", time.monotonic(), flush=True)
+exit_now(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc")
+@pytest.mark.parametrize("suppressed", ["1", "0"])
+def test_a_process_with_compile_workers_ends_and_closes_its_stdout_at_once(tmp_path, suppressed):
+    """torch.compile's worker pool made a finished process wait 1 s after `done` (8 workers, 2 cores) while
+    exit_now's finalizers shut it down; the pool now ends itself after the process. Where PyTorch does not
+    suppress the workers' output they would hold the process's stdout open meanwhile: it goes to a file."""
+    import subprocess
+    import sys
+    import time
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_COMPILE_THREADS="8",
+               TORCHINDUCTOR_WORKER_SUPPRESS_LOGGING=suppressed)
+    env.pop("TORCHINDUCTOR_WORKER_LOGPATH", None)
+    script = COMPILE_POOL_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines, done = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("done "):
+            done = float(line.split()[1])
+    closed = time.monotonic()
+    assert proc.wait() == 0 and done is not None, "".join(lines)
+    helper_output = "/dev/null" if suppressed == "1" else str(tmp_path / "compile-workers-rank0.log")
+    assert f"helper's stdout {helper_output}" in "".join(lines)
+    # The pipe closes once the process and everything holding its stdout have ended.
+    assert closed - done < 0.5, f"stdout closed {closed - done:.2f} s after done"

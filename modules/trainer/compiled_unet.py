@@ -55,6 +55,7 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # (PyTorch's FX-graph and autograd caches, on by default). PyTorch keeps them under the temporary
     # folder, which many systems empty at every boot; the user's cache folder keeps them across boots.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tandem" / "torchinductor"))
+    log_compile_workers_to_a_file(inductor_config)
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)
@@ -102,6 +103,21 @@ def describe_compile(before: dict[str, float], after: dict[str, float]) -> str:
             f"{d['loading kernels']:.1f} s), backward {d['backward']:.1f} s; {d['graphs']:.0f} graphs; cache: "
             f"autograd {d['autograd cache hits']:.0f} hits {d['autograd cache misses']:.0f} misses, kernels "
             f"{d['kernel cache hits']:.0f} hits {d['kernel cache misses']:.0f} misses")
+
+
+def log_compile_workers_to_a_file(inductor_config) -> None:
+    """Inductor's compile workers (a helper process and its pool: 32 processes on a 64-core host) end a
+    moment after the trainer (modules/util/exit.py). Where their output is not suppressed (PyTorch's
+    `worker_suppress_logging`, on by default in recent versions) they would hold the trainer's stdout
+    open until then, and whoever reads it to its end (`| tee`, the GUI, a scheduler's log) would wait:
+    their output goes to a file next to the compile cache instead. A user's TORCHINDUCTOR_WORKER_LOGPATH wins."""
+    if (getattr(inductor_config, "worker_suppress_logging", False)
+            or not hasattr(inductor_config, "torchinductor_worker_logpath")
+            or inductor_config.torchinductor_worker_logpath):
+        return
+    folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    inductor_config.torchinductor_worker_logpath = str(folder / f"compile-workers-rank{os.environ.get('RANK', '0')}.log")
 
 
 def gradient_fingerprint(params: list[torch.nn.Parameter]) -> torch.Tensor:
