@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 COMPILE = "training.compile=true"
 # fp32 SGD, as in the other equivalence tests: Adam would blow rounding noise up to full-size steps.
 # No clipping either: it would hide a gradient of the wrong size (say, the check's left in it).
-STEPS = ("training.max_steps=3", "save.backup_every_n_steps=3", "training.precision=fp32",
-         "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
+EXACT = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
+STEPS = ("training.max_steps=3", "save.backup_every_n_steps=3", *EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,16 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
+def one_process_weights(tmp_path_factory, cache: Path, *overrides: str) -> dict[str, torch.Tensor]:
+    """The weights an uncompiled full fine-tune in one process ends with."""
+    workspace = tmp_path_factory.mktemp("one_process")
+    GenericTrainer(demo_config(workspace, cache, *overrides, method="full"), RecordingCallbacks()).run()
+    return latest_backup_weights(workspace)
+
+
 @pytest.fixture(scope="module")
 def eager_weights(cache_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
-    workspace = tmp_path_factory.mktemp("eager")
-    GenericTrainer(demo_config(workspace, cache_dir, *STEPS, method="full"), RecordingCallbacks()).run()
-    return latest_backup_weights(workspace)
+    return one_process_weights(tmp_path_factory, cache_dir, *STEPS)
 
 
 @pytest.mark.slow
@@ -89,8 +94,7 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
 
 
 # 48x80, 64x64 and 80x48 px buckets of 4, 56 and 4 images: one epoch at a global batch of 4 is 16 steps.
-BUCKETS = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16", "training.precision=fp32",
-           "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
+BUCKETS = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16", *EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +104,7 @@ def bucket_cache(tandem_home, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process_bucket_weights(bucket_cache, tmp_path_factory) -> dict[str, torch.Tensor]:
-    workspace = tmp_path_factory.mktemp("one")
-    GenericTrainer(demo_config(workspace, bucket_cache, *BUCKETS, "training.batch_size=4", method="full"),
-                   RecordingCallbacks()).run()
-    return latest_backup_weights(workspace)
+    return one_process_weights(tmp_path_factory, bucket_cache, *BUCKETS, "training.batch_size=4")
 
 
 @pytest.mark.slow
