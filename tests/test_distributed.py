@@ -128,6 +128,22 @@ def _no_sync_worker(rank, cfg_data, port, queue):
     trainer.teardown()
 
 
+@pytest.mark.parametrize("ended", [True, False])
+def test_teardown_runs_a_full_collection_only_where_the_interpreter_may_still_free_the_group(ended, monkeypatch):
+    """After a cold torch.compile the full collection kept finished 2-GPU runs alive 3-4 s after `done` (H100
+    hosts, session 14). A run that ended leaves through exit_now and needs none; a failed one still frees DDP's
+    group before the interpreter's exit can (pytorch/pytorch#179291)."""
+    from modules.distributed import distributed_trainer
+    collections, destroyed = [], []
+    monkeypatch.setattr(distributed_trainer.gc, "collect", lambda *args: collections.append(args) or 0)
+    monkeypatch.setattr(distributed_trainer, "destroy", lambda: destroyed.append(True))
+    trainer = object.__new__(distributed_trainer.DistributedTrainer)
+    trainer.ended, trainer.model = ended, object()
+    trainer.teardown()
+    assert trainer.model is None and destroyed == [True]
+    assert len(collections) == (0 if ended else 1)
+
+
 def _events(stdout: str) -> list[dict]:
     return [e for e in map(parse_event_line, stdout.splitlines()) if e]
 

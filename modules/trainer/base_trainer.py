@@ -82,6 +82,8 @@ class BaseTrainer(ABC):
         self.step_in_epoch = 0
         self.stop_requested = False
         self.completed = False
+        self.ended = False
+        """Whether `end()` ran to its last line: the outputs are written and the process may end at once."""
         self.start_phases = PhaseTimes()
         # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
         self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
@@ -174,6 +176,7 @@ class BaseTrainer(ABC):
         self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
                   step=self.global_step, completed=self.completed, **trained)
         du.barrier()
+        self.ended = True
 
     def run(self) -> None:
         """start, train, end - with the environment torn down whatever happens."""
