@@ -155,6 +155,8 @@ class BaseTrainer(ABC):
 
     def end(self) -> None:
         self.check_weights_finite()
+        if self.completed:
+            self.outputs.no_more_backups()
         if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
             self.outputs.sample()  # what the finished model does, whatever the cadence
         if self.completed:

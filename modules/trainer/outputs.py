@@ -37,7 +37,7 @@ from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
 from modules.trainer.run_numbers import RunNumbers
 from modules.util.atomic import unique_path
-from modules.util.host_copy import HostSnapshot, pinned_alloc_seconds, snapshot_to_host
+from modules.util.host_copy import HostSnapshot, pinned_alloc_seconds, release_pinned_pool, snapshot_to_host
 
 log = logging.getLogger("tandem")
 
@@ -79,6 +79,22 @@ class BackupWriter:
         path = future.result()
         self.last_written = path
         return [(step, path)]
+
+    def release_host_memory(self) -> None:
+        """Once the backup in flight is written, give its pinned host memory back (see
+        host_copy.release_pinned_pool), on the writer's thread, so the run goes on meanwhile."""
+        def release() -> None:
+            started = time.perf_counter()
+            try:
+                released = release_pinned_pool()
+            except Exception as error:  # the exit frees the memory all the same
+                log.warning("Could not release the backups' pinned host memory early: %s", error)
+                return
+            if released:
+                log.info("Released the backups' %.1f GB of pinned host memory in %.2f s (in the background).",
+                         released / 1e9, time.perf_counter() - started)
+
+        self._executor.submit(release)
 
     def close(self) -> None:
         try:
@@ -237,6 +253,12 @@ class OutputWriter:
     def finish_backups(self) -> None:
         """Wait until every backup is on disk; every rank learns whether the last write worked."""
         du.on_main(lambda: self._announce(self.backup_writer.wait()))
+
+    def no_more_backups(self) -> None:
+        """The run takes no more backups (it finished): the writer frees their host memory when the last is
+        written. A backup taken after all (a failed final save keeps the weights) pins memory again."""
+        if self.backup_writer is not None:
+            self.backup_writer.release_host_memory()
 
     def close(self) -> None:
         """End the writer thread (after a failure too: a backup in flight is completed, not abandoned)."""
