@@ -428,6 +428,33 @@ def test_workers_share_the_cores(monkeypatch):
         torch.set_num_threads(previous)
 
 
+def test_each_gpu_worker_sees_only_its_own_gpu_before_cuda_starts(monkeypatch):
+    """Every rank trains on `cuda:0` of its own view, so torch.compile's cache (whose keys name the GPU)
+    serves every rank and world size alike; messages still number the GPU as the launch saw it."""
+    import torch
+
+    from modules.distributed.process_group import see_only_own_gpu
+    from modules.util.dist_utils import GPU_NUMBER, gpu_number
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv(GPU_NUMBER, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")  # the user's choice, or the launcher's device_indexes
+    assert see_only_own_gpu(1) and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert gpu_number(torch.device("cuda", 0)) == 1
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing chosen: all of the machine's GPUs
+    assert see_only_own_gpu(2) and os.environ["CUDA_VISIBLE_DEVICES"] == "2" and os.environ[GPU_NUMBER] == "2"
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a1,GPU-b2")
+    assert not see_only_own_gpu(2) and os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-a1,GPU-b2"  # no such GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: CUDA read the variable
+    assert not see_only_own_gpu(0) and os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-a1,GPU-b2"
+
+    monkeypatch.delenv(GPU_NUMBER)
+    assert gpu_number(torch.device("cuda", 3)) == 3
+
+
 @pytest.mark.slow
 def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_dir, monkeypatch):
     """The trainer's reference cycles (frozen from collection during the run) kept the DDP wrapper, and

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from modules.config.backends import resolve_backend
 from modules.distributed.rendezvous import RENDEZVOUS_VARIABLE, connect
+from modules.util.dist_utils import GPU_NUMBER
 
 log = logging.getLogger("tandem")
 
@@ -55,6 +56,25 @@ def with_cpu_collectives(backend: str, cpu_collectives: bool) -> str:
     return backend
 
 
+def see_only_own_gpu(local_rank: int) -> bool:
+    """Make this process see only its GPU, as `cuda:0`, before CUDA starts; False where CUDA already runs.
+
+    torch.compile's cache keys name the GPU (the UNet's graph builds its timestep embedding on `cuda:N`), so
+    with every rank on its own index, a cache filled by 1- and 2-GPU runs left ranks 2 and 3 of the next
+    4-GPU run compiling from scratch for 160 s (H100, session 13). As `cuda:0` every rank of every world
+    size shares one entry. NCCL finds the other GPUs by bus id, not by this process's numbering."""
+    if torch.cuda.is_initialized():
+        return False
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = ([e.strip() for e in inherited.split(",") if e.strip()] if inherited is not None
+               else [str(i) for i in range(torch.cuda.device_count())])
+    if local_rank >= len(entries):
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = entries[local_rank]
+    os.environ[GPU_NUMBER] = str(local_rank)
+    return True
+
+
 def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_collectives: bool = False) -> torch.device:
     """Join the process group described by the standard torchrun variables and pick this rank's device.
 
@@ -67,8 +87,8 @@ def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_coll
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"rank {rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible "
                                "(check CUDA_VISIBLE_DEVICES and multi_gpu.num_gpus).")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if see_only_own_gpu(local_rank) else local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     backend = resolve_backend(backend, device_type)

@@ -444,7 +444,7 @@ class BaseTrainer(ABC):
 
     def device_names(self) -> list[str]:
         """Each rank's device, for messages (`GPU 1`, `CPU process 0`)."""
-        index = self.device.index if self.device.type == "cuda" else du.rank()
+        index = du.gpu_number(self.device) if self.device.type == "cuda" else du.rank()
         kinds = du.all_gather_objects((self.device.type, index))
         return [f"GPU {i}" if kind == "cuda" else f"CPU process {i}" for kind, i in kinds]
 

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from modules.util import dist_utils as du
 from modules.util.batch_slice import RankCapacity
 
 log = logging.getLogger("tandem")
@@ -87,7 +88,7 @@ def cap_device_memory(device: torch.device) -> None:
     if not fractions or device.type != "cuda":
         return
     values = [float(x) for x in fractions.split(",")]
-    index = device.index or 0
+    index = du.gpu_number(device)
     if index >= len(values):
         raise ValueError(f"{MEMORY_FRACTION}={fractions!r} names {len(values)} GPU(s); GPU {index} has none")
     torch.cuda.set_per_process_memory_fraction(values[index], device)

@@ -34,6 +34,16 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) if is_distributed() else 1
 
 
+GPU_NUMBER = "TANDEM_GPU_NUMBER"
+"""This worker's GPU among those its launch could see, once the worker sees only its own GPU as `cuda:0`
+(process_group.see_only_own_gpu)."""
+
+
+def gpu_number(device: torch.device) -> int:
+    """The number of GPU `device` among the GPUs the launch could see (what messages call `GPU n`)."""
+    return int(os.environ.get(GPU_NUMBER, device.index or 0))
+
+
 def is_main() -> bool:
     return rank() == 0
 
