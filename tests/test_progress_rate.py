@@ -73,3 +73,23 @@ def test_events_only_when_asked_for(monkeypatch):
     assert not isinstance(default_callbacks(), EventLineReporter)  # a pipe or a file: a log for people
     monkeypatch.setenv("TANDEM_EVENTS", "1")
     assert isinstance(default_callbacks(), EventLineReporter)
+
+
+def test_library_notices_that_say_nothing_to_a_user_stay_out_of_the_log(caplog):
+    """Each torch.compile of an SD UNet printed 20 lines of Dynamo's lru_cache notice about diffusers'
+    upsampling into the log (H100 hosts, session 14); other warnings still pass."""
+    import logging
+    import warnings
+    from modules.distributed.launch import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        quiet_libraries()
+        warnings.warn("Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'upsampling.py:156'. "
+                      "Dynamo ignores the cache wrapper and directly traces the wrapped function.", UserWarning)
+        warnings.warn("Some weights of the model checkpoint were not used", UserWarning)
+    assert [str(w.message) for w in shown] == ["Some weights of the model checkpoint were not used"]
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("diffusers.models.modeling_utils").warning("The modules [] should be kept in float32")
+        logging.getLogger("diffusers.models.modeling_utils").warning("Missing weights: conv_in.weight")
+    assert [r.getMessage() for r in caplog.records] == ["Missing weights: conv_in.weight"]

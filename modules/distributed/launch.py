@@ -17,10 +17,12 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,13 +122,17 @@ def quiet_libraries() -> None:
     transformers warns that image processors fall back to PIL without torchvision (Tandem needs no image
     processor), diffusers that a `.to(dtype)` cast could touch modules "kept in float32" (Tandem casts
     frozen parts on purpose, and prints the list even when it is empty); their weight-loading progress
-    bars would fill a log file with carriage returns. Only those two messages are filtered: warnings
-    that matter (missing weights, errors) pass. Nothing is imported here: the launcher process never
-    needs these libraries, and importing them costs seconds.
+    bars would fill a log file with carriage returns. torch.compile warns, once per call site, that
+    diffusers' upsampling calls an `lru_cache` function it does not trace (a version check: nothing to
+    trace; 20 lines per compile on H100 hosts). Only those messages are filtered: warnings that matter
+    (missing weights, errors) pass. Nothing is imported here: the launcher process never needs these
+    libraries, and importing them costs seconds.
     """
     for name, text in (("transformers.utils.import_utils", "requires torchvision"),
                        ("diffusers.models.modeling_utils", "should be kept in float32")):
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+    warnings.filterwarnings("ignore", message=re.escape("Dynamo detected a call to a `functools.lru_cache`-wrapped function"),
+                            category=UserWarning)
     if not sys.stderr.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers when it loads
 
