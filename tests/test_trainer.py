@@ -216,6 +216,30 @@ def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
     assert all(Path(s["path"]).is_file() for s in cb.of_type("sample"))
 
 
+def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tmp_path, cache_dir, monkeypatch):
+    """Written one after another, a sampling's 4 images kept every rank waiting ~1 s on H100 hosts. Each
+    write here waits until every image's write has begun: written one at a time, the first would time out."""
+    import threading
+    from PIL import Image
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
+                      "sampling.every_n_epochs=0", "sampling.inference_steps=1")
+    all_begun = threading.Barrier(len(cfg.sampling.prompts), timeout=20)
+    real_save = Image.Image.save
+
+    def save(image, path, *args, **kwargs):
+        if Path(str(path)).parent.name == "samples":  # not the demo data's images or TensorBoard's
+            all_begun.wait()
+        return real_save(image, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    cb = RecordingCallbacks()
+    train(cfg, cb)
+    events = cb.of_type("sample")
+    assert [Path(e["path"]).name for e in events] == [f"step-0000000-{i}.png" for i in range(len(cfg.sampling.prompts))]
+    assert [e["prompt"] for e in events] == [p.prompt for p in cfg.sampling.prompts]
+    assert all(Path(e["path"]).is_file() for e in events)
+
+
 @pytest.mark.slow
 def test_train_script_runs_the_demo(tmp_path, cache_dir):
     """scripts/train.py with the demo preset, as the README shows it, in a subprocess."""

@@ -211,15 +211,24 @@ class OutputWriter:
                  time.monotonic() - started, shared)
 
     def _write_samples(self, rendered: dict) -> None:
+        """Every image to its PNG and to TensorBoard, each on its own thread, then one event per image in
+        prompt order. Written one after another, a sampling's 4 images took ~1 s of every rank's waiting on
+        H100 hosts (0.25 s each: two PNG encodings); Pillow's encoder lets the threads run at once."""
         parts, step = self.parts, self.run.global_step
         folder = Path(parts.paths.samples)
         folder.mkdir(parents=True, exist_ok=True)
-        for i, prompt in enumerate(parts.cfg.sampling.prompts):
-            path = folder / f"step-{step:07d}-{i}.png"
-            rank, image = rendered[i]
-            image.save(path)
-            parts.emit("sample", step=step, path=str(path), prompt=prompt.prompt, rank=rank)
+        prompts = parts.cfg.sampling.prompts
+        paths = [folder / f"step-{step:07d}-{i}.png" for i in range(len(prompts))]
+
+        def write(i: int) -> None:
+            image = rendered[i][1]
+            image.save(paths[i])
             parts.log_image(f"sample/{i}", image, step)
+
+        with ThreadPoolExecutor(min(len(prompts), 8), thread_name_prefix="sample-writer") as pool:
+            list(pool.map(write, range(len(prompts))))  # raises the first failed write here
+        for i, prompt in enumerate(prompts):
+            parts.emit("sample", step=step, path=str(paths[i]), prompt=prompt.prompt, rank=rendered[i][0])
 
     # -- backups
     def backup(self) -> None:
