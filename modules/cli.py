@@ -7,7 +7,7 @@ import os
 import sys
 
 from modules.config import ConfigError, TrainConfig, load_config
-from modules.util.launch_clock import note_launch_time
+from modules.util.launch_clock import note_checks_start, note_launch_time
 
 log = logging.getLogger("tandem")
 
@@ -59,6 +59,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from modules.distributed.launch import external_worker_job, read_job, run_worker, setup_logging, under_torchrun
 
+    note_checks_start()
     setup_logging()
     if args.launch_file:  # a worker of Tandem's launcher: the config was loaded, checked and resolved there
         run_worker(read_job(args.launch_file))
@@ -121,6 +122,7 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from modules.distributed.launch import LaunchError, launch, setup_logging
 
+    note_checks_start()
     setup_logging()
     flags = ["multi_gpu.enabled=true"]
     if args.num_gpus is not None:

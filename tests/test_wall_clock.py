@@ -73,9 +73,10 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
         _read_line(line + "\n", 0.0, marks, phases, [])
     parts = marks.get("startup_parts", {})
     if launch == "single":
-        assert "launch" not in parts and phases["launch"] > 0
+        assert list(parts["launch"]) == ["imports", "config and checks"] and phases["launch"] > 0
+        assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.1, (parts, phases)
         return
-    assert list(parts["launch"]) == ["launcher's imports and checks", "starting the worker processes",
+    assert list(parts["launch"]) == ["launcher's imports", "launcher's checks", "starting the worker processes",
                                      "worker's imports"]
     assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.15, (parts, phases)  # each part rounded
     assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]

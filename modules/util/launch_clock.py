@@ -2,8 +2,10 @@
 
 The user's command notes when it started (`TANDEM_LAUNCH_TIME`, inherited by every worker); a
 multi-process launcher notes when it began starting the workers (`TANDEM_WORKERS_STARTED`); a worker
-knows when its own process started. From them, the time before a worker's trainer begins splits into the
-launcher's imports and checks, starting the worker processes, and the worker's imports.
+knows when its own process started; the command also notes when it had imported what it needs and began
+reading the config and checking the job (`TANDEM_CHECKS_STARTED`). From them, the time before a worker's
+trainer begins splits into the launcher's imports, the launcher's checks, starting the worker processes,
+and the worker's imports; in one process into the imports and the config and checks.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ reported from it, so the time spent starting processes and importing libraries i
 
 WORKERS_STARTED = "TANDEM_WORKERS_STARTED"
 """When a multi-process launcher began starting its workers (seconds since the epoch)."""
+
+CHECKS_STARTED = "TANDEM_CHECKS_STARTED"
+"""When the user's command had imported what it needs and began reading the config and checking the job
+(seconds since the epoch): on H100 hosts the launcher took 6-9 s before starting workers, 1.6 s on a
+2-core development machine, and which part was slow was not known (session 14)."""
 
 
 def process_start_time() -> float | None:
@@ -37,10 +44,15 @@ def note_launch_time() -> None:
     os.environ.setdefault(LAUNCH_TIME, repr(process_start_time() or time.time()))
 
 
+def note_checks_start() -> None:
+    """The user's command has its libraries and begins reading the config and checking the job."""
+    os.environ.setdefault(CHECKS_STARTED, repr(time.time()))
+
+
 def forget_launch_times() -> None:
     """A restarted round: the user's command (and the first round's workers) started long before it."""
-    os.environ.pop(LAUNCH_TIME, None)
-    os.environ.pop(WORKERS_STARTED, None)
+    for name in (LAUNCH_TIME, WORKERS_STARTED, CHECKS_STARTED):
+        os.environ.pop(name, None)
 
 
 def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
@@ -50,12 +62,16 @@ def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
         return None, {}
     launched_at = float(launched)
     total = max(0.0, now - launched_at)
+    checks = os.environ.get(CHECKS_STARTED)
+    checks_at = min(max(float(checks), launched_at), now) if checks else None
     workers = os.environ.get(WORKERS_STARTED)
     mine = process_start_time()
-    if not workers or mine is None:
-        return total, {}
+    if not workers or mine is None:  # one process
+        return total, ({} if checks_at is None else {"imports": checks_at - launched_at,
+                                                     "config and checks": now - checks_at})
     workers_at = float(workers)
     mine = max(mine, workers_at)  # clocks read to 10 ms: never a negative part
-    return total, {"launcher's imports and checks": max(0.0, workers_at - launched_at),
-                   "starting the worker processes": mine - workers_at,
+    launcher = ({"launcher's imports and checks": max(0.0, workers_at - launched_at)} if checks_at is None else
+                {"launcher's imports": checks_at - launched_at, "launcher's checks": max(0.0, workers_at - checks_at)})
+    return total, {**launcher, "starting the worker processes": mine - workers_at,
                    "worker's imports": max(0.0, now - mine)}
