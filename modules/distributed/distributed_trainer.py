@@ -178,7 +178,8 @@ class DistributedTrainer(BaseTrainer):
         # active exception", pytorch/pytorch#179291). Where the process may still go through that exit (a
         # failed run), free it now, while everything it needs is alive. A run that ended leaves through
         # `exit_now`, which skips it; there the full collection only cost time: 3-4 s from `done` to the
-        # exit after a cold torch.compile (its millions of objects), ~1 s warm (H100 hosts, session 14).
+        # exit after a cold torch.compile (its millions of objects; H100 hosts, session 14), 0.57 s against
+        # 0.09 s without it on a 2-core machine.
         self.model = None
         if not self.ended:
             gc.collect()

@@ -32,8 +32,9 @@ def _leave_compile_workers_to_end_themselves(multiprocessing_util) -> None:
     """Drop the finalizers that would shut torch.compile's worker pools down and wait for them.
 
     Each pool is a helper process that ends its workers by itself when this process's end closes the pipe
-    it reads; waiting for that here kept compiled runs alive 1 s after `done` with 8 workers on 2 cores
-    (the 3.1-3.7 s measured after cold compiles on H100 hosts, 32 workers, fit it)."""
+    it reads; waiting for that here kept compiled runs alive 1 s after `done` with 8 workers on 2 cores.
+    (On H100 hosts the 3.7-4.0 s after cold compiles were the trainer's garbage collection instead, see
+    DistributedTrainer.teardown; session 14.)"""
     async_compile = sys.modules.get("torch._inductor.async_compile")
     pools = getattr(async_compile, "_pool_set", None)
     if not pools:

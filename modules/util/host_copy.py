@@ -62,25 +62,26 @@ def snapshot_to_host(value: Any) -> HostSnapshot:
     return HostSnapshot(copied, event)
 
 
+def _pinned_pool_stats() -> dict:
+    """PyTorch's statistics of its pinned host memory pool; empty before CUDA is in use, or where this
+    PyTorch has none."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    try:
+        return torch.cuda.host_memory_stats()
+    except (RuntimeError, AttributeError):  # a PyTorch without the pinned pool's statistics
+        return {}
+
+
 def pinned_alloc_seconds() -> float:
     """Seconds this process has spent so far asking CUDA for pinned host memory (growing PyTorch's pinned
     pool; later snapshots of the same sizes reuse it). 0 before CUDA is in use."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0.0
-    try:
-        return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
-    except (RuntimeError, AttributeError):  # a PyTorch without the pinned pool's statistics
-        return 0.0
+    return _pinned_pool_stats().get("host_alloc_time.total", 0) / 1e6
 
 
 def pinned_pool_bytes() -> int:
     """Bytes of pinned host memory PyTorch's pool holds (in use and cached); 0 before CUDA is in use."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except (RuntimeError, AttributeError):
-        return 0
+    stats = _pinned_pool_stats()
     return int(stats.get("allocated_bytes.current", stats.get("reserved_bytes.current", 0)))
 
 
