@@ -189,6 +189,26 @@ def test_probe_accepts_the_demo_folder_and_names_a_truncated_weights_file(tandem
         probe_model(ModelConfig(base_model=str(folder)))
 
 
+def test_the_launchers_model_check_imports_neither_transformers_nor_diffusers(tandem_home, tmp_path):
+    """The launcher checks a model folder before starting workers; importing transformers for it took 1-2.5 s
+    of the launcher's checks on the H100 hosts (session 15), and the launcher never uses it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from modules.model import ensure_demo_model
+    folder = tmp_path / "demo-copy"
+    shutil.copytree(ensure_demo_model(), folder)
+    code = ("import sys; import modules.distributed.launch; from modules.config.train_config import ModelConfig; "
+            "from modules.preflight import PreflightError, check_model; from modules.config import TrainConfig; "
+            "cfg = TrainConfig(); cfg.model = ModelConfig(base_model=sys.argv[1]); check_model(cfg); "
+            "print(sorted(k for k in ('transformers', 'diffusers', 'peft') if k in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 # -- a workspace that cannot be written ----------------------------------------------------------
 
 def _read_only_command(folder: Path, command: list[str]) -> list[str]:

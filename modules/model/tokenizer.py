@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 import gzip
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import CLIPTokenizer
+if TYPE_CHECKING:
+    from transformers import CLIPTokenizer
 
 BPE_FILE = Path(__file__).parent / "configs" / "tokenizer" / "bpe_simple_vocab_16e6.txt.gz"
 BOS_TOKEN = "<|startoftext|>"
@@ -64,6 +66,10 @@ def clip_tokenizer(pad_token: str = EOS_TOKEN) -> CLIPTokenizer:
         raise ValueError(
             f"pad_token {pad_token!r} is not in the CLIP vocabulary; use {EOS_TOKEN!r} or {OPEN_CLIP_PAD_TOKEN!r}."
         )
+    # Imported here: the launcher's model check reaches this module (through the demo model's byte table)
+    # and had no use for transformers, whose import took 1-2.5 s on the H100 hosts (session 15).
+    from transformers import CLIPTokenizer
+
     return CLIPTokenizer(
         vocab=dict(vocab),
         merges=list(merges),
