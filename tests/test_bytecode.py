@@ -96,35 +96,39 @@ def test_the_users_choice_wins(place, setting):
     assert cached_files(home) == []
 
 
-def test_a_spawned_worker_adds_what_only_it_imports(place, tmp_path):
-    """spawn passes the parent's `-B` on: without its own call a worker would read the cache but add nothing."""
+def test_a_spawned_worker_adds_what_only_it_imports(place):
+    """spawn passes the parent's `-B` on, so a worker reads the cache but would add nothing to it; it re-runs the
+    script's top level (as `__mp_main__`), where Tandem's scripts call keep_bytecode, which turns writing back on."""
     packages, home = place
-    (packages / "spawned_worker.py").write_text(textwrap.dedent("""
+    script = textwrap.dedent("""
+        import multiprocessing as mp
         import sys
 
-        def work(queue, turn_on):
-            flag = sys.flags.dont_write_bytecode
-            if turn_on:
-                from modules.util.bytecode import keep_bytecode
-                keep_bytecode()
-            import child_only
-            queue.put((flag, sys.dont_write_bytecode))
-    """))
-    code = """
-        import multiprocessing as mp, sys
         from modules.util.bytecode import keep_bytecode
-        keep_bytecode(probes=("probe_pkg",))
-        import spawned_worker
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        child = ctx.Process(target=spawned_worker.work, args=(queue, {turn_on}))
-        child.start()
-        print(queue.get(timeout=60))
-        child.join()
-    """
-    printed = run(code.replace("{turn_on}", "False"), packages, home, PYTHONDONTWRITEBYTECODE="1")
-    assert printed == "(1, True)"  # started with -B: reads, does not write
+
+        def work(queue):
+            import child_only
+            queue.put((sys.flags.dont_write_bytecode, sys.dont_write_bytecode))
+
+        {top_level_call}
+        if __name__ == "__main__":
+            {main_call}
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=work, args=(queue,))
+            child.start()
+            print(queue.get(timeout=60))
+            child.join()
+    """)
+    call = 'keep_bytecode(probes=("probe_pkg",))'
+    (packages / "as_tandem_scripts.py").write_text(script.format(top_level_call=call, main_call="pass"))
+    (packages / "main_only.py").write_text(script.format(top_level_call="", main_call=call))
+
+    def run_script(name: str) -> str:
+        return run(f"import runpy; runpy.run_path({str(packages / name)!r}, run_name='__main__')", packages, home,
+                   PYTHONDONTWRITEBYTECODE="1")
+
+    assert run_script("main_only.py") == "(1, True)"  # started with -B: reads, does not write
     assert not any(name.startswith("child_only.") for name in cached_files(home))
-    printed = run(code.replace("{turn_on}", "True"), packages, home, PYTHONDONTWRITEBYTECODE="1")
-    assert printed == "(1, False)"
+    assert run_script("as_tandem_scripts.py") == "(1, False)"
     assert any(name.startswith("child_only.") for name in cached_files(home))

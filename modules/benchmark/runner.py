@@ -30,7 +30,6 @@ from modules.distributed.distributed_trainer import DistributedTrainer
 from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment, worker_variables
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
-from modules.util.bytecode import keep_bytecode
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -223,7 +222,6 @@ class BenchmarkDistributed(BenchmarkMixin, DistributedTrainer):
 
 def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None, result_file: str,
            process_start: float, rendezvous_at: str | None) -> None:
-    keep_bytecode()  # the launcher's bytecode cache: spawn started this process with -B
     setup_logging()
     cfg = config_from_dict(cfg_data)
     if plan is None:

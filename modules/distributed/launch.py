@@ -37,7 +37,6 @@ from modules.distributed.supervision import HARD_KILL, StopSignals, signal_proce
 from modules.preflight import PreflightError, preflight
 from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
-from modules.util.bytecode import keep_bytecode
 from modules.util.exit import exit_now
 from modules.util.launch_clock import WORKERS_STARTED, forget_launch_times
 from modules.util.ports import find_free_port, port_is_free
@@ -356,7 +355,6 @@ def worker_variables(plan: LaunchPlan, rank: int, rendezvous_at: str) -> dict[st
 
 
 def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, rendezvous_at: str) -> None:
-    keep_bytecode()  # the launcher's bytecode cache: spawn started this process with -B (before diffusers' import)
     os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
     run_worker(read_job(job_file))
     exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
