@@ -112,6 +112,28 @@ def test_auto_strategy_sizes_the_real_model_a_case_builds(tmp_path, model, mode,
     assert choice.strategy == expected, choice.reason
 
 
+def test_end_to_end_harness_splits_the_training_into_steps_epoch_ends_samplings_and_the_final_save():
+    """The table of docs/Performance.md (session 15): what does not shrink with more GPUs, read from a run's log."""
+    from modules.benchmark.end_to_end import _read_line, split_training
+
+    # config at 10.0; first step 1.0 s; epoch 1: steps at 11.0, 11.2, 11.4; the boundary adds a 0.3 s backup
+    # and a 1.5 s sampling of step 3; epoch 2: 13.4, 13.6, 13.8; a 0.7 s sampling after the last step; done at 15.0.
+    lines = [(10.0, '@tandem {"type": "config"}')]
+    lines += [(at, f'@tandem {{"type": "progress", "epoch": {epoch}, "step": {step}}}')
+              for step, (at, epoch) in enumerate([(11.0, 1), (11.2, 1), (11.4, 1)], 1)]
+    lines += [(12.9, '@tandem {"type": "sample", "step": 3}')]
+    lines += [(at, f'@tandem {{"type": "progress", "epoch": 2, "step": {step}}}')
+              for step, at in [(4, 13.4), (5, 13.6), (6, 13.8)]]
+    lines += [(14.5, '@tandem {"type": "sample", "step": 6}'), (15.0, '@tandem {"type": "done"}')]
+    marks, phases, samplings = {}, {}, []
+    for at, line in lines:
+        _read_line(line + "\n", at, marks, phases, samplings)
+    split = split_training(marks["steps_reported"], list(marks["sample_spans"].values()), first_step_s=1.0,
+                           train_s=marks["done"] - marks["config"])
+    assert split == {"steps": 1.0, "epoch_ends": 0.3, "samplings": 2.2, "final_save": 0.5}
+    assert split_training(marks["steps_reported"][:1], [], 1.0, 5.0) == {}  # one step: nothing to split
+
+
 def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_ends(tmp_path, monkeypatch):
     """scripts/end_to_end.py: a run's log is written as its lines come (a run stopped at a device time
     limit still leaves its log), the line of a run that ended is reported while another run of its group

@@ -6,7 +6,9 @@ or more source trees (e.g. this one and a checkout of an earlier commit, for a b
 same call), each with a fresh workspace and cache. Every output line is time-stamped as it arrives, so
 each run splits into: before step 1 (launch to the `config` event, which the trainer emits when its
 start-up is done), training (`config` to `done`: every step, sample, backup and the final save) and
-done to exit. One JSON line per run; a table at the end.
+done to exit; the training splits further, from the steps' `progress` events, into the steps, what the
+epoch ends added, the samplings and the final save (`split_training`). One JSON line per run; a table at
+the end.
 
     python scripts/end_to_end.py --base-model /tmp/sd15 --data /tmp/e2e-data --make-data 512 \\
         --run new@.:1 --run baseline@.bench/baseline:1 --run new@.:2 ...
@@ -141,7 +143,10 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
                       "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
                                                           if v.split(":", 1)[0] == spec.label]}}
-    result["sampling_from_events_s"] = [round(end - start, 2) for start, end in marks.get("sample_spans", {}).values()]
+    spans = list(marks.get("sample_spans", {}).values())
+    result["sampling_from_events_s"] = [round(end - start, 2) for start, end in spans]
+    result["training_split_s"] = split_training(marks.get("steps_reported", []), spans, result["first_step_s"],
+                                                result["train_s"])
     done_event = marks.get("done_event") or {}
     if "images_per_s" in done_event:
         result["run_images_per_s"] = done_event["images_per_s"]
@@ -161,6 +166,7 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             marks["done_event"] = event
         elif kind == "progress":
             marks["last_progress"] = at
+            marks.setdefault("steps_reported", []).append((at, event.get("epoch")))
         elif kind == "sample":
             # From the step's report to its last image written: what a sampling cost, for any tree (older
             # ones print no "Samples at step" line).
@@ -181,6 +187,32 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             marks["summary_to_step1_s"], marks["loader_workers_s"] = float(gap.group(1)), float(gap.group(2))
     elif match := re.match(r"Samples at step \d+: \d+ image\(s\) in ([\d.]+) s", line):
         samplings.append(float(match.group(1)))
+
+
+def split_training(progress: list[tuple[float, int | None]], sample_spans: list[tuple[float, float]],
+                   first_step_s: float | None, train_s: float | None) -> dict[str, float]:
+    """Where the training time (`config` to `done`) went, from the times of the steps' `progress` events:
+    `steps` every step's own time (an epoch's first step counted at the mean of the others), `epoch_ends`
+    what the epoch boundaries (backups, the next epoch's first batch) added beyond a step, `samplings`,
+    and `final_save` from the last step to `done` less a sampling there. The parts that do not shrink
+    with more GPUs are all but `steps`. Empty where the run made fewer than 2 steps."""
+    if len(progress) < 2 or first_step_s is None or train_s is None:
+        return {}
+    times = [at for at, _ in progress]
+
+    def sampling_within(start: float, end: float) -> float:
+        return sum(min(b, end) - max(a, start) for a, b in sample_spans if b > start and a < end)
+
+    ordinary, boundary = [], []
+    for (a, epoch_a), (b, epoch_b) in zip(progress, progress[1:]):
+        (boundary if epoch_a != epoch_b else ordinary).append(b - a - sampling_within(a, b))
+    mean = sum(ordinary) / len(ordinary) if ordinary else sum(boundary) / len(boundary)
+    after_last = sampling_within(times[-1], float("inf"))
+    split = {"steps": sum(ordinary) + mean * len(boundary),
+             "epoch_ends": sum(boundary) - mean * len(boundary),
+             "samplings": sampling_within(float("-inf"), float("inf")),
+             "final_save": train_s - (times[-1] - times[0]) - first_step_s - after_last}
+    return {name: round(value, 1) for name, value in split.items()}
 
 
 def report(result: dict, json_path: Path | None) -> None:
@@ -212,13 +244,15 @@ def run_group(specs: list[RunSpec], args, work: Path) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     one = {r["label"]: r["wall_s"] for r in results if r["gpus"] == 1 and r["exit_code"] == 0}
-    rows = ["| run | GPUs | wall s | vs 1 GPU | before step 1 s | first step s | training s | done to exit s | exit |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | GPUs | wall s | vs 1 GPU | before step 1 s | first step s | training s | of it: steps, epoch ends, "
+            "samplings, final save s | done to exit s | exit |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = one.get(r["label"])
         ratio = f"{base / r['wall_s']:.2f}x" if base and r["gpus"] > 1 else "-"
+        split = ", ".join(str(value) for value in r.get("training_split_s", {}).values()) or "-"
         rows.append(f"| {r['label']} | {r['gpus']} | {r['wall_s']} | {ratio} | {r['before_step1_s']} | {r['first_step_s']} | "
-                    f"{r['train_s']} | {r['done_to_exit_s']} | {r['exit_code']} |")
+                    f"{r['train_s']} | {split} | {r['done_to_exit_s']} | {r['exit_code']} |")
     return "\n".join(rows)
 
 
