@@ -7,10 +7,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modules.util.bytecode import keep_bytecode  # noqa: E402
-
-keep_bytecode()  # before torch is imported: see modules/util/bytecode.py
-
 if __name__ == "__main__":
     from modules.start_multi_gpu import main
     sys.exit(main())
