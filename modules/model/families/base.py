@@ -121,6 +121,12 @@ class ModelFamily(ABC):
         """The text encoders `training.train_text_encoder` trains."""
         return list(bundle.text_encoders)
 
+    def checked_clip_skip(self, clip_skip: int) -> int:
+        """`training.clip_skip` as this family accepts it; families whose conditioning is not CLIP's alone
+        refuse any value (the SD families override this)."""
+        raise ValueError(f"training.clip_skip: {clip_skip} does not apply to {self.info.title}, whose conditioning "
+                         "is not CLIP's alone; set it to 0.")
+
     def unused_text_encoder_modules(self, bundle: "ModelBundle") -> list[nn.Module]:
         """Parts of the trained text encoders whose output never reaches the conditioning."""
         return []
