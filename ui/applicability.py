@@ -65,6 +65,10 @@ RULES: dict[str, Rule] = {
     "training.lora_alpha": _lora,
     "training.lora_dropout": _lora,
     "training.lora_target_modules": _lora,
+    "training.lora_type": _lora,
+    "training.lora_init": _lora,
+    "training.lokr_factor": lambda c: _lora(c) or (None if c.training.lora_type == "lokr" else
+                                                   f"used only by LoKr (LoRA type is {c.training.lora_type})"),
     "save.lora_format": _lora,
     "save.full_format": _full,
     "optimizer.beta1": _adam,

@@ -6,14 +6,16 @@ every problem is one sentence naming the field, the value and the fix, as there.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from .model_families import FAMILIES, field_applies
 from .train_config import TrainConfig
 
 
-def recipe_problems(cfg: TrainConfig, family: str | None) -> list[str]:
+def recipe_problems(cfg: TrainConfig, family: str | None, check_paths: bool = True) -> list[str]:
     """Every problem of the recipe fields; `family` is the model family the config names, if known."""
     return (_schedule_problems(cfg) + _bucket_problems(cfg) + _clip_skip_problems(cfg, family)
-            + _caption_problems(cfg))
+            + _caption_problems(cfg) + _lora_variant_problems(cfg, check_paths))
 
 
 def _schedule_problems(cfg: TrainConfig) -> list[str]:
@@ -64,3 +66,35 @@ def _caption_problems(cfg: TrainConfig) -> list[str]:
         return ['data.tag_separator: "" cannot split a caption into tags; set it to "," (the usual) or another '
                 "character that separates the tags."]
     return []
+
+
+def _lora_variant_problems(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    t = cfg.training
+    problems = []
+    if t.method != "lora":
+        if t.lora_init.strip():
+            problems.append(f"training.lora_init: {t.lora_init!r} starts LoRA adapters from a file, and "
+                            f"training.method is {t.method!r}; set training.method to lora or clear training.lora_init.")
+        return problems
+    if t.lora_type in ("loha", "lokr") and t.lora_dropout > 0:
+        problems.append(f"training.lora_dropout: {t.lora_dropout!r} is LoRA's input dropout, which peft's "
+                        f"{t.lora_type} adapters do not have; set it to 0 (or training.lora_type to lora or dora).")
+    if t.lora_type == "dora" and cfg.model.unet_dtype == "fp8":
+        problems.append("training.lora_type: 'dora' measures the base weights' norms, which model.unet_dtype 'fp8' "
+                        "stores in float8; set model.unet_dtype to bf16 (or training.lora_type to lora).")
+    if t.lora_type != "lora" and cfg.multi_gpu.enabled and cfg.multi_gpu.strategy == "fsdp":
+        problems.append(f"multi_gpu.strategy: 'fsdp' shards the adapters of plain LoRA only, and training.lora_type "
+                        f"is {t.lora_type!r}; set multi_gpu.strategy to ddp or auto (a LoRA fits every GPU).")
+    if t.lokr_factor == 0 or t.lokr_factor < -1:
+        problems.append(f"training.lokr_factor: {t.lokr_factor!r} is not allowed; set it to -1 (as square as "
+                        "possible) or a positive number such as 4 or 8.")
+    init = t.lora_init.strip()
+    if init and check_paths:
+        path = Path(init).expanduser()
+        if not path.is_file():
+            problems.append(f"training.lora_init: {init!r} is not a file; set it to a LoRA .safetensors file or "
+                            "leave it empty.")
+    if init and not init.lower().endswith(".safetensors"):
+        problems.append(f"training.lora_init: {init!r} is not a .safetensors file; LoRA files are read from "
+                        ".safetensors only.")
+    return problems

@@ -14,6 +14,9 @@ from .model_families import MODEL_TYPES
 DTYPES = ("fp32", "bf16", "fp16")
 """Storage and saving dtypes."""
 
+LORA_TYPES = ("lora", "dora", "loha", "lokr")
+"""`training.lora_type`: the adapter variants (modules/model/lora_variants.py builds each)."""
+
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "warmup_stable_decay")
 """`training.lr_scheduler`: the learning-rate schedules after warm-up (modules/trainer/optim.py shapes each)."""
 
@@ -175,12 +178,18 @@ class OptimizerConfig:
 class TrainingConfig:
     method: str = rule("lora", choices=("lora", "full"))
     """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
+    lora_type: str = rule("lora", choices=LORA_TYPES, label="LoRA type")
+    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; often learns faster at the same rank, steps about 20-50% slower), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (docs/Models.md says which program reads which file)."""
+    lokr_factor: int = rule(-1, label="LoKr factor")
+    """`lokr`: how each weight's sides are split into the two Kronecker factors (peft's decompose_factor, kohya's factor): the smaller factor's side is at most this. -1: as square as possible (the smallest file)."""
+    lora_init: str = rule("", label="Start from LoRA file")
+    """A LoRA file (.safetensors, in the kohya/ComfyUI or the diffusers/peft layout, as Tandem saves or reads them) whose weights the adapters start from instead of zero, to continue training it with a new run. Its type, rank, alpha and adapted modules must match training.lora_type, lora_rank, lora_alpha, lora_target_modules and train_text_encoder; a mismatch stops the start with a message saying what differs. A backup (--resume) takes precedence. Empty: new adapters."""
     lora_rank: int = rule(16, minimum=1, label="LoRA rank")
     """LoRA rank (size of the adapter)."""
     lora_alpha: float = rule(16.0, above=0.0, label="LoRA alpha")
     """LoRA alpha; the adapter's output is scaled by alpha / rank."""
     lora_dropout: float = rule(0.0, label="LoRA dropout")
-    """Dropout inside the LoRA layers."""
+    """Dropout on the input of the LoRA and DoRA layers (LoHa and LoKr have none: keep it 0 there)."""
     lora_target_modules: list[str] = rule(factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
                                           label="LoRA target modules")
     """Names of the UNet modules that get LoRA adapters."""

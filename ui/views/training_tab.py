@@ -16,8 +16,10 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     frame.pack(fill="both", expand=True)
     form = Form(frame, binder, tab="Training")
     form.section("Method")
-    form.fields("training.method", "training.lora_rank", "training.lora_alpha", "training.lora_dropout")
+    form.fields("training.method", "training.lora_type", "training.lora_rank", "training.lora_alpha",
+                "training.lora_dropout", "training.lokr_factor")
     form.field("training.lora_target_modules", width=380)
+    form.field("training.lora_init", browse_kind="file", width=380)
     form.fields("training.train_text_encoder", "training.clip_skip")
     form.section("Optimizer")
     form.fields("optimizer.name", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2",

@@ -215,6 +215,17 @@ class ModelFamily(ABC):
         """LoRA weights (peft layout, by component) in the kohya layout ComfyUI/A1111/Forge read."""
         raise ValueError(f"{self.info.title} LoRAs have no kohya layout; set save.lora_format to peft")
 
+    def lycoris_module_name(self, bundle: "ModelBundle", component: str, module_path: str) -> str:
+        """The kohya/LyCORIS name of one adapted module (`lycoris_layout.py`): `lora_transformer_` + the
+        diffusers module path for a transformer (ComfyUI maps these onto its fused weights),
+        `lora_te1_` / `lora_te2_` + the checkpoint path for CLIP text encoders. The SD families use kohya's
+        own UNet names instead."""
+        if component == bundle.denoiser_name:
+            prefix = "lora_unet" if component == "unet" else "lora_transformer"
+        else:
+            prefix = f"lora_te{component.removeprefix('text_encoder').removeprefix('_') or '1'}"
+        return f"{prefix}_{module_path.replace('.', '_')}"
+
     def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""
         return {"ss_base_model_version": self.name}

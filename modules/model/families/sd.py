@@ -264,6 +264,12 @@ class SDFamily(ModelFamily):
 
         return single_file_parts(bundle, denoiser_state_override)
 
+    def lycoris_module_name(self, bundle, component, module_path):
+        """kohya's names, as for plain LoRA (`kohya_lora.kohya_module_name`)."""
+        from modules.model.kohya_lora import kohya_module_name
+
+        return kohya_module_name(bundle.model_type, component, module_path, bundle.unet.config)
+
     def kohya_lora_tensors(self, bundle, modules, alphas):
         """kohya sd-scripts' names (`modules/model/kohya_lora.py`): SD1/SD2 in diffusers' module paths, SDXL's
         UNet in the original (LDM) ones, `.lora_down/.lora_up/.alpha`."""
