@@ -122,3 +122,23 @@ def test_sdxl_clip_skip_below_two_is_refused_by_the_config_check():
     assert not any(p.startswith("training.clip_skip") for p in validate(cfg, check_paths=False))
     cfg.model.model_type, cfg.model.base_model, cfg.training.clip_skip = "auto", "builtin:demo", 2
     assert validate(cfg, check_paths=False) == []
+
+
+def test_the_new_recipe_fields_are_greyed_out_when_they_do_nothing():
+    """The window disables a field whose value is ignored, and its tooltip says what would make it count."""
+    from ui.applicability import unused_fields
+
+    cfg = TrainConfig()
+    unused = unused_fields(cfg)
+    for path in ("training.lr_cycles", "training.lr_power", "training.lr_decay_fraction", "training.lokr_factor",
+                 "data.tag_separator"):
+        assert path in unused, path
+    assert "cosine with restarts" in unused["training.lr_cycles"]
+    cfg.training.lr_scheduler, cfg.training.lora_type, cfg.data.caption_prefix = "cosine_with_restarts", "lokr", "ohwx"
+    unused = unused_fields(cfg)
+    assert not {"training.lr_cycles", "training.lokr_factor", "data.tag_separator"} & set(unused)
+    assert "training.lr_power" in unused
+    cfg.data.aspect_bucketing = False
+    assert "data.min_bucket_size" in unused_fields(cfg) and "data.max_bucket_size" in unused_fields(cfg)
+    cfg.training.method = "full"
+    assert {"training.lora_type", "training.lora_init", "training.lokr_factor"} <= set(unused_fields(cfg))

@@ -16,6 +16,7 @@ import pytest
 from modules.config import ConfigError, load_config, validate
 from modules.config.config_import import import_config
 from modules.config.import_cli import main as import_main
+from tests.test_ui_widgets import display  # noqa: F401 - the Xvfb fixture the window test uses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imports"
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +189,8 @@ def test_the_script_runs_as_a_program(tmp_path):
 # ------------------------------------------------------------------ the window
 
 
-def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(display, tmp_path):
+@pytest.mark.usefixtures("display")
+def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(tmp_path):
     from tests.test_ui_widgets import FakeDialogs, pump
     from ui.settings import RecentConfigs
     from ui.views.app import TandemApp
@@ -231,5 +233,3 @@ def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(di
         app.controller.terminate()
         app.destroy()
 
-
-from tests.test_ui_widgets import display  # noqa: E402,F401 - the Xvfb fixture the window test needs

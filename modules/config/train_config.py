@@ -179,7 +179,7 @@ class TrainingConfig:
     method: str = rule("lora", choices=("lora", "full"))
     """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
     lora_type: str = rule("lora", choices=LORA_TYPES, label="LoRA type")
-    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; often learns faster at the same rank, steps about 20-50% slower), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (docs/Models.md says which program reads which file)."""
+    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; each step computes the adapted weights' norms, so steps take longer), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (docs/Models.md says which program reads which file)."""
     lokr_factor: int = rule(-1, label="LoKr factor")
     """`lokr`: how each weight's sides are split into the two Kronecker factors (peft's decompose_factor, kohya's factor): the smaller factor's side is at most this. -1: as square as possible (the smallest file)."""
     lora_init: str = rule("", label="Start from LoRA file")

@@ -10,8 +10,10 @@ Two file layouts:
 - `peft`: what diffusers' `save_lora_weights` writes today: peft's `<module>.lora_A.weight` /
   `.lora_B.weight` under `unet.` / `transformer.` / `text_encoder.` / `text_encoder_2.`, plus the adapter
   config in the header; loadable with `pipeline.load_lora_weights`.
-Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads the SD families'
-layouts back (including those earlier versions wrote).
+Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads the layouts back
+(including those earlier versions wrote). The adapter may be LoRA, DoRA, LoHa or LoKr
+(`training.lora_type`, `lora_variants.py`); the kohya layout of DoRA, LoHa and LoKr is LyCORIS's
+(`lycoris_layout.py`), for every family.
 """
 from __future__ import annotations
 

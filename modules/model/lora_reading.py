@@ -29,7 +29,7 @@ from .bundle import checkpoint_text_encoder_key
 from .kohya_lora import ALPHA, DOWN, KOHYA_PREFIXES, UP, kohya_name_table
 from .lora_metadata import file_metadata
 from .lora_variants import TITLES, alpha_and_rank, is_adapter_parameter, split_adapter_key, type_of_config, type_of_keys
-from .lycoris_layout import PEFT_NAMES, layers_by_spelling, magnitude_from_dora_scale, split_lycoris_key
+from .lycoris_layout import PEFT_NAMES, magnitude_from_dora_scale, split_lycoris_key
 
 _OLD_PEFT_SPELLINGS = {".lora_linear_layer.down.": ".lora_A.", ".lora_linear_layer.up.": ".lora_B.",
                        ".lora.down.": ".lora_A.", ".lora.up.": ".lora_B."}
@@ -167,9 +167,8 @@ def _from_lycoris(path: Path, tensors: dict, bundle, lora_type: str) -> tuple[di
             prescaled.add(f"{component}:{module_path}.lokr_w2")
         if "dora_scale" in parts:
             scale = float(parts["alpha"]) / _module_rank(parts) if "alpha" in parts else 1.0
-            layer = _plain_layer(bundle, component, module_path)
             target[f"{module_path}.lora_magnitude_vector"] = magnitude_from_dora_scale(
-                layer, parts["dora_scale"], parts["lora_down.weight"], parts["lora_up.weight"], scale)
+                _base_weight(bundle, component, module_path), parts["dora_scale"], parts["lora_down.weight"], parts["lora_up.weight"], scale)
     alphas = {}
     for component, values in scales.items():
         if max(values) - min(values) > 1e-6 * max(values):
@@ -189,20 +188,14 @@ def _module_rank(parts: dict[str, torch.Tensor]) -> int:
     raise ValueError(f"no rank-bearing tensor among {sorted(parts)}")
 
 
-def _plain_layer(bundle, component: str, module_path: str):
-    """The base layer DoRA's magnitude is measured on, even before adapters are attached."""
-    layers = layers_by_spelling(bundle, component) if getattr(bundle.modules()[component], "peft_config", None) else {}
-    if module_path in layers:
-        return layers[module_path]
+def _base_weight(bundle, component: str, module_path: str) -> torch.Tensor:
+    """The frozen weight of one module (seen through a peft wrapper), which DoRA's magnitude is measured on."""
     module = bundle.modules()[component]
-    own = module_path if not component.startswith("text_encoder") or hasattr(module, "text_model") \
-        else module_path.removeprefix("text_model.")
+    own = module_path
+    if component.startswith("text_encoder") and not hasattr(module, "text_model"):
+        own = module_path.removeprefix("text_model.")  # transformers 5 dropped the wrapper files still name
     layer = module.get_submodule(own)
-
-    class _Unadapted:  # the interface magnitude_from_dora_scale reads
-        def get_base_layer(self):
-            return layer
-    return _Unadapted()
+    return layer.get_base_layer().weight if hasattr(layer, "get_base_layer") else layer.weight
 
 
 def _from_peft(path: Path, tensors: dict, metadata: dict, bundle) -> tuple[dict, dict]:

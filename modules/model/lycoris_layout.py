@@ -87,11 +87,11 @@ def split_lycoris_key(key: str) -> tuple[str, str]:
     raise ValueError(f"{key!r} is not a kohya/LyCORIS LoRA key")
 
 
-def magnitude_from_dora_scale(layer, dora_scale: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
-                              scale: float) -> torch.Tensor:
-    """peft's magnitude from a `dora_scale` written as above, for `layer` (its base weight) and the file's
+def magnitude_from_dora_scale(base_weight: torch.Tensor, dora_scale: torch.Tensor, down: torch.Tensor,
+                              up: torch.Tensor, scale: float) -> torch.Tensor:
+    """peft's magnitude from a `dora_scale` written as above, for the module's base weight and the file's
     LoRA pair: m = dora_scale x ||W + delta|| / ||W||."""
-    base = layer.get_base_layer().weight.detach().float()
+    base = base_weight.detach().float()
     delta = (up.float().flatten(1) @ down.float().flatten(1)).reshape(base.shape) * scale
     if dora_scale.numel() != base.shape[0]:
         raise ValueError(f"dora_scale of shape {tuple(dora_scale.shape)} is not one value per output channel "
