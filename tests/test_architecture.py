@@ -63,5 +63,5 @@ def test_every_declared_choice_has_an_implementation():
     shapes = {}
     for schedule in CHOICES[("training", "lr_scheduler")]:
         factor = lr_lambda(TrainingConfig(lr_scheduler=schedule), total_steps=10)
-        shapes[schedule] = (factor(0), factor(2))
+        shapes[schedule] = tuple(round(factor(step), 6) for step in range(10))
     assert len(set(shapes.values())) == len(shapes), "each schedule shapes the LR its own way"

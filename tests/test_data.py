@@ -91,6 +91,32 @@ def test_tag_shuffle_keeps_leading_tags_and_is_reproducible():
     assert process_caption(caption, random.Random(0)) == caption
 
 
+def test_prefix_and_suffix_stay_outside_the_shuffle_with_any_separator():
+    caption = "smiling | red scarf | outdoors | snow"
+    for seed in range(10):
+        result = process_caption(caption, random.Random(seed), shuffle_tags=True, keep_tags=1, prefix="ohwx person",
+                                 suffix="best quality", separator="|")
+        tags = result.split("| ")
+        assert tags[0] == "ohwx person" and tags[1] == "smiling" and tags[-1] == "best quality"
+        assert sorted(tags[2:-1]) == ["outdoors", "red scarf", "snow"]
+    assert len({process_caption(caption, random.Random(s), shuffle_tags=True, separator="|") for s in range(10)}) > 1
+    assert process_caption("a cat", random.Random(0), prefix="ohwx", suffix="photo") == "ohwx, a cat, photo"
+    assert process_caption("", random.Random(0), prefix="ohwx") == "ohwx"
+    assert process_caption("a cat", random.Random(0), prefix="  ") == "a cat"
+    # Caption dropout drops the trigger word too (kohya does the same): the unconditional case stays empty.
+    assert {process_caption("a cat", random.Random(s), dropout=0.5, prefix="ohwx") for s in range(40)} == {
+        "", "ohwx, a cat"}
+
+
+def test_an_empty_tag_separator_is_refused():
+    from modules.config import TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.data.tag_separator = ""
+    assert validate(cfg, check_paths=False) == []  # unused: no shuffle, no prefix or suffix
+    cfg.data.shuffle_tags = True
+    assert any(p.startswith('data.tag_separator: "" cannot split') for p in validate(cfg, check_paths=False))
+
+
 def test_caption_dropout():
     drops = [process_caption("x", random.Random(seed), dropout=0.5) for seed in range(200)]
     assert 50 < drops.count("") < 150 and set(drops) == {"", "x"}
@@ -190,6 +216,45 @@ def test_buckets_for_square_landscape_and_portrait():
     assert make_buckets(512, 64, aspect_bucketing=False) == [(512, 512)]
     with pytest.raises(ValueError, match="bucket_step"):
         make_buckets(512, 12)
+
+
+def test_bucket_size_bounds_drop_the_buckets_outside_them():
+    every = make_buckets(1024, 64)
+    bounded = make_buckets(1024, 64, min_side=768, max_side=1280)
+    assert (1024, 1024) in bounded and set(bounded) < set(every)
+    assert all(768 <= min(w, h) and max(w, h) <= 1280 for w, h in bounded)
+    assert [wh for wh in every if 768 <= min(wh) and max(wh) <= 1280] == bounded
+    assert min(min(wh) for wh in every) < 768 and max(max(wh) for wh in every) > 1280  # both bounds removed some
+    wide = bounded[closest_bucket(3000, 1000, bounded)]
+    assert wide == max(bounded, key=lambda wh: wh[0] / wh[1])  # a panorama takes the widest bucket left
+    assert make_buckets(1024, 64, aspect_bucketing=False, min_side=2048) == [(1024, 1024)]
+    with pytest.raises(ValueError, match="min_bucket_size=1088.*square bucket"):
+        make_buckets(1024, 64, min_side=1088)
+
+
+def test_bucket_size_bounds_are_checked_against_the_resolution_and_step():
+    from modules.config import TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.data.resolution, cfg.data.min_bucket_size, cfg.data.max_bucket_size = 512, 320, 1024
+    assert validate(cfg, check_paths=False) == []
+    cfg.data.min_bucket_size, cfg.data.max_bucket_size = 576, 448
+    problems = validate(cfg, check_paths=False)
+    assert any(p.startswith("data.min_bucket_size: 576 is above data.resolution (512)") for p in problems)
+    assert any(p.startswith("data.max_bucket_size: 448 is below data.resolution (512)") for p in problems)
+    cfg.data.min_bucket_size, cfg.data.max_bucket_size = 300, 0
+    assert any("data.min_bucket_size: 300 is not a multiple of data.bucket_step (64); set it to 320"
+               in p for p in validate(cfg, check_paths=False))
+
+
+def test_bucket_size_bounds_reach_the_dataset(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (300, 100)).save(folder / "pano.png")
+    free = build_dataset(data_cfg(folder, resolution=128, bucket_step=16), tmp_path / "c", 0)
+    bounded = build_dataset(data_cfg(folder, resolution=128, bucket_step=16, min_bucket_size=112), tmp_path / "c", 0)
+    assert min(free.bucket_sizes[free.buckets[0]]) < 112
+    assert bounded.bucket_sizes[bounded.buckets[0]] == max(bounded.bucket_sizes, key=lambda wh: wh[0] / wh[1])
+    assert min(bounded.bucket_sizes[bounded.buckets[0]]) >= 112
 
 
 def test_crop_plan_covers_the_bucket_and_records_sizes():
@@ -401,6 +466,37 @@ def test_text_cached_with_caption_dropout_gives_the_captions_and_embeddings_of_a
             dropped += item["caption"] == "" != cached.images[cached.item_images[i]].caption
     assert 0 < dropped < 8 * len(cached)
     assert torch.equal(index.load_extra_text("")["pooled"], empty["pooled"][0])
+
+
+def test_cached_text_holds_the_caption_with_its_prefix_and_suffix(folder, tmp_path):
+    """A trigger word is a fixed part of each caption: cached once, and the cached embedding is the one of
+    the caption as trained; another prefix is another cache entry."""
+    cfg = data_cfg(folder, caption_prefix="ohwx", caption_suffix="end", caption_dropout=0.3)
+    dataset = build_dataset(cfg, tmp_path / "cache", seed=2)
+    enc = FakeEncoders()
+    cache(dataset, enc)
+    assert "ohwx, a red square, red, square, end" in enc.texts and "a red square, red, square" not in enc.texts
+    own = FakeEncoders().encode_text
+    seen = set()
+    for epoch in range(6):
+        for i in range(len(dataset)):
+            item = dataset[(epoch, i)]
+            seen.add(item["caption"] == "")
+            assert item["caption"] == "" or (item["caption"].startswith("ohwx, ") and item["caption"].endswith(", end"))
+            expected = own([item["caption"]])
+            assert all(torch.equal(item["text"][k], expected[k][0]) for k in expected)
+    assert seen == {True, False}
+    other = FakeEncoders()
+    cache(build_dataset(data_cfg(folder, caption_prefix="sks"), tmp_path / "cache", seed=2), other)
+    assert any(text.startswith("sks, ") for text in other.texts)
+
+
+def test_shuffled_captions_are_not_cached_and_the_reason_is_given(folder):
+    from modules.data import text_cache_refusal
+    assert "shuffle_tags" in text_cache_refusal(data_cfg(folder, shuffle_tags=True), False)
+    assert "text encoder trains" in text_cache_refusal(data_cfg(folder), True)
+    assert text_cache_refusal(data_cfg(folder), False) is None
+    assert text_cache_refusal(data_cfg(folder, shuffle_tags=True, cache_text_embeddings=False), False) is None
 
 
 def test_no_extra_caption_without_caption_dropout(folder, tmp_path):

@@ -65,3 +65,53 @@ def test_schedules_with_warmup(name, at_end):
     assert f(104) == pytest.approx(at_end, abs=1e-9)
     if name == "cosine":
         assert f(54) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_cosine_with_restarts_starts_each_cycle_at_the_full_rate():
+    f = lr_lambda(TrainingConfig(lr_scheduler="cosine_with_restarts", lr_cycles=3, lr_warmup_steps=4), total_steps=94)
+    assert [f(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # 90 steps after warm-up, 3 cycles of 30: full rate at 4, 34 and 64, half-way down in the middle of each.
+    for start in (4, 34, 64):
+        assert f(start) == pytest.approx(1.0)
+        assert f(start + 15) == pytest.approx(0.5)
+        assert f(start + 29) < 0.01
+    assert f(94) == 0.0 and f(200) == 0.0
+    plain = lr_lambda(TrainingConfig(lr_scheduler="cosine"), total_steps=90)
+    one_cycle = lr_lambda(TrainingConfig(lr_scheduler="cosine_with_restarts", lr_cycles=1), total_steps=90)
+    assert [one_cycle(i) for i in range(90)] == pytest.approx([plain(i) for i in range(90)])
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0])
+def test_polynomial_decays_with_its_power(power):
+    f = lr_lambda(TrainingConfig(lr_scheduler="polynomial", lr_power=power, lr_warmup_steps=2), total_steps=102)
+    assert f(0) == 0.5 and f(2) == pytest.approx(1.0)
+    assert f(52) == pytest.approx(0.5 ** power)
+    assert f(102) == pytest.approx(0.0)
+    if power == 1.0:
+        linear = lr_lambda(TrainingConfig(lr_scheduler="linear", lr_warmup_steps=2), total_steps=102)
+        assert [f(i) for i in range(102)] == pytest.approx([linear(i) for i in range(102)])
+
+
+def test_warmup_stable_decay_holds_the_rate_then_decays_over_its_fraction():
+    f = lr_lambda(TrainingConfig(lr_scheduler="warmup_stable_decay", lr_decay_fraction=0.25, lr_warmup_steps=10),
+                  total_steps=110)
+    assert f(0) == pytest.approx(0.1)
+    assert all(f(i) == 1.0 for i in range(10, 85))  # stable for the first 75 of the 100 steps after warm-up
+    assert f(85 + 12.5) == pytest.approx(0.5)
+    assert f(109) < 0.01 and f(110) == pytest.approx(0.0)
+    decay = [f(i) for i in range(85, 111)]
+    assert decay == sorted(decay, reverse=True)
+
+
+def test_an_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="training.lr_scheduler: unknown schedule 'cosin'"):
+        lr_lambda(TrainingConfig(lr_scheduler="cosin"), total_steps=10)
+
+
+def test_decay_fraction_above_one_is_refused():
+    from modules.config import TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.training.lr_decay_fraction = 1.5
+    assert any(p.startswith("training.lr_decay_fraction: 1.5") for p in validate(cfg, check_paths=False))
+    cfg.training.lr_decay_fraction = 0.0
+    assert any(p.startswith("training.lr_decay_fraction: 0.0") for p in validate(cfg, check_paths=False))

@@ -13,7 +13,7 @@ from ui.field_visibility import hidden_fields
 
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
              "training.timestep_logit_std"}
-SD_ONLY = {"model.prediction_type", "training.min_snr_gamma"}
+SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
 
 
 def config(base_model: str, model_type: str = "auto") -> TrainConfig:

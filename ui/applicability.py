@@ -38,6 +38,11 @@ def _schedule_free(c: TrainConfig) -> str | None:
         f"used only by schedule-free AdamW (Optimizer is {c.optimizer.name})"
 
 
+def _schedule(c: TrainConfig, schedule: str, title: str) -> str | None:
+    return None if c.training.lr_scheduler == schedule else \
+        f"used only by the {title} schedule (LR scheduler is {c.training.lr_scheduler})"
+
+
 def _multi_gpu(c: TrainConfig) -> str | None:
     return None if c.multi_gpu.enabled else "used only with Multi-GPU on"
 
@@ -60,6 +65,10 @@ RULES: dict[str, Rule] = {
     "training.lora_alpha": _lora,
     "training.lora_dropout": _lora,
     "training.lora_target_modules": _lora,
+    "training.lora_type": _lora,
+    "training.lora_init": _lora,
+    "training.lokr_factor": lambda c: _lora(c) or (None if c.training.lora_type == "lokr" else
+                                                   f"used only by LoKr (LoRA type is {c.training.lora_type})"),
     "save.lora_format": _lora,
     "save.full_format": _full,
     "optimizer.beta1": _adam,
@@ -81,10 +90,17 @@ RULES: dict[str, Rule] = {
     "used only when the text encoder is trained (Train text encoder is off)",
     "training.epochs": lambda c: None if c.training.max_steps <= 0 else
     f"not used while Max steps is set ({c.training.max_steps} steps decide the length)",
+    "training.lr_cycles": lambda c: _schedule(c, "cosine_with_restarts", "cosine with restarts"),
+    "training.lr_power": lambda c: _schedule(c, "polynomial", "polynomial"),
+    "training.lr_decay_fraction": lambda c: _schedule(c, "warmup_stable_decay", "warmup-stable-decay"),
     "training.ema_decay": lambda c: None if c.training.ema else "used only with EMA of weights on",
     "save.ema_weights": lambda c: None if c.training.ema else "used only with EMA of weights on",
     "data.keep_tags": lambda c: None if c.data.shuffle_tags else "used only with Shuffle tags on",
+    "data.tag_separator": lambda c: None if c.data.shuffle_tags or c.data.caption_prefix or c.data.caption_suffix
+    else "used only with Shuffle tags on or a caption prefix or suffix",
     "data.bucket_step": lambda c: None if c.data.aspect_bucketing else "used only with Aspect-ratio buckets on",
+    "data.min_bucket_size": lambda c: None if c.data.aspect_bucketing else "used only with Aspect-ratio buckets on",
+    "data.max_bucket_size": lambda c: None if c.data.aspect_bucketing else "used only with Aspect-ratio buckets on",
     "data.cache_text_embeddings": lambda c: None if not (c.training.train_text_encoder or c.data.shuffle_tags)
     else "not possible while the text encoder trains or tags are shuffled (captions change every time)",
     "training.validation_every_n_steps": lambda c: None if c.data.validation_fraction > 0 or any(

@@ -108,6 +108,11 @@ class ConfigModel:
         self._saved = config_to_dict(cfg)
         self._notify(None)
 
+    def adopt(self, cfg: TrainConfig, source_name: str) -> None:
+        """Take `cfg` from elsewhere (an imported config): no file yet, and unsaved until Save as."""
+        self.replace(cfg, None, source_name)
+        self._saved = {}
+
     def save(self, path: str | Path | None = None) -> Path:
         target = Path(path) if path is not None else self.path
         if target is None:

@@ -35,7 +35,7 @@ class FamilyInfo:
     """Tensor-name prefixes that only this family's single files have (checked in `FAMILIES` order)."""
 
 
-_SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
+_SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma", "training.clip_skip")
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
 

@@ -14,6 +14,12 @@ from .model_families import MODEL_TYPES
 DTYPES = ("fp32", "bf16", "fp16")
 """Storage and saving dtypes."""
 
+LORA_TYPES = ("lora", "dora", "loha", "lokr")
+"""`training.lora_type`: the adapter variants (modules/model/lora_variants.py builds each)."""
+
+LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "warmup_stable_decay")
+"""`training.lr_scheduler`: the learning-rate schedules after warm-up (modules/trainer/optim.py shapes each)."""
+
 CONCEPT_ROLES = ("train", "regularisation", "validation")
 """`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
 
@@ -99,20 +105,30 @@ class DataConfig:
     """Group images by aspect ratio so that each batch keeps one shape without heavy cropping."""
     bucket_step: int = 64
     """Bucket sides are multiples of this many pixels."""
+    min_bucket_size: int = rule(0, minimum=0, label="Smallest bucket side")
+    """Buckets with a side shorter than this many pixels are not used (kohya's min_bucket_reso), so no image is trained as a thin strip; its images go to the nearest bucket left. A multiple of bucket_step, at most the resolution. 0: no bound (sides down to half the resolution / sqrt 2, from the 2:1 limit)."""
+    max_bucket_size: int = rule(0, minimum=0, label="Largest bucket side")
+    """Buckets with a side longer than this many pixels are not used (kohya's max_bucket_reso), which caps the memory of wide or tall images. A multiple of bucket_step, at least the resolution. 0: no bound (sides up to the resolution x sqrt 2)."""
     random_flip: bool = rule(False, label="Random horizontal flip")
     """Flip images horizontally at random (not with cached latents: both flips are cached then)."""
     random_crop: bool = rule(False, label="Random crop")
     """Crop at a random position instead of the centre when an image is larger than its bucket."""
     caption_dropout: float = 0.0
     """Probability of training on an empty caption (helps classifier-free guidance)."""
+    caption_prefix: str = rule("", label="Caption prefix (trigger word)")
+    """Text put before every training caption, joined with the tag separator (e.g. `ohwx person` gives `ohwx person, <caption>`): a trigger word for a LoRA. Never shuffled; caption dropout drops it with the rest."""
+    caption_suffix: str = rule("", label="Caption suffix")
+    """Text put after every training caption, joined with the tag separator. Never shuffled."""
     shuffle_tags: bool = rule(False, label="Shuffle tags")
-    """Shuffle comma-separated tags in captions each time an image is used."""
+    """Shuffle the tags of each caption (the parts between tag separators) each time an image is used, in an order fixed by the seed, the epoch and the image's place in the data (the same on any number of GPUs). Text embeddings are then encoded every step instead of cached."""
     keep_tags: int = rule(0, minimum=0, label="Keep first N tags")
-    """Number of leading tags kept in place when shuffling."""
+    """Number of leading tags kept in place when shuffling (kohya's keep_tokens), counted after the caption prefix, which always stays first."""
+    tag_separator: str = rule(",", label="Tag separator")
+    """What separates the tags of a caption (kohya's caption_separator): shuffling splits at it, and the prefix, the suffix and the shuffled tags are joined with it and a space."""
     cache_latents: bool = True
     """Encode every image with the VAE once and train from the cached latents."""
     cache_text_embeddings: bool = True
-    """Encode captions once (only when the text encoder is frozen and tags are not shuffled). With caption dropout the empty caption is cached too, so the text encoder never runs in a step."""
+    """Encode captions once (only when the text encoder is frozen and tags are not shuffled: otherwise they are encoded every step, and the log says why). With caption dropout the empty caption is cached too, so the text encoder never runs in a step."""
     validation_fraction: float = rule(0.0, label="Hold out for validation")
     """Hold out this fraction (0 to 0.5) of the training concepts' images for the validation loss; which images is fixed by their content, not by the seed or the order. 0: only `validation` concepts are held out."""
     num_workers: int = rule(2, minimum=0, label="Loader workers")
@@ -162,17 +178,25 @@ class OptimizerConfig:
 class TrainingConfig:
     method: str = rule("lora", choices=("lora", "full"))
     """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
+    lora_type: str = rule("lora", choices=LORA_TYPES, label="LoRA type")
+    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; each step computes the adapted weights' norms, so steps take longer), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (docs/Models.md says which program reads which file)."""
+    lokr_factor: int = rule(-1, label="LoKr factor")
+    """`lokr`: how each weight's sides are split into the two Kronecker factors (peft's decompose_factor, kohya's factor): the smaller factor's side is at most this. -1: as square as possible (the smallest file)."""
+    lora_init: str = rule("", label="Start from LoRA file")
+    """A LoRA file (.safetensors, in the kohya/ComfyUI or the diffusers/peft layout, as Tandem saves or reads them) whose weights the adapters start from instead of zero, to continue training it with a new run. Its type, rank, alpha and adapted modules must match training.lora_type, lora_rank, lora_alpha, lora_target_modules and train_text_encoder; a mismatch stops the start with a message saying what differs. A backup (--resume) takes precedence. Empty: new adapters."""
     lora_rank: int = rule(16, minimum=1, label="LoRA rank")
     """LoRA rank (size of the adapter)."""
     lora_alpha: float = rule(16.0, above=0.0, label="LoRA alpha")
     """LoRA alpha; the adapter's output is scaled by alpha / rank."""
     lora_dropout: float = rule(0.0, label="LoRA dropout")
-    """Dropout inside the LoRA layers."""
+    """Dropout on the input of the LoRA and DoRA layers (LoHa and LoKr have none: keep it 0 there)."""
     lora_target_modules: list[str] = rule(factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
                                           label="LoRA target modules")
     """Names of the UNet modules that get LoRA adapters."""
     train_text_encoder: bool = False
     """Also train the text encoder(s) (LoRA or full, as `method` says)."""
+    clip_skip: int = rule(0, minimum=0, label="CLIP skip")
+    """SD 1.x/2.x and SDXL: condition on the CLIP layer this far from the end, as kohya's and A1111's clip skip count (1: the last layer, 2: the one before it, which many anime models were trained with); samples use the same layer. SD 1.x/2.x apply CLIP's final norm to it, as kohya does; SDXL's own choice is 2 (below 2 is refused there). 0: the family's own (SD 1.x/2.x the last layer, SDXL the penultimate). SD3 and Flux refuse it: their conditioning is not CLIP's alone."""
     epochs: int = 10
     """Number of passes over the data."""
     max_steps: int = rule(0, minimum=0, label="Max steps (0: epochs)")
@@ -185,8 +209,14 @@ class TrainingConfig:
     """Learning rate for the UNet (before multi-GPU scaling, see `multi_gpu.lr_scaling`)."""
     text_encoder_learning_rate: float = rule(0.0, minimum=0, label="Text encoder LR")
     """Learning rate for the text encoder. 0: the same as `learning_rate`."""
-    lr_scheduler: str = rule("constant", choices=("constant", "linear", "cosine"), label="LR scheduler")
-    """Learning-rate schedule after warm-up: `constant`, `linear` or `cosine`."""
+    lr_scheduler: str = rule("constant", choices=LR_SCHEDULES, label="LR scheduler")
+    """Learning-rate schedule after warm-up: `constant`, `linear`, `cosine`, `cosine_with_restarts` (cosine decay to 0 `lr_cycles` times, each cycle starting again at the full rate), `polynomial` (decays as (1 - progress) ^ `lr_power`; power 1 is linear) or `warmup_stable_decay` (the full rate until the last `lr_decay_fraction` of the steps, then a cosine decay to 0)."""
+    lr_cycles: int = rule(3, minimum=1, label="LR restarts (cycles)")
+    """`cosine_with_restarts`: how many cosine cycles the steps after warm-up are divided into (kohya's lr_scheduler_num_cycles). 1 is plain cosine."""
+    lr_power: float = rule(2.0, above=0.0, label="LR polynomial power")
+    """`polynomial`: the power of the decay (kohya's lr_scheduler_power). 1 is linear; above 1 the rate falls quickly at first, below 1 late."""
+    lr_decay_fraction: float = rule(0.2, above=0.0, label="LR decay fraction")
+    """`warmup_stable_decay`: the fraction (above 0, at most 1) of the steps after warm-up spent decaying to 0; before that the rate stays at its full value."""
     lr_warmup_steps: int = rule(0, minimum=0, label="Warm-up steps")
     """Optimizer steps of linear warm-up from 0 to the learning rate."""
     precision: str = rule("bf16", choices=("bf16", "fp16", "fp32"))

@@ -482,7 +482,12 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> list[str]:
     """
     return (_value_checks(cfg) + _list_item_checks(cfg) + _finite_checks(cfg) + _model_checks(cfg, check_paths)
             + _data_checks(cfg, check_paths) + _training_checks(cfg) + _output_checks(cfg) + _multi_gpu_checks(cfg)
-            + _family_checks(cfg))
+            + _family_checks(cfg) + _recipe_checks(cfg, check_paths))
+
+
+def _recipe_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    from .recipe_checks import recipe_problems  # imported late, to keep validation's imports one-way
+    return recipe_problems(cfg, known_family(cfg), check_paths)
 
 
 def check(cfg: TrainConfig, source: str | None = None, check_paths: bool = True) -> TrainConfig:

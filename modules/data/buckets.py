@@ -15,10 +15,14 @@ VAE_FACTOR = 8
 
 
 def make_buckets(resolution: int, step: int = 64, aspect_bucketing: bool = True,
-                 max_aspect_ratio: float = MAX_ASPECT_RATIO) -> list[tuple[int, int]]:
+                 max_aspect_ratio: float = MAX_ASPECT_RATIO, min_side: int = 0,
+                 max_side: int = 0) -> list[tuple[int, int]]:
     """Bucket sizes `(width, height)` with about `resolution**2` pixels, sides multiples of `step`.
 
-    Sorted by aspect ratio (portrait first). Without aspect bucketing: one square bucket.
+    `min_side` / `max_side` (0: no bound) drop the buckets with a side outside them (kohya's
+    min_bucket_reso / max_bucket_reso), which limits how extreme the aspect ratios get; the square
+    bucket must lie inside them. Sorted by aspect ratio (portrait first). Without aspect bucketing:
+    one square bucket.
     """
     if resolution % VAE_FACTOR:
         raise ValueError(f"data.resolution={resolution} is not a multiple of {VAE_FACTOR} (the VAE's "
@@ -38,6 +42,12 @@ def make_buckets(resolution: int, step: int = 64, aspect_bucketing: bool = True,
             sizes.add((width, height))
     square = resolution // step * step
     sizes.add((square, square))
+    if min_side or max_side:
+        if not (min_side or 0) <= square <= (max_side or square):
+            raise ValueError(f"data.min_bucket_size={min_side} and data.max_bucket_size={max_side} leave out the "
+                             f"square bucket of data.resolution={resolution}; keep the resolution between them.")
+        upper = max_side or max(max(wh) for wh in sizes)
+        sizes = {(w, h) for w, h in sizes if min(w, h) >= min_side and max(w, h) <= upper}
     return sorted(sizes, key=lambda wh: (wh[0] / wh[1], wh[0]))
 
 

@@ -98,22 +98,29 @@ def decode_caption(data: bytes, path: Path) -> str:
 
 
 def process_caption(caption: str, rng: random.Random, dropout: float = 0.0,
-                    shuffle_tags: bool = False, keep_tags: int = 0) -> str:
-    """Apply caption dropout and tag shuffling for one use of an image.
+                    shuffle_tags: bool = False, keep_tags: int = 0, prefix: str = "", suffix: str = "",
+                    separator: str = ",") -> str:
+    """Apply caption dropout, tag shuffling and the fixed prefix/suffix for one use of an image.
 
-    Tags are the comma-separated parts; the first `keep_tags` stay in place (typically the
-    trigger word), the rest are shuffled. The rng is drawn from in a fixed order (dropout first)
-    so that the same rng state always gives the same caption.
+    Tags are the parts between `separator`s; the first `keep_tags` stay in place (typically the trigger
+    word, when it is in the caption files), the rest are shuffled; `prefix` and `suffix` stay outside
+    the shuffle. The rng is drawn from in a fixed order (dropout first) so that the same rng state always
+    gives the same caption: seeded by (seed, epoch, item), a caption is the same on any number of GPUs.
     """
     if dropout > 0.0 and rng.random() < dropout:
         return ""
-    if not shuffle_tags:
-        return caption
-    tags = [t.strip() for t in caption.split(",")]
-    tags = [t for t in tags if t]
-    kept, rest = tags[:keep_tags], tags[keep_tags:]
-    rng.shuffle(rest)
-    return ", ".join(kept + rest)
+    if shuffle_tags:
+        tags = [t.strip() for t in caption.split(separator)]
+        tags = [t for t in tags if t]
+        kept, rest = tags[:keep_tags], tags[keep_tags:]
+        rng.shuffle(rest)
+        caption = f"{separator} ".join(kept + rest)
+    return with_prefix_and_suffix(caption, prefix, suffix, separator)
+
+
+def with_prefix_and_suffix(caption: str, prefix: str, suffix: str, separator: str = ",") -> str:
+    """`prefix, caption, suffix` (the empty parts left out), joined with `separator` and a space."""
+    return f"{separator} ".join(part for part in (prefix.strip(), caption, suffix.strip()) if part)
 
 
 def _image_files(folder: Path, recursive: bool) -> list[Path]:

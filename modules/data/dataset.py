@@ -21,7 +21,7 @@ from modules.config.train_config import DataConfig
 
 from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
-from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts
+from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts, with_prefix_and_suffix
 from .masks import load_mask, loss_weights
 
 
@@ -41,9 +41,23 @@ DROPPED_CAPTION = ""
 
 def text_cache_allowed(data_cfg: DataConfig, train_text_encoder: bool) -> bool:
     """Whether caption embeddings may be cached: the encoder is frozen and every use of a caption gives
-    one of two texts - the caption, or with caption dropout the empty caption (cached once) - which tag
-    shuffling would not (each use a new order)."""
-    return data_cfg.cache_text_embeddings and not train_text_encoder and not data_cfg.shuffle_tags
+    one of two texts - the caption (with its fixed prefix and suffix), or with caption dropout the empty
+    caption (cached once) - which tag shuffling would not (each use a new order)."""
+    return text_cache_refusal(data_cfg, train_text_encoder) is None and data_cfg.cache_text_embeddings
+
+
+def text_cache_refusal(data_cfg: DataConfig, train_text_encoder: bool) -> str | None:
+    """Why text embeddings are not cached although `data.cache_text_embeddings` asks for it; None when
+    they can be (or are not asked for). kohya refuses the combination; Tandem encodes every step instead."""
+    if not data_cfg.cache_text_embeddings:
+        return None
+    if train_text_encoder:
+        return ("data.cache_text_embeddings: not cached, the text encoder trains (its embeddings change every "
+                "step); captions are encoded every step.")
+    if data_cfg.shuffle_tags:
+        return ("data.cache_text_embeddings: not cached, data.shuffle_tags gives each use of a caption another "
+                "tag order; captions are encoded every step (turn off Shuffle tags to cache them).")
+    return None
 
 
 class TrainDataset(Dataset):
@@ -129,7 +143,7 @@ class TrainDataset(Dataset):
             raise ValueError("Text embeddings cannot be cached with data.shuffle_tags on (each use gives another "
                              "caption); pass cache_text=False (see text_cache_allowed()).")
         items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
-                           with_flipped=cfg.random_flip, caption=im.caption if cache_text else None,
+                           with_flipped=cfg.random_flip, caption=self.full_caption(im) if cache_text else None,
                            mask_path=im.mask_path, mask_hash=im.mask_hash)
                  for j, im in enumerate(self.images)]
         self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
@@ -139,6 +153,11 @@ class TrainDataset(Dataset):
         self._text_cached = cache_text
         self._latents_cached = cfg.cache_latents and encode_images is not None
         return self._cache
+
+    def full_caption(self, image: ImageRecord) -> str:
+        """The image's caption with the fixed prefix and suffix: what a use without dropout or shuffling trains on."""
+        cfg = self.data_cfg
+        return with_prefix_and_suffix(image.caption, cfg.caption_prefix, cfg.caption_suffix, cfg.tag_separator)
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
@@ -171,9 +190,10 @@ class TrainDataset(Dataset):
             item["mask"] = loss_weights(mask, image.unmasked_weight)
         item["loss_weight"] = image.loss_weight
         # The same draw with the text cached or not, so an item trains on the same caption either way.
-        item["caption"] = process_caption(image.caption, rng, cfg.caption_dropout, cfg.shuffle_tags, cfg.keep_tags)
+        item["caption"] = process_caption(image.caption, rng, cfg.caption_dropout, cfg.shuffle_tags, cfg.keep_tags,
+                                          cfg.caption_prefix, cfg.caption_suffix, cfg.tag_separator)
         if self._text_cached:
-            dropped = item["caption"] != image.caption
+            dropped = item["caption"] != self.full_caption(image)
             item["text"] = (self._cache.load_extra_text(DROPPED_CAPTION) if dropped
                             else self._cache.load_text(image_index))
         item["original_size"] = plan.original_size
@@ -202,7 +222,8 @@ def collate(items: Sequence[dict]) -> dict:
 
 def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:
     """Scan the concepts and assign buckets; needs no model, so data errors show up first."""
-    bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing)
+    bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing,
+                                min_side=data_cfg.min_bucket_size, max_side=data_cfg.max_bucket_size)
     return TrainDataset(scan_concepts(data_cfg.concepts, data_cfg.validation_fraction), bucket_sizes, data_cfg,
                         cache_dir, seed)
 

@@ -211,6 +211,8 @@ class ModelBundle:
         }
         if "text_lengths" in self.extra:  # SD keys stay as they were, so SD caches stay valid
             description["text_lengths"] = self.text_lengths()
+        if self.extra.get("clip_skip"):  # another CLIP layer: other embeddings (absent by default: caches stay valid)
+            description["clip_skip"] = self.extra["clip_skip"]
         if self.extra.get("components_source"):
             description["components"] = _source_identity(self.extra["components_source"], _CACHE_INPUT_FOLDERS)
         blob = json.dumps(description, sort_keys=True, default=str).encode()

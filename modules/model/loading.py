@@ -101,6 +101,8 @@ def load_model(
         bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type, overrides.get("vae"))
         bundle.vae_source = str(Path(model_cfg.vae_path.strip()).expanduser().resolve())
 
+    if training_cfg is not None and training_cfg.clip_skip:
+        bundle.extra["clip_skip"] = bundle.family.checked_clip_skip(training_cfg.clip_skip)
     for module in bundle.modules().values():
         module.requires_grad_(False).eval()
     store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights

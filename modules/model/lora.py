@@ -10,8 +10,10 @@ Two file layouts:
 - `peft`: what diffusers' `save_lora_weights` writes today: peft's `<module>.lora_A.weight` /
   `.lora_B.weight` under `unet.` / `transformer.` / `text_encoder.` / `text_encoder_2.`, plus the adapter
   config in the header; loadable with `pipeline.load_lora_weights`.
-Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads the SD families'
-layouts back (including those earlier versions wrote).
+Both carry ModelSpec and kohya metadata (`lora_metadata.py`); `lora_reading.py` reads the layouts back
+(including those earlier versions wrote). The adapter may be LoRA, DoRA, LoHa or LoKr
+(`training.lora_type`, `lora_variants.py`); the kohya layout of DoRA, LoHa and LoKr is LyCORIS's
+(`lycoris_layout.py`), for every family.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from .bundle import ModelBundle, checkpoint_text_encoder_key
 from .files import resolve_save_dtype
 from .kohya_lora import split_peft_key  # noqa: F401 - the families read adapter keys through lora
 from .lora_metadata import file_metadata
+from .lora_variants import alpha_and_rank, is_adapter_parameter, peft_config, type_of_config
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 """The attention projections of CLIP text encoders, as the diffusers LoRA training scripts target."""
@@ -37,20 +40,17 @@ LORA_FORMATS = ("kohya", "peft")
 
 
 def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Parameter]:
-    """Attach LoRA adapters and return their parameters (fp32, trainable); the base stays frozen.
+    """Attach LoRA adapters (of `training.lora_type`, see `lora_variants.py`) and return their parameters
+    (fp32, trainable); the base stays frozen.
 
-    The LoRA "B" matrices start at zero (peft's gaussian init), so the model's output is unchanged
-    until the first optimizer step. The text encoders the family trains (never T5) get adapters when
-    `train_text_encoder` is set.
+    Every variant starts with a zero change (LoRA's "B" matrices at zero, peft's gaussian init), so the
+    model's output is unchanged until the first optimizer step. The text encoders the family trains
+    (never T5) get adapters when `train_text_encoder` is set. With `training.lora_init` the adapters then
+    take the weights of that file (`lora_reading.start_from_file`).
     """
-    from peft import LoraConfig
-
-    def config(targets: list[str]) -> "LoraConfig":
-        return LoraConfig(
-            r=training_cfg.lora_rank, lora_alpha=training_cfg.lora_alpha,
-            lora_dropout=training_cfg.lora_dropout, target_modules=list(targets),
-            init_lora_weights="gaussian",
-        )
+    def config(targets: list[str]):
+        return peft_config(training_cfg.lora_type, training_cfg.lora_rank, training_cfg.lora_alpha,
+                           training_cfg.lora_dropout, targets, training_cfg.lokr_factor)
 
     if training_cfg.lora_rank < 1:
         raise ValueError(f"training.lora_rank is {training_cfg.lora_rank}; it must be at least 1")
@@ -73,13 +73,16 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     params = []
     for module in adapted:
         for name, param in module.named_parameters():
-            if ".lora_" in name:
+            if is_adapter_parameter(name):
                 # Tiny updates to low-precision adapters would round away: keep them fp32.
                 param.data = param.data.to(torch.float32)
                 param.requires_grad_(True)
                 params.append(param)
     if training_cfg.precision in ("bf16", "fp16"):
         _skip_input_casts(adapted)
+    if training_cfg.lora_init.strip():
+        from .lora_reading import start_from_file
+        start_from_file(bundle, training_cfg.lora_init.strip())
     return params
 
 
@@ -143,8 +146,12 @@ def lora_state_dict(bundle: ModelBundle) -> dict[str, torch.Tensor]:
 
 
 def lora_alpha_and_rank(bundle: ModelBundle, component: str | None = None) -> tuple[float, int]:
-    config = bundle.modules()[component or bundle.denoiser_name].peft_config["default"]
-    return float(config.lora_alpha), int(config.r)
+    return alpha_and_rank(bundle.modules()[component or bundle.denoiser_name].peft_config["default"])
+
+
+def lora_type(bundle: ModelBundle) -> str:
+    """The variant of the bundle's adapters (`lora`, `dora`, `loha`, `lokr`)."""
+    return type_of_config(bundle.denoiser.peft_config["default"])
 
 
 def save_lora(
@@ -170,7 +177,10 @@ def save_lora(
         modules = {c: {k: source.whole(v.detach()) for k, v in state.items()} for c, state in modules.items()}
         if not source.writes:
             return path
-    if fmt == "kohya":
+    if fmt == "kohya" and lora_type(bundle) != "lora":
+        from .lycoris_layout import lycoris_tensors
+        tensors = lycoris_tensors(bundle, modules)
+    elif fmt == "kohya":
         alphas = {component: lora_alpha_and_rank(bundle, component)[0] for component in modules}
         tensors = bundle.family.kohya_lora_tensors(bundle, modules, alphas)
     else:
@@ -190,7 +200,7 @@ def _peft_tensors(modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, torc
 
 def _header(bundle: ModelBundle, fmt: str, modules: dict, title: str, metadata: dict) -> dict[str, str]:
     alpha, rank = lora_alpha_and_rank(bundle)
-    header = {"format": "pt", **file_metadata(bundle, fmt, rank, alpha, title)}
+    header = {"format": "pt", **file_metadata(bundle, fmt, rank, alpha, title, lora_type(bundle))}
     if fmt == "peft":
         # diffusers reads rank/alpha back from here; without it, it would assume alpha == rank.
         from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY

@@ -28,7 +28,7 @@ def display_name(source: str) -> str:
     return Path(source.rstrip("/\\").replace("\\", "/")).name
 
 
-def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str,
+def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str, lora_type: str = "lora",
                   now: datetime.datetime | None = None) -> dict[str, str]:
     """The keys every Tandem LoRA file carries: what it is, for which base model, in which layout.
 
@@ -43,7 +43,7 @@ def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str,
         "modelspec.implementation_version": f"tandem/{_tandem_version()}",
         "modelspec.title": title,
         "modelspec.date": now.replace(microsecond=0).isoformat(),
-        "ss_network_module": "networks.lora",
+        **_network_module(lora_type),
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(float(alpha)),
         **bundle.family.kohya_metadata(bundle),
@@ -51,12 +51,23 @@ def file_metadata(bundle, fmt: str, rank: int, alpha: float, title: str,
         "tandem_base_model": display_name(bundle.source),
         "tandem_model_type": bundle.model_type,
         "tandem_lora_format": fmt,
+        "tandem_lora_type": lora_type,
     }
     if bundle.prediction_type in ("epsilon", "v_prediction"):
         header["modelspec.prediction_type"] = "v" if bundle.prediction_type == "v_prediction" else "epsilon"
     if getattr(bundle, "vae_source", ""):
         header["ss_vae_name"] = display_name(bundle.vae_source)
     return header
+
+
+def _network_module(lora_type: str) -> dict[str, str]:
+    """kohya's description of the network: sd-scripts' own LoRA module, or LyCORIS's with its algorithm
+    (as LyCORIS records LoHa, LoKr and DoRA, `dora_wd`)."""
+    if lora_type == "lora":
+        return {"ss_network_module": "networks.lora"}
+    args = {"algo": "lora", "dora_wd": "True"} if lora_type == "dora" else {"algo": lora_type}
+    import json
+    return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args, sort_keys=True)}
 
 
 def training_metadata(cfg, numbers, dataset, step: int, started_at: float,
@@ -108,6 +119,13 @@ def training_metadata(cfg, numbers, dataset, step: int, started_at: float,
         "ss_cache_latents": d.cache_latents,
         "ss_noise_offset": t.offset_noise or None,
         "ss_min_snr_gamma": t.min_snr_gamma or None,
+        "ss_clip_skip": t.clip_skip or None,
+        "ss_min_bucket_reso": d.min_bucket_size or None,
+        "ss_max_bucket_reso": d.max_bucket_size or None,
+        "ss_lr_scheduler_num_cycles": t.lr_cycles if t.lr_scheduler == "cosine_with_restarts" else None,
+        "ss_lr_scheduler_power": t.lr_power if t.lr_scheduler == "polynomial" else None,
+        "tandem_caption_prefix": d.caption_prefix or None,
+        "tandem_caption_suffix": d.caption_suffix or None,
         "ss_dataset_dirs": _json({name: {"n_repeats": per_concept_items[name] // count, "img_count": count}
                                   for name, count in per_concept_images.items()}),
         "tandem_world_size": numbers.world_size,

@@ -324,6 +324,10 @@ class BaseTrainer(ABC):
 
     def fill_cache(self) -> None:
         """Encode latents (and text) once. Each rank encodes its share, then all read the whole cache."""
+        from modules.data import text_cache_refusal
+        refusal = text_cache_refusal(self.cfg.data, self.cfg.training.train_text_encoder)
+        if refusal:
+            log.warning(refusal)
         if not (self.cfg.data.cache_latents or self.cache_text()):
             return
         share_work = self.cfg.multi_gpu.distributed_data_loading

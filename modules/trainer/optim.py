@@ -20,6 +20,7 @@ import math
 import torch
 
 from modules.config import OptimizerConfig, TrainingConfig
+from modules.config.train_config import LR_SCHEDULES
 from modules.util.layout import in_layout_of
 
 log = logging.getLogger("tandem")
@@ -154,20 +155,45 @@ def match_param_layouts(optimizer: torch.optim.Optimizer) -> None:
 
 
 def lr_lambda(cfg: TrainingConfig, total_steps: int):
-    """Multiplier of the base LR at each optimizer step: linear warm-up, then the chosen schedule."""
+    """Multiplier of the base LR at each optimizer step: linear warm-up, then the chosen schedule.
+
+    A pure function of the step, so a resumed run (LambdaLR keeps only the step count) continues the
+    same curve, whatever the GPU count.
+    """
     warmup = cfg.lr_warmup_steps
     decay_steps = max(1, total_steps - warmup)
+    schedule = cfg.lr_scheduler
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"training.lr_scheduler: unknown schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
 
     def factor(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / decay_steps)
-        if cfg.lr_scheduler == "linear":
+        if schedule == "linear":
             return 1.0 - progress
-        if cfg.lr_scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+        if schedule == "cosine":
+            return _cosine(progress)
+        if schedule == "cosine_with_restarts":
+            # Each of lr_cycles cycles restarts at the full rate; the last one ends at 0 (as diffusers' and
+            # kohya's hard restarts do).
+            if progress >= 1.0:
+                return 0.0
+            return _cosine((progress * cfg.lr_cycles) % 1.0)
+        if schedule == "polynomial":
+            return (1.0 - progress) ** cfg.lr_power
+        if schedule == "warmup_stable_decay":
+            stable = 1.0 - min(1.0, cfg.lr_decay_fraction)
+            if progress <= stable:
+                return 1.0
+            return _cosine((progress - stable) / (1.0 - stable))
+        return 1.0  # constant
     return factor
+
+
+def _cosine(progress: float) -> float:
+    """Half a cosine from 1 (progress 0) to 0 (progress 1)."""
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int):

@@ -1,13 +1,15 @@
-"""The main window: the config bar (presets, Load, Save, Save as), the tabs, and closing."""
+"""The main window: the config bar (presets, Load, Save, Save as, Import), the tabs, and closing."""
 from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
 
 from modules.config import ConfigError
+from modules.config.config_import import import_config
 from modules.config.presets import list_presets
 
 from ..config_model import ConfigModel
@@ -17,6 +19,7 @@ from ..settings import RecentConfigs
 from .dialogs import Dialogs
 from .fields import Binder
 from .run_view import RunView
+from .tooltip import Tooltip
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
 from .training_tab import build_training_tab
 
@@ -74,8 +77,12 @@ class TandemApp(ctk.CTk):
         self.load_button = ctk.CTkButton(bar, text="Load", width=80, command=self.load_dialog)
         self.save_button = ctk.CTkButton(bar, text="Save", width=80, command=self.save)
         self.save_as_button = ctk.CTkButton(bar, text="Save as", width=80, command=self.save_as)
-        for button in (self.load_button, self.save_button, self.save_as_button):
+        self.import_button = ctk.CTkButton(bar, text="Import...", width=80, command=self.import_dialog)
+        for button in (self.load_button, self.save_button, self.save_as_button, self.import_button):
             button.pack(side="left", padx=(6, 0))
+        Tooltip(self.import_button, "Open a kohya_ss / sd-scripts (.toml, .json) or OneTrainer (.json) config: the "
+                                    "settings Tandem has are filled in, and a message lists the ones it has not. "
+                                    "Save as keeps the result.")
         self.file_label = ctk.CTkLabel(bar, text="", text_color="gray60", anchor="w")
         self.file_label.pack(side="left", padx=10)
 
@@ -113,6 +120,28 @@ class TandemApp(ctk.CTk):
         if path:
             self.load(path)
 
+    def import_dialog(self) -> None:
+        path = self.dialogs.ask_import_path()
+        if path:
+            self.import_file(path)
+
+    def import_file(self, path: str) -> bool:
+        """Load another trainer's config into the editor (unsaved: Save as writes it) and show what was not
+        taken over."""
+        if not self._may_discard():
+            return False
+        try:
+            result = import_config(path)
+            cfg = result.config()
+        except ConfigError as e:
+            self.dialogs.show_error("Could not import config", str(e))
+            return False
+        self.model.adopt(cfg, f"imported {Path(path).stem}")
+        self._show_current_choice()
+        self.config_menu.set(f"imported: {Path(path).name}")
+        self.dialogs.show_info("Config imported", result.report())
+        return True
+
     def save(self) -> bool:
         if self.model.path is None:
             return self.save_as()
@@ -149,7 +178,9 @@ class TandemApp(ctk.CTk):
     def _update_title(self) -> None:
         mark = " *" if self.model.dirty else ""
         self.title(f"Tandem - {self.model.source_name}{mark}")
-        self.file_label.configure(text=str(self.model.path) if self.model.path else "preset (Save as to keep changes)")
+        unsaved = "imported (Save as to keep it)" if self.model.source_name.startswith("imported ") else \
+            "preset (Save as to keep changes)"
+        self.file_label.configure(text=str(self.model.path) if self.model.path else unsaved)
 
     def _restore(self) -> None:
         """Open the config in use when the app was last closed, else the demo preset."""

@@ -21,3 +21,10 @@ class Dialogs:
 
     def show_error(self, title: str, text: str) -> None:
         messagebox.showerror(title, text)
+
+    def ask_import_path(self) -> str:
+        return filedialog.askopenfilename(title="Import a kohya or OneTrainer config",
+                                          filetypes=[("kohya or OneTrainer config", "*.toml *.json"), ("All", "*")])
+
+    def show_info(self, title: str, text: str) -> None:
+        messagebox.showinfo(title, text)

@@ -64,12 +64,13 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
     form.row += 1
     form.section("Images")
-    form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.random_flip",
-                "data.random_crop")
+    form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.min_bucket_size",
+                "data.max_bucket_size", "data.random_flip", "data.random_crop")
     form.section("Validation")
     form.fields("data.validation_fraction", "training.validation_every_n_steps")
     form.section("Captions")
-    form.fields("data.caption_dropout", "data.shuffle_tags", "data.keep_tags")
+    form.fields("data.caption_prefix", "data.caption_suffix", "data.caption_dropout", "data.shuffle_tags",
+                "data.keep_tags", "data.tag_separator")
     form.section("Caching and loading")
     form.fields("data.cache_latents", "data.cache_text_embeddings", "data.num_workers",
                 "data.pin_memory", "data.prefetch_factor")

@@ -16,9 +16,11 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     frame.pack(fill="both", expand=True)
     form = Form(frame, binder, tab="Training")
     form.section("Method")
-    form.fields("training.method", "training.lora_rank", "training.lora_alpha", "training.lora_dropout")
+    form.fields("training.method", "training.lora_type", "training.lora_rank", "training.lora_alpha",
+                "training.lora_dropout", "training.lokr_factor")
     form.field("training.lora_target_modules", width=380)
-    form.field("training.train_text_encoder")
+    form.field("training.lora_init", browse_kind="file", width=380)
+    form.fields("training.train_text_encoder", "training.clip_skip")
     form.section("Optimizer")
     form.fields("optimizer.name", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2",
                 "optimizer.eps", "optimizer.momentum", "optimizer.fused",
@@ -27,7 +29,7 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
                 "optimizer.prodigy_slice_p", "optimizer.schedule_free_r", "optimizer.schedule_free_weight_lr_power")
     form.section("Schedule")
     form.fields("training.learning_rate", "training.text_encoder_learning_rate", "training.lr_scheduler",
-                "training.lr_warmup_steps", "training.epochs", "training.max_steps")
+                "training.lr_warmup_steps", "training.lr_cycles", "training.lr_power", "training.lr_decay_fraction", "training.epochs", "training.max_steps")
     form.section("Batch and precision")
     form.fields("training.batch_size", "training.gradient_accumulation_steps", "training.precision",
                 "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark",

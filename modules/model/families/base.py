@@ -121,6 +121,12 @@ class ModelFamily(ABC):
         """The text encoders `training.train_text_encoder` trains."""
         return list(bundle.text_encoders)
 
+    def checked_clip_skip(self, clip_skip: int) -> int:
+        """`training.clip_skip` as this family accepts it; families whose conditioning is not CLIP's alone
+        refuse any value (the SD families override this)."""
+        raise ValueError(f"training.clip_skip: {clip_skip} does not apply to {self.info.title}, whose conditioning "
+                         "is not CLIP's alone; set it to 0.")
+
     def unused_text_encoder_modules(self, bundle: "ModelBundle") -> list[nn.Module]:
         """Parts of the trained text encoders whose output never reaches the conditioning."""
         return []
@@ -208,6 +214,17 @@ class ModelFamily(ABC):
                            alphas: dict[str, float]) -> dict[str, torch.Tensor]:
         """LoRA weights (peft layout, by component) in the kohya layout ComfyUI/A1111/Forge read."""
         raise ValueError(f"{self.info.title} LoRAs have no kohya layout; set save.lora_format to peft")
+
+    def lycoris_module_name(self, bundle: "ModelBundle", component: str, module_path: str) -> str:
+        """The kohya/LyCORIS name of one adapted module (`lycoris_layout.py`): `lora_transformer_` + the
+        diffusers module path for a transformer (ComfyUI maps these onto its fused weights),
+        `lora_te1_` / `lora_te2_` + the checkpoint path for CLIP text encoders. The SD families use kohya's
+        own UNet names instead."""
+        if component == bundle.denoiser_name:
+            prefix = "lora_unet" if component == "unet" else "lora_transformer"
+        else:
+            prefix = f"lora_te{component.removeprefix('text_encoder').removeprefix('_') or '1'}"
+        return f"{prefix}_{module_path.replace('.', '_')}"
 
     def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""

@@ -171,10 +171,45 @@ class SDFamily(ModelFamily):
     # ------------------------------------------------------------------ text
 
     def encode_text(self, bundle, captions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """`encoder_hidden_states` [B, 77, D]: the text encoder's last hidden state."""
+        """`encoder_hidden_states` [B, 77, D]: the text encoder's last hidden state, or with
+        `training.clip_skip` N >= 2 the N-th from the end through CLIP's final norm (as kohya and diffusers'
+        `clip_skip` compute it)."""
         encoder = bundle.text_encoders[0]
-        output = encoder(bundle.tokenize(captions)[0].to(_device_of(encoder)), output_hidden_states=False)
-        return {"encoder_hidden_states": output[0]}
+        ids = bundle.tokenize(captions)[0].to(_device_of(encoder))
+        skip = bundle.extra.get("clip_skip", 0)
+        if skip < 2:
+            return {"encoder_hidden_states": encoder(ids, output_hidden_states=False)[0]}
+        output = encoder(ids, output_hidden_states=True)
+        inner = getattr(encoder, "text_model", encoder)
+        return {"encoder_hidden_states": inner.final_layer_norm(output.hidden_states[-skip])}
+
+    def checked_clip_skip(self, clip_skip: int) -> int:
+        return clip_skip
+
+    def unused_text_encoder_modules(self, bundle):
+        """With clip skip N >= 2 the last N - 1 CLIP layers never reach the conditioning: training freezes
+        them, or DistributedDataParallel waits for their gradients."""
+        skip = bundle.extra.get("clip_skip", 0)
+        if skip < 2:
+            return []
+        inner = getattr(bundle.text_encoders[0], "text_model", bundle.text_encoders[0])
+        return list(inner.encoder.layers[-(skip - 1):])
+
+    def pipeline_arguments(self, bundle, prompt, guidance_scale):
+        """With clip skip the prompts are encoded here, as training encodes captions: the pipeline's own
+        `clip_skip` reaches for CLIP's `text_model` wrapper, which transformers 5 no longer has, and leaves
+        the negative prompt at the last layer."""
+        if bundle.extra.get("clip_skip", 0) < 2:
+            return super().pipeline_arguments(bundle, prompt, guidance_scale)
+        with torch.no_grad():
+            positive = self.encode_text(bundle, [prompt.prompt])["encoder_hidden_states"]
+            negative = self.encode_text(bundle, [prompt.negative_prompt or ""])["encoder_hidden_states"]
+        return {"prompt_embeds": positive, "negative_prompt_embeds": negative, "guidance_scale": guidance_scale}
+
+    def diffusers_clip_skip(self, clip_skip: int) -> int:
+        """`training.clip_skip` as diffusers' `clip_skip` argument, which counts the layers skipped
+        (1: the penultimate), one less than kohya's; 0: none."""
+        return max(0, clip_skip - 1)
 
     # ------------------------------------------------------------------ training
 
@@ -228,6 +263,12 @@ class SDFamily(ModelFamily):
         from modules.model.single_file import single_file_parts
 
         return single_file_parts(bundle, denoiser_state_override)
+
+    def lycoris_module_name(self, bundle, component, module_path):
+        """kohya's names, as for plain LoRA (`kohya_lora.kohya_module_name`)."""
+        from modules.model.kohya_lora import kohya_module_name
+
+        return kohya_module_name(bundle.model_type, component, module_path, bundle.unet.config)
 
     def kohya_lora_tensors(self, bundle, modules, alphas):
         """kohya sd-scripts' names (`modules/model/kohya_lora.py`): SD1/SD2 in diffusers' module paths, SDXL's

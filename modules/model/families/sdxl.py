@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .base import ModelFamily
 from .sd import SDFamily, _device_of
 
 
@@ -19,11 +20,13 @@ class SDXLFamily(SDFamily):
     def encode_text(self, bundle, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """`encoder_hidden_states` [B, 77, 768 + 1280] and `pooled` [B, 1280]."""
         hidden, pooled = [], None
+        layer = -max(2, bundle.extra.get("clip_skip", 0))
         for encoder, ids in zip(bundle.text_encoders, bundle.tokenize(captions)):
             output = encoder(ids.to(_device_of(encoder)), output_hidden_states=True)
-            # SDXL conditions on the penultimate layer of both encoders; the pooled vector comes
-            # from the last one (the projection model), as in StableDiffusionXLPipeline.encode_prompt.
-            hidden.append(output.hidden_states[-2])
+            # SDXL conditions on the penultimate layer of both encoders (training.clip_skip: an earlier one);
+            # the pooled vector comes from the last one (the projection model), as in
+            # StableDiffusionXLPipeline.encode_prompt, which reads hidden_states[-(clip_skip + 2)].
+            hidden.append(output.hidden_states[layer])
             pooled = output[0]
         device = hidden[-1].device
         return {
@@ -31,11 +34,31 @@ class SDXLFamily(SDFamily):
             "pooled": pooled,
         }
 
+    def checked_clip_skip(self, clip_skip: int) -> int:
+        if clip_skip < 2:
+            raise ValueError(f"training.clip_skip: {clip_skip} would take the last CLIP layer, and SDXL conditions on "
+                             "the penultimate (2, its own choice) or an earlier one; set it to 0 or 2 or more.")
+        return clip_skip
+
     def unused_text_encoder_modules(self, bundle):
-        """The first encoder's last layer and final norm: SDXL reads its penultimate hidden states only.
-        Training must freeze them, or DistributedDataParallel waits for their gradients."""
+        """The first encoder's last layer and final norm: SDXL reads its penultimate hidden states only (with
+        `training.clip_skip` N, the last N - 1 layers of both encoders but the second's, whose last layer makes
+        the pooled vector). Training must freeze them, or DistributedDataParallel waits for their gradients."""
+        skip = max(2, bundle.extra.get("clip_skip", 0))
         inner = getattr(bundle.text_encoders[0], "text_model", bundle.text_encoders[0])
-        return [inner.encoder.layers[-1], inner.final_layer_norm]
+        return [*inner.encoder.layers[-(skip - 1):], inner.final_layer_norm]
+
+    def diffusers_clip_skip(self, clip_skip: int) -> int:
+        return max(0, clip_skip - 2)  # the SDXL pipeline reads hidden_states[-(clip_skip + 2)]
+
+    def pipeline_arguments(self, bundle, prompt, guidance_scale):
+        """The SDXL pipeline's own `clip_skip` reads both encoders' hidden states as training does (and, with no
+        negative prompt, keeps its zero unconditional embedding)."""
+        arguments = ModelFamily.pipeline_arguments(self, bundle, prompt, guidance_scale)
+        skipped = self.diffusers_clip_skip(bundle.extra.get("clip_skip", 0))
+        if skipped:
+            arguments["clip_skip"] = skipped
+        return arguments
 
     def added_cond(self, bundle, text, original_sizes, crop_coords, target_sizes):
         """`added_cond_kwargs` for the UNet: `text_embeds` (pooled) and `time_ids` [B, 6].

@@ -1,0 +1,235 @@
+"""Importing kohya sd-scripts (.toml), kohya_ss GUI (.json) and OneTrainer (.json) configs: what maps, what
+is listed as not taken over, the script, and the window's Import button.
+
+The files in tests/fixtures/imports are written for these tests in each tool's own field names and value
+spellings (sd-scripts' argument names and tables, the GUI's string numbers and `LoRA_type`, OneTrainer's
+upper-case enums, part objects and inline concepts)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modules.config import ConfigError, load_config, validate
+from modules.config.config_import import import_config
+from modules.config.import_cli import main as import_main
+from tests.test_ui_widgets import display  # noqa: F401 - the Xvfb fixture the window test uses
+
+FIXTURES = Path(__file__).parent / "fixtures" / "imports"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _unmapped_keys(result) -> set[str]:
+    return {line.split(" = ")[0] for line in result.unmapped}
+
+
+def test_an_sd_scripts_toml_maps_its_arguments_and_tables():
+    result = import_config(FIXTURES / "kohya_sdxl_lokr.toml")
+    cfg = result.config()
+    assert result.tool == "kohya sd-scripts"
+    assert (cfg.model.model_type, cfg.model.base_model, cfg.model.vae_path) == (
+        "sdxl", "/models/sd_xl_base_1.0.safetensors", "/models/sdxl_vae.safetensors")
+    t = cfg.training
+    assert (t.method, t.lora_type, t.lora_rank, t.lora_alpha, t.lokr_factor) == ("lora", "lokr", 16, 8.0, 8)
+    assert t.learning_rate == 0.0003  # unet_lr wins over learning_rate, as in sd-scripts
+    assert (t.lr_scheduler, t.lr_cycles, t.lr_warmup_steps) == ("cosine_with_restarts", 4, 100)
+    assert (t.batch_size, t.epochs, t.gradient_accumulation_steps, t.precision) == (4, 12, 2, "bf16")
+    assert (t.train_text_encoder, t.min_snr_gamma, t.offset_noise, t.clip_skip) == (False, 5.0, 0.0357, 0)
+    assert (cfg.optimizer.name, cfg.optimizer.weight_decay, cfg.optimizer.beta2, cfg.optimizer.eps) == (
+        "adamw_8bit", 0.05, 0.99, 1e-7)
+    d = cfg.data
+    assert (d.resolution, d.min_bucket_size, d.max_bucket_size, d.shuffle_tags, d.keep_tags) == (1024, 640, 1536, True, 1)
+    assert [(c.path, c.role, c.loss_weight) for c in d.concepts] == [
+        ("/datasets/ohwx/img", "train", 1.0), ("/datasets/ohwx/reg", "regularisation", 0.8)]
+    assert (cfg.save.output_dir, cfg.save.output_name, cfg.save.save_dtype) == ("/loras/ohwx", "ohwx-sdxl-lokr", "bf16")
+    # The prompt file next to the config: one prompt per line with kohya's --n/--w/--h/--d/--l/--s.
+    first, second = cfg.sampling.prompts
+    assert (first.prompt, first.negative_prompt, first.width, first.height, first.seed) == (
+        "ohwx person, portrait photo, soft light", "blurry, lowres", 832, 1216, 7)
+    assert second.prompt == "ohwx person riding a bicycle in a park" and second.seed == 8
+    assert (cfg.sampling.guidance_scale, cfg.sampling.inference_steps, cfg.sampling.every_n_epochs) == (6.5, 28, 1)
+    assert _unmapped_keys(result) == {"network_args conv_dim", "network_args preset", "save_state", "log_with",
+                                      "logging_dir"}
+    assert any("clip_skip 2: sd-scripts ignores clip skip for SDXL" in n for n in result.notes)
+    assert validate(cfg, check_paths=False) == []
+
+
+def test_a_dataset_toml_gives_one_concept_per_subset():
+    result = import_config(FIXTURES / "kohya_dataset.toml")
+    cfg = result.config()
+    assert [(c.path, c.role, c.repeats, c.caption_extension) for c in cfg.data.concepts] == [
+        ("/data/style/train", "train", 10, ".caption"), ("/data/style/reg", "regularisation", 1, ".caption")]
+    assert (cfg.data.resolution, cfg.training.batch_size, cfg.data.keep_tags) == (768, 2, 2)
+    assert cfg.data.caption_prefix == "sks style"
+    assert "datasets.subsets class_tokens" in _unmapped_keys(result)
+    assert any("every concept" in note for note in result.notes)
+
+
+def test_a_kohya_ss_gui_json_reads_its_own_names_and_string_numbers():
+    result = import_config(FIXTURES / "kohya_ss_gui_loha.json")
+    cfg = result.config()
+    t = cfg.training
+    assert result.tool == "kohya_ss GUI"
+    assert (t.lora_type, t.lora_rank, t.lora_alpha, t.clip_skip, t.max_steps, t.epochs) == ("loha", 32, 16.0, 2, 1600, 10)
+    assert (t.learning_rate, t.text_encoder_learning_rate, t.lr_scheduler, t.lr_power) == (1e-4, 5e-5, "polynomial", 2.0)
+    assert t.lr_warmup_steps == 160  # lr_warmup is a percentage of the steps in the GUI
+    assert (cfg.optimizer.name, cfg.optimizer.prodigy_d_coef, cfg.optimizer.prodigy_use_bias_correction) == (
+        "prodigy", 2.0, True)
+    assert (cfg.general.seed, cfg.data.random_flip, cfg.data.resolution, cfg.sampling.every_n_steps) == (
+        31337, True, 512, 200)
+    assert cfg.sampling.prompts[0].prompt == "a photo of a cat" and cfg.sampling.prompts[0].width == 512
+    assert {"rank_dropout", "module_dropout", "multires_noise_iterations", "xformers"} <= _unmapped_keys(result)
+    report = result.report()
+    assert "rank_dropout = 0.1 (peft's LoRA has input dropout only" in report
+    assert "more without a Tandem counterpart were off or empty" in report
+    assert validate(cfg, check_paths=False) == []
+
+
+def test_kohya_repeat_folders_become_concepts(tmp_path):
+    images = tmp_path / "img"
+    for name in ("10_ohwx person", "2_ohwx person closeup"):
+        (images / name).mkdir(parents=True)
+    (images / "notes").mkdir()  # not a kohya <repeats>_<name> folder
+    (tmp_path / "reg" / "1_person").mkdir(parents=True)
+    config = tmp_path / "gui.json"
+    config.write_text(json.dumps({"LoRA_type": "Standard", "train_data_dir": str(images), "dora_wd": True,
+                                  "reg_data_dir": str(tmp_path / "reg"), "prior_loss_weight": 0.5,
+                                  "pretrained_model_name_or_path": "builtin:demo"}))
+    cfg = import_config(config).config()
+    assert [(Path(c.path).name, c.name, c.repeats, c.role, c.loss_weight) for c in cfg.data.concepts] == [
+        ("10_ohwx person", "ohwx person", 10, "train", 1.0), ("2_ohwx person closeup", "ohwx person closeup", 2, "train", 1.0),
+        ("1_person", "person", 1, "regularisation", 0.5)]
+    assert cfg.training.lora_type == "dora"
+
+
+def test_a_onetrainer_json_maps_enums_parts_concepts_and_samples():
+    result = import_config(FIXTURES / "onetrainer_sd15_lora.json")
+    cfg = result.config()
+    t = cfg.training
+    assert result.tool == "OneTrainer"
+    assert (cfg.model.model_type, cfg.model.base_model, cfg.model.unet_dtype) == (
+        "sd1", "stable-diffusion-v1-5/stable-diffusion-v1-5", "fp16")
+    assert (t.method, t.lora_type, t.lora_rank, t.lora_alpha, t.precision) == ("lora", "dora", 16, 1.0, "bf16")
+    assert (t.train_text_encoder, t.text_encoder_learning_rate, t.clip_skip, t.min_snr_gamma) == (True, 5e-5, 2, 5.0)
+    assert (t.lr_scheduler, t.lr_warmup_steps, t.epochs, t.batch_size, t.offset_noise) == ("cosine", 200, 40, 2, 0.05)
+    ohwx, held_out = cfg.data.concepts
+    assert (ohwx.path, ohwx.repeats, ohwx.recursive, ohwx.role) == ("/datasets/ohwx", 3, True, "train")
+    assert (held_out.role, held_out.caption_extension) == ("validation", "")  # captions from the file names
+    assert (cfg.data.shuffle_tags, cfg.data.keep_tags, cfg.data.random_flip) == (True, 1, True)
+    assert [p.prompt for p in cfg.sampling.prompts] == ["ohwx, a portrait"]  # the disabled sample is left out
+    assert (cfg.sampling.every_n_epochs, cfg.sampling.inference_steps) == (2, 25)
+    assert (cfg.save.backup_every_n_minutes, cfg.save.save_every_n_steps) == (30.0, 500)
+    assert (cfg.save.output_dir, cfg.save.output_name, cfg.save.lora_format, cfg.save.save_dtype) == (
+        "models", "ohwx-dora", "kohya", "fp16")
+    assert {"text_encoder.stop_training_after", "layer_filter", "timestep_distribution",
+            "optimizer.stochastic_rounding"} <= _unmapped_keys(result)
+    assert "__version" not in _unmapped_keys(result) and "mse_strength" not in _unmapped_keys(result)
+    assert validate(cfg, check_paths=False) == []
+
+
+def test_onetrainer_concepts_in_their_own_file_are_read(tmp_path):
+    (tmp_path / "training_concepts").mkdir()
+    (tmp_path / "training_concepts" / "concepts.json").write_text(json.dumps(
+        [{"name": "cat", "path": "/cats", "balancing": 2.5, "balancing_strategy": "REPEATS", "type": "STANDARD"}]))
+    config = tmp_path / "ot.json"
+    config.write_text(json.dumps({"__version": 10, "training_method": "FINE_TUNE", "model_type": "FLUX_DEV_1",
+                                  "base_model_name": "black-forest-labs/FLUX.1-dev",
+                                  "concept_file_name": "training_concepts/concepts.json", "peft_type": "OFT_2"}))
+    result = import_config(config)
+    cfg = result.config()
+    assert (cfg.training.method, cfg.model.model_type) == ("full", "flux")
+    assert [(c.path, c.repeats) for c in cfg.data.concepts] == [("/cats", 2)]
+    assert any("balancing 2.5" in n for n in result.notes)
+    assert "peft_type" in _unmapped_keys(result)
+
+
+@pytest.mark.parametrize("content, suffix, message", [
+    ('{"general": {}, "training": {}}', ".json", "a Tandem config already"),
+    ('{"foo": 1}', ".json", "not a config Tandem can import"),
+    ("network_dim = ", ".toml", "not valid TOML"),
+    ("[1, 2]", ".json", "the top level must be an object"),
+])
+def test_files_that_cannot_be_imported_are_named_with_the_reason(tmp_path, content, suffix, message):
+    path = tmp_path / f"x{suffix}"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as error:
+        import_config(path)
+    assert str(path) in str(error.value)
+
+
+def test_the_script_writes_a_config_that_loads_and_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "imported.json"
+    assert import_main([str(FIXTURES / "kohya_ss_gui_loha.json"), "--out", str(out),
+                        "--config-value", "data.resolution=768"]) == 0
+    printed = capsys.readouterr().out
+    assert "Not imported (10;" in printed and "multires_noise_iterations = 6" in printed and f"Wrote {out}" in printed
+    cfg = load_config(str(out), check_paths=False)  # the paths are the ones on the machine it came from
+    assert (cfg.training.lora_type, cfg.data.resolution, cfg.training.lora_rank) == ("loha", 768, 32)
+    before = out.read_text()
+    assert import_main([str(FIXTURES / "onetrainer_sd15_lora.json"), "--out", str(out)]) == 2
+    assert "exists; choose another --out, or add --force" in capsys.readouterr().err
+    assert out.read_text() == before  # the user's file is untouched
+    assert import_main([str(FIXTURES / "onetrainer_sd15_lora.json"), "--out", str(out), "--force"]) == 0
+    assert load_config(str(out), check_paths=False).training.lora_type == "dora"
+
+
+def test_the_script_runs_as_a_program(tmp_path):
+    out = tmp_path / "from-toml.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_config.py"),
+                           str(FIXTURES / "kohya_sdxl_lokr.toml"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Imported kohya_sdxl_lokr.toml (kohya sd-scripts)" in done.stdout
+    assert json.loads(out.read_text())["training"]["lora_type"] == "lokr"
+
+
+# ------------------------------------------------------------------ the window
+
+
+@pytest.mark.usefixtures("display")
+def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(tmp_path):
+    from tests.test_ui_widgets import FakeDialogs, pump
+    from ui.settings import RecentConfigs
+    from ui.views.app import TandemApp
+    from ui.views.tooltip import Tooltip
+
+    class Dialogs(FakeDialogs):
+        def __init__(self):
+            super().__init__()
+            self.import_path, self.infos = "", []
+
+        def ask_import_path(self):
+            return self.import_path
+
+        def show_info(self, title, text):
+            self.infos.append((title, text))
+
+    dialogs = Dialogs()
+    app = TandemApp(recent=RecentConfigs(tmp_path / "home"), gpu_probe=list, dialogs=dialogs)
+    try:
+        pump(app)
+        assert "OneTrainer" in Tooltip.of(app.import_button).text
+        dialogs.import_path = str(FIXTURES / "onetrainer_sd15_lora.json")
+        app.import_button.invoke()
+        pump(app)
+        fields = app.binder.fields
+        assert fields["training.lora_type"].var.get() == "dora"
+        assert fields["model.base_model"].var.get() == "stable-diffusion-v1-5/stable-diffusion-v1-5"
+        assert app.model.dirty and app.model.path is None and "imported" in app.title()
+        (title, text), = dialogs.infos
+        assert "Not imported" in text and "layer_filter_preset = 'attn-only'" in text
+        # A file that is not a config: an error, and the editor keeps what it had.
+        broken = tmp_path / "broken.json"
+        broken.write_text('{"foo": 1}')
+        dialogs.import_path, dialogs.save_answer = str(broken), False
+        app.import_button.invoke()
+        pump(app)
+        assert dialogs.errors and "not a config Tandem can import" in dialogs.errors[-1][1]
+        assert fields["training.lora_type"].var.get() == "dora"
+    finally:
+        app.controller.terminate()
+        app.destroy()
+
