@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import traceback
 from typing import Callable
 
 import customtkinter as ctk
@@ -14,6 +15,7 @@ from ..config_model import ConfigModel
 from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
 from ..settings import RecentConfigs
+from .crash_bar import CrashBar
 from .dialogs import Dialogs
 from .fields import Binder
 from .run_view import RunView
@@ -57,6 +59,7 @@ class TandemApp(ctk.CTk):
         self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
                                 ask=self.dialogs.ask_yes_no)
         self.run_view.pack(fill="both", expand=True)
+        self.crash_bar = CrashBar(self, below=self.tabs)
 
         self.binder.on_change.append(lambda _path: self._update_title())
         self.protocol("WM_DELETE_WINDOW", self.close)
@@ -181,6 +184,23 @@ class TandemApp(ctk.CTk):
     def _gpus_found(self, gpus: list[GpuInfo]) -> None:
         self.gpus = gpus
         self.multi_gpu.set_gpus(gpus)
+
+    # --- errors inside the window ---------------------------------------------------------------
+    def report_callback_exception(self, exc, value, tb) -> None:
+        """Tk's hook for an exception in a callback: shown in the window, not only on the terminal."""
+        traceback.print_exception(exc, value, tb)
+        try:
+            self.crash_bar.show(exc, value, tb)
+        except Exception:  # noqa: BLE001 - the window itself is going; the terminal has it
+            pass
+
+    def crash_text(self) -> str:
+        """The errors the crash bar shows ("" when hidden)."""
+        return self.crash_bar.text()
+
+    @property
+    def crash_dismiss(self) -> ctk.CTkButton:
+        return self.crash_bar.dismiss
 
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -188,8 +188,10 @@ class RunView(ctk.CTkScrollableFrame):
         """Nothing of the previous run may look like part of this one."""
         self.log.delete("1.0", "end")
         self._shown_lines = self._shown_samples = 0
+        # image="" is what takes the image off a Tk label: image=None leaves the label showing the old one,
+        # whose Tk image is deleted with its CTkImage, and the next configure then failed (customtkinter#2494).
+        self.sample_image.configure(image="", text="No sample yet")
         self._sample_ctk = None
-        self.sample_image.configure(image=None, text="No sample yet")
         self.sample_caption.configure(text="")
         self.progress.set(0)
         self.progress_text.configure(text="")
@@ -253,8 +255,10 @@ class RunView(ctk.CTkScrollableFrame):
         # Fit the box both ways: the demo's 64 px samples are shown enlarged, large ones shrunk.
         picture = ImageOps.contain(picture, (SAMPLE_PX, SAMPLE_PX), Image.Resampling.NEAREST
                                    if max(picture.size) < SAMPLE_PX else Image.Resampling.LANCZOS)
-        self._sample_ctk = ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size)
-        self.sample_image.configure(image=self._sample_ctk, text="")
+        shown = ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size)
+        self.sample_image.configure(image=shown, text="")
+        # Dropped only now: the label must not be left holding a deleted image while it is reconfigured.
+        self._sample_ctk = shown
         self.sample_caption.configure(text=f"step {sample.get('step')}: {sample.get('prompt', '')}")
 
     def _poll_gpus(self) -> None:

@@ -1,0 +1,44 @@
+"""The GUI as a first-time user meets it: several runs in one window, states that follow the config, errors
+that reach the window. Views under Xvfb, driven through their variables and `.invoke()`."""
+from __future__ import annotations
+
+from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - fixture
+
+__all__ = ["app_factory"]
+
+
+def _run_to_the_end(app, controller, script: list[str]) -> None:
+    controller.script = [script]
+    app.run_view.start_button.invoke()
+    assert controller.state.status == "running", app.run_view.error_text()
+    assert pump(app, lambda: not controller.state.active, timeout=30), "the scripted run did not end"
+    pump(app)
+
+
+def test_three_starts_in_one_window_each_show_their_sample(app_factory, tmp_path):
+    """Start did nothing from the third run on: the sample label kept the previous run's deleted image
+    (`image "pyimage4" doesn't exist`), so clearing it for the next run raised before anything started."""
+    controller = ScriptedController()
+    app, _ = app_factory(controller=controller)
+    view = app.run_view
+    for run in range(3):
+        sample = _png(tmp_path / f"run{run}.png")
+        _run_to_the_end(app, controller, ["1", "2", str(sample), "0"])
+        assert controller.state.status == "finished", view.error_text()
+        assert view.sample_image.cget("text") == "", f"run {run + 1}: its sample is not shown"
+        assert view.sample_caption.cget("text") == "step 2: a red circle"
+    assert len(controller.started) == 3
+
+
+def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
+    """Tk prints a callback's exception on the terminal and goes on; a window user saw nothing happen."""
+    app, _ = app_factory()
+
+    def broken() -> None:
+        raise RuntimeError("something inside the window broke")
+
+    app.after(0, broken)
+    assert pump(app, lambda: "something inside the window broke" in app.crash_text(), timeout=5)
+    assert "RuntimeError" in app.crash_text() and "broken" in app.crash_text()  # the traceback, for a report
+    app.crash_dismiss.invoke()
+    assert app.crash_text() == ""
