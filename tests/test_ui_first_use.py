@@ -2,6 +2,8 @@
 that reach the window. Views under Xvfb, driven through their variables and `.invoke()`."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - fixture
 
 __all__ = ["app_factory"]
@@ -42,3 +44,47 @@ def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
     assert "RuntimeError" in app.crash_text() and "broken" in app.crash_text()  # the traceback, for a report
     app.crash_dismiss.invoke()
     assert app.crash_text() == ""
+
+
+def _backup(workspace: Path, run: str, step: int) -> Path:
+    import torch
+
+    from modules.trainer.backup import write_backup
+    return write_backup(workspace / "backups", run, step, {"w": torch.zeros(1)}, {}, {}, keep=3)
+
+
+def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, monkeypatch):
+    """Continue kept offering "Continue from step 100" after switching to an empty workspace or another
+    preset, and clicking it failed with the command line's wording (`--resume latest: ...`)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)  # the presets' relative workspaces are empty here
+    controller = ScriptedController()
+    app, _ = app_factory(controller=controller)
+    view, workspace = app.run_view, app.binder.fields["general.workspace_dir"]
+    backup = _backup(tmp_path / "ws2", "run-a", 100)
+    workspace.var.set(str(tmp_path / "ws2"))
+    assert view.continue_button.cget("text") == "Continue from step 100"
+    workspace.var.set(str(tmp_path / "empty"))
+    assert view.continue_button.cget("state") == "disabled"
+    assert view.continue_button.cget("text") == "Continue from backup"
+    workspace.var.set(str(tmp_path / "ws2"))
+    assert view.continue_button.cget("state") == "normal"
+    assert app.load("sd15_lora")
+    assert view.continue_button.cget("state") == "disabled"
+    assert app.load("#demo")
+    workspace.var.set(str(tmp_path / "ws2"))
+    assert view.continue_button.cget("state") == "normal"
+    # The backup goes behind the window's back: the click says so in the window's words and starts nothing.
+    shutil.rmtree(backup)
+    view.continue_button.invoke()
+    assert controller.started == [] and controller.state.status == "idle"
+    assert "no backup to continue" in view.error_text().lower() and "--resume" not in view.error_text()
+    assert view.continue_button.cget("state") == "disabled"
+    # Continue resumes the very backup its button names, whatever is written later.
+    backup = _backup(tmp_path / "ws2", "run-b", 40)
+    view._update_buttons()
+    controller.script = [["41", "42", "-", "0"]]
+    view.continue_button.invoke()
+    assert controller.started[-1][-2:] == ["--resume", str(backup)]
+    assert pump(app, lambda: not controller.state.active, timeout=30)

@@ -257,11 +257,11 @@ def test_continue_button_resumes_the_newest_backup(app_factory, tmp_path):
     app.run_view._update_buttons()
     button = app.run_view.continue_button
     assert button.cget("state") == "disabled"  # nothing to continue yet
-    write_backup(tmp_path / "ws" / "backups", "run-a", 40, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    backup = write_backup(tmp_path / "ws" / "backups", "run-a", 40, {"w": torch.zeros(1)}, {}, {}, keep=2)
     app.run_view._update_buttons()
     assert button.cget("state") == "normal" and button.cget("text") == "Continue from step 40"
     button.invoke()
-    assert app.controller.resumed == "latest"
+    assert app.controller.resumed == str(backup)  # the backup the button names, not whatever is newest then
     assert pump(app, lambda: not app.controller.state.active, timeout=20)
     app.run_view.start_button.invoke()
     assert app.controller.resumed is None  # Start is always a new run
@@ -370,11 +370,11 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     import torch
 
     from modules.trainer.backup import write_backup
-    write_backup(tmp_path / "ws" / "backups", "run-a", 2, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    backup = write_backup(tmp_path / "ws" / "backups", "run-a", 2, {"w": torch.zeros(1)}, {}, {}, keep=2)
     view._render()  # (a real run writes its backup before it ends, so the end's render finds it)
     assert view.continue_button.cget("text") == "Continue from step 2"
     view.continue_button.invoke()
-    assert controller.started[-1][-2:] == ["--resume", "latest"]
+    assert controller.started[-1][-2:] == ["--resume", str(backup)]
     # Straight after Start nothing of the failed run is left on screen.
     assert view.error_text() == "" and view.status.cget("text") == "Running - starting the training processes"
     assert view.sample_image.cget("text") == "No sample yet" and view.sample_caption.cget("text") == ""

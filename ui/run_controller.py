@@ -150,10 +150,14 @@ class RunController:
         """`path` as the training process (started in `cwd`) sees it."""
         return path if path.is_absolute() else (Path(self.cwd) if self.cwd else Path.cwd()) / path
 
+    def backups_folder(self, cfg: TrainConfig) -> Path:
+        """The folder of the workspace's backups, as the training process sees it."""
+        return self._absolute(RunPaths(cfg).backups)
+
     def newest_backup(self, cfg: TrainConfig):
         """The backup Continue would resume (`BackupInfo`), or None."""
         from modules.trainer.backup import latest_backup
-        return latest_backup(self._absolute(RunPaths(cfg).backups))
+        return latest_backup(self.backups_folder(cfg))
 
     def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None,
               resume: str | None = None) -> list[str]:

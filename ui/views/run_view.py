@@ -62,6 +62,8 @@ class RunView(ctk.CTkScrollableFrame):
         self._shown_samples = 0
         self._last_status = None
         self._cannot_start = False
+        self._continue_from = None
+        """The backup the Continue button names (`BackupInfo`), or None."""
         self._usage: list[GpuUsage] = []
         self.grid_columnconfigure(0, weight=1)
 
@@ -70,7 +72,7 @@ class RunView(ctk.CTkScrollableFrame):
         self.start_button = ctk.CTkButton(commands, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
         self.continue_button = ctk.CTkButton(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
-                                             hover_color="#25586f", command=lambda: self.start(resume="latest"))
+                                             hover_color="#25586f", command=self.continue_run)
         self.stop_button = ctk.CTkButton(commands, text="Stop", width=80, fg_color="#b03a3a",
                                          hover_color="#8c2e2e", command=self.controller.stop)
         self.sample_button = ctk.CTkButton(commands, text="Sample now", width=100,
@@ -131,6 +133,8 @@ class RunView(ctk.CTkScrollableFrame):
         self.log.grid(row=9, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
         self.monitor = monitor or UsageMonitor()
         self.binder.on_change.append(lambda _path: self._recheck_cannot_start())
+        # Another workspace or config has other backups: Continue must never offer the previous one's.
+        self.binder.on_change.append(lambda _path: self._update_buttons())
         self._update_buttons()
         self.after(POLL_MS, self._tick)
         if self.monitor.available:
@@ -163,6 +167,19 @@ class RunView(ctk.CTkScrollableFrame):
             return False
         self._render()
         return True
+
+    def continue_run(self) -> bool:
+        """Start from the backup the Continue button names - if it is still there."""
+        backup = self._continue_from
+        if backup is None or not backup.path.is_dir():
+            self._update_buttons()
+            folder = self.controller.backups_folder(self.binder.model.cfg)
+            self._show_error(f"There is no backup to continue in {folder} (it may have been deleted); "
+                             "Start trains from the beginning." if self._continue_from is None else
+                             f"The backup at step {backup.step} is gone; Continue now offers the newest one left "
+                             f"(step {self._continue_from.step}).")
+            return False
+        return self.start(resume=str(backup.path))
 
     def open_output_folder(self) -> Opened:
         result = open_folder(RunPaths(self.binder.model.cfg).output_dir)
@@ -302,6 +319,7 @@ class RunView(ctk.CTkScrollableFrame):
         running = self.controller.state.status == "running"
         self.start_button.configure(state="disabled" if self.controller.state.active else "normal")
         newest = None if self.controller.state.active else self.controller.newest_backup(self.binder.model.cfg)
+        self._continue_from = newest
         self.continue_button.configure(state="normal" if newest else "disabled",
                                        text=f"Continue from step {newest.step}" if newest else "Continue from backup")
         for button in (self.stop_button, self.sample_button, self.backup_button, self.save_button):
