@@ -88,3 +88,25 @@ def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, mo
     view.continue_button.invoke()
     assert controller.started[-1][-2:] == ["--resume", str(backup)]
     assert pump(app, lambda: not controller.state.active, timeout=30)
+
+
+def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
+    """After a finished run Continue was offered: it trained 0 images, wrote another copy of the model and
+    cleared the plot. A stopped run's backup is offered; one written after its run finished and was resumed
+    again (more epochs) too."""
+    import time
+
+    from modules.trainer.backup import mark_finished
+    app, _ = app_factory(controller=ScriptedController())
+    view, workspace = app.run_view, app.binder.fields["general.workspace_dir"]
+    backups = tmp_path / "finished" / "backups"
+    _backup(tmp_path / "finished", "run-a", 50)
+    _backup(tmp_path / "finished", "run-a", 100)
+    time.sleep(0.01)
+    mark_finished(backups, "run-a", 100, tmp_path / "out.safetensors")
+    workspace.var.set(str(tmp_path / "finished"))
+    assert view.continue_button.cget("state") == "disabled"
+    assert view.continue_button.cget("text") == "Continue from backup"
+    _backup(tmp_path / "finished", "run-a", 130)  # the finished run, resumed with more epochs and stopped
+    view._update_buttons()
+    assert view.continue_button.cget("text") == "Continue from step 130"

@@ -23,6 +23,7 @@ from modules.config.run_paths import RunPaths
 from modules.util.run_protocol import EVENTS_VARIABLE, command_problem, write_command
 from modules.util.workspace_lock import workspace_in_use
 
+from .backup_choices import BackupChoice, backup_choices, default_choice
 from .events import LogLine, TrainingEvent, parse_line
 from .launch_command import build_command, is_multi_process, run_config
 from .loss_history import LossHistory
@@ -154,10 +155,13 @@ class RunController:
         """The folder of the workspace's backups, as the training process sees it."""
         return self._absolute(RunPaths(cfg).backups)
 
-    def newest_backup(self, cfg: TrainConfig):
-        """The backup Continue would resume (`BackupInfo`), or None."""
-        from modules.trainer.backup import latest_backup
-        return latest_backup(self.backups_folder(cfg))
+    def backup_choices(self, cfg: TrainConfig) -> list[BackupChoice]:
+        """The workspace's backups, newest first, each marked when its run finished after it."""
+        return backup_choices(self.backups_folder(cfg))
+
+    def newest_backup(self, cfg: TrainConfig) -> BackupChoice | None:
+        """The backup Continue resumes unless another is picked: the newest of a run that has not finished."""
+        return default_choice(self.backup_choices(cfg))
 
     def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None,
               resume: str | None = None) -> list[str]:
