@@ -2,11 +2,45 @@
 that reach the window. Views under Xvfb, driven through their variables and `.invoke()`."""
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+
+from ui.run_controller import RunController
 
 from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - fixture
 
 __all__ = ["app_factory"]
+
+EVENT_PLAYER = """
+import json, sys, time
+for item in json.loads(sys.argv[1]):
+    if isinstance(item, (int, float)):
+        time.sleep(item)
+    elif isinstance(item, str):
+        print(item, flush=True)
+    else:
+        print("@tandem " + json.dumps(item), flush=True)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+class PlayedController(RunController):
+    """Plays the next `runs` entry - events (dicts), log lines (strings) and pauses (seconds) - instead of
+    training; records each start's command line as Start built it."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs: list[tuple[list, int]] = []
+        self.started: list[list[str]] = []
+
+    def start(self, cfg, visible_gpus, command=None, resume=None):
+        from ui.launch_command import build_command, run_config
+        self.started.append(build_command(run_config(cfg, visible_gpus), "gui-config.json", visible_gpus,
+                                          resume=resume))
+        items, code = self.runs.pop(0)
+        return super().start(cfg, visible_gpus, command=[sys.executable, "-c", EVENT_PLAYER, json.dumps(items),
+                                                         str(code)])
 
 
 def _run_to_the_end(app, controller, script: list[str]) -> None:
@@ -110,3 +144,28 @@ def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
     _backup(tmp_path / "finished", "run-a", 130)  # the finished run, resumed with more epochs and stopped
     view._update_buttons()
     assert view.continue_button.cget("text") == "Continue from step 130"
+
+
+def test_the_status_line_drops_a_save_once_it_is_done(app_factory):
+    """After "Save now" the status said "Running - saving demo-step0000029" for the rest of the run."""
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    view = app.run_view
+    progress = {"type": "progress", "epoch": 1, "epochs": 1, "step": 3, "total_steps": 9, "images_per_s": 2.0}
+    controller.runs = [([{"type": "status", "text": "saving demo-step0000002.safetensors"},
+                         {"type": "saved", "path": "out/demo-step0000002.safetensors", "step": 2}, progress, 30], 0)]
+    view.start_button.invoke()
+    assert pump(app, lambda: controller.state.step == 3, timeout=20)
+    pump(app)
+    assert view.status.cget("text") == "Running"
+    controller.terminate()
+
+
+def test_a_restart_note_outlasts_the_steps_after_it():
+    from ui.events import TrainingEvent
+    controller = RunController()
+    controller.state.status = "running"
+    note = "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from the backup at step 400"
+    controller._apply(TrainingEvent("restart", {"text": note}))
+    controller._apply(TrainingEvent("progress", {"step": 401, "total_steps": 900}))
+    assert controller.state.headline == "Running - " + note

@@ -288,7 +288,9 @@ class RunController:
         elif event.type == "status":
             s.message = str(event.get("text", ""))
         elif event.type == "progress":
-            if s.message == STARTING:
+            # A step trained since: what the run was busy with (starting, saving) is over. An automatic
+            # restart's note stays, so that the status keeps saying why the run went back.
+            if s.message and (not s.restarts or s.message != s.restarts[-1]):
                 s.message = ""
             s.epoch = int(event.get("epoch", s.epoch))
             s.epochs = int(event.get("epochs", s.epochs))
@@ -319,6 +321,8 @@ class RunController:
             s.samples.append(dict(event.data))
         elif event.type == "saved":
             s.saved.append(str(event.get("path")))
+            if s.message == f"saving {Path(str(event.get('path'))).name}":
+                s.message = ""
         elif event.type == "backup":
             s.backups.append(str(event.get("path")))
         elif event.type == "error":
