@@ -169,3 +169,45 @@ def test_a_restart_note_outlasts_the_steps_after_it():
     controller._apply(TrainingEvent("restart", {"text": note}))
     controller._apply(TrainingEvent("progress", {"step": 401, "total_steps": 900}))
     assert controller.state.headline == "Running - " + note
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch):
+    """"Open output folder" and "Open TensorBoard" said they had opened something when nothing had: the
+    opener's exit status was not read, nor whether TensorBoard came up."""
+    from modules.config.run_paths import RunPaths
+    from ui import external
+    opener = _script(tmp_path / "xdg-open", "#!/bin/sh\necho 'xdg-open: no method available for opening' >&2\nexit 3\n")
+    monkeypatch.setattr(external.sys, "platform", "linux")
+    monkeypatch.setattr(external.shutil, "which", lambda name: str(opener) if name == "xdg-open" else None)
+    app, _ = app_factory()
+    view = app.run_view
+    view.output_button.invoke()
+    assert pump(app, lambda: "Could not open" in view.notice_text(), timeout=20), view.notice_text()
+    assert "no method available for opening" in view.notice_text()
+    assert str(RunPaths(app.model.cfg).output_dir.resolve()) in view.notice_text()
+
+    view.tensorboard.python = str(_script(tmp_path / "python-without-tensorboard",
+                                          "#!/bin/sh\necho 'No module named tensorboard' >&2\nexit 1\n"))
+    view.tensorboard_button.invoke()
+    assert pump(app, lambda: "could not start" in view.notice_text(), timeout=20), view.notice_text()
+    assert "No module named tensorboard" in view.notice_text()
+
+    # A server that answers, and a browser that does not open.
+    view.tensorboard.python = str(_script(tmp_path / "python-serving", f"#!{sys.executable}\n" + (
+        "import socket, sys, time\n"
+        "server = socket.socket()\n"
+        "server.bind(('127.0.0.1', int(sys.argv[sys.argv.index('--port') + 1])))\n"
+        "server.listen()\n"
+        "time.sleep(120)\n")))
+    try:
+        view.tensorboard_button.invoke()
+        assert pump(app, lambda: "browser did not open" in view.notice_text(), timeout=30), view.notice_text()
+        assert view.tensorboard.url in view.notice_text() and "no method available" in view.notice_text()
+    finally:
+        view.tensorboard.close()

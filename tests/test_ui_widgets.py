@@ -500,7 +500,8 @@ def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory,
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     view.output_button.invoke()  # no file manager here: no traceback, the path in the window
     folder = str(RunPaths(app.model.cfg).output_dir.resolve())
-    assert "No file manager found" in view.notice_text() and folder in view.notice_text()
+    assert pump(app, lambda: "No file manager found" in view.notice_text(), timeout=10)
+    assert folder in view.notice_text()
 
     class Server:
         def __init__(self, command, **kwargs):
@@ -513,9 +514,11 @@ def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory,
             pass
 
     monkeypatch.setattr(external.subprocess, "Popen", Server)
-    view.tensorboard.open_browser = lambda url: False
+    view.tensorboard.answers = lambda port: True
+    view.tensorboard.open_browser = lambda url: "no web browser was found"
     view.tensorboard_button.invoke()
-    assert view.tensorboard.url in view.notice_text() and "no web browser" in view.notice_text()
+    assert pump(app, lambda: "no web browser" in view.notice_text(), timeout=10)
+    assert view.tensorboard.url in view.notice_text()
 
 
 def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_factory):

@@ -20,6 +20,7 @@ from ..launch_command import start_check
 from ..multi_gpu_summary import format_lr
 from ..per_gpu import HEADERS, per_gpu_rows
 from ..run_controller import RunController
+from .background import in_background
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
 from .tooltip import Tooltip
@@ -181,15 +182,17 @@ class RunView(ctk.CTkScrollableFrame):
             return False
         return self.start(resume=str(backup.path))
 
-    def open_output_folder(self) -> Opened:
-        result = open_folder(RunPaths(self.binder.model.cfg).output_dir)
-        self._show_notice(result)
-        return result
+    def open_output_folder(self) -> None:
+        """Open the output folder in the file manager; the notice says where, and whether it worked."""
+        folder = RunPaths(self.binder.model.cfg).output_dir
+        self._show_notice(Opened(True, f"Opening {folder.resolve()} ..."))
+        in_background(self, lambda: open_folder(folder), self._show_notice, name="tandem-open-folder")
 
-    def open_tensorboard(self) -> Opened:
-        result = self.tensorboard.open(RunPaths(self.binder.model.cfg).tensorboard)
-        self._show_notice(result)
-        return result
+    def open_tensorboard(self) -> None:
+        """Start TensorBoard on the run's logs (if needed) and show it in the browser."""
+        self._show_notice(Opened(True, "Starting TensorBoard ..."))
+        logs = RunPaths(self.binder.model.cfg).tensorboard
+        in_background(self, lambda: self.tensorboard.open(logs), self._show_notice, name="tandem-tensorboard")
 
     def _show_notice(self, result: Opened) -> None:
         self.notice.grid()
