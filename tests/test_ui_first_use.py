@@ -211,3 +211,30 @@ def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch
         assert view.tensorboard.url in view.notice_text() and "no method available" in view.notice_text()
     finally:
         view.tensorboard.close()
+
+
+def test_a_concept_row_wider_than_the_window_scrolls_sideways(app_factory):
+    """At 1024 px the Data tab's concept row was wider than the window and its Remove button out of reach."""
+    app, _ = app_factory()
+    app.geometry("1024x600+0+0")
+    app.tabs.set("Data")
+    pump(app, timeout=0.8)
+    editor = app.concepts
+    remove = editor.rows[0][-1]
+    assert remove.cget("text") == "Remove"
+    window_right = app.winfo_rootx() + app.winfo_width()
+    assert editor.scroller.visible_right_edge() <= window_right
+    assert remove.winfo_rootx() + remove.winfo_width() > editor.scroller.visible_right_edge(), \
+        "the row fits at 1024 px: this test no longer shows the scrolling"
+    assert editor.scroller.scrollbar.winfo_manager() == "grid"
+    editor.scroller.canvas.xview_moveto(1.0)
+    pump(app, timeout=0.5)
+    assert remove.winfo_rootx() + remove.winfo_width() <= editor.scroller.visible_right_edge() + 1
+    assert remove.winfo_rootx() >= app.winfo_rootx()
+    remove.invoke()
+    assert app.model.cfg.data.concepts == []
+    # In the default window the row fits and no scroll bar shows.
+    app.concepts.add(__import__("modules.config", fromlist=["ConceptConfig"]).ConceptConfig(path="x"))
+    app.geometry("1100x820+0+0")
+    pump(app, timeout=0.8)
+    assert editor.scroller.scrollbar.winfo_manager() == ""

@@ -7,6 +7,7 @@ import customtkinter as ctk
 
 from ..binding import field_choices, field_doc, field_type, get_value
 from .fields import ERROR_COLOR, Binder, ChoiceField, EntryField, SwitchField
+from .horizontal_scroller import HorizontalScroller
 from .tooltip import Tooltip
 
 
@@ -23,14 +24,18 @@ class ListEditor(ctk.CTkFrame):
         for name, header, _ in columns:
             binder.places.add(f"{list_path}[0].{name}", tab, header)
         self.rows: list[list[ctk.CTkBaseClass]] = []
-        self.header = ctk.CTkFrame(self, fg_color="transparent")
+        self.grid_columnconfigure(0, weight=1)
+        # Rows may be wider than the window (many columns): they scroll sideways, header and all.
+        self.scroller = HorizontalScroller(self)
+        self.scroller.grid(row=0, column=0, sticky="we")
+        self.header = ctk.CTkFrame(self.scroller.content, fg_color="transparent")
         self.header.grid(row=0, column=0, sticky="w")
-        self.body = ctk.CTkFrame(self, fg_color="transparent")
+        self.body = ctk.CTkFrame(self.scroller.content, fg_color="transparent")
         self.body.grid(row=1, column=0, sticky="w")
         self.message = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w")
-        self.message.grid(row=2, column=0, sticky="w", padx=4)
+        self.message.grid(row=1, column=0, sticky="w", padx=4)
         self.add_button = ctk.CTkButton(self, text=add_text, width=160, command=self.add)
-        self.add_button.grid(row=3, column=0, sticky="w", padx=4, pady=6)
+        self.add_button.grid(row=2, column=0, sticky="w", padx=4, pady=6)
         item_prefix = f"{list_path}[0]"
         for col, (name, header, width) in enumerate(columns):
             label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")

@@ -55,13 +55,13 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     form = Form(frame, binder, tab="Data")
     form.section("Concepts")
     concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
-                          # Narrow enough that a row and its Remove button fit the default window (1100 px).
+                          # A row fits the default window (1100 px); in a narrower one the rows scroll sideways.
                           [("path", "Folder", 210), ("name", "Name", 100), ("enabled", "On", 50),
                            ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
                            ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
                            ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
                           _ask_concept, "Add concept folder")
-    concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
+    concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.random_flip",
@@ -84,7 +84,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
                           ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
                          lambda: SamplePromptConfig(prompt=""), "Add prompt")
-    prompts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
+    prompts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("When")
     form.fields("sampling.every_n_steps", "sampling.every_n_epochs", "sampling.sample_at_start")
