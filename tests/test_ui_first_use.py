@@ -238,3 +238,31 @@ def test_a_concept_row_wider_than_the_window_scrolls_sideways(app_factory):
     app.geometry("1100x820+0+0")
     pump(app, timeout=0.8)
     assert editor.scroller.scrollbar.winfo_manager() == ""
+
+
+def test_quit_during_training_asks_first_and_never_freezes(app_factory):
+    """Quit during training froze the window ~20 s (it waited on the Tk thread), then asked "Save the
+    changes?" - and Cancel kept the window although training had already been stopped."""
+    import time
+    controller = PlayedController()
+    controller.stop_timeout_s = 1.0  # the played run ignores stop: it is ended after this
+    app, dialogs = app_factory(controller=controller)
+    app.binder.fields["training.epochs"].var.set("7")  # an unsaved change
+    controller.runs = [([{"type": "progress", "epoch": 1, "epochs": 1, "step": 1, "total_steps": 9}, 60], 0)]
+    app.run_view.start_button.invoke()
+    assert pump(app, lambda: controller.state.step == 1, timeout=20)
+    dialogs.save_answer = None  # Cancel at "Save the changes?"
+    app.close()
+    assert controller.state.status == "running" and not app.closed, "Cancel must change nothing"
+    assert dialogs.questions == []  # not asked to stop before the save question was answered
+    dialogs.save_answer = False  # Don't save
+    dialogs.yes_no_answer = True  # Stop training and quit
+    began = time.monotonic()
+    app.close()
+    assert time.monotonic() - began < 1.0, "close() waited for training on the Tk thread"
+    assert controller.state.status == "stopping" and "closing" in app.title().lower()
+    deadline = time.monotonic() + 30
+    while not app.closed and time.monotonic() < deadline:
+        app.update()
+        time.sleep(0.02)
+    assert app.closed and not controller.state.active

@@ -239,22 +239,31 @@ class RunController:
         self._stop_deadline = time.monotonic() + self.stop_timeout_s
 
     def terminate(self) -> None:
-        """End the training process group now (all ranks, launcher included)."""
+        """End the training process group now (all ranks, launcher included). Returns at once: a group
+        still there 10 s after SIGTERM gets SIGKILL from a helper thread (the GUI's thread never waits)."""
         process = self._process
         if process is None or process.poll() is not None:
             return
         self._terminated = True
         if os.name == "nt":
-            subprocess.run(["taskkill", "/T", "/F", "/PID", str(process.pid)], capture_output=True)
+            subprocess.Popen(["taskkill", "/T", "/F", "/PID", str(process.pid)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
             return
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+
+        def kill_if_still_there() -> None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        threading.Thread(target=kill_if_still_there, daemon=True, name="tandem-run-kill").start()
 
     # --- following the run -----------------------------------------------------------------
     def poll(self, limit: int = 2000) -> list[TrainingEvent | LogLine]:

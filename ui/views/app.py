@@ -44,6 +44,9 @@ class TandemApp(ctk.CTk):
         self.binder = Binder(self.model)
         self.controller = controller or RunController(python=python)
         self.gpus: list[GpuInfo] = []
+        self._closing = False
+        self.closed = False
+        """True once the window is gone (tests wait for it)."""
 
         self._build_top_bar()
         self.tabs = ctk.CTkTabview(self)
@@ -204,14 +207,34 @@ class TandemApp(ctk.CTk):
 
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:
-        if self.controller.state.active:
-            if not self.dialogs.ask_yes_no("Training is running", "Stop training and quit?"):
-                return
-            self.controller.stop()
-            if not self.controller.wait(30):
-                self.controller.terminate()
+        """Ask about unsaved changes first (Cancel keeps everything as it is), then whether to stop a run;
+        a stopping run is waited for with after(), never on the Tk thread, so the window stays alive."""
+        if self._closing:
+            return
         if not self._may_discard():
             return
+        if self.controller.state.active:
+            if not self.dialogs.ask_yes_no("Training is running",
+                                           "Stop training and quit? Every rank stops after its current step "
+                                           "(with a backup if 'Backup when stopped' is on); the window closes "
+                                           "once they have."):
+                return
+            self._closing = True
+            self.controller.stop()
+            self.title(f"Tandem - {self.model.source_name} - closing when training has stopped")
+            self._close_when_stopped()
+            return
+        self._close_now()
+
+    def _close_when_stopped(self) -> None:
+        # The Run tab polls the run; a run that ignores stop is ended by the controller after its timeout.
+        if self.controller.state.active:
+            self.after(200, self._close_when_stopped)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
         self.recent.set_last(str(self.model.path.resolve()) if self.model.path else self.model.source_name)
         self.run_view.tensorboard.close()
+        self.closed = True
         self.destroy()
