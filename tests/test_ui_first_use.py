@@ -266,3 +266,19 @@ def test_quit_during_training_asks_first_and_never_freezes(app_factory):
         app.update()
         time.sleep(0.02)
     assert app.closed and not controller.state.active
+
+
+def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
+    """A run stopped at step 2 showed "797.55 images/s" (real rate 0.5): the last report's step rate."""
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    view = app.run_view
+    controller.runs = [([{"type": "progress", "epoch": 1, "epochs": 1, "step": 2, "total_steps": 100,
+                          "images_per_s": 797.55, "eta_s": 0.1},
+                         {"type": "done", "output": None, "step": 2, "completed": False, "images": 2,
+                          "train_s": 4.0, "images_per_s": 0.5}], 0)]
+    view.start_button.invoke()
+    assert pump(app, lambda: controller.state.status == "finished", timeout=20)
+    pump(app)
+    assert "0.50 images/s over the whole run" in view.progress_text.cget("text")
+    assert "797" not in view.progress_text.cget("text")

@@ -43,6 +43,9 @@ class RunState:
     step: int = 0
     total_steps: int = 0
     images_per_s: float = 0.0
+    """The recent rate of the steps (as the trainer smooths it)."""
+    run_images_per_s: float | None = None
+    """Once the run has ended: images trained over the seconds the run took (its `done` event)."""
     eta_s: float | None = None
     lr: float | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -345,6 +348,8 @@ class RunController:
             s.error = None
         elif event.type == "done":
             s.output = event.get("output")
+            if isinstance(event.get("images_per_s"), (int, float)) and event.get("images"):
+                s.run_images_per_s = float(event.get("images_per_s"))
         if event.type not in ("progress", "loss"):  # those arrive every step; the view shows them
             self._log(f"[{event.type}] " + ", ".join(f"{k}={v}" for k, v in event.data.items()))
 

@@ -232,9 +232,12 @@ class RunView(ctk.CTkScrollableFrame):
         self.status.configure(text=s.headline)
         self.progress.set(s.fraction)
         if s.total_steps:
+            # An ended run shows the rate its user waited for, not the last steps' (a short run's last
+            # report may come right after the one before it).
+            rate = (f"{s.run_images_per_s:.2f} images/s over the whole run" if s.run_images_per_s is not None
+                    else f"{s.images_per_s:.2f} images/s · ETA {format_duration(s.eta_s)}")
             self.progress_text.configure(
-                text=f"Epoch {s.epoch}/{s.epochs} · step {s.step}/{s.total_steps} · "
-                     f"{s.images_per_s:.2f} images/s · ETA {format_duration(s.eta_s)}"
+                text=f"Epoch {s.epoch}/{s.epochs} · step {s.step}/{s.total_steps} · {rate}"
                      + (f" · LR {s.lr:.3g}" if isinstance(s.lr, (int, float)) else ""))
         info = s.run_info
         if info:
