@@ -282,3 +282,32 @@ def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
     pump(app)
     assert "0.50 images/s over the whole run" in view.progress_text.cget("text")
     assert "797" not in view.progress_text.cget("text")
+
+
+def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory, tmp_path):
+    """Save wrote "batch_size": -2 without a word, and text that could not be read ("fast" as a learning
+    rate) did not set the unsaved marker, so closing lost it silently."""
+    from modules.config import read_json
+    app, dialogs = app_factory()
+    target = tmp_path / "mine.json"
+    assert app.save_as(str(target)) and not app.title().endswith("*")
+    saved_lr = app.binder.fields["training.learning_rate"].var.get()
+    app.binder.fields["training.learning_rate"].var.set("fast")
+    assert app.title().endswith("*"), "text the field could not take is an unsaved change"
+    app.binder.fields["training.learning_rate"].var.set(saved_lr)  # back to what the file holds
+    assert not app.title().endswith("*")
+    app.binder.fields["training.learning_rate"].var.set("fast")
+    app.binder.fields["training.batch_size"].var.set("-2")
+    dialogs.yes_no_answer = False
+    assert app.save() is False
+    asked = dialogs.questions[-1]
+    assert "Training › Batch size per GPU" in asked and "Training › Learning rate" in asked and "fast" in asked
+    assert read_json(target)["training"].get("batch_size", 1) != -2
+    dialogs.yes_no_answer = True  # saved as it is, when the user says so
+    assert app.save() is True and read_json(target)["training"]["batch_size"] == -2
+    # The field shows what the file holds now, as the question said it would.
+    assert app.binder.fields["training.learning_rate"].var.get() == saved_lr and not app.title().endswith("*")
+    app.binder.fields["training.learning_rate"].var.set("fast")
+    dialogs.save_answer = None
+    app.close()
+    assert not app.closed, "closing asks about the text that is not saved"

@@ -122,11 +122,15 @@ class TandemApp(ctk.CTk):
     def save(self) -> bool:
         if self.model.path is None:
             return self.save_as()
+        if not self._may_save_with_problems():
+            return False
         self.model.save()
         self.recent.remember(self.model.path)
         return True
 
     def save_as(self, path: str | None = None) -> bool:
+        if not self._may_save_with_problems():
+            return False
         path = path or self.dialogs.ask_save_path(f"{self.model.source_name.lstrip('#')}.json")
         if not path:
             return False
@@ -136,9 +140,22 @@ class TandemApp(ctk.CTk):
         self._show_current_choice()
         return True
 
+    def _may_save_with_problems(self) -> bool:
+        """A config with problems is saved only when the user says so; text no field could take is not
+        in the file, and the question says which."""
+        problems = self.binder.all_problems(check_paths=False)
+        if not problems:
+            return True
+        unread = [self.binder.places.name(path) or path for path in self.binder.type_errors]
+        kept = ("\n\nNot saved (the file keeps the previous value): " + ", ".join(unread) + ".") if unread else ""
+        listed = "\n".join(f"• {p}" for p in problems[:12]) + (f"\n• ... {len(problems) - 12} more"
+                                                               if len(problems) > 12 else "")
+        return self.dialogs.ask_yes_no("The config has problems",
+                                       f"{listed}{kept}\n\nSave it anyway? Start refuses it until they are fixed.")
+
     def _may_discard(self) -> bool:
         """Ask about unsaved changes; False when the user cancels."""
-        if not self.model.dirty:
+        if not self.binder.dirty:
             return True
         answer = self.dialogs.ask_save_changes(self.model.source_name)
         if answer is None:
@@ -153,7 +170,7 @@ class TandemApp(ctk.CTk):
         self._update_title()
 
     def _update_title(self) -> None:
-        mark = " *" if self.model.dirty else ""
+        mark = " *" if self.binder.dirty else ""
         self.title(f"Tandem - {self.model.source_name}{mark}")
         self.file_label.configure(text=str(self.model.path) if self.model.path else "preset (Save as to keep changes)")
 

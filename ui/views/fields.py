@@ -170,6 +170,7 @@ class Binder:
         # The field being typed into is not refreshed from the model: "1." must not become "1.0"
         # under the user's cursor.
         self._writing = path
+        unread_before = self.type_errors.get(path)
         try:
             self.model.set(path, value)
         except FieldError as e:
@@ -179,6 +180,15 @@ class Binder:
         finally:
             self._writing = None
         self.revalidate()
+        if self.type_errors.get(path) != unread_before:
+            # Text the field cannot take is an unsaved change too (the title's marker, closing asks).
+            for listener in list(self.on_change):
+                listener(path)
+
+    @property
+    def dirty(self) -> bool:
+        """The config differs from its file, or a field holds text it could not take."""
+        return self.model.dirty or bool(self.type_errors)
 
     def _model_changed(self, path: str | None) -> None:
         if path is None:
