@@ -2,6 +2,7 @@
 that reach the window. Views under Xvfb, driven through their variables and `.invoke()`."""
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -311,3 +312,61 @@ def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory
     dialogs.save_answer = None
     app.close()
     assert not app.closed, "closing asks about the text that is not saved"
+
+
+def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
+    """'0 GPU visible'; 'node 0 listens on 127.0.0.1:a fixed port.' with no word that 127.0.0.1 is out of reach
+    of another machine; a GUI user told to pass --master-port; 'backups every 10 minutes unless a backup
+    cadence is set' beside an epoch cadence; CPU processes called GPU 0/GPU 1; the batch split's own example
+    invalid with the demo's defaults; 'every rank stops' in a one-process run."""
+    from ui.binding import field_label
+    from ui.gpu_info import GpuInfo
+    from modules.util.batch_slice import parse_split
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    frame, fields = app.multi_gpu, app.binder.fields
+    assert frame.explanation.cget("text").startswith("No GPU visible")
+    app._gpus_found([GpuInfo(0, "Fake GPU", 81920)])
+    assert frame.explanation.cget("text").startswith("1 GPU visible")
+    app._gpus_found([GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
+    gc.collect()  # the replaced check boxes' Tk variables, here on the Tk thread (the window finds GPUs once)
+    frame.enable.widget.toggle()
+    fields["multi_gpu.nnodes"].var.set("2")
+    hint = frame.nodes_hint.cget("text")
+    assert "a fixed port" not in hint and "127.0.0.1" in hint and "only this machine" in hint
+    problems = "\n".join(app.binder.all_problems(check_paths=False))
+    assert "Training › Port" in problems and "--master-port" not in problems
+    fields["multi_gpu.master_port"].var.set("29500")
+    fields["multi_gpu.master_addr"].var.set("10.0.0.5")
+    hint = frame.nodes_hint.cget("text")
+    assert "10.0.0.5:29500" in hint and "only this machine" not in hint
+    fields["multi_gpu.nnodes"].var.set("1")
+    fields["multi_gpu.max_restarts"].var.set("2")
+    fields["save.backup_every_n_epochs"].var.set("1")
+    hint = frame.nodes_hint.cget("text")
+    assert "unless a backup cadence is set" not in hint and "also written every 10 minutes" in hint
+    fields["save.backup_every_n_steps"].var.set("50")
+    assert "10 minutes" not in frame.nodes_hint.cget("text")
+    fields["multi_gpu.max_restarts"].var.set("0")
+
+    app._gpus_found([])
+    gc.collect()
+    frame._cpu_chosen("2")
+    fields["training.batch_size"].var.set("2")
+    fields["multi_gpu.batch_split"].var.set("3,1")
+    summary = frame.summary.cget("text")
+    assert "process 0" in summary and "GPU" not in summary, summary
+    # The field's own example is right for what it says it is for.
+    assert "6,2" not in field_label("multi_gpu.batch_split")
+    assert parse_split("6,2", 2, 4) == [6, 2] and "batch size per GPU of 4 on 2 GPUs" in \
+        fields["multi_gpu.batch_split"].tooltip.text.replace("Batch size per GPU", "batch size per GPU")
+
+    frame._cpu_chosen("off")
+    frame.enable.widget.toggle()
+    controller.runs = [([{"type": "progress", "epoch": 1, "epochs": 1, "step": 1, "total_steps": 9}, 60], 0)]
+    app.run_view.start_button.invoke()
+    assert pump(app, lambda: controller.state.step == 1, timeout=20)
+    app.run_view.stop_button.invoke()
+    pump(app)
+    assert app.run_view.status.cget("text") == "Stopping - training stops after the current step"
+    controller.terminate()

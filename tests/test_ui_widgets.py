@@ -619,5 +619,5 @@ def test_multi_gpu_frame_sets_restarts_and_several_machines(app_factory):
     assert (m.max_restarts, m.nnodes, m.node_rank) == (3, 2, 1)
     hint = frame.nodes_hint.cget("text")
     assert "This machine is node 1 of 2" in hint and "127.0.0.1:29500" in hint
-    assert "restart up to 3 time(s)" in hint and "backups every 10 minutes" in hint
+    assert "restart up to 3 time(s)" in hint and "written every 10 minutes" in hint
     assert frame.summary.cget("text").startswith("World size 4 · global batch 32 (8 x 1 x 4)")

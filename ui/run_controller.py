@@ -67,6 +67,8 @@ class RunState:
     restarts: list[str] = field(default_factory=list)
     """The automatic restarts so far, as the trainer said them ("restart 1 of 3: rank 1 died ...")."""
     command: list[str] = field(default_factory=list)
+    multi_process: bool = False
+    """Whether the run was started as several processes (before the trainer says its world size)."""
 
     @property
     def active(self) -> bool:
@@ -191,7 +193,7 @@ class RunController:
         else:
             kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
         self.state = RunState(status="running", message=STARTING, command=list(command),
-                              rank_gpus=rank_gpus(cfg, visible_gpus))
+                              rank_gpus=rank_gpus(cfg, visible_gpus), multi_process=is_multi_process(cfg, visible_gpus))
         self.log.clear()
         self.log_count = 0
         self._log("$ " + subprocess.list2cmdline(command))
@@ -238,7 +240,9 @@ class RunController:
             return
         self.send("stop")
         self.state.status = "stopping"
-        self.state.message = "every rank stops after the current step"
+        several = int(self.state.run_info.get("world_size") or 0) > 1 or self.state.multi_process
+        self.state.message = ("every rank stops after the current step" if several
+                              else "training stops after the current step")
         self._stop_deadline = time.monotonic() + self.stop_timeout_s
 
     def terminate(self) -> None:

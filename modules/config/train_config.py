@@ -325,8 +325,8 @@ class MultiGPUConfig:
     """Let gradients live inside DDP's communication buckets (saves memory and a copy)."""
     gradient_compression: str = rule("none", choices=("none", "bf16", "fp16"))
     """Compress gradients for the all-reduce: `none`, `bf16` or `fp16`."""
-    batch_split: str = rule("equal", label="Batch per GPU (equal, auto, 6,2)")
-    """How each global batch is split over unequal GPUs: `equal` (training.batch_size each), `auto` (measured at start from each GPU's free memory and speed: a faster or larger GPU takes more samples) or one size per GPU, e.g. `6,2` (adding up to training.batch_size x GPUs). The global batch and the result stay the same: only where each sample is computed changes."""
+    batch_split: str = rule("equal", label="Batch split over GPUs")
+    """How each global batch is split over unequal GPUs: `equal` (training.batch_size each), `auto` (measured at start from each GPU's free memory and speed: a faster or larger GPU takes more samples) or one size per GPU adding up to training.batch_size x GPUs, e.g. `6,2` for a training.batch_size of 4 on 2 GPUs. The global batch and the result stay the same: only where each sample is computed changes."""
 
 
 @dataclass

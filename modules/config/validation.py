@@ -362,7 +362,7 @@ def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
                                     ("multi_gpu.min_gpus", m.min_gpus, m.min_gpus > 0)):
             if active:
                 problems.append(f"{path}: {value} needs torchrun's elastic agent; set multi_gpu.launcher to "
-                                "auto or torchrun (drop --spawn).")
+                                "auto or torchrun.")
     if m.min_gpus > 0 and m.nnodes < 2:
         problems.append(f"multi_gpu.min_gpus: {m.min_gpus} applies to several machines (a lost machine's GPUs "
                         "are left out after a restart); with multi_gpu.nnodes = 1 set it to 0.")
@@ -371,7 +371,7 @@ def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
                         "to 1 or more.")
     if m.nnodes > 1 and m.master_port == 0:
         problems.append("multi_gpu.master_port: 0 (a free port) cannot be found by the other machines; "
-                        "set the same fixed port on every machine, e.g. --master-port 29500.")
+                        "set the same fixed port on every machine, e.g. 29500.")
     return problems
 
 

@@ -185,7 +185,8 @@ class MultiGPUFrame(ctk.CTkFrame):
         if self.detecting:
             self.explanation.configure(text="Looking for GPUs...")
         elif not enough:
-            self.explanation.configure(text=f"{len(visible)} GPU visible: multi-GPU training needs 2 or more. "
+            found = "No GPU visible" if not visible else "1 GPU visible"
+            self.explanation.configure(text=f"{found}: multi-GPU training needs 2 or more. "
                                             "Choose CPU processes below to try the multi-process path.")
         else:
             self.explanation.configure(text="Untick GPUs to leave them out.")
