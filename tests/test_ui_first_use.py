@@ -370,3 +370,36 @@ def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
     pump(app)
     assert app.run_view.status.cget("text") == "Stopping - training stops after the current step"
     controller.terminate()
+
+
+def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_factory):
+    """With Multi-GPU off, CPU processes, Launcher and the batch split stayed enabled; choosing CPU processes
+    set General › Device to cpu without a word, and it stayed so after Multi-GPU was turned off."""
+    app, _ = app_factory()
+    frame, fields = app.multi_gpu, app.binder.fields
+    assert not app.model.cfg.multi_gpu.enabled
+    for widget in (frame.cpu_menu, fields["multi_gpu.launcher"].widget, fields["multi_gpu.batch_split"].widget):
+        assert widget.cget("state") == "disabled"
+    frame.enable.widget.toggle()
+    for widget in (frame.cpu_menu, fields["multi_gpu.launcher"].widget, fields["multi_gpu.batch_split"].widget):
+        assert widget.cget("state") == "normal"
+    assert fields["general.device"].var.get() == "auto"
+    frame._cpu_chosen("2")
+    assert fields["general.device"].var.get() == "cpu" and "General › Device" in frame.explanation.cget("text")
+    frame.enable.widget.toggle()  # Multi-GPU off
+    assert fields["general.device"].var.get() == "auto" and frame.cpu_var.get() == "off"
+    assert frame.cpu_menu.cget("state") == "disabled"
+    # A device the user chose stays what it was.
+    fields["general.device"].var.set("cpu")
+    frame.enable.widget.toggle()
+    frame._cpu_chosen("3")
+    frame.enable.widget.toggle()
+    assert fields["general.device"].var.get() == "cpu"
+    # Loading a one-process CPU config leaves its device alone.
+    fields["general.device"].var.set("auto")
+    frame.enable.widget.toggle()
+    frame._cpu_chosen("2")
+    cfg = __import__("copy").deepcopy(app.model.cfg)
+    cfg.multi_gpu.enabled, cfg.general.device = False, "cpu"
+    app.model.replace(cfg, None, "cpu-only")
+    assert fields["general.device"].var.get() == "cpu"
