@@ -403,3 +403,15 @@ def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_facto
     cfg.multi_gpu.enabled, cfg.general.device = False, "cpu"
     app.model.replace(cfg, None, "cpu-only")
     assert fields["general.device"].var.get() == "cpu"
+
+
+def test_labels_are_in_one_style(app_factory):
+    """"Lora format", "Ema weights", "Unet dtype", "Eps" beside "LoRA rank": a label made from a field's name
+    keeps the usual spelling of the words in it."""
+    import re
+    app, _ = app_factory()
+    labels = {path: label for path, (_tab, label) in app.binder.places.places.items()}
+    wrong = re.compile(r"\b(Lora|Ema|Unet|Vae|Eps|Lr|Gpu|Gpus|Ddp|Fsdp|Snr|Tf32|Cpu|Mb)\b")
+    assert [f"{p}: {label}" for p, label in labels.items() if wrong.search(label)] == []
+    assert labels["save.lora_format"] == "LoRA format" and labels["model.unet_dtype"] == "UNet dtype"
+    assert labels["optimizer.eps"] == "Epsilon"
