@@ -415,3 +415,31 @@ def test_labels_are_in_one_style(app_factory):
     assert [f"{p}: {label}" for p, label in labels.items() if wrong.search(label)] == []
     assert labels["save.lora_format"] == "LoRA format" and labels["model.unet_dtype"] == "UNet dtype"
     assert labels["optimizer.eps"] == "Epsilon"
+
+
+def _every_tooltip(app) -> list[str]:
+    from ui.views.tooltip import Tooltip
+    pump(app)
+    return sorted({t.text for t in Tooltip._by_widget().values()})
+
+
+def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
+    """Tooltips and errors showed config paths and names (`nnodes`, `timeout_minutes`), command-line flags
+    (`--assume-free-gib`, `--node-rank 1`) and the history of development (a session number with a docs path)."""
+    import re
+
+    from modules.config import TrainConfig
+    from modules.config.field_paths import leaf_paths
+    from ui.gpu_info import GpuInfo
+    app, _ = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
+    names = {path.rsplit(".", 1)[-1] for path in leaf_paths(TrainConfig())}
+    names = {re.sub(r"\[\d+\]", "", n) for n in names if "_" in n} | {"nnodes"}
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
+    history = re.compile(r"\b(session|round) \d+|docs/|\.md\b")
+    path = re.compile(r"\b(general|model|data|training|optimizer|sampling|save|multi_gpu)\.[a-z_]+")
+    found = []
+    for text in _every_tooltip(app):
+        for pattern in (flag, history, path):
+            found += [f"{m.group(0)!r} in: {text[:90]}" for m in pattern.finditer(text)]
+        found += [f"{name!r} in: {text[:90]}" for name in names if re.search(rf"\b{name}\b", text)]
+    assert found == [], "\n".join(found)

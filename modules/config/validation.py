@@ -355,7 +355,7 @@ def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
     problems = []
     if m.nnodes >= 1 and not 0 <= m.node_rank < m.nnodes:
         problems.append(f"multi_gpu.node_rank: {m.node_rank} is not a node of multi_gpu.nnodes = {m.nnodes}; "
-                        f"number the machines 0 to {m.nnodes - 1} (--node-rank), 0 on the one at master_addr.")
+                        f"number the machines 0 to {m.nnodes - 1}, 0 on the one at multi_gpu.master_addr.")
     if m.launcher == "spawn":
         for path, value, active in (("multi_gpu.nnodes", m.nnodes, m.nnodes > 1),
                                     ("multi_gpu.max_restarts", m.max_restarts, m.max_restarts > 0),

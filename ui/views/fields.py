@@ -42,7 +42,7 @@ class BoundField:
         var.trace_add("write", self._written)
 
     def tooltip_text(self) -> str:
-        text = self.binder.places.describe(field_doc(self.path))
+        text = self.binder.places.describe_doc(field_doc(self.path), self.path)
         return f"{text}\n\nNot used now: {self.unused_reason}." if self.unused_reason else text
 
     def value_for_model(self):

@@ -40,7 +40,7 @@ class ListEditor(ctk.CTkFrame):
         for col, (name, header, width) in enumerate(columns):
             label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
             label.grid(row=0, column=col, padx=4, sticky="w")
-            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe(field_doc(path)))
+            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe_doc(field_doc(path), path))
         self._count = -1
         binder.on_change.append(self._changed)
         self.rebuild()

@@ -93,10 +93,11 @@ class MultiGPUFrame(ctk.CTkFrame):
         form.row += 1
         self.memory = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=620)
         self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
-        Tooltip(self.memory, "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients "
-                             "and optimizer state) and with FSDP (sharded over the GPUs), against the smallest "
-                             "chosen GPU; and the strategy multi_gpu.strategy gives. The same estimate as Check "
-                             "setup; activations are included where they have been measured.")
+        Tooltip(self.memory, lambda: binder.places.describe(
+            "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients and optimizer "
+            "state) and with FSDP (sharded over the GPUs), against the smallest chosen GPU; and the strategy that "
+            "multi_gpu.strategy gives. The same estimate as Check setup; activations are included where they "
+            "have been measured."))
         self._memory_key: str | None = None
         form.row += 1
         self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
