@@ -443,3 +443,22 @@ def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
             found += [f"{m.group(0)!r} in: {text[:90]}" for m in pattern.finditer(text)]
         found += [f"{name!r} in: {text[:90]}" for name in names if re.search(rf"\b{name}\b", text)]
     assert found == [], "\n".join(found)
+
+
+def test_the_log_shows_each_line_once_in_words(app_factory):
+    """The log repeated each human line as a raw event dump: `[backup] path=..., paused_s=0.077`."""
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    controller.runs = [(["Backup written: ws/backups/run-a/step-00000002 (training paused 0.08 s for it)",
+                         {"type": "backup", "path": "ws/backups/run-a/step-00000002", "step": 2, "paused_s": 0.077},
+                         "Model saved: ws/output/demo.safetensors",
+                         {"type": "saved", "path": "ws/output/demo.safetensors", "step": 2}], 0)]
+    app.run_view.start_button.invoke()
+    assert pump(app, lambda: not controller.state.active, timeout=20)
+    pump(app)
+    shown = app.run_view.log.get("1.0", "end")
+    log = "\n".join(list(controller.log)[1:])  # after the command line (which holds the played events)
+    assert log in shown
+    assert "Backup written: ws/backups/run-a/step-00000002" in log and "Model saved" in log
+    assert "[backup]" not in log and "paused_s" not in log and "[saved]" not in log
+    assert controller.state.backups == ["ws/backups/run-a/step-00000002"]  # the events still count

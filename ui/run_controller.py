@@ -354,8 +354,6 @@ class RunController:
             s.output = event.get("output")
             if isinstance(event.get("images_per_s"), (int, float)) and event.get("images"):
                 s.run_images_per_s = float(event.get("images_per_s"))
-        if event.type not in ("progress", "loss"):  # those arrive every step; the view shows them
-            self._log(f"[{event.type}] " + ", ".join(f"{k}={v}" for k, v in event.data.items()))
 
     def _finish(self, returncode: int) -> None:
         s = self.state
