@@ -462,3 +462,21 @@ def test_the_log_shows_each_line_once_in_words(app_factory):
     assert "Backup written: ws/backups/run-a/step-00000002" in log and "Model saved" in log
     assert "[backup]" not in log and "paused_s" not in log and "[saved]" not in log
     assert controller.state.backups == ["ws/backups/run-a/step-00000002"]  # the events still count
+
+
+def test_disabled_buttons_look_disabled(app_factory):
+    """Disabled buttons kept their colour: a disabled red Stop looked ready to click."""
+    from ui.views.buttons import DISABLED_COLOR
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    view = app.run_view
+    assert view.stop_button.cget("state") == "disabled" and view.stop_button.cget("fg_color") == DISABLED_COLOR
+    assert view.start_button.cget("fg_color") == "#2f8f46"
+    controller.runs = [([{"type": "progress", "epoch": 1, "epochs": 1, "step": 1, "total_steps": 9}, 60], 0)]
+    view.start_button.invoke()
+    assert pump(app, lambda: controller.state.step == 1, timeout=20)
+    assert view.start_button.cget("fg_color") == DISABLED_COLOR and view.stop_button.cget("fg_color") == "#b03a3a"
+    controller.terminate()
+    assert pump(app, lambda: not controller.state.active, timeout=20)
+    pump(app)
+    assert view.start_button.cget("fg_color") == "#2f8f46"

@@ -21,6 +21,7 @@ from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
 from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, summarize
+from .buttons import Button
 from .fields import Binder
 from .form import Form
 from .tooltip import Tooltip
@@ -100,7 +101,7 @@ class MultiGPUFrame(ctk.CTkFrame):
             "have been measured."))
         self._memory_key: str | None = None
         form.row += 1
-        self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
+        self.check_button = Button(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
         Tooltip(self.check_button, "Run scripts/check_multi_gpu.py on this config: versions, the GPUs and how "
                                    "they connect (P2P), a real all-reduce between them, and a memory estimate "

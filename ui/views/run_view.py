@@ -21,6 +21,7 @@ from ..multi_gpu_summary import format_lr
 from ..per_gpu import HEADERS, per_gpu_rows
 from ..run_controller import RunController
 from .background import in_background
+from .buttons import Button
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
 from .tooltip import Tooltip
@@ -70,23 +71,23 @@ class RunView(ctk.CTkScrollableFrame):
 
         commands = ctk.CTkFrame(self, fg_color="transparent")
         commands.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 2))
-        self.start_button = ctk.CTkButton(commands, text="Start", width=90, fg_color="#2f8f46",
+        self.start_button = Button(commands, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
-        self.continue_button = ctk.CTkButton(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
+        self.continue_button = Button(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
                                              hover_color="#25586f", command=self.continue_run)
-        self.stop_button = ctk.CTkButton(commands, text="Stop", width=80, fg_color="#b03a3a",
+        self.stop_button = Button(commands, text="Stop", width=80, fg_color="#b03a3a",
                                          hover_color="#8c2e2e", command=self.controller.stop)
-        self.sample_button = ctk.CTkButton(commands, text="Sample now", width=100,
+        self.sample_button = Button(commands, text="Sample now", width=100,
                                            command=lambda: self.controller.send("sample"))
-        self.backup_button = ctk.CTkButton(commands, text="Backup now", width=100,
+        self.backup_button = Button(commands, text="Backup now", width=100,
                                            command=lambda: self.controller.send("backup"))
-        self.save_button = ctk.CTkButton(commands, text="Save now", width=90,
+        self.save_button = Button(commands, text="Save now", width=90,
                                          command=lambda: self.controller.send("save"))
         places = ctk.CTkFrame(self, fg_color="transparent")
         places.grid(row=1, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
-        self.output_button = ctk.CTkButton(places, text="Open output folder", width=140, fg_color="gray40",
+        self.output_button = Button(places, text="Open output folder", width=140, fg_color="gray40",
                                            command=self.open_output_folder)
-        self.tensorboard_button = ctk.CTkButton(places, text="Open TensorBoard", width=140, fg_color="gray40",
+        self.tensorboard_button = Button(places, text="Open TensorBoard", width=140, fg_color="gray40",
                                                 command=self.open_tensorboard)
         for col, (button, tip) in enumerate(((self.start_button, "start"), (self.continue_button, "continue"),
                                              (self.stop_button, "stop"),
