@@ -480,3 +480,30 @@ def test_disabled_buttons_look_disabled(app_factory):
     assert pump(app, lambda: not controller.state.active, timeout=20)
     pump(app)
     assert view.start_button.cget("fg_color") == "#2f8f46"
+
+
+def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_factory):
+    """The mouse wheel over the log scrolled only the box: with the pointer there, the page did not move."""
+    app, _ = app_factory()
+    app.geometry("1024x600+0+0")
+    app.tabs.set("Run")
+    view = app.run_view
+    page, text = view._parent_canvas, view.log._textbox
+    view.log.insert("end", "\n".join(f"line {i}" for i in range(200)))
+    view.log.see("1.0")
+    page.yview_moveto(0.0)
+    pump(app, timeout=0.5)
+    text.event_generate("<Button-5>")  # the log can go down: it does, the page stays
+    pump(app, timeout=0.2)
+    assert page.yview()[0] == 0.0 and text.yview()[0] > 0.0
+    view.log.see("end")
+    pump(app, timeout=0.2)
+    text.event_generate("<Button-5>")  # at the log's end: the page goes down
+    pump(app, timeout=0.2)
+    assert page.yview()[0] > 0.0
+    view.log.delete("1.0", "end")  # nothing to scroll in the log: the page moves either way
+    pump(app, timeout=0.2)
+    before = page.yview()[0]
+    text.event_generate("<Button-4>")
+    pump(app, timeout=0.2)
+    assert page.yview()[0] < before

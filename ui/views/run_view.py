@@ -25,6 +25,7 @@ from .buttons import Button
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
 from .tooltip import Tooltip
+from .wheel import chain_wheel_to_page
 
 POLL_MS = 100
 GPU_POLL_MS = 2000
@@ -133,6 +134,8 @@ class RunView(ctk.CTkScrollableFrame):
 
         self.log = ctk.CTkTextbox(self, height=200, wrap="none", font=ctk.CTkFont(family="monospace", size=12))
         self.log.grid(row=9, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
+        for box in (self.log, self.error):
+            chain_wheel_to_page(box, self)
         self.monitor = monitor or UsageMonitor()
         self.binder.on_change.append(lambda _path: self._recheck_cannot_start())
         # Another workspace or config has other backups: Continue must never offer the previous one's.
