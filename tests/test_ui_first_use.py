@@ -507,3 +507,22 @@ def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_
     text.event_generate("<Button-4>")
     pump(app, timeout=0.2)
     assert page.yview()[0] < before
+
+
+def test_ctrl_a_selects_a_whole_field(app_factory):
+    app, _ = app_factory()
+    app.tabs.set("Training")
+    entry = app.binder.fields["training.learning_rate"].widget._entry
+    entry.focus_force()
+    entry.icursor(2)
+    pump(app, timeout=0.3)
+    entry.event_generate("<Control-a>")
+    pump(app, timeout=0.2)
+    assert entry.selection_present() and entry.index("sel.first") == 0 and entry.index("sel.last") == len(entry.get())
+    log = app.run_view.log
+    log.insert("end", "one\ntwo")
+    app.tabs.set("Run")
+    log._textbox.focus_force()
+    pump(app, timeout=0.3)
+    log._textbox.event_generate("<Control-a>")
+    assert log._textbox.get("sel.first", "sel.last") == "one\ntwo"

@@ -66,6 +66,7 @@ class TandemApp(ctk.CTk):
 
         self.binder.on_change.append(lambda _path: self._update_title())
         self.protocol("WM_DELETE_WINDOW", self.close)
+        self._bind_select_all()
         self._restore()
         self._detect_gpus(gpu_probe or (lambda: detect_gpus(python)))
 
@@ -204,6 +205,22 @@ class TandemApp(ctk.CTk):
     def _gpus_found(self, gpus: list[GpuInfo]) -> None:
         self.gpus = gpus
         self.multi_gpu.set_gpus(gpus)
+
+    def _bind_select_all(self) -> None:
+        """Ctrl+A selects a field's whole text, as everywhere else (Tk's own binding on X11 moves the
+        cursor to the start of the line)."""
+        def entry(event) -> str:
+            event.widget.select_range(0, "end")
+            event.widget.icursor("end")
+            return "break"
+
+        def text(event) -> str:
+            event.widget.tag_add("sel", "1.0", "end-1c")
+            return "break"
+
+        for sequence in ("<Control-a>", "<Control-A>"):
+            self.bind_class("Entry", sequence, entry)
+            self.bind_class("Text", sequence, text)
 
     # --- errors inside the window ---------------------------------------------------------------
     def report_callback_exception(self, exc, value, tb) -> None:
