@@ -526,3 +526,34 @@ def test_ctrl_a_selects_a_whole_field(app_factory):
     pump(app, timeout=0.3)
     log._textbox.event_generate("<Control-a>")
     assert log._textbox.get("sel.first", "sel.last") == "one\ntwo"
+
+
+def test_file_dialogs_open_where_the_field_points_and_cancel_is_final(app_factory, tmp_path, monkeypatch):
+    """File dialogs opened in the program's folder, and Browse > Cancel on the base model opened a second
+    (folder) dialog."""
+    monkeypatch.chdir(tmp_path)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "sd15.safetensors").write_bytes(b"")
+    app, dialogs = app_factory()
+    base = app.binder.fields["model.base_model"]
+    assert set(base.browse_buttons) == {"file", "folder"}
+    base.var.set(str(models / "sd15.safetensors"))
+    base.browse_buttons["file"].invoke()  # Cancel
+    assert dialogs.file_dialogs == [("file", str(models))] and base.var.get() == str(models / "sd15.safetensors")
+    dialogs.chosen_path = str(tmp_path / "other")
+    base.browse_buttons["folder"].invoke()
+    assert dialogs.file_dialogs[-1] == ("folder", str(models)) and base.var.get() == str(tmp_path / "other")
+    # A placeholder nothing of which exists, builtin: and an empty field open in the home folder.
+    home = str(Path.home())
+    for value in ("missing/model.safetensors", "builtin:demo", ""):
+        base.var.set(value)
+        base.browse_buttons["file"].invoke()
+        assert dialogs.file_dialogs[-1] == ("file", home), value
+    workspace = app.binder.fields["general.workspace_dir"]
+    workspace.var.set(str(tmp_path / "runs" / "first"))  # not there yet: the nearest folder that is
+    (tmp_path / "runs").mkdir()
+    workspace.browse_buttons["folder"].invoke()
+    assert dialogs.file_dialogs[-1] == ("folder", str(tmp_path / "runs"))
+    app.load_button.invoke()
+    assert dialogs.file_dialogs[-1][0] == "open config" and dialogs.file_dialogs[-1][1] == home

@@ -30,6 +30,10 @@ class FakeDialogs:
         self.save_path = ""
         self.yes_no_answer = True
         self.questions: list[str] = []
+        self.file_dialogs: list[tuple[str, str | None]] = []
+        """(kind, folder it opened in) of every file or folder dialog."""
+        self.chosen_path = ""
+        """What the next file or folder dialog answers ("": Cancel)."""
 
     def ask_save_changes(self, name):
         return self.save_answer
@@ -38,11 +42,20 @@ class FakeDialogs:
         self.questions.append(text)
         return self.yes_no_answer
 
-    def ask_open_path(self):
+    def ask_open_path(self, start=None):
+        self.file_dialogs.append(("open config", start))
         return ""
 
-    def ask_save_path(self, suggested):
+    def ask_save_path(self, suggested, start=None):
         return self.save_path
+
+    def ask_folder(self, title, start):
+        self.file_dialogs.append(("folder", start))
+        return self.chosen_path
+
+    def ask_file(self, title, start):
+        self.file_dialogs.append(("file", start))
+        return self.chosen_path
 
     def show_error(self, title, text):
         self.errors.append((title, text))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
@@ -16,7 +17,7 @@ from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
 from ..settings import RecentConfigs
 from .crash_bar import CrashBar
-from .dialogs import Dialogs
+from .dialogs import Dialogs, start_folder
 from .fields import Binder
 from .run_view import RunView
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
@@ -41,7 +42,7 @@ class TandemApp(ctk.CTk):
         self.recent = recent or RecentConfigs()
         self.dialogs = dialogs or Dialogs()
         self.model = ConfigModel()
-        self.binder = Binder(self.model)
+        self.binder = Binder(self.model, self.dialogs)
         self.controller = controller or RunController(python=python)
         self.gpus: list[GpuInfo] = []
         self._closing = False
@@ -115,8 +116,13 @@ class TandemApp(ctk.CTk):
         self._show_current_choice()
         return True
 
+    def _config_folder(self) -> str:
+        """Where Load and Save as open: the current config file's folder, else the last one opened."""
+        known = self.model.path or next(iter(self.recent.existing()), None)
+        return start_folder(Path(known).parent if known else None)
+
     def load_dialog(self) -> None:
-        path = self.dialogs.ask_open_path()
+        path = self.dialogs.ask_open_path(self._config_folder())
         if path:
             self.load(path)
 
@@ -132,7 +138,7 @@ class TandemApp(ctk.CTk):
     def save_as(self, path: str | None = None) -> bool:
         if not self._may_save_with_problems():
             return False
-        path = path or self.dialogs.ask_save_path(f"{self.model.source_name.lstrip('#')}.json")
+        path = path or self.dialogs.ask_save_path(f"{self.model.source_name.lstrip('#')}.json", self._config_folder())
         if not path:
             return False
         self.model.save(path)

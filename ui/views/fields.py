@@ -7,7 +7,6 @@ and marks the widget red with the validation message of its field.
 from __future__ import annotations
 
 import tkinter as tk
-from tkinter import filedialog
 from typing import Callable
 
 import customtkinter as ctk
@@ -17,6 +16,7 @@ from ..binding import FieldError, field_doc
 from ..config_model import ConfigModel, problems_by_field
 from ..field_places import FieldPlaces
 from ..field_visibility import hidden_fields
+from .dialogs import Dialogs, start_folder
 from .tooltip import Tooltip
 
 ERROR_COLOR = "#d94040"
@@ -32,6 +32,8 @@ class BoundField:
         self.error_label: ctk.CTkLabel | None = None
         self.caption: ctk.CTkLabel | None = None
         self.row_widgets: list = [widget]
+        self.browse_buttons: dict = {}
+        """The field's file / folder dialog buttons by kind ("file", "folder"), if it has any."""
         """Everything on the field's row (label, widget, Browse button), hidden together."""
         self.visible = True
         self.message = ""
@@ -141,8 +143,10 @@ class ChoiceField(BoundField):
 class Binder:
     """All bound widgets of the window, by field path."""
 
-    def __init__(self, model: ConfigModel):
+    def __init__(self, model: ConfigModel, dialogs: Dialogs | None = None):
         self.model = model
+        self.dialogs = dialogs or Dialogs()
+        """The window's questions and file dialogs (tests answer them)."""
         self.fields: dict[str, BoundField] = {}
         self.type_errors: dict[str, str] = {}
         """Text typed into a field that its type rejects (the config keeps the previous value)."""
@@ -223,13 +227,11 @@ class Binder:
         return [self.places.describe(m) for m in messages]
 
 
-def browse(var: tk.StringVar, kind: str) -> None:
-    """Fill `var` from a file or folder dialog (`kind`: "folder", "file" or "any")."""
-    if kind == "folder":
-        chosen = filedialog.askdirectory()
-    else:
-        chosen = filedialog.askopenfilename(filetypes=[("Model files", "*.safetensors *.ckpt"), ("All", "*")])
-    if kind == "any" and not chosen:
-        chosen = filedialog.askdirectory()
+def browse(binder: "Binder", field: BoundField, kind: str) -> None:
+    """Fill `field` from one file or folder dialog (`kind`: "folder" or "file"), opened where its value is;
+    Cancel leaves it as it was."""
+    title = f"{binder.places.name(field.path) or field.path}: choose a {kind}"
+    start = start_folder(field.var.get())
+    chosen = binder.dialogs.ask_folder(title, start) if kind == "folder" else binder.dialogs.ask_file(title, start)
     if chosen:
-        var.set(chosen)
+        field.var.set(chosen)

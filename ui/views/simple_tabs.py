@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from tkinter import filedialog
-
 import customtkinter as ctk
 
 from modules.config import ConceptConfig, SamplePromptConfig
 
+from .dialogs import start_folder
 from .fields import Binder
 from .form import Form
 from .list_editor import ListEditor
@@ -45,8 +44,12 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.field("model.config_overrides", width=380)
 
 
-def _ask_concept() -> ConceptConfig | None:
-    folder = filedialog.askdirectory(title="Folder of training images")
+def _ask_concept(binder: Binder) -> ConceptConfig | None:
+    """A new concept from a folder dialog, opened beside the last concept's folder."""
+    concepts = binder.model.cfg.data.concepts
+    last = concepts[-1].path if concepts else ""
+    near = "" if not last or last.startswith("builtin:") else str(Path(last).expanduser().absolute().parent)
+    folder = binder.dialogs.ask_folder("Folder of training images", start_folder(near))
     return ConceptConfig(path=folder, name=Path(folder).name) if folder else None
 
 
@@ -60,7 +63,7 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
                            ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
                            ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
                            ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
-                          _ask_concept, "Add concept folder")
+                          lambda: _ask_concept(binder), "Add concept folder")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("Images")
