@@ -557,3 +557,15 @@ def test_file_dialogs_open_where_the_field_points_and_cancel_is_final(app_factor
     assert dialogs.file_dialogs[-1] == ("folder", str(tmp_path / "runs"))
     app.load_button.invoke()
     assert dialogs.file_dialogs[-1][0] == "open config" and dialogs.file_dialogs[-1][1] == home
+
+
+def test_finished_says_where_the_model_went(app_factory, tmp_path):
+    controller = PlayedController()
+    app, _ = app_factory(controller=controller)
+    model = str(tmp_path / "ws" / "output" / "demo.safetensors")
+    controller.runs = [([{"type": "done", "output": model, "step": 9, "completed": True, "images": 9,
+                          "train_s": 3.0, "images_per_s": 3.0}], 0)]
+    app.run_view.start_button.invoke()
+    assert pump(app, lambda: controller.state.status == "finished", timeout=20)
+    pump(app)
+    assert app.run_view.status.cget("text") == f"Finished - model saved to {model}"

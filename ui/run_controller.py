@@ -364,7 +364,7 @@ class RunController:
                 history.close()
         if returncode == 0 and s.error is None:
             s.status = "stopped" if stopping else "finished"
-            s.message = ""
+            s.message = f"model saved to {s.output}" if s.output and not stopping else ""
             return
         if stopping and self._terminated:
             s.status = "stopped"
