@@ -373,7 +373,7 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert pump(app, lambda: controller.state.status == "failed", timeout=20)
     pump(app)
     assert view.status.cget("text") == "Failed"  # not "Failed - Failed"
-    assert view.sample_caption.cget("text") == "step 4: a red circle" and view.sample_image.cget("text") == ""
+    assert view.gallery.showing()[1:] == (4, ["a red circle"]) and view.gallery.cells[0][0].cget("text") == ""
     assert "World size 2" in view.run_info.cget("text") and "step 4/10" in view.progress_text.cget("text")
     assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4]
     assert view.loss_plot.validation == [(2, 1.0), (4, 0.5)], "validation events plotted beside the loss"
@@ -390,7 +390,7 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert controller.started[-1][-2:] == ["--resume", str(backup)]
     # Straight after Start nothing of the failed run is left on screen.
     assert view.error_text() == "" and view.status.cget("text") == "Running - starting the training processes"
-    assert view.sample_image.cget("text") == "No sample yet" and view.sample_caption.cget("text") == ""
+    assert view.gallery.showing() == (None, None, []) and view.gallery.empty.winfo_manager() == "grid"
     assert view.progress_text.cget("text") == "" and view.run_info.cget("text") == "" and view.progress.get() == 0
     assert view.per_gpu_text() == []
     assert pump(app, lambda: controller.state.step == 5, timeout=20)

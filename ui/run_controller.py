@@ -139,7 +139,7 @@ class RunController:
         A `stop` left in the commands file by an earlier run would stop the new one at its first
         step, so the file is emptied before every start.
         """
-        commands = self._absolute(RunPaths(cfg).commands_file)
+        commands = self.absolute(RunPaths(cfg).commands_file)
         commands.parent.mkdir(parents=True, exist_ok=True)
         commands.write_text("", encoding="utf-8")
         self.commands_file = commands
@@ -152,13 +152,13 @@ class RunController:
         self.validation_history = LossHistory(commands.parent / "gui-validation-losses.csv")
         return config_path
 
-    def _absolute(self, path: Path) -> Path:
+    def absolute(self, path: Path) -> Path:
         """`path` as the training process (started in `cwd`) sees it."""
         return path if path.is_absolute() else (Path(self.cwd) if self.cwd else Path.cwd()) / path
 
     def backups_folder(self, cfg: TrainConfig) -> Path:
         """The folder of the workspace's backups, as the training process sees it."""
-        return self._absolute(RunPaths(cfg).backups)
+        return self.absolute(RunPaths(cfg).backups)
 
     def backup_choices(self, cfg: TrainConfig) -> list[BackupChoice]:
         """The workspace's backups, newest first, each marked when its run finished after it."""
@@ -174,7 +174,7 @@ class RunController:
         replaces the built command line (tests use a fake trainer). Returns the command line started."""
         if self.state.active:
             raise RuntimeError("a training run is already active; stop it first")
-        holder = workspace_in_use(self._absolute(RunPaths(cfg).workspace))
+        holder = workspace_in_use(self.absolute(RunPaths(cfg).workspace))
         if holder:
             raise RuntimeError(f"the workspace {cfg.general.workspace_dir} is in use by another run ({holder}). "
                                "Wait for it to finish or stop it, or choose another workspace folder.")
