@@ -18,6 +18,7 @@ from ..run_controller import RunController
 from ..settings import RecentConfigs
 from .crash_bar import CrashBar
 from .dialogs import Dialogs, start_folder
+from .first_run_hint import FirstRunHint
 from .fields import Binder
 from .run_view import RunView
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
@@ -54,8 +55,9 @@ class TandemApp(ctk.CTk):
         self.tabs.pack(fill="both", expand=True, padx=8, pady=(0, 8))
         for name in TABS:
             self.tabs.add(name)
-        build_general_tab(self.tabs.tab("General"), self.binder)
-        build_model_tab(self.tabs.tab("Model"), self.binder)
+        self.hint = build_general_tab(self.tabs.tab("General"), self.binder, None if self.recent.hint_hidden else
+                                      lambda master: FirstRunHint(master, self.try_demo, self.recent.hide_hint))
+        self.model_picker = build_model_tab(self.tabs.tab("Model"), self.binder)
         self.concepts = build_data_tab(self.tabs.tab("Data"), self.binder)
         self.multi_gpu = build_training_tab(self.tabs.tab("Training"), self.binder, python)
         self.prompts = build_sampling_tab(self.tabs.tab("Sampling"), self.binder)
@@ -114,12 +116,19 @@ class TandemApp(ctk.CTk):
         else:
             self.recent.set_last(path_or_preset)
         self._show_current_choice()
+        if "model.base_model" in self.model.placeholders:
+            self.tabs.set("Model")  # a real-model preset starts with choosing the model
         return True
 
     def _config_folder(self) -> str:
         """Where Load and Save as open: the current config file's folder, else the last one opened."""
         known = self.model.path or next(iter(self.recent.existing()), None)
         return start_folder(Path(known).parent if known else None)
+
+    def try_demo(self) -> None:
+        """The getting-started box's button: the demo preset, on the Run tab."""
+        if self.load(DEFAULT_PRESET):
+            self.tabs.set("Run")
 
     def load_dialog(self) -> None:
         path = self.dialogs.ask_open_path(self._config_folder())

@@ -6,6 +6,7 @@ from typing import Any, Callable
 import customtkinter as ctk
 
 from ..binding import field_choices, field_doc, field_type, get_value
+from .dialogs import start_folder
 from .fields import ERROR_COLOR, Binder, ChoiceField, EntryField, SwitchField
 from .horizontal_scroller import HorizontalScroller
 from .tooltip import Tooltip
@@ -16,9 +17,12 @@ class ListEditor(ctk.CTkFrame):
     declares choices (`data.concepts[].role`) gets a drop-down, a bool a switch, any other an entry."""
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
-                 columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str):
+                 columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str,
+                 folder_field: str | None = None):
+        """`folder_field`: a column holding a folder, which each row's Folder... button fills from a dialog."""
         super().__init__(master, fg_color="transparent")
         self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
+        self.folder_field = folder_field
         # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
         binder.places.add(list_path, tab, row_name)
         for name, header, _ in columns:
@@ -79,11 +83,26 @@ class ListEditor(ctk.CTkFrame):
             field.widget.grid(row=index, column=col, padx=4, pady=2, sticky="w")
             self.binder.add(field)
             widgets.append(field.widget)
+        col = len(self.columns)
+        if self.folder_field:
+            folder = ctk.CTkButton(self.body, text="Folder...", width=70,
+                                   command=lambda i=index: self.choose_folder(i))
+            folder.grid(row=index, column=col, padx=4)
+            Tooltip(folder, "Choose this row's folder in a dialog.")
+            widgets.append(folder)
+            col += 1
         remove = ctk.CTkButton(self.body, text="Remove", width=70, fg_color="gray40",
                                command=lambda i=index: self.remove(i))
-        remove.grid(row=index, column=len(self.columns), padx=4)
+        remove.grid(row=index, column=col, padx=4)
         widgets.append(remove)
         return widgets
+
+    def choose_folder(self, index: int) -> None:
+        field = self.binder.fields[f"{self.list_path}[{index}].{self.folder_field}"]
+        name = self.binder.places.name(field.path) or field.path
+        chosen = self.binder.dialogs.ask_folder(name, start_folder(field.var.get()))
+        if chosen:
+            field.var.set(chosen)
 
     def add(self, item: Any | None = None) -> None:
         """Append `item`, or what `new_item()` makes (it may ask the user and return None)."""

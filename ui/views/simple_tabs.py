@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 import customtkinter as ctk
 
 from modules.config import ConceptConfig, SamplePromptConfig
@@ -10,6 +11,7 @@ from .dialogs import start_folder
 from .fields import Binder
 from .form import Form
 from .list_editor import ListEditor
+from .model_picker import ModelPicker
 
 
 
@@ -19,18 +21,31 @@ def _scrolling(parent) -> ctk.CTkScrollableFrame:
     return frame
 
 
-def build_general_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, tab="General")
+def build_general_tab(parent, binder: Binder, hint: Callable | None = None):
+    """The General tab; `hint(master)` makes the getting-started box at its top (None: no box). Returns the box."""
+    frame = _scrolling(parent)
+    form = Form(frame, binder, tab="General")
+    box = None
+    if hint is not None:
+        box = hint(frame)
+        box.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(8, 0))
+        form.row += 1
     form.section("Run")
     form.field("general.workspace_dir", browse_kind="folder")
     form.field("general.cache_dir", browse_kind="folder")
     form.fields("general.seed", "general.device")
     form.section("Logging")
     form.fields("general.tensorboard")
+    return box
 
 
-def build_model_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, tab="Model")
+def build_model_tab(parent, binder: Binder) -> ModelPicker:
+    frame = _scrolling(parent)
+    form = Form(frame, binder, tab="Model")
+    picker = ModelPicker(frame, binder)
+    picker.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(8, 0))
+    form.row += 1
+    picker.sync()
     form.section("Base model")
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
@@ -42,6 +57,7 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
     form.section("Advanced")
     form.field("model.config_overrides", width=380)
+    return picker
 
 
 def _ask_concept(binder: Binder) -> ConceptConfig | None:
@@ -63,7 +79,7 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
                            ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
                            ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
                            ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
-                          lambda: _ask_concept(binder), "Add concept folder")
+                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("Images")
