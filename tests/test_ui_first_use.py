@@ -779,3 +779,15 @@ def test_a_first_time_user_trains_three_times_in_one_window(app_factory, tmp_pat
     gallery.choose_run(first_run)
     assert [s.step for s in gallery.samplings] == [2, 3], "the first run's samples are still its own"
     assert app.crash_text() == "" and len(list((tmp_path / "ws" / "output").iterdir())) >= 2
+
+
+def test_disabled_menus_look_disabled_too(app_factory):
+    from ui.views.buttons import DISABLED_COLOR
+    app, _ = app_factory()
+    assert app.multi_gpu.cpu_menu.cget("state") == "disabled"  # Multi-GPU is off
+    assert app.multi_gpu.cpu_menu.cget("fg_color") == DISABLED_COLOR
+    assert app.run_view.backups.menu.cget("fg_color") == DISABLED_COLOR  # no backup
+    launcher = app.binder.fields["multi_gpu.launcher"].widget
+    assert launcher.cget("fg_color") == DISABLED_COLOR
+    app.multi_gpu.enable.widget.toggle()
+    assert launcher.cget("fg_color") != DISABLED_COLOR and app.multi_gpu.cpu_menu.cget("fg_color") != DISABLED_COLOR

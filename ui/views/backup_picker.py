@@ -11,6 +11,7 @@ from typing import Callable
 import customtkinter as ctk
 
 from ..backup_choices import BackupChoice, default_choice
+from .buttons import OptionMenu
 from .tooltip import Tooltip
 
 NONE = "No backup in this workspace"
@@ -25,7 +26,7 @@ class BackupPicker(ctk.CTkFrame):
         self._chosen_by_user = False
         label = ctk.CTkLabel(self, text="Continue from")
         label.grid(row=0, column=0, padx=(0, 6))
-        self.menu = ctk.CTkOptionMenu(self, values=[NONE], width=470, dynamic_resizing=False, command=self._picked)
+        self.menu = OptionMenu(self, values=[NONE], width=470, dynamic_resizing=False, command=self._picked)
         self.menu.grid(row=0, column=1)
         for widget in (label, self.menu):
             Tooltip(widget, "The backups in this workspace, newest first: run, step and when each was written. "

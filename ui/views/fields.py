@@ -16,6 +16,7 @@ from ..binding import FieldError, field_doc
 from ..config_model import ConfigModel, problems_by_field
 from ..field_places import FieldPlaces
 from ..field_visibility import hidden_fields
+from .buttons import OptionMenu
 from .dialogs import Dialogs, start_folder
 from .tooltip import Tooltip
 
@@ -133,7 +134,7 @@ class SwitchField(BoundField):
 class ChoiceField(BoundField):
     def __init__(self, binder, path, master, choices, width=160):
         var = tk.StringVar(master, binder.model.get_text(path))
-        menu = ctk.CTkOptionMenu(master, values=list(choices), variable=var, width=width)
+        menu = OptionMenu(master, values=list(choices), variable=var, width=width)
         super().__init__(binder, path, var, menu)
 
     def show_mark(self, bad: bool) -> None:

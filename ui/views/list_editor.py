@@ -85,7 +85,7 @@ class ListEditor(ctk.CTkFrame):
             widgets.append(field.widget)
         col = len(self.columns)
         if self.folder_field:
-            folder = ctk.CTkButton(self.body, text="Folder...", width=70,
+            folder = ctk.CTkButton(self.body, text="Folder...", width=64,
                                    command=lambda i=index: self.choose_folder(i))
             folder.grid(row=index, column=col, padx=4)
             Tooltip(folder, "Choose this row's folder in a dialog.")

@@ -17,7 +17,7 @@ class ModelPicker(ctk.CTkFrame):
     def __init__(self, master, binder: Binder):
         super().__init__(master, fg_color=HINT_COLOR, corner_radius=8)
         self.binder = binder
-        self.grid_columnconfigure(0, weight=1)
+        self.grid_columnconfigure(2, weight=1)  # the buttons side by side at the left, the space after them
         self.text = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=640)
         self.text.grid(row=0, column=0, columnspan=3, sticky="w", padx=12, pady=(10, 4))
         self.file_button = ctk.CTkButton(self, text="Choose a model file...", width=170,

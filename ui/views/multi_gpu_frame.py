@@ -21,7 +21,7 @@ from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
 from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, summarize
-from .buttons import Button
+from .buttons import Button, OptionMenu
 from .fields import Binder
 from .form import Form
 from .tooltip import Tooltip
@@ -71,7 +71,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self._device_before_cpu: str | None = None
         """General › Device as it was before CPU processes set it to cpu (None: they did not)."""
         self.cpu_var = tk.StringVar(self, cpu_processes(binder.model.cfg))
-        self.cpu_menu = ctk.CTkOptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
+        self.cpu_menu = OptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
                                           width=100, command=self._cpu_chosen)
         self.cpu_menu.grid(row=form.row, column=1, sticky="w", padx=4)
         form.row += 1

@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 
 from ..sample_gallery import SAMPLE_FILE, Sample, Sampling, run_folder, run_of_sample, run_prompts, sample_runs, \
     samplings
-from .buttons import Button
+from .buttons import Button, OptionMenu
 from .tooltip import Tooltip
 
 THUMB_PX = 180
@@ -42,7 +42,7 @@ class SampleGallery(ctk.CTkFrame):
         head = ctk.CTkFrame(self, fg_color="transparent")
         head.grid(row=0, column=0, sticky="w", padx=8, pady=(6, 2))
         ctk.CTkLabel(head, text="Samples", font=ctk.CTkFont(weight="bold")).grid(row=0, column=0, padx=(0, 8))
-        self.run_menu = ctk.CTkOptionMenu(head, values=[""], width=230, dynamic_resizing=False,
+        self.run_menu = OptionMenu(head, values=[""], width=230, dynamic_resizing=False,
                                           command=self.choose_run)
         self.run_menu.grid(row=0, column=1, padx=(0, 8))
         Tooltip(self.run_menu, "The runs of this workspace that rendered samples, newest first. Each run keeps its "

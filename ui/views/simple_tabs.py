@@ -75,10 +75,10 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     form.section("Concepts")
     concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
                           # A row fits the default window (1100 px); in a narrower one the rows scroll sideways.
-                          [("path", "Folder", 210), ("name", "Name", 100), ("enabled", "On", 50),
-                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
-                           ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
-                           ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
+                          [("path", "Folder", 170), ("name", "Name", 90), ("enabled", "On", 40),
+                           ("repeats", "Repeats", 56), ("caption_extension", "Captions", 56),
+                           ("recursive", "Sub-folders", 76), ("role", "Role", 104), ("loss_weight", "Loss weight", 76),
+                           ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64)],
                           lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
