@@ -1,5 +1,8 @@
 """Shared test set-up: hermetic demo files, no network, a shared latent cache for trainer tests."""
 import os
+import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,3 +30,41 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def _die_with_parent() -> None:
+    """The X server ends with the test process that started it, also when that process crashes (a crashed
+    xdist worker never runs the fixture's teardown; its servers were left running)."""
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def display():
+    """One X server for the whole test process, never one per stretch of this module's tests: a worker
+    that runs other modules' tests between them (pytest-xdist's worksteal) would otherwise stop the server
+    while a closed window's Tk interpreter still held a connection to it, and Xlib ended the whole process
+    at that connection's next use (xdist: "node down: Not properly terminated"; reproduced in one process
+    by running a test of another module between two of these)."""
+    if shutil.which("Xvfb") is None:
+        pytest.fail("Xvfb is not installed; run-tests.sh installs it (apt-get install xvfb)")
+    # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
+    read_end, write_end = os.pipe()
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
+                              preexec_fn=_die_with_parent)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        reply = pipe.readline().strip()
+    assert server.poll() is None and reply.isdigit(), "Xvfb exited at start"
+    number = int(reply)
+    old = os.environ.get("DISPLAY")
+    os.environ["DISPLAY"] = f":{number}"
+    yield f":{number}"
+    server.terminate()
+    server.wait(5)
+    if old is None:
+        os.environ.pop("DISPLAY", None)
+    else:
+        os.environ["DISPLAY"] = old

@@ -117,6 +117,8 @@ def test_a_new_run_in_a_reused_workspace_keeps_its_own_backups(tmp_path, cache_d
                                      "save.rolling_backup_count=2"), StopAt(), inbox)
     new.run()
     assert new.run_id != old.run_id and not new.completed
+    assert backups.finished_at(ws / "backups", old.run_id)[0] == 6  # the finished run says so
+    assert backups.finished_at(ws / "backups", new.run_id) is None
     found = {(b.run_id, b.step) for b in backups.list_backups(ws / "backups")}
     assert found == {(old.run_id, 4), (old.run_id, 6), (new.run_id, new.global_step)}
 

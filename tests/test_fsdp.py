@@ -118,7 +118,7 @@ def test_fsdp_full_fine_tune_equals_one_process(sd_runs):
         assert relative_l2(output(sd_runs / "fsdp", name), output(sd_runs / "one", name)) <= 1e-5, name
     ema, raw = output(sd_runs / "fsdp", "demo-ema.safetensors"), output(sd_runs / "fsdp", "demo.safetensors")
     assert relative_l2(ema, raw) > 1e-7, "the EMA file holds the EMA weights"
-    samples = {run: sorted((sd_runs / run / "samples").glob("step-0000006-*.png")) for run in ("one", "fsdp")}
+    samples = {run: sorted((sd_runs / run / "samples").glob("*/step-0000006-*.png")) for run in ("one", "fsdp")}
     assert [p.name for p in samples["fsdp"]] == [p.name for p in samples["one"]] and len(samples["one"]) == 3
     for mine, theirs in zip(samples["fsdp"], samples["one"]):
         difference = torch.from_numpy(numpy.asarray(Image.open(mine), dtype=numpy.float32) -

@@ -35,6 +35,20 @@ def test_rate_averages_step_times_and_ignores_a_report_that_comes_at_once(monkey
     assert progress[0]["eta_s"] is None and progress[-1]["images_per_s"] < 18.0
 
 
+def test_a_run_stopped_at_step_2_shows_its_real_rate(monkeypatch):
+    """Step 1's report arrives during step 2 and a stopped run's last report right after it: the time
+    between the two reports said 797 images/s. The steps' own times (sent with them) say 1."""
+    clock = Clock()
+    monkeypatch.setattr(progress_module.time, "perf_counter", clock)
+    numbers = SimpleNamespace(total_steps=100, global_batch=2, per_gpu_batch=1, accumulation=1, epochs=1)
+    reporter = ProgressReporter(numbers, lambda *a, **k: None, 0, None, True)
+    clock.now += 6.0
+    reporter.step(SimpleNamespace(step=1, loss=0.5, lr=1e-4, epoch=0, rank_step_s=[0.0, 0.0]))
+    clock.now += 0.001
+    reporter.step(SimpleNamespace(step=2, loss=0.5, lr=1e-4, epoch=0, rank_step_s=[1.9, 2.0]))
+    assert reporter.images_per_s == pytest.approx(1.0)  # 2 images per 2-second step
+
+
 def test_short_runs_report_the_rate_the_user_waited_for(monkeypatch):
     """A 2-step run printed 3,000 img/s: its rate came from one step time. The run's rate is images / wall time."""
     clock = Clock()

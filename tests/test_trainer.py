@@ -183,10 +183,12 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
                 write_command(commands, "save")
 
     cb = Commander()
-    train(cfg, cb, inbox)
+    trainer = train(cfg, cb, inbox)
     samples = cb.of_type("sample")
     # Step 1 is reported while step 2 runs; the commands go out with step 2 and act after step 3.
     assert [s["step"] for s in samples] == [3, 4] and Path(samples[0]["path"]).is_file()  # 4: end of training
+    # Each run's samples in a folder of their own: a later run in this workspace cannot overwrite them.
+    assert Path(samples[0]["path"]).parent == RunPaths(cfg).samples / trainer.run_id
     saved = [Path(s["path"]).name for s in cb.of_type("saved")]
     assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
 
@@ -227,7 +229,7 @@ def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tm
     real_save = Image.Image.save
 
     def save(image, path, *args, **kwargs):
-        if Path(str(path)).parent.name == "samples":  # not the demo data's images or TensorBoard's
+        if Path(str(path)).parent.parent.name == "samples":  # samples/<run>/: not the demo data's or TensorBoard's
             all_begun.wait()
         return real_save(image, path, *args, **kwargs)
 

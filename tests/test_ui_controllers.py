@@ -541,10 +541,11 @@ def test_tensorboard_shows_its_address_when_no_browser_opens(tmp_path, monkeypat
             pass
 
     monkeypatch.setattr(external.subprocess, "Popen", Server)
-    board = external.TensorBoard(open_browser=lambda url: False)
+    board = external.TensorBoard(open_browser=lambda url: "no web browser was found")
+    board.answers = lambda port: True
     result = board.open(tmp_path / "tb")
     assert not result.ok and board.url in result.message and "open that address yourself" in result.message
-    board.open_browser = lambda url: True
+    board.open_browser = lambda url: None
     result = board.open(tmp_path / "tb")
     assert result.ok and board.url in result.message
 

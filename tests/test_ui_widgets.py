@@ -4,9 +4,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -24,44 +21,6 @@ from ui.settings import RecentConfigs
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _die_with_parent() -> None:
-    """The X server ends with the test process that started it, also when that process crashes (a crashed
-    xdist worker never runs the fixture's teardown; its servers were left running)."""
-    import ctypes
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-@pytest.fixture(scope="session")
-def display():
-    """One X server for the whole test process, never one per stretch of this module's tests: a worker
-    that runs other modules' tests between them (pytest-xdist's worksteal) would otherwise stop the server
-    while a closed window's Tk interpreter still held a connection to it, and Xlib ended the whole process
-    at that connection's next use (xdist: "node down: Not properly terminated"; reproduced in one process
-    by running a test of another module between two of these)."""
-    if shutil.which("Xvfb") is None:
-        pytest.fail("Xvfb is not installed; run-tests.sh installs it (apt-get install xvfb)")
-    # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
-    read_end, write_end = os.pipe()
-    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
-                              preexec_fn=_die_with_parent)
-    os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        reply = pipe.readline().strip()
-    assert server.poll() is None and reply.isdigit(), "Xvfb exited at start"
-    number = int(reply)
-    old = os.environ.get("DISPLAY")
-    os.environ["DISPLAY"] = f":{number}"
-    yield f":{number}"
-    server.terminate()
-    server.wait(5)
-    if old is None:
-        os.environ.pop("DISPLAY", None)
-    else:
-        os.environ["DISPLAY"] = old
-
-
 class FakeDialogs:
     """Answers the window's questions the way a test decides."""
 
@@ -71,6 +30,10 @@ class FakeDialogs:
         self.save_path = ""
         self.yes_no_answer = True
         self.questions: list[str] = []
+        self.file_dialogs: list[tuple[str, str | None]] = []
+        """(kind, folder it opened in) of every file or folder dialog."""
+        self.chosen_path = ""
+        """What the next file or folder dialog answers ("": Cancel)."""
 
     def ask_save_changes(self, name):
         return self.save_answer
@@ -79,11 +42,20 @@ class FakeDialogs:
         self.questions.append(text)
         return self.yes_no_answer
 
-    def ask_open_path(self):
+    def ask_open_path(self, start=None):
+        self.file_dialogs.append(("open config", start))
         return ""
 
-    def ask_save_path(self, suggested):
+    def ask_save_path(self, suggested, start=None):
         return self.save_path
+
+    def ask_folder(self, title, start):
+        self.file_dialogs.append(("folder", start))
+        return self.chosen_path
+
+    def ask_file(self, title, start):
+        self.file_dialogs.append(("file", start))
+        return self.chosen_path
 
     def show_error(self, title, text):
         self.errors.append((title, text))
@@ -298,11 +270,11 @@ def test_continue_button_resumes_the_newest_backup(app_factory, tmp_path):
     app.run_view._update_buttons()
     button = app.run_view.continue_button
     assert button.cget("state") == "disabled"  # nothing to continue yet
-    write_backup(tmp_path / "ws" / "backups", "run-a", 40, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    backup = write_backup(tmp_path / "ws" / "backups", "run-a", 40, {"w": torch.zeros(1)}, {}, {}, keep=2)
     app.run_view._update_buttons()
     assert button.cget("state") == "normal" and button.cget("text") == "Continue from step 40"
     button.invoke()
-    assert app.controller.resumed == "latest"
+    assert app.controller.resumed == str(backup)  # the backup the button names, not whatever is newest then
     assert pump(app, lambda: not app.controller.state.active, timeout=20)
     app.run_view.start_button.invoke()
     assert app.controller.resumed is None  # Start is always a new run
@@ -401,7 +373,7 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert pump(app, lambda: controller.state.status == "failed", timeout=20)
     pump(app)
     assert view.status.cget("text") == "Failed"  # not "Failed - Failed"
-    assert view.sample_caption.cget("text") == "step 4: a red circle" and view.sample_image.cget("text") == ""
+    assert view.gallery.showing()[1:] == (4, ["a red circle"]) and view.gallery.cells[0][0].cget("text") == ""
     assert "World size 2" in view.run_info.cget("text") and "step 4/10" in view.progress_text.cget("text")
     assert [s for s, _ in view.loss_plot.points] == [1, 2, 3, 4]
     assert view.loss_plot.validation == [(2, 1.0), (4, 0.5)], "validation events plotted beside the loss"
@@ -411,14 +383,14 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     import torch
 
     from modules.trainer.backup import write_backup
-    write_backup(tmp_path / "ws" / "backups", "run-a", 2, {"w": torch.zeros(1)}, {}, {}, keep=2)
+    backup = write_backup(tmp_path / "ws" / "backups", "run-a", 2, {"w": torch.zeros(1)}, {}, {}, keep=2)
     view._render()  # (a real run writes its backup before it ends, so the end's render finds it)
     assert view.continue_button.cget("text") == "Continue from step 2"
     view.continue_button.invoke()
-    assert controller.started[-1][-2:] == ["--resume", "latest"]
+    assert controller.started[-1][-2:] == ["--resume", str(backup)]
     # Straight after Start nothing of the failed run is left on screen.
     assert view.error_text() == "" and view.status.cget("text") == "Running - starting the training processes"
-    assert view.sample_image.cget("text") == "No sample yet" and view.sample_caption.cget("text") == ""
+    assert view.gallery.showing() == (None, None, []) and view.gallery.empty.winfo_manager() == "grid"
     assert view.progress_text.cget("text") == "" and view.run_info.cget("text") == "" and view.progress.get() == 0
     assert view.per_gpu_text() == []
     assert pump(app, lambda: controller.state.step == 5, timeout=20)
@@ -541,7 +513,8 @@ def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory,
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     view.output_button.invoke()  # no file manager here: no traceback, the path in the window
     folder = str(RunPaths(app.model.cfg).output_dir.resolve())
-    assert "No file manager found" in view.notice_text() and folder in view.notice_text()
+    assert pump(app, lambda: "No file manager found" in view.notice_text(), timeout=10)
+    assert folder in view.notice_text()
 
     class Server:
         def __init__(self, command, **kwargs):
@@ -554,9 +527,11 @@ def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory,
             pass
 
     monkeypatch.setattr(external.subprocess, "Popen", Server)
-    view.tensorboard.open_browser = lambda url: False
+    view.tensorboard.answers = lambda port: True
+    view.tensorboard.open_browser = lambda url: "no web browser was found"
     view.tensorboard_button.invoke()
-    assert view.tensorboard.url in view.notice_text() and "no web browser" in view.notice_text()
+    assert pump(app, lambda: "no web browser" in view.notice_text(), timeout=10)
+    assert view.tensorboard.url in view.notice_text()
 
 
 def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_factory):
@@ -657,5 +632,5 @@ def test_multi_gpu_frame_sets_restarts_and_several_machines(app_factory):
     assert (m.max_restarts, m.nnodes, m.node_rank) == (3, 2, 1)
     hint = frame.nodes_hint.cget("text")
     assert "This machine is node 1 of 2" in hint and "127.0.0.1:29500" in hint
-    assert "restart up to 3 time(s)" in hint and "backups every 10 minutes" in hint
+    assert "restart up to 3 time(s)" in hint and "written every 10 minutes" in hint
     assert frame.summary.cget("text").startswith("World size 4 · global batch 32 (8 x 1 x 4)")

@@ -103,8 +103,8 @@ def test_samples_rendered_by_two_ranks_equal_those_of_one(tmp_path, cache_dir):
     assert [(e["step"], e["rank"]) for e in events] == [(0, i % 2) for i in range(prompts)]
     assert f"Samples at step 0: {prompts} image(s) in " in result.stdout  # what a sampling cost the run
     assert {e["rank"] for e in one_run.of_type("sample")} == {0}
-    one = sorted((tmp_path / "one" / "samples").glob("step-0000000-*.png"))
-    two = sorted((tmp_path / "two" / "samples").glob("step-0000000-*.png"))
+    one = sorted((tmp_path / "one" / "samples").glob("*/step-0000000-*.png"))
+    two = sorted((tmp_path / "two" / "samples").glob("*/step-0000000-*.png"))
     assert [p.name for p in one] == [p.name for p in two] and len(one) == prompts
     for a, b in zip(one, two):
         assert Image.open(a).tobytes() == Image.open(b).tobytes(), a.name

@@ -108,6 +108,8 @@ RULES: dict[str, Rule] = {
     "used only with a validation set (a concept with Role validation, or Hold out for validation above 0)",
     "data.prefetch_factor": lambda c: None if c.data.num_workers > 0 else "used only with Loader workers above 0",
     "multi_gpu.strategy": _multi_gpu,
+    "multi_gpu.launcher": _multi_gpu,
+    "multi_gpu.batch_split": _multi_gpu,
     "multi_gpu.fsdp_cpu_offload": _fsdp,
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,

@@ -159,5 +159,12 @@ def field_label(path: str) -> str:
     declared = rules_of(section).get(steps[-1][0])
     if declared is not None and declared.label:
         return declared.label
-    words = str(steps[-1][0]).replace("_", " ")
-    return words[0].upper() + words[1:]
+    words = [SPELLING.get(word, word) for word in str(steps[-1][0]).split("_")]
+    text = " ".join(words)
+    return text[0].upper() + text[1:]
+
+
+SPELLING = {"lora": "LoRA", "ema": "EMA", "unet": "UNet", "vae": "VAE", "eps": "epsilon", "lr": "LR", "gpu": "GPU",
+            "gpus": "GPUs", "ddp": "DDP", "fsdp": "FSDP", "snr": "SNR", "tf32": "TF32", "cpu": "CPU", "mb": "MB",
+            "t5": "T5", "json": "JSON", "id": "ID"}
+"""How the words of a field's name are written in a label made from it (`lora_format` -> `LoRA format`)."""

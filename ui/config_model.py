@@ -42,6 +42,24 @@ def problems_by_field(messages: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
+def without_placeholders(cfg: TrainConfig) -> list[str]:
+    """Empty the model and concept paths of a preset that point nowhere (its examples of where your files
+    might be); returns the fields emptied. Built-in models and data, and paths that exist, are kept."""
+    emptied = []
+
+    def missing(value: str) -> bool:
+        return bool(value.strip()) and not value.startswith("builtin:") and not Path(value).expanduser().exists()
+
+    if missing(cfg.model.base_model):
+        cfg.model.base_model = ""
+        emptied.append("model.base_model")
+    for i, concept in enumerate(cfg.data.concepts):
+        if missing(concept.path):
+            concept.path = ""
+            emptied.append(f"data.concepts[{i}].path")
+    return emptied
+
+
 class ConfigModel:
     def __init__(self, cfg: TrainConfig | None = None):
         self.cfg = cfg if cfg is not None else TrainConfig()
@@ -51,6 +69,8 @@ class ConfigModel:
         """What the title bar shows: the file name or the preset's name."""
         self._saved = config_to_dict(self.cfg)
         self._listeners: list[Listener] = []
+        self.placeholders: list[str] = []
+        """The fields a loaded preset left empty for the user to pick (`without_placeholders`)."""
 
     # --- change notification -------------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -97,9 +117,13 @@ class ConfigModel:
         return config_to_dict(self.cfg) != self._saved
 
     def load_file(self, path: str | Path) -> None:
-        """Read a config file or preset name (raises `ConfigError` listing every problem)."""
+        """Read a config file or preset name (raises `ConfigError` listing every problem). A preset's
+        placeholder paths (`models/sd15.safetensors` where no such file is) are left empty, for the window's
+        pickers: `self.placeholders` names the fields."""
         cfg = read_config(path)
-        self.replace(cfg, Path(path) if Path(path).is_file() else None, Path(str(path)).stem)
+        is_file = Path(path).is_file()
+        self.placeholders = [] if is_file else without_placeholders(cfg)
+        self.replace(cfg, Path(path) if is_file else None, Path(str(path)).stem)
 
     def replace(self, cfg: TrainConfig, path: Path | None, source_name: str) -> None:
         self.cfg = cfg

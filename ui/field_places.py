@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 # A field path inside a sentence: words joined by dots, list items in brackets.
 _PATH = re.compile(r"\b[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)+\b")
 _INDEX = re.compile(r"\[(\d+)\]")
+_BACKTICKED_NAME = re.compile(r"`([a-z_][a-z0-9_]*)`")
 SEPARATOR = " › "
 
 
@@ -42,6 +43,16 @@ class FieldPlaces:
     def describe(self, message: str) -> str:
         """`message` with every placed field path replaced by its tab and label."""
         return _PATH.sub(lambda m: self.name(m.group(0)) or m.group(0), message)
+
+    def describe_doc(self, doc: str, path: str) -> str:
+        """A field's docstring for its tooltip: the fields it names by path or, in backticks, by the bare name
+        of a field beside it (`nnodes` in multi_gpu's docs) replaced by their tab and label."""
+        section = path.rsplit(".", 1)[0] if "." in path else ""
+
+        def sibling(match: re.Match) -> str:
+            return self.name(f"{section}.{match.group(1)}") or match.group(0)
+
+        return self.describe(_BACKTICKED_NAME.sub(sibling, doc) if section else doc)
 
     def without_field(self, message: str, path: str) -> str:
         """A message shown under its own field: its leading `path: ` dropped, other paths described."""

@@ -54,10 +54,11 @@ class MultiGPUSummary:
             sizes = parse_split(self.split, here, self.per_gpu_batch)
         except ValueError:
             return equal  # mid-edit: validation names the problem
+        unit = "process" if self.cpu else "GPU"  # CPU processes are not GPUs
         if here < self.world_size:
-            split = " + ".join(f"{size} on GPU {i}" for i, size in enumerate(sizes))
+            split = " + ".join(f"{size} on {unit} {i}" for i, size in enumerate(sizes))
             return f"{equal}, this machine's {sum(sizes)} = {split}"
-        text = describe_split(sizes, [f"GPU {i}" for i in range(self.world_size)])
+        text = describe_split(sizes, [f"{unit} {i}" for i in range(self.world_size)])
         return text + (f" (x {self.accumulation} accumulation)" if self.accumulation > 1 else "")
 
 
@@ -80,19 +81,30 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
                            split=cfg.multi_gpu.batch_split, processes_here=launch.processes_here)
 
 
+LOOPBACK = ("127.", "localhost", "::1")
+"""Addresses that reach only the machine itself."""
+
+
 def nodes_and_restarts_line(cfg) -> str:
     """What the restart and several-machines settings do, in one or two sentences (empty when both are off)."""
-    m = cfg.multi_gpu
+    m, s = cfg.multi_gpu, cfg.save
     parts = []
     if m.nnodes > 1:
-        port = m.master_port or "a fixed port"
+        where = f"{m.master_addr}:{m.master_port}" if m.master_port else \
+            f"{m.master_addr} at the port set in Port - the same fixed port on every machine"
         parts.append(f"This machine is node {m.node_rank} of {m.nnodes}: start the same config and dataset on every "
-                     f"machine, each with its own node number; node 0 listens on {m.master_addr}:{port}.")
+                     f"machine, each with its own node number; node 0 listens on {where}.")
+        if m.master_addr.strip().lower().startswith(LOOPBACK):
+            parts.append(f"{m.master_addr} reaches only this machine: set Rendezvous address to node 0's network "
+                         "address (the same on every machine).")
     if m.max_restarts > 0:
-        timed = (" (backups every 10 minutes unless a backup cadence is set)"
-                 if not (cfg.save.backup_every_n_minutes > 0 or cfg.save.backup_every_n_steps > 0) else "")
         parts.append(f"After a failure the workers restart up to {m.max_restarts} time(s) and continue from the "
-                     f"newest backup{timed}.")
+                     f"newest backup.")
+        if not (s.backup_every_n_minutes > 0 or s.backup_every_n_steps > 0):
+            # What the launcher adds (modules/distributed/launch.py): an epoch can be long to lose.
+            also = " also" if s.backup_every_n_epochs > 0 else ""
+            parts.append(f"Backups are{also} written every 10 minutes, as no backup cadence by steps or minutes "
+                         "is set (Backup & Save).")
     if m.min_gpus > 0 and m.nnodes > 1:
         parts.append(f"A lost machine is left behind while {m.min_gpus} or more GPUs remain (global batch kept).")
     return " ".join(parts)

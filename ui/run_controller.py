@@ -23,6 +23,7 @@ from modules.config.run_paths import RunPaths
 from modules.util.run_protocol import EVENTS_VARIABLE, command_problem, write_command
 from modules.util.workspace_lock import workspace_in_use
 
+from .backup_choices import BackupChoice, backup_choices, default_choice
 from .events import LogLine, TrainingEvent, parse_line
 from .launch_command import build_command, is_multi_process, run_config
 from .loss_history import LossHistory
@@ -42,6 +43,9 @@ class RunState:
     step: int = 0
     total_steps: int = 0
     images_per_s: float = 0.0
+    """The recent rate of the steps (as the trainer smooths it)."""
+    run_images_per_s: float | None = None
+    """Once the run has ended: images trained over the seconds the run took (its `done` event)."""
     eta_s: float | None = None
     lr: float | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -63,6 +67,8 @@ class RunState:
     restarts: list[str] = field(default_factory=list)
     """The automatic restarts so far, as the trainer said them ("restart 1 of 3: rank 1 died ...")."""
     command: list[str] = field(default_factory=list)
+    multi_process: bool = False
+    """Whether the run was started as several processes (before the trainer says its world size)."""
 
     @property
     def active(self) -> bool:
@@ -133,7 +139,7 @@ class RunController:
         A `stop` left in the commands file by an earlier run would stop the new one at its first
         step, so the file is emptied before every start.
         """
-        commands = self._absolute(RunPaths(cfg).commands_file)
+        commands = self.absolute(RunPaths(cfg).commands_file)
         commands.parent.mkdir(parents=True, exist_ok=True)
         commands.write_text("", encoding="utf-8")
         self.commands_file = commands
@@ -146,14 +152,21 @@ class RunController:
         self.validation_history = LossHistory(commands.parent / "gui-validation-losses.csv")
         return config_path
 
-    def _absolute(self, path: Path) -> Path:
+    def absolute(self, path: Path) -> Path:
         """`path` as the training process (started in `cwd`) sees it."""
         return path if path.is_absolute() else (Path(self.cwd) if self.cwd else Path.cwd()) / path
 
-    def newest_backup(self, cfg: TrainConfig):
-        """The backup Continue would resume (`BackupInfo`), or None."""
-        from modules.trainer.backup import latest_backup
-        return latest_backup(self._absolute(RunPaths(cfg).backups))
+    def backups_folder(self, cfg: TrainConfig) -> Path:
+        """The folder of the workspace's backups, as the training process sees it."""
+        return self.absolute(RunPaths(cfg).backups)
+
+    def backup_choices(self, cfg: TrainConfig) -> list[BackupChoice]:
+        """The workspace's backups, newest first, each marked when its run finished after it."""
+        return backup_choices(self.backups_folder(cfg))
+
+    def newest_backup(self, cfg: TrainConfig) -> BackupChoice | None:
+        """The backup Continue resumes unless another is picked: the newest of a run that has not finished."""
+        return default_choice(self.backup_choices(cfg))
 
     def start(self, cfg: TrainConfig, visible_gpus: int, command: list[str] | None = None,
               resume: str | None = None) -> list[str]:
@@ -161,7 +174,7 @@ class RunController:
         replaces the built command line (tests use a fake trainer). Returns the command line started."""
         if self.state.active:
             raise RuntimeError("a training run is already active; stop it first")
-        holder = workspace_in_use(self._absolute(RunPaths(cfg).workspace))
+        holder = workspace_in_use(self.absolute(RunPaths(cfg).workspace))
         if holder:
             raise RuntimeError(f"the workspace {cfg.general.workspace_dir} is in use by another run ({holder}). "
                                "Wait for it to finish or stop it, or choose another workspace folder.")
@@ -180,7 +193,7 @@ class RunController:
         else:
             kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
         self.state = RunState(status="running", message=STARTING, command=list(command),
-                              rank_gpus=rank_gpus(cfg, visible_gpus))
+                              rank_gpus=rank_gpus(cfg, visible_gpus), multi_process=is_multi_process(cfg, visible_gpus))
         self.log.clear()
         self.log_count = 0
         self._log("$ " + subprocess.list2cmdline(command))
@@ -227,26 +240,37 @@ class RunController:
             return
         self.send("stop")
         self.state.status = "stopping"
-        self.state.message = "every rank stops after the current step"
+        several = int(self.state.run_info.get("world_size") or 0) > 1 or self.state.multi_process
+        self.state.message = ("every rank stops after the current step" if several
+                              else "training stops after the current step")
         self._stop_deadline = time.monotonic() + self.stop_timeout_s
 
     def terminate(self) -> None:
-        """End the training process group now (all ranks, launcher included)."""
+        """End the training process group now (all ranks, launcher included). Returns at once: a group
+        still there 10 s after SIGTERM gets SIGKILL from a helper thread (the GUI's thread never waits)."""
         process = self._process
         if process is None or process.poll() is not None:
             return
         self._terminated = True
         if os.name == "nt":
-            subprocess.run(["taskkill", "/T", "/F", "/PID", str(process.pid)], capture_output=True)
+            subprocess.Popen(["taskkill", "/T", "/F", "/PID", str(process.pid)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
             return
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+
+        def kill_if_still_there() -> None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        threading.Thread(target=kill_if_still_there, daemon=True, name="tandem-run-kill").start()
 
     # --- following the run -----------------------------------------------------------------
     def poll(self, limit: int = 2000) -> list[TrainingEvent | LogLine]:
@@ -280,7 +304,9 @@ class RunController:
         elif event.type == "status":
             s.message = str(event.get("text", ""))
         elif event.type == "progress":
-            if s.message == STARTING:
+            # A step trained since: what the run was busy with (starting, saving) is over. An automatic
+            # restart's note stays, so that the status keeps saying why the run went back.
+            if s.message and (not s.restarts or s.message != s.restarts[-1]):
                 s.message = ""
             s.epoch = int(event.get("epoch", s.epoch))
             s.epochs = int(event.get("epochs", s.epochs))
@@ -311,6 +337,8 @@ class RunController:
             s.samples.append(dict(event.data))
         elif event.type == "saved":
             s.saved.append(str(event.get("path")))
+            if s.message == f"saving {Path(str(event.get('path'))).name}":
+                s.message = ""
         elif event.type == "backup":
             s.backups.append(str(event.get("path")))
         elif event.type == "error":
@@ -324,8 +352,8 @@ class RunController:
             s.error = None
         elif event.type == "done":
             s.output = event.get("output")
-        if event.type not in ("progress", "loss"):  # those arrive every step; the view shows them
-            self._log(f"[{event.type}] " + ", ".join(f"{k}={v}" for k, v in event.data.items()))
+            if isinstance(event.get("images_per_s"), (int, float)) and event.get("images"):
+                s.run_images_per_s = float(event.get("images_per_s"))
 
     def _finish(self, returncode: int) -> None:
         s = self.state
@@ -336,7 +364,7 @@ class RunController:
                 history.close()
         if returncode == 0 and s.error is None:
             s.status = "stopped" if stopping else "finished"
-            s.message = ""
+            s.message = f"model saved to {s.output}" if s.output and not stopping else ""
             return
         if stopping and self._terminated:
             s.status = "stopped"

@@ -2,9 +2,10 @@
 
     python scripts/render_screenshots.py [--out docs/images] [--example-gpus 2]
 
-Starts its own Xvfb display, opens the demo preset, and for the Run tab really trains the demo
-on 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample and log are
-real; the Run tab is also shown at 1024x600.
+Starts its own Xvfb display, opens the demo preset (the General tab with its getting-started box, as a
+first start shows it), the SDXL LoRA preset's model picker, and for the Run tab really trains the demo on
+2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample gallery and log are
+real; after a stop, the list of backups to continue; the Run tab is also shown at 1024x600.
 `--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
 GPUs); the picture's caption in docs/GUI.md says so.
 """
@@ -57,8 +58,6 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     gpus = [GpuInfo(i, "NVIDIA H100 80GB HBM3 (example)", 81559) for i in range(example_gpus)]
     app = TandemApp(recent=RecentConfigs(home), gpu_probe=(lambda: gpus) if example_gpus else detect_gpus)
     app.geometry("1100x860+0+0")
-    app.load("#demo")
-    app.binder.fields["general.workspace_dir"].var.set(str(home / "workspace"))
 
     def settle(seconds: float = 0.6) -> None:
         end = time.monotonic() + seconds
@@ -75,6 +74,11 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
 
     while app.multi_gpu.detecting:
         settle(0.1)
+    # A real-model preset opens on the Model tab, asking for the model (its example path is not there).
+    app.load("sdxl_lora")
+    shoot("model-picker")
+    app.load("#demo")
+    app.binder.fields["general.workspace_dir"].var.set(str(home / "workspace"))
     for tab in ("General", "Model", "Data", "Training", "Sampling", "Backup & Save"):
         app.tabs.set(tab)
         shoot("tab-" + tab.lower().replace(" & ", "-"))
@@ -93,16 +97,20 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     canvas.yview_moveto(max(0.0, (top - 8) / height))
     shoot("multi-gpu-frame")
 
-    # The Run tab with a real (short) demo run on 2 CPU processes.
+    # The Run tab with a real (short) demo run on 2 CPU processes, sampling every few steps for the gallery.
     app.multi_gpu._cpu_chosen("2")
+    app.binder.fields["sampling.every_n_epochs"].var.set("0")
+    app.binder.fields["sampling.every_n_steps"].var.set(str(max(1, run_steps // 2)))
+    app.binder.fields["sampling.inference_steps"].var.set("10")
     app.tabs.set("Run")
     if not app.run_view.start():
         sys.exit("could not start the demo run:\n" + app.run_view.error_text())
     deadline = time.monotonic() + 300
     state = app.controller.state
-    while state.active and time.monotonic() < deadline and (state.step < run_steps or not state.samples):
+    while state.active and time.monotonic() < deadline and (state.step < run_steps or len(state.samples) < 6):
         settle(0.2)
         state = app.controller.state
+    app.run_view._parent_canvas.yview_moveto(0.0)
     shoot("tab-run")
     # The same at 1024x600 (a laptop screen): the tab scrolls; shown scrolled to the per-GPU view and log.
     app.geometry("1024x600+0+0")
@@ -113,4 +121,9 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     while app.controller.state.active and time.monotonic() < deadline + 60:
         settle(0.2)
     app.controller.terminate()
+    # Stopped: its backup is in the list to continue from, the gallery keeps the run's samplings.
+    app.geometry("1100x860+0+0")
+    settle()
+    app.run_view._parent_canvas.yview_moveto(0.0)
+    shoot("tab-run-stopped")
     app.destroy()

@@ -1,4 +1,5 @@
-"""What the GUI remembers between sessions: the config open at exit and recently used files.
+"""What the GUI remembers between sessions: the config open at exit, recently used files, and whether the
+getting-started hint was hidden.
 
 Stored in `$TANDEM_HOME/recent.json`, else `~/.config/tandem/recent.json`. A damaged or missing
 file means a fresh start, never a failed one.
@@ -24,10 +25,13 @@ class RecentConfigs:
         self.file = (folder or settings_dir()) / "recent.json"
         self.last: str | None = None
         self.recent: list[str] = []
+        self.hint_hidden = False
+        """The General tab's getting-started hint was hidden by the user."""
         try:
             data = json.loads(self.file.read_text(encoding="utf-8"))
             self.last = data.get("last") if isinstance(data.get("last"), str) else None
             self.recent = [p for p in data.get("recent", []) if isinstance(p, str)]
+            self.hint_hidden = data.get("hint_hidden") is True
         except (OSError, ValueError, AttributeError):
             pass
 
@@ -42,9 +46,14 @@ class RecentConfigs:
         self.last = path_or_preset
         self._write()
 
+    def hide_hint(self) -> None:
+        self.hint_hidden = True
+        self._write()
+
     def existing(self) -> list[str]:
         """Recent files that still exist, most recent first."""
         return [p for p in self.recent if Path(p).is_file()]
 
     def _write(self) -> None:
-        write_text_atomically(self.file, json.dumps({"last": self.last, "recent": self.recent}, indent=2))
+        write_text_atomically(self.file, json.dumps({"last": self.last, "recent": self.recent,
+                                                         "hint_hidden": self.hint_hidden}, indent=2))

@@ -38,7 +38,7 @@ class GeneralConfig:
     workspace_dir: str = rule("workspace/run", label="Workspace folder")
     """Run folder: backups, samples, TensorBoard logs and the resolved config are written here."""
     cache_dir: str = rule("", label="Cache folder")
-    """Folder for cached latents and text embeddings. Empty: `<workspace_dir>/cache`."""
+    """Folder for cached latents and text embeddings. Empty: the folder `cache` in general.workspace_dir."""
     seed: int = 42
     """Seed for model initialisation, noise and augmentation. Each rank derives its own from it."""
     device: str = rule("auto", choices=("auto", "cuda", "cpu"))
@@ -64,7 +64,7 @@ class ModelConfig:
     vae_dtype: str = rule("fp32", choices=DTYPES)
     """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
     config_overrides: str = rule("", label="Config overrides (JSON)")
-    """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
+    """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in model.vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
     components_folder: str = rule("", label="Components folder")
     """SD3 and Flux single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
     t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")
@@ -224,11 +224,11 @@ class TrainingConfig:
     tf32: bool = rule(True, label="Allow TF32")
     """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
     cudnn_benchmark: str = rule("auto", choices=("auto", "on", "off"), label="cuDNN autotuning")
-    """Let cuDNN try its convolution algorithms at each new shape and keep the fastest. `auto` (default): for the training steps when convolution weights train (a full fine-tune of a UNet, LoRA on convolutions), where it gave an SD1.5 full fine-tune 16% more images/s on an H100; not when only attention and linear weights train (LoRA on attention; SD3 and Flux), where its trials cost 5-12 s before the first step and the steps were no faster (docs/Performance.md, session 11). `on`: always, caching included (what `true` did in configs before version 3). `off`: never. Samples are rendered without it whatever this says."""
+    """Let cuDNN try its convolution algorithms at each new shape and keep the fastest. `auto` (default): for the training steps when convolution weights train (a full fine-tune of a UNet, LoRA on convolutions), where it gave an SD1.5 full fine-tune 16% more images/s on an H100; not when only attention and linear weights train (LoRA on attention; SD3 and Flux), where its trials cost 5-12 s before the first step and the steps were no faster. `on`: always, caching included. `off`: never. Samples are rendered without it whatever this says."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
     channels_last: bool = rule(False, label="Channels-last UNet")
-    """Store the UNet's convolution weights in channels-last (NHWC) memory layout for training, so that cuDNN need not convert layouts around every convolution (on CUDA). Affects speed only: results are the same up to floating-point rounding, and models and backups are saved in the usual layout. Off by default: on an H100 (SD1.5, bf16) it removed cuDNN's layout conversions but added as much copying elsewhere (GPU time +1.3%, see docs/Performance.md)."""
+    """Store the UNet's convolution weights in channels-last (NHWC) memory layout for training, so that cuDNN need not convert layouts around every convolution (on CUDA). Affects speed only: results are the same up to floating-point rounding, and models and backups are saved in the usual layout. Off by default: on an H100 (SD1.5, bf16) it removed cuDNN's layout conversions but added as much copying elsewhere (GPU time +1.3%)."""
     compile: bool = rule(False, label="Compile UNet / transformer (torch.compile)")
     """Compile the denoiser (the UNet, or SD3's and Flux's transformer) with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python (on an H100 it took an SD3.5 Medium LoRA at 2 images per GPU from 4.4 images/s uncompiled to 8.0). The first step of each batch shape (image size) is compiled - about 2.5 minutes on a GPU the first time (4 for SD3.5 Medium with gradient checkpointing), about 20 s for an SD1.5 LoRA once PyTorch's compile cache (~/.cache/tandem/torchinductor) holds it, on any GPU - and its gradients are checked against the uncompiled denoiser's: if they differ, training stops with an error before that step changes any weight. Needs Triton on GPUs (not in PyTorch's Windows builds). On CPU the denoiser is traced but runs uncompiled kernels (no speed-up; PyTorch's CPU compiler got the UNet's gradients wrong)."""
     max_grad_norm: float = rule(1.0, minimum=0, label="Clip gradient norm")
@@ -284,7 +284,7 @@ class SamplingConfig:
 @dataclass
 class SaveConfig:
     output_dir: str = rule("", label="Output folder")
-    """Folder for the trained model. Empty: `<workspace_dir>/output`."""
+    """Folder for the trained model. Empty: the folder `output` in general.workspace_dir."""
     output_name: str = "tandem"
     """File or folder name of the trained model (without extension)."""
     lora_format: str = rule("kohya", choices=("kohya", "peft", "both"))
@@ -326,7 +326,7 @@ class MultiGPUConfig:
     backend: str = rule("auto", choices=("auto", "nccl", "gloo"), label="Backend")
     """Communication backend: `auto` (NCCL with CUDA on Linux, else GLOO), `nccl` or `gloo`."""
     launcher: str = rule("auto", choices=("auto", "torchrun", "spawn"), label="Launcher")
-    """How worker processes are started: `spawn` (torch.multiprocessing: the launching process starts them) or `torchrun` (PyTorch's elastic agent, a process of its own that starts them; needed for `nnodes`, `max_restarts` and `min_gpus`). `auto` (default): torchrun where one of those needs it, else spawn, which reached the first step 10-14 s sooner on 2 and 4 H100s (no agent process importing PyTorch first; docs/Performance.md, session 12)."""
+    """How worker processes are started: `spawn` (torch.multiprocessing: the launching process starts them) or `torchrun` (PyTorch's elastic agent, a process of its own that starts them; needed for `nnodes`, `max_restarts` and `min_gpus`). `auto` (default): torchrun where one of those needs it, else spawn, which reaches the first step sooner (no agent process importing PyTorch first: 10-14 s sooner on 2 and 4 H100s)."""
     distributed_data_loading: bool = rule(True, label="Distributed data loading")
     """Each rank caches and loads only its share of the data (faster caching, less RAM)."""
     lr_scaling: str = rule("none", choices=("none", "linear", "sqrt"), label="Scale learning rate")
@@ -344,9 +344,9 @@ class MultiGPUConfig:
     nnodes: int = rule(1, minimum=1, label="Machines (nodes)")
     """Number of machines (nodes) that train together; each runs the launcher with the same config and dataset, and its own `node_rank`."""
     node_rank: int = rule(0, minimum=0, label="This machine is node")
-    """This machine's number among `nnodes`: 0 serves the rendezvous on `master_addr` and writes the outputs; the others connect to it. Set per machine (e.g. `--node-rank 1`); it is the one field that differs between the machines' configs."""
+    """This machine's number among `nnodes`: 0 serves the rendezvous on `master_addr` and writes the outputs; the others connect to it. Set per machine (0, 1, ... up to the number of machines minus 1); it is the one field that differs between the machines' configs."""
     bucket_cap_mb: int = rule(100, minimum=1)
-    """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces (PyTorch's default is 25; 100 was faster for full fine-tunes on 2 GPUs, see docs/Performance.md)."""
+    """DDP gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces (PyTorch's default is 25; 100 was faster for full fine-tunes on 2 GPUs)."""
     find_unused_parameters: bool = False
     """Let DDP tolerate parameters that get no gradient in a step (slower; rarely needed)."""
     static_graph: bool = False
@@ -355,8 +355,8 @@ class MultiGPUConfig:
     """Let gradients live inside DDP's communication buckets (saves memory and a copy)."""
     gradient_compression: str = rule("none", choices=("none", "bf16", "fp16"))
     """Compress gradients for the all-reduce: `none`, `bf16` or `fp16`."""
-    batch_split: str = rule("equal", label="Batch per GPU (equal, auto, 6,2)")
-    """How each global batch is split over unequal GPUs: `equal` (training.batch_size each), `auto` (measured at start from each GPU's free memory and speed: a faster or larger GPU takes more samples) or one size per GPU, e.g. `6,2` (adding up to training.batch_size x GPUs). The global batch and the result stay the same: only where each sample is computed changes."""
+    batch_split: str = rule("equal", label="Batch split over GPUs")
+    """How each global batch is split over unequal GPUs: `equal` (training.batch_size each), `auto` (measured at start from each GPU's free memory and speed: a faster or larger GPU takes more samples) or one size per GPU adding up to training.batch_size x GPUs, e.g. `6,2` for a training.batch_size of 4 on 2 GPUs. The global batch and the result stay the same: only where each sample is computed changes."""
 
 
 @dataclass

@@ -355,14 +355,14 @@ def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
     problems = []
     if m.nnodes >= 1 and not 0 <= m.node_rank < m.nnodes:
         problems.append(f"multi_gpu.node_rank: {m.node_rank} is not a node of multi_gpu.nnodes = {m.nnodes}; "
-                        f"number the machines 0 to {m.nnodes - 1} (--node-rank), 0 on the one at master_addr.")
+                        f"number the machines 0 to {m.nnodes - 1}, 0 on the one at multi_gpu.master_addr.")
     if m.launcher == "spawn":
         for path, value, active in (("multi_gpu.nnodes", m.nnodes, m.nnodes > 1),
                                     ("multi_gpu.max_restarts", m.max_restarts, m.max_restarts > 0),
                                     ("multi_gpu.min_gpus", m.min_gpus, m.min_gpus > 0)):
             if active:
                 problems.append(f"{path}: {value} needs torchrun's elastic agent; set multi_gpu.launcher to "
-                                "auto or torchrun (drop --spawn).")
+                                "auto or torchrun.")
     if m.min_gpus > 0 and m.nnodes < 2:
         problems.append(f"multi_gpu.min_gpus: {m.min_gpus} applies to several machines (a lost machine's GPUs "
                         "are left out after a restart); with multi_gpu.nnodes = 1 set it to 0.")
@@ -371,7 +371,7 @@ def _nodes_and_restarts_checks(cfg: TrainConfig) -> list[str]:
                         "to 1 or more.")
     if m.nnodes > 1 and m.master_port == 0:
         problems.append("multi_gpu.master_port: 0 (a free port) cannot be found by the other machines; "
-                        "set the same fixed port on every machine, e.g. --master-port 29500.")
+                        "set the same fixed port on every machine, e.g. 29500.")
     return problems
 
 

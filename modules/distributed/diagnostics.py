@@ -398,7 +398,7 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
                 min(c["free_gib"] for c in cards) if cards else None)
             report["strategies"] = strategies = _strategy_estimates(cfg, est, len(cards), free)
             if free is None:
-                advice.append("No GPU to compare the memory estimate against (use --assume-free-gib to plan).")
+                advice.append("No GPU to compare the memory estimate against: each GPU needs the memory estimated above.")
             elif strategies["choice"] == "fsdp":
                 _fsdp_findings(strategies, cfg, free, problems, advice)
             else:

@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from modules.util.atomic import atomic_directory
+from modules.util.atomic import atomic_directory, write_text_atomically
 
 WEIGHTS = "weights.safetensors"
 STATE = "state.pt"
 MANIFEST = "backup.json"
+FINISHED = "finished.json"
+"""In a run's folder: the run finished (its model saved) at that step and time."""
 LEGACY_RUN = "(before run ids)"
 """The run id reported for backups written directly under `backups/` by Tandem before run ids."""
 
@@ -152,6 +154,25 @@ def find_backup(backups_dir: Path, which: str) -> BackupInfo:
     have = f"runs with backups in {backups_dir}: {', '.join(runs)}" if runs else f"{backups_dir} holds no backup"
     raise FileNotFoundError(f"--resume {which}: not a backup folder, a run folder with backups or a run id "
                             f"({have}). Use --resume latest, or the path of a backups/<run>/step-<N> folder.")
+
+
+def mark_finished(backups_dir: Path, run_id: str, step: int, output: str | Path) -> None:
+    """Record that run `run_id` finished at `step`, its model saved to `output`: its backups then hold nothing
+    left to train (continuing one trained 0 images and wrote another copy of the model). Only runs with
+    backups get the note."""
+    run_dir = Path(backups_dir) / run_id
+    if run_dir.is_dir():
+        write_text_atomically(run_dir / FINISHED, json.dumps({"step": step, "output": str(output),
+                                                             "time": time.time()}, indent=2))
+
+
+def finished_at(backups_dir: Path, run_id: str) -> tuple[int, float] | None:
+    """(step, time) at which run `run_id` last finished, or None if it never did (or the note is unreadable)."""
+    try:
+        note = json.loads((Path(backups_dir) / run_id / FINISHED).read_text())
+        return int(note["step"]), float(note["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _safe_globals() -> list:

@@ -171,6 +171,9 @@ class BaseTrainer(ABC):
         elif self.cfg.save.backup_on_stop and self.global_step > 0:
             self.outputs.backup()
         self.outputs.finish_backups()
+        if self.completed:  # its backups hold nothing left to train: Continue does not offer them
+            du.on_main(lambda: backups.mark_finished(self.paths.backups, self.run_id, self.global_step,
+                                                     self.outputs.final_path))
         self.progress.close()
         trained = self.progress.summary()
         log.info("Trained %d images in %.1f s: %.1f images/s over the whole run (start-up before it: %.1f s).",

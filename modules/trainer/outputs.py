@@ -215,7 +215,7 @@ class OutputWriter:
         prompt order. Written one after another, a sampling's 4 images took ~1 s of every rank's waiting on
         H100 hosts (0.25 s each: two PNG encodings); Pillow's encoder lets the threads run at once."""
         parts, step = self.parts, self.run.global_step
-        folder = Path(parts.paths.samples)
+        folder = Path(parts.paths.samples) / self.run_id  # each run its own folder: a new run overwrote the last's
         folder.mkdir(parents=True, exist_ok=True)
         prompts = parts.cfg.sampling.prompts
         paths = [folder / f"step-{step:07d}-{i}.png" for i in range(len(prompts))]

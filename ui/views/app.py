@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +17,9 @@ from ..config_model import ConfigModel
 from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
 from ..settings import RecentConfigs
-from .dialogs import Dialogs
+from .crash_bar import CrashBar
+from .dialogs import Dialogs, start_folder
+from .first_run_hint import FirstRunHint
 from .fields import Binder
 from .run_view import RunView
 from .tooltip import Tooltip
@@ -42,17 +45,21 @@ class TandemApp(ctk.CTk):
         self.recent = recent or RecentConfigs()
         self.dialogs = dialogs or Dialogs()
         self.model = ConfigModel()
-        self.binder = Binder(self.model)
+        self.binder = Binder(self.model, self.dialogs)
         self.controller = controller or RunController(python=python)
         self.gpus: list[GpuInfo] = []
+        self._closing = False
+        self.closed = False
+        """True once the window is gone (tests wait for it)."""
 
         self._build_top_bar()
         self.tabs = ctk.CTkTabview(self)
         self.tabs.pack(fill="both", expand=True, padx=8, pady=(0, 8))
         for name in TABS:
             self.tabs.add(name)
-        build_general_tab(self.tabs.tab("General"), self.binder)
-        build_model_tab(self.tabs.tab("Model"), self.binder)
+        self.hint = build_general_tab(self.tabs.tab("General"), self.binder, None if self.recent.hint_hidden else
+                                      lambda master: FirstRunHint(master, self.try_demo, self.recent.hide_hint))
+        self.model_picker = build_model_tab(self.tabs.tab("Model"), self.binder)
         self.concepts = build_data_tab(self.tabs.tab("Data"), self.binder)
         self.multi_gpu = build_training_tab(self.tabs.tab("Training"), self.binder, python)
         self.prompts = build_sampling_tab(self.tabs.tab("Sampling"), self.binder)
@@ -60,9 +67,11 @@ class TandemApp(ctk.CTk):
         self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
                                 ask=self.dialogs.ask_yes_no)
         self.run_view.pack(fill="both", expand=True)
+        self.crash_bar = CrashBar(self, below=self.tabs)
 
         self.binder.on_change.append(lambda _path: self._update_title())
         self.protocol("WM_DELETE_WINDOW", self.close)
+        self._bind_select_all()
         self._restore()
         self._detect_gpus(gpu_probe or (lambda: detect_gpus(python)))
 
@@ -113,10 +122,22 @@ class TandemApp(ctk.CTk):
         else:
             self.recent.set_last(path_or_preset)
         self._show_current_choice()
+        if "model.base_model" in self.model.placeholders:
+            self.tabs.set("Model")  # a real-model preset starts with choosing the model
         return True
 
+    def _config_folder(self) -> str:
+        """Where Load and Save as open: the current config file's folder, else the last one opened."""
+        known = self.model.path or next(iter(self.recent.existing()), None)
+        return start_folder(Path(known).parent if known else None)
+
+    def try_demo(self) -> None:
+        """The getting-started box's button: the demo preset, on the Run tab."""
+        if self.load(DEFAULT_PRESET):
+            self.tabs.set("Run")
+
     def load_dialog(self) -> None:
-        path = self.dialogs.ask_open_path()
+        path = self.dialogs.ask_open_path(self._config_folder())
         if path:
             self.load(path)
 
@@ -145,12 +166,16 @@ class TandemApp(ctk.CTk):
     def save(self) -> bool:
         if self.model.path is None:
             return self.save_as()
+        if not self._may_save_with_problems():
+            return False
         self.model.save()
         self.recent.remember(self.model.path)
         return True
 
     def save_as(self, path: str | None = None) -> bool:
-        path = path or self.dialogs.ask_save_path(f"{self.model.source_name.lstrip('#')}.json")
+        if not self._may_save_with_problems():
+            return False
+        path = path or self.dialogs.ask_save_path(f"{self.model.source_name.lstrip('#')}.json", self._config_folder())
         if not path:
             return False
         self.model.save(path)
@@ -159,9 +184,22 @@ class TandemApp(ctk.CTk):
         self._show_current_choice()
         return True
 
+    def _may_save_with_problems(self) -> bool:
+        """A config with problems is saved only when the user says so; text no field could take is not
+        in the file, and the question says which."""
+        problems = self.binder.all_problems(check_paths=False)
+        if not problems:
+            return True
+        unread = [self.binder.places.name(path) or path for path in self.binder.type_errors]
+        kept = ("\n\nNot saved (the file keeps the previous value): " + ", ".join(unread) + ".") if unread else ""
+        listed = "\n".join(f"• {p}" for p in problems[:12]) + (f"\n• ... {len(problems) - 12} more"
+                                                               if len(problems) > 12 else "")
+        return self.dialogs.ask_yes_no("The config has problems",
+                                       f"{listed}{kept}\n\nSave it anyway? Start refuses it until they are fixed.")
+
     def _may_discard(self) -> bool:
         """Ask about unsaved changes; False when the user cancels."""
-        if not self.model.dirty:
+        if not self.binder.dirty:
             return True
         answer = self.dialogs.ask_save_changes(self.model.source_name)
         if answer is None:
@@ -176,7 +214,7 @@ class TandemApp(ctk.CTk):
         self._update_title()
 
     def _update_title(self) -> None:
-        mark = " *" if self.model.dirty else ""
+        mark = " *" if self.binder.dirty else ""
         self.title(f"Tandem - {self.model.source_name}{mark}")
         unsaved = "imported (Save as to keep it)" if self.model.source_name.startswith("imported ") else \
             "preset (Save as to keep changes)"
@@ -213,16 +251,69 @@ class TandemApp(ctk.CTk):
         self.gpus = gpus
         self.multi_gpu.set_gpus(gpus)
 
+    def _bind_select_all(self) -> None:
+        """Ctrl+A selects a field's whole text, as everywhere else (Tk's own binding on X11 moves the
+        cursor to the start of the line)."""
+        def entry(event) -> str:
+            event.widget.select_range(0, "end")
+            event.widget.icursor("end")
+            return "break"
+
+        def text(event) -> str:
+            event.widget.tag_add("sel", "1.0", "end-1c")
+            return "break"
+
+        for sequence in ("<Control-a>", "<Control-A>"):
+            self.bind_class("Entry", sequence, entry)
+            self.bind_class("Text", sequence, text)
+
+    # --- errors inside the window ---------------------------------------------------------------
+    def report_callback_exception(self, exc, value, tb) -> None:
+        """Tk's hook for an exception in a callback: shown in the window, not only on the terminal."""
+        traceback.print_exception(exc, value, tb)
+        try:
+            self.crash_bar.show(exc, value, tb)
+        except Exception:  # noqa: BLE001 - the window itself is going; the terminal has it
+            pass
+
+    def crash_text(self) -> str:
+        """The errors the crash bar shows ("" when hidden)."""
+        return self.crash_bar.text()
+
+    @property
+    def crash_dismiss(self) -> ctk.CTkButton:
+        return self.crash_bar.dismiss
+
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:
-        if self.controller.state.active:
-            if not self.dialogs.ask_yes_no("Training is running", "Stop training and quit?"):
-                return
-            self.controller.stop()
-            if not self.controller.wait(30):
-                self.controller.terminate()
+        """Ask about unsaved changes first (Cancel keeps everything as it is), then whether to stop a run;
+        a stopping run is waited for with after(), never on the Tk thread, so the window stays alive."""
+        if self._closing:
+            return
         if not self._may_discard():
             return
+        if self.controller.state.active:
+            if not self.dialogs.ask_yes_no("Training is running",
+                                           "Stop training and quit? Every rank stops after its current step "
+                                           "(with a backup if 'Backup when stopped' is on); the window closes "
+                                           "once they have."):
+                return
+            self._closing = True
+            self.controller.stop()
+            self.title(f"Tandem - {self.model.source_name} - closing when training has stopped")
+            self._close_when_stopped()
+            return
+        self._close_now()
+
+    def _close_when_stopped(self) -> None:
+        # The Run tab polls the run; a run that ignores stop is ended by the controller after its timeout.
+        if self.controller.state.active:
+            self.after(200, self._close_when_stopped)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
         self.recent.set_last(str(self.model.path.resolve()) if self.model.path else self.model.source_name)
         self.run_view.tensorboard.close()
+        self.closed = True
         self.destroy()

@@ -7,7 +7,6 @@ and marks the widget red with the validation message of its field.
 from __future__ import annotations
 
 import tkinter as tk
-from tkinter import filedialog
 from typing import Callable
 
 import customtkinter as ctk
@@ -17,6 +16,8 @@ from ..binding import FieldError, field_doc
 from ..config_model import ConfigModel, problems_by_field
 from ..field_places import FieldPlaces
 from ..field_visibility import hidden_fields
+from .buttons import OptionMenu
+from .dialogs import Dialogs, start_folder
 from .tooltip import Tooltip
 
 ERROR_COLOR = "#d94040"
@@ -32,6 +33,8 @@ class BoundField:
         self.error_label: ctk.CTkLabel | None = None
         self.caption: ctk.CTkLabel | None = None
         self.row_widgets: list = [widget]
+        self.browse_buttons: dict = {}
+        """The field's file / folder dialog buttons by kind ("file", "folder"), if it has any."""
         """Everything on the field's row (label, widget, Browse button), hidden together."""
         self.visible = True
         self.message = ""
@@ -42,7 +45,7 @@ class BoundField:
         var.trace_add("write", self._written)
 
     def tooltip_text(self) -> str:
-        text = self.binder.places.describe(field_doc(self.path))
+        text = self.binder.places.describe_doc(field_doc(self.path), self.path)
         return f"{text}\n\nNot used now: {self.unused_reason}." if self.unused_reason else text
 
     def value_for_model(self):
@@ -131,7 +134,7 @@ class SwitchField(BoundField):
 class ChoiceField(BoundField):
     def __init__(self, binder, path, master, choices, width=160):
         var = tk.StringVar(master, binder.model.get_text(path))
-        menu = ctk.CTkOptionMenu(master, values=list(choices), variable=var, width=width)
+        menu = OptionMenu(master, values=list(choices), variable=var, width=width)
         super().__init__(binder, path, var, menu)
 
     def show_mark(self, bad: bool) -> None:
@@ -141,8 +144,10 @@ class ChoiceField(BoundField):
 class Binder:
     """All bound widgets of the window, by field path."""
 
-    def __init__(self, model: ConfigModel):
+    def __init__(self, model: ConfigModel, dialogs: Dialogs | None = None):
         self.model = model
+        self.dialogs = dialogs or Dialogs()
+        """The window's questions and file dialogs (tests answer them)."""
         self.fields: dict[str, BoundField] = {}
         self.type_errors: dict[str, str] = {}
         """Text typed into a field that its type rejects (the config keeps the previous value)."""
@@ -170,6 +175,7 @@ class Binder:
         # The field being typed into is not refreshed from the model: "1." must not become "1.0"
         # under the user's cursor.
         self._writing = path
+        unread_before = self.type_errors.get(path)
         try:
             self.model.set(path, value)
         except FieldError as e:
@@ -179,6 +185,15 @@ class Binder:
         finally:
             self._writing = None
         self.revalidate()
+        if self.type_errors.get(path) != unread_before:
+            # Text the field cannot take is an unsaved change too (the title's marker, closing asks).
+            for listener in list(self.on_change):
+                listener(path)
+
+    @property
+    def dirty(self) -> bool:
+        """The config differs from its file, or a field holds text it could not take."""
+        return self.model.dirty or bool(self.type_errors)
 
     def _model_changed(self, path: str | None) -> None:
         if path is None:
@@ -213,13 +228,11 @@ class Binder:
         return [self.places.describe(m) for m in messages]
 
 
-def browse(var: tk.StringVar, kind: str) -> None:
-    """Fill `var` from a file or folder dialog (`kind`: "folder", "file" or "any")."""
-    if kind == "folder":
-        chosen = filedialog.askdirectory()
-    else:
-        chosen = filedialog.askopenfilename(filetypes=[("Model files", "*.safetensors *.ckpt"), ("All", "*")])
-    if kind == "any" and not chosen:
-        chosen = filedialog.askdirectory()
+def browse(binder: "Binder", field: BoundField, kind: str) -> None:
+    """Fill `field` from one file or folder dialog (`kind`: "folder" or "file"), opened where its value is;
+    Cancel leaves it as it was."""
+    title = f"{binder.places.name(field.path) or field.path}: choose a {kind}"
+    start = start_folder(field.var.get())
+    chosen = binder.dialogs.ask_folder(title, start) if kind == "folder" else binder.dialogs.ask_file(title, start)
     if chosen:
-        var.set(chosen)
+        field.var.set(chosen)

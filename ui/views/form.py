@@ -49,10 +49,19 @@ class Form:
             Tooltip(caption, bound.tooltip_text)
             bound.row_widgets.append(caption)
             if browse_kind:
-                button = ctk.CTkButton(self.master, text="Browse", width=70,
-                                       command=lambda: browse(bound.var, browse_kind))
-                button.grid(row=self.row, column=2, sticky="w", padx=4)
-                bound.row_widgets.append(button)
+                # A field that takes a file or a folder gets a button for each: one dialog per click.
+                kinds = ("file", "folder") if browse_kind == "any" else (browse_kind,)
+                buttons = ctk.CTkFrame(self.master, fg_color="transparent")
+                buttons.grid(row=self.row, column=2, sticky="w", padx=4)
+                bound.browse_buttons = {}
+                for col, kind in enumerate(kinds):
+                    button = ctk.CTkButton(buttons, text="File..." if len(kinds) > 1 and kind == "file" else
+                                           "Folder..." if len(kinds) > 1 else "Browse", width=70,
+                                           command=lambda kind=kind: browse(self.binder, bound, kind))
+                    button.grid(row=0, column=col, padx=(0, 4))
+                    Tooltip(button, f"Choose a {kind} in a dialog that opens where the field's path is.")
+                    bound.browse_buttons[kind] = button
+                bound.row_widgets.append(buttons)
         self.row += 1
         bound.error_label = ctk.CTkLabel(self.master, text="", text_color=ERROR_COLOR, anchor="w",
                                          justify="left", wraplength=560)

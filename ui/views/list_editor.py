@@ -6,7 +6,9 @@ from typing import Any, Callable
 import customtkinter as ctk
 
 from ..binding import field_choices, field_doc, field_type, get_value
+from .dialogs import start_folder
 from .fields import ERROR_COLOR, Binder, ChoiceField, EntryField, SwitchField
+from .horizontal_scroller import HorizontalScroller
 from .tooltip import Tooltip
 
 
@@ -15,27 +17,34 @@ class ListEditor(ctk.CTkFrame):
     declares choices (`data.concepts[].role`) gets a drop-down, a bool a switch, any other an entry."""
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
-                 columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str):
+                 columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str,
+                 folder_field: str | None = None):
+        """`folder_field`: a column holding a folder, which each row's Folder... button fills from a dialog."""
         super().__init__(master, fg_color="transparent")
         self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
+        self.folder_field = folder_field
         # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
         binder.places.add(list_path, tab, row_name)
         for name, header, _ in columns:
             binder.places.add(f"{list_path}[0].{name}", tab, header)
         self.rows: list[list[ctk.CTkBaseClass]] = []
-        self.header = ctk.CTkFrame(self, fg_color="transparent")
+        self.grid_columnconfigure(0, weight=1)
+        # Rows may be wider than the window (many columns): they scroll sideways, header and all.
+        self.scroller = HorizontalScroller(self)
+        self.scroller.grid(row=0, column=0, sticky="we")
+        self.header = ctk.CTkFrame(self.scroller.content, fg_color="transparent")
         self.header.grid(row=0, column=0, sticky="w")
-        self.body = ctk.CTkFrame(self, fg_color="transparent")
+        self.body = ctk.CTkFrame(self.scroller.content, fg_color="transparent")
         self.body.grid(row=1, column=0, sticky="w")
         self.message = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w")
-        self.message.grid(row=2, column=0, sticky="w", padx=4)
+        self.message.grid(row=1, column=0, sticky="w", padx=4)
         self.add_button = ctk.CTkButton(self, text=add_text, width=160, command=self.add)
-        self.add_button.grid(row=3, column=0, sticky="w", padx=4, pady=6)
+        self.add_button.grid(row=2, column=0, sticky="w", padx=4, pady=6)
         item_prefix = f"{list_path}[0]"
         for col, (name, header, width) in enumerate(columns):
             label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
             label.grid(row=0, column=col, padx=4, sticky="w")
-            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe(field_doc(path)))
+            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe_doc(field_doc(path), path))
         self._count = -1
         binder.on_change.append(self._changed)
         self.rebuild()
@@ -74,11 +83,26 @@ class ListEditor(ctk.CTkFrame):
             field.widget.grid(row=index, column=col, padx=4, pady=2, sticky="w")
             self.binder.add(field)
             widgets.append(field.widget)
+        col = len(self.columns)
+        if self.folder_field:
+            folder = ctk.CTkButton(self.body, text="Folder...", width=64,
+                                   command=lambda i=index: self.choose_folder(i))
+            folder.grid(row=index, column=col, padx=4)
+            Tooltip(folder, "Choose this row's folder in a dialog.")
+            widgets.append(folder)
+            col += 1
         remove = ctk.CTkButton(self.body, text="Remove", width=70, fg_color="gray40",
                                command=lambda i=index: self.remove(i))
-        remove.grid(row=index, column=len(self.columns), padx=4)
+        remove.grid(row=index, column=col, padx=4)
         widgets.append(remove)
         return widgets
+
+    def choose_folder(self, index: int) -> None:
+        field = self.binder.fields[f"{self.list_path}[{index}].{self.folder_field}"]
+        name = self.binder.places.name(field.path) or field.path
+        chosen = self.binder.dialogs.ask_folder(name, start_folder(field.var.get()))
+        if chosen:
+            field.var.set(chosen)
 
     def add(self, item: Any | None = None) -> None:
         """Append `item`, or what `new_item()` makes (it may ask the user and return None)."""

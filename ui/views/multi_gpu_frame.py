@@ -21,6 +21,7 @@ from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
 from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, summarize
+from .buttons import Button, OptionMenu
 from .fields import Binder
 from .form import Form
 from .tooltip import Tooltip
@@ -65,9 +66,12 @@ class MultiGPUFrame(ctk.CTkFrame):
         cpu_label.grid(row=form.row, column=0, sticky="w", padx=(10, 6), pady=3)
         Tooltip(cpu_label, lambda: binder.places.describe(
             "Run N processes on the CPU over GLOO: the multi-GPU code path, slowly, without GPUs. Sets "
-            "general.device to cpu and the number of processes to N."))
+            "general.device to cpu and the number of processes to N; off (or Multi-GPU off) sets the device "
+            "back to what it was. Needs Multi-GPU on."))
+        self._device_before_cpu: str | None = None
+        """General › Device as it was before CPU processes set it to cpu (None: they did not)."""
         self.cpu_var = tk.StringVar(self, cpu_processes(binder.model.cfg))
-        self.cpu_menu = ctk.CTkOptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
+        self.cpu_menu = OptionMenu(self, values=list(CPU_PROCESS_CHOICES), variable=self.cpu_var,
                                           width=100, command=self._cpu_chosen)
         self.cpu_menu.grid(row=form.row, column=1, sticky="w", padx=4)
         form.row += 1
@@ -90,13 +94,14 @@ class MultiGPUFrame(ctk.CTkFrame):
         form.row += 1
         self.memory = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=620)
         self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
-        Tooltip(self.memory, "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients "
-                             "and optimizer state) and with FSDP (sharded over the GPUs), against the smallest "
-                             "chosen GPU; and the strategy multi_gpu.strategy gives. The same estimate as Check "
-                             "setup; activations are included where they have been measured.")
+        Tooltip(self.memory, lambda: binder.places.describe(
+            "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients and optimizer "
+            "state) and with FSDP (sharded over the GPUs), against the smallest chosen GPU; and the strategy that "
+            "multi_gpu.strategy gives. The same estimate as Check setup; activations are included where they "
+            "have been measured."))
         self._memory_key: str | None = None
         form.row += 1
-        self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
+        self.check_button = Button(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
         Tooltip(self.check_button, "Run scripts/check_multi_gpu.py on this config: versions, the GPUs and how "
                                    "they connect (P2P), a real all-reduce between them, and a memory estimate "
@@ -122,7 +127,7 @@ class MultiGPUFrame(ctk.CTkFrame):
                             ("multi_gpu.gradient_as_bucket_view", "Gradients as bucket views (DDP)"),
                             ("multi_gpu.master_addr", "Rendezvous address")):
             form.field(path, label, width=140)
-        binder.on_change.append(lambda _path: self.sync())
+        binder.on_change.append(self._config_changed)
         self.detecting = True
         self._build_checks()
         self.sync()
@@ -167,7 +172,27 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.binder.model.update(gpu_selection_values(chosen, self._visible()))
 
     def _cpu_chosen(self, choice: str) -> None:
-        self.binder.model.update(cpu_process_values(choice))
+        cfg = self.binder.model.cfg
+        if choice != "off" and not using_cpu_processes(cfg):
+            self._device_before_cpu = cfg.general.device
+        values = cpu_process_values(choice)
+        if choice == "off":
+            values["general.device"] = self._device_before_cpu or values["general.device"]
+            self._device_before_cpu = None
+        self.binder.model.update(values)
+
+    def _config_changed(self, path: str | None) -> None:
+        cfg = self.binder.model.cfg
+        if path is None:
+            # Another config, or several fields at once (a choice here): a device remembered for CPU
+            # processes belongs to the config it was chosen in.
+            if not using_cpu_processes(cfg):
+                self._device_before_cpu = None
+        elif path == "multi_gpu.enabled" and not cfg.multi_gpu.enabled and self._device_before_cpu is not None:
+            # Multi-GPU turned off: the CPU processes it ran go, and the device they set goes back.
+            self._cpu_chosen("off")
+            return  # that change comes back here and syncs
+        self.sync()
 
     # --- keeping the controls in step with the config ---------------------------------------
     def sync(self) -> None:
@@ -178,15 +203,20 @@ class MultiGPUFrame(ctk.CTkFrame):
         for index, var in self.gpu_vars.items():
             var.set(index in chosen)
         self.cpu_var.set(cpu_processes(cfg))
+        self.cpu_menu.configure(state="normal" if cfg.multi_gpu.enabled else "disabled")
         enough = len(visible) >= 2
         using_cpu = using_cpu_processes(cfg)
         for check in self.gpu_checks:
             check.configure(state="normal" if enough and cfg.multi_gpu.enabled and not using_cpu else "disabled")
         if self.detecting:
             self.explanation.configure(text="Looking for GPUs...")
+        elif using_cpu:
+            self.explanation.configure(text=f"CPU processes: General › Device is {cfg.general.device} while they "
+                                            "are on; choosing off or turning Multi-GPU off sets it back.")
         elif not enough:
-            self.explanation.configure(text=f"{len(visible)} GPU visible: multi-GPU training needs 2 or more. "
-                                            "Choose CPU processes below to try the multi-process path.")
+            found = "No GPU visible" if not visible else "1 GPU visible"
+            self.explanation.configure(text=f"{found}: multi-GPU training needs 2 or more. Turn Multi-GPU on "
+                                            "and choose CPU processes below to try the multi-process path.")
         else:
             self.explanation.configure(text="Untick GPUs to leave them out.")
         self.summary.configure(text=summarize(cfg, len(visible)).line() if cfg.multi_gpu.enabled

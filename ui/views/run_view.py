@@ -1,4 +1,5 @@
-"""The Run tab: start/stop and commands, progress, loss plot, per-GPU view, latest sample, log.
+"""The Run tab: start/stop and commands, the backup to continue, progress, loss plot, sample gallery, per-GPU
+view, log.
 
 Everything sits in one scrolling column, so a small window (or a low screen) reaches every part.
 """
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
-from PIL import Image, ImageOps
 
 from modules.config.run_paths import RunPaths
 from modules.config.backends import backend_problem
@@ -20,23 +20,27 @@ from ..launch_command import start_check
 from ..multi_gpu_summary import format_lr
 from ..per_gpu import HEADERS, per_gpu_rows
 from ..run_controller import RunController
+from .background import in_background
+from .backup_picker import BackupPicker
+from .buttons import Button
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
+from .sample_gallery import SampleGallery
 from .tooltip import Tooltip
+from .wheel import chain_wheel_to_page
 
 POLL_MS = 100
 GPU_POLL_MS = 2000
 LOG_KEEP_LINES = 5000
-SAMPLE_PX = 240
 CANNOT_START = "Cannot start - fix these first:"
 
 BUTTON_TIPS = {
     "start": "Check the config (every field, and that its files and folders exist), save it to "
              "<workspace>/.tandem/gui-config.json and start training in a separate process - one per GPU with "
              "Multi-GPU on. The exact command is the first line of the log.",
-    "continue": "Start as Start does, but continue from the newest backup in the workspace (its step is on the "
-                "button): weights, optimizer, position in the data and random state as they were, and the loss "
-                "plot goes on from there.",
+    "continue": "Start as Start does, but continue from the backup picked below (its step is on the button): "
+                "weights, optimizer, position in the data and random state as they were, and the loss plot goes "
+                "on from there.",
     "stop": "Stop every rank at the same step. With 'Backup when stopped' on, a backup is written first, from "
             "which 'Continue from the newest backup' resumes. Processes still running 2 minutes later are ended.",
     "sample": "Render the sample prompts (Sampling tab) with the weights of the next step; training goes on.",
@@ -67,23 +71,25 @@ class RunView(ctk.CTkScrollableFrame):
 
         commands = ctk.CTkFrame(self, fg_color="transparent")
         commands.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 2))
-        self.start_button = ctk.CTkButton(commands, text="Start", width=90, fg_color="#2f8f46",
+        self.start_button = Button(commands, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
-        self.continue_button = ctk.CTkButton(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
-                                             hover_color="#25586f", command=lambda: self.start(resume="latest"))
-        self.stop_button = ctk.CTkButton(commands, text="Stop", width=80, fg_color="#b03a3a",
+        self.continue_button = Button(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
+                                             hover_color="#25586f", command=self.continue_run)
+        self.stop_button = Button(commands, text="Stop", width=80, fg_color="#b03a3a",
                                          hover_color="#8c2e2e", command=self.controller.stop)
-        self.sample_button = ctk.CTkButton(commands, text="Sample now", width=100,
+        self.sample_button = Button(commands, text="Sample now", width=100,
                                            command=lambda: self.controller.send("sample"))
-        self.backup_button = ctk.CTkButton(commands, text="Backup now", width=100,
+        self.backup_button = Button(commands, text="Backup now", width=100,
                                            command=lambda: self.controller.send("backup"))
-        self.save_button = ctk.CTkButton(commands, text="Save now", width=90,
+        self.save_button = Button(commands, text="Save now", width=90,
                                          command=lambda: self.controller.send("save"))
+        self.backups = BackupPicker(self, on_pick=self._update_buttons)
+        self.backups.grid(row=1, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
         places = ctk.CTkFrame(self, fg_color="transparent")
-        places.grid(row=1, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
-        self.output_button = ctk.CTkButton(places, text="Open output folder", width=140, fg_color="gray40",
+        places.grid(row=2, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
+        self.output_button = Button(places, text="Open output folder", width=140, fg_color="gray40",
                                            command=self.open_output_folder)
-        self.tensorboard_button = ctk.CTkButton(places, text="Open TensorBoard", width=140, fg_color="gray40",
+        self.tensorboard_button = Button(places, text="Open TensorBoard", width=140, fg_color="gray40",
                                                 command=self.open_tensorboard)
         for col, (button, tip) in enumerate(((self.start_button, "start"), (self.continue_button, "continue"),
                                              (self.stop_button, "stop"),
@@ -100,37 +106,38 @@ class RunView(ctk.CTkScrollableFrame):
         self.notice.grid_remove()
 
         self.status = ctk.CTkLabel(self, text="Idle", anchor="w", font=ctk.CTkFont(size=14, weight="bold"))
-        self.status.grid(row=2, column=0, columnspan=2, sticky="w", padx=10)
+        self.status.grid(row=3, column=0, columnspan=2, sticky="w", padx=10)
         self.progress = ctk.CTkProgressBar(self)
         self.progress.set(0)
-        self.progress.grid(row=3, column=0, columnspan=2, sticky="we", padx=10, pady=4)
+        self.progress.grid(row=4, column=0, columnspan=2, sticky="we", padx=10, pady=4)
         self.progress_text = ctk.CTkLabel(self, text="", anchor="w")
-        self.progress_text.grid(row=4, column=0, columnspan=2, sticky="w", padx=10)
+        self.progress_text.grid(row=5, column=0, columnspan=2, sticky="w", padx=10)
         self.run_info = ctk.CTkLabel(self, text="", anchor="w", text_color="gray60")
-        self.run_info.grid(row=5, column=0, columnspan=2, sticky="w", padx=10)
+        self.run_info.grid(row=6, column=0, columnspan=2, sticky="w", padx=10)
         self.error = ctk.CTkTextbox(self, height=120, text_color=ERROR_COLOR, wrap="word")
-        self.error.grid(row=6, column=0, columnspan=2, sticky="we", padx=10, pady=4)
+        self.error.grid(row=7, column=0, columnspan=2, sticky="we", padx=10, pady=4)
         self.error.grid_remove()
 
         self.loss_plot = LossPlot(self, width=300, height=220)
-        self.loss_plot.grid(row=7, column=0, sticky="nsew", padx=10, pady=6)
-        side = ctk.CTkFrame(self, fg_color="transparent")
-        side.grid(row=7, column=1, sticky="n", padx=10, pady=6)
-        self.sample_image = ctk.CTkLabel(side, text="No sample yet", width=SAMPLE_PX, height=SAMPLE_PX,
-                                         fg_color=("gray85", "gray20"), corner_radius=6)
-        self.sample_image.grid(row=0, column=0)
-        self.sample_caption = ctk.CTkLabel(side, text="", wraplength=SAMPLE_PX, justify="left")
-        self.sample_caption.grid(row=1, column=0, sticky="w")
+        self.loss_plot.grid(row=8, column=0, columnspan=2, sticky="nsew", padx=10, pady=6)
+        self.gallery = SampleGallery(self, self._sample_folders)
+        self.gallery.grid(row=9, column=0, columnspan=2, sticky="we", padx=10, pady=(2, 4))
+        self._gallery_folders = self._sample_folders()
 
         self.per_gpu = ctk.CTkFrame(self, fg_color=("gray90", "gray17"))
-        self.per_gpu.grid(row=8, column=0, columnspan=2, sticky="we", padx=10, pady=(2, 4))
+        self.per_gpu.grid(row=10, column=0, columnspan=2, sticky="we", padx=10, pady=(2, 4))
         self.per_gpu.grid_remove()
         self.per_gpu_cells: list[list[ctk.CTkLabel]] = []
 
         self.log = ctk.CTkTextbox(self, height=200, wrap="none", font=ctk.CTkFont(family="monospace", size=12))
-        self.log.grid(row=9, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
+        self.log.grid(row=11, column=0, columnspan=2, sticky="nsew", padx=10, pady=(4, 10))
+        for box in (self.log, self.error):
+            chain_wheel_to_page(box, self)
         self.monitor = monitor or UsageMonitor()
         self.binder.on_change.append(lambda _path: self._recheck_cannot_start())
+        # Another workspace or config has other backups: Continue must never offer the previous one's.
+        self.binder.on_change.append(lambda _path: self._update_buttons())
+        self.binder.on_change.append(lambda _path: self._follow_workspace())
         self._update_buttons()
         self.after(POLL_MS, self._tick)
         if self.monitor.available:
@@ -164,15 +171,37 @@ class RunView(ctk.CTkScrollableFrame):
         self._render()
         return True
 
-    def open_output_folder(self) -> Opened:
-        result = open_folder(RunPaths(self.binder.model.cfg).output_dir)
-        self._show_notice(result)
-        return result
+    def continue_run(self) -> bool:
+        """Start from the backup picked in the list - if it is still there; a finished run's only when asked."""
+        backup = self.backups.picked
+        if backup is None or not backup.path.is_dir():
+            self._update_buttons()
+            folder = self.controller.backups_folder(self.binder.model.cfg)
+            now = self.backups.picked
+            self._show_error(f"There is no backup to continue in {folder} (it may have been deleted); "
+                             "Start trains from the beginning." if now is None else
+                             f"The backup at step {backup.step if backup else '?'} is gone; the list now offers "
+                             f"step {now.step} of {now.info.run_id}.")
+            return False
+        if backup.finished and not self.ask(
+                "Continue a finished run?",
+                f"Run {backup.info.run_id} finished at step {backup.finished_step} after this backup was written, "
+                "and its model was saved. Continuing trains only if Epochs or Max steps were raised since; "
+                "otherwise it writes another copy of the model. Continue anyway?"):
+            return False
+        return self.start(resume=str(backup.path))
 
-    def open_tensorboard(self) -> Opened:
-        result = self.tensorboard.open(RunPaths(self.binder.model.cfg).tensorboard)
-        self._show_notice(result)
-        return result
+    def open_output_folder(self) -> None:
+        """Open the output folder in the file manager; the notice says where, and whether it worked."""
+        folder = RunPaths(self.binder.model.cfg).output_dir
+        self._show_notice(Opened(True, f"Opening {folder.resolve()} ..."))
+        in_background(self, lambda: open_folder(folder), self._show_notice, name="tandem-open-folder")
+
+    def open_tensorboard(self) -> None:
+        """Start TensorBoard on the run's logs (if needed) and show it in the browser."""
+        self._show_notice(Opened(True, "Starting TensorBoard ..."))
+        logs = RunPaths(self.binder.model.cfg).tensorboard
+        in_background(self, lambda: self.tensorboard.open(logs), self._show_notice, name="tandem-tensorboard")
 
     def _show_notice(self, result: Opened) -> None:
         self.notice.grid()
@@ -188,9 +217,7 @@ class RunView(ctk.CTkScrollableFrame):
         """Nothing of the previous run may look like part of this one."""
         self.log.delete("1.0", "end")
         self._shown_lines = self._shown_samples = 0
-        self._sample_ctk = None
-        self.sample_image.configure(image=None, text="No sample yet")
-        self.sample_caption.configure(text="")
+        self.gallery.new_run()
         self.progress.set(0)
         self.progress_text.configure(text="")
         self.run_info.configure(text="")
@@ -206,13 +233,17 @@ class RunView(ctk.CTkScrollableFrame):
 
     def _render(self) -> None:
         s = self.controller.state
+        ended = self._last_status in ("running", "stopping") and not s.active
         self._last_status = s.status
         self.status.configure(text=s.headline)
         self.progress.set(s.fraction)
         if s.total_steps:
+            # An ended run shows the rate its user waited for, not the last steps' (a short run's last
+            # report may come right after the one before it).
+            rate = (f"{s.run_images_per_s:.2f} images/s over the whole run" if s.run_images_per_s is not None
+                    else f"{s.images_per_s:.2f} images/s · ETA {format_duration(s.eta_s)}")
             self.progress_text.configure(
-                text=f"Epoch {s.epoch}/{s.epochs} · step {s.step}/{s.total_steps} · "
-                     f"{s.images_per_s:.2f} images/s · ETA {format_duration(s.eta_s)}"
+                text=f"Epoch {s.epoch}/{s.epochs} · step {s.step}/{s.total_steps} · {rate}"
                      + (f" · LR {s.lr:.3g}" if isinstance(s.lr, (int, float)) else ""))
         info = s.run_info
         if info:
@@ -225,9 +256,11 @@ class RunView(ctk.CTkScrollableFrame):
                                          f"{info.get('global_batch')} · {info.get('steps_per_epoch')} "
                                          f"steps/epoch{left_out} · {lr}")
         self.loss_plot.set_points(s.losses, s.validation_losses)
-        if len(s.samples) > self._shown_samples:
-            self._shown_samples = len(s.samples)
-            self._show_sample(s.samples[-1])
+        for sample in s.samples[self._shown_samples:]:
+            self.gallery.add_live({**sample, "path": self.controller.absolute(Path(str(sample.get("path", ""))))})
+        self._shown_samples = len(s.samples)
+        if ended:
+            self.gallery.refresh()  # what the run left on disk
         self._set_per_gpu_rows(per_gpu_rows(s, self._usage))
         lines = self.controller.new_log_lines(self._shown_lines)
         if lines:
@@ -241,21 +274,16 @@ class RunView(ctk.CTkScrollableFrame):
             self._show_error(s.error)
         self._update_buttons()
 
-    def _show_sample(self, sample: dict) -> None:
-        path = Path(str(sample.get("path", "")))
-        try:
-            with Image.open(path) as img:
-                img.load()
-                picture = img.copy()
-        except OSError as e:
-            self.sample_caption.configure(text=f"Sample {path.name} could not be read: {e}")
-            return
-        # Fit the box both ways: the demo's 64 px samples are shown enlarged, large ones shrunk.
-        picture = ImageOps.contain(picture, (SAMPLE_PX, SAMPLE_PX), Image.Resampling.NEAREST
-                                   if max(picture.size) < SAMPLE_PX else Image.Resampling.LANCZOS)
-        self._sample_ctk = ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size)
-        self.sample_image.configure(image=self._sample_ctk, text="")
-        self.sample_caption.configure(text=f"step {sample.get('step')}: {sample.get('prompt', '')}")
+    def _sample_folders(self) -> tuple[Path, Path]:
+        paths = RunPaths(self.binder.model.cfg)
+        return self.controller.absolute(paths.samples), self.controller.absolute(paths.workspace)
+
+    def _follow_workspace(self) -> None:
+        """Another workspace has other samples: the gallery reads them (only then: reading is not free)."""
+        folders = self._sample_folders()
+        if folders != self._gallery_folders and not self.controller.state.active:
+            self._gallery_folders = folders
+            self.gallery.refresh()
 
     def _poll_gpus(self) -> None:
         try:
@@ -296,10 +324,14 @@ class RunView(ctk.CTkScrollableFrame):
 
     def _update_buttons(self) -> None:
         running = self.controller.state.status == "running"
-        self.start_button.configure(state="disabled" if self.controller.state.active else "normal")
-        newest = None if self.controller.state.active else self.controller.newest_backup(self.binder.model.cfg)
-        self.continue_button.configure(state="normal" if newest else "disabled",
-                                       text=f"Continue from step {newest.step}" if newest else "Continue from backup")
+        active = self.controller.state.active
+        self.start_button.configure(state="disabled" if active else "normal")
+        # While a run goes on the list stays as it was (read again when it ends): no folder scans per step.
+        self.backups.set_choices(self.backups.choices if active else self.controller.backup_choices(self.binder.model.cfg),
+                                 enabled=not active)
+        picked = None if active else self.backups.picked
+        self.continue_button.configure(state="normal" if picked else "disabled",
+                                       text=f"Continue from step {picked.step}" if picked else "Continue from backup")
         for button in (self.stop_button, self.sample_button, self.backup_button, self.save_button):
             button.configure(state="normal" if running else "disabled")
 

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from tkinter import filedialog
-
+from typing import Callable
 import customtkinter as ctk
 
 from modules.config import ConceptConfig, SamplePromptConfig
 
+from .dialogs import start_folder
 from .fields import Binder
 from .form import Form
 from .list_editor import ListEditor
+from .model_picker import ModelPicker
 
 
 
@@ -20,18 +21,31 @@ def _scrolling(parent) -> ctk.CTkScrollableFrame:
     return frame
 
 
-def build_general_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, tab="General")
+def build_general_tab(parent, binder: Binder, hint: Callable | None = None):
+    """The General tab; `hint(master)` makes the getting-started box at its top (None: no box). Returns the box."""
+    frame = _scrolling(parent)
+    form = Form(frame, binder, tab="General")
+    box = None
+    if hint is not None:
+        box = hint(frame)
+        box.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(8, 0))
+        form.row += 1
     form.section("Run")
     form.field("general.workspace_dir", browse_kind="folder")
     form.field("general.cache_dir", browse_kind="folder")
     form.fields("general.seed", "general.device")
     form.section("Logging")
     form.fields("general.tensorboard")
+    return box
 
 
-def build_model_tab(parent, binder: Binder) -> None:
-    form = Form(_scrolling(parent), binder, tab="Model")
+def build_model_tab(parent, binder: Binder) -> ModelPicker:
+    frame = _scrolling(parent)
+    form = Form(frame, binder, tab="Model")
+    picker = ModelPicker(frame, binder)
+    picker.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=10, pady=(8, 0))
+    form.row += 1
+    picker.sync()
     form.section("Base model")
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
@@ -43,10 +57,15 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
     form.section("Advanced")
     form.field("model.config_overrides", width=380)
+    return picker
 
 
-def _ask_concept() -> ConceptConfig | None:
-    folder = filedialog.askdirectory(title="Folder of training images")
+def _ask_concept(binder: Binder) -> ConceptConfig | None:
+    """A new concept from a folder dialog, opened beside the last concept's folder."""
+    concepts = binder.model.cfg.data.concepts
+    last = concepts[-1].path if concepts else ""
+    near = "" if not last or last.startswith("builtin:") else str(Path(last).expanduser().absolute().parent)
+    folder = binder.dialogs.ask_folder("Folder of training images", start_folder(near))
     return ConceptConfig(path=folder, name=Path(folder).name) if folder else None
 
 
@@ -55,13 +74,13 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     form = Form(frame, binder, tab="Data")
     form.section("Concepts")
     concepts = ListEditor(frame, binder, "data.concepts", "Data", "Concepts",
-                          # Narrow enough that a row and its Remove button fit the default window (1100 px).
-                          [("path", "Folder", 210), ("name", "Name", 100), ("enabled", "On", 50),
-                           ("repeats", "Repeats", 60), ("caption_extension", "Captions", 60),
-                           ("recursive", "Sub-folders", 80), ("role", "Role", 110), ("loss_weight", "Loss weight", 80),
-                           ("masks", "Masks", 50), ("unmasked_weight", "Unmasked", 70)],
-                          _ask_concept, "Add concept folder")
-    concepts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
+                          # A row fits the default window (1100 px); in a narrower one the rows scroll sideways.
+                          [("path", "Folder", 170), ("name", "Name", 90), ("enabled", "On", 40),
+                           ("repeats", "Repeats", 56), ("caption_extension", "Captions", 56),
+                           ("recursive", "Sub-folders", 76), ("role", "Role", 104), ("loss_weight", "Loss weight", 76),
+                           ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64)],
+                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
+    concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.min_bucket_size",
@@ -85,7 +104,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
                           ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
                          lambda: SamplePromptConfig(prompt=""), "Add prompt")
-    prompts.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6)
+    prompts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("When")
     form.fields("sampling.every_n_steps", "sampling.every_n_epochs", "sampling.sample_at_start")
