@@ -16,7 +16,6 @@ import pytest
 from modules.config import ConfigError, load_config, validate
 from modules.config.config_import import import_config
 from modules.config.import_cli import main as import_main
-from tests.test_ui_widgets import display  # noqa: F401 - the Xvfb fixture the window test uses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imports"
 ROOT = Path(__file__).resolve().parents[1]

@@ -106,9 +106,9 @@ class DataConfig:
     bucket_step: int = 64
     """Bucket sides are multiples of this many pixels."""
     min_bucket_size: int = rule(0, minimum=0, label="Smallest bucket side")
-    """Buckets with a side shorter than this many pixels are not used (kohya's min_bucket_reso), so no image is trained as a thin strip; its images go to the nearest bucket left. A multiple of bucket_step, at most the resolution. 0: no bound (sides down to half the resolution / sqrt 2, from the 2:1 limit)."""
+    """Buckets with a side shorter than this many pixels are not used (kohya's min_bucket_reso), so no image is trained as a thin strip; its images go to the nearest bucket left. A multiple of `bucket_step`, at most the resolution. 0: no bound (sides down to half the resolution / sqrt 2, from the 2:1 limit)."""
     max_bucket_size: int = rule(0, minimum=0, label="Largest bucket side")
-    """Buckets with a side longer than this many pixels are not used (kohya's max_bucket_reso), which caps the memory of wide or tall images. A multiple of bucket_step, at least the resolution. 0: no bound (sides up to the resolution x sqrt 2)."""
+    """Buckets with a side longer than this many pixels are not used (kohya's max_bucket_reso), which caps the memory of wide or tall images. A multiple of `bucket_step`, at least the resolution. 0: no bound (sides up to the resolution x sqrt 2)."""
     random_flip: bool = rule(False, label="Random horizontal flip")
     """Flip images horizontally at random (not with cached latents: both flips are cached then)."""
     random_crop: bool = rule(False, label="Random crop")
@@ -179,11 +179,11 @@ class TrainingConfig:
     method: str = rule("lora", choices=("lora", "full"))
     """What to train: `lora` (small adapter) or `full` (all UNet weights)."""
     lora_type: str = rule("lora", choices=LORA_TYPES, label="LoRA type")
-    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; each step computes the adapted weights' norms, so steps take longer), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (docs/Models.md says which program reads which file)."""
+    """Which adapter trains (all through peft): `lora` (low-rank A/B matrices), `dora` (LoRA plus a trained magnitude per output channel; each step computes the adapted weights' norms, so steps take longer), `loha` (LyCORIS LoHa: the element-wise product of two low-rank pairs, more expressive for its size) or `lokr` (LyCORIS LoKr: a Kronecker product, very small files). Saved for ComfyUI in the kohya/LyCORIS names (save.lora_format kohya) and in peft's layout; diffusers' load_lora_weights reads lora and dora files in the peft layout (the Models page of the documentation says which program reads which file)."""
     lokr_factor: int = rule(-1, label="LoKr factor")
     """`lokr`: how each weight's sides are split into the two Kronecker factors (peft's decompose_factor, kohya's factor): the smaller factor's side is at most this. -1: as square as possible (the smallest file)."""
     lora_init: str = rule("", label="Start from LoRA file")
-    """A LoRA file (.safetensors, in the kohya/ComfyUI or the diffusers/peft layout, as Tandem saves or reads them) whose weights the adapters start from instead of zero, to continue training it with a new run. Its type, rank, alpha and adapted modules must match training.lora_type, lora_rank, lora_alpha, lora_target_modules and train_text_encoder; a mismatch stops the start with a message saying what differs. A backup (--resume) takes precedence. Empty: new adapters."""
+    """A LoRA file (.safetensors, in the kohya/ComfyUI or the diffusers/peft layout, as Tandem saves or reads them) whose weights the adapters start from instead of zero, to continue training it with a new run. Its type, rank, alpha and adapted modules must match `lora_type`, `lora_rank`, `lora_alpha`, `lora_target_modules` and `train_text_encoder`; a mismatch stops the start with a message saying what differs. Continuing from a backup takes precedence. Empty: new adapters."""
     lora_rank: int = rule(16, minimum=1, label="LoRA rank")
     """LoRA rank (size of the adapter)."""
     lora_alpha: float = rule(16.0, above=0.0, label="LoRA alpha")
