@@ -6,17 +6,12 @@ file means a fresh start, never a failed one.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from modules.util.atomic import write_text_atomically
+from modules.util.settings_dir import settings_dir
 
 RECENT_LIMIT = 10
-
-
-def settings_dir() -> Path:
-    home = os.environ.get("TANDEM_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".config" / "tandem"
 
 
 class RecentConfigs:
