@@ -350,6 +350,17 @@ class RunController:
         s.message = ""  # the error box below says what happened
         s.error = reason + "\n\nLast log lines:\n" + "\n".join(tail)
 
+    # --- what the run view asks (a remote run answers for its machine: ui/remote_controller.py) ----------
+    uses_local_gpus = True
+    """Whether this machine's GPU readings belong in the per-GPU view."""
+
+    def output_folder(self, cfg: TrainConfig) -> Path:
+        return self._absolute(RunPaths(cfg).output_dir)
+
+    def start_problems(self, problems: list[str], cfg: TrainConfig) -> list[str]:
+        """The config problems that stop a start here (all of them: the files must exist on this machine)."""
+        return problems
+
     def wait(self, timeout: float) -> bool:
         """Poll until the run ends or `timeout` seconds pass (for scripts and tests)."""
         deadline = time.monotonic() + timeout

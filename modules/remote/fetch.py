@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 from modules.config import TrainConfig
 from modules.util.atomic import atomic_path
@@ -74,26 +76,8 @@ def _receive(machine: RemoteMachine, workspace: str, folder: Path, names: list[s
     assert process.stdin is not None and process.stdout is not None
     process.stdin.write(json.dumps(names).encode())
     process.stdin.close()
-    files = size = 0
     try:
-        with tarfile.open(fileobj=process.stdout, mode="r|") as tar:
-            for member in tar:
-                local = _local(folder, workspace, member.name)
-                if local is None or not member.isfile():
-                    continue  # never a link, a device or a path outside the workspace
-                source = tar.extractfile(member)
-                if source is None:
-                    continue
-                with atomic_path(local) as tmp:
-                    with open(tmp, "wb") as out:
-                        while True:
-                            block = source.read(1 << 20)
-                            if not block:
-                                break
-                            out.write(block)
-                os.utime(local, (member.mtime, member.mtime))
-                files += 1
-                size += member.size
+        files, size = extract(process.stdout, workspace, folder)
     except tarfile.TarError as e:
         process.kill()
         raise SshError("failed", f"the outputs from {machine.label} arrived damaged ({e}); fetch again") from None
@@ -104,3 +88,24 @@ def _receive(machine: RemoteMachine, workspace: str, folder: Path, names: list[s
     if code != 0:
         raise SshError("failed", f"fetching from {machine.label} failed: {last_lines(stderr) or code}")
     return Fetched(folder, files, size)
+
+
+def extract(stream: IO[bytes], workspace: str, folder: Path) -> tuple[int, int]:
+    """Write the regular files of a tar stream that lie inside `workspace` into `folder` (see the module's
+    docstring); returns (files, bytes) written."""
+    files = size = 0
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            local = _local(folder, workspace, member.name)
+            if local is None or not member.isfile():
+                continue  # never a link, a device or a path outside the workspace
+            source = tar.extractfile(member)
+            if source is None:
+                continue
+            with atomic_path(local) as tmp:
+                with open(tmp, "wb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
+            os.utime(local, (member.mtime, member.mtime))
+            files += 1
+            size += member.size
+    return files, size

@@ -140,7 +140,7 @@ class RunView(ctk.CTkScrollableFrame):
     def start(self, resume: str | None = None) -> bool:
         """Start training with the current config (continuing the newest backup with `resume="latest"`),
         or say why it cannot start."""
-        problems = self.binder.all_problems(check_paths=True)
+        problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
         if machine:
             problems.append(machine)
@@ -165,7 +165,7 @@ class RunView(ctk.CTkScrollableFrame):
         return True
 
     def open_output_folder(self) -> Opened:
-        result = open_folder(RunPaths(self.binder.model.cfg).output_dir)
+        result = open_folder(self.controller.output_folder(self.binder.model.cfg))
         self._show_notice(result)
         return result
 
@@ -180,6 +180,16 @@ class RunView(ctk.CTkScrollableFrame):
         self.notice.delete(0, "end")
         self.notice.insert(0, result.message)
         self.notice.configure(state="readonly")
+
+    def use(self, controller: RunController, tensorboard, visible_gpus: Callable[[], int]) -> None:
+        """Show another controller's run (this machine's, or a remote one's: ui/views/remote_frame.py)."""
+        if controller is self.controller:
+            return
+        self.controller, self.tensorboard, self.visible_gpus = controller, tensorboard, visible_gpus
+        self._reset_for_new_run()
+        self._last_status = None
+        self._hide_error()
+        self._render()
 
     def notice_text(self) -> str:
         return self.notice.get() if self.notice.winfo_manager() else ""
@@ -259,7 +269,7 @@ class RunView(ctk.CTkScrollableFrame):
 
     def _poll_gpus(self) -> None:
         try:
-            self._usage = self.monitor.read()
+            self._usage = self.monitor.read() if self.controller.uses_local_gpus else []
             self._set_per_gpu_rows(per_gpu_rows(self.controller.state, self._usage))
         finally:
             self.after(GPU_POLL_MS, self._poll_gpus)
@@ -311,7 +321,7 @@ class RunView(ctk.CTkScrollableFrame):
         """A "Cannot start" list follows the edits: fixed problems leave it, and it goes when none is left."""
         if not self._cannot_start:
             return
-        problems = self.binder.all_problems(check_paths=True)
+        problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         if problems:
             self._show_cannot_start(problems)
         else:
