@@ -88,10 +88,13 @@ class RemoteRunController(RunController):
         self.question: Question | None = None
         self.backup: RemoteBackup | None = None
         self.busy: str | None = None
+        self.changes = 0
+        """Counts the background results applied: the view redraws when it moves (Continue's backup)."""
         self._results: queue.Queue = queue.Queue()
         self._follower: Follower | None = None
         self._cfg_workspace: str | None = None
         self._fetched_samples: set[str] = set()
+        self._completed: bool | None = None
         self.tunnel = Tunnel(self.machine)
 
     # --- what the run view asks -------------------------------------------------------------------
@@ -155,6 +158,7 @@ class RemoteRunController(RunController):
         self._background("listing runs", work, "runs")
 
     def _apply_result(self, result: _Result) -> None:
+        self.changes += 1
         self.busy = None
         self.notice_error = result.kind == "error"
         if result.kind == "report":
@@ -213,6 +217,7 @@ class RemoteRunController(RunController):
         self._terminated = False
         self._queue = queue.Queue()
         self._fetched_samples = set()
+        self._completed: bool | None = None
         self._local_workspace = Path(local_workspace).expanduser().resolve()
         for history in (self.history, self.validation_history):
             if history is not None:
@@ -298,6 +303,16 @@ class RemoteRunController(RunController):
             self._stop_deadline = None
             self.terminate()
         return items
+
+    def _apply(self, event: TrainingEvent) -> None:
+        if event.type == "done":
+            self._completed = bool(event.get("completed", True))
+        super()._apply(event)
+
+    def _finish(self, returncode: int) -> None:
+        super()._finish(returncode)
+        if self.state.status == "finished" and self._completed is False:
+            self.state.status = "stopped"  # stopped from elsewhere: another desktop, train_remote.py --stop
 
     def _apply_run_result(self, result: _Result) -> None:
         if result.kind == "started":

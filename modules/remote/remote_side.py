@@ -3,7 +3,7 @@
 The desktop ships it with the rest of Tandem and calls it over ssh for everything that would otherwise be
 fragile shell: starting a run detached, the run registry, following a log, commands, the upload manifest,
 packing outputs, TensorBoard. Standard library only (and run_protocol), so each call starts in a fraction of
-a second; `backup` alone imports the trainer's backup module. Every verb prints JSON or a stream on stdout;
+a second. Every verb prints JSON or a stream on stdout;
 errors go to stderr with exit code 2.
 
 A run lives in `F/runs/<id>/`: `run.json` (what started it, the supervisor's and the training's process ids),
@@ -285,12 +285,24 @@ def pack(root: Path, names: list[str]) -> None:
 
 
 def backup(root: Path, workspace: str) -> dict | None:
-    from modules.trainer.backup import latest_backup
-    found = latest_backup(root / workspace / "backups")
-    if found is None:
+    """The newest complete backup of the workspace, as modules.trainer.backup.latest_backup picks it (newest by the
+    time it was written; `backups/<run>/step-N/backup.json` marks a complete one), read without importing torch:
+    the Continue button asks after every run (tests/test_remote.py checks both agree)."""
+    folder = root / workspace / "backups"
+    found = []
+    for manifest in [*folder.glob("step-*/backup.json"), *folder.glob("*/step-*/backup.json")]:
+        if manifest.parent.parent.name.startswith("."):
+            continue
+        info = _read_json(manifest)
+        try:
+            found.append((float(info["time"]), int(info["step"]), info.get("run_id", manifest.parent.parent.name),
+                          manifest.parent))
+        except (TypeError, KeyError, ValueError):
+            continue  # not a backup Tandem can read
+    if not found:
         return None
-    return {"step": found.step, "run_id": found.run_id, "written": found.written,
-            "path": found.path.relative_to(root).as_posix()}
+    written, step, run_id, path = max(found, key=lambda f: (f[0], f[1]))
+    return {"step": step, "run_id": run_id, "written": written, "path": path.relative_to(root).as_posix()}
 
 
 def prune_sources(root: Path, keep: str) -> list[str]:

@@ -145,7 +145,8 @@ class RemoteSession:
         hosts = [m.label for m in self.machines]
         for rank, (machine, plan, report) in enumerate(zip(self.machines, plans, reports)):
             spec = {"id": node_run_id(run_id, rank), "workspace": plan.workspace, "config": config_to_dict(plan.config),
-                    "command": training_command(plan.config, report.gpu_count, self.source, run_id, resume),
+                    "command": training_command(plan.config, report.gpu_count, self.source, node_run_id(run_id, rank),
+                                                resume),
                     "env": environment_pairs(machine.host.environment), "config_name": name,
                     "local_workspace": str(Path(cfg.general.workspace_dir).expanduser().resolve()),
                     "desktop": socket.gethostname(), "hosts": hosts, "node_rank": rank, "nnodes": len(self.machines),

@@ -69,6 +69,7 @@ class RemoteFrame(ctk.CTkFrame):
         self.unsaved = False
         self._attach_pending = False
         self._asked: object = None
+        self._changes_shown = -1
 
         top = ctk.CTkFrame(self, fg_color="transparent")
         top.grid(row=0, column=0, sticky="we", padx=8, pady=(6, 2))
@@ -258,6 +259,9 @@ class RemoteFrame(ctk.CTkFrame):
         controller = self.current
         if controller is None:
             return
+        if controller.changes != self._changes_shown:
+            self._changes_shown = controller.changes
+            self.run_view.redraw()
         if controller.unknown_keys and self._asked is not controller.unknown_keys:
             keys = controller.unknown_keys
             self._asked = keys

@@ -191,6 +191,10 @@ class RunView(ctk.CTkScrollableFrame):
         self._hide_error()
         self._render()
 
+    def redraw(self) -> None:
+        """Show what changed outside the run's own events (a remote machine's newest backup was looked up)."""
+        self._render()
+
     def notice_text(self) -> str:
         return self.notice.get() if self.notice.winfo_manager() else ""
 
