@@ -378,3 +378,37 @@ def test_the_remote_newest_backup_is_the_one_continue_resumes(tmp_path):
     (backups / "run-b" / ".step-00000020.tmp").mkdir()  # an interrupted write is never picked
     found, expected = side(tmp_path, "backup", "work/ws"), latest_backup(backups)
     assert (found["step"], found["run_id"], tmp_path / found["path"]) == (expected.step, expected.run_id, expected.path)
+
+
+def test_the_launcher_script_starts_on_a_remote_with_remote(monkeypatch):
+    """start-multi-gpu (.bat through modules/start_multi_gpu.py): --remote hands over to scripts/train_remote.py;
+    the local GPUs are not asked (the remote's decide)."""
+    from modules import start_multi_gpu
+
+    def local_gpus(python):
+        raise AssertionError("the local GPU count is not needed for a remote start")
+
+    def plan(*args, stdin=""):
+        return start_multi_gpu.plan(list(args), system="Linux", gpu_count=local_gpus, stdin=io.StringIO(stdin),
+                                    stdout=io.StringIO(), stderr=io.StringIO(), environ={}).command
+    command = plan("--yes", "--config", "#demo", "--remote", "me@gpu-box:2222", "--identity", "~/.ssh/k",
+                   "--remote-folder", "/data/tandem", "--config-value", "training.max_steps=10")
+    assert command[1:] == [str(Path("scripts") / "train_remote.py"), "--host", "me@gpu-box:2222", "--identity",
+                           "~/.ssh/k", "--remote-folder", "/data/tandem", "--config-path", "#demo", "--num-gpus", "0",
+                           "--config-value", "training.max_steps=10"]
+    two = plan("--config", "#demo", "--remote", "a", "--remote", "b", "--device", "cpu", "--master-addr", "10.0.0.1",
+               "--port", "29500", stdin="2\n1\n")  # the questions: processes per machine, restarts
+    assert two[2:6] == ["--host", "a", "--host", "b"] and two[two.index("--num-gpus") + 1] == "2"
+    assert ["--device", "cpu", "--max-restarts", "1", "--master-addr", "10.0.0.1", "--master-port", "29500"] == \
+        two[two.index("--device"):two.index("--master-port") + 2]
+    with pytest.raises(start_multi_gpu.UsageError, match="each --remote machine is one node"):
+        plan("--yes", "--config", "#demo", "--remote", "a", "--node-rank", "1")
+
+
+def test_the_remote_package_and_the_gui_parts_import_no_torch():
+    """The GUI and scripts/train_remote.py drive remote runs without PyTorch on the desktop."""
+    code = ("import sys; import modules.remote.cli, modules.remote.session, modules.remote.remote_side, "
+            "ui.remote_controller, ui.settings; print(sorted(k for k in ('torch', 'diffusers', 'transformers') "
+            "if k in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
