@@ -1,4 +1,4 @@
-"""Remote training through a real OpenSSH server on 127.0.0.1 (tests/sshd.py): the install with the README's
+"""Remote training through a real OpenSSH server on 127.0.0.1 (modules/remote/local_sshd.py): the install with the README's
 install.sh, host keys (unknown: shown and accepted once; changed: refused), uploads by content hash, the demo
 trained from the command line on two 'machines' (two sshd ports, two remote folders) as 2 nodes x 2 CPU
 processes with the connection cut and the command line killed mid-run, reattached and fetched, and the GUI
@@ -27,7 +27,7 @@ import pytest
 from modules.remote.machine import RemoteMachine
 from modules.remote.prepare import ensure_ready
 from modules.remote.source import local_source
-from tests.sshd import SshServer, sshd_problem
+from modules.remote.local_sshd import SshServer, sshd_problem
 from tests.test_ui_widgets import display  # noqa: F401 - the X server fixture, for the GUI test
 
 REPO = Path(__file__).resolve().parents[1]

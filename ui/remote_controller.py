@@ -89,6 +89,8 @@ class RemoteRunController(RunController):
         self.backup: RemoteBackup | None = None
         self.busy: str | None = None
         self.changes = 0
+        self.listed = 0
+        """Counts the run listings received (the view attaches to a run still going after a fresh one)."""
         """Counts the background results applied: the view redraws when it moves (Continue's backup)."""
         self._results: queue.Queue = queue.Queue()
         self._follower: Follower | None = None
@@ -105,9 +107,14 @@ class RemoteRunController(RunController):
         return mirror_folder(cfg, self.host) / "output"
 
     def start_problems(self, problems: list[str], cfg: TrainConfig) -> list[str]:
-        """A base model already on the remote need not exist here."""
+        """A base model already on the remote need not exist here; the machine must have been checked (its GPUs
+        decide what a start runs, as this machine's do for a local start)."""
         if self.host.base_model.strip():
-            return [p for p in problems if "model.base_model" not in p and "Base model" not in p]
+            problems = [p for p in problems if "model.base_model" not in p and "Base model" not in p]
+        if self.report is None:
+            why = self.notice if self.notice_error else "the check is under way"
+            problems = [*problems, f"{self.host.label} has not been checked yet ({why}): press Check connection "
+                                   "(Run tab, Run on) and Start when it answered"]
         return problems
 
     def newest_backup(self, cfg: TrainConfig):
@@ -168,6 +175,7 @@ class RemoteRunController(RunController):
             self.unknown_keys = result.value
             self.notice = f"{self.host.label} is not known yet: accept its host key to connect"
         elif result.kind == "runs":
+            self.listed += 1
             self.runs, found = result.value
             self.backup = RemoteBackup(found["step"], found["run_id"], found["path"]) if found else None
         elif result.kind == "error":

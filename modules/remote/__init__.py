@@ -16,8 +16,9 @@ The remote folder (a `RemoteHost.folder`) holds:
     home/               TANDEM_HOME of the runs (built-in demo models)
 
 Modules: `host` (the connection settings), `ssh` (command lines and their errors), `known_hosts` (host keys),
-`source` (what is shipped), `prepare` (the set-up check and install), `uploads`, `remote_config` (the config
-as the remote runs it), `runs` (start, list, follow, commands, stop), `fetch` (outputs), `tunnel`
-(TensorBoard), `session` (the steps of a start in order, for the CLI and the GUI), `cli`, and `remote_side`
-(the helper that runs on the remote machine).
+`source` (what is shipped), `machine` (one remote's folders and Python, calls of remote_side), `prepare` (the
+set-up check and install), `uploads`, `remote_config` (the config as the remote runs it), `runs` (start, list,
+follow, commands, stop), `fetch` (outputs), `tunnel` (TensorBoard), `session` (the steps of a start in order,
+for the CLI and the GUI), `cli`, `remote_side` (the helper that runs on the remote machine) and `local_sshd`
+(a throwaway sshd on 127.0.0.1 for the tests and the documentation's pictures).
 """

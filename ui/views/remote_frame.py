@@ -67,7 +67,8 @@ class RemoteFrame(ctk.CTkFrame):
         self.controllers: dict[str, RemoteRunController] = {}
         self.current: RemoteRunController | None = None
         self.unsaved = False
-        self._attach_pending = False
+        self._attach_after: int | None = None
+        """Attach to a run still going there once a run listing newer than this count arrives."""
         self._asked: object = None
         self._changes_shown = -1
 
@@ -171,8 +172,10 @@ class RemoteFrame(ctk.CTkFrame):
         self.current = controller
         self.run_view.use(controller, RemoteTensorBoard(controller), controller.visible_gpus)
         if look:
-            self._attach_pending = not controller.state.active
+            self._attach_after = controller.listed if not controller.state.active else None
             controller.refresh()
+            if controller.report is None:
+                controller.check()  # its GPUs decide what Start runs
             self._say(f"Looking for runs on {host.label}...")
 
     def _fill(self, host: RemoteHost) -> None:
@@ -284,8 +287,8 @@ class RemoteFrame(ctk.CTkFrame):
         if list(self.runs_menu.cget("values")) != labels:
             self.runs_menu.configure(values=labels)
             self.runs_menu.set(labels[0])
-        if self._attach_pending and controller.busy is None and (controller.runs or controller.notice):
-            self._attach_pending = False
+        if self._attach_after is not None and controller.listed > self._attach_after:
+            self._attach_after = None
             run = controller.choose_run(None, self.binder.model.cfg)  # this workspace's, else any still going
             if run is None or not run.active:
                 run = controller.choose_run(None, None)

@@ -1,9 +1,10 @@
-"""A real OpenSSH server on 127.0.0.1 for the remote-training tests: its own host and user keys in a temporary
-folder, a free non-default port, `sshd -D` (foreground) started and stopped by the test.
+"""A throwaway OpenSSH server on 127.0.0.1, for the remote-training tests and the documentation's pictures
+(ui/screenshots.py --remote): its own host and user keys in a given folder, a free non-default port, the
+system's `sshd -D` (foreground) started and stopped by the caller. Not used by a real remote run.
 
-The 'remote' is this machine, logged into as the user running the tests, with the user key generated here;
-nothing outside the temporary folder is read or changed except the privilege-separation folder sshd
-insists on (/run/sshd, created when missing and the tests run as root, as in CI).
+The 'remote' is this machine, logged into as the current user with the user key generated here; nothing
+outside the folder is read or changed except the privilege-separation folder sshd insists on (/run/sshd,
+created when missing and running as root, as in CI). Listens on 127.0.0.1 only.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ PRIVSEP = Path("/run/sshd")
 def sshd_problem() -> str | None:
     """Why no sshd can run here (the tests fail with it), or None."""
     if not Path(SSHD).is_file() or shutil.which("ssh-keygen") is None or shutil.which("ssh") is None:
-        return "OpenSSH is not installed: run-tests.sh installs it (apt-get install openssh-server openssh-client)"
+        return "OpenSSH's server is not installed: run-tests.sh installs it (apt-get install openssh-server)"
     if not PRIVSEP.is_dir():
         if os.geteuid() != 0:
             return f"sshd needs the folder {PRIVSEP} (mkdir -p {PRIVSEP} as root)"
