@@ -141,7 +141,8 @@ class RemoteRunController(RunController):
                         return
                     except Exception as scan_error:  # noqa: BLE001 - the scan's own failure is the message then
                         e = scan_error
-                self._results.put(_Result("error", f"{self.host.label}: {e}"))
+                text = str(e)
+                self._results.put(_Result("error", text if self.host.label in text else f"{self.host.label}: {text}"))
         threading.Thread(target=body, daemon=True, name=f"tandem-remote-{name}").start()
 
     def check(self) -> None:
@@ -327,6 +328,9 @@ class RemoteRunController(RunController):
             self.run = result.value
             self.state.message = f"started {self.run.id} on {self.host.label}"
             self._log(f"[remote] started {self.run.id} in {self.host.folder} on {self.host.label}")
+            self.notice, self.notice_error = (f"{self.run.id} runs on {self.host.label}; closing this window leaves "
+                                              "it running there, and reopening Tandem shows it again"), False
+            self.refresh()  # the runs there now list it
         elif result.kind == "failed":
             self.state.status = "failed"
             self.state.message = ""

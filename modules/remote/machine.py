@@ -7,8 +7,10 @@ import subprocess
 
 from .host import RemoteHost
 from .known_hosts import KnownHosts
-from .ssh import Result, Ssh, SshError, remote_path
+from .ssh import Result, Ssh, SshError, last_lines, remote_path
 
+NOT_INSTALLED = 3
+"""remote_side's exit code when Tandem is not installed in the remote folder (no `source/current`)."""
 CURRENT = "current"
 """`<folder>/source/current`: a link to the newest installed version, whose remote_side every call runs."""
 
@@ -35,13 +37,17 @@ class RemoteMachine:
     def side_script(self, verb: str, *args: str) -> str:
         return (f"cd {self.path('source', CURRENT)} 2>/dev/null || {{ echo 'Tandem is not installed in "
                 f"{self.host.folder} on this machine: check the connection or start a run to install it' >&2; "
-                f"exit 3; }}; exec {self.python} -m modules.remote.remote_side --root {self.path()} {verb} "
+                f"exit {NOT_INSTALLED}; }}; exec {self.python} -m modules.remote.remote_side --root {self.path()} {verb} "
                 + " ".join(shlex.quote(a) for a in args))
 
     def side(self, verb: str, *args: str, input: object = None, timeout: float | None = 120):
         """Run a remote_side verb and return its JSON answer; `input` goes to it as JSON."""
         data = json.dumps(input).encode() if input is not None else None
-        result = self.ssh.run(self.side_script(verb, *args), input=data, timeout=timeout)
+        result = self.ssh.run(self.side_script(verb, *args), input=data, timeout=timeout, check=False)
+        if result.returncode == NOT_INSTALLED:
+            raise SshError("not_installed", result.stderr.strip())
+        if result.returncode != 0:
+            raise SshError("failed", f"on {self.label}: {last_lines(result.stderr) or f'exit code {result.returncode}'}")
         try:
             return json.loads(result.text)
         except ValueError:

@@ -82,7 +82,13 @@ def start_run(machine: RemoteMachine, spec: dict) -> RunInfo:
 
 
 def list_runs(machine: RemoteMachine) -> list[RunInfo]:
-    return [RunInfo.from_json(entry) for entry in machine.side("runs")]
+    """The runs there; none where Tandem was never installed."""
+    try:
+        return [RunInfo.from_json(entry) for entry in machine.side("runs")]
+    except SshError as e:
+        if e.kind == "not_installed":
+            return []
+        raise
 
 
 def run_status(machine: RemoteMachine, run_id: str) -> RunInfo:
@@ -99,7 +105,12 @@ def kill_run(machine: RemoteMachine, run_id: str) -> RunInfo:
 
 def newest_backup(machine: RemoteMachine, workspace: str) -> dict | None:
     """The newest complete backup in the remote workspace ({step, run_id, written, path}) or None."""
-    return machine.side("backup", workspace)
+    try:
+        return machine.side("backup", workspace)
+    except SshError as e:
+        if e.kind == "not_installed":
+            return None
+        raise
 
 
 def pick_run(runs: list[RunInfo], wanted: str | None = None, workspace: str | None = None) -> RunInfo | None:
