@@ -412,3 +412,24 @@ def test_the_remote_package_and_the_gui_parts_import_no_torch():
             "if k in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_machine_other_than_node_0_builds_the_built_in_model_in_its_launcher(tmp_path, monkeypatch):
+    """Each machine of several has its own disk; a worker there cannot write the built-in model (transformers
+    saves a text encoder only on rank 0 of a process group), so that machine's launcher builds it first."""
+    from modules.preflight import check_model
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    node0 = load_config("#demo", ["multi_gpu.enabled=true", "multi_gpu.nnodes=2", "multi_gpu.master_port=29500"])
+    check_model(node0)
+    assert not (tmp_path / "demo-model").exists()  # node 0's rank 0 builds it as on one machine
+    node0.multi_gpu.node_rank = 1
+    check_model(node0)
+    assert (tmp_path / "demo-model" / "text_encoder" / "config.json").is_file()
+
+
+def test_a_built_in_model_with_an_empty_part_is_refused_not_marked_complete(tmp_path):
+    from modules.model.demo import ensure_built_model
+    with pytest.raises(RuntimeError, match="left text_encoder empty"):
+        ensure_built_model(tmp_path / "model", lambda folder: (folder / "text_encoder").mkdir())
+    assert not (tmp_path / "model").exists()
