@@ -179,6 +179,11 @@ def test_pick_run_prefers_what_is_still_going():
             RunInfo("c", "ended", 0, "work/y", created=3)]
     assert pick_run(runs).id == "b" and pick_run(runs, workspace="work/y").id == "c"
     assert pick_run(runs, "c").id == "c" and pick_run(runs, "zz") is None
+    two = [*runs, RunInfo("d", "running", workspace="work/y", created=4)]
+    assert pick_run(two).id == "d"  # to follow: the newest going
+    with pytest.raises(ValueError, match=r"2 runs are going \(b, d\)"):
+        pick_run(two, unique=True)  # to stop: never a guess
+    assert pick_run(two, workspace="work/y", unique=True).id == "d"
 
 
 def test_cli_hosts_and_flags(tmp_path):

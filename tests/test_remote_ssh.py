@@ -235,7 +235,7 @@ def test_two_machines_train_the_demo_as_two_nodes_survive_a_cut_and_reattach(ins
         assert json.loads(subprocess.run([sys.executable, "-m", "modules.remote.remote_side", "--root",
                                           str(installed_remote), "status", run_dir.name], cwd=REPO, capture_output=True,
                                          text=True).stdout)["state"] == "running"
-        attached = cli(*common, "--attach", home=home, timeout=600)
+        attached = cli(*common, "--attach", run_dir.name, home=home, timeout=600)
         assert attached.returncode == 0, attached.stderr[-3000:] + attached.stdout[-3000:]
         assert f"Following {run_dir.name}" in attached.stderr
         shown = attached.stdout
@@ -319,7 +319,7 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert controller.run.id == run_id and controller.state.losses[0][0] == 1
     for pid in server.sessions():  # the connection drops while it follows
         os.kill(pid, signal.SIGKILL)
-    stop = cli(*host_args(server, installed_remote), "--stop", home=tmp_path / "home")  # Stop, from elsewhere
+    stop = cli(*host_args(server, installed_remote), "--stop", run_id, home=tmp_path / "home")  # from elsewhere
     assert stop.returncode == 0, stop.stderr
     assert pump(app, lambda: not controller.state.active, timeout=300), "\n".join(controller.log)
     assert controller.state.status == "stopped", controller.state.error

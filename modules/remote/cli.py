@@ -207,7 +207,12 @@ def _act(args, machines: list[RemoteMachine], known: KnownHosts) -> int:
     chosen = next((v for v in (args.attach, args.stop, args.fetch, args.tensorboard) if v is not None), None)
     if chosen is not None:
         from .remote_config import workspace_of
-        run = pick_run(list_runs(lead), chosen or None, workspace_of(cfg) if cfg else None)
+        try:  # never stop a run the user did not mean: with several going, --stop needs its id
+            run = pick_run(list_runs(lead), chosen or None, workspace_of(cfg) if cfg else None,
+                           unique=args.stop is not None)
+        except ValueError as e:
+            print(f"error: on {lead.label}: {e}", file=sys.stderr)
+            return EXIT_USAGE
         if run is None:
             print(f"error: no run {chosen!r} on {lead.label}" if chosen else f"error: no run on {lead.label}",
                   file=sys.stderr)

@@ -113,14 +113,18 @@ def newest_backup(machine: RemoteMachine, workspace: str) -> dict | None:
         raise
 
 
-def pick_run(runs: list[RunInfo], wanted: str | None = None, workspace: str | None = None) -> RunInfo | None:
+def pick_run(runs: list[RunInfo], wanted: str | None = None, workspace: str | None = None,
+             unique: bool = False) -> RunInfo | None:
     """The run a command means: `wanted` (an id, or its unique start), else the newest active run (of
-    `workspace` when given), else the newest run."""
+    `workspace` when given), else the newest run. `unique`: with several runs going and none named, raise
+    ValueError naming them rather than choose (for Stop)."""
     if wanted:
         found = [r for r in runs if r.id == wanted] or [r for r in runs if r.id.startswith(wanted)]
         return found[0] if len(found) == 1 else None
     mine = [r for r in runs if workspace is None or r.workspace == workspace]
     active = [r for r in mine if r.active]
+    if unique and len(active) > 1:
+        raise ValueError(f"{len(active)} runs are going ({', '.join(r.id for r in active)}): name the one you mean")
     pool = active or mine
     return max(pool, key=lambda r: (r.created, r.id)) if pool else None
 
