@@ -26,6 +26,7 @@ from modules.remote.session import node_configs, training_command
 from modules.remote.source import archive, local_source
 from modules.remote.ssh import Ssh, remote_path
 from modules.remote.uploads import HashCache, UploadPlan, local_files
+from tests.test_ui_widgets import display  # noqa: F401 - the X server fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -438,3 +439,44 @@ def test_a_built_in_model_with_an_empty_part_is_refused_not_marked_complete(tmp_
     with pytest.raises(RuntimeError, match="left text_encoder empty"):
         ensure_built_model(tmp_path / "model", lambda folder: (folder / "text_encoder").mkdir())
     assert not (tmp_path / "model").exists()
+
+
+def test_the_run_on_row_keeps_machines_and_refuses_a_start_it_cannot_make(display, tmp_path):
+    """Under Xvfb, no network: a new machine without a host refuses Start (never trains here instead), a saved
+    one is remembered for the next window, and one never checked refuses Start saying so."""
+    from tests.test_ui_widgets import make_app, pump
+    from ui.settings import SavedRemotes
+    from ui.views.remote_frame import NEW_REMOTE, THIS_MACHINE
+    closed = socket_port_nobody_listens_on()
+    app, _ = make_app(tmp_path)
+    try:
+        frame, view = app.remote, app.run_view
+        assert frame.menu.get() == THIS_MACHINE and view.controller is app.controller
+        frame.choose(NEW_REMOTE)
+        view.start_button.invoke()
+        assert "remote host: empty" in view.error_text() and not app.controller.state.active
+        frame.vars["host"].set(f"me@127.0.0.1:{closed}")
+        frame.vars["folder"].set("/data/tandem")
+        host = frame.save_remote()
+        assert (host.user, host.host, host.port, host.folder) == ("me", "127.0.0.1", closed, "/data/tandem")
+        assert view.controller is frame.current and frame.current.host == host
+        view.start_button.invoke()
+        assert "has not been checked yet" in view.error_text() and not frame.current.state.active
+        frame.choose(THIS_MACHINE)
+        assert view.controller is app.controller
+        frame.choose(frame._label(host))
+        assert SavedRemotes(tmp_path / "home").chosen == host.key
+    finally:
+        app.destroy()
+    again, _ = make_app(tmp_path)  # the next window comes back to that machine, and tries it at once
+    try:
+        assert again.remote.current is not None and again.remote.current.host == host
+        assert pump(again, lambda: "Connection refused" in again.remote.notice_text(), timeout=60), \
+            again.remote.notice_text()
+    finally:
+        again.destroy()
+
+
+def socket_port_nobody_listens_on() -> int:
+    from modules.util.ports import find_free_port
+    return find_free_port()

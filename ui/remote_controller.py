@@ -111,6 +111,8 @@ class RemoteRunController(RunController):
         decide what a start runs, as this machine's do for a local start)."""
         if self.host.base_model.strip():
             problems = [p for p in problems if "model.base_model" not in p and "Base model" not in p]
+        if self.host.problems():
+            return [*problems, *self.host.problems(), "then Check connection (Run tab, Run on)"]
         if self.report is None:
             why = self.notice if self.notice_error else "the check is under way"
             problems = [*problems, f"{self.host.label} has not been checked yet ({why}): press Check connection "
@@ -250,6 +252,10 @@ class RemoteRunController(RunController):
             return
         if end is None:  # detached: the run goes on
             out.put(_Result("detached"))
+            return
+        if end.state == "lost":
+            out.put(_Result("failed", f"the run's processes on {self.host.label} ended without an exit code (the "
+                                      "machine restarted, or they were killed); its backups are still there"))
             return
         out.put(LogLine(f"[remote] the run ended on {self.host.label}; fetching its outputs"))
         try:

@@ -67,6 +67,7 @@ class RemoteFrame(ctk.CTkFrame):
         self.controllers: dict[str, RemoteRunController] = {}
         self.current: RemoteRunController | None = None
         self.unsaved = False
+        self._filling = False
         self._attach_after: int | None = None
         """Attach to a run still going there once a run listing newer than this count arrives."""
         self._asked: object = None
@@ -140,9 +141,13 @@ class RemoteFrame(ctk.CTkFrame):
             self._show_local()
             return
         if choice == NEW_REMOTE:
-            self._fill(RemoteHost(host=""))
+            blank = RemoteHost(host="")
+            self._fill(blank)
             self.current = None
             self._show_fields(True)
+            # Start refuses (no machine yet) instead of training here or on the machine shown before.
+            placeholder = self.factory(blank, self.saved.known_hosts(), python=self.local.python)
+            self.run_view.use(placeholder, RemoteTensorBoard(placeholder), placeholder.visible_gpus)
             self._say("Fill in the machine, then Check connection (which saves it).")
             return
         host = next(h for h in self.saved.hosts if self._label(h) == choice)
@@ -179,13 +184,19 @@ class RemoteFrame(ctk.CTkFrame):
             self._say(f"Looking for runs on {host.label}...")
 
     def _fill(self, host: RemoteHost) -> None:
+        self._filling = True
         for name, var in self.vars.items():
             value = getattr(host, name)
             var.set("" if value is None else str(value))
+        self._filling = False
         self.unsaved = False
 
     def _edited(self) -> None:
+        if self._filling or self.unsaved:
+            return
         self.unsaved = True
+        if self.current is not None:
+            self._say("Changed: Save (or Check connection) to use these settings; Start uses the saved ones.")
 
     def host_from_fields(self) -> RemoteHost:
         """The settings as typed; raises ValueError with what is wrong."""
