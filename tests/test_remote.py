@@ -480,3 +480,28 @@ def test_the_run_on_row_keeps_machines_and_refuses_a_start_it_cannot_make(displa
 def socket_port_nobody_listens_on() -> int:
     from modules.util.ports import find_free_port
     return find_free_port()
+
+
+def test_show_switches_to_another_run_and_the_first_goes_on(tmp_path):
+    from ui.remote_controller import RemoteRunController
+    host = RemoteHost("box", folder=str(tmp_path / "remote"))
+    controller = RemoteRunController(host, KnownHosts((tmp_path / "k",), tmp_path / "k"))
+    controller.machine = LocalMachine(tmp_path / "remote", host)
+    long = RunInfo.from_json(controller.machine.side("start", input=start_spec(
+        "long", "import time\nprint('long one', flush=True)\ntime.sleep(60)")))
+    short = RunInfo.from_json(controller.machine.side(
+        "start", input={**start_spec("short", "print('short one')"), "workspace": "work/other"}))
+    controller.attach(long)
+    deadline = time.monotonic() + 60
+    while "long one" not in controller.log and time.monotonic() < deadline:
+        controller.poll()
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="still going"):
+        controller.attach(short)
+    controller.attach(short, instead=True)
+    while controller.state.active and time.monotonic() < deadline:
+        controller.poll()
+        time.sleep(0.05)
+    assert "short one" in controller.log and "long one" not in controller.log
+    assert side(tmp_path / "remote", "status", "long")["state"] == "running"  # not watched, still going
+    side(tmp_path / "remote", "kill", "long")

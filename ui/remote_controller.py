@@ -27,8 +27,7 @@ from modules.remote.known_hosts import KnownHosts, ScannedKey, accept
 from modules.remote.machine import RemoteMachine
 from modules.remote.prepare import Report, SetupError
 from modules.remote.remote_config import workspace_of
-from modules.remote.runs import (Follower, RunInfo, kill_run, list_runs, newest_backup, pick_run, run_status,
-                                 send_command)
+from modules.remote.runs import Follower, RunInfo, kill_run, list_runs, newest_backup, pick_run, send_command
 from modules.remote.session import RemoteSession, StartRefused, host_keys
 from modules.remote.ssh import SshError
 from modules.remote.tunnel import Tunnel
@@ -89,9 +88,9 @@ class RemoteRunController(RunController):
         self.backup: RemoteBackup | None = None
         self.busy: str | None = None
         self.changes = 0
+        """Counts the background results applied: the view redraws when it moves (Continue's backup)."""
         self.listed = 0
         """Counts the run listings received (the view attaches to a run still going after a fresh one)."""
-        """Counts the background results applied: the view redraws when it moves (Continue's backup)."""
         self._results: queue.Queue = queue.Queue()
         self._follower: Follower | None = None
         self._cfg_workspace: str | None = None
@@ -211,10 +210,14 @@ class RemoteRunController(RunController):
         threading.Thread(target=body, daemon=True, name="tandem-remote-start").start()
         return ["train_remote", self.host.label]
 
-    def attach(self, run: RunInfo) -> None:
-        """Show a run that is (or was) on the machine, replayed from its first line."""
+    def attach(self, run: RunInfo, instead: bool = False) -> None:
+        """Show a run that is (or was) on the machine, replayed from its first line; `instead`: stop following the
+        run shown first (it goes on there)."""
         if self.state.active:
-            raise RuntimeError("a run is shown and still going; it must end (or be detached) first")
+            if not instead:
+                raise RuntimeError("a run is shown and still going; it must end (or be detached) first")
+            if self._follower is not None:
+                self._follower.close()
         self._begin(RunState(status="running", message=f"following {run.id} on {self.host.label}"),
                     run.local_workspace or ".")
         self.run = run
@@ -384,9 +387,6 @@ class RemoteRunController(RunController):
 
     def choose_run(self, wanted: str | None, cfg: TrainConfig | None) -> RunInfo | None:
         return pick_run(self.runs, wanted, workspace_of(cfg) if cfg else None)
-
-    def status_of(self, run_id: str) -> RunInfo:
-        return run_status(self.machine, run_id)
 
     # --- questions during a start ------------------------------------------------------------------
     def _progress(self, text: str) -> None:

@@ -218,7 +218,9 @@ class RemoteFrame(ctk.CTkFrame):
             return None
         replacing = self.current.host.key if self.current is not None else None
         if self.current is not None and self.current.state.active and self.current.host != host:
-            self._say("A run is shown from this machine: the changed settings are used for the next start.")
+            self._say("A run is shown from this machine: change its settings once it has ended (it goes on there "
+                      "whatever you change here).", error=True)
+            return None
         self.saved.save(host, replacing)
         self.menu.configure(values=self._choices())
         self.menu.set(self._label(host))
@@ -251,11 +253,7 @@ class RemoteFrame(ctk.CTkFrame):
         if run is None:
             self._say("No run chosen", error=True)
             return
-        if controller.state.active:
-            self._say("A run is shown and still going here: stop following it first (choose This machine and back).",
-                      error=True)
-            return
-        controller.attach(run)
+        controller.attach(run, instead=True)  # a run shown before goes on there, unwatched
 
     def fetch_outputs(self) -> None:
         if self.current is not None:
