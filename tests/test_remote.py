@@ -441,6 +441,7 @@ def test_a_built_in_model_with_an_empty_part_is_refused_not_marked_complete(tmp_
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.slow
 def test_the_run_on_row_keeps_machines_and_refuses_a_start_it_cannot_make(display, tmp_path):
     """Under Xvfb, no network: a new machine without a host refuses Start (never trains here instead), a saved
     one is remembered for the next window, and one never checked refuses Start saying so."""
