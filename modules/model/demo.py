@@ -77,7 +77,7 @@ def ensure_built_model(root: Path, build_into: Callable[[Path], None]) -> Path:
         if empty:
             raise RuntimeError(f"building the built-in model at {root} left {', '.join(empty)} empty (a process other "
                                "than rank 0 of a running process group cannot write it); build it in one process "
-                               "first, e.g. python scripts/train.py --config-path '#demo' --config-value training.max_steps=1")
+                               "first: any one-process run with this base model builds it")
         # Written last: its presence (after the atomic rename) means the folder is complete.
         (folder / _MARKER_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION, "seed": _SEED}, indent=2))
 
