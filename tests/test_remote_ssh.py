@@ -11,6 +11,7 @@ downloading PyTorch). It is installed once per test session, shared by the pytes
 from __future__ import annotations
 
 import fcntl
+import getpass
 import json
 import os
 import re
@@ -95,12 +96,11 @@ def fingerprint(server: SshServer) -> str:
 
 
 def host_args(server: SshServer, folder: Path) -> list[str]:
-    return ["--host", f"{os.environ.get('USER') or 'root'}@127.0.0.1:{server.port}", "--identity",
+    return ["--host", f"{getpass.getuser()}@127.0.0.1:{server.port}", "--identity",
             str(server.user_key), "--remote-folder", str(folder)]
 
 
 def test_unknown_host_key_is_shown_and_accepted_once_and_a_changed_one_refused(server, tmp_path):
-    import getpass
     home = tmp_path / "home"
     args = ["--host", f"{getpass.getuser()}@127.0.0.1:{server.port}", "--identity", str(server.user_key),
             "--remote-folder", str(tmp_path / "remote"), "--remote-python", sys.executable, "--check"]
@@ -112,7 +112,7 @@ def test_unknown_host_key_is_shown_and_accepted_once_and_a_changed_one_refused(s
     assert wrong.returncode == 2 and not known.exists()
     accepted = cli(*args, "--accept-host-key", fingerprint(server), home=home)
     assert accepted.returncode == 0, accepted.stderr
-    assert f"root@127.0.0.1:{server.port}: connected" in accepted.stdout.replace(getpass.getuser() + "@", "root@")
+    assert f"{getpass.getuser()}@127.0.0.1:{server.port}: connected" in accepted.stdout
     assert "Trusting" in accepted.stderr and f"[127.0.0.1]:{server.port}" in known.read_text()
     before = known.read_text()
     server.new_host_key()  # "reinstalled", or someone in between
@@ -201,7 +201,7 @@ def test_two_machines_train_the_demo_as_two_nodes_survive_a_cut_and_reattach(ins
     try:
         hosts = []
         for server, folder in zip(servers, (installed_remote, second)):
-            hosts += ["--host", f"{os.environ.get('USER') or 'root'}@127.0.0.1:{server.port}",
+            hosts += ["--host", f"{getpass.getuser()}@127.0.0.1:{server.port}",
                       "--remote-folder", str(folder), "--accept-host-key", fingerprint(server)]
         common = [*hosts, "--identity", str(servers[0].user_key),
                   # node 1's machine has no Tandem of its own: the existing-Python option (node 0's environment)
