@@ -41,12 +41,23 @@ def check_folders(cfg: TrainConfig) -> None:
 def check_model(cfg: TrainConfig) -> None:
     from modules.config.model_families import BUILTIN_MODELS
     if cfg.model.base_model.strip() in BUILTIN_MODELS and not cfg.model.vae_path.strip():
-        return  # built here, nothing on disk to check (and no need to import the model package)
+        if cfg.multi_gpu.enabled and cfg.multi_gpu.nnodes > 1 and cfg.multi_gpu.node_rank > 0:
+            build_builtin_model(cfg.model.base_model.strip())
+        return  # built by rank 0 on first use, nothing on disk to check (and no need to import the model package)
     from modules.model.probe import probe_model
     try:
         probe_model(cfg.model)
     except (ValueError, OSError) as e:
         raise PreflightError(str(e)) from None
+
+
+def build_builtin_model(name: str) -> None:
+    """Build a built-in model on this machine now, in the launcher. Rank 0 builds it for the workers of its own
+    machine; every other machine needs its own copy on its own disk, and a worker there cannot write it:
+    transformers saves a text encoder only on rank 0 of a process group."""
+    from modules.config.model_families import family_of_builtin
+    from modules.model.families import family
+    family(family_of_builtin(name)).build_demo()
 
 
 def preflight(cfg: TrainConfig) -> None:

@@ -72,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config-value", action="append", default=[], metavar="K=V",
                    help="override one config field, e.g. training.max_steps=100 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    remote = p.add_argument_group("training on remote machines over SSH (scripts/train_remote.py, docs/Remote.md)")
+    remote.add_argument("--remote", action="append", metavar="USER@HOST[:PORT]",
+                        help="train there instead of here; several machines: one --remote each (node K on the K-th)")
+    remote.add_argument("--identity", help="private key file for the remote machine(s) (default: ssh's own keys)")
+    remote.add_argument("--remote-folder", help="Tandem's folder on the remote machine(s) (default ~/tandem-remote)")
     return p
 
 
@@ -133,6 +138,9 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
             config = str(PRESET_DIR / f"{config}.json")
         else:
             raise UsageError(f"config '{config}' is neither a file nor a preset in training_presets/")
+
+    if args.remote:
+        return Launch(remote_command(args, config, device, python, questions), dict(environ), args.dry_run)
 
     gpus = 0
     if device != "cpu":
@@ -216,6 +224,47 @@ def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin
     if windows:
         env.update(WINDOWS_STORE_ENVIRONMENT)
     return Launch(command, env, args.dry_run)
+
+
+def remote_command(args, config: str, device: str, python: str, questions: Questions) -> list[str]:
+    """`scripts/train_remote.py` for `--remote`: the GPUs and backend are the remote machines' (decided there, as
+    the launcher decides them here), so only what the remote start needs is asked."""
+    num_gpus = args.num_gpus or questions.ask("GPUs per machine (0: all it has)" if device != "cpu"
+                                              else "CPU processes per machine", "0" if device != "cpu" else "2")
+    if not re.fullmatch(r"[0-9]+", num_gpus) or (device == "cpu" and num_gpus == "0"):
+        raise UsageError(f"--num-gpus must be a whole number (0: all the remote's GPUs), got '{num_gpus}'")
+    max_restarts = args.max_restarts or questions.ask("Restarts after a failure (0: none)", "0")
+    if not re.fullmatch(r"[0-9]+", max_restarts):
+        raise UsageError(f"--max-restarts must be a whole number, got '{max_restarts}'")
+    for name in ("nnodes", "node_rank"):
+        if getattr(args, name):
+            raise UsageError(f"--{name.replace('_', '-')} is not used with --remote: each --remote machine is one "
+                             "node, numbered in the order given")
+    if args.port and not re.fullmatch(r"[0-9]+", args.port):
+        raise UsageError(f"--port must be a number, got '{args.port}'")
+    command = [python, os.path.join("scripts", "train_remote.py")]
+    for host in args.remote:
+        command += ["--host", host]
+    if args.identity:
+        command += ["--identity", args.identity]
+    if args.remote_folder:
+        command += ["--remote-folder", args.remote_folder]
+    command += ["--config-path", config, "--num-gpus", num_gpus]
+    if device == "cpu":
+        command += ["--device", "cpu"]
+    if max_restarts != "0":
+        command += ["--max-restarts", max_restarts]
+    if args.master_addr:
+        command += ["--master-addr", args.master_addr]
+    if args.port:
+        command += ["--master-port", args.port]
+    if args.backend:
+        command += ["--config-value", f"multi_gpu.backend={args.backend}"]
+    if args.launcher and args.launcher != "auto":
+        command += ["--config-value", f"multi_gpu.launcher={args.launcher}"]
+    for value in args.config_value:
+        command += ["--config-value", value]
+    return command
 
 
 def quoted(command: list[str], system: str) -> str:

@@ -164,6 +164,10 @@ class RunController:
         """The workspace's backups, newest first, each marked when its run finished after it."""
         return backup_choices(self.backups_folder(cfg))
 
+    def backup_present(self, choice: BackupChoice) -> bool:
+        """Whether the backup `choice` names is still there to continue from."""
+        return Path(choice.path).is_dir()
+
     def newest_backup(self, cfg: TrainConfig) -> BackupChoice | None:
         """The backup Continue resumes unless another is picked: the newest of a run that has not finished."""
         return default_choice(self.backup_choices(cfg))
@@ -377,6 +381,22 @@ class RunController:
         s.status = "failed"
         s.message = ""  # the error box below says what happened
         s.error = reason + "\n\nLast log lines:\n" + "\n".join(tail)
+
+    # --- what the run view asks (a remote run answers for its machine: ui/remote_controller.py) ----------
+    uses_local_gpus = True
+    """Whether this machine's GPU readings belong in the per-GPU view."""
+
+    def sample_folders(self, cfg: TrainConfig) -> tuple[Path, Path]:
+        """The workspace's samples folder and the workspace, where the Run tab's gallery reads them."""
+        paths = RunPaths(cfg)
+        return self.absolute(paths.samples), self.absolute(paths.workspace)
+
+    def output_folder(self, cfg: TrainConfig) -> Path:
+        return self.absolute(RunPaths(cfg).output_dir)
+
+    def start_problems(self, problems: list[str], cfg: TrainConfig) -> list[str]:
+        """The config problems that stop a start here (all of them: the files must exist on this machine)."""
+        return problems
 
     def wait(self, timeout: float) -> bool:
         """Poll until the run ends or `timeout` seconds pass (for scripts and tests)."""

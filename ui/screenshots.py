@@ -6,6 +6,8 @@ Starts its own Xvfb display, opens the demo preset (the General tab with its get
 first start shows it), the SDXL LoRA preset's model picker, and for the Run tab really trains the demo on
 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample gallery and log are
 real; after a stop, the list of backups to continue; the Run tab is also shown at 1024x600.
+`--remote` renders the pictures of docs/Remote.md instead: the Run tab running the demo on a "remote" machine
+that is this one, reached through a throwaway sshd on 127.0.0.1 (modules/remote/local_sshd.py).
 `--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
 GPUs); the picture's caption in docs/GUI.md says so.
 """
@@ -37,13 +39,83 @@ def main() -> None:
     parser.add_argument("--out", default="docs/images")
     parser.add_argument("--example-gpus", type=int, default=0)
     parser.add_argument("--run-steps", type=int, default=20, help="demo steps before the Run tab is captured")
+    parser.add_argument("--remote", action="store_true", help="only the remote-training pictures (needs sshd)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     server = start_xvfb()
     try:
-        render(Path(args.out), args.example_gpus, args.run_steps)
+        if args.remote:
+            render_remote(Path(args.out), args.run_steps)
+        else:
+            render(Path(args.out), args.example_gpus, args.run_steps)
     finally:
         server.terminate()
+
+
+def _shooter(app, out: Path):
+    from PIL import ImageGrab
+
+    def settle(seconds: float = 0.6) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            app.update()
+            time.sleep(0.02)
+
+    def shoot(name: str) -> None:
+        settle()
+        x, y = app.winfo_rootx(), app.winfo_rooty()
+        ImageGrab.grab(bbox=(x, y, x + app.winfo_width(), y + app.winfo_height()),
+                       xdisplay=os.environ["DISPLAY"]).save(out / f"{name}.png")
+        print("wrote", out / f"{name}.png")
+    return settle, shoot
+
+
+def render_remote(out: Path, run_steps: int) -> None:
+    """The Run tab with "Run on" a remote machine: its check, then the demo training there."""
+    from modules.remote.local_sshd import SshServer, sshd_problem
+    from ui.settings import RecentConfigs, SavedRemotes
+    from ui.views.app import TandemApp
+
+    problem = sshd_problem()
+    if problem:
+        sys.exit(problem)
+    out.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="tandem-shots-remote-"))
+    sshd = SshServer(home / "sshd").start()
+    try:
+        remotes = SavedRemotes(home)
+        # The machine accepted once already (the picture shows a known machine); the existing-Python option
+        # spares the picture an install.
+        key = (sshd.folder / "host_key.pub").read_text().split()
+        (home / "known_hosts").write_text(f"[127.0.0.1]:{sshd.port} {key[0]} {key[1]}\n")
+        remotes.save(sshd.remote(home / "remote", python=sys.executable, environment="OMP_NUM_THREADS=1"))
+        app = TandemApp(recent=RecentConfigs(home), gpu_probe=lambda: [])
+        app.geometry("1100x860+0+0")
+        settle, shoot = _shooter(app, out)
+        app.load("#demo")
+        for path, value in (("general.workspace_dir", str(home / "workspace")), ("training.max_steps", "400"),
+                            ("training.batch_size", "2"), ("sampling.every_n_epochs", "0"),
+                            ("sampling.every_n_steps", "10"), ("sampling.inference_steps", "10")):
+            app.binder.fields[path].var.set(value)
+        app.tabs.set("Run")
+        deadline = time.monotonic() + 120
+        while "connected" not in app.remote.notice_text() and time.monotonic() < deadline:
+            settle(0.2)
+        shoot("remote-check")
+        if not app.run_view.start():
+            sys.exit("could not start the remote demo run:\n" + app.run_view.error_text())
+        controller = app.remote.current
+        deadline = time.monotonic() + 600
+        while controller.state.active and time.monotonic() < deadline and (
+                controller.state.step < run_steps or not controller.state.samples):
+            settle(0.2)
+        shoot("remote-run")
+        controller.stop()
+        while controller.state.active and time.monotonic() < deadline + 120:
+            settle(0.2)
+        app.destroy()
+    finally:
+        sshd.stop()
 
 
 def render(out: Path, example_gpus: int, run_steps: int) -> None:

@@ -72,6 +72,12 @@ def ensure_built_model(root: Path, build_into: Callable[[Path], None]) -> Path:
 
     def build_and_mark(folder: Path) -> None:
         build_into(folder)
+        # transformers writes a model only on rank 0 of a process group: a build elsewhere would leave empty parts.
+        empty = sorted(p.name for p in folder.iterdir() if p.is_dir() and not any(p.iterdir()))
+        if empty:
+            raise RuntimeError(f"building the built-in model at {root} left {', '.join(empty)} empty (a process other "
+                               "than rank 0 of a running process group cannot write it); build it in one process "
+                               "first: any one-process run with this base model builds it")
         # Written last: its presence (after the atomic rename) means the folder is complete.
         (folder / _MARKER_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION, "seed": _SEED}, indent=2))
 

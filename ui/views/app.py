@@ -16,11 +16,12 @@ from modules.config.presets import list_presets
 from ..config_model import ConfigModel
 from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
-from ..settings import RecentConfigs
+from ..settings import RecentConfigs, SavedRemotes
 from .crash_bar import CrashBar
 from .dialogs import Dialogs, start_folder
 from .first_run_hint import FirstRunHint
 from .fields import Binder
+from .remote_frame import RemoteFrame
 from .run_view import RunView
 from .tooltip import Tooltip
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
@@ -66,6 +67,9 @@ class TandemApp(ctk.CTk):
         build_save_tab(self.tabs.tab("Backup & Save"), self.binder)
         self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
                                 ask=self.dialogs.ask_yes_no)
+        self.remote = RemoteFrame(self.tabs.tab("Run"), self.run_view, self.binder, self.dialogs,
+                                  SavedRemotes(self.recent.file.parent), self.controller, lambda: len(self.gpus))
+        self.remote.pack(fill="x", padx=4, pady=(0, 4))
         self.run_view.pack(fill="both", expand=True)
         self.crash_bar = CrashBar(self, below=self.tabs)
 
@@ -314,6 +318,7 @@ class TandemApp(ctk.CTk):
 
     def _close_now(self) -> None:
         self.recent.set_last(str(self.model.path.resolve()) if self.model.path else self.model.source_name)
-        self.run_view.tensorboard.close()
+        self.remote.detach_all()  # remote runs go on there; reopening Tandem shows them again
+        self.remote.local_tensorboard.close()
         self.closed = True
         self.destroy()

@@ -147,7 +147,7 @@ class RunView(ctk.CTkScrollableFrame):
     def start(self, resume: str | None = None) -> bool:
         """Start training with the current config (continuing the newest backup with `resume="latest"`),
         or say why it cannot start."""
-        problems = self.binder.all_problems(check_paths=True)
+        problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
         if machine:
             problems.append(machine)
@@ -174,7 +174,7 @@ class RunView(ctk.CTkScrollableFrame):
     def continue_run(self) -> bool:
         """Start from the backup picked in the list - if it is still there; a finished run's only when asked."""
         backup = self.backups.picked
-        if backup is None or not backup.path.is_dir():
+        if backup is None or not self.controller.backup_present(backup):
             self._update_buttons()
             folder = self.controller.backups_folder(self.binder.model.cfg)
             now = self.backups.picked
@@ -193,7 +193,7 @@ class RunView(ctk.CTkScrollableFrame):
 
     def open_output_folder(self) -> None:
         """Open the output folder in the file manager; the notice says where, and whether it worked."""
-        folder = RunPaths(self.binder.model.cfg).output_dir
+        folder = self.controller.output_folder(self.binder.model.cfg)
         self._show_notice(Opened(True, f"Opening {folder.resolve()} ..."))
         in_background(self, lambda: open_folder(folder), self._show_notice, name="tandem-open-folder")
 
@@ -209,6 +209,20 @@ class RunView(ctk.CTkScrollableFrame):
         self.notice.delete(0, "end")
         self.notice.insert(0, result.message)
         self.notice.configure(state="readonly")
+
+    def use(self, controller: RunController, tensorboard, visible_gpus: Callable[[], int]) -> None:
+        """Show another controller's run (this machine's, or a remote one's: ui/views/remote_frame.py)."""
+        if controller is self.controller:
+            return
+        self.controller, self.tensorboard, self.visible_gpus = controller, tensorboard, visible_gpus
+        self._reset_for_new_run()
+        self._last_status = None
+        self._hide_error()
+        self._render()
+
+    def redraw(self) -> None:
+        """Show what changed outside the run's own events (a remote machine's newest backup was looked up)."""
+        self._render()
 
     def notice_text(self) -> str:
         return self.notice.get() if self.notice.winfo_manager() else ""
@@ -275,8 +289,7 @@ class RunView(ctk.CTkScrollableFrame):
         self._update_buttons()
 
     def _sample_folders(self) -> tuple[Path, Path]:
-        paths = RunPaths(self.binder.model.cfg)
-        return self.controller.absolute(paths.samples), self.controller.absolute(paths.workspace)
+        return self.controller.sample_folders(self.binder.model.cfg)
 
     def _follow_workspace(self) -> None:
         """Another workspace has other samples: the gallery reads them (only then: reading is not free)."""
@@ -287,7 +300,7 @@ class RunView(ctk.CTkScrollableFrame):
 
     def _poll_gpus(self) -> None:
         try:
-            self._usage = self.monitor.read()
+            self._usage = self.monitor.read() if self.controller.uses_local_gpus else []
             self._set_per_gpu_rows(per_gpu_rows(self.controller.state, self._usage))
         finally:
             self.after(GPU_POLL_MS, self._poll_gpus)
@@ -343,7 +356,7 @@ class RunView(ctk.CTkScrollableFrame):
         """A "Cannot start" list follows the edits: fixed problems leave it, and it goes when none is left."""
         if not self._cannot_start:
             return
-        problems = self.binder.all_problems(check_paths=True)
+        problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         if problems:
             self._show_cannot_start(problems)
         else:
