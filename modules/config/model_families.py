@@ -76,6 +76,18 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
                "flux:FluxFamily", "FluxTransformer2DModel", _FLOW_FIELDS + ("training.flux_guidance",),
                ("double_blocks.", "model.diffusion_model.double_blocks.")),
+    FamilyInfo("chroma", "Chroma", "transformer", "ChromaPipeline", 16, True, "builtin:demo-chroma",
+               "chroma:ChromaFamily", "ChromaTransformer2DModel", _FLOW_FIELDS,
+               ("distilled_guidance_layer.", "model.diffusion_model.distilled_guidance_layer."),
+               lora_targets=_DOUBLE_STREAM_ATTENTION + ("proj_mlp", "proj_out")),
+    FamilyInfo("flux2", "Flux.2 (dev, Klein)", "transformer", "Flux2Pipeline", 16, True, "builtin:demo-flux2",
+               "flux2:Flux2Family", "Flux2Transformer2DModel",
+               ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
+                "training.flux_guidance"),
+               ("double_stream_modulation_img.", "model.diffusion_model.double_stream_modulation_img."),
+               other_pipelines=("Flux2KleinPipeline",), variants=("dev", "klein-4b", "klein-9b"),
+               # `attn.to_out` is the single blocks' fused output (the double blocks' is `to_out.0`).
+               lora_targets=_DOUBLE_STREAM_ATTENTION + ("to_qkv_mlp_proj", "attn.to_out")),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

@@ -18,6 +18,8 @@ from typing import Any
 MODELSPEC_VERSION = "1.0.1"
 IMPLEMENTATION_SGM = "https://github.com/Stability-AI/generative-models"
 IMPLEMENTATION_FLUX = "https://github.com/black-forest-labs/flux"
+IMPLEMENTATION_FLUX2 = "https://github.com/black-forest-labs/flux2"
+IMPLEMENTATION_CHROMA = "https://huggingface.co/lodestones/Chroma"
 IMPLEMENTATION_DIFFUSERS = "diffusers"
 
 
