@@ -56,7 +56,7 @@ def _background(image) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a few minutes on 2 free cores; far longer on a shared machine
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma"])
 def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     cfg = load_config(f"#demo_{name}", [
         f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS}",

@@ -234,6 +234,13 @@ class ModelFamily(ABC):
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""
         return {"ss_base_model_version": self.name}
 
+    def checkpoint_implementation(self) -> str:
+        """`modelspec.implementation` of the family's single files: whose names their layout uses (SD's LDM
+        layout is Stability's generative-models)."""
+        from modules.model.lora_metadata import IMPLEMENTATION_SGM
+
+        return IMPLEMENTATION_SGM
+
     @abstractmethod
     def lora_modelspec(self, bundle: "ModelBundle", fmt: str) -> dict[str, str]:
         """`modelspec.architecture` (as sd-scripts names it, with `/lora`), `modelspec.implementation` (whose

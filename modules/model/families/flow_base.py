@@ -287,6 +287,9 @@ class FlowFamily(ModelFamily):
     def modelspec_architecture(self, bundle) -> str:
         return self.name
 
+    def checkpoint_implementation(self) -> str:
+        return self.kohya_implementation  # the single files and kohya LoRAs use the original release's names
+
     def lora_modelspec(self, bundle, fmt):
         return {"modelspec.architecture": self.modelspec_architecture(bundle) + "/lora",
                 "modelspec.implementation": self.kohya_implementation if fmt == "kohya" else IMPLEMENTATION_DIFFUSERS,
