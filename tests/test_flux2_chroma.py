@@ -359,12 +359,55 @@ def test_kohya_file_follows_comfyuis_rules_and_is_the_trained_model(demos, tmp_p
     _same(peft, lora_modules(bundle)["transformer"], "read back")
 
 
+def comfy_diffusers_lora_modules(double: int, single: int) -> set[str]:
+    """The diffusers module names ComfyUI maps for LoRAs of its Flux-type models (Flux.1, Flux.2 and Chroma are
+    all `model_base.Flux` there): `transformer.` + a module of `comfy.utils.flux_to_diffusers`, transcribed."""
+    blocks = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+              "attn.to_out.0", "norm1.linear", "norm1_context.linear", "attn.to_add_out", "ff.net.0.proj",
+              "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "ff.linear_in", "ff.linear_out",
+              "ff_context.linear_in", "ff_context.linear_out", "attn.norm_q", "attn.norm_k", "attn.norm_added_q",
+              "attn.norm_added_k"]
+    singles = ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "norm.linear", "proj_out", "attn.norm_q",
+               "attn.norm_k", "attn.to_qkv_mlp_proj", "attn.to_out"]
+    basic = ["proj_out", "x_embedder", "time_text_embed.timestep_embedder.linear_1",
+             "time_text_embed.timestep_embedder.linear_2", "context_embedder", "time_text_embed.text_embedder.linear_1",
+             "time_text_embed.text_embedder.linear_2", "time_text_embed.guidance_embedder.linear_1",
+             "time_text_embed.guidance_embedder.linear_2", "norm_out.linear", "controlnet_x_embedder"]
+    return ({f"transformer_blocks.{i}.{m}" for i in range(double) for m in blocks}
+            | {f"single_transformer_blocks.{i}.{m}" for i in range(single) for m in singles} | set(basic))
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_comfyui_maps_every_module_of_the_peft_file(demos, tmp_path, name):
+    """ComfyUI reads the peft file too (`transformer.<module>` names) when every adapted module of the
+    family's preset targets is one it maps."""
+    bundle = trained_lora(demos, name)
+    peft = load_file(str(save_lora(bundle, tmp_path / "lora.safetensors", "peft", "fp32")))
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in peft}
+    config = bundle.denoiser.config
+    assert modules <= comfy_diffusers_lora_modules(config["num_layers"], config["num_single_layers"]), \
+        sorted(modules - comfy_diffusers_lora_modules(config["num_layers"], config["num_single_layers"]))[:3]
+
+
 @pytest.mark.parametrize("name", ["flux2", "flux2-klein"])
 def test_diffusers_reads_the_flux2_kohya_layout(demos, tmp_path, name):
     """diffusers' reader of kohya Flux.2 files gives the trained model's output from Tandem's kohya file."""
     bundle = trained_lora(demos, name)
     path = save_lora(bundle, tmp_path / "lora.safetensors", "kohya", "fp32")
     pipeline = pipeline_class(name).from_pretrained(ensure_dit_demo(name), local_files_only=True)
+    pipeline.load_lora_weights(str(path))
+    torch.testing.assert_close(prediction(bundle, pipeline.transformer), prediction(bundle, bundle.denoiser),
+                               rtol=0, atol=1e-5)
+
+
+def test_diffusers_reads_the_chroma_kohya_layout(demos, tmp_path):
+    """diffusers reads Chroma's kohya file through its Flux reader (which assumes the real width in the single
+    blocks' fused projection, so here with double-block adapters only)."""
+    targets = [f"transformer_blocks.{i}.attn.{m}" for i in range(2) for m in ("to_q", "to_k", "to_v", "to_out.0",
+                                                                               "add_q_proj", "add_v_proj", "to_add_out")]
+    bundle = trained_lora(demos, "chroma", targets)
+    path = save_lora(bundle, tmp_path / "lora.safetensors", "kohya", "fp32")
+    pipeline = pipeline_class("chroma").from_pretrained(ensure_dit_demo("chroma"), local_files_only=True)
     pipeline.load_lora_weights(str(path))
     torch.testing.assert_close(prediction(bundle, pipeline.transformer), prediction(bundle, bundle.denoiser),
                                rtol=0, atol=1e-5)
