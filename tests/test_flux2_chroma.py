@@ -192,6 +192,31 @@ def test_chroma_padding_beyond_the_first_pad_does_not_reach_the_prediction(demos
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-6)
 
 
+def test_chroma_cuts_the_text_to_the_longest_caption_exactly(demos):
+    """Cutting the hidden tail of the text off (and the mask where all captions are as long) gives what the
+    transformer gives for the whole masked sequence, as the pipeline calls it."""
+    bundle = demos["chroma"]
+    objective = bundle.family.objective(bundle, TrainingConfig())
+    latents = latents_of("chroma", batch=2)
+    draw = objective.draw(tuple(latents.shape), 0, 0, 0, BatchSlice(0, 2, 2), CPU)
+    noisy = objective.noisy(latents, draw)
+    with torch.no_grad():
+        for captions in (["a red circle", "a white triangle on a blue background"], ["a red circle"] * 2):
+            text = bundle.encode_text(captions)
+            mask = torch.cat([text["attention_mask"], torch.ones(2, 16, dtype=torch.bool)], dim=1)
+            whole = bundle.denoiser(hidden_states=pack_latents(noisy), timestep=draw.timesteps,
+                                    encoder_hidden_states=text["encoder_hidden_states"], txt_ids=torch.zeros(24, 3),
+                                    img_ids=objective_image_ids(), attention_mask=mask, return_dict=False)[0]
+            cut = objective.predict(bundle.denoiser, noisy, draw.timesteps, text)
+            torch.testing.assert_close(cut, unpack_latents(whole, 8, 8), rtol=0, atol=1e-5)
+
+
+def objective_image_ids():
+    from modules.model.families.flux import image_ids
+
+    return image_ids(8, 8, CPU, torch.float32)
+
+
 def test_flow_shift_follows_the_scheduler_by_image_size(demos):
     from modules.model.objective import flow_shift
 

@@ -44,11 +44,22 @@ def transformer_text_mask(tokenizer_mask: torch.Tensor) -> torch.Tensor:
 
 class ChromaObjective(FlowMatching):
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
+        """The transformer sees the text up to the batch's longest caption (and its first pad), and a mask only
+        where captions are shorter than that. Exact: no query attends to a hidden token, and text positions
+        are all 0, so cutting the hidden tail off changes nothing - except that a batch whose captions fill
+        the same length attends without a mask (flash attention) over far fewer tokens than 512. Costs one
+        wait for the GPU per call (the caption lengths)."""
         batch, _, height, width = noisy.shape
-        hidden = text["encoder_hidden_states"]
-        image_tokens = (height // 2) * (width // 2)
-        mask = torch.cat([text[MASK].to(device=noisy.device, dtype=torch.bool),
-                          torch.ones(batch, image_tokens, device=noisy.device, dtype=torch.bool)], dim=1)
+        keep = text[MASK].to(torch.bool)
+        # Shape-only (meta) tensors hold no lengths: every token is kept.
+        lengths = [keep.shape[1]] * batch if keep.is_meta else keep.sum(dim=1).tolist()
+        longest = max(1, int(max(lengths)))
+        hidden = text["encoder_hidden_states"][:, :longest]
+        mask = None
+        if min(lengths) < longest:
+            image_tokens = (height // 2) * (width // 2)
+            mask = torch.cat([keep[:, :longest].to(noisy.device),
+                              torch.ones(batch, image_tokens, device=noisy.device, dtype=torch.bool)], dim=1)
         out = denoiser(
             hidden_states=pack_latents(noisy), timestep=timesteps, encoder_hidden_states=hidden,
             txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
