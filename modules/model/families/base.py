@@ -10,7 +10,8 @@ call the bundle's family (`bundle.family`), which knows how its models are
 - **sampled** (`pipeline` and `pipeline_arguments`: the stock diffusers pipeline),
 - **saved** (`single_file_parts`, the diffusers folder's `model_index.json`, the kohya LoRA layout).
 
-One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`. Their static
+One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`, `chroma.py`,
+`flux2.py`. Their static
 facts (name, pipeline class, image-size step, the config fields they use) are in
 `modules/config/model_families.py`, where code that must not import torch reads them.
 """
