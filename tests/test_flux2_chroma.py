@@ -79,6 +79,9 @@ def test_demo_bundles(demos):
     assert set(chroma.modules()) == set(dev.modules()) == {"transformer", "vae", "text_encoder"}
     assert chroma.text_lengths() == [24] and dev.text_lengths() == [512] == klein.text_lengths()
     assert load_model(ModelConfig(base_model="builtin:demo-chroma")).text_lengths() == [512]
+    short = load_model(ModelConfig(base_model="builtin:demo-flux2", text_max_length=64))
+    assert short.text_lengths() == [64] and short.encode_text(CAPTIONS)["encoder_hidden_states"].shape[1] == 64
+    assert short.fingerprint() != dev.fingerprint(), "cached embeddings of another length must not be reused"
     assert [type(e).__name__ for e in (chroma.text_encoders[0], dev.text_encoders[0], klein.text_encoders[0])] == [
         "T5EncoderModel", "Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"]
     for bundle in demos.values():

@@ -13,6 +13,8 @@ from ui.field_visibility import hidden_fields
 
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
              "training.timestep_logit_std"}
+LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
+"""Flux.2's (the families whose text encoder is a language model)."""
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma"}
 
 
@@ -23,19 +25,19 @@ def config(base_model: str, model_type: str = "auto") -> TrainConfig:
 
 
 def test_hidden_fields_follow_the_family():
-    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY
-    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY  # the explicit type decides
+    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY
+    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY  # the explicit type decides
     assert hidden_fields(config("models/not-there")) == set()  # unknown family: everything shows
-    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY
-    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | {"training.flux_guidance"}
-    # Flux.2 has no T5 (its language model takes the pipeline's 512 tokens) but a guidance input on dev;
+    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY | LANGUAGE_MODEL_ONLY
+    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    # Flux.2 has no T5 (its language model's length is model.text_max_length) but a guidance input on dev;
     # Chroma has T5 and no guidance input.
     for source in (config("builtin:demo-flux2"), load_preset("flux2_lora"), load_preset("flux2_finetune")):
         assert hidden_fields(source) == SD_ONLY | {"model.t5_max_length"}
     for source in (config("builtin:demo-chroma"), load_preset("chroma_lora"), load_preset("chroma_finetune")):
-        assert hidden_fields(source) == SD_ONLY | {"training.flux_guidance"}
+        assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
 
 
 def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):

@@ -82,8 +82,8 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                lora_targets=_DOUBLE_STREAM_ATTENTION + ("proj_mlp", "proj_out")),
     FamilyInfo("flux2", "Flux.2 (dev, Klein)", "transformer", "Flux2Pipeline", 16, True, "builtin:demo-flux2",
                "flux2:Flux2Family", "Flux2Transformer2DModel",
-               ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
-                "training.flux_guidance"),
+               ("model.text_max_length", "model.components_folder", "training.timestep_logit_mean",
+                "training.timestep_logit_std", "training.flux_guidance"),
                ("double_stream_modulation_img.", "model.diffusion_model.double_stream_modulation_img."),
                other_pipelines=("Flux2KleinPipeline",), variants=("dev", "klein-4b", "klein-9b"),
                # `attn.to_out` is the single blocks' fused output (the double blocks' is `to_out.0`).

@@ -61,6 +61,8 @@ class ModelConfig:
     """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
     components_folder: str = rule("", label="Components folder")
     """SD3, Flux, Flux.2 and Chroma single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
+    text_max_length: int = rule(0, minimum=0, label="Text tokens (0: default)")
+    """Families whose text encoder is a language model (Flux.2): tokens per caption, the chat template's own tokens included (longer captions are cut; samples use the same length). 0: the pipeline's default (Flux.2 512)."""
     t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")
     """SD3, Flux and Chroma: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256, Chroma 512)."""
 

@@ -41,8 +41,8 @@ from . import original_layout as layout
 from .flow_base import FLOW_MATCHING, FlowFamily, FlowMatching, _device_of, _dtype_of, shipped
 
 TEXT_LENGTH = 512
-"""Tokens per caption, as both pipelines are called (`max_sequence_length`); the chat template's own
-tokens (dev: a long system message) are part of them."""
+"""Tokens per caption, as both pipelines are called (`max_sequence_length`; `model.text_max_length` sets
+another); the chat template's own tokens (dev: its system message) are part of them."""
 KLEIN = "Flux2KleinPipeline"
 VARIANTS = ("dev", "klein-4b", "klein-9b")
 """The published sizes (`--variant` of the benchmark and make_random_model.py); dev first, the default."""
@@ -186,7 +186,7 @@ class Flux2Family(FlowFamily):
         return ModelBundle(
             model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[encoder], tokenizers=[tokenizer],
             noise_scheduler=scheduler, prediction_type=FLOW_MATCHING, source=source_name,
-            extra={"scheduler": scheduler, "text_lengths": [TEXT_LENGTH],
+            extra={"scheduler": scheduler, "text_lengths": [model_cfg.text_max_length or TEXT_LENGTH],
                    "is_distilled": bool(index.get("is_distilled", False))})
 
     def load_vae(self, path, dtype, config=None):
