@@ -211,21 +211,34 @@ def flux2_tokenizer(dev: bool):
 def flux2_text_encoder(dev: bool, seed: int = _SEED + 5):
     """(a tiny random language model, its tokenizer): Mistral3 (vision tower included, as Flux.2-dev's) or
     Qwen3 (Klein's), each 32 wide with three hidden layers read side by side (96 values per token)."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = flux2_tokenizer(dev)
     text = dict(vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=2 * _TEXT_WIDTH,
                 num_hidden_layers=_FLUX2_TEXT_LAYERS[dev], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                 max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    if dev:
-        config = Mistral3Config(
-            text_config={"model_type": "mistral", **text},
-            vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                           "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
-            image_token_index=tokenizer.unk_token_id, spatial_merge_size=2, vision_feature_layer=-1)
-        return Mistral3ForConditionalGeneration(config).eval(), tokenizer
-    return Qwen3ForCausalLM(Qwen3Config(**text, tie_word_embeddings=True)).eval(), tokenizer
+    model = _mistral3(text, tokenizer) if dev else Qwen3ForCausalLM(Qwen3Config(**text, tie_word_embeddings=True))
+    # A deep random transformer blurs its tokens together layer by layer, and the pipelines read layers 10 to
+    # 30: with each layer's residual branches (attention and MLP outputs) a tenth of their random size, the
+    # words stay apart in every layer read, and the captions' colours and shapes reach the denoiser.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                parameter.mul_(0.1)
+    return model.eval(), tokenizer
+
+
+def _mistral3(text: dict, tokenizer):
+    """A tiny Mistral3 with its (tiny) vision tower, as Flux.2-dev's text encoder is built."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
+        image_token_index=tokenizer.unk_token_id, spatial_merge_size=2, vision_feature_layer=-1)
+    return Mistral3ForConditionalGeneration(config)
 
 
 def _flux2_vae():
