@@ -13,7 +13,8 @@ from modules.config.model_families import FAMILIES
 from modules.config.train_config import ModelConfig
 from modules.distributed.launch import launch
 from modules.model import load_model
-from tests.test_flux2_chroma import pipeline_class, prediction
+from tests.test_flux2_chroma import pipeline_class
+from tests.test_flux2_chroma_lora import prediction
 from tests.test_fsdp import backup_path, backup_weights, relative_l2
 from tests.trainer_helpers import demo_config, train
 

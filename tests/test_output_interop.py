@@ -14,7 +14,7 @@ from modules.config.train_config import ModelConfig
 from modules.model import load_model, save_full_diffusers, save_full_single_file, save_lora
 from modules.model.families import original_layout as layout
 from tests.test_dit_lora import ATTENTION, _pipeline, pipeline_text, prediction, trained_lora
-from tests.test_flux2_chroma import comfy_lora_keys
+from tests.test_flux2_chroma_lora import comfy_lora_keys
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
