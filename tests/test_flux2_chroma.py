@@ -115,6 +115,28 @@ def test_flux2_text_is_the_pipelines(demos, name):
     assert torch.equal(ids[0], text_ids(512, CPU))
 
 
+def test_flux2_tokenizer_takes_the_chat_template_beside_it(demos, tmp_path):
+    """A processor's folder (Flux.2-dev's Pixtral processor) may keep the chat template in its own file; the
+    tokenizer gets it from there, and a folder without any is refused by name."""
+    import shutil
+
+    from modules.model.families.flux2 import _with_chat_template
+
+    tokenizer = demos["flux2"].tokenizers[0]
+    template = tokenizer.chat_template
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    bare = type(tokenizer).from_pretrained(tmp_path / "tokenizer")
+    bare.chat_template = None
+    (tmp_path / "tokenizer" / "chat_template.jinja").write_text(template)
+    _with_chat_template(bare, tmp_path / "tokenizer")
+    assert bare.chat_template == template
+    bare.chat_template = None
+    shutil.rmtree(tmp_path / "tokenizer")
+    (tmp_path / "tokenizer").mkdir()
+    with pytest.raises(ValueError, match="no chat template"):
+        _with_chat_template(bare, tmp_path / "tokenizer")
+
+
 def test_flux2_packing_and_latent_normalisation_are_the_pipelines(demos):
     """Tandem's latents are the VAE's, normalised per patch channel: patchified, they are exactly what the
     pipeline encodes an image to, and they decode as the pipeline decodes its tokens."""

@@ -180,6 +180,7 @@ class Flux2Family(FlowFamily):
         # The text tokenizer alone (dev's folder holds a Pixtral processor, which needs torchvision for its
         # image half; the chat template and the tokens are the tokenizer's).
         tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer", **common)
+        _with_chat_template(tokenizer, folder / "tokenizer")
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", **common)
         index = json.loads((folder / "model_index.json").read_text(encoding="utf-8")) \
             if (folder / "model_index.json").is_file() else {}
@@ -352,6 +353,21 @@ class Flux2Family(FlowFamily):
                               {**components, "scheduler": scheduler, "tokenizer": tokenizer},
                               {} if dev else {"is_distilled": False})
         return folder
+
+
+def _with_chat_template(tokenizer, folder: Path) -> None:
+    """Give the tokenizer the folder's chat template when it did not pick one up itself (a processor's folder
+    may keep it beside the processor's files, `chat_template.jinja` or `chat_template.json`)."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    if (folder / "chat_template.jinja").is_file():
+        tokenizer.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "chat_template.json").is_file():
+        tokenizer.chat_template = json.loads((folder / "chat_template.json").read_text(encoding="utf-8"))["chat_template"]
+    else:
+        raise ValueError(f"{folder}: the tokenizer has no chat template (tokenizer_config.json, chat_template.jinja "
+                         "or chat_template.json), which Flux.2's prompts are written with; copy the tokenizer folder "
+                         "of the Flux.2 model this one comes from")
 
 
 def _known(variant: str) -> str:
