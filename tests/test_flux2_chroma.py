@@ -137,6 +137,19 @@ def test_flux2_tokenizer_takes_the_chat_template_beside_it(demos, tmp_path):
         _with_chat_template(bare, tmp_path / "tokenizer")
 
 
+def test_a_flux2_dev_folder_with_a_processor_as_tokenizer_passes_the_start_check(demos, tmp_path):
+    """FLUX.2-dev's model_index.json names a `PixtralProcessor` as its tokenizer: no weights to look for."""
+    import json
+
+    from modules.model.probe import probe_model
+
+    folder = save_full_diffusers(demos["flux2"], tmp_path / "dev", "fp32")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    assert probe_model(ModelConfig(base_model=str(folder))) == "flux2"
+
+
 def test_flux2_packing_and_latent_normalisation_are_the_pipelines(demos):
     """Tandem's latents are the VAE's, normalised per patch channel: patchified, they are exactly what the
     pipeline encodes an image to, and they decode as the pipeline decodes its tokens."""

@@ -26,8 +26,8 @@ SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-NOT_MODEL_PARTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "ImageProcessor")
-"""Classes in a model_index.json that hold no weights."""
+NOT_MODEL_PARTS = ("Tokenizer", "Scheduler", "FeatureExtractor", "Processor")
+"""Classes in a model_index.json that hold no weights (Flux.2-dev's tokenizer is a `PixtralProcessor`)."""
 
 
 def probe_model(model_cfg: ModelConfig) -> str | None:
