@@ -1,5 +1,6 @@
-"""The built-in SD3 and Flux models show what they learn: their 16-channel VAE reconstructs the demo images,
-and after a few hundred steps of their preset on a CPU the samples have the prompted background colours."""
+"""The built-in SD3, Flux, Flux.2 and Chroma models show what they learn: their VAE (16 channels; Flux.2's 32)
+reconstructs the demo images, and after a few hundred steps of their preset on a CPU the samples have the
+prompted background colours."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ STEPS = 800
 """Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2"])
 def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
     root = ensure_demo_dataset(tmp_path / "shapes")
@@ -30,9 +31,9 @@ def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_p
     with torch.no_grad():
         latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(0))
         decoded = bundle.decode_latents(latents)
-    assert latents.shape == (16, 16, 8, 8)
-    # Colour latents centred by the shift and scaled to about unit spread; the other 13 channels constant
-    # up to the posterior noise (std 0.0025 before scaling).
+    assert latents.shape == (16, 32 if name == "flux2" else 16, 8, 8)  # Flux.2's VAE: 32 channels
+    # Colour latents centred by the shift and scaled to about unit spread (Flux.2: by its batch-norm
+    # statistics); the other channels constant up to the posterior noise (std 0.0025 before scaling).
     assert 0.7 < latents[:, :3].std().item() < 1.3 and abs(latents[:, :3].mean().item()) < 0.5
     assert latents[:, 3:].std().item() < 0.01
     thumbnail = torch.nn.functional.avg_pool2d(pixels, 8).repeat_interleave(8, 2).repeat_interleave(8, 3)
@@ -56,7 +57,7 @@ def _background(image) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a few minutes on 2 free cores; far longer on a shared machine
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma"])
 def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     cfg = load_config(f"#demo_{name}", [
         f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS}",

@@ -140,11 +140,14 @@ def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp
     bundle.unet.load_state_dict({k.removeprefix("unet."): v for k, v in weights.items() if k.startswith("unet.")})
     encoder = {k.removeprefix("text_encoder_0."): v for k, v in weights.items() if k.startswith("text_encoder_0.")}
     bundle.text_encoders[0].load_state_dict(encoder, strict=False)  # its position ids are no trained weight
-    reference = save_full_single_file(bundle, tmp_path / "whole.safetensors", "fp32")
     streamed = sd_runs / "fsdp" / "output" / "demo.safetensors"
-    assert streamed.read_bytes() == reference.read_bytes()
     with safe_open(streamed, "pt") as f:
-        assert f.metadata()["format"] == "pt"
+        metadata = f.metadata()
+    # The same ModelSpec as the run wrote (its title, resolution and step; the date is the save's).
+    own = {k: metadata[k] for k in ("modelspec.title", "modelspec.resolution", "modelspec.date", "tandem_step")}
+    reference = save_full_single_file(bundle, tmp_path / "whole.safetensors", "fp32", metadata=own)
+    assert metadata["format"] == "pt" and metadata["modelspec.architecture"] == "stable-diffusion-v1"
+    assert streamed.read_bytes() == reference.read_bytes()
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ from ui.field_visibility import hidden_fields
 
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
              "training.timestep_logit_std"}
+LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
+"""Flux.2's (the families whose text encoder is a language model)."""
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
 
 
@@ -23,13 +25,19 @@ def config(base_model: str, model_type: str = "auto") -> TrainConfig:
 
 
 def test_hidden_fields_follow_the_family():
-    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY
-    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY  # the explicit type decides
+    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY
+    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY  # the explicit type decides
     assert hidden_fields(config("models/not-there")) == set()  # unknown family: everything shows
-    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY
-    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY | LANGUAGE_MODEL_ONLY
+    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    # Flux.2 has no T5 (its language model's length is model.text_max_length) but a guidance input on dev;
+    # Chroma has T5 and no guidance input.
+    for source in (config("builtin:demo-flux2"), load_preset("flux2_lora"), load_preset("flux2_finetune")):
+        assert hidden_fields(source) == SD_ONLY | {"model.t5_max_length"}
+    for source in (config("builtin:demo-chroma"), load_preset("chroma_lora"), load_preset("chroma_finetune")):
+        assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
 
 
 def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
@@ -39,7 +47,15 @@ def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
     assert guess_family(str(folder)) == "flux"
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     assert guess_family(str(folder)) == "sdxl"
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    assert guess_family(str(folder)) == "flux2"
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "ChromaPipeline"}))
+    assert guess_family(str(folder)) == "chroma"
+    # Flux.2's and Chroma's files carry Flux.1's double blocks too: the newer family is asked first.
     for keys, family in ((["double_blocks.0.img_attn.qkv.weight"], "flux"),
+                         (["double_blocks.0.img_attn.qkv.weight", "double_stream_modulation_img.lin.weight"], "flux2"),
+                         (["model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
+                           "model.diffusion_model.distilled_guidance_layer.in_proj.weight"], "chroma"),
                          (["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"], "sd3"),
                          (["conditioner.embedders.1.model.ln_final.weight"], "sdxl"),
                          (["cond_stage_model.transformer.text_model.final_layer_norm.weight"], "sd1")):

@@ -50,9 +50,9 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     base_model: str = rule("builtin:demo", label="Base model")
-    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`)."""
+    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`)."""
     model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5) or `flux` (Flux.1 dev/schnell)."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein) or `chroma` (Chroma)."""
     prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = rule("", label="VAE (optional)")
@@ -66,9 +66,11 @@ class ModelConfig:
     config_overrides: str = rule("", label="Config overrides (JSON)")
     """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in model.vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
     components_folder: str = rule("", label="Components folder")
-    """SD3 and Flux single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
+    """SD3, Flux, Flux.2 and Chroma single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
+    text_max_length: int = rule(0, minimum=0, label="Text tokens (0: default)")
+    """Families whose text encoder is a language model (Flux.2): tokens per caption, the chat template's own tokens included (longer captions are cut; samples use the same length). 0: the pipeline's default (Flux.2 512)."""
     t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")
-    """SD3 and Flux: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256)."""
+    """SD3, Flux and Chroma: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256, Chroma 512)."""
 
 
 @dataclass
@@ -248,7 +250,7 @@ class TrainingConfig:
     validation_every_n_steps: int = rule(0, minimum=0, label="Validate every N steps (0: epochs)")
     """With a validation set (a `validation` concept or data.validation_fraction): compute the validation loss every this many optimizer steps. 0: at the end of every epoch."""
     flux_guidance: float = rule(1.0, minimum=0, label="Flux guidance (training)")
-    """Flux.1-dev: the distilled-guidance value the transformer is given while training (1.0 as kohya sd-scripts and ai-toolkit train; samples use sampling.guidance_scale). Ignored by models without a guidance input (Flux.1-schnell)."""
+    """Flux.1-dev and Flux.2-dev: the distilled-guidance value the transformer is given while training (1.0 as kohya sd-scripts and ai-toolkit train Flux.1; samples use sampling.guidance_scale). Ignored by models without a guidance input (Flux.1-schnell, Flux.2 Klein)."""
 
 
 @dataclass

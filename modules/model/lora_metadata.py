@@ -18,6 +18,8 @@ from typing import Any
 MODELSPEC_VERSION = "1.0.1"
 IMPLEMENTATION_SGM = "https://github.com/Stability-AI/generative-models"
 IMPLEMENTATION_FLUX = "https://github.com/black-forest-labs/flux"
+IMPLEMENTATION_FLUX2 = "https://github.com/black-forest-labs/flux2"
+IMPLEMENTATION_CHROMA = "https://huggingface.co/lodestones/Chroma"
 IMPLEMENTATION_DIFFUSERS = "diffusers"
 
 
@@ -68,6 +70,28 @@ def _network_module(lora_type: str) -> dict[str, str]:
     args = {"algo": "lora", "dora_wd": "True"} if lora_type == "dora" else {"algo": lora_type}
     import json
     return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args, sort_keys=True)}
+
+
+def checkpoint_metadata(bundle, title: str, now: datetime.datetime | None = None) -> dict[str, str]:
+    """The ModelSpec keys of a full single-file checkpoint (what sd-scripts writes into its saved models): the
+    architecture without an adapter suffix, whose names the file uses (the original release's,
+    `family.checkpoint_implementation`), title, date, the usual resolution and, for SD, the prediction type."""
+    now = now or datetime.datetime.now()
+    spec = bundle.family.lora_modelspec(bundle, "kohya")
+    header = {
+        "modelspec.sai_model_spec": MODELSPEC_VERSION,
+        "modelspec.architecture": spec["modelspec.architecture"].removesuffix("/lora"),
+        "modelspec.implementation": bundle.family.checkpoint_implementation(),
+        "modelspec.implementation_version": f"tandem/{_tandem_version()}",
+        "modelspec.title": title,
+        "modelspec.date": now.replace(microsecond=0).isoformat(),
+        "modelspec.resolution": spec["modelspec.resolution"],
+        "tandem_base_model": display_name(bundle.source),
+        "tandem_model_type": bundle.model_type,
+    }
+    if bundle.prediction_type in ("epsilon", "v_prediction"):
+        header["modelspec.prediction_type"] = "v" if bundle.prediction_type == "v_prediction" else "epsilon"
+    return header
 
 
 def training_metadata(cfg, numbers, dataset, step: int, started_at: float,

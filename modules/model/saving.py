@@ -72,8 +72,6 @@ def diffusers_weight_files(bundle: ModelBundle, unet_state_override: dict | None
 
 def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
     """Everything of the folder but the weights: configs, tokenizers, scheduler, model_index.json."""
-    import diffusers
-
     bundle.denoiser.save_config(folder / bundle.denoiser_name)
     bundle.vae.save_config(folder / "vae")
     components = {bundle.denoiser_name: bundle.denoiser, "vae": bundle.vae}
@@ -89,8 +87,33 @@ def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> Non
     scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
     scheduler.save_pretrained(folder / "scheduler")
     components["scheduler"] = scheduler
-    index = _model_index(bundle.family, components, diffusers.__version__)
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_model_index(folder, bundle.family.info.pipeline_class, components, bundle.family.model_index_extras(bundle))
+    for config in folder.rglob("*.json"):
+        if config.name in _CONFIG_FILES:
+            _drop_local_paths(config)
+
+
+_CONFIG_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "processor_config.json",
+                 "preprocessor_config.json", "special_tokens_map.json")
+"""The small JSON files of a saved folder; the libraries record where a component was loaded from in them."""
+_LOCAL_PATH_KEYS = ("_name_or_path", "name_or_path")
+
+
+def _drop_local_paths(path: Path) -> None:
+    """Remove the `_name_or_path` entries diffusers and transformers write (the folder the base model was
+    loaded from, an absolute local path) from a saved JSON file: a shared model must not carry its trainer's
+    folders, and nothing reads them back (loading records the new location)."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in _LOCAL_PATH_KEYS}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    cleaned = clean(data)
+    if cleaned != data:
+        path.write_text(json.dumps(cleaned, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def save_full_single_file(
@@ -99,18 +122,23 @@ def save_full_single_file(
     dtype: str | torch.dtype = "fp16",
     unet_state_override: dict[str, torch.Tensor] | None = None,
     source: TensorSource = LOCAL,
+    metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write one `.safetensors` checkpoint in the layout of the family's original files (SD: LDM, as
-    A1111/ComfyUI/Forge read it; SD3.5: Stability's; Flux: Black Forest Labs'), piece by piece
-    (`streamed_save`; `source` as for `save_full_diffusers`)."""
+    A1111/ComfyUI/Forge read it; SD3.5: Stability's; Flux and Flux.2: Black Forest Labs'; Chroma: its
+    release's), piece by piece (`streamed_save`; `source` as for `save_full_diffusers`), with ModelSpec
+    metadata (`lora_metadata.checkpoint_metadata`; `metadata` adds to it or replaces its values)."""
+    from .lora_metadata import checkpoint_metadata
+
     _refuse_adapters(bundle)
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
         raise ValueError(f"{path}: single files are written as .safetensors only; change the extension.")
     if unet_state_override is not None:
         _check_same_keys(bundle.denoiser.state_dict(), unet_state_override)
-    parts, metadata = bundle.family.single_file_parts(bundle, unet_state_override)
-    return stream_file(path, parts, resolve_save_dtype(dtype), metadata, source)
+    parts, header = bundle.family.single_file_parts(bundle, unet_state_override)
+    header = {**header, **checkpoint_metadata(bundle, path.stem), **(metadata or {})}
+    return stream_file(path, parts, resolve_save_dtype(dtype), header, source)
 
 
 def _refuse_adapters(bundle: ModelBundle) -> None:
@@ -138,10 +166,14 @@ def _untied(model) -> dict[str, torch.Tensor]:
     return {key: value for key, value in model.state_dict().items() if key not in tied}
 
 
-def _model_index(family, components: dict, diffusers_version: str) -> dict:
-    index = {"_class_name": family.info.pipeline_class, "_diffusers_version": diffusers_version}
+def write_model_index(folder: Path, pipeline_class: str, components: dict, extras: dict | None = None) -> None:
+    """`model_index.json`: the pipeline class, each component's library and class (`components`: name -> the
+    component, or its class), and `extras` (unused components, pipeline flags; may replace `_class_name`)."""
+    import diffusers
+
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
     for name, component in components.items():
-        library = "diffusers" if type(component).__module__.startswith("diffusers") else "transformers"
-        index[name] = [library, type(component).__name__]
-    index.update(family.model_index_extras())  # unused components, pipeline flags
-    return index
+        cls = component if isinstance(component, type) else type(component)
+        index[name] = ["diffusers" if cls.__module__.startswith("diffusers") else "transformers", cls.__name__]
+    index.update(extras or {})
+    (Path(folder) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -348,7 +348,10 @@ class OutputWriter:
             if s.full_format in ("single_file", "both"):
                 from modules.model.saving import save_full_single_file
                 file = path if s.full_format == "single_file" else path.with_name(path.name + ".safetensors")
-                save_full_single_file(parts.bundle, file, dtype, source=source)
+                resolution = parts.cfg.data.resolution
+                save_full_single_file(parts.bundle, file, dtype, source=source, metadata={
+                    "modelspec.title": s.output_name, "modelspec.resolution": f"{resolution}x{resolution}",
+                    "tandem_step": str(step)})
         log.info("Model saved: %s", path)
         parts.emit("saved", path=str(path), step=step)
 

@@ -10,7 +10,8 @@ call the bundle's family (`bundle.family`), which knows how its models are
 - **sampled** (`pipeline` and `pipeline_arguments`: the stock diffusers pipeline),
 - **saved** (`single_file_parts`, the diffusers folder's `model_index.json`, the kohya LoRA layout).
 
-One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`. Their static
+One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`, `chroma.py`,
+`flux2.py`. Their static
 facts (name, pipeline class, image-size step, the config fields they use) are in
 `modules/config/model_families.py`, where code that must not import torch reads them.
 """
@@ -111,6 +112,26 @@ class ModelFamily(ABC):
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")
 
+    # ------------------------------------------------------------------ latents
+
+    def normalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor, spread: bool = False) -> torch.Tensor:
+        """The VAE's latents [B, C, H/8, W/8] in the units the denoiser trains on (most families: minus the
+        VAE's `shift_factor`, times its `scaling_factor`); `spread`: `latents` is a posterior's standard
+        deviation, which only scales. The result keeps the VAE latents' shape, so masks, buckets and the
+        cache treat every family alike."""
+        config = bundle.vae.config
+        shift = getattr(config, "shift_factor", None)
+        if shift is not None and not spread:
+            latents = latents - shift
+        return latents * config.scaling_factor
+
+    def denormalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of `normalize_latents`: what the VAE decodes."""
+        config = bundle.vae.config
+        latents = latents / config.scaling_factor
+        shift = getattr(config, "shift_factor", None)
+        return latents + shift if shift is not None else latents
+
     # ------------------------------------------------------------------ text
 
     @abstractmethod
@@ -183,8 +204,9 @@ class ModelFamily(ABC):
 
     # ------------------------------------------------------------------ saving
 
-    def model_index_extras(self) -> dict[str, Any]:
-        """`model_index.json` entries besides the components (unused components, pipeline flags)."""
+    def model_index_extras(self, bundle: "ModelBundle") -> dict[str, Any]:
+        """`model_index.json` entries besides the components (unused components, pipeline flags; a family
+        with several pipelines names the bundle's in `_class_name`)."""
         return {}
 
     @abstractmethod
@@ -229,6 +251,13 @@ class ModelFamily(ABC):
     def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""
         return {"ss_base_model_version": self.name}
+
+    def checkpoint_implementation(self) -> str:
+        """`modelspec.implementation` of the family's single files: whose names their layout uses (SD's LDM
+        layout is Stability's generative-models)."""
+        from modules.model.lora_metadata import IMPLEMENTATION_SGM
+
+        return IMPLEMENTATION_SGM
 
     @abstractmethod
     def lora_modelspec(self, bundle: "ModelBundle", fmt: str) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The built-in tiny SD3 and Flux models (`builtin:demo-sd3`, `builtin:demo-flux`), built locally.
+"""The built-in tiny SD3, Flux and Chroma models (`builtin:demo-sd3`, `builtin:demo-flux`,
+`builtin:demo-chroma`), built locally.
 
 Like `builtin:demo` (modules/model/demo.py) they let training, multi-GPU, saving and sampling of the
 transformer families run end to end on a CPU in minutes, offline, and show what they learn:
@@ -6,11 +7,12 @@ transformer families run end to end on a CPU in minutes, offline, and show what 
 - the **transformer** has the real architecture at a tiny width (random weights, fixed seed);
 - the **VAE** is the demo's hand-set thumbnail codec (`demo_vae.py`) with the 16 latent channels of
   the SD3 and Flux VAEs (channels 0-2 carry the colours, the rest are 0) and a `shift_factor`, as theirs;
-- the **text encoders** are tiny random CLIP(s) and a tiny random T5 encoder;
+- the **text encoders** are tiny random CLIP(s) (none for Chroma) and a tiny random T5 encoder;
 - the **tokenizers** are made here: the demo's CLIP BPE vocabulary (`demo._demo_bpe`) and a T5-style
   unigram vocabulary of the demo caption words plus single characters (any text tokenizes), so
   nothing is downloaded;
-- the **scheduler** is the family's flow-match scheduler (SD3: shift 3; Flux.1-dev: shift by image size).
+- the **scheduler** is the family's flow-match scheduler (SD3: shift 3; Flux.1-dev and Chroma: shift by
+  image size).
 
 Every build is byte-for-byte the same; the folder is written once into `$TANDEM_HOME/demo-sd3` or
 `demo-flux` (see `demo.default_demo_root`) and read like any diffusers folder.
@@ -31,7 +33,8 @@ _TEXT_WIDTH = 32
 
 
 def ensure_dit_demo(family: str, root: Path | None = None) -> Path:
-    """The `builtin:demo-<family>` folder (`sd3` or `flux`), built on first use, safely from several processes."""
+    """The `builtin:demo-<family>` folder (`sd3`, `flux`, `chroma`), built on first use, safely from several
+    processes."""
     from modules.model.demo import default_demo_root, ensure_built_model
 
     root = Path(root) if root is not None else default_demo_root(f"demo-{family}")
@@ -43,13 +46,10 @@ def _build(family: str, folder: Path) -> None:
     clip_tokenizer = _clip_tokenizer(source)
     t5_tokenizer = demo_t5_tokenizer()
     vae = _vae(family)
-    if family == "sd3":
-        pipeline = _sd3_pipeline(clip_tokenizer, t5_tokenizer, vae)
-    else:
-        pipeline = _flux_pipeline(clip_tokenizer, t5_tokenizer, vae)
-    pipeline.save_pretrained(folder, safe_serialization=True)
+    builder, clip_folders = _BUILDERS[family]
+    builder(clip_tokenizer, t5_tokenizer, vae).save_pretrained(folder, safe_serialization=True)
     # The classic vocab.json + merges.txt beside tokenizer.json, as in the SD demo.
-    for tokenizer_folder in ("tokenizer", "tokenizer_2") if family == "sd3" else ("tokenizer",):
+    for tokenizer_folder in clip_folders:
         for name in ("vocab.json", "merges.txt"):
             shutil.copy(source / name, folder / tokenizer_folder / name)
     shutil.rmtree(source)
@@ -145,3 +145,135 @@ def _flux_pipeline(clip_tokenizer, t5_tokenizer, vae):
     return FluxPipeline(
         scheduler=scheduler, vae=vae, text_encoder=tiny_clip(clip_tokenizer, _SEED + 1, False), tokenizer=clip_tokenizer,
         text_encoder_2=tiny_t5(t5_tokenizer, _SEED + 3), tokenizer_2=t5_tokenizer, transformer=transformer)
+
+
+def _chroma_pipeline(clip_tokenizer, t5_tokenizer, vae):
+    """Flux.1's tiny layout without CLIP: the T5 encoder alone, and the small modulation approximator."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(_SEED)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=_WIDTH // 16, joint_attention_dim=2 * _TEXT_WIDTH, axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16, approximator_hidden_dim=2 * _TEXT_WIDTH, approximator_layers=2)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)
+    return ChromaPipeline(scheduler=scheduler, vae=vae, text_encoder=tiny_t5(t5_tokenizer, _SEED + 3),
+                          tokenizer=t5_tokenizer, transformer=transformer)
+
+
+_BUILDERS = {"sd3": (_sd3_pipeline, ("tokenizer", "tokenizer_2")), "flux": (_flux_pipeline, ("tokenizer",)),
+             "chroma": (_chroma_pipeline, ())}
+"""Each family's tiny pipeline and its folders of CLIP tokenizers (which get vocab.json + merges.txt)."""
+
+
+# ------------------------------------------------------------------ Flux.2
+
+_FLUX2_SPECIAL = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                  "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set text = message['content'] if message['content'] is string else message['content'][0]['text'] %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}")
+"""Mistral-Small's chat layout, reduced to what Flux2Pipeline sends: a system message and a user message."""
+_QWEN3_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }}<|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant "
+    "{% if enable_thinking is defined and enable_thinking is false %}<think> </think> {% endif %}{% endif %}")
+"""Qwen3's chat layout, reduced to what Flux2KleinPipeline sends (a user message, no thinking)."""
+_FLUX2_TEXT_LAYERS = {True: 30, False: 27}
+"""Language-model depth of the tiny Flux.2 text encoders: the pipelines read hidden layers 10/20/30 (dev)
+and 9/18/27 (Klein), so the tiny models are as deep, only narrow."""
+
+
+def flux2_tokenizer(dev: bool):
+    """A word-level tokenizer over the demo words (other words become `<unk>`) with the chat template of
+    Flux.2-dev's Mistral (`dev`) or Klein's Qwen3, and their special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from modules.model.demo import DEMO_WORDS
+
+    vocab = {token: index for index, token in enumerate(_FLUX2_SPECIAL)}
+    for word in ["\u2581" + w for w in DEMO_WORDS] + ["\u2581"]:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=512,
+                                   chat_template=_MISTRAL_TEMPLATE if dev else _QWEN3_TEMPLATE)
+    fast.add_special_tokens({"additional_special_tokens": list(_FLUX2_SPECIAL[4:])})
+    return fast
+
+
+def flux2_text_encoder(dev: bool, seed: int = _SEED + 5):
+    """(a tiny random language model, its tokenizer): Mistral3 (vision tower included, as Flux.2-dev's) or
+    Qwen3 (Klein's), each 32 wide with three hidden layers read side by side (96 values per token)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = flux2_tokenizer(dev)
+    text = dict(vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=2 * _TEXT_WIDTH,
+                num_hidden_layers=_FLUX2_TEXT_LAYERS[dev], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = _mistral3(text, tokenizer) if dev else Qwen3ForCausalLM(Qwen3Config(**text, tie_word_embeddings=True))
+    # A deep random transformer blurs its tokens together layer by layer, and the pipelines read layers 10 to
+    # 30: with each layer's residual branches (attention and MLP outputs) a tenth of their random size, the
+    # words stay apart in every layer read, and the captions' colours and shapes reach the denoiser.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                parameter.mul_(0.1)
+    return model.eval(), tokenizer
+
+
+def _mistral3(text: dict, tokenizer):
+    """A tiny Mistral3 with its (tiny) vision tower, as Flux.2-dev's text encoder is built."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
+        image_token_index=tokenizer.unk_token_id, spatial_merge_size=2, vision_feature_layer=-1)
+    return Mistral3ForConditionalGeneration(config)
+
+
+def _flux2_vae():
+    """The thumbnail VAE with Flux.2's 32 latent channels and batch-norm statistics over 2x2 patches that
+    give the colour latents unit spread around 0 (patch channel 4c + 2dy + dx holds latent channel c)."""
+    from modules.data.demo_dataset import COLOURS
+    from modules.model.demo_vae import build_demo_vae
+
+    palette = torch.tensor(list(COLOURS.values()), dtype=torch.float64) / 127.5 - 1.0
+    vae = build_demo_vae(latent_channels=32, vae_class="AutoencoderKLFlux2")
+    colours = 4 * 3  # the three colour latents, each in its four patch positions
+    with torch.no_grad():
+        vae.bn.running_mean.zero_()[:colours] = round(palette.mean().item(), 5)
+        vae.bn.running_var.fill_(1.0)[:colours] = round(palette.var().item(), 5)
+    return vae
+
+
+def _flux2_pipeline(clip_tokenizer, t5_tokenizer, vae, dev: bool = True):
+    """Flux.2-dev's layout (`dev`: guidance input, Mistral3) or Klein's (Qwen3), tiny; `vae` is unused (Flux.2
+    has its own)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+
+    encoder, tokenizer = flux2_text_encoder(dev)
+    torch.manual_seed(_SEED)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=_WIDTH // 16, joint_attention_dim=3 * _TEXT_WIDTH, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=dev)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)
+    parts = dict(scheduler=scheduler, vae=_flux2_vae(), text_encoder=encoder, tokenizer=tokenizer,
+                 transformer=transformer)
+    return Flux2Pipeline(**parts) if dev else Flux2KleinPipeline(**parts, is_distilled=False)
+
+
+_BUILDERS["flux2"] = (_flux2_pipeline, ())
+_BUILDERS["flux2-klein"] = (lambda clip, t5, vae: _flux2_pipeline(clip, t5, vae, dev=False), ())

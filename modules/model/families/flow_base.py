@@ -68,6 +68,8 @@ class FlowFamily(ModelFamily):
 
     transformer_class = ""
     """The diffusers transformer class name."""
+    vae_class = "AutoencoderKL"
+    """The diffusers VAE class name."""
     clip_classes: tuple[str, ...] = ()
     """The transformers classes of the CLIP encoders, in pipeline order (T5 follows them)."""
     default_t5_length = 256
@@ -77,8 +79,8 @@ class FlowFamily(ModelFamily):
     # ------------------------------------------------------------------ detection
 
     def recognise_folder(self, folder, index):
-        if index.get("_class_name") == self.info.pipeline_class:
-            return f"its model_index.json names {self.info.pipeline_class}"
+        if index.get("_class_name") in self.info.pipelines:
+            return f"its model_index.json names {index['_class_name']}"
         if (index.get("transformer") or [None, None])[1] == self.transformer_class:
             return f"its transformer is a {self.transformer_class}"
         return None
@@ -145,8 +147,9 @@ class FlowFamily(ModelFamily):
 
     def _assemble(self, transformer, folder: Path, model_cfg, dtypes, source_name: str, own_vae: bool):
         """The bundle around `transformer`, every other part read from the diffusers `folder`."""
+        import diffusers
         import transformers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer
 
         from modules.model.bundle import ModelBundle
@@ -156,9 +159,9 @@ class FlowFamily(ModelFamily):
             raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
                              "trains rectified flow; set model.prediction_type to auto")
         common = {"local_files_only": True}
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
-                                            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) \
-            if own_vae else None
+        vae = getattr(diffusers, self.vae_class).from_pretrained(
+            folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
+            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) if own_vae else None
         encoders, tokenizers = [], []
         for index, name in enumerate(self.component_names()):
             is_t5 = index == len(self.clip_classes)
@@ -284,6 +287,9 @@ class FlowFamily(ModelFamily):
     def modelspec_architecture(self, bundle) -> str:
         return self.name
 
+    def checkpoint_implementation(self) -> str:
+        return self.kohya_implementation  # the single files and kohya LoRAs use the original release's names
+
     def lora_modelspec(self, bundle, fmt):
         return {"modelspec.architecture": self.modelspec_architecture(bundle) + "/lora",
                 "modelspec.implementation": self.kohya_implementation if fmt == "kohya" else IMPLEMENTATION_DIFFUSERS,
@@ -319,7 +325,7 @@ class FlowFamily(ModelFamily):
         would take 48 GB first), a real-size uninitialised VAE, and tiny random text encoders: they are
         never run, the synthetic cache holds real-size text embeddings (`cached_shapes`)."""
         import diffusers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         from modules.model.bundle import ModelBundle
 
@@ -335,7 +341,7 @@ class FlowFamily(ModelFamily):
         finally:
             torch.set_default_dtype(default)
         transformer.requires_grad_(False)
-        vae = uninitialised(lambda: AutoencoderKL.from_config(shipped(self.name, "vae")))
+        vae = uninitialised(lambda: getattr(diffusers, self.vae_class).from_config(shipped(self.name, "vae")))
         from modules.model.tokenizer import clip_tokenizer
 
         clip = clip_tokenizer()
@@ -355,7 +361,7 @@ class FlowFamily(ModelFamily):
         (its ids fit T5's vocabulary; the weights are random anyway), the CLIP tokenizers are the real ones."""
         import diffusers
         import transformers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         from modules.model.bundle import ModelBundle
         from modules.model.saving import save_full_diffusers
@@ -370,7 +376,7 @@ class FlowFamily(ModelFamily):
         try:
             with torch.device(device):
                 transformer = getattr(diffusers, self.transformer_class).from_config(self.shipped_transformer_config({}))
-                vae = AutoencoderKL.from_config(shipped(self.name, "vae"))
+                vae = getattr(diffusers, self.vae_class).from_config(shipped(self.name, "vae"))
                 encoders = []
                 for name in self.component_names():
                     config = {k: v for k, v in shipped(self.name, name).items() if not k.startswith("_")}

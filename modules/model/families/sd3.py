@@ -38,7 +38,12 @@ class SD3Family(FlowFamily):
     kohya_version = "sd3"
 
     def modelspec_architecture(self, bundle) -> str:
-        return "stable-diffusion-3"  # sd-scripts' name; the size (medium, large) is not told apart
+        """sd-scripts' names (`sd3_utils.analyze_state_dict_state`): SD3 Medium has no q/k norms, SD3.5 Medium
+        has them and dual-attention blocks, SD3.5 Large has them without."""
+        config = bundle.denoiser.config
+        if not config.get("qk_norm"):
+            return "stable-diffusion-3-medium"
+        return "stable-diffusion-3-5-medium" if config.get("dual_attention_layers") else "stable-diffusion-3-5-large"
 
     # ------------------------------------------------------------------ text
 
@@ -71,7 +76,7 @@ class SD3Family(FlowFamily):
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
 
-    def model_index_extras(self):
+    def model_index_extras(self, bundle):
         return {"image_encoder": [None, None], "feature_extractor": [None, None]}
 
     def cached_shapes(self):
