@@ -33,11 +33,17 @@ class FamilyInfo:
     """Config fields (section.name) that only this family uses; other families ignore them."""
     key_markers: tuple[str, ...] = ()
     """Tensor-name prefixes that only this family's single files have (checked in `FAMILIES` order)."""
+    text_apart: bool = False
+    """Its text encoder is a large language model (Qwen2.5-VL 7B, Qwen3 4B) that never trains: it is loaded
+    only to fill the text cache, before the denoiser loads, and freed after (`modules/trainer/text_encoding.py`);
+    captions are always cached, and a run whose cache is complete never loads it."""
 
 
 _SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
+_TEXT_APART_FIELDS = ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
+                      "model.text_encoder_placement")
 
 FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     # Detection order: the transformer families first (their files may share the `model.diffusion_model.`
@@ -53,8 +59,13 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                ("cond_stage_model.model.",)),
     FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
                _SD_FIELDS, ("cond_stage_model.transformer.",)),
+    # Families whose text encoder is encoded apart (`text_apart`); their markers are names no other family has.
+    FamilyInfo("qwen", "Qwen-Image", "transformer", "QwenImagePipeline", 16, True, "builtin:demo-qwen",
+               _TEXT_APART_FIELDS, ("txt_norm.", "model.diffusion_model.txt_norm."), text_apart=True),
+    FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
+               _TEXT_APART_FIELDS, ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True),
 )}
-MODEL_TYPES = ("sd1", "sd2", "sdxl", "sd3", "flux")
+MODEL_TYPES = ("sd1", "sd2", "sdxl", "sd3", "flux", "qwen", "zimage")
 """Every family Tandem trains, in the order the GUI lists them."""
 BUILTIN_MODELS = {info.demo: info.name for info in FAMILIES.values() if info.demo}
 """Built-in model name -> its family."""

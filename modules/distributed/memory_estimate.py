@@ -31,7 +31,8 @@ PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
                       "sd2": {"unet": 865.9, "text_encoder": 340.4},
                       "sdxl": {"unet": 2567.5, "text_encoder": 123.1, "text_encoder_2": 694.7}}
 
-TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+                       "qwen": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel"}
 """The diffusers class of each transformer family's denoiser (built on `meta` from its config)."""
 
 # GiB of activations per sample at `ACTIVATION_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA
@@ -64,9 +65,10 @@ def _build_unet(config: dict) -> torch.nn.Module:
 
 
 def _build_vae(config: dict) -> torch.nn.Module:
-    from diffusers import AutoencoderKL
+    import diffusers
+    cls = getattr(diffusers, config.get("_class_name") or "AutoencoderKL", diffusers.AutoencoderKL)  # Qwen-Image's own
     with torch.device("meta"):
-        return AutoencoderKL(**_known_args(AutoencoderKL, config))
+        return cls(**_known_args(cls, config))
 
 
 def _build_transformer(class_name: str, config: dict) -> torch.nn.Module:
@@ -183,16 +185,20 @@ def resolve_architecture(cfg) -> tuple[str, str, dict]:
 
 
 def _transformer_architecture(family: str, base: str) -> tuple[str, str, dict]:
-    """SD3 / Flux: the folder's own configs, the built-in model's, or the real-size ones Tandem ships."""
+    """The transformer families: the folder's own configs, the built-in model's, or the real-size ones Tandem
+    ships. A text encoder loaded apart (Qwen-Image, Z-Image) is freed before training: it is left out."""
     if base == FAMILIES[family].demo:
         from modules.model.families import family as family_of
         folder = Path(family_of(family).build_demo())
-        return family, f"built-in model ({folder})", _read_folder(folder)
-    path = Path(base)
-    if path.is_dir():
-        return family, f"diffusers folder {path}", _read_folder(path)
-    return (family, f"shipped configs {MODEL_CONFIGS_DIR / family} (the published {FAMILIES[family].title} sizes)",
-            shipped_components(family))
+        found = (family, f"built-in model ({folder})", _read_folder(folder))
+    elif Path(base).is_dir():
+        found = (family, f"diffusers folder {base}", _read_folder(Path(base)))
+    else:
+        found = (family, f"shipped configs {MODEL_CONFIGS_DIR / family} (the published {FAMILIES[family].title} "
+                 "sizes)", shipped_components(family))
+    if FAMILIES[family].text_apart:
+        found[2].pop("text_encoder", None)
+    return found
 
 
 def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:

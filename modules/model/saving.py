@@ -90,6 +90,7 @@ def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> Non
     scheduler.save_pretrained(folder / "scheduler")
     components["scheduler"] = scheduler
     index = _model_index(bundle.family, components, diffusers.__version__)
+    index.update(bundle.family.write_extra_components(bundle, folder))
     (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 

@@ -36,11 +36,13 @@ def build_model_tab(parent, binder: Binder) -> None:
     form.field("model.base_model", browse_kind="any", width=380)
     form.fields("model.model_type", "model.prediction_type")
     form.field("model.vae_path", browse_kind="any", width=380)
-    # SD3 and Flux only (hidden for the other families, see ui/field_visibility.py).
+    # The transformer families only (hidden for the other families, see ui/field_visibility.py).
     form.field("model.components_folder", browse_kind="folder", width=380)
     form.field("model.t5_max_length")
     form.section("Weight storage (frozen parts)")
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
+    # Qwen-Image and Z-Image: where their text encoder runs while it fills the text cache.
+    form.field("model.text_encoder_placement")
     form.section("Advanced")
     form.field("model.config_overrides", width=380)
 

@@ -19,6 +19,7 @@ from .base import ModelFamily, Objective
 _IMPLEMENTATIONS = {
     "sd1": ("sd", "SDFamily"), "sd2": ("sd", "SDFamily"), "sdxl": ("sdxl", "SDXLFamily"),
     "sd3": ("sd3", "SD3Family"), "flux": ("flux", "FluxFamily"),
+    "qwen": ("qwen_image", "QwenImageFamily"), "zimage": ("z_image", "ZImageFamily"),
 }
 # The transformer families first: their single files may share the `model.diffusion_model.` prefix with SD's.
 _DETECTION_ORDER = tuple(FAMILIES)
@@ -26,7 +27,7 @@ _DETECTION_ORDER = tuple(FAMILIES)
 
 @functools.cache
 def family(name: str) -> ModelFamily:
-    """The family object of model type `name` (`sd1`, `sd2`, `sdxl`, `sd3`, `flux`)."""
+    """The family object of model type `name` (`sd1`, `sd2`, `sdxl`, `sd3`, `flux`, `qwen`, `zimage`)."""
     if name not in _IMPLEMENTATIONS:
         raise ValueError(f"model type {name!r} is not one of {', '.join(MODEL_TYPES)}")
     module, cls = _IMPLEMENTATIONS[name]
