@@ -1,5 +1,6 @@
-"""The built-in SD3 and Flux models show what they learn: their 16-channel VAE reconstructs the demo images,
-and after a few hundred steps of their preset on a CPU the samples have the prompted background colours."""
+"""The built-in SD3, Flux, Qwen-Image and Z-Image models show what they learn: their 16-channel VAE (Qwen-Image's
+own class) reconstructs the demo images, and after a few hundred steps of their preset on a CPU the samples have
+the prompted background colours."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ STEPS = 800
 """Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "qwen", "zimage"])
 def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
     root = ensure_demo_dataset(tmp_path / "shapes")
@@ -56,7 +57,7 @@ def _background(image) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a few minutes on 2 free cores; far longer on a shared machine
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "qwen", "zimage"])
 def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     cfg = load_config(f"#demo_{name}", [
         f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS}",

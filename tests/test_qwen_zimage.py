@@ -291,3 +291,16 @@ def test_sample_prompts_come_from_the_cache(tandem_home, tmp_path):
     before = text_apart.LOADS
     images = render_samples(bundle, [prompt], 64, inference_steps=2, guidance_scale=4.0)
     assert images[0].size == (64, 64) and text_apart.LOADS == before and side.encoder is None
+
+
+def test_the_text_encoder_benchmark_runs_the_trainers_placement(tandem_home, capsys):
+    """scripts/benchmark_text_encoder.py on the tiny encoder, on the CPU (its GPU numbers come from
+    scripts/gpu/qwen_zimage.sh text): one JSON line with the placement and its timings."""
+    import json
+
+    from modules.benchmark.text_placement import main
+
+    assert main(["--family", "zimage", "--tiny", "--device", "cpu", "--placement", "offload", "--texts", "8"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["placement"], result["texts"], result["encoded_by_rank0"]) == ("offload", 8, 8)
+    assert result["encode_s"] > 0 and result["texts_per_s"] > 0

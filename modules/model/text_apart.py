@@ -133,6 +133,20 @@ def text_encoder_class(folder: Path) -> str:
     return entry[1]
 
 
+def output_of(layer: nn.Module, run: Callable[[], Any]) -> torch.Tensor:
+    """The hidden states `layer` returns while `run()` runs the encoder. (transformers' `output_hidden_states`
+    records them by the layers' classes, which FSDP's sharding replaces: no hidden states come back from a
+    sharded encoder. A hook on the layer itself works under every placement.)"""
+    found = []
+    handle = layer.register_forward_hook(lambda module, args, output: found.append(
+        output[0] if isinstance(output, tuple) else output))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return found[-1]
+
+
 def masked_rows(hidden: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """Each row's own tokens (where `mask` is set), as the pipelines select them."""
     return [row[keep.bool()] for row, keep in zip(hidden, mask)]

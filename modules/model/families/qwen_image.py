@@ -112,7 +112,7 @@ class QwenImageFamily(LLMFlowFamily):
         texts = [QWEN_IMAGE_TEMPLATE.format(caption) for caption in captions]
         tokens = tokenizer(texts, max_length=QWEN_IMAGE_DROP + 1024, padding=True, truncation=True, return_tensors="pt")
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
-        hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # the pipeline's hidden_states[-1]
         rows = [row[QWEN_IMAGE_DROP:][:MAX_TEXT_TOKENS] for row in masked_rows(hidden, mask)]
         return padded(rows)
 

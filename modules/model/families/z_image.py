@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.text_apart import HIDDEN, MASK, masked_rows, padded, trimmed
+from modules.model.text_apart import HIDDEN, MASK, masked_rows, output_of, padded, trimmed
 
 from . import original_layout as layout
 from .flow_base import FlowMatching, shipped
@@ -68,7 +68,9 @@ class ZImageFamily(LLMFlowFamily):
                  for caption in captions]
         tokens = tokenizer(texts, padding=True, max_length=MAX_TEXT_TOKENS, truncation=True, return_tensors="pt")
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
-        hidden = encoder(input_ids=ids, attention_mask=mask.bool(), output_hidden_states=True).hidden_states[-2]
+        # The pipeline's hidden_states[-2]: what the second-to-last layer gives.
+        hidden = output_of(self.text_encoder_layers(encoder)[-2],
+                           lambda: encoder(input_ids=ids, attention_mask=mask.bool()))
         return padded(masked_rows(hidden, mask))
 
     def unused_text_encoder_modules(self, bundle):
