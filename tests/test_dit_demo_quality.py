@@ -18,7 +18,8 @@ from modules.trainer.generic_trainer import GenericTrainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STEPS = 800
-"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
+"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores;
+Z-Image about 3, its refiners and 32-token padding make it the slowest)."""
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux", "qwen", "zimage"])
@@ -69,6 +70,7 @@ def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     assert np.mean(losses[-30:]) < 0.8 * np.mean(losses[:30]), "the loss did not fall"
     samples = callbacks.of_type("sample")
     assert len(samples) == 3, "the finished run renders each preset prompt once (at the end)"
-    # The untrained models give blue, blue, blue (SD3) and blue, green, green (Flux) here.
+    # The untrained models give blue, blue, blue (SD3), blue, green, green (Flux and Z-Image) and green, green,
+    # green (Qwen-Image) here.
     backgrounds = [_background(Image.open(s["path"])) for s in samples]
     assert backgrounds == list(BACKGROUNDS), backgrounds
