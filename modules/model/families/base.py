@@ -107,28 +107,26 @@ class ModelFamily(ABC):
         """A VAE from a single file (`model.vae_path`), with this family's latent scaling; `config`: fields
         from `model.config_overrides["vae"]` for a file whose sizes are not the standard ones."""
 
-    # ------------------------------------------------------------------ latents (an AutoencoderKL's, by default)
+    # ------------------------------------------------------------------ latents (a 2-D VAE's, by default)
 
     def encode_images(self, bundle: "ModelBundle", pixels: torch.Tensor,
                       generator: torch.Generator | None = None) -> torch.Tensor:
-        """Pixels in [-1, 1], [B, 3, H, W] -> a sample of the scaled latents [B, C, H/8, W/8]."""
+        """Pixels in [-1, 1], [B, 3, H, W] -> a sample of the normalised latents [B, C, H/8, W/8]."""
         distribution = self._latent_distribution(bundle, pixels)
-        return self._scaled(bundle, distribution.sample(generator=generator))
+        return self.normalize_latents(bundle, distribution.sample(generator=generator))
 
     def encode_latent_distribution(self, bundle: "ModelBundle", pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the scaled latents (what the latent cache stores)."""
+        """(mean, std) of the normalised latents (what the latent cache stores)."""
         distribution = self._latent_distribution(bundle, pixels)
-        return self._scaled(bundle, distribution.mean), distribution.std * bundle.vae.config.scaling_factor
+        return (self.normalize_latents(bundle, distribution.mean),
+                self.normalize_latents(bundle, distribution.std, spread=True))
 
     def decode_latents(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
-        """Scaled latents -> pixels in [-1, 1]."""
-        vae = bundle.vae
-        vae_param = next(vae.parameters())
-        latents = latents.to(device=vae_param.device, dtype=vae_param.dtype) / vae.config.scaling_factor
-        shift = getattr(vae.config, "shift_factor", None)
-        if shift is not None:
-            latents = latents + shift
-        return vae.decode(latents).sample.clamp(-1, 1)
+        """Normalised latents -> pixels in [-1, 1]. A family whose VAE takes other shapes (Qwen-Image's: video
+        frames) overrides these three."""
+        vae_param = next(bundle.vae.parameters())
+        latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
+        return bundle.vae.decode(latents).sample.clamp(-1, 1)
 
     def _latent_distribution(self, bundle: "ModelBundle", pixels: torch.Tensor):
         if pixels.ndim != 4 or pixels.shape[1] != 3:
@@ -137,15 +135,29 @@ class ModelFamily(ABC):
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return bundle.vae.encode(pixels).latent_dist
 
-    def _scaled(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
-        shift = getattr(bundle.vae.config, "shift_factor", None)
-        if shift is not None:
-            latents = latents - shift
-        return latents * bundle.vae.config.scaling_factor
-
     def build_demo(self, root: Path | None = None) -> Path:
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")
+
+    # ------------------------------------------------------------------ latents
+
+    def normalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor, spread: bool = False) -> torch.Tensor:
+        """The VAE's latents [B, C, H/8, W/8] in the units the denoiser trains on (most families: minus the
+        VAE's `shift_factor`, times its `scaling_factor`); `spread`: `latents` is a posterior's standard
+        deviation, which only scales. The result keeps the VAE latents' shape, so masks, buckets and the
+        cache treat every family alike."""
+        config = bundle.vae.config
+        shift = getattr(config, "shift_factor", None)
+        if shift is not None and not spread:
+            latents = latents - shift
+        return latents * config.scaling_factor
+
+    def denormalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of `normalize_latents`: what the VAE decodes."""
+        config = bundle.vae.config
+        latents = latents / config.scaling_factor
+        shift = getattr(config, "shift_factor", None)
+        return latents + shift if shift is not None else latents
 
     # ------------------------------------------------------------------ text
 
@@ -213,8 +225,9 @@ class ModelFamily(ABC):
 
     # ------------------------------------------------------------------ saving
 
-    def model_index_extras(self) -> dict[str, Any]:
-        """`model_index.json` entries besides the components (unused components, pipeline flags)."""
+    def model_index_extras(self, bundle: "ModelBundle") -> dict[str, Any]:
+        """`model_index.json` entries besides the components (unused components, pipeline flags; a family
+        with several pipelines names the bundle's in `_class_name`)."""
         return {}
 
     def write_extra_components(self, bundle: "ModelBundle", folder: Path) -> dict[str, list[str]]:

@@ -56,30 +56,29 @@ class QwenImageFamily(LLMFlowFamily):
 
     # ------------------------------------------------------------------ latents
 
-    def encode_images(self, bundle, pixels, generator=None):
-        from diffusers.utils.torch_utils import randn_tensor
-
-        mean, std = self.encode_latent_distribution(bundle, pixels)
-        return mean + std * randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-
-    def encode_latent_distribution(self, bundle, pixels):
-        distribution = self._latent_distribution(bundle, pixels.unsqueeze(2) if pixels.ndim == 4 else pixels)
-        latent_mean, latent_std = distribution.mean.squeeze(2), distribution.std.squeeze(2)  # one frame
-        mean, std = self._statistics(bundle, latent_mean)
-        return (latent_mean - mean) / std, latent_std / std
-
-    def decode_latents(self, bundle, latents):
-        vae = bundle.vae
-        vae_param = next(vae.parameters())
-        latents = latents.to(device=vae_param.device, dtype=vae_param.dtype)
-        mean, std = self._statistics(bundle, latents)
-        return vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0].clamp(-1, 1)
-
     def _latent_distribution(self, bundle, pixels):
-        if pixels.ndim != 5 or pixels.shape[1] != 3:
+        """The VAE's posterior for images as one-frame videos, the frame axis dropped again."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"encode_images expects pixels of shape [B, 3, H, W], got {tuple(pixels.shape)}")
         vae_param = next(bundle.vae.parameters())
-        return bundle.vae.encode(pixels.to(device=vae_param.device, dtype=vae_param.dtype)).latent_dist
+        posterior = bundle.vae.encode(pixels.to(device=vae_param.device, dtype=vae_param.dtype).unsqueeze(2)).latent_dist
+        return DiagonalGaussianDistribution(torch.cat([posterior.mean, posterior.logvar], dim=1).squeeze(2))
+
+    def normalize_latents(self, bundle, latents, spread=False):
+        """Per channel, as the pipeline: (latents - latents_mean) / latents_std."""
+        mean, std = self._statistics(bundle, latents)
+        return latents / std if spread else (latents - mean) / std
+
+    def denormalize_latents(self, bundle, latents):
+        mean, std = self._statistics(bundle, latents)
+        return latents * std + mean
+
+    def decode_latents(self, bundle, latents):
+        vae_param = next(bundle.vae.parameters())
+        latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
+        return bundle.vae.decode(latents.unsqueeze(2)).sample[:, :, 0].clamp(-1, 1)
 
     @staticmethod
     def _statistics(bundle, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
