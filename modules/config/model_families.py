@@ -86,7 +86,8 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     # other family's files have.
     FamilyInfo("qwen", "Qwen-Image", "transformer", "QwenImagePipeline", 16, True, "builtin:demo-qwen",
                "qwen_image:QwenImageFamily", "QwenImageTransformer2DModel", _TEXT_APART_FIELDS,
-               ("txt_norm.", "model.diffusion_model.txt_norm."), text_apart=True),
+               ("txt_norm.", "model.diffusion_model.txt_norm."), lora_targets=_DOUBLE_STREAM_ATTENTION,
+               text_apart=True),
     FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
                "z_image:ZImageFamily", "ZImageTransformer2DModel", _TEXT_APART_FIELDS,
                ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True),

@@ -32,8 +32,6 @@ from .llm_demo import QWEN_IMAGE_DROP, QWEN_IMAGE_TEMPLATE
 from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count, identity_entries
 
 IMPLEMENTATION = "https://github.com/QwenLM/Qwen-Image"
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-"""The attention projections of both streams (the presets' `training.lora_target_modules`)."""
 
 
 class QwenImageObjective(FlowMatching):

@@ -31,8 +31,6 @@ from .flow_base import FlowMatching, shipped
 from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count
 
 IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-"""The attention projections (the presets' `training.lora_target_modules`)."""
 BLOCK_GROUPS = ("noise_refiner", "context_refiner", "layers")
 """The transformer's repeated blocks: refiners of the image and of the caption tokens, then the main layers."""
 
