@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from modules.data.cache import fill_text_cache
-    from modules.trainer.text_encoding import place
+    from modules.trainer.text_encoding import PlacedEncoder
     from modules.util import dist_utils as du
 
     distributed = "RANK" in os.environ
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     side.load = build  # random weights instead of the files' (the placement code is the trainer's)
-    lockstep = place(side, placement, device)
+    lockstep = PlacedEncoder(side, placement, device)
+    lockstep.place()
     placed_s = time.perf_counter() - started
     gib = sum(t.numel() * t.element_size() for t in side.encoder.state_dict().values()) / 2 ** 30
     texts = _captions(args.texts)

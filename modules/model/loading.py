@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin
+from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin, guess_family
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.config.validation import parse_config_overrides
@@ -134,6 +134,9 @@ def load_text_side(model_cfg: ModelConfig, training_cfg: TrainingConfig | None =
     """The bundle of a `text_apart` family without its denoiser: VAE, tokenizer and the text side
     (`text_apart.py`), enough to fill the text cache before the denoiser loads (same `fingerprint()` as the
     whole bundle); None for the other families."""
+    guessed = FAMILIES.get(guess_family(model_cfg.base_model, model_cfg.model_type) or "")
+    if guessed is None or not guessed.text_apart:  # read without loading (or building) anything
+        return None
     family, where, kind = resolve_family(model_cfg)
     if not family.info.text_apart:
         return None

@@ -13,7 +13,7 @@ Where the encoder runs (`model.text_encoder_placement`, decided once for all ran
 - `gpu`: a whole copy on each GPU (in its storage dtype: bf16, or fp8 - Linear weights in float8);
 - `sharded`: its decoder layers split over the GPUs of the run with FSDP2, each GPU encoding its own share
   of the texts; every forward gathers each layer from all ranks, so the ranks run their forwards in lock
-  step (`_Lockstep`: a rank out of texts runs throw-away forwards until every rank is done);
+  step (`PlacedEncoder`: a rank out of texts runs throw-away forwards until every rank is done);
 - `offload`: the weights stay in host memory and each decoder layer is copied to the GPU for its forward;
 - `cpu`: encoding on the CPU (CPU runs);
 - `auto`: `gpu` where the weights plus activations fit the free memory of every GPU, else `sharded` when
@@ -87,11 +87,11 @@ def encode_text_apart(cfg, datasets, device: torch.device, cache_dir: Path) -> T
 
     report.placement = choose_placement(cfg.model.text_encoder_placement, side, device)
     report.gib = side.parameter_bytes() / GIB
-    started = time.perf_counter()
-    lockstep = place(side, report.placement, device)
-    report.load_seconds = time.perf_counter() - started
-    started = time.perf_counter()
+    lockstep = PlacedEncoder(side, report.placement, device)
+    if report.placement == "sharded":
+        lockstep.place()  # collective: every rank holds its share, whether it has texts to encode or not
     share = cfg.multi_gpu.distributed_data_loading
+    started = time.perf_counter()
     try:
         with torch.no_grad():
             if share or du.rank() == 0:
@@ -108,7 +108,8 @@ def encode_text_apart(cfg, datasets, device: torch.device, cache_dir: Path) -> T
             du.barrier()
     finally:
         side.release()
-    report.encode_seconds = time.perf_counter() - started
+    report.load_seconds = lockstep.load_seconds
+    report.encode_seconds = time.perf_counter() - started - lockstep.load_seconds
     log.info("Text encoder (%s, %s, %.1f GiB): %s; loaded in %.1f s, %d of %d texts encoded in %.1f s (this rank: "
              "%d), then freed before the transformer loads.", side.class_name, side.storage, report.gib,
              describe_placement(report.placement, report.gib), report.load_seconds, missing, len(texts),
@@ -146,8 +147,8 @@ def describe_placement(placement: str, gib: float) -> str:
             "cpu": "on the CPU"}[placement]
 
 
-def place(side, placement: str, device: torch.device) -> "_Lockstep":
-    """Load the encoder where `placement` says; returns the encode call the cache fills with."""
+def place(side, placement: str, device: torch.device) -> None:
+    """Load the encoder into `side` where `placement` says."""
     if placement == "gpu":
         side.encoder, side.device = side.load(device), device
     elif placement == "cpu":
@@ -160,22 +161,30 @@ def place(side, placement: str, device: torch.device) -> "_Lockstep":
         encoder = side.load("cpu")
         _shard(encoder, side.layers(encoder), device)
         side.encoder, side.device = encoder, device
-        return _Lockstep(side, device, collective=True)
     else:
         raise ValueError(f"unknown text encoder placement {placement!r}")
-    return _Lockstep(side, device, collective=False)
 
 
-class _Lockstep:
-    """`side.encode` for the cache; a sharded encoder's forwards are collective, so each rank first says
-    whether it has texts, and `drain` keeps a finished rank running forwards until every rank has finished."""
+class PlacedEncoder:
+    """`side.encode` for the cache, placing the encoder on first use (a rank without texts never loads
+    one). A sharded encoder's forwards are collective, so each rank first says whether it has texts, and
+    `drain` keeps a finished rank running forwards until every rank has finished."""
 
-    def __init__(self, side, device: torch.device, collective: bool) -> None:
-        self.side, self.device, self.collective = side, device, collective
+    def __init__(self, side, placement: str, device: torch.device) -> None:
+        self.side, self.placement, self.device = side, placement, device
+        self.collective = placement == "sharded"
+        self.load_seconds = 0.0
+
+    def place(self) -> None:
+        if self.side.encoder is None:
+            started = time.perf_counter()
+            place(self.side, self.placement, self.device)
+            self.load_seconds += time.perf_counter() - started
 
     def __call__(self, captions):
         if self.collective:
             self._others_busy(1)
+        self.place()
         return self.side.encode(captions)
 
     def drain(self) -> None:
