@@ -304,3 +304,23 @@ def test_the_text_encoder_benchmark_runs_the_trainers_placement(tandem_home, cap
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (result["placement"], result["texts"], result["encoded_by_rank0"]) == ("offload", 8, 8)
     assert result["encode_s"] > 0 and result["texts_per_s"] > 0
+
+
+def test_auto_placement_puts_the_encoder_where_it_fits(monkeypatch):
+    """`model.text_encoder_placement` auto: whole on each GPU when its weights and 4 GiB fit the smallest free
+    memory of all GPUs, else sharded over them when a share does, else offloaded; CPU runs encode on the CPU."""
+    from types import SimpleNamespace
+
+    from modules.trainer import text_encoding
+    from modules.util import dist_utils as du
+
+    side = SimpleNamespace(parameter_bytes=lambda: 15 * 2 ** 30)
+    cuda = torch.device("cuda", 0)
+    for free_gib, world, expected in ((80, 1, "gpu"), (18, 1, "offload"), (18, 4, "sharded"), (5, 4, "offload")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free_gib: (free * 2 ** 30, 80 * 2 ** 30))
+        monkeypatch.setattr(du, "world_size", lambda world=world: world)
+        assert text_encoding.choose_placement("auto", side, cuda) == expected, (free_gib, world)
+    assert text_encoding.choose_placement("gpu", side, cuda) == "gpu"
+    assert text_encoding.choose_placement("auto", side, torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="model.text_encoder_placement is 'disk'"):
+        text_encoding.choose_placement("disk", side, cuda)

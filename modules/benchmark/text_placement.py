@@ -55,16 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     side.load = build  # random weights instead of the files' (the placement code is the trainer's)
-    lockstep = PlacedEncoder(side, placement, device)
-    lockstep.place()
+    placed = PlacedEncoder(side, placement, device)
+    placed.place()
     placed_s = time.perf_counter() - started
     gib = sum(t.numel() * t.element_size() for t in side.encoder.state_dict().values()) / 2 ** 30
     texts = _captions(args.texts)
     du.barrier()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache, torch.no_grad():
-        encoded = fill_text_cache(texts, lockstep, "benchmark", cache, du.rank(), du.world_size(), progress=False)
-        lockstep.drain()
+        encoded = fill_text_cache(texts, placed, "benchmark", cache, du.rank(), du.world_size(), progress=False)
+        placed.drain()
         if device.type == "cuda":
             torch.cuda.synchronize()
         du.barrier()

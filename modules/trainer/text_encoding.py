@@ -87,29 +87,29 @@ def encode_text_apart(cfg, datasets, device: torch.device, cache_dir: Path) -> T
 
     report.placement = choose_placement(cfg.model.text_encoder_placement, side, device)
     report.gib = side.parameter_bytes() / GIB
-    lockstep = PlacedEncoder(side, report.placement, device)
+    placed = PlacedEncoder(side, report.placement, device)
     if report.placement == "sharded":
-        lockstep.place()  # collective: every rank holds its share, whether it has texts to encode or not
+        placed.place()  # collective: every rank holds its share, whether it has texts to encode or not
     share = cfg.multi_gpu.distributed_data_loading
     started = time.perf_counter()
     try:
         with torch.no_grad():
             if share or du.rank() == 0:
-                report.encoded = fill_text_cache(texts, lockstep, fingerprint, cache_dir,
+                report.encoded = fill_text_cache(texts, placed, fingerprint, cache_dir,
                                                  du.rank() if share else 0, du.world_size() if share else 1)
-            lockstep.drain()
+            placed.drain()
         du.barrier()
         if du.local_world_size() < du.world_size():
             # Several machines: a cache folder on each machine's own disk lacks the other machines' entries.
             with torch.no_grad():
-                report.encoded += fill_text_cache(texts, lockstep, fingerprint, cache_dir, du.local_rank(),
+                report.encoded += fill_text_cache(texts, placed, fingerprint, cache_dir, du.local_rank(),
                                                   du.local_world_size(), progress=False)
-                lockstep.drain()
+                placed.drain()
             du.barrier()
     finally:
         side.release()
-    report.load_seconds = lockstep.load_seconds
-    report.encode_seconds = time.perf_counter() - started - lockstep.load_seconds
+    report.load_seconds = placed.load_seconds
+    report.encode_seconds = time.perf_counter() - started - placed.load_seconds
     log.info("Text encoder (%s, %s, %.1f GiB): %s; loaded in %.1f s, %d of %d texts encoded in %.1f s (this rank: "
              "%d), then freed before the transformer loads.", side.class_name, side.storage, report.gib,
              describe_placement(report.placement, report.gib), report.load_seconds, missing, len(texts),
