@@ -324,3 +324,25 @@ def test_auto_placement_puts_the_encoder_where_it_fits(monkeypatch):
     assert text_encoding.choose_placement("auto", side, torch.device("cpu")) == "cpu"
     with pytest.raises(ValueError, match="model.text_encoder_placement is 'disk'"):
         text_encoding.choose_placement("disk", side, cuda)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_padded_caption_predicts_what_it_predicts_alone(tandem_home, name):
+    """Captions of different lengths share a batch padded to the longest, with their mask (padding from
+    the cache's own encoding batches on top): each sample's prediction is the one it gets alone, unpadded."""
+    from modules.data.dataset import pad_and_stack
+
+    bundle = demo(name)
+    objective = bundle.family.objective(bundle, TrainingConfig())
+    long_caption = "a red circle on a blue background with a small green square in the corner"
+    texts = [bundle.encode_text([caption]) for caption in ("a star", long_caption)]
+    extra = {k: torch.cat([v, torch.zeros_like(v[:, :3])], dim=1) for k, v in texts[0].items()}  # an entry's padding
+    batch = {k: pad_and_stack([extra[k][0], texts[1][k][0]]) for k in texts[0]}
+    assert text_apart.trimmed(batch)[1] is not None and text_apart.trimmed(texts[1])[1] is None
+    latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        together = objective.predict(bundle.denoiser, latents, timesteps, batch)
+        for i, text in enumerate(texts):
+            alone = objective.predict(bundle.denoiser, latents[i:i + 1], timesteps[i:i + 1], text)
+            torch.testing.assert_close(together[i:i + 1], alone, rtol=0, atol=1e-5)

@@ -163,12 +163,14 @@ def padded(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {HIDDEN: hidden, MASK: mask}
 
 
-def trimmed(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, bool mask) cut to the batch's longest caption: a batch of cached entries is padded to the
-    longest *entry*, which may hold padding of its own encoding batch."""
-    mask = text[MASK].bool()
-    longest = max(1, int(mask.sum(dim=1).max()))
-    return text[HIDDEN][:, :longest], mask[:, :longest]
+def trimmed(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """(hidden states cut to the batch's longest caption, their bool mask - None where no caption is padded, as
+    the pipelines pass it -, each caption's token count). A batch of cached entries is padded to its longest
+    *entry*, which may hold padding of its own encoding batch. One host sync, for the counts."""
+    lengths = [int(n) for n in text[MASK].sum(dim=1).tolist()]
+    longest = max(1, max(lengths))
+    mask = None if all(n == longest for n in lengths) else text[MASK][:, :longest].bool()
+    return text[HIDDEN][:, :longest], mask, lengths
 
 
 def _tensor_sizes(folder: Path) -> dict[str, int]:

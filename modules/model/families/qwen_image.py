@@ -37,7 +37,7 @@ IMPLEMENTATION = "https://github.com/QwenLM/Qwen-Image"
 class QwenImageObjective(FlowMatching):
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
         batch, _, height, width = noisy.shape
-        hidden, mask = trimmed(text)
+        hidden, mask, _ = trimmed(text)
         out = denoiser(hidden_states=pack_latents(noisy), timestep=timesteps, encoder_hidden_states=hidden,
                        encoder_hidden_states_mask=mask, img_shapes=[[(1, height // 2, width // 2)]] * batch,
                        return_dict=False)[0]

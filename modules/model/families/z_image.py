@@ -37,9 +37,9 @@ BLOCK_GROUPS = ("noise_refiner", "context_refiner", "layers")
 
 class ZImageObjective(FlowMatching):
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
-        hidden, mask = trimmed(text)
-        out = denoiser(list(noisy.unsqueeze(2).unbind(0)), 1 - timesteps, masked_rows(hidden, mask),
-                       return_dict=False)[0]
+        hidden, _, lengths = trimmed(text)  # each caption's own tokens: they come first in its row
+        out = denoiser(list(noisy.unsqueeze(2).unbind(0)), 1 - timesteps,
+                       [row[:length] for row, length in zip(hidden, lengths)], return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
 
