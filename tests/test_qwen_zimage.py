@@ -5,6 +5,8 @@ Training through the real trainer (N processes x B == 1 x N*B, resume, the text 
 tests/test_qwen_zimage_training.py's."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -231,6 +233,9 @@ def test_full_saves_load_back_in_tandem_and_diffusers(tandem_home, tmp_path, nam
     pipeline = pipeline_of(name, folder)
     assert all(torch.equal(pipeline.transformer.state_dict()[k], expected[k]) for k in expected)
     assert (folder / "text_encoder" / "model.safetensors").is_file() and (folder / "tokenizer").is_dir()
+    source = bundle.extra["text_side"].folder / "text_encoder"
+    assert not os.path.samefile(folder / "text_encoder" / "config.json", source / "config.json"), \
+        "a config of the copied text encoder is the source's own file: cleaning it would change the base model"
     if name == "zimage":
         from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 

@@ -58,4 +58,4 @@ text)
     ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
-python3 "$(dirname "$0")/families_table.py" "$RES" "$FIRST"
+python3 "$(dirname "$0")/qwen_zimage_table.py" "$RES" "$FIRST"

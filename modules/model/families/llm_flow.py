@@ -208,17 +208,24 @@ class LLMFlowFamily(FlowFamily):
             shutil.rmtree(staging, ignore_errors=True)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
 def copy_component(source: Path, target: Path) -> None:
-    """A component folder copied file by file (hard links where the file system allows: a 16 GB text
-    encoder is then not written again)."""
+    """A component folder copied file by file. Weight files are hard-linked where the file system allows (a
+    16 GB text encoder is then not written again; nothing ever writes into a weight file); every other file
+    (configs, which a save may clean up afterwards) is a copy of its own, so the source is never touched."""
     target.mkdir(parents=True, exist_ok=True)
     for file in sorted(source.iterdir()):
         if not file.is_file():
             continue
-        try:
-            os.link(file, target / file.name)
-        except OSError:
-            shutil.copy2(file, target / file.name)
+        if file.name.endswith(WEIGHT_SUFFIXES):
+            try:
+                os.link(file, target / file.name)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(file, target / file.name)
 
 
 def identity_entries(keys) -> list[layout.Entry]:

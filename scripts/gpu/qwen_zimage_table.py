@@ -1,6 +1,6 @@
 """The table of scripts/gpu/qwen_zimage.sh: its part's JSON lines (raw reference, trainer, text encoder) side by side.
 
-    python3 scripts/gpu/families_table.py RESULTS.jsonl FIRST_LINE
+    python3 scripts/gpu/qwen_zimage_table.py RESULTS.jsonl FIRST_LINE
 Rows pair each trainer result with the raw reference of the same model, mode, world size and sharding that ran
 before it in the same call; the targets are the issue's: throughput >= the reference, peak memory within 10%.
 """
