@@ -4,7 +4,8 @@
 # same call, 1024 px, 1 image per GPU, gradient checkpointing, LoRA r16 on the attention (to_q/k/v/out, the
 # reference's targets); then a table. Parts, each within an 8-minute call:
 #   qwen1      Qwen-Image LoRA on 1 GPU (the issue: reference 0.88 img/s, 40.8 GiB on an H200)
-#   qwen2      Qwen-Image LoRA with FSDP2 on 2 GPUs (reference 1.50 img/s, 23.0 GiB per GPU), and with DDP
+#   qwen2      Qwen-Image LoRA with FSDP2 on 2 GPUs (reference 1.50 img/s, 23.0 GiB per GPU)
+#   qwen2ddp   Qwen-Image LoRA with DDP on 2 GPUs (a whole bf16 base per GPU)
 #   qwen4full  Qwen-Image full fine-tune, FSDP2 on 4 GPUs. Both sides build the 20 B transformer whole in fp32
 #              (82 GB) on every GPU before sharding it: run on nvidia-h200-x4 (needs_h200); a user's run loads
 #              it into host memory instead (DistributedTrainer.load_device)
@@ -15,7 +16,7 @@
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); the table at the end
 # shows this call's.
 set -u
-PART="${1:?usage: qwen_zimage.sh qwen1|qwen2|qwen4full|zimage|text}"
+PART="${1:?usage: qwen_zimage.sh qwen1|qwen2|qwen2ddp|qwen4full|zimage|text}"
 source "$(dirname "$0")/common.sh"
 FSDP="--config-value multi_gpu.strategy=fsdp"
 DDP="--config-value multi_gpu.strategy=ddp"
@@ -29,9 +30,12 @@ qwen1)
     bench --model qwen $LORA --gpus 1
     ;;
 qwen2)
-    log "Qwen-Image LoRA 1024 b1 gc, 2 GPUs: reference FSDP2 and DDP, Tandem FSDP and DDP"
+    log "Qwen-Image LoRA 1024 b1 gc, 2 GPUs with FSDP2: reference, Tandem"
     ref 2 --model qwen $LORA --fsdp
     bench --model qwen $LORA --gpus 2 $FSDP
+    ;;
+qwen2ddp)
+    log "Qwen-Image LoRA 1024 b1 gc, 2 GPUs with DDP: reference, Tandem"
     ref 2 --model qwen $LORA
     bench --model qwen $LORA --gpus 2 $DDP
     ;;
