@@ -5,6 +5,8 @@
     python scripts/make_random_model.py --type chroma --out /tmp/random-chroma --device cuda   # 8.9 B + T5-XXL: ~27 GB
     python scripts/make_random_model.py --type flux2 --variant klein-4b --out /tmp/random-klein4b --device cuda
     python scripts/make_random_model.py --type flux2 --out /tmp/random-flux2-dev --device cuda   # 32 B + 24 B: ~113 GB
+    python scripts/make_random_model.py --type qwen --out /tmp/random-qwen --device cuda   # 20.4 B + Qwen2.5-VL 7B: ~58 GB
+    python scripts/make_random_model.py --type zimage --out /tmp/random-zimage --device cuda   # 6.2 B + Qwen3 4B: ~21 GB
 """
 import argparse
 import os

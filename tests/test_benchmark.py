@@ -97,7 +97,8 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("model, mode, expected", [("flux", "full", "fsdp"), ("flux", "lora", "ddp"),
-                                                   ("sdxl", "full", "ddp")])
+                                                   ("sdxl", "full", "ddp"), ("qwen", "full", "fsdp"),
+                                                   ("qwen", "lora", "ddp"), ("zimage", "full", "fsdp")])
 def test_auto_strategy_sizes_the_real_model_a_case_builds(tmp_path, model, mode, expected):
     """`multi_gpu.strategy=auto` in a benchmark case weighs the real-size model the case trains, not the demo
     model a default config names: on 4 GPUs with 78 GiB free each, DDP cannot hold a Flux.1 full fine-tune

@@ -647,9 +647,12 @@ def test_fp8_base_is_for_lora_computed_in_bf16():
         cfg.training.precision = precision
         (problem,) = validate(cfg)
         assert problem.startswith("model.unet_dtype: 'fp8'") and "set training.precision to bf16" in problem
-    cfg.training.precision, cfg.model.text_encoder_dtype = "bf16", "fp8"  # only the denoiser
+    cfg.training.precision, cfg.model.text_encoder_dtype = "bf16", "fp8"  # SD 1.x: only the denoiser
     (problem,) = validate(cfg)
-    assert problem.startswith("model.text_encoder_dtype: 'fp8' is not a valid choice")
+    assert problem.startswith("model.text_encoder_dtype: 'fp8' is for the families whose text encoder is loaded "
+                              "apart (Qwen-Image, Z-Image)") and problem.endswith("set it to bf16.")
+    cfg.model.base_model = "builtin:demo-qwen"  # a family that encodes apart: fp8 text encoder allowed
+    assert validate(cfg) == []
 
 
 def test_one_field_path_walker_for_overrides_and_the_gui():

@@ -1,6 +1,6 @@
-"""The built-in SD3, Flux, Flux.2 and Chroma models show what they learn: their VAE (16 channels; Flux.2's 32)
-reconstructs the demo images, and after a few hundred steps of their preset on a CPU the samples have the
-prompted background colours."""
+"""The built-in SD3, Flux, Flux.2, Chroma, Qwen-Image and Z-Image models show what they learn: their VAE (16
+channels; Flux.2's 32, Qwen-Image's own class) reconstructs the demo images, and after a few hundred steps of
+their preset on a CPU the samples have the prompted background colours."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,10 +18,11 @@ from modules.trainer.generic_trainer import GenericTrainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STEPS = 800
-"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores)."""
+"""Steps of batch 8: 100 epochs of the 64 demo images, as the presets train (about 1-2 minutes on 2 free cores;
+Z-Image about 3, its refiners and 32-token padding make it the slowest)."""
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux", "flux2"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage"])
 def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
     root = ensure_demo_dataset(tmp_path / "shapes")
@@ -57,7 +58,7 @@ def _background(image) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a few minutes on 2 free cores; far longer on a shared machine
-@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma", "qwen", "zimage"])
 def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     cfg = load_config(f"#demo_{name}", [
         f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS}",
@@ -69,6 +70,7 @@ def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     assert np.mean(losses[-30:]) < 0.8 * np.mean(losses[:30]), "the loss did not fall"
     samples = callbacks.of_type("sample")
     assert len(samples) == 3, "the finished run renders each preset prompt once (at the end)"
-    # The untrained models give blue, blue, blue (SD3) and blue, green, green (Flux) here.
+    # The untrained models give blue, blue, blue (SD3), blue, green, green (Flux and Z-Image) and green, green,
+    # green (Qwen-Image) here.
     backgrounds = [_background(Image.open(s["path"])) for s in samples]
     assert backgrounds == list(BACKGROUNDS), backgrounds

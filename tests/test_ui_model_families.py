@@ -14,8 +14,10 @@ from ui.field_visibility import hidden_fields
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
              "training.timestep_logit_std"}
 LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
-"""Flux.2's (the families whose text encoder is a language model)."""
+"""Flux.2's (the families whose text encoder is a language model it shows the length of)."""
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
+TEXT_APART_ONLY = {"model.text_encoder_placement"}
+"""Qwen-Image's and Z-Image's: where their text encoder runs while it fills the text cache."""
 
 
 def config(base_model: str, model_type: str = "auto") -> TrainConfig:
@@ -25,19 +27,26 @@ def config(base_model: str, model_type: str = "auto") -> TrainConfig:
 
 
 def test_hidden_fields_follow_the_family():
-    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
-    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY
-    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY | LANGUAGE_MODEL_ONLY  # the explicit type decides
+    OTHERS = LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY
+    assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | OTHERS | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | OTHERS | {"training.flux_guidance"}
+    assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY | OTHERS
+    assert hidden_fields(config("models/anything", "flux")) == SD_ONLY | OTHERS  # the explicit type decides
     assert hidden_fields(config("models/not-there")) == set()  # unknown family: everything shows
-    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY | LANGUAGE_MODEL_ONLY
-    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+    assert hidden_fields(load_preset("flux_lora")) == SD_ONLY | OTHERS
+    assert hidden_fields(load_preset("sd35_finetune")) == SD_ONLY | OTHERS | {"training.flux_guidance"}
     # Flux.2 has no T5 (its language model's length is model.text_max_length) but a guidance input on dev;
     # Chroma has T5 and no guidance input.
     for source in (config("builtin:demo-flux2"), load_preset("flux2_lora"), load_preset("flux2_finetune")):
-        assert hidden_fields(source) == SD_ONLY | {"model.t5_max_length"}
+        assert hidden_fields(source) == SD_ONLY | TEXT_APART_ONLY | {"model.t5_max_length"}
     for source in (config("builtin:demo-chroma"), load_preset("chroma_lora"), load_preset("chroma_finetune")):
-        assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance"}
+        assert hidden_fields(source) == SD_ONLY | OTHERS | {"training.flux_guidance"}
+    # Qwen-Image and Z-Image: no T5, no Flux guidance; the components folder and timestep settings stay.
+    for name in ("builtin:demo-qwen", "builtin:demo-zimage"):
+        assert hidden_fields(config(name)) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance",
+                                                                              "model.t5_max_length"}
+    assert hidden_fields(load_preset("qwen_lora")) == hidden_fields(load_preset("zimage_finetune")) \
+        == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance", "model.t5_max_length"}
 
 
 def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
@@ -58,7 +67,9 @@ def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
                            "model.diffusion_model.distilled_guidance_layer.in_proj.weight"], "chroma"),
                          (["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"], "sd3"),
                          (["conditioner.embedders.1.model.ln_final.weight"], "sdxl"),
-                         (["cond_stage_model.transformer.text_model.final_layer_norm.weight"], "sd1")):
+                         (["cond_stage_model.transformer.text_model.final_layer_norm.weight"], "sd1"),
+                         (["txt_norm.weight", "transformer_blocks.0.attn.to_q.weight"], "qwen"),
+                         (["model.diffusion_model.cap_pad_token", "layers.0.attention.qkv.weight"], "zimage")):
         path = tmp_path / f"{family}.safetensors"
         save_file({key: torch.zeros(1) for key in keys}, str(path))
         assert guess_family(str(path)) == family

@@ -286,7 +286,8 @@ def test_ranks_load_a_model_from_disk_at_once_and_build_the_demo_in_turn(monkeyp
     monkeypatch.setattr("modules.model.loading.load_model", lambda *args: bundle)
     cfg = TrainConfig()
     cfg.model.base_model = base.format(folder=tmp_path)
-    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[]))
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[]),
+                              load_device=lambda: torch.device("cpu"), text_apart=None)
     assert BaseTrainer.create_model(trainer) is bundle
     assert turns == (["rank 0 first"] if in_turn else [])
 

@@ -119,6 +119,10 @@ class BenchmarkMixin:
     def fill_cache(self):
         """Already cached: the synthetic items carry latents and text embeddings."""
 
+    def encode_text_first(self):
+        """Nothing to encode: the synthetic items carry text embeddings (the encoder's own cost is measured
+        apart, `scripts/gpu/families_b.sh`)."""
+
     def start(self):
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}

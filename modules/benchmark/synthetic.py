@@ -39,7 +39,10 @@ class SyntheticCachedLatents(Dataset):
         self.length = length
         self.resolution = resolution
         self.latents = torch.randn(pool, channels, lat, lat, generator=gen)
-        self.text = {name: torch.randn(pool, *shape, generator=gen) for name, shape in text_shapes.items()}
+        # A token mask (`..._mask`: the families whose captions keep their own length) is all ones: every
+        # synthetic caption has the full length.
+        self.text = {name: torch.ones(pool, *shape) if name.endswith("_mask") else torch.randn(pool, *shape, generator=gen)
+                     for name, shape in text_shapes.items()}
         self.buckets = [0] * length
 
     def validation_set(self):

@@ -50,6 +50,10 @@ class FamilyInfo:
     lora_targets: tuple[str, ...] = ()
     """`training.lora_target_modules` the family's LoRA presets use (every attention projection and the fused
     projections where the family has them); empty: the config's default suits it."""
+    text_apart: bool = False
+    """Its text encoder is a large language model (Qwen2.5-VL 7B, Qwen3 4B) that never trains: it is loaded
+    only to fill the text cache, before the denoiser loads, and freed after (`modules/trainer/text_encoding.py`);
+    captions are always cached, and a run whose cache is complete never loads it."""
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -62,6 +66,8 @@ _DOUBLE_STREAM_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "a
 """The attention projections of both streams in the Flux-like double blocks (single blocks: their to_q/k/v)."""
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
+_TEXT_APART_FIELDS = ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
+                      "model.text_encoder_placement")
 
 FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
@@ -88,6 +94,15 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                other_pipelines=("Flux2KleinPipeline",), variants=("dev", "klein-4b", "klein-9b"),
                # `attn.to_out` is the single blocks' fused output (the double blocks' is `to_out.0`).
                lora_targets=_DOUBLE_STREAM_ATTENTION + ("to_qkv_mlp_proj", "attn.to_out")),
+    # Qwen-Image and Z-Image: their text encoder is loaded apart (`text_apart`); their markers are names no
+    # other family's files have.
+    FamilyInfo("qwen", "Qwen-Image", "transformer", "QwenImagePipeline", 16, True, "builtin:demo-qwen",
+               "qwen_image:QwenImageFamily", "QwenImageTransformer2DModel", _TEXT_APART_FIELDS,
+               ("txt_norm.", "model.diffusion_model.txt_norm."), lora_targets=_DOUBLE_STREAM_ATTENTION,
+               text_apart=True),
+    FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
+               "z_image:ZImageFamily", "ZImageTransformer2DModel", _TEXT_APART_FIELDS,
+               ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

@@ -50,23 +50,26 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     base_model: str = rule("builtin:demo", label="Base model")
-    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`)."""
+    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`, `builtin:demo-qwen`, `builtin:demo-zimage`)."""
     model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein) or `chroma` (Chroma)."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image) or `zimage` (Z-Image base and Turbo)."""
     prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = rule("", label="VAE (optional)")
     """Optional VAE to use instead of the model's own: a diffusers folder or a single file."""
     unet_dtype: str = rule("fp32", choices=(*DTYPES, "fp8"))
     """Storage dtype of the UNet's (SD3, Flux: the transformer's) weights that are not trained (LoRA base weights): fp32, bf16, fp16 (a half-precision base needs training.precision bf16 or fp16) or fp8 (LoRA only, with training.precision bf16: the weights of every Linear layer stored in float8 with one scale per tensor and computed in bf16, the rest in bf16; a Flux.1 transformer then takes about 12 GB instead of 24)."""
-    text_encoder_dtype: str = rule("fp32", choices=DTYPES)
-    """Storage dtype of frozen text-encoder weights (T5 is always frozen): fp32, bf16 or fp16."""
+    text_encoder_dtype: str = rule("fp32", choices=(*DTYPES, "fp8"))
+    """Storage dtype of frozen text-encoder weights (T5 is always frozen): fp32, bf16 or fp16; for Qwen-Image and Z-Image also fp8 (every Linear layer's weights in float8, computed in bf16: Qwen2.5-VL 7B in about 9 GB instead of 16)."""
+    text_encoder_placement: str = rule("auto", choices=("auto", "gpu", "sharded", "offload", "cpu"),
+                                       label="Text encoder placement")
+    """Qwen-Image and Z-Image: where the text encoder runs while it fills the text cache (it is loaded before the transformer and freed after; a complete cache never loads it). `auto`: whole on each GPU where it fits, else `sharded` over the GPUs of a multi-GPU run, else `offload`. `gpu`: a whole copy per GPU. `sharded`: its layers split over all GPUs (FSDP), every GPU encoding its share. `offload`: weights in host memory, each layer brought to the GPU as it runs. `cpu`: encode on the CPU."""
     vae_dtype: str = rule("fp32", choices=DTYPES)
     """Storage dtype of the VAE (never trained): fp32, bf16 or fp16."""
     config_overrides: str = rule("", label="Config overrides (JSON)")
     """For a single-file checkpoint whose sizes differ from the standard SD 1.x/2.x/SDXL ones: JSON with config fields per part, merged over the standard configs, e.g. {"unet": {"attention_head_dim": 8}}. Parts: unet, vae, text_encoder, text_encoder_2 (vae also applies to a VAE file in model.vae_path). Empty: the standard configs (or those Tandem recorded in the file)."""
     components_folder: str = rule("", label="Components folder")
-    """SD3, Flux, Flux.2 and Chroma single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
+    """SD3, Flux, Flux.2, Chroma, Qwen-Image and Z-Image single files: a diffusers folder of the same family that supplies what the file lacks (text encoders, tokenizers, scheduler, and the VAE when the file has none). Not needed for diffusers folders."""
     text_max_length: int = rule(0, minimum=0, label="Text tokens (0: default)")
     """Families whose text encoder is a language model (Flux.2): tokens per caption, the chat template's own tokens included (longer captions are cut; samples use the same length). 0: the pipeline's default (Flux.2 512)."""
     t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")

@@ -455,6 +455,7 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
         if value != inert and not field_applies(path, family):
             problems.append(f"{path}: {value!r} does not apply to {info.title} (model.model_type {family}), "
                             f"which trains rectified flow; set it to {inert!r}.")
+    problems += _text_apart_checks(cfg, info)
     # Sizes that are not even multiples of 8 (the VAE's step) are reported by the general checks.
     step = info.pixel_multiple
     d = cfg.data
@@ -470,6 +471,26 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
             if value > 0 and value % 8 == 0 and value % step:
                 problems.append(f"sampling.prompts[{i}].{name}: {value!r} is not a multiple of {step}, the "
                                 f"image-size step of {info.title}; set it to {max(step, value // step * step)}.")
+    return problems
+
+
+def _text_apart_checks(cfg: TrainConfig, info) -> list[str]:
+    """A family whose text encoder is loaded apart trains from cached text only; fp8 text encoders are theirs."""
+    title = f"{info.title} (model.model_type {info.name})"
+    if not info.text_apart:
+        if cfg.model.text_encoder_dtype == "fp8":
+            return [f"model.text_encoder_dtype: 'fp8' is for the families whose text encoder is loaded apart "
+                    f"(Qwen-Image, Z-Image); {title} loads its text encoders with the model: set it to bf16."]
+        return []
+    reason = f"{title} trains from cached text only: its text encoder is loaded apart and never trains"
+    problems = []
+    if not cfg.data.cache_text_embeddings:
+        problems.append(f"data.cache_text_embeddings: false, but {reason}; set it to true.")
+    if cfg.data.shuffle_tags:
+        problems.append(f"data.shuffle_tags: true, but {reason} (a shuffled caption is a new text each time); "
+                        "set it to false.")
+    if cfg.training.train_text_encoder:
+        problems.append(f"training.train_text_encoder: true, but {reason}; set it to false.")
     return problems
 
 

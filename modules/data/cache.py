@@ -279,6 +279,35 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
     return index
 
 
+def text_entry(caption: str, fingerprint: str, cache_dir: Path) -> Path:
+    """Where the text cache keeps the embedding of `caption`."""
+    return Path(cache_dir) / "text" / f"{text_key(caption, fingerprint)}.safetensors"
+
+
+def fill_text_cache(captions: Sequence[str], encode_text: EncodeText, fingerprint: str, cache_dir: Path,
+                    rank: int = 0, world_size: int = 1, batch_size: int = 8, progress: bool = True) -> int:
+    """Encode this rank's share of the missing entries of `captions` (whole batches cut from the captions in
+    their order, shared out as `fill_cache` shares them); returns how many this rank encoded. Call a barrier
+    before reading entries other ranks wrote."""
+    keys = {text_key(caption, fingerprint): caption for caption in captions}
+    text_dir = Path(cache_dir) / "text"
+    batches = [[k for k in batch if not (text_dir / f"{k}.safetensors").is_file()]
+               for batch in _my_batches(_batches(list(keys), lambda k: None, batch_size), rank, world_size)]
+    batches = [batch for batch in batches if batch]
+    todo = sum(map(len, batches))
+    if not todo:
+        return 0
+    text_dir.mkdir(parents=True, exist_ok=True)
+    with _caching_progress(todo, rank, progress) as bar:
+        for batch in batches:
+            with torch.no_grad():
+                encoded = encode_text([keys[k] for k in batch])
+            for row, key in enumerate(batch):
+                _write_atomic({name: value[row] for name, value in encoded.items()}, text_dir / f"{key}.safetensors")
+            bar.update(len(batch))
+    return todo
+
+
 class Progress(Protocol):
     """Where caching counts its finished entries: a tqdm bar or `_LoggedProgress`."""
 

@@ -120,6 +120,14 @@ class TrainDataset(Dataset):
         from .roles import item_groups
         return item_groups(self.images, self.item_images)
 
+    def texts_to_cache(self) -> list[str]:
+        """Every text whose embedding this dataset's text cache holds: the images' captions, and the dropped
+        caption when captions drop out."""
+        texts = [image.caption for image in self.images]
+        if self.data_cfg.caption_dropout > 0.0:
+            texts.append(DROPPED_CAPTION)
+        return list(dict.fromkeys(texts))
+
     @property
     def latents_cached(self) -> bool:
         return self._latents_cached
@@ -213,11 +221,24 @@ def collate(items: Sequence[dict]) -> dict:
         if name in items[0]:
             batch[name] = torch.stack([it[name] for it in items])
     if "text" in items[0]:
-        batch["text"] = {k: torch.stack([it["text"][k] for it in items]) for k in items[0]["text"]}
+        batch["text"] = {k: pad_and_stack([it["text"][k] for it in items]) for k in items[0]["text"]}
     for single, plural in (("original_size", "original_sizes"), ("crop_coords", "crop_coords"),
                            ("target_size", "target_sizes")):
         batch[plural] = torch.tensor([list(it[single]) for it in items], dtype=torch.long)
     return batch
+
+
+def pad_and_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack`, but tensors of different lengths (dim 0) are zero-padded to the longest first: the
+    families whose captions keep their own number of tokens (Qwen-Image, Z-Image) cache each with a token
+    mask of ones, which the zeros then mark as padding."""
+    longest = max(t.shape[0] for t in tensors)
+    if all(t.shape[0] == longest for t in tensors):
+        return torch.stack(list(tensors))
+    out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
+    for i, t in enumerate(tensors):
+        out[i, :t.shape[0]] = t
+    return out
 
 
 def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:

@@ -99,6 +99,11 @@ class DistributedTrainer(BaseTrainer):
         if not self.sharded:  # FSDP checkpoints each block itself, before sharding it (fsdp.shard)
             super().enable_gradient_checkpointing()
 
+    def load_device(self) -> torch.device:
+        # A sharded model is loaded into host memory and sharding moves each rank's part to its GPU: no GPU
+        # ever holds the whole (Qwen-Image's 20 B transformer in fp32, 82 GB, fits none).
+        return torch.device("cpu") if self.sharded else self.device
+
     def move_to_device(self) -> None:
         if not self.sharded:
             return super().move_to_device()

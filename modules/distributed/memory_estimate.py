@@ -190,16 +190,20 @@ def resolve_architecture(cfg) -> tuple[str, str, dict]:
 
 
 def _transformer_architecture(family: str, base: str) -> tuple[str, str, dict]:
-    """SD3 / Flux: the folder's own configs, the built-in model's, or the real-size ones Tandem ships."""
+    """The transformer families: the folder's own configs, the built-in model's, or the real-size ones Tandem
+    ships. A text encoder loaded apart (Qwen-Image, Z-Image) is freed before training: it is left out."""
     if base == FAMILIES[family].demo:
         from modules.model.families import family as family_of
         folder = Path(family_of(family).build_demo())
-        return family, f"built-in model ({folder})", _read_folder(folder)
-    path = Path(base)
-    if path.is_dir():
-        return family, f"diffusers folder {path}", _read_folder(path)
-    return (family, f"shipped configs {MODEL_CONFIGS_DIR / family} (the published {FAMILIES[family].title} sizes)",
-            shipped_components(family))
+        found = (family, f"built-in model ({folder})", _read_folder(folder))
+    elif Path(base).is_dir():
+        found = (family, f"diffusers folder {base}", _read_folder(Path(base)))
+    else:
+        found = (family, f"shipped configs {MODEL_CONFIGS_DIR / family} (the published {FAMILIES[family].title} "
+                 "sizes)", shipped_components(family))
+    if FAMILIES[family].text_apart:
+        found[2].pop("text_encoder", None)
+    return found
 
 
 def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:

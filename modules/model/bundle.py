@@ -27,14 +27,15 @@ _CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3
 @dataclass
 class ModelBundle:
     model_type: str
-    """The family: `sd1`, `sd2`, `sdxl`, `sd3` or `flux` (see `modules/config/model_families.py`)."""
+    """The family: `sd1`, `sd2`, `sdxl`, `sd3`, `flux`, `qwen` or `zimage` (see `modules/config/model_families.py`)."""
     denoiser: Any
     """The trained network: `UNet2DConditionModel` (SD families) or the family's transformer (SD3, Flux)."""
     vae: Any
     """`AutoencoderKL`."""
     text_encoders: list
     """The text encoders in the pipeline's order: CLIP (SD1/SD2), CLIP-L + OpenCLIP-bigG (SDXL),
-    CLIP-L + CLIP-G + T5-XXL (SD3), CLIP-L + T5-XXL (Flux)."""
+    CLIP-L + CLIP-G + T5-XXL (SD3), CLIP-L + T5-XXL (Flux); none for Qwen-Image and Z-Image, whose text
+    encoder is loaded apart (`extra["text_side"]`, modules/model/text_apart.py)."""
     tokenizers: list
     """One tokenizer per text encoder, in the same order."""
     noise_scheduler: Any
@@ -112,31 +113,20 @@ class ModelBundle:
         """Encode images in [-1, 1], shape [B, 3, H, W], into scaled latents [B, C, H/8, W/8].
 
         Samples the VAE's latent distribution (as the diffusers training scripts do); the caller
-        decides about `torch.no_grad()`. `generator` makes the sample reproducible.
+        decides about `torch.no_grad()`. `generator` makes the sample reproducible. How latents are
+        scaled is the family's (`ModelFamily.encode_images`).
         """
-        distribution = self._latent_distribution(pixels)
-        return self.family.normalize_latents(self, distribution.sample(generator=generator))
+        return self.family.encode_images(self, pixels, generator)
 
     def encode_latent_distribution(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the scaled latents of images in [-1, 1], [B, 3, H, W]: `encode_images` draws
         `mean + std * noise`. The latent cache stores these, so that each use of an image draws its own
         sample from a generator keyed by the seed and the item alone (see modules/data/cache.py)."""
-        distribution = self._latent_distribution(pixels)
-        return (self.family.normalize_latents(self, distribution.mean),
-                self.family.normalize_latents(self, distribution.std, spread=True))
-
-    def _latent_distribution(self, pixels: torch.Tensor):
-        if pixels.ndim != 4 or pixels.shape[1] != 3:
-            raise ValueError(f"encode_images expects pixels of shape [B, 3, H, W], got {tuple(pixels.shape)}")
-        vae_param = next(self.vae.parameters())
-        pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
-        return self.vae.encode(pixels).latent_dist
+        return self.family.encode_latent_distribution(self, pixels)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode_images` (up to the VAE's quality): scaled latents -> pixels in [-1, 1]."""
-        vae_param = next(self.vae.parameters())
-        latents = self.family.denormalize_latents(self, latents.to(device=vae_param.device, dtype=vae_param.dtype))
-        return self.vae.decode(latents).sample.clamp(-1, 1)
+        return self.family.decode_latents(self, latents)
 
     def tokenize(self, captions: Sequence[str]) -> list[torch.Tensor]:
         """Token ids [B, length] for each tokenizer, padded and truncated like the pipelines."""
@@ -204,6 +194,8 @@ class ModelBundle:
             description["text_lengths"] = self.text_lengths()
         if self.extra.get("clip_skip"):  # another CLIP layer: other embeddings (absent by default: caches stay valid)
             description["clip_skip"] = self.extra["clip_skip"]
+        if "text_side" in self.extra:  # an encoder loaded apart (text_apart.py): its dtype, not loaded weights
+            description["text_side"] = self.extra["text_side"].describe()
         if self.extra.get("components_source"):
             description["components"] = _source_identity(self.extra["components_source"], _CACHE_INPUT_FOLDERS)
         blob = json.dumps(description, sort_keys=True, default=str).encode()

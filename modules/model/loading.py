@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin
+from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin, guess_family
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.config.validation import parse_config_overrides
@@ -41,7 +41,8 @@ def frozen_dtypes(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = 
     """
     for name in ("unet_dtype", "text_encoder_dtype", "vae_dtype"):
         value = getattr(model_cfg, name)
-        allowed = (*DTYPES, FLOAT8_BASE) if name == "unet_dtype" else tuple(DTYPES)
+        # fp8 text encoders: the families that encode text apart store them so (text_apart.py); the rest refuse it
+        allowed = (*DTYPES, FLOAT8_BASE) if name in ("unet_dtype", "text_encoder_dtype") else tuple(DTYPES)
         if value not in allowed:
             raise ValueError(f"model.{name} is {value!r}; use one of {', '.join(allowed)}")
     full = training_cfg is not None and training_cfg.method == "full"
@@ -52,7 +53,7 @@ def frozen_dtypes(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = 
     unet = torch.bfloat16 if model_cfg.unet_dtype == FLOAT8_BASE else DTYPES.get(model_cfg.unet_dtype)
     return {
         "unet": torch.float32 if full else unet,
-        "text_encoder": torch.float32 if trains_text else DTYPES[model_cfg.text_encoder_dtype],
+        "text_encoder": torch.float32 if trains_text else DTYPES.get(model_cfg.text_encoder_dtype, torch.bfloat16),
         "vae": DTYPES[model_cfg.vae_dtype],
     }
 
@@ -77,26 +78,12 @@ def load_model(
     overrides = parse_config_overrides(model_cfg.config_overrides)  # validated: the message names the field
     # With a separate VAE the model's own is never read (no wasted time or memory).
     own_vae = not model_cfg.vae_path.strip()
-    if source.startswith("builtin:"):
-        name = family_of_builtin(source)
-        if name is None:
-            known = ", ".join(BUILTIN_MODELS)
-            raise ValueError(f"model.base_model {source!r} is not a built-in model; the built-in ones are {known}")
-        family = get_family(_resolve_model_type(model_cfg.model_type, name, f"{source} is built in", source))
-        bundle = family.load_folder(family.build_demo(), model_cfg, dtypes, source, own_vae)
+    family, where, kind = resolve_family(model_cfg)
+    if kind == "file":
+        bundle = family.load_single_file(where, model_cfg, dtypes, own_vae)
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model.base_model {str(path)!r} does not exist; set it to a diffusers folder, "
-                f"a .safetensors/.ckpt file or {BUILTIN_DEMO}"
-            )
-        if path.is_dir():
-            name, reason = _detect_folder(path)
-            family = get_family(_resolve_model_type(model_cfg.model_type, name, reason, str(path)))
-            bundle = family.load_folder(path, model_cfg, dtypes, str(path.resolve()), own_vae)
-        else:
-            bundle = _load_single_file(path, model_cfg, dtypes, own_vae)
+        bundle = family.load_folder(where, model_cfg, dtypes, source if kind == "builtin" else str(where.resolve()),
+                                    own_vae)
 
     if not own_vae:
         bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type, overrides.get("vae"))
@@ -108,6 +95,62 @@ def load_model(
         module.requires_grad_(False).eval()
     store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights
     return bundle.to(device)
+
+
+def resolve_family(model_cfg: ModelConfig):
+    """(family, where, kind) of `model.base_model` without reading any weight: kind `builtin` (where: its
+    folder, built on first use), `folder` or `file`. Refuses what the family cannot take (a type other than
+    `model.model_type` names, an fp8 text encoder of a family that loads its text encoders with the model)."""
+    _check_choices(model_cfg)
+    source = model_cfg.base_model.strip()
+    if not source:
+        raise ValueError(
+            "model.base_model is empty; set it to a diffusers folder, a .safetensors/.ckpt file or builtin:demo")
+    if source.startswith("builtin:"):
+        name = family_of_builtin(source)
+        if name is None:
+            known = ", ".join(BUILTIN_MODELS)
+            raise ValueError(f"model.base_model {source!r} is not a built-in model; the built-in ones are {known}")
+        family = get_family(_resolve_model_type(model_cfg.model_type, name, f"{source} is built in", source))
+        found = (family, family.build_demo(), "builtin")
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model.base_model {str(path)!r} does not exist; set it to a diffusers folder, "
+                f"a .safetensors/.ckpt file or {BUILTIN_DEMO}"
+            )
+        if path.is_dir():
+            name, reason = _detect_folder(path)
+            found = (get_family(_resolve_model_type(model_cfg.model_type, name, reason, str(path))), path, "folder")
+        else:
+            found = (_single_file_family(path, model_cfg), path, "file")
+    if model_cfg.text_encoder_dtype == FLOAT8_BASE and not found[0].info.text_apart:
+        raise ValueError(f"model.text_encoder_dtype is 'fp8', which only the families whose text encoder is loaded "
+                         f"apart take (Qwen-Image, Z-Image); {found[0].info.title} loads its text encoders with the "
+                         "model: set model.text_encoder_dtype to bf16")
+    return found
+
+
+def load_text_side(model_cfg: ModelConfig, training_cfg: TrainingConfig | None = None) -> ModelBundle | None:
+    """The bundle of a `text_apart` family without its denoiser: VAE, tokenizer and the text side
+    (`text_apart.py`), enough to fill the text cache before the denoiser loads (same `fingerprint()` as the
+    whole bundle); None for the other families."""
+    guessed = FAMILIES.get(guess_family(model_cfg.base_model, model_cfg.model_type) or "")
+    if guessed is None or not guessed.text_apart:  # read without loading (or building) anything
+        return None
+    family, where, kind = resolve_family(model_cfg)
+    if not family.info.text_apart:
+        return None
+    own_vae = not model_cfg.vae_path.strip()
+    dtypes = frozen_dtypes(model_cfg, training_cfg)
+    source = model_cfg.base_model.strip() if kind == "builtin" else str(where.resolve())
+    bundle = family.load_text_side(where, kind, model_cfg, dtypes, source, own_vae)
+    if not own_vae:
+        overrides = parse_config_overrides(model_cfg.config_overrides)
+        bundle.vae = load_vae(model_cfg.vae_path.strip(), dtypes["vae"], bundle.model_type, overrides.get("vae"))
+        bundle.vae_source = str(Path(model_cfg.vae_path.strip()).expanduser().resolve())
+    return bundle
 
 
 def store_base_in_float8(bundle: ModelBundle, model_cfg: ModelConfig) -> None:
@@ -188,7 +231,7 @@ def _resolve_model_type(requested: str, detected: str, reason: str, where: str) 
     return detected
 
 
-def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae: bool) -> ModelBundle:
+def _single_file_family(path: Path, model_cfg: ModelConfig):
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(
             f"model.base_model {str(path)!r} is a file but not a model checkpoint "
@@ -201,7 +244,7 @@ def _load_single_file(path: Path, model_cfg: ModelConfig, dtypes: dict, own_vae:
     if not (model_cfg.model_type in sd_types and detected in sd_types):
         _resolve_model_type(model_cfg.model_type, detected, "detected from its weights", str(path))
     # Between SD types the SD loader checks an explicit type against the file, with its own message.
-    return get_family(detected).load_single_file(path, model_cfg, dtypes, own_vae)
+    return get_family(detected)
 
 
 def as_dtype(module, dtype: torch.dtype):

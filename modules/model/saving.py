@@ -87,7 +87,8 @@ def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> Non
     scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
     scheduler.save_pretrained(folder / "scheduler")
     components["scheduler"] = scheduler
-    write_model_index(folder, bundle.family.info.pipeline_class, components, bundle.family.model_index_extras(bundle))
+    extras = {**bundle.family.model_index_extras(bundle), **bundle.family.write_extra_components(bundle, folder)}
+    write_model_index(folder, bundle.family.info.pipeline_class, components, extras)
     for config in folder.rglob("*.json"):
         if config.name in _CONFIG_FILES:
             _drop_local_paths(config)

@@ -85,6 +85,8 @@ class BaseTrainer(ABC):
         self.ended = False
         """Whether `end()` ran to its last line: the outputs are written and the process may end at once."""
         self.start_phases = PhaseTimes()
+        self.text_apart = None
+        """What `encode_text_first` did (`text_encoding.TextEncodingReport`), None for most families."""
         # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
         self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
 
@@ -101,6 +103,7 @@ class BaseTrainer(ABC):
         with phase("data scan"):
             self.dataset = self.create_dataset()  # scanned before any model loads: bad data fails fast
             self.validation_set = self.dataset.validation_set()  # held-out images, or None
+        self.encode_text_first()
         with phase("model"):
             self.bundle = self.create_model()
             # One seed for what creates weights (LoRA init), set after loading (which may build and seed
@@ -260,10 +263,29 @@ class BaseTrainer(ABC):
         # time: ~10 s more per start on 4 GPUs with an SD1.5 folder).
         builds_files = self.cfg.model.base_model.strip().startswith(BUILTIN_PREFIX)
         with du.main_first() if builds_files else contextlib.nullcontext():
-            bundle = load_model(self.cfg.model, self.device, self.cfg.training)
+            bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training)
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
         bundle.family.check_image_sizes(self.dataset.bucket_sizes)
+        if self.text_apart is not None:  # samples read their prompts' embeddings from the text cache
+            bundle.extra["text_side"].cached.update(self.text_apart.samples)
         return bundle
+
+    def encode_text_first(self) -> None:
+        """A family whose text encoder is loaded apart (Qwen-Image, Z-Image) fills the text cache now, before
+        its transformer loads, and frees the encoder (modules/trainer/text_encoding.py); the others cache text
+        with the latents (`fill_cache`)."""
+        from modules.trainer.text_encoding import encode_text_apart
+        started = time.perf_counter()
+        datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
+        self.text_apart = encode_text_apart(self.cfg, datasets, self.device, self.paths.cache)
+        if self.text_apart is not None:
+            self.start_phases.seconds["text"] = time.perf_counter() - started
+            self.start_phases.parts["text"] = {"loading the text encoder": self.text_apart.load_seconds,
+                                               "encoding": self.text_apart.encode_seconds}
+
+    def load_device(self) -> torch.device:
+        """Where the model is loaded; `move_to_device` then places each part."""
+        return self.device
 
     def prepare_trainable(self) -> list[torch.nn.Parameter]:
         """Choose what trains (LoRA adapters or the whole UNet/transformer) and move the model to the device."""

@@ -55,6 +55,8 @@ def build_model_tab(parent, binder: Binder) -> ModelPicker:
     form.fields("model.t5_max_length", "model.text_max_length")
     form.section("Weight storage (frozen parts)")
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
+    # Qwen-Image and Z-Image: where their text encoder runs while it fills the text cache.
+    form.field("model.text_encoder_placement")
     form.section("Advanced")
     form.field("model.config_overrides", width=380)
     return picker

@@ -108,6 +108,34 @@ class ModelFamily(ABC):
         """A VAE from a single file (`model.vae_path`), with this family's latent scaling; `config`: fields
         from `model.config_overrides["vae"]` for a file whose sizes are not the standard ones."""
 
+    # ------------------------------------------------------------------ latents (a 2-D VAE's, by default)
+
+    def encode_images(self, bundle: "ModelBundle", pixels: torch.Tensor,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pixels in [-1, 1], [B, 3, H, W] -> a sample of the normalised latents [B, C, H/8, W/8]."""
+        distribution = self._latent_distribution(bundle, pixels)
+        return self.normalize_latents(bundle, distribution.sample(generator=generator))
+
+    def encode_latent_distribution(self, bundle: "ModelBundle", pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the normalised latents (what the latent cache stores)."""
+        distribution = self._latent_distribution(bundle, pixels)
+        return (self.normalize_latents(bundle, distribution.mean),
+                self.normalize_latents(bundle, distribution.std, spread=True))
+
+    def decode_latents(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> pixels in [-1, 1]. A family whose VAE takes other shapes (Qwen-Image's: video
+        frames) overrides these three."""
+        vae_param = next(bundle.vae.parameters())
+        latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
+        return bundle.vae.decode(latents).sample.clamp(-1, 1)
+
+    def _latent_distribution(self, bundle: "ModelBundle", pixels: torch.Tensor):
+        if pixels.ndim != 4 or pixels.shape[1] != 3:
+            raise ValueError(f"encode_images expects pixels of shape [B, 3, H, W], got {tuple(pixels.shape)}")
+        vae_param = next(bundle.vae.parameters())
+        pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
+        return bundle.vae.encode(pixels).latent_dist
+
     def build_demo(self, root: Path | None = None) -> Path:
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")
@@ -207,6 +235,11 @@ class ModelFamily(ABC):
     def model_index_extras(self, bundle: "ModelBundle") -> dict[str, Any]:
         """`model_index.json` entries besides the components (unused components, pipeline flags; a family
         with several pipelines names the bundle's in `_class_name`)."""
+        return {}
+
+    def write_extra_components(self, bundle: "ModelBundle", folder: Path) -> dict[str, list[str]]:
+        """Write the components of a diffusers folder that are not among the bundle's modules (a text encoder
+        loaded apart: copied from its source) into `folder`; returns their `model_index.json` entries."""
         return {}
 
     @abstractmethod

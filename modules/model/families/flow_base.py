@@ -105,14 +105,7 @@ class FlowFamily(ModelFamily):
         from modules.model.loading import as_dtype
         from modules.model.single_file import read_checkpoint
 
-        components = model_cfg.components_folder.strip()
-        if not components:
-            raise ValueError(
-                f"{path} is a {self.info.title} single file, which holds the transformer but not the text "
-                f"encoders, tokenizers and scheduler; set model.components_folder to a diffusers folder of "
-                f"{self.info.title} (e.g. the one the file was fine-tuned from) to take them from there")
-        folder = Path(components).expanduser()
-        self._check_components_folder(folder)
+        folder = self._components_folder(path, model_cfg)
         state, metadata = read_checkpoint(path)
         transformer = as_dtype(self.transformer_from_file(state, metadata, path), dtypes["unet"])
         vae = None
@@ -126,6 +119,18 @@ class FlowFamily(ModelFamily):
         if vae is not None:
             bundle.vae = vae
         return bundle
+
+    def _components_folder(self, path: Path, model_cfg) -> Path:
+        """`model.components_folder`, checked: where a single file's text encoders, tokenizers and scheduler come from."""
+        components = model_cfg.components_folder.strip()
+        if not components:
+            raise ValueError(
+                f"{path} is a {self.info.title} single file, which holds the transformer but not the text "
+                f"encoders, tokenizers and scheduler; set model.components_folder to a diffusers folder of "
+                f"{self.info.title} (e.g. the one the file was fine-tuned from) to take them from there")
+        folder = Path(components).expanduser()
+        self._check_components_folder(folder)
+        return folder
 
     def _check_components_folder(self, folder: Path) -> None:
         from . import detect_folder
