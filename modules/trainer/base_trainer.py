@@ -355,8 +355,8 @@ class BaseTrainer(ABC):
         if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
             self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting,
                                                 "encoding": seconds}
-        log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
-                 "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        shared = ("each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        log.info("Cache ready in %.1f s%s", seconds, f" ({du.world_size()} processes, {shared})" if du.world_size() > 1 else "")
         self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
 
     def offload_cached_encoders(self) -> None:
