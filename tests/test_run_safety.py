@@ -86,15 +86,35 @@ def test_a_run_whose_loss_turns_nan_stops_and_saves_nothing(tmp_path, cache_dir)
         assert all(torch.isfinite(w).all() for w in weights.values()), f"{found.path} holds non-finite weights"
 
 
+def test_a_backup_of_absurd_weights_is_not_called_good(tmp_path, cache_dir):
+    """learning_rate=1e30: after step 1 the weights reach 1e29 - finite, so backed up, but absurd: the loss
+    computed from them is not finite. The refusal must not name that backup as the good one."""
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=12", "save.backup_every_n_steps=1",
+                      "training.learning_rate=1e30", "optimizer.name=sgd", "training.max_grad_norm=0",
+                      "training.precision=fp32", method="full")
+    with pytest.raises(NonFiniteTrainingError) as error:
+        GenericTrainer(cfg, RecordingCallbacks()).run()
+    text = str(error.value)
+    written = [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")]
+    assert written and "good backup" not in text and "sound weights is" not in text, (written, text)
+    steps = ", ".join(map(str, written))
+    assert f"the backup(s) at step(s) {steps} hold the weights that led to it - do not continue them" in text, text
+
+
 @pytest.mark.slow
 def test_nan_on_two_processes_stops_every_rank(tmp_path, cache_dir):
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=12", "optimizer.name=sgd",
                                        "training.learning_rate=1e30", "training.max_grad_norm=0",
-                                       "training.precision=fp32", method="full"), timeout=300)
+                                       "training.precision=fp32", "save.backup_every_n_steps=1", method="full"),
+                        timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode != 0 and "NonFiniteTrainingError" in out and '"completed": true' not in out
     assert not (tmp_path / "ws" / "output").exists()
+    # One statement about the backups, whichever rank says it (rank 1 once said none was written).
+    said = {line.split("NonFiniteTrainingError: ", 1)[1] for line in out.splitlines()
+            if "failed: NonFiniteTrainingError: " in line}
+    assert len(said) == 1 and "good backup" not in next(iter(said)), said
 
 
 @pytest.mark.slow

@@ -72,6 +72,8 @@ class BaseTrainer(ABC):
         self.given_run_id = run_id
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
+        self.last_finite_loss_step = 0
+        """The last step whose loss was finite: the weights before it were sound (see `fail_non_finite`)."""
         self.first_step_done = False
         self.split: list[int] = []
         """Samples of each global micro-batch per rank (`multi_gpu.batch_split`), decided at start."""
@@ -690,6 +692,7 @@ class BaseTrainer(ABC):
         """Stop at the first non-finite loss; with fp16 loss scaling, skipped steps are normal unless they persist."""
         if math.isfinite(report.loss):
             self.non_finite_in_a_row = 0
+            self.last_finite_loss_step = max(self.last_finite_loss_step, report.step)
             return
         self.non_finite_in_a_row += 1
         if self.cfg.training.precision == "fp16" and self.non_finite_in_a_row < FP16_SKIPS_TOLERATED:
@@ -704,12 +707,30 @@ class BaseTrainer(ABC):
             self.fail_non_finite(f"the trained weights hold NaN or infinite values after step {self.global_step}")
 
     def fail_non_finite(self, what: str) -> None:
-        last = self.outputs.last_backup if self.outputs is not None else None
-        kept = f"the newest good backup is {last}" if last else "no backup of this run was written before it"
+        """Stop the run (every rank calls this at the same step) with one statement on every rank: which
+        backups of this run hold weights known to be sound."""
+        kept = du.broadcast_object(du.on_main(self.sound_backups) if self.outputs is not None else None)
+        kept = kept or "no backup of this run was written before it"
         raise NonFiniteTrainingError(
             f"Training stopped: {what}. Nothing was saved as the final model ({kept}). Lower "
             f"training.learning_rate (now {self.cfg.training.learning_rate:g}), keep training.max_grad_norm on, "
             "or train in bf16 instead of fp16.")
+
+    def sound_backups(self) -> str | None:
+        """Rank 0's word on this run's backups once the values stopped being finite. A backup's weights are
+        known sound when the next step's loss, computed from them, was finite: a huge learning rate gives
+        finite but absurd weights first (1e29 after one step of 1e30), and only the loss after them shows it."""
+        with contextlib.suppress(Exception):  # a failed write is not a backup; the run is failing anyway
+            self.outputs.backup_writer.wait()
+        written = backups.list_backups(self.paths.backups, self.run_id)
+        sound = [b for b in written if b.step < self.last_finite_loss_step]
+        unsound = [b.step for b in written if b.step >= self.last_finite_loss_step]
+        text = f"the newest backup with sound weights is {sound[-1].path}" if sound else None
+        if unsound:
+            steps = ", ".join(map(str, unsound))
+            text = (f"{text + '; ' if text else 'no backup of this run has sound weights: '}the backup(s) at step(s) "
+                    f"{steps} hold the weights that led to it - do not continue them")
+        return text
 
     def sampling_scheduled(self) -> bool:
         s = self.cfg.sampling
