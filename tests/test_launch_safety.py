@@ -275,3 +275,32 @@ def test_stop_signal_during_worker_start_up_is_not_lost(tmp_path, cache_dir):
     # Commands reach every rank with the next step's report: the first step a stop can end is step 2.
     assert not done["completed"] and done["step"] <= 2
     assert [e["step"] for e in found if e["type"] == "backup"] == [done["step"]]
+
+
+@pytest.mark.slow
+def test_a_second_stop_signal_names_the_backup_left_to_continue(tmp_path, cache_dir):
+    """Two Ctrl-C in a row under torchrun: the workers end at once, and the last line names this run's newest
+    backup (it said "the workers were ended without a backup" although one was written)."""
+    from modules.trainer import backup as backups
+    ws = tmp_path / "ws"
+    proc = start_training(ws, cache_dir, "torchrun", "save.backup_every_n_steps=2")
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if '"type": "backup"' in line:
+                break
+        os.kill(proc.pid, signal.SIGINT)
+        for line in proc.stdout:  # two signals sent at once reach a process as one
+            lines.append(line)
+            if line.startswith("SIGINT: stopping every rank"):
+                break
+        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        code, output = finish(proc, lines)
+    assert code == 130, output[-3000:]
+    newest = backups.latest_backup(ws / "backups")
+    assert newest is not None, output[-3000:]
+    assert (f"Training aborted by a second stop signal: the workers were ended; the newest backup of this run is "
+            f"step {newest.step} ({newest.path})") in output, output[-3000:]
+    assert "without a backup" not in output

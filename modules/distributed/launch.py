@@ -564,7 +564,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         except nodes.NodeMismatch as e:
             raise LaunchError(str(e)) from None
     if code == ABORTED:
-        log.error("Training aborted by a second stop signal: the workers were ended without a backup.")
+        log.error("Training aborted by a second stop signal: %s", aborted_backup_line(job))
     elif code != 0:
         # The last line of the log, and the GUI's headline: the rank that failed first, not the last to complain.
         if plan.launcher != "spawn" and _rendezvous_timed_out(exits_file_of(job_file, node_rank)):
@@ -579,6 +579,18 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         log.error("Training failed: %s", first.text)
         default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
     return code
+
+
+def aborted_backup_line(job: WorkerJob) -> str:
+    """What an abort left to continue: the newest backup this launch wrote of its run, if any (a stop's own
+    backup may have been written before the second signal ended the workers)."""
+    from modules.trainer import backup as backups
+
+    newest = backups.latest_backup(RunPaths(job.cfg).backups, job.run_id) if job.run_id else None
+    if newest is not None and newest.written >= job.launched_at:
+        return (f"the workers were ended; the newest backup of this run is step {newest.step} ({newest.path}): "
+                "continue it with --resume.")
+    return "the workers were ended before they wrote a backup of this run."
 
 
 @contextlib.contextmanager
