@@ -40,10 +40,15 @@ def _check_resume(cfg: TrainConfig, resume: str | None) -> str | None:
     if resume is None:
         return None
     from modules.config import RunPaths
-    from modules.trainer.backup import find_backup
+    from modules.trainer import sharded_backup
+    from modules.trainer.backup import UnsafeBackupError, check_backup, find_backup
     try:
-        find_backup(RunPaths(cfg).backups, resume)
-    except FileNotFoundError as e:
+        chosen = find_backup(RunPaths(cfg).backups, resume)
+        # A doctored or damaged backup is refused here, not after every worker has loaded the model.
+        check_backup(chosen.path)
+        if sharded_backup.is_sharded(chosen.path):
+            sharded_backup.check_index(chosen.path)
+    except (FileNotFoundError, ValueError, UnsafeBackupError) as e:
         return str(e)
     return None
 
