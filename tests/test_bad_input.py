@@ -300,3 +300,19 @@ def test_a_doctored_backup_is_refused_before_any_worker_starts(tmp_path, cache_d
     assert not list(ws.glob("**/rank-*.json")) and not (ws / ".tandem" / "launch.json").exists(), "a worker started"
     assert not (ws / "ran").exists()
     assert took < 40, f"took {took:.0f} s to refuse the backup"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [("train.py",), MULTI])
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, cache_dir, script):
+    """A file where the output folder should go: one line at the start, not a traceback after training."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run_script(*script, "--config-path", "#demo",
+                        *overrides_for(tmp_path / "ws", cache_dir, f"save.output_dir={blocker / 'out'}"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    (line,) = human_lines(output)
+    assert line == f"error: save.output_dir: cannot create {blocker / 'out'}: {blocker} is a file, not a folder; " \
+                   "choose another folder.", line
+    assert not (tmp_path / "ws" / "backups").exists(), "training started"

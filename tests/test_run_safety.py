@@ -123,8 +123,9 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     """The reported hang: rank 0 took its 'back up instead' path while rank 1 waited at a barrier until the
     process-group timeout, and no backup was written. Every rank must take the backup path together."""
     ws = tmp_path / "ws"
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
+    # A link to a drive that is not mounted: the start cannot tell it from one that will be, the final save fails.
+    blocker = tmp_path / "unmounted-drive"
+    blocker.symlink_to(tmp_path / "nowhere")
     started = time.monotonic()
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu",
                         *launcher_flag(launcher),
