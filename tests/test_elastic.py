@@ -358,13 +358,34 @@ def test_fewer_processes_keep_the_global_batch_by_accumulating(tmp_path, cache_d
         keep_global_batch(job, 3)
 
 
+def test_a_round_on_fewer_processes_keeps_the_launchs_learning_rate(tmp_path, cache_dir):
+    """Linear LR scaling, 8 processes launched, 4 left after a machine was lost: the global batch is kept by
+    accumulating, so the LR must stay the launch's (it halved, 8e-4 -> 4e-4, and the result was another one)."""
+    from modules.distributed.launch import keep_global_batch
+    from modules.trainer.run_numbers import derive_run_numbers
+    cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=4",
+                      "multi_gpu.nnodes=2", "multi_gpu.master_port=29500", "multi_gpu.max_restarts=1",
+                      "multi_gpu.min_gpus=4", "multi_gpu.lr_scaling=linear", "training.learning_rate=1e-4",
+                      "training.batch_size=2")
+    job = WorkerJob(cfg, resolve_launch(cfg, 0), run_id="run-x")
+    assert (job.spec.world_size, job.spec.global_batch) == (8, 16) and job.spec.lr == pytest.approx(8e-4)
+    smaller = keep_global_batch(job, 4)
+    assert (smaller.spec.world_size, smaller.spec.accumulation) == (4, 2)
+    assert smaller.spec.global_batch == 16 and smaller.spec.lr == pytest.approx(8e-4)
+    numbers = derive_run_numbers(smaller.cfg, 4, 40, launch=smaller.spec)
+    assert numbers.global_batch == 16 and numbers.lr == pytest.approx(8e-4), numbers.describe()
+    assert "LR 0.0001 -> 0.0008 (linear scaling x8)" in numbers.describe()
+    assert read_job(write_job(smaller)).spec == smaller.spec  # a restarted round reads it from the job file
+
+
 @pytest.mark.slow
 def test_a_lost_machine_is_left_behind_with_min_gpus_and_the_global_batch_kept(tmp_path, cache_dir):
     """Two machines of 2 processes, multi_gpu.min_gpus=2: machine 1 dies for good (its launcher, agent and
     workers killed); machine 0 restarts on its 2 processes, accumulates twice and finishes at global batch 16."""
     from modules.benchmark.fault_trials import _descendants
     common = ("training.max_steps=6", "training.batch_size=4", "save.backup_every_n_steps=2",
-              "multi_gpu.timeout_minutes=0.75", "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2")
+              "multi_gpu.timeout_minutes=0.75", "multi_gpu.max_restarts=1", "multi_gpu.min_gpus=2",
+              "multi_gpu.lr_scaling=linear")
     port = find_free_port()
     ws = tmp_path / "ws"
     node0 = start_script("train_multi_gpu.py", *_node_command(ws, cache_dir, 0, port, *common), start_new_session=True)
@@ -383,4 +404,5 @@ def test_a_lost_machine_is_left_behind_with_min_gpus_and_the_global_batch_kept(t
     assert "restart 1 of 1: ranks 2, 3 were lost (the connection closed: their machine or processes ended)" in output
     configs = [e for e in _events(lines) if e["type"] == "config"]
     assert [(c["world_size"], c["accumulation"], c["global_batch"]) for c in configs] == [(4, 1, 16), (2, 2, 16)]
+    assert [c["lr"] for c in configs] == pytest.approx([0.004, 0.004])  # the launch's: x4 (linear), kept
     assert [e for e in _events(lines) if e["type"] == "done"][-1]["completed"]

@@ -49,8 +49,8 @@ def _no_buffer_sync_per_forward() -> dict:
 
 class DistributedTrainer(BaseTrainer):
     def __init__(self, cfg, callbacks=None, inbox=None, device_type: str = "cuda", resume: str | None = None,
-                 run_id: str | None = None) -> None:
-        super().__init__(cfg, callbacks, inbox, resume, run_id)
+                 run_id: str | None = None, launch=None) -> None:
+        super().__init__(cfg, callbacks, inbox, resume, run_id, launch)
         self.device_type = device_type
 
     def setup_environment(self) -> None:

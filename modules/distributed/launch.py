@@ -156,7 +156,7 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
     return LaunchPlan(spec, addr, port, m.timeout_minutes)
 
 
-def check_data_fits(cfg: TrainConfig, world_size: int):
+def check_data_fits(cfg: TrainConfig, spec: LaunchSpec):
     """Fail before starting workers when the data cannot fill one global batch per step; the scanned dataset."""
     from modules.data import BucketBatchSampler, EmptyDatasetError, MaskError, build_dataset
     from modules.trainer.run_numbers import derive_run_numbers
@@ -166,9 +166,10 @@ def check_data_fits(cfg: TrainConfig, world_size: int):
     except (EmptyDatasetError, MaskError, FileNotFoundError) as e:
         raise LaunchError(str(e)) from None
     try:
+        world_size = spec.world_size
         sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=world_size, rank=0,
                                      seed=cfg.general.seed)
-        derive_run_numbers(cfg, world_size, len(sampler))
+        derive_run_numbers(cfg, world_size, len(sampler), launch=spec)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return dataset
@@ -288,7 +289,7 @@ def run_worker(job: WorkerJob) -> None:
         if duties.leads:
             announce_restart(job, restarted_from, duties.callbacks, launched.spec.world_size)
     trainer = DistributedTrainer(cfg, duties.callbacks, inbox, device_type=job.spec.device_type, resume=resume,
-                                 run_id=job.run_id)
+                                 run_id=job.run_id, launch=job.spec)
     try:
         if duties.leads:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
             WorkspaceLock(cfg.general.workspace_dir).acquire()
@@ -536,7 +537,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         preflight(cfg)
     except PreflightError as e:
         raise LaunchError(str(e)) from None
-    dataset = check_data_fits(cfg, plan.world_size) if check_data or plan.spec.nnodes > 1 else None
+    dataset = check_data_fits(cfg, plan.spec) if check_data or plan.spec.nnodes > 1 else None
     paths = RunPaths(cfg)
     errors_folder = failures.failures_folder(paths.workspace)
     node_rank = plan.spec.node_rank

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from modules.config import RunPaths, TrainConfig, save_config
+from modules.config.launch_spec import LaunchSpec
 from modules.config.validation import BUILTIN_PREFIX
 from modules.util import dist_utils as du
 from modules.trainer import backup as backups
@@ -59,9 +60,11 @@ class BaseTrainer(ABC):
     ranks together (`outputs.py`, `sharded_backup.py`)."""
 
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
-                 inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None) -> None:
+                 inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
+                 launch: LaunchSpec | None = None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
-        `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it)."""
+        `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it);
+        `launch`: the launch as its launcher resolved it (its global batch and scaled LR are the run's)."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
@@ -70,6 +73,7 @@ class BaseTrainer(ABC):
         self.inbox = inbox
         self.resume = resume
         self.given_run_id = run_id
+        self.launch = launch
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
         self.last_finite_loss_step = 0
@@ -467,7 +471,7 @@ class BaseTrainer(ABC):
 
     def compute_numbers(self) -> RunNumbers:
         return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
-                                  items_per_epoch=len(self.dataset))
+                                  items_per_epoch=len(self.dataset), launch=self.launch)
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
         return model
