@@ -21,7 +21,7 @@ from modules.config.train_config import DataConfig
 
 from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
-from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts
+from .concepts import ImageRecord, ScanResult, process_caption, report_sizes, scan_concepts
 from .masks import load_mask, loss_weights
 
 
@@ -200,11 +200,15 @@ def collate(items: Sequence[dict]) -> dict:
     return batch
 
 
-def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:
-    """Scan the concepts and assign buckets; needs no model, so data errors show up first."""
+def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int, scan: ScanResult | None = None) -> TrainDataset:
+    """Scan the concepts (unless `scan` is the result of a scan made already: a launcher's, carried to its
+    workers) and assign buckets; needs no model, so data errors show up first. What the scan left out or will
+    resize is said where the scan is made, once."""
     bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing)
-    return TrainDataset(scan_concepts(data_cfg.concepts, data_cfg.validation_fraction), bucket_sizes, data_cfg,
-                        cache_dir, seed)
+    if scan is None:
+        scan = scan_concepts(data_cfg.concepts, data_cfg.validation_fraction)
+        report_sizes([*scan.images, *scan.validation], bucket_sizes)
+    return TrainDataset(scan, bucket_sizes, data_cfg, cache_dir, seed)
 
 
 class _EpochTaggedBatches:
