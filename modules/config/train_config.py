@@ -307,6 +307,8 @@ class MultiGPUConfig:
     """Port for the rendezvous. 0: pick a free port (one machine only: several machines need the same fixed port, e.g. 29500)."""
     timeout_minutes: float = rule(10.0, above=0.0)
     """How long ranks wait for each other (a collective, the start of every node) before the job fails with a message naming the rank - or, with `max_restarts`, restarts. PyTorch's own defaults are 10-30 minutes."""
+    stall_seconds: float = rule(30.0, above=0.0, label="Stuck rank after (seconds)")
+    """A rank that shows no sign of life for this long, or makes no progress while the others wait for it, ends the job - or, with `max_restarts`, restarts it - with a message naming the rank, its step and what it was doing (watched through the rendezvous store, whatever the backend). Phases that announce themselves as long are not held to it (start-up, the first step, compiling, sampling, backups, saving, validation), and it grows by itself to 4 x the slowest step so far. `timeout_minutes` still bounds a collective that every rank waits in."""
     max_restarts: int = rule(0, minimum=0, label="Restarts after a failure")
     """Restart every worker this many times when one dies or hangs (a collective timing out after `timeout_minutes`); the workers continue from the run's newest complete backup by themselves. Needs the torchrun launcher. 0: a failure ends the job. With restarts on and no backup cadence by steps or minutes, backups are written every 10 minutes."""
     min_gpus: int = rule(0, minimum=0, label="Continue on at least N GPUs")

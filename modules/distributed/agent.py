@@ -18,6 +18,8 @@ import json
 import os
 import time
 
+from modules.distributed.failures import ENDED_BY_WATCHDOG
+
 EXITS_VARIABLE = "TANDEM_WORKER_EXITS"
 ROUND_VARIABLE = "TANDEM_RENDEZVOUS_ROUND"
 """The workers' rendezvous round (the same on every machine; a new one after each restart)."""
@@ -50,6 +52,11 @@ def _note_failed_rounds() -> None:
             attempt = worker_group.spec.max_restarts - self._remaining_restarts
             _note([{"attempt": attempt, "rank": rank, "exitcode": failure.exitcode,
                     "seen_at": failure.timestamp or time.time()} for rank, failure in result.failures.items()])
+            # A watchdog ended a worker because of another: the healthy ones leave by themselves, the one it
+            # named is frozen or stuck, and SIGTERM's grace would only delay the restart.
+            global _grace_s
+            _grace_s = WATCHDOG_GRACE_S if any(f.exitcode == ENDED_BY_WATCHDOG for f in result.failures.values()) \
+                else TERMINATE_GRACE_S
         return result
 
     monitor_and_note.tandem_notes = True
@@ -79,6 +86,9 @@ def _share_the_round() -> None:
     DynamicRendezvousHandler.next_rendezvous = join_and_share_round
 
 
+WATCHDOG_GRACE_S = 3
+"""The grace after a worker's watchdog ended it (see `monitor_and_note`)."""
+_grace_s = 10
 TERMINATE_GRACE_S = 10
 """How long torchrun's agent lets a worker end after SIGTERM before it kills it (torchrun's own: 30 s). A hung
 worker - the usual reason to end one - never ends by itself, so its grace only delays the restart; Tandem's
@@ -93,7 +103,7 @@ def _shorter_grace() -> None:
         return
 
     def close_sooner(self, death_sig=None, timeout: int = TERMINATE_GRACE_S) -> None:
-        close(self, death_sig, min(timeout, TERMINATE_GRACE_S))
+        close(self, death_sig, min(timeout, _grace_s))
 
     close_sooner.tandem_grace = True
     PContext.close = close_sooner

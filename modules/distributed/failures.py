@@ -33,6 +33,8 @@ SECONDARY_WORDS = ("connection reset", "connection closed", "broken pipe", "conn
 RESTART_COUNT_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
 """Set by torchrun's agent for its workers: how often it has restarted them."""
 MAX_RESTARTS_VARIABLE = "TORCHELASTIC_MAX_RESTARTS"
+ENDED_BY_WATCHDOG = 3
+"""Exit code of a worker that its watchdog ended because of another rank (its note names that rank)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Fa
     primary = sorted((e for e in errors.values() if not e.secondary), key=lambda e: e.time)
     if primary:
         first = primary[0]
-        return Failure(first.rank, f"rank {first.rank} failed first: {first.describe()}")
+        return Failure(first.rank, f"rank {first.rank} failed first: {first.describe()}{advice(first)}")
     if blame is not None:
         own = errors.get(blame.blames)
         if own is not None and own.blames is None and own.kind not in ("KeyboardInterrupt", "SystemExit"):
@@ -247,6 +249,14 @@ def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Fa
     if failed:
         return Failure(failed[0].rank, f"rank {failed[0].rank} failed first ({failed[0].how()}).")
     return Failure(None, "a worker failed; its rank is not known (see the log above).")
+
+
+def advice(error: WorkerError) -> str:
+    """What a user can do about an error whose text does not say it."""
+    if "DataLoader worker" in error.text and ("Killed" in error.text or "signal: 9" in error.text):
+        return (" (a data loading worker of this rank was killed: from outside, or by the system for lack of "
+                "memory - lower data.num_workers, or cache the latents)")
+    return ""
 
 
 def _first_blame(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> WorkerError | None:

@@ -295,10 +295,12 @@ def run_worker(job: WorkerJob) -> None:
             WorkspaceLock(cfg.general.workspace_dir).acquire()
         trainer.run()
     except BaseException as e:
-        # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
+        # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause. The
+        # trainer's watchdog noted it already, before the clean-up (which may have waited for other ranks).
+        folder = failures.failures_folder(RunPaths(cfg).workspace)
+        if not failures.recorded(folder, rank):
+            failures.record_error(folder, rank, e, step=trainer.heartbeat.step or None, phase=trainer.heartbeat.phase)
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
-        failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e,
-                              step=getattr(trainer, "global_step", None) if getattr(trainer, "first_step_done", False) else None)
         duties.callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
         raise
 
@@ -332,11 +334,23 @@ def announce_restart(job: WorkerJob, backup, callbacks, world_before: int) -> No
     cause = failures.round_cause(exits, errors, world_before, job.cfg.multi_gpu.timeout_minutes)
     steps = [e.step for e in errors.values() if e.step is not None]
     failed_step = max(steps) if steps else None
+    if failed_step is None:  # no rank could note its error (killed meanwhile): where the watchdogs last saw them
+        failed_step = last_round_step()
     resumed = backup.step if backup is not None else None
     text = failures.restart_line(attempt, limit, cause, failed_step, resumed)
     log.warning(text)
     callbacks.on_event("restart", text=text, restart=attempt, max_restarts=limit, step=failed_step,
                        resumed_step=resumed)
+
+
+def last_round_step() -> int | None:
+    """The furthest step the round before this one reached, as its ranks' watchdogs published it."""
+    from modules.distributed import watchdog
+    try:
+        store = watchdog.connect(timeout_s=10.0)
+    except Exception:  # noqa: BLE001 - not known
+        return None
+    return watchdog.previous_round_position(store, watchdog.round_key())[0] if store is not None else None
 
 
 def external_worker_job(cfg: TrainConfig, resume: str | None) -> WorkerJob:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from modules.distributed.failures import WorkerExit
+from modules.distributed.failures import ENDED_BY_WATCHDOG, WorkerExit
 from modules.util.run_protocol import write_command
 
 log = logging.getLogger("tandem")
@@ -30,6 +30,8 @@ SELF_EXIT_GRACE_S = 5.0
 """After one worker failed, how long the others get to notice and exit by themselves."""
 TERMINATE_GRACE_S = 10.0
 """How long a worker gets to exit after SIGTERM before it is killed."""
+WATCHDOG_EXIT_GRACE_S = 3.0
+"""After a watchdog ended a worker, how long the others get before they are killed."""
 
 
 class StopSignals:
@@ -95,12 +97,19 @@ def watch(processes: list, poll_s: float = 0.5) -> list[WorkerExit]:
             del running[rank]
         failed = [WorkerExit(rank, p.exitcode, now) for rank, p in ended.items() if p.exitcode != 0]
         if failed:
-            _end_the_rest(list(running.values()))
+            _end_the_rest(list(running.values()), quick=any(e.exitcode == ENDED_BY_WATCHDOG for e in failed))
             return failed
     return []
 
 
-def _end_the_rest(processes: list) -> None:
+def _end_the_rest(processes: list, quick: bool = False) -> None:
+    """`quick`: a watchdog ended a worker because of another one - the healthy ones leave by themselves within
+    a beat or two, and the one it named is frozen or stuck and would not act on SIGTERM."""
+    if quick:
+        _join_all(processes, WATCHDOG_EXIT_GRACE_S)
+        signal_processes(processes, HARD_KILL)
+        _join_all(processes, None)
+        return
     _join_all(processes, SELF_EXIT_GRACE_S)
     signal_processes(processes, signal.SIGTERM)
     _join_all(processes, TERMINATE_GRACE_S)

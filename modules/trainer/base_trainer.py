@@ -37,6 +37,7 @@ from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
 from modules.trainer.validation_loss import ValidationLoss
 from modules.util.atomic import unique_path
+from modules.util.heartbeat import Heartbeat
 from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
 from modules.util.launch_clock import launch_split
 from modules.util.rng import rng_state, seed_everything, set_rng_state
@@ -91,6 +92,8 @@ class BaseTrainer(ABC):
         self.ended = False
         """Whether `end()` ran to its last line: the outputs are written and the process may end at once."""
         self.start_phases = PhaseTimes()
+        self.heartbeat = Heartbeat()
+        """Where this rank is (step, phase): a distributed run's watchdog reads it (`util/heartbeat.py`)."""
         # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
         self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
 
@@ -160,6 +163,7 @@ class BaseTrainer(ABC):
             self.validate()  # where the finished model stands, whatever the cadence
 
     def end(self) -> None:
+        self.heartbeat.at("ending", long=True)
         self.check_weights_finite()
         if self.completed:
             self.outputs.no_more_backups()
@@ -184,6 +188,7 @@ class BaseTrainer(ABC):
         self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
                   step=self.global_step, completed=self.completed, **trained)
         du.barrier()
+        self.heartbeat.finished()
         self.ended = True
 
     def run(self) -> None:
@@ -192,6 +197,9 @@ class BaseTrainer(ABC):
             self.start()
             self.train()
             self.end()
+        except BaseException as error:
+            self.heartbeat.failed(error)  # before the clean-up below, which may wait for the other ranks
+            raise
         finally:
             gc.unfreeze()  # start() froze the run's objects; after the run they may be collected again
             self.stop_loader_workers()
@@ -513,8 +521,10 @@ class BaseTrainer(ABC):
         while self.sampler.batches_remaining() >= accumulation:
             first = not self.first_step_done
             started = time.perf_counter()
+            self.heartbeat.at("loading a batch", self.global_step + 1, long=first)  # the first: workers start
             micro_batches = [next(batches) for _ in range(accumulation)]
             loaded = time.perf_counter()
+            self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
             loss = self.optimizer_step(micro_batches)
             if first:
                 self.report_first_step(started, loaded, workers_s)
@@ -578,9 +588,10 @@ class BaseTrainer(ABC):
         # The compiled pass goes through the DDP wrapper (where the compiler may split the backward at DDP's
         # buckets), without synchronising, so no rank's gradients leave it yet.
         started, readings = time.perf_counter(), compile_readings()
-        self.compiled_shapes_checked[shape] = compare_with_eager(
-            backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
-            self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
+        with self.heartbeat.during("compiling"):
+            self.compiled_shapes_checked[shape] = compare_with_eager(
+                backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
+                self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
         log.info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.", list(shape),
                  time.perf_counter() - started, describe_compile(readings, compile_readings()))
 
@@ -629,6 +640,7 @@ class BaseTrainer(ABC):
             self.ema.update()
 
     def after_step(self, loss: torch.Tensor) -> None:
+        self.heartbeat.at("after the step", self.global_step)
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, effective_lr(self.optimizer), self.take_commands(),
                            weight=self.batch_part.loss_weight(du.world_size()))
@@ -671,6 +683,10 @@ class BaseTrainer(ABC):
     def write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
         if not (sample or backup or save):
             return
+        with self.heartbeat.during("writing outputs"):
+            self._write_outputs(sample, backup, save)
+
+    def _write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
         # Outputs only of a state known to be sound: this step's loss (waiting for it here, which the loop
         # otherwise avoids) and the weights the step produced must be finite.
         requested = self.act_on(self.exchange.receive())
@@ -686,7 +702,8 @@ class BaseTrainer(ABC):
     def validate(self) -> None:
         """The held-out images' loss (every rank scores its share: call it on every rank at the same step)."""
         started = time.perf_counter()
-        loss = self.validation.evaluate(self)
+        with self.heartbeat.during("validation"):
+            loss = self.validation.evaluate(self)
         log.info("Validation loss at step %d: %.6f (%d images, %.1f s)", self.global_step, loss, len(self.validation),
                  time.perf_counter() - started)
         self.progress.validation(self.global_step, loss)
