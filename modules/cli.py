@@ -67,7 +67,10 @@ def train_main(argv: list[str] | None = None) -> int:
     note_checks_start()
     setup_logging()
     if args.launch_file:  # a worker of Tandem's launcher: the config was loaded, checked and resolved there
-        run_worker(read_job(args.launch_file))
+        try:
+            run_worker(read_job(args.launch_file))
+        except BaseException:  # noqa: BLE001 - noted with its traceback for the launcher, which names it
+            return 1
         return 0
     if not args.config_path:
         p.error("--config-path is required")
@@ -95,6 +98,17 @@ def _run_single(cfg: TrainConfig, resume: str | None) -> int:
         return run_single(cfg, resume)
     except (PreflightError, EmptyDatasetError, MaskError) as e:  # the message says what to change; a traceback would bury it
         return _fail(str(e))
+    except KeyboardInterrupt:
+        print("Training aborted by a second stop signal.", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, as the launchers give; the traceback in the file it names
+        from modules.config import RunPaths
+        from modules.distributed import failures
+        folder = failures.failures_folder(RunPaths(cfg).workspace)
+        failures.record_error(folder, 0, e)
+        text = " ".join(str(e).split())
+        print(f"error: {type(e).__name__}: {text} (details: {failures.details_file(folder, 0)})", file=sys.stderr)
+        return 1
 
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:

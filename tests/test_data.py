@@ -546,3 +546,34 @@ def test_what_the_scan_leaves_out_or_resizes_is_said_once_each(tmp_path, caplog)
 def dataset_scan(dataset):
     from modules.data.concepts import ScanResult
     return ScanResult(images=dataset.images, item_images=dataset.item_images, validation=dataset.validation_images)
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        import time
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills a forked worker")
+def test_a_dead_loader_worker_is_named_with_how_it_died():
+    """The OOM killer's kill -9 of a loader worker shows in the rank as a pipe reset or a RuntimeError from the
+    loader's SIGCHLD handler; the rank's error must say which worker died and how."""
+    import signal
+    from modules.data.dataset import DataLoadingError, loader_worker_context, loading_failure
+    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=2, num_workers=1, persistent_workers=True,
+                                         multiprocessing_context=loader_worker_context())
+    batches = iter(loader)
+    next(batches)
+    (worker,) = loader._iterator._workers
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(Exception) as raised:
+        for _ in range(10_000):
+            next(batches)
+    failure = loading_failure(loader, raised.value)
+    assert isinstance(failure, DataLoadingError)
+    assert str(failure) == f"a data loading worker (pid {worker.pid}) of this rank died (SIGKILL)"
+    loader._iterator._shutdown_workers()

@@ -140,3 +140,19 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     assert newest is not None and newest.step == 3, out
     _, state, _ = backups.read_backup(newest.path)
     assert state["global_step"] == 3 and len(state["rng"]) == 2
+
+
+@pytest.mark.slow
+def test_a_failed_one_process_run_prints_one_line_and_keeps_the_traceback_in_a_file(tmp_path, cache_dir):
+    """scripts/train.py ended in a bare traceback; it says one line, as the launchers do, naming the file."""
+    ws = tmp_path / "ws"
+    result = run_script("train.py", "--config-path", "#demo", "--device", "cpu",
+                        *overrides_for(ws, cache_dir, "training.max_steps=12", "optimizer.name=sgd",
+                                       "training.learning_rate=1e30", "training.max_grad_norm=0",
+                                       "training.precision=fp32", method="full"), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+    details = ws / ".tandem" / "failures" / "rank-0.log"
+    assert line.startswith("error: NonFiniteTrainingError: Training stopped: ") and line.endswith(f"(details: {details})")
+    assert "Traceback" in details.read_text()

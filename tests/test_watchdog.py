@@ -88,7 +88,7 @@ def test_a_failure_reaches_every_rank_before_the_failing_ones_clean_up(tmp_path)
     assert errors[0].blames == 1 and errors[2].blames == 1
     first = failures.first_failure([failures.WorkerExit(0, 3, errors[0].time)], errors)
     assert first.rank == 1 and first.text.startswith("rank 1 failed first: RuntimeError: DataLoader worker (pid 4242)")
-    assert "lack of memory" in first.text
+    assert "lack of memory" in first.text and "data.num_workers" in first.text
     # Rank 1's clean-up hangs (a collective with NCCL work in flight): its watchdog ends it after the grace.
     dogs[1].tick(dogs[1].failing_since + 5)
     assert left[1] == []

@@ -227,6 +227,39 @@ class _EpochTaggedBatches:
         return len(self.batch_sampler)
 
 
+class DataLoadingError(RuntimeError):
+    """Loading a batch failed in this rank: one of its loader's worker processes died, or reading an item failed."""
+
+
+def loading_failure(loader: DataLoader, error: BaseException) -> DataLoadingError:
+    """What went wrong with `loader` when taking a batch raised `error`, in words that name the dead worker.
+
+    A worker killed by the system for lack of memory shows in the training process as whatever the loader
+    happened to be doing - a pipe reset, a queue that ended - so the workers' exit codes are read first."""
+    iterator = getattr(loader, "_iterator", None)
+    dead = []
+    for worker in list(getattr(iterator, "_workers", [])):
+        try:
+            code = worker.exitcode
+        except Exception:  # noqa: BLE001 - a process already reaped: not known
+            continue
+        if code not in (None, 0):
+            dead.append((worker.pid, code))
+    if dead:
+        pid, code = dead[0]
+        how = _signal_name(-code) if code < 0 else f"exit code {code}"
+        return DataLoadingError(f"a data loading worker (pid {pid}) of this rank died ({how})")
+    return DataLoadingError(f"loading a batch failed: {type(error).__name__}: {error}")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def loader_worker_context():
     """How the loader's worker processes start: forked on Linux, whatever launched this process.
 

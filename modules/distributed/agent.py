@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from modules.distributed.failures import ENDED_BY_WATCHDOG
@@ -109,18 +110,48 @@ def _shorter_grace() -> None:
     PContext.close = close_sooner
 
 
+def _log_to_file() -> None:
+    """torchrun's own log (rendezvous rounds, stopped and restarted workers, its failure table) goes to a file
+    beside the exits file, not above the launcher's one-line headline."""
+    import logging
+    target = os.environ.get(EXITS_VARIABLE)
+    if not target:
+        return
+    name = os.path.basename(target).replace("worker-exits", "agent").rsplit(".", 1)[0] + ".log"
+    try:
+        handler = logging.FileHandler(os.path.join(os.path.dirname(target), name), encoding="utf-8")
+    except OSError:
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for logger_name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logger = logging.getLogger(logger_name)
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args, run
 
     _note_failed_rounds()
     _share_the_round()
     _shorter_grace()
+    _log_to_file()
     try:
-        torchrun(argv)
+        run(parse_args(argv))  # not torchrun's `main`: its error handler prints the failure table and a traceback
+    except ChildFailedError as error:
+        logging_of_failure(error)
+        sys.exit(1)  # the launcher names the rank that failed first, from the notes
     except RendezvousTimeoutError:
         _note([{"rendezvous": "timeout", "seen_at": time.time()}])
-        raise
+        sys.exit(1)
+
+
+def logging_of_failure(error: BaseException) -> None:
+    import logging
+    logging.getLogger("torch.distributed.elastic").error("the workers failed:\n%s", error)
 
 
 if __name__ == "__main__":

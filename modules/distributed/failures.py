@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,7 +92,13 @@ class Failure:
     text: str
 
 
+PRIMARY_KINDS = ("DataLoadingError", "NonFiniteTrainingError")
+"""Exception types about this rank's own trouble, whatever words their text holds."""
+
+
 def is_secondary(kind: str, text: str) -> bool:
+    if kind in PRIMARY_KINDS:
+        return False
     lowered = text.lower()
     return kind in SECONDARY_KINDS or any(word in lowered for word in SECONDARY_WORDS)
 
@@ -104,7 +111,7 @@ def clear(folder: Path) -> None:
     """Forget an earlier run's records (the launcher calls this before starting workers)."""
     folder = Path(folder)
     if folder.is_dir():
-        for old in folder.glob("rank-*.json"):
+        for old in [*folder.glob("rank-*.json"), *folder.glob("rank-*.log")]:
             old.unlink(missing_ok=True)
 
 
@@ -121,10 +128,31 @@ def blamed_rank(kind: str, text: str) -> int | None:
 
 def record_error(folder: Path, rank: int, error: BaseException, step: int | None = None,
                  phase: str | None = None) -> None:
-    """Note this rank's exception for the launcher. Never raises: the error being handled matters more."""
+    """Note this rank's exception for the launcher, and its traceback in `details_file` (the console gets one
+    line: the launcher's headline names that file). Never raises: the error being handled matters more."""
     kind, text = type(error).__name__, " ".join(str(error).split())[:2000]
     _write(folder, WorkerError(rank, time.time(), kind, text, is_secondary(kind, text), current_attempt(), step,
                                blamed_rank(kind, text), phase))
+    try:
+        details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        where = f"rank {rank}" + (f", step {step}" if step else "") + (f", {phase}" if phase else "")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(details_file(folder, rank), "a", encoding="utf-8") as f:
+            f.write(f"--- {stamp}, {where}, round {current_attempt()}\n{details}\n")
+    except BaseException:  # noqa: BLE001 - also a signal handler's error (a loader's SIGCHLD) raised meanwhile
+        pass
+
+
+def details_file(folder: Path, rank: int) -> Path:
+    """Where a rank's tracebacks go (one per failed round of workers, appended)."""
+    return Path(folder) / f"rank-{rank}.log"
+
+
+def with_details(failure: Failure, folder: Path) -> Failure:
+    """`failure` with the file that holds its rank's traceback named, when there is one."""
+    if failure.rank is None or not details_file(folder, failure.rank).is_file():
+        return failure
+    return Failure(failure.rank, f"{failure.text.rstrip('.')} (details: {details_file(folder, failure.rank)}).")
 
 
 def record_blame(folder: Path, rank: int, blamed: int, text: str, step: int | None, phase: str | None,
@@ -253,9 +281,10 @@ def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Fa
 
 def advice(error: WorkerError) -> str:
     """What a user can do about an error whose text does not say it."""
-    if "DataLoader worker" in error.text and ("Killed" in error.text or "signal: 9" in error.text):
-        return (" (a data loading worker of this rank was killed: from outside, or by the system for lack of "
-                "memory - lower data.num_workers, or cache the latents)")
+    killed = ("Killed" in error.text or "signal: 9" in error.text or "SIGKILL" in error.text)
+    if killed and ("DataLoader worker" in error.text or "data loading worker" in error.text):
+        return (f"{'' if error.text.endswith('.') else '.'} It was killed from outside, or by the system for lack of "
+                "memory: lower data.num_workers (it is per rank), or cache the latents")
     return ""
 
 

@@ -300,8 +300,10 @@ def run_worker(job: WorkerJob) -> None:
         folder = failures.failures_folder(RunPaths(cfg).workspace)
         if not failures.recorded(folder, rank):
             failures.record_error(folder, rank, e, step=trainer.heartbeat.step or None, phase=trainer.heartbeat.phase)
-        log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
-        duties.callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
+        kind, text = type(e).__name__, " ".join(str(e).split())
+        if not failures.is_secondary(kind, text):  # a lost peer's complaints stay in the details file
+            log.error("rank %d failed: %s: %s", rank, kind, text[:500])
+        duties.callbacks.on_event("error", text=f"{kind}: {e}", rank=rank)
         raise
 
 
@@ -385,10 +387,14 @@ def _worker_env(plan: LaunchPlan) -> dict:
     # torchrun's own default of 1 thread, which starves CPU workers).
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.spec.processes_here)))
     env[SCAN_REPORTED] = "1"  # check_data_fits scanned the data here and warned about what it skipped
+    # PyTorch's C++ warnings about sockets closing and stores timing out follow from a failure the launcher's
+    # headline names; a user who wants them sets the variable.
+    env.setdefault(CPP_LOG_LEVEL, "ERROR")
     return env
 
 
-_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", SCAN_REPORTED)
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", SCAN_REPORTED, CPP_LOG_LEVEL)
 
 
 @contextlib.contextmanager
@@ -591,6 +597,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
             exits = failures.last_round(exits)
             attempt = max((e.attempt for e in exits), default=None)
             first = failures.first_failure(exits, failures.read_errors(errors_folder, attempt))
+            first = failures.with_details(first, errors_folder)
         log.error("Training failed: %s", first.text)
         default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
     return code

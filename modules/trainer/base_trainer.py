@@ -522,7 +522,7 @@ class BaseTrainer(ABC):
             first = not self.first_step_done
             started = time.perf_counter()
             self.heartbeat.at("loading a batch", self.global_step + 1, long=first)  # the first: workers start
-            micro_batches = [next(batches) for _ in range(accumulation)]
+            micro_batches = self.take_batches(batches, accumulation)
             loaded = time.perf_counter()
             self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
             loss = self.optimizer_step(micro_batches)
@@ -538,6 +538,16 @@ class BaseTrainer(ABC):
         self.epoch += 1
         self.step_in_epoch = 0
         self.after_epoch()
+
+    def take_batches(self, batches, count: int) -> list[dict]:
+        """The next `count` batches; a failure of the loader is named as one (a dead worker, not a pipe reset)."""
+        try:
+            return [next(batches) for _ in range(count)]
+        except (StopIteration, KeyboardInterrupt):
+            raise
+        except Exception as error:
+            from modules.data.dataset import loading_failure
+            raise loading_failure(self.loader, error) from error
 
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """Log where the first step's time goes (it is start-up time the user waits through: loader
