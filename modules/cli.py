@@ -67,6 +67,8 @@ def train_main(argv: list[str] | None = None) -> int:
     note_checks_start()
     setup_logging()
     if args.launch_file:  # a worker of Tandem's launcher: the config was loaded, checked and resolved there
+        from modules.distributed.supervision import end_with_parent
+        end_with_parent()  # torchrun's agent: killed with the launcher, it takes its workers along
         try:
             run_worker(read_job(args.launch_file))
         except BaseException:  # noqa: BLE001 - noted with its traceback for the launcher, which names it

@@ -122,3 +122,26 @@ def test_a_stuck_loader_worker_is_named_with_the_step_and_phase_it_stuck_in(tmp_
     # the stall time (longer if steps here are slow: 4 x the slowest), then the ranks' exit; far from 5 minutes
     assert took < 120, f"named {took:.0f} s after the loader stopped"
     assert not [word for word in NOISE if word in run.output()], run.output()[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_the_workers_end_with_a_killed_launcher_before_the_workspace_is_free(tmp_path, cache_dir, launcher):
+    """kill -9 of the launcher: its workers lived on for 1.6-33 s while the workspace already looked free."""
+    from modules.util.workspace_lock import WorkspaceLock
+    ws = tmp_path / "ws"
+    run = Run(ws, cache_dir, launcher)
+    run.wait_for_step(2)
+    ranks = _ranks(run.proc.pid)
+    assert len(ranks) == 2
+    os.kill(run.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    run.proc.wait(timeout=60)  # the launcher is gone (its own lock with it)
+    lock = WorkspaceLock(ws).acquire()  # a new run's start: it may have to wait for the workers' own locks
+    took = time.monotonic() - killed
+    try:
+        assert not _alive(ranks), "a worker of the killed launcher lived on while a new run took the workspace"
+        assert took < 15, f"the workers ended {took:.0f} s after their launcher"
+    finally:
+        lock.release()
+        run.finish()

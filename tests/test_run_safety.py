@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -156,3 +157,42 @@ def test_a_failed_one_process_run_prints_one_line_and_keeps_the_traceback_in_a_f
     details = ws / ".tandem" / "failures" / "rank-0.log"
     assert line.startswith("error: NonFiniteTrainingError: Training stopped: ") and line.endswith(f"(details: {details})")
     assert "Traceback" in details.read_text()
+
+
+HOLD_WORKER_LOCK = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from modules.util.workspace_lock import WorkerLock
+WorkerLock({ws!r}, 1).acquire()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_workspace_is_not_free_while_a_worker_of_an_earlier_run_lives(tmp_path, monkeypatch):
+    """kill -9 of a launcher freed its lock while its workers lived on for 1.6-33 s, and a new run took the
+    workspace while they still wrote. A worker holds a lock of its own: a new run waits for it, then refuses."""
+    import subprocess
+    import sys
+    from modules.util import workspace_lock
+    from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use
+    from tests.trainer_helpers import REPO
+    ws = tmp_path / "ws"
+    worker = subprocess.Popen([sys.executable, "-c", HOLD_WORKER_LOCK.format(repo=str(REPO), ws=str(ws))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "holding"
+        monkeypatch.setattr(workspace_lock, "WORKERS_GRACE_S", 0.5)
+        with pytest.raises(WorkspaceBusy, match=rf"worker processes of an earlier run are still running \(process "
+                                                rf"{worker.pid} on .*rank-1 of a training run\)"):
+            WorkspaceLock(ws).acquire()
+        assert "worker processes of an earlier run" in workspace_in_use(ws)
+        # The refused start did not keep the workspace: once the worker ends, a run takes it.
+        threading.Timer(1.0, worker.kill).start()
+        monkeypatch.setattr(workspace_lock, "WORKERS_GRACE_S", 60)
+        started = time.monotonic()
+        WorkspaceLock(ws).acquire().release()
+        assert worker.poll() is not None and time.monotonic() - started >= 0.5
+        assert workspace_in_use(ws) is None
+    finally:
+        worker.kill()

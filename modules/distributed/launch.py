@@ -33,14 +33,14 @@ from modules.distributed import failures, nodes, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
 from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.distributed.process_group import store_environment, threads_per_worker
-from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
+from modules.distributed.supervision import HARD_KILL, StopSignals, end_with_parent, signal_processes, watch
 from modules.preflight import PreflightError, preflight
 from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
 from modules.util.launch_clock import WORKERS_STARTED, forget_launch_times
 from modules.util.ports import find_free_port, port_is_free
-from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
+from modules.util.workspace_lock import HELD_BY_PARENT, WorkerLock, WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -282,6 +282,8 @@ def run_worker(job: WorkerJob) -> None:
     start = os.environ.get(COMMANDS_FROM)
     inbox = CommandInbox(RunPaths(cfg).commands_file if reads_commands(job, rank) else None,
                          start=int(start) if start is not None else None)
+    if os.environ.get(HELD_BY_PARENT):  # Tandem's launcher holds the workspace: a new run waits until this rank ends
+        WorkerLock(cfg.general.workspace_dir, rank).acquire()
     inbox.install_signal_handlers()
     resume, restarted_from = restart_point(job)
     if failures.current_attempt() > 0:
@@ -371,7 +373,8 @@ def worker_variables(plan: LaunchPlan, rank: int, rendezvous_at: str) -> dict[st
                 MASTER_PORT=str(plan.master_port), **{rendezvous.RENDEZVOUS_VARIABLE: rendezvous_at})
 
 
-def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, rendezvous_at: str) -> None:
+def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, rendezvous_at: str, launcher_pid: int) -> None:
+    end_with_parent(launcher_pid)
     os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
     run_worker(read_job(job_file))
     exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
@@ -436,7 +439,7 @@ def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with spawn_environment(plan):
-            context = mp.start_processes(_spawn_entry, args=(str(job_file), plan, rendezvous_at),
+            context = mp.start_processes(_spawn_entry, args=(str(job_file), plan, rendezvous_at, os.getpid()),
                                          nprocs=plan.world_size, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -527,7 +530,8 @@ def _own_process_group() -> dict:
         if sys.platform.startswith("linux"):
             import ctypes
             pr_set_pdeathsig = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+            # Killed with the launcher: the workers then die with it (each has its own parent-death signal).
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     return {"preexec_fn": child_setup}
 
 
@@ -593,6 +597,8 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
                     f"multi_gpu.timeout_minutes = {plan.timeout_minutes:g} (a machine lost, or its launcher not "
                     "started); start scripts/train_multi_gpu.py --resume on every machine to continue.")
             first = failures.Failure(None, text)
+        elif plan.launcher != "spawn" and code < 0 and not exits:
+            first = failures.Failure(None, agent_died_line(code))
         else:
             exits = failures.last_round(exits)
             attempt = max((e.attempt for e in exits), default=None)
@@ -601,6 +607,14 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         log.error("Training failed: %s", first.text)
         default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
     return code
+
+
+def agent_died_line(code: int) -> str:
+    """torchrun's agent ended by a signal before it could say how its workers ended."""
+    how = failures.WorkerExit(0, code, 0.0).how()
+    hint = " - killed from outside, or by the system for lack of memory" if code == -9 else ""
+    return (f"torchrun's agent (the process that starts and watches the workers on this machine) died ({how}{hint}); "
+            "its workers ended with it.")
 
 
 def aborted_backup_line(job: WorkerJob) -> str:
