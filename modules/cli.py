@@ -62,7 +62,9 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--launch-file", help="a worker's job as Tandem's launcher wrote it (config, launch, --resume); "
                                          "instead of --config-path")
     args = p.parse_args(argv)
-    from modules.distributed.launch import external_worker_job, read_job, run_worker, setup_logging, under_torchrun
+    from modules.distributed.job import read_job
+    from modules.distributed.worker import external_worker_job, run_worker, under_torchrun
+    from modules.util.logs import setup_logging
 
     note_checks_start()
     setup_logging()
@@ -94,7 +96,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 def _run_single(cfg: TrainConfig, resume: str | None) -> int:
     from modules.data import EmptyDatasetError, MaskError
-    from modules.distributed.launch import run_single
+    from modules.single_run import run_single
     from modules.preflight import PreflightError
     try:
         return run_single(cfg, resume)
@@ -141,7 +143,8 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
                    help="each rank caches and loads only its share of the data")
     p.add_argument("--device", choices=["cuda", "cpu"], help="cpu = N CPU processes over gloo, for trying things")
     args = p.parse_args(argv)
-    from modules.distributed.launch import LaunchError, launch, setup_logging
+    from modules.distributed.launch import LaunchError, launch
+    from modules.util.logs import setup_logging
 
     note_checks_start()
     setup_logging()

@@ -2,7 +2,7 @@
 
 A run that cannot work should fail in seconds with one message saying what to change, not after
 every rank has loaded the model and each printed its own traceback. Both entry points run these
-(`launch.run_single` and `launch.launch`); the multi-process launcher adds what needs the world size
+(`single_run.run_single` and `distributed/launch.launch`); the multi-process launcher adds what needs the world size
 (the machine's GPUs, the port, whether the data fills a global batch).
 """
 from __future__ import annotations

@@ -17,8 +17,10 @@ import torch
 from modules.config import TrainConfig, apply_overrides, validate
 from modules.config.launch_spec import resolve_launch
 from modules.distributed import failures, nodes
-from modules.distributed.launch import (LaunchPlan, WorkerJob, agent_arguments, read_job, reads_commands, restart_point,
-                                       write_job)
+from modules.distributed.job import WorkerJob, read_job, write_job
+from modules.distributed.plan import LaunchPlan
+from modules.distributed.processes import agent_arguments
+from modules.distributed.worker import reads_commands, restart_point
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, start_script
 from ui.events import parse_line
@@ -90,19 +92,17 @@ def test_a_restart_after_a_kill_nobody_could_note_names_the_step_the_watchdogs_l
     """On GPUs the ranks that stayed wait in NCCL until torchrun's agent kills them: no rank notes an error, and
     the restart line said "before training started" for a rank killed at step 24+. The step comes from the
     beats the round's watchdogs published in the store."""
-    from modules.distributed import launch
-    from modules.distributed.agent import EXITS_VARIABLE
+    from modules.distributed import worker
     from modules.trainer.callbacks import RecordingCallbacks
     exits = tmp_path / "worker-exits.json"
     exits.write_text(json.dumps([{"attempt": 0, "rank": 1, "exitcode": -9, "seen_at": 1.0},
                                  {"attempt": 0, "rank": 0, "exitcode": -9, "seen_at": 11.0}]))
-    monkeypatch.setenv(EXITS_VARIABLE, str(exits))
     monkeypatch.setenv(failures.RESTART_COUNT_VARIABLE, "1")
     monkeypatch.setenv(failures.MAX_RESTARTS_VARIABLE, "1")
-    monkeypatch.setattr(launch, "last_round_step", lambda: 24)
+    monkeypatch.setattr(worker, "last_round_step", lambda job: 24)
     cfg = demo_config(tmp_path / "ws", cache_dir)
     callbacks = RecordingCallbacks()
-    launch.announce_restart(WorkerJob(cfg, resolve_launch(cfg, 0)), None, callbacks, 2)
+    worker.announce_restart(WorkerJob(cfg, resolve_launch(cfg, 0), exits_file=str(exits)), None, callbacks, 2)
     (event,) = callbacks.of_type("restart")
     assert event["text"] == ("restart 1 of 1: rank 1 died (SIGKILL) at step 24; no backup of this run yet: starting "
                              "again from the beginning"), event
@@ -170,6 +170,19 @@ def test_a_restarted_round_continues_from_this_launchs_newest_backup(tmp_path, c
     later = WorkerJob(cfg, job.spec, resume="latest", run_id="run-b", launched_at=time.time() + 60)
     assert restart_point(later) == ("latest", None)  # a backup older than the launch is not this launch's
     assert read_job(write_job(job)) == job
+
+
+def test_a_job_carries_what_a_worker_needs_and_reads_back_as_written(tmp_path, cache_dir):
+    """The launcher's scan, the store's address, where this run's commands start, the workspace held and the
+    launch clocks travel in the job file, not in environment variables beside it."""
+    from modules.data import build_dataset
+    cfg = demo_config(tmp_path / "ws", cache_dir)
+    scan = build_dataset(cfg.data, cache_dir, cfg.general.seed).scan()
+    job = WorkerJob(cfg, resolve_launch(cfg, 0), "latest", "run-a", 12.5, scan=scan, rendezvous="127.0.0.1:29511",
+                    commands_from=42, workspace_held=True, exits_file=str(tmp_path / "exits.json"),
+                    clock={"launch": 1.0, "checks": 2.0, "workers": 3.0})
+    back = read_job(write_job(job))
+    assert back == job and back.scan.images[0].path == scan.images[0].path and len(back.scan.images) == 64
 
 
 def test_nodes_that_differ_are_named_with_what_differs(tmp_path, cache_dir):
@@ -387,7 +400,8 @@ def test_check_multi_gpu_measures_the_all_reduce_between_machines():
 
 def test_fewer_processes_keep_the_global_batch_by_accumulating(tmp_path, cache_dir):
     """multi_gpu.min_gpus: a round on 2 of 4 processes accumulates twice as many micro-batches."""
-    from modules.distributed.launch import LaunchError, keep_global_batch
+    from modules.distributed.plan import LaunchError
+    from modules.distributed.worker import keep_global_batch
     cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
                       "multi_gpu.nnodes=2", "multi_gpu.master_port=29500", "multi_gpu.max_restarts=1",
                       "multi_gpu.min_gpus=2", "training.batch_size=4")
@@ -404,7 +418,7 @@ def test_fewer_processes_keep_the_global_batch_by_accumulating(tmp_path, cache_d
 def test_a_round_on_fewer_processes_keeps_the_launchs_learning_rate(tmp_path, cache_dir):
     """Linear LR scaling, 8 processes launched, 4 left after a machine was lost: the global batch is kept by
     accumulating, so the LR must stay the launch's (it halved, 8e-4 -> 4e-4, and the result was another one)."""
-    from modules.distributed.launch import keep_global_batch
+    from modules.distributed.worker import keep_global_batch
     from modules.trainer.run_numbers import derive_run_numbers
     cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=4",
                       "multi_gpu.nnodes=2", "multi_gpu.master_port=29500", "multi_gpu.max_restarts=1",

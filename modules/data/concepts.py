@@ -2,11 +2,13 @@
 
 The scan needs no model: it reads every image once (hash + PIL `verify()`), so a broken file is
 reported and skipped here, and an empty dataset fails here, before anything slow is loaded.
-Warnings go to the `modules.data` logger; `launch.setup_logging` keeps them to the one process that
-reports for the run (every rank scans the same files).
+Warnings go to the `modules.data` logger, from the one process that scans for the run: a multi-process
+launcher scans once and hands the scan to its workers; where every rank scans (a user's own torchrun),
+`util/logs.setup_logging` keeps them to rank 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -64,6 +66,28 @@ class ScanResult:
     """Per dataset item (repeats expanded, regularisation items balanced, see `roles.py`), the index into `images`."""
     validation: list[ImageRecord] = field(default_factory=list)
     """The held-out images (validation concepts and `data.validation_fraction`), each once; not in `images`."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (a launcher hands its scan to its workers in their job file)."""
+        return {"images": [_record_to_dict(r) for r in self.images], "item_images": list(self.item_images),
+                "validation": [_record_to_dict(r) for r in self.validation]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ScanResult":
+        return cls(images=[_record_from_dict(r) for r in data["images"]], item_images=list(data["item_images"]),
+                   validation=[_record_from_dict(r) for r in data["validation"]])
+
+
+def _record_to_dict(record: ImageRecord) -> dict:
+    data = dataclasses.asdict(record)
+    data["path"] = str(record.path)
+    data["mask_path"] = str(record.mask_path) if record.mask_path is not None else None
+    return data
+
+
+def _record_from_dict(data: dict) -> ImageRecord:
+    return ImageRecord(**{**data, "path": Path(data["path"]),
+                          "mask_path": Path(data["mask_path"]) if data.get("mask_path") else None})
 
 
 CAPTION_FALLBACK_ENCODINGS = ("cp1252", "latin-1")

@@ -86,6 +86,11 @@ class TrainDataset(Dataset):
         scan = ScanResult(images=list(self.validation_images), item_images=list(range(len(self.validation_images))))
         return TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
 
+    def scan(self) -> ScanResult:
+        """The scan this dataset was made from (a launcher's, handed to its workers)."""
+        return ScanResult(images=list(self.images), item_images=list(self.item_images),
+                          validation=list(self.validation_images))
+
     def describe_roles(self) -> str:
         """One start-up line: training, regularisation and held-out images, masks."""
         counts = {role: sum(im.role == role for im in self.images) for role in ("train", "regularisation")}

@@ -159,10 +159,9 @@ def round_key() -> str:
     return f"{PREFIX}round-{round_}/"
 
 
-def store_address() -> tuple[str, int] | None:
-    """Where this worker's rendezvous store listens: its launcher's, else torchrun's (MASTER_ADDR/PORT)."""
-    from modules.distributed.rendezvous import RENDEZVOUS_VARIABLE, split_endpoint
-    served = os.environ.get(RENDEZVOUS_VARIABLE)
+def store_address(served: str | None) -> tuple[str, int] | None:
+    """Where this worker's rendezvous store listens: its launcher's (`served`), else torchrun's (MASTER_ADDR/PORT)."""
+    from modules.distributed.rendezvous import split_endpoint
     if served:
         return split_endpoint(served)
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -170,10 +169,10 @@ def store_address() -> tuple[str, int] | None:
     return None
 
 
-def connect(timeout_s: float):
+def connect(served: str | None, timeout_s: float):
     """A store client of its own (a blocking call of the training loop's client must not hold the beats up)."""
     import torch.distributed as dist
-    address = store_address()
+    address = store_address(served)
     if address is None:
         return None
     return dist.TCPStore(address[0], address[1], None, False, datetime.timedelta(seconds=timeout_s))
@@ -200,10 +199,12 @@ class Watchdog:
         heartbeat.on_finish = self.beat_now
 
     @classmethod
-    def start(cls, heartbeat: Heartbeat, rank: int, world_size: int, stall_s: float, failures_folder: Path):
-        """The watchdog of this worker, running; None where no store is reachable (then nothing watches)."""
+    def start(cls, heartbeat: Heartbeat, rank: int, world_size: int, stall_s: float, failures_folder: Path,
+              served: str | None = None):
+        """The watchdog of this worker, running; None where no store is reachable (then nothing watches).
+        `served`: `host:port` of the store Tandem's launcher serves (None: MASTER_ADDR/MASTER_PORT)."""
         try:
-            store = connect(timeout_s=min(10.0, stall_s))
+            store = connect(served, timeout_s=min(10.0, stall_s))
         except Exception as error:  # noqa: BLE001 - the run goes on without it, as before it existed
             log.warning("The watchdog could not reach the rendezvous store (%s): a stuck rank is found only "
                         "after multi_gpu.timeout_minutes.", error)

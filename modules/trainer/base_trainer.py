@@ -62,10 +62,11 @@ class BaseTrainer(ABC):
 
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
-                 launch: LaunchSpec | None = None) -> None:
+                 launch: LaunchSpec | None = None, scan=None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
         `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it);
-        `launch`: the launch as its launcher resolved it (its global batch and scaled LR are the run's)."""
+        `launch`: the launch as its launcher resolved it (its global batch and scaled LR are the run's);
+        `scan`: the launcher's scan of the data (`modules.data.ScanResult`; None: scan here)."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
@@ -75,6 +76,7 @@ class BaseTrainer(ABC):
         self.resume = resume
         self.given_run_id = run_id
         self.launch = launch
+        self.scan = scan
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
         self.last_finite_loss_step = 0
@@ -260,7 +262,7 @@ class BaseTrainer(ABC):
 
     def create_dataset(self):
         from modules.data import build_dataset
-        dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
+        dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed, scan=self.scan)
         log.info("Data: %s", dataset.describe_roles())  # rank 0's INFO only (rank_duties.py)
         return dataset
 

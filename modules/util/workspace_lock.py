@@ -6,7 +6,7 @@ lock on `<workspace>/.tandem/lock` for the run's whole life. It is an operating-
 open file (flock on Linux/macOS, msvcrt on Windows), so it is released by the system when the process
 ends for any reason: a crashed or killed run never leaves the workspace locked. The file itself keeps
 who holds it (process, host, start time, command), so a refused run can name the run in the way.
-Worker processes started by a launcher that holds the lock are told so through TANDEM_WORKSPACE_LOCKED.
+The workers of a launcher that holds the lock learn it from their job and take no workspace lock.
 
 Workers outlive their launcher for a moment when it is killed (they end with it, but not in the same
 instant), and two runs must never write at once: each worker holds a lock of its own
@@ -21,9 +21,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-
-HELD_BY_PARENT = "TANDEM_WORKSPACE_LOCKED"
-"""Set (to the lock file's path) for processes started by a process that holds the workspace lock."""
 
 
 WORKERS_GRACE_S = 30.0
@@ -79,8 +76,6 @@ class WorkspaceLock:
     def acquire(self, record: bool = True, wait_for_workers: bool = True) -> "WorkspaceLock":
         """Take the lock or raise WorkspaceBusy naming the holder; `record` writes who holds it now;
         `wait_for_workers`: also wait for the workers of an earlier run to end (`WORKERS_GRACE_S`)."""
-        if os.environ.get(HELD_BY_PARENT) == str(self.path.resolve()):
-            return self  # the launcher that started this process holds it
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -119,10 +114,6 @@ class WorkspaceLock:
                                     f"are still running ({'; '.join(living)}) although their launcher has ended. "
                                     "Wait for them to end, or end them, before starting a run here.")
             time.sleep(0.2)
-
-    def child_environment(self) -> dict[str, str]:
-        """What processes started by this one need to know that the lock is held for them."""
-        return {HELD_BY_PARENT: str(self.path.resolve())}
 
     def release(self) -> None:
         if self._fd is not None:
