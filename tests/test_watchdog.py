@@ -150,3 +150,19 @@ def test_a_heartbeat_times_only_the_steady_phases(phase, long, monkeypatch):
     heart.at(phase, long=long)  # 6.0: the training step took 1 s
     heart.at("training step", 2)  # 60.0: 54 s in `phase`
     assert heart.slowest_phase_s == (1.0 if long else 54.0)
+
+
+def test_a_rank_that_died_without_a_word_is_placed_where_its_watchdog_last_saw_it():
+    """kill -9 leaves no note; the headline says where the rank was from the beats its watchdog published."""
+    exits = [failures.WorkerExit(1, -9, 10.0), failures.WorkerExit(0, 1, 11.0)]
+    first = failures.first_failure(exits, {}, {0: (24, "training step"), 1: (24, "loading a batch")})
+    assert first.text == ("rank 1 died first (signal SIGKILL - killed from outside, or by the system for lack of "
+                          "memory) at step 24 (loading a batch); the other ranks stopped because of it.")
+    store = torch.distributed.HashStore()
+    from modules.distributed.watchdog import last_round_positions
+    heart = Heartbeat()
+    dog = Watchdog(heart, store, 0, 1, 10, "/nonexistent", leave=lambda code: None)
+    store.append("tandem-watch/rounds", dog.prefix + ",")
+    heart.at("after the step", 7)
+    dog.beat()
+    assert last_round_positions(store) == {0: (7, "after the step")}

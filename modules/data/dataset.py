@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from modules.config.train_config import DataConfig
+from modules.util.exit import die_with_parent
 
 from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
@@ -281,5 +282,11 @@ def make_dataloader(dataset: TrainDataset, batch_sampler, data_cfg: DataConfig, 
     return DataLoader(dataset, batch_sampler=_EpochTaggedBatches(batch_sampler), collate_fn=collate,
                       num_workers=workers, pin_memory=data_cfg.pin_memory and device_is_cuda,
                       prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
-                      persistent_workers=workers > 0,
+                      persistent_workers=workers > 0, worker_init_fn=end_with_the_rank if workers > 0 else None,
                       multiprocessing_context=loader_worker_context() if workers > 0 else None)
+
+
+def end_with_the_rank(worker_id: int) -> None:
+    """A loader worker dies with the training process that started it (killed, or its launcher killed): it
+    would otherwise notice only at its next look, seconds later, holding its memory meanwhile."""
+    die_with_parent()

@@ -248,14 +248,16 @@ def restart_line(restart: int, max_restarts: int, cause: str, failed_step: int |
     return f"restart {restart} of {max_restarts}: {cause}{at}; {then}"
 
 
-def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Failure:
-    """The rank that failed first and how, as one sentence (see the module docstring for the rules)."""
+def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError],
+                  positions: dict[int, tuple[int, str]] | None = None) -> Failure:
+    """The rank that failed first and how, as one sentence (see the module docstring for the rules);
+    `positions`: each rank's last (step, phase) as its watchdog published it, for a rank that said nothing."""
     silent = sorted((e for e in exits if e.exitcode != 0 and e.rank not in errors), key=lambda e: e.seen_at)
     blame = _first_blame(exits, errors)
     if silent and not (blame is not None and blame.blames == silent[0].rank and blame.time <= silent[0].seen_at):
         first = silent[0]
         hint = " - killed from outside, or by the system for lack of memory" if first.exitcode == -9 else ""
-        where = _where(first.rank, errors)
+        where = _where(first.rank, errors, positions or {})
         return Failure(first.rank, f"rank {first.rank} died first ({first.how()}{hint}){where}; the other ranks "
                                    "stopped because of it.")
     primary = sorted((e for e in errors.values() if not e.secondary), key=lambda e: e.time)
@@ -294,7 +296,10 @@ def _first_blame(exits: list[WorkerExit], errors: dict[int, WorkerError]) -> Wor
     return blames[0] if blames else None
 
 
-def _where(rank: int, errors: dict[int, WorkerError]) -> str:
-    """Where a rank that died without a word was, as another rank's watchdog last saw it (" at step 24")."""
+def _where(rank: int, errors: dict[int, WorkerError], positions: dict[int, tuple[int, str]]) -> str:
+    """Where a rank that died without a word was, as a watchdog last saw it (" at step 24 (training step)")."""
     seen = [e for e in errors.values() if e.blames == rank and e.step]
-    return f" at step {seen[0].step}" if seen else ""
+    if seen:
+        return f" at step {seen[0].step}"
+    step, phase = positions.get(rank, (0, ""))
+    return f" at step {step} ({phase})" if step else ""

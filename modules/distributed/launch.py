@@ -76,6 +76,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
                     write_job(job)
                     run = launch_spawn if plan.launcher == "spawn" else launch_torchrun
                     code, exits = run(job_file, plan, rendezvous_at, signals)
+                    positions = _last_positions(rendezvous_at, plan) if code not in (0, ABORTED) else {}
         except rendezvous.RendezvousError as e:
             raise LaunchError(str(e)) from None
         except nodes.NodeMismatch as e:
@@ -94,11 +95,20 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         else:
             exits = failures.last_round(exits)
             attempt = max((e.attempt for e in exits), default=None)
-            first = failures.first_failure(exits, failures.read_errors(errors_folder, attempt))
+            first = failures.first_failure(exits, failures.read_errors(errors_folder, attempt), positions)
             first = failures.with_details(first, errors_folder)
         log.error("Training failed: %s", first.text)
         default_callbacks().on_event("error", text=first.text, failed_rank=first.rank)
-    return code
+    return code if code >= 0 else 1  # an agent ended by a signal: a failure like any other, not 256 - signal
+
+
+def _last_positions(rendezvous_at: str, plan: LaunchPlan) -> dict[int, tuple[int, str]]:
+    """Where each rank of the last round was, as its watchdog last published it in the store."""
+    from modules.distributed import watchdog
+    try:
+        return watchdog.last_round_positions(rendezvous.client(rendezvous_at, datetime.timedelta(seconds=10)))
+    except Exception:  # noqa: BLE001 - the headline then says less
+        return {}
 
 
 def agent_died_line(code: int) -> str:

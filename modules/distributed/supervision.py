@@ -16,12 +16,12 @@ import logging
 import multiprocessing.connection
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from modules.distributed.failures import ENDED_BY_WATCHDOG, WorkerExit
+from modules.util.exit import die_with_parent
 from modules.util.run_protocol import write_command
 
 log = logging.getLogger("tandem")
@@ -79,20 +79,11 @@ class StopSignals:
 
 
 def end_with_parent(parent_pid: int | None = None) -> None:
-    """Have the system kill this process when the process that started it ends (Linux; elsewhere the workers'
+    """Have the system kill this worker when the process that started it ends (Linux; elsewhere the workers'
     watchdog notices that their launcher's store is gone). A worker must not write on after its launcher was
     killed: the workspace would look free to a new run. `parent_pid`: the parent it must still have (it may
     have ended before this was asked for)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, HARD_KILL)
-    except OSError:
-        return
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
+    die_with_parent(parent_pid)
 
 
 def signal_processes(processes, signum: int) -> None:

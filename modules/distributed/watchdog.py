@@ -324,6 +324,32 @@ class Watchdog:
         self.leave(code)
 
 
+def round_beats(store, prefix: str) -> dict[int, Beat]:
+    """The last beat each rank of the round under `prefix` published."""
+    found = {}
+    for r in range(4096):
+        key = f"{prefix}beat/{r}"
+        try:
+            if not store.check([key]):
+                break
+            found[r] = Beat.from_json(store.get(key))
+        except Exception:  # noqa: BLE001 - a store that went away: what was read so far
+            break
+    return found
+
+
+def last_round_positions(store) -> dict[int, tuple[int, str]]:
+    """(step, phase) of each rank of the last round whose watchdogs ran, as they last published it: where a
+    rank that died without a word was (the launcher's headline says it)."""
+    try:
+        if not store.check([ROUNDS_KEY]):
+            return {}
+        rounds = [r for r in store.get(ROUNDS_KEY).decode().split(",") if r]
+    except Exception:  # noqa: BLE001 - not known
+        return {}
+    return {r: (b.step, b.phase) for r, b in round_beats(store, rounds[-1]).items()} if rounds else {}
+
+
 def previous_round_position(store, prefix: str) -> tuple[int | None, str | None]:
     """(the furthest step, that rank's phase) the round before `prefix` reached, as its watchdogs published it:
     what a restarted round says its predecessor had reached when no rank could note its error."""
@@ -336,16 +362,8 @@ def previous_round_position(store, prefix: str) -> tuple[int | None, str | None]
     earlier = [r for r in rounds if r != prefix]
     if not earlier:
         return None, None
-    last = earlier[-1]
     best: Beat | None = None
-    for r in range(4096):
-        key = f"{last}beat/{r}"
-        try:
-            if not store.check([key]):
-                break
-            beat = Beat.from_json(store.get(key))
-        except Exception:  # noqa: BLE001
-            break
+    for beat in round_beats(store, earlier[-1]).values():
         if beat.phase != FINISHED and (best is None or beat.step > best.step):
             best = beat
     return (best.step or None, best.phase) if best else (None, None)
