@@ -5,7 +5,8 @@ seconds - among ranks that failed in the same second, the lowest rank, typically
 reset by peer" when rank 1 was killed. To name the rank that failed first, the launcher needs every
 failed rank's exit code: this notes them (JSON) in the file named by `EXITS_VARIABLE`, for every failed
 round of workers - the rounds that torchrun's agent restarts (`--max_restarts`) too, so that a restarted
-rank 0 can say what ended the round before - then lets torchrun's own error and report through unchanged.
+rank 0 can say what ended the round before. torchrun's own log (rounds, stopped workers, its failure table)
+goes to a file beside the exits file (`agent.log`), not above the launcher's one-line headline.
 
 A node that never joins the rendezvous makes the agent give up after its join timeout; that is noted
 in the same file (`{"rendezvous": "timeout"}`), so the launcher can name it instead of a traceback.
@@ -87,13 +88,15 @@ def _share_the_round() -> None:
     DynamicRendezvousHandler.next_rendezvous = join_and_share_round
 
 
-WATCHDOG_GRACE_S = 3
-"""The grace after a worker's watchdog ended it (see `monitor_and_note`)."""
-_grace_s = 10
 TERMINATE_GRACE_S = 10
 """How long torchrun's agent lets a worker end after SIGTERM before it kills it (torchrun's own: 30 s). A hung
 worker - the usual reason to end one - never ends by itself, so its grace only delays the restart; Tandem's
 workers act on SIGTERM at their next step. The same as the spawn launcher's (`supervision.TERMINATE_GRACE_S`)."""
+WATCHDOG_GRACE_S = 3
+"""The grace when a worker's watchdog ended it because of another (see `monitor_and_note`): the healthy ones
+leave by themselves within a beat or two, the one it named is frozen or stuck."""
+_grace_s = TERMINATE_GRACE_S
+"""The grace of the round being stopped (decided by `monitor_and_note`)."""
 
 
 def _shorter_grace() -> None:
