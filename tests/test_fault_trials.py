@@ -32,4 +32,5 @@ def test_a_killed_loader_worker_and_a_killed_torchrun_agent_end_the_job_naming_w
     for trial in trials:
         assert trial["ok"] and trial["resumed"] and not trial["orphans"] and not trial["hung"], trial
     assert result.stdout.rstrip().splitlines()[-1].startswith("| agent | torchrun | ")  # the table comes last
+    assert "Traceback" not in result.stdout + result.stderr
     assert result.returncode == 0
