@@ -99,7 +99,7 @@ def test_a_killed_loader_worker_ends_the_job_at_once_naming_its_rank(tmp_path, c
     assert headline.startswith("rank 1 failed first: ") and str(loader) in headline, headline
     assert "lack of memory" in headline and "data.num_workers" in headline
     details = ws / ".tandem" / "failures" / "rank-1.log"
-    assert headline.endswith(f"(details: {details}).") and "Traceback" in details.read_text()
+    assert "at step " in headline and headline.endswith(f"; details: {details}).") and "Traceback" in details.read_text()
     assert not [word for word in NOISE if word in output], output[-3000:]
 
 

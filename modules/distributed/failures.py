@@ -90,6 +90,8 @@ class WorkerError:
 class Failure:
     rank: int | None
     text: str
+    where: str = ""
+    """Where the rank was when it failed ("step 24, loading a batch"), when its text does not say it."""
 
 
 PRIMARY_KINDS = ("DataLoadingError", "NonFiniteTrainingError")
@@ -150,9 +152,12 @@ def details_file(folder: Path, rank: int) -> Path:
 
 def with_details(failure: Failure, folder: Path) -> Failure:
     """`failure` with the file that holds its rank's traceback named, when there is one."""
-    if failure.rank is None or not details_file(folder, failure.rank).is_file():
+    parts = [failure.where] if failure.where else []
+    if failure.rank is not None and details_file(folder, failure.rank).is_file():
+        parts.append(f"details: {details_file(folder, failure.rank)}")
+    if not parts:
         return failure
-    return Failure(failure.rank, f"{failure.text.rstrip('.')} (details: {details_file(folder, failure.rank)}).")
+    return Failure(failure.rank, f"{failure.text.rstrip('.')} ({'; '.join(parts)}).", failure.where)
 
 
 def record_blame(folder: Path, rank: int, blamed: int, text: str, step: int | None, phase: str | None,
@@ -263,7 +268,8 @@ def first_failure(exits: list[WorkerExit], errors: dict[int, WorkerError],
     primary = sorted((e for e in errors.values() if not e.secondary), key=lambda e: e.time)
     if primary:
         first = primary[0]
-        return Failure(first.rank, f"rank {first.rank} failed first: {first.describe()}{advice(first)}")
+        where = ", ".join(filter(None, [f"at step {first.step}" if first.step else "", first.phase or ""]))
+        return Failure(first.rank, f"rank {first.rank} failed first: {first.describe()}{advice(first)}", where)
     if blame is not None:
         own = errors.get(blame.blames)
         if own is not None and own.blames is None and own.kind not in ("KeyboardInterrupt", "SystemExit"):
