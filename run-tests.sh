@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs, about 10 minutes on 2 cores)
+#   ./run-tests.sh           everything (what CI runs, about 20 minutes on 2 cores; README.md says the same)
 #   ./run-tests.sh --fast    the quick set: no training runs, no launched processes (about a minute)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default 2; 1 runs them in this process, e.g. for -x
 # or pdb); an explicit -n wins.

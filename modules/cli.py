@@ -40,10 +40,15 @@ def _check_resume(cfg: TrainConfig, resume: str | None) -> str | None:
     if resume is None:
         return None
     from modules.config import RunPaths
-    from modules.trainer.backup import find_backup
+    from modules.trainer import sharded_backup
+    from modules.trainer.backup import UnsafeBackupError, check_backup, find_backup
     try:
-        find_backup(RunPaths(cfg).backups, resume)
-    except FileNotFoundError as e:
+        chosen = find_backup(RunPaths(cfg).backups, resume)
+        # A doctored or damaged backup is refused here, not after every worker has loaded the model.
+        check_backup(chosen.path)
+        if sharded_backup.is_sharded(chosen.path):
+            sharded_backup.check_index(chosen.path)
+    except (FileNotFoundError, ValueError, UnsafeBackupError) as e:
         return str(e)
     return None
 
@@ -57,12 +62,19 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--launch-file", help="a worker's job as Tandem's launcher wrote it (config, launch, --resume); "
                                          "instead of --config-path")
     args = p.parse_args(argv)
-    from modules.distributed.launch import external_worker_job, read_job, run_worker, setup_logging, under_torchrun
+    from modules.distributed.job import read_job
+    from modules.distributed.worker import external_worker_job, run_worker, under_torchrun
+    from modules.util.logs import setup_logging
 
     note_checks_start()
     setup_logging()
     if args.launch_file:  # a worker of Tandem's launcher: the config was loaded, checked and resolved there
-        run_worker(read_job(args.launch_file))
+        from modules.distributed.supervision import end_with_parent
+        end_with_parent()  # torchrun's agent: killed with the launcher, it takes its workers along
+        try:
+            run_worker(read_job(args.launch_file))
+        except BaseException:  # noqa: BLE001 - noted with its traceback for the launcher, which names it
+            return 1
         return 0
     if not args.config_path:
         p.error("--config-path is required")
@@ -84,12 +96,23 @@ def train_main(argv: list[str] | None = None) -> int:
 
 def _run_single(cfg: TrainConfig, resume: str | None) -> int:
     from modules.data import EmptyDatasetError, MaskError
-    from modules.distributed.launch import run_single
+    from modules.single_run import run_single
     from modules.preflight import PreflightError
     try:
         return run_single(cfg, resume)
     except (PreflightError, EmptyDatasetError, MaskError) as e:  # the message says what to change; a traceback would bury it
         return _fail(str(e))
+    except KeyboardInterrupt:
+        print("Training aborted by a second stop signal.", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, as the launchers give; the traceback in the file it names
+        from modules.config import RunPaths
+        from modules.distributed import failures
+        folder = failures.failures_folder(RunPaths(cfg).workspace)
+        failures.record_error(folder, 0, e)
+        text = " ".join(str(e).split())
+        print(f"error: {type(e).__name__}: {text} (details: {failures.details_file(folder, 0)})", file=sys.stderr)
+        return 1
 
 
 def train_multi_gpu_main(argv: list[str] | None = None) -> int:
@@ -120,7 +143,8 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
                    help="each rank caches and loads only its share of the data")
     p.add_argument("--device", choices=["cuda", "cpu"], help="cpu = N CPU processes over gloo, for trying things")
     args = p.parse_args(argv)
-    from modules.distributed.launch import LaunchError, launch, setup_logging
+    from modules.distributed.launch import LaunchError, launch
+    from modules.util.logs import setup_logging
 
     note_checks_start()
     setup_logging()

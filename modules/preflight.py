@@ -2,11 +2,12 @@
 
 A run that cannot work should fail in seconds with one message saying what to change, not after
 every rank has loaded the model and each printed its own traceback. Both entry points run these
-(`launch.run_single` and `launch.launch`); the multi-process launcher adds what needs the world size
+(`single_run.run_single` and `distributed/launch.launch`); the multi-process launcher adds what needs the world size
 (the machine's GPUs, the port, whether the data fills a global batch).
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -28,14 +29,33 @@ def check_writable(folder: Path, field: str) -> None:
                              "write to, or fix its permissions.") from None
 
 
+def check_creatable(folder: Path, field: str) -> None:
+    """`folder` exists and is writable, or could be created: its nearest existing ancestor is a writable
+    folder. Nothing is created (a folder made for a run that then fails would be litter)."""
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PreflightError(f"{field}: cannot create {folder}: {existing} is a file, not a folder; choose another "
+                             "folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write to" if existing == folder else f"create {folder} in"
+        raise PreflightError(f"{field}: cannot {what} {existing} (permission denied); choose a folder you can "
+                             "write to, or fix its permissions.")
+
+
 def check_folders(cfg: TrainConfig) -> None:
-    """The run folder (backups, samples, logs) and the cache must be writable before training starts.
-    (The output folder is written at the end; a failed final save keeps the weights as a backup.)"""
+    """The run folder (backups, samples, logs) and the cache must be writable before training starts, and
+    the output folder must be one that can be made: it is written at the end, where a full disk still fails
+    (a failed final save keeps the weights as a backup), but a path that can never work is said now."""
     paths = RunPaths(cfg)
     check_writable(paths.workspace, "general.workspace_dir")
     if cfg.data.cache_latents or cfg.data.cache_text_embeddings:
         field = "general.cache_dir" if cfg.general.cache_dir.strip() else "general.workspace_dir (its cache folder)"
         check_writable(paths.cache, field)
+    field = "save.output_dir" if cfg.save.output_dir.strip() else "general.workspace_dir (its output folder)"
+    check_creatable(paths.output_dir, field)
 
 
 def check_model(cfg: TrainConfig) -> None:

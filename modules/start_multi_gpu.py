@@ -1,9 +1,10 @@
-"""The questions and checks of `start-multi-gpu.bat`, in Python so that they run (and are tested) anywhere.
+"""The questions and checks of `start-multi-gpu.sh` and `start-multi-gpu.bat`, in Python so that they run
+(and are tested) anywhere.
 
-`start-multi-gpu.sh` does the same in bash; `tests/test_windows_launch.py` runs both on the same
-answers and requires the same command. The batch file only installs `.venv` and hands its arguments
-here: cmd.exe's quoting and delayed expansion made the old all-batch version impossible to test off
-Windows. Standard library only (the GPU count comes from a short `python -c` like the shell script's),
+Both scripts only install `.venv` and hand their arguments here (cmd.exe's quoting and delayed expansion
+made an all-batch version impossible to test off Windows, and a bash copy of this logic had to be kept in
+step by a test). The training command runs as a process of its own, so its start-up report counts its own
+imports, not the install before it. Standard library only (the GPU count comes from a short `python -c`),
 so `--help` works before anything is installed.
 """
 from __future__ import annotations
@@ -32,13 +33,17 @@ Without options it asks for each setting; press Enter to take the default shown 
 Environment:
   CUDA_VISIBLE_DEVICES   which GPUs are visible (e.g. 0,1); the GPU count default follows it
   MASTER_ADDR, MASTER_PORT  rendezvous address and port for the process group
-  NCCL_DEBUG=INFO        NCCL logs its set-up (Linux)
+  NCCL_DEBUG=INFO        NCCL logs its set-up (rings, NVLink/PCIe paths; Linux): for hangs and errors
+  NCCL_P2P_DISABLE=1     work around consumer GPUs whose peer-to-peer transfers hang
   TANDEM_FORCE_SINGLE_GPU=1  ignore the GPU count and train in one process (scripts/train.py)
   TANDEM_SKIP_INSTALL=1  do not create or update .venv
-  TANDEM_PYTHON          the Python to run training with (default: the one running this)
+  TANDEM_PYTHON          the Python to run training with (default: .venv's)
+  TANDEM_TORCH_SPEC      the torch requirement the first install takes (default torch>=2.4)
   TANDEM_TORCH_INDEX     (Windows) PyTorch wheel index for the first install
 On Windows the backend is gloo (PyTorch's Windows builds have no NCCL) and USE_LIBUV=0 is set for the
 rendezvous store (the Windows builds have no libuv).
+
+Check the machine first with: .venv/bin/python scripts/check_multi_gpu.py --config-path <config>
 """
 
 
@@ -58,12 +63,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help="communication backend nccl|gloo (default: nccl on Linux with CUDA, else gloo)")
     p.add_argument("--spawn", action="store_const", const="spawn", dest="launcher",
                    help="start workers with torch.multiprocessing (the same as --launcher spawn)")
+    p.add_argument("--torchrun", action="store_const", const="torchrun", dest="launcher",
+                   help="start workers with torchrun (the same as --launcher torchrun)")
     p.add_argument("--launcher", help="auto|torchrun|spawn: how workers start (default: auto = as the config's "
                                       "multi_gpu.launcher says, whose default picks torchrun where restarts or "
                                       "several machines need its agent, else spawn, which reaches the first "
                                       "step sooner)")
     p.add_argument("--port", help="rendezvous port (default: %%MASTER_PORT%%, else a free port)")
-    p.add_argument("--device", help="cpu: train in CPU processes over gloo (no GPU needed)")
+    p.add_argument("--device", metavar="cpu", help="cpu: train in CPU processes over gloo (no GPU needed; for trying "
+                                                   "things out)")
     p.add_argument("--nnodes", help="machines training together (default: 1); run this on each of them")
     p.add_argument("--node-rank", help="this machine is node K of N (0: the one the others connect to)")
     p.add_argument("--master-addr", help="node 0's address, reachable from every machine (several machines)")
@@ -115,7 +123,9 @@ class Launch:
 def plan(argv: list[str], *, system: str, gpu_count: Callable[[str], int], stdin: TextIO, stdout: TextIO,
          stderr: TextIO, environ: dict[str, str]) -> Launch:
     """The command line and environment to run; raises `UsageError` for bad input."""
-    args = parser().parse_args(argv)
+    args, unknown = parser().parse_known_args(argv)
+    if unknown:
+        raise UsageError(f"unknown option '{unknown[0]}' (see --help)")
     windows = system == "Windows"
     python = environ.get("TANDEM_PYTHON") or sys.executable
     questions = Questions(args.yes, stdin, stderr)

@@ -1,8 +1,10 @@
-"""Kill trainings at random moments (a rank, or everything mid-backup) and check nothing was lost.
+"""Kill trainings at random moments - a rank, a DataLoader worker, torchrun's agent, the launcher, everything
+mid-backup - or freeze a rank, and check that the job ends (or restarts) naming the right rank and loses nothing.
 
-    python scripts/fault_trials.py --trials 10            # 10 of each kind, CPU processes over gloo
+    python scripts/fault_trials.py --trials 10            # rank and backup kinds, 10 each, CPU processes over gloo
+    python scripts/fault_trials.py --trials 1 --kind loader --kind stuck --kind agent --kind launcher --table
 
-See modules/benchmark/fault_trials.py.
+See modules/benchmark/fault_trials.py; scripts/gpu/faults.sh runs every kind on GPUs.
 """
 import os
 import sys

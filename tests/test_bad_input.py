@@ -247,3 +247,72 @@ def test_read_only_workspace_is_one_line(tmp_path, cache_dir, script):
     (line,) = human_lines(output)
     assert line.startswith(f"error: general.workspace_dir: cannot write to {workspace} (") and \
         "choose a folder you can write to" in line, line
+
+
+class _RunsCodeWhenLoaded:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def _doctored_backup(workspace: Path) -> Path:
+    """A backup folder as Tandem writes it, whose state.pt was replaced by a pickle that runs a command."""
+    import torch
+    from modules.trainer import backup as backups
+    path = backups.write_backup(workspace / "backups", "run-x", 2, {"w": torch.zeros(2)}, {"global_step": 2}, {}, 3)
+    torch.save({"global_step": 2, "payload": _RunsCodeWhenLoaded(workspace / "ran")}, path / backups.STATE)
+    return path
+
+
+def test_a_doctored_backup_is_refused_by_the_resume_check(tmp_path):
+    """The check every script makes before a worker starts (the refusal came only from the workers, 50-70 s in)."""
+    from modules.cli import _check_resume
+    from tests.trainer_helpers import demo_config
+    ws = tmp_path / "ws"
+    path = _doctored_backup(ws)
+    cfg = demo_config(ws, tmp_path / "cache")
+    for which in (str(path), "latest", "run-x"):
+        problem = _check_resume(cfg, which)
+        assert problem and "could run code" in problem and str(path / "state.pt") in problem, problem
+    assert not (ws / "ran").exists(), "the pickle's code ran"
+    (path / "weights.safetensors").write_bytes(b"cut short")
+    (path / "state.pt").unlink()
+    import torch
+    torch.save({"global_step": 2}, path / "state.pt")
+    assert "the backup cannot be read" in _check_resume(cfg, str(path))
+
+
+@pytest.mark.slow
+def test_a_doctored_backup_is_refused_before_any_worker_starts(tmp_path, cache_dir):
+    import time
+    ws = tmp_path / "ws"
+    path = _doctored_backup(ws)
+    started = time.monotonic()
+    result = run_script(*MULTI, "--config-path", "#demo", "--resume", str(path), *overrides_for(ws, cache_dir))
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    (line,) = human_lines(output)
+    assert line.startswith("error: ") and "could run code" in line, line
+    assert not list(ws.glob("**/rank-*.json")) and not (ws / ".tandem" / "launch.json").exists(), "a worker started"
+    assert not (ws / "ran").exists()
+    assert took < 40, f"took {took:.0f} s to refuse the backup"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [("train.py",), MULTI])
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, cache_dir, script):
+    """A file where the output folder should go: one line at the start, not a traceback after training."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run_script(*script, "--config-path", "#demo",
+                        *overrides_for(tmp_path / "ws", cache_dir, f"save.output_dir={blocker / 'out'}"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    (line,) = human_lines(output)
+    assert line == f"error: save.output_dir: cannot create {blocker / 'out'}: {blocker} is a file, not a folder; " \
+                   "choose another folder.", line
+    assert not (tmp_path / "ws" / "backups").exists(), "training started"

@@ -690,3 +690,28 @@ def test_a_fields_rules_are_declared_with_it():
     assert "training.batch_size: 0 is not allowed; set it to 1 or more." in problems
     assert any(p.startswith("multi_gpu.backend: 'mpi' is not a valid choice; set it to one of auto, nccl, gloo")
                for p in problems)
+
+
+def test_a_refused_override_on_a_preset_names_the_preset_and_the_overrides_not_the_presets_file():
+    with pytest.raises(ConfigError) as error:
+        load_config("#demo", ["training.learning_rate=-1"])
+    text = str(error.value)
+    assert text.startswith("1 problem(s) in preset '#demo' with the command line's overrides:"), text
+    assert "training_presets" not in text and "training.learning_rate" in text
+
+
+
+def test_a_refused_config_file_without_overrides_is_named_by_its_path(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"training": {"learning_rate": -1}}))
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [])
+    assert str(error.value).startswith(f"1 problem(s) in {path}:"), str(error.value)
+
+
+def test_a_folder_given_as_the_config_is_named_a_folder(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path)
+    text = str(error.value)
+    assert f"{tmp_path} is a folder, not a config file" in text and "#demo" in text
+    assert "not found" not in text

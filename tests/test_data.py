@@ -609,3 +609,67 @@ def test_loader_workers_are_forked_in_a_rank_the_spawn_launcher_started(tmp_path
     out = tmp_path / "start-methods"
     torch.multiprocessing.spawn(_report_loader_start, args=(str(out),), nprocs=1)
     assert out.read_text() == "spawn fork"
+
+
+def test_what_the_scan_leaves_out_or_resizes_is_said_once_each(tmp_path, caplog):
+    """1x1 images, one far too large and a link back up the folder trained without a word; each now gets one line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        Image.new("RGB", (64, 64), (80 * i, 20, 20)).save(data / f"ok{i}.png")
+    Image.new("RGB", (1, 1)).save(data / "pixel.png")
+    Image.new("RGB", (600, 600), (9, 9, 9)).save(data / "huge.png")
+    (data / "loop").symlink_to(data)
+    (data / "gone.png").symlink_to(data / "deleted.png")
+    cfg = DataConfig(resolution=64, concepts=[ConceptConfig(path=str(data), recursive=True)])
+    with caplog.at_level(logging.WARNING):
+        dataset = build_dataset(cfg, tmp_path / "cache", seed=0)
+    assert len(dataset) == 5  # all of them still train
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"Ignored in {data}: 1 linked folder(s), not followed: loop -> {data.resolve()} (a loop); 1 link(s) to missing "
+        "images: gone.png.",
+        "1 image(s) are enlarged more than 2x to fill their bucket and will train blurry: pixel.png 1x1 -> 64x64. Use "
+        "larger images, or a lower data.resolution.",
+        "1 image(s) are shrunk more than 8x to fit their bucket, which decodes them whole at every load (once, with "
+        "data.cache_latents): huge.png 600x600 -> 64x64."], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a scan made already (a launcher's, carried to its workers): no word
+        build_dataset(cfg, tmp_path / "cache", seed=0, scan=dataset_scan(dataset))
+    assert not caplog.records
+
+
+def dataset_scan(dataset):
+    from modules.data.concepts import ScanResult
+    return ScanResult(images=dataset.images, item_images=dataset.item_images, validation=dataset.validation_images)
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        import time
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills a forked worker")
+def test_a_dead_loader_worker_is_named_with_how_it_died():
+    """The OOM killer's kill -9 of a loader worker shows in the rank as a pipe reset or a RuntimeError from the
+    loader's SIGCHLD handler; the rank's error must say which worker died and how."""
+    import signal
+    from modules.data.dataset import DataLoadingError, loader_worker_context, loading_failure
+    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=2, num_workers=1, persistent_workers=True,
+                                         multiprocessing_context=loader_worker_context())
+    batches = iter(loader)
+    next(batches)
+    (worker,) = loader._iterator._workers
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(Exception) as raised:
+        for _ in range(10_000):
+            next(batches)
+    failure = loading_failure(loader, raised.value)
+    assert isinstance(failure, DataLoadingError)
+    assert str(failure) == f"a data loading worker (pid {worker.pid}) of this rank died (SIGKILL)"
+    loader._iterator._shutdown_workers()

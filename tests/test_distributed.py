@@ -276,7 +276,7 @@ def test_a_users_torchrun_trains_in_the_world_it_made(monkeypatch, caplog):
     import torch
 
     from modules.config import TrainConfig
-    from modules.distributed import launch as launch_module
+    from modules.distributed import worker as launch_module
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(launch_module.log, "propagate", True)
@@ -407,7 +407,8 @@ def test_workers_share_the_cores(monkeypatch):
     """Each of N workers gets cores / N threads (GPU workers too), unless OMP_NUM_THREADS says otherwise."""
     import torch
 
-    from modules.distributed.launch import LaunchPlan, _worker_env
+    from modules.distributed.plan import LaunchPlan
+    from modules.distributed.processes import _worker_env
     from modules.distributed.process_group import share_cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

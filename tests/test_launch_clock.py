@@ -24,25 +24,24 @@ def test_a_process_knows_when_it_started():
 
 def test_the_launch_splits_into_the_launcher_starting_the_workers_and_their_imports(monkeypatch):
     mine = launch_clock.process_start_time()
-    monkeypatch.setenv(launch_clock.LAUNCH_TIME, repr(mine - 5.0))
-    monkeypatch.delenv(launch_clock.WORKERS_STARTED, raising=False)
-    monkeypatch.delenv(launch_clock.CHECKS_STARTED, raising=False)
+    monkeypatch.setattr(launch_clock, "_marks", {})
+    launch_clock.adopt({launch_clock.LAUNCH_TIME: mine - 5.0})
     total, parts = launch_clock.launch_split(mine + 2.0)
     assert total == pytest.approx(7.0, abs=0.02) and parts == {}  # one process: nothing to split
-    monkeypatch.setenv(launch_clock.WORKERS_STARTED, repr(mine - 1.0))
+    launch_clock.adopt({launch_clock.WORKERS_STARTED: mine - 1.0})
     total, parts = launch_clock.launch_split(mine + 2.0)
     assert total == pytest.approx(7.0, abs=0.02)
     assert parts == pytest.approx({"launcher's imports and checks": 4.0, "starting the worker processes": 1.0,
                                    "worker's imports": 2.0}, abs=0.02)  # the start read again, to 10 ms
     # The command notes when its imports were done and its checks began: the launcher's part splits too.
-    monkeypatch.setenv(launch_clock.CHECKS_STARTED, repr(mine - 3.5))
+    launch_clock.adopt({launch_clock.CHECKS_STARTED: mine - 3.5})
     total, parts = launch_clock.launch_split(mine + 2.0)
     assert parts == pytest.approx({"launcher's imports": 1.5, "launcher's checks": 2.5,
                                    "starting the worker processes": 1.0, "worker's imports": 2.0}, abs=0.02)
-    monkeypatch.delenv(launch_clock.WORKERS_STARTED)  # one process: its imports, then the config and checks
+    del launch_clock._marks[launch_clock.WORKERS_STARTED]  # one process: its imports, then the config and checks
     total, parts = launch_clock.launch_split(mine + 2.0)
     assert total == pytest.approx(7.0, abs=0.02)
     assert parts == pytest.approx({"imports": 1.5, "config and checks": 5.5}, abs=0.02)
-    launch_clock.forget_launch_times()
+    launch_clock.forget()
     assert launch_clock.launch_split(mine + 2.0) == (None, {})
     assert launch_clock.CHECKS_STARTED not in os.environ

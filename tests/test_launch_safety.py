@@ -158,6 +158,35 @@ def test_first_failure_prefers_the_rank_that_died_over_its_peers_complaints():
     assert first_failure([], {}).rank is None
 
 
+def test_a_failed_write_on_rank_0_is_the_headline_whichever_rank_noted_its_error_first(tmp_path):
+    """A failed final save: rank 1 learns it through MainRankFailed and may note that before rank 0 notes its
+    own error; the headline must still name rank 0 and its error (3 of 6 trials named rank 1)."""
+    from modules.distributed.failures import WorkerExit, first_failure, read_errors, record_error
+    from modules.util.dist_utils import MainRankFailed
+    record_error(tmp_path, 1, MainRankFailed("rank 0 failed: PermissionError: [Errno 13] Permission denied: '/out'"),
+                 step=3)
+    assert first_failure([WorkerExit(1, 1, 101.0)], read_errors(tmp_path)).text == \
+        "rank 0 failed first: PermissionError: [Errno 13] Permission denied: '/out'"  # rank 0 had no time to note it
+    record_error(tmp_path, 0, PermissionError(13, "Permission denied", "/out"), step=3)
+    first = first_failure([WorkerExit(0, 1, 101.0), WorkerExit(1, 1, 101.0)], read_errors(tmp_path))
+    assert first.rank == 0 and first.text == "rank 0 failed first: PermissionError: [Errno 13] Permission denied: '/out'"
+
+
+def test_a_rank_named_stuck_by_a_watchdog_is_the_headline_not_the_kill_that_ended_it(tmp_path):
+    """Rank 0's watchdog ends it because rank 1 stopped answering; the launcher then kills the stuck rank 1.
+    The headline says what the watchdog saw, where rank 1 was, not that rank 1 'died first'."""
+    from modules.distributed.failures import WorkerExit, first_failure, read_errors, record_blame
+    record_blame(tmp_path, 0, 1, "rank 1 stopped answering: no sign of life for 30 s", step=24, phase="training step")
+    errors = read_errors(tmp_path)
+    late_kill = [WorkerExit(0, 3, errors[0].time + 0.5), WorkerExit(1, -9, errors[0].time + 15)]
+    first = first_failure(late_kill, errors)
+    assert (first.rank, first.text) == (1, "rank 1 stopped answering: no sign of life for 30 s at step 24 "
+                                           "(training step); the other ranks ended because of it.")
+    # A rank that died before any watchdog spoke died first, and its step is known if one saw it.
+    early = [WorkerExit(2, -9, errors[0].time - 5)]
+    assert first_failure(early, errors).text.startswith("rank 2 died first (signal SIGKILL")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_killed_rank_is_the_headline_of_the_log_and_the_gui(tmp_path, cache_dir, launcher):
@@ -246,3 +275,32 @@ def test_stop_signal_during_worker_start_up_is_not_lost(tmp_path, cache_dir):
     # Commands reach every rank with the next step's report: the first step a stop can end is step 2.
     assert not done["completed"] and done["step"] <= 2
     assert [e["step"] for e in found if e["type"] == "backup"] == [done["step"]]
+
+
+@pytest.mark.slow
+def test_a_second_stop_signal_names_the_backup_left_to_continue(tmp_path, cache_dir):
+    """Two Ctrl-C in a row under torchrun: the workers end at once, and the last line names this run's newest
+    backup (it said "the workers were ended without a backup" although one was written)."""
+    from modules.trainer import backup as backups
+    ws = tmp_path / "ws"
+    proc = start_training(ws, cache_dir, "torchrun", "save.backup_every_n_steps=2")
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if '"type": "backup"' in line:
+                break
+        os.kill(proc.pid, signal.SIGINT)
+        for line in proc.stdout:  # two signals sent at once reach a process as one
+            lines.append(line)
+            if line.startswith("SIGINT: stopping every rank"):
+                break
+        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        code, output = finish(proc, lines)
+    assert code == 130, output[-3000:]
+    newest = backups.latest_backup(ws / "backups")
+    assert newest is not None, output[-3000:]
+    assert (f"Training aborted by a second stop signal: the workers were ended; the newest backup of this run is "
+            f"step {newest.step} ({newest.path})") in output, output[-3000:]
+    assert "without a backup" not in output

@@ -106,8 +106,11 @@ def test_bad_input_is_refused_with_a_message(args, message):
 
 
 def test_install_runs_unless_skipped(tmp_path):
-    # A copy of the launcher beside a stand-in install.sh that only records that it ran.
+    # A copy of the launcher (and the helper it hands over to) beside a stand-in install.sh that only records that it ran.
     shutil.copy(SH, tmp_path / "start-multi-gpu.sh")
+    for helper in ("scripts/start_multi_gpu.py", "modules/start_multi_gpu.py", "modules/__init__.py"):
+        (tmp_path / helper).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / helper, tmp_path / helper)
     (tmp_path / "install.sh").write_text("#!/usr/bin/env bash\ntouch installed\n")
     (tmp_path / "install.sh").chmod(0o755)
     (tmp_path / "training_presets").mkdir()
@@ -132,3 +135,18 @@ def test_end_to_end_two_cpu_processes_on_the_flux_demo(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scripts/train_multi_gpu.py" in result.stdout
     assert list((tmp_path / "run" / "output").glob("*.safetensors")), "no LoRA was saved"
+
+
+def test_the_sh_only_installs_and_hands_over_to_the_helper_like_the_bat(tmp_path):
+    """One copy of the questions and checks (modules/start_multi_gpu.py) for both scripts."""
+    sh = SH.read_text()
+    assert 'exec "$python" scripts/start_multi_gpu.py "$@"' in sh and "./install.sh" in sh
+    assert len([line for line in sh.splitlines() if line.strip() and not line.lstrip().startswith("#")]) < 30
+    # --help before anything is installed: the helper needs only the standard library.
+    for helper in ("start-multi-gpu.sh", "scripts/start_multi_gpu.py", "modules/start_multi_gpu.py", "modules/__init__.py"):
+        (tmp_path / helper).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / helper, tmp_path / helper)
+    env = {k: v for k, v in launcher_env().items() if k != "TANDEM_PYTHON"}
+    shown = subprocess.run(["bash", str(tmp_path / "start-multi-gpu.sh"), "--help"], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert shown.returncode == 0 and "--num-gpus" in shown.stdout and not (tmp_path / ".venv").exists(), shown.stderr

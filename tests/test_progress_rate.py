@@ -94,7 +94,7 @@ def test_library_notices_that_say_nothing_to_a_user_stay_out_of_the_log(caplog):
     upsampling into the log (H100 hosts, session 14); other warnings still pass."""
     import logging
     import warnings
-    from modules.distributed.launch import quiet_libraries
+    from modules.util.logs import quiet_libraries
 
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")

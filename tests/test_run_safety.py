@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -86,15 +87,35 @@ def test_a_run_whose_loss_turns_nan_stops_and_saves_nothing(tmp_path, cache_dir)
         assert all(torch.isfinite(w).all() for w in weights.values()), f"{found.path} holds non-finite weights"
 
 
+def test_a_backup_of_absurd_weights_is_not_called_good(tmp_path, cache_dir):
+    """learning_rate=1e30: after step 1 the weights reach 1e29 - finite, so backed up, but absurd: the loss
+    computed from them is not finite. The refusal must not name that backup as the good one."""
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=12", "save.backup_every_n_steps=1",
+                      "training.learning_rate=1e30", "optimizer.name=sgd", "training.max_grad_norm=0",
+                      "training.precision=fp32", method="full")
+    with pytest.raises(NonFiniteTrainingError) as error:
+        GenericTrainer(cfg, RecordingCallbacks()).run()
+    text = str(error.value)
+    written = [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")]
+    assert written and "good backup" not in text and "sound weights is" not in text, (written, text)
+    steps = ", ".join(map(str, written))
+    assert f"the backup(s) at step(s) {steps} hold the weights that led to it - do not continue them" in text, text
+
+
 @pytest.mark.slow
 def test_nan_on_two_processes_stops_every_rank(tmp_path, cache_dir):
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=12", "optimizer.name=sgd",
                                        "training.learning_rate=1e30", "training.max_grad_norm=0",
-                                       "training.precision=fp32", method="full"), timeout=300)
+                                       "training.precision=fp32", "save.backup_every_n_steps=1", method="full"),
+                        timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode != 0 and "NonFiniteTrainingError" in out and '"completed": true' not in out
     assert not (tmp_path / "ws" / "output").exists()
+    # One statement about the backups, whichever rank says it (rank 1 once said none was written).
+    said = {line.split("NonFiniteTrainingError: ", 1)[1] for line in out.splitlines()
+            if "failed: NonFiniteTrainingError: " in line}
+    assert len(said) == 1 and "good backup" not in next(iter(said)), said
 
 
 @pytest.mark.slow
@@ -103,8 +124,9 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     """The reported hang: rank 0 took its 'back up instead' path while rank 1 waited at a barrier until the
     process-group timeout, and no backup was written. Every rank must take the backup path together."""
     ws = tmp_path / "ws"
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
+    # A link to a drive that is not mounted: the start cannot tell it from one that will be, the final save fails.
+    blocker = tmp_path / "unmounted-drive"
+    blocker.symlink_to(tmp_path / "nowhere")
     started = time.monotonic()
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu",
                         *launcher_flag(launcher),
@@ -119,3 +141,58 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     assert newest is not None and newest.step == 3, out
     _, state, _ = backups.read_backup(newest.path)
     assert state["global_step"] == 3 and len(state["rng"]) == 2
+
+
+@pytest.mark.slow
+def test_a_failed_one_process_run_prints_one_line_and_keeps_the_traceback_in_a_file(tmp_path, cache_dir):
+    """scripts/train.py ended in a bare traceback; it says one line, as the launchers do, naming the file."""
+    ws = tmp_path / "ws"
+    result = run_script("train.py", "--config-path", "#demo", "--device", "cpu",
+                        *overrides_for(ws, cache_dir, "training.max_steps=12", "optimizer.name=sgd",
+                                       "training.learning_rate=1e30", "training.max_grad_norm=0",
+                                       "training.precision=fp32", method="full"), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+    details = ws / ".tandem" / "failures" / "rank-0.log"
+    assert line.startswith("error: NonFiniteTrainingError: Training stopped: ") and line.endswith(f"(details: {details})")
+    assert "Traceback" in details.read_text()
+
+
+HOLD_WORKER_LOCK = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from modules.util.workspace_lock import WorkerLock
+WorkerLock({ws!r}, 1).acquire()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_workspace_is_not_free_while_a_worker_of_an_earlier_run_lives(tmp_path, monkeypatch):
+    """kill -9 of a launcher freed its lock while its workers lived on for 1.6-33 s, and a new run took the
+    workspace while they still wrote. A worker holds a lock of its own: a new run waits for it, then refuses."""
+    import subprocess
+    import sys
+    from modules.util import workspace_lock
+    from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use
+    from tests.trainer_helpers import REPO
+    ws = tmp_path / "ws"
+    worker = subprocess.Popen([sys.executable, "-c", HOLD_WORKER_LOCK.format(repo=str(REPO), ws=str(ws))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "holding"
+        monkeypatch.setattr(workspace_lock, "WORKERS_GRACE_S", 0.5)
+        with pytest.raises(WorkspaceBusy, match=rf"worker processes of an earlier run are still running \(process "
+                                                rf"{worker.pid} on .*rank-1 of a training run\)"):
+            WorkspaceLock(ws).acquire()
+        assert "worker processes of an earlier run" in workspace_in_use(ws)
+        # The refused start did not keep the workspace: once the worker ends, a run takes it.
+        threading.Timer(1.0, worker.kill).start()
+        monkeypatch.setattr(workspace_lock, "WORKERS_GRACE_S", 60)
+        started = time.monotonic()
+        WorkspaceLock(ws).acquire().release()
+        assert worker.poll() is not None and time.monotonic() - started >= 0.5
+        assert workspace_in_use(ws) is None
+    finally:
+        worker.kill()

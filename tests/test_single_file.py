@@ -408,3 +408,22 @@ def test_config_overrides_is_a_config_field(tmp_path, tandem_home):
     assert "must hold an object" in problems('{"unet": 3}', str(ckpt))[0]
     assert "single-file checkpoints only" in problems('{"unet": {"sample_size": 8}}')[0]
     assert problems('{"unet": {"sample_size": 8}}', str(ckpt)) == []
+
+
+def test_a_pickled_ckpt_is_refused_in_one_sentence_of_its_own_without_warnings(tmp_path, recwarn):
+    """PyTorch's refusal is paragraphs about its changed default; the user needs what was refused and what to do."""
+    import os
+    from modules.model.pickled import load_pickled_state
+    torch.save({"state_dict": {"x": torch.zeros(1)}, "callback": types.SimpleNamespace()}, tmp_path / "pickled.ckpt")
+    torch.save({"callback": types.SimpleNamespace()}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    for name in ("pickled.ckpt", "legacy.ckpt"):
+        with pytest.raises(ValueError) as error:
+            load_pickled_state(tmp_path / name)
+        text = str(error.value)
+        assert "GLOBAL types.SimpleNamespace" in text and "could run code" in text, text
+        assert "PyTorch 2.6" not in text and "\n" not in text and text.endswith("diffusers folder."), text
+    (tmp_path / "random.ckpt").write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError) as error:
+        load_pickled_state(tmp_path / "random.ckpt")
+    assert "Weights only load failed" not in str(error.value) and "Is the file complete?" in str(error.value)
+    assert not [w for w in recwarn.list if "torch" in str(w.filename)], [str(w.message) for w in recwarn.list]

@@ -27,6 +27,12 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
+def rounding_slack(parts: int) -> float:
+    """How far a phase and the sum of its parts may differ when the log prints each to 0.1 s: half a
+    tenth per printed number (the parts and the phase itself), and a little for float addition."""
+    return 0.05 * (parts + 1) + 1e-9
+
+
 def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
     proc = start_script(script, *args, start_new_session=True)
     lines, done_at = [], None
@@ -74,16 +80,16 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
     parts = marks.get("startup_parts", {})
     if launch == "single":
         assert list(parts["launch"]) == ["imports", "config and checks"] and phases["launch"] > 0
-        assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.1, (parts, phases)
+        assert abs(sum(parts["launch"].values()) - phases["launch"]) <= rounding_slack(2), (parts, phases)
         return
     assert list(parts["launch"]) == ["launcher's imports", "launcher's checks", "starting the worker processes",
                                      "worker's imports"]
-    assert abs(sum(parts["launch"].values()) - phases["launch"]) <= 0.15, (parts, phases)  # each part rounded
+    assert abs(sum(parts["launch"].values()) - phases["launch"]) <= rounding_slack(4), (parts, phases)
     assert list(parts["set-up"]) == ["waiting for the last rank to start", "process group", "choosing the strategy"]
-    assert sum(parts["set-up"].values()) <= phases["set-up"] + 0.15, (parts, phases)
+    assert sum(parts["set-up"].values()) <= phases["set-up"] + rounding_slack(3), (parts, phases)
     assert list(parts["cache"]) == ["waiting for the slowest rank's model", "encoding"]
     assert re.search(r"Model loaded in [\d.]+-[\d.]+ s on the 2 ranks \(slowest: rank [01]\)\.", output), output[-2000:]
-    assert sum(parts["cache"].values()) <= phases["cache"] + 0.15, (parts, phases)
+    assert sum(parts["cache"].values()) <= phases["cache"] + rounding_slack(2), (parts, phases)
 
 
 @pytest.mark.slow
@@ -211,6 +217,8 @@ def test_the_first_step_line_says_what_ran_before_it_in_words_the_harness_reads(
         GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "data.num_workers=1"),
                        RecordingCallbacks()).run()
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("First step: ")]
+    (cached,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Cache ready in ")]
+    assert re.fullmatch(r"Cache ready in [\d.]+ s", cached), cached  # one process: no "(1 processes, ...)"
     marks: dict = {}
     _read_line(line, 0.0, marks, {}, [])
     assert marks["first_step_s"] >= 0 and marks["summary_to_step1_s"] >= 0

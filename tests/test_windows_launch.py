@@ -17,8 +17,9 @@ import pytest
 import torch.distributed as dist
 
 from modules import start_multi_gpu
-from modules.distributed import launch, process_group
-from modules.distributed.launch import LaunchPlan, _worker_env, spawn_environment
+from modules.distributed import job as jobs, process_group, processes
+from modules.distributed.plan import LaunchPlan
+from modules.distributed.processes import _worker_env, spawn_environment
 from tests.test_launcher_scripts import BAT, PY, REPO, launcher_env, printed_command, run_sh
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import launch_spec
@@ -61,18 +62,18 @@ def test_torchrun_gets_use_libuv_0_for_its_own_store(windows, monkeypatch, tmp_p
         def wait(self):
             return 0
 
-    monkeypatch.setattr(launch.subprocess, "Popen", FakeTorchrun)
-    monkeypatch.setattr(launch, "_own_process_group", lambda: {})
+    monkeypatch.setattr(processes.subprocess, "Popen", FakeTorchrun)
+    monkeypatch.setattr(processes, "_own_process_group", lambda: {})
     from modules.distributed.supervision import StopSignals
     from tests.trainer_helpers import demo_config
     cfg = demo_config(tmp_path / "ws", tmp_path / "cache")
-    job_file = launch.write_job(launch.WorkerJob(cfg, PLAN.spec))
-    assert launch.launch_torchrun(job_file, PLAN, "127.0.0.1:29500", StopSignals(tmp_path / "commands")) == (0, [])
+    job_file = jobs.write_job(jobs.WorkerJob(cfg, PLAN.spec))
+    assert processes.launch_torchrun(job_file, PLAN, "127.0.0.1:29500", StopSignals(tmp_path / "commands")) == (0, [])
     # torch.distributed.run, through the wrapper that notes how failed workers ended (modules/distributed/agent.py)
     assert started["cmd"][1:3] == ["-m", "modules.distributed.agent"] and started["env"]["USE_LIBUV"] == "0"
     # The workers get one file, the job: no option repeats a config value.
     assert started["cmd"][-2:] == ["--launch-file", str(job_file)]
-    job = launch.read_job(job_file)
+    job = jobs.read_job(job_file)
     assert job.spec == PLAN.spec and job.resume is None and job.cfg == cfg
 
 

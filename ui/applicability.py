@@ -116,6 +116,7 @@ RULES: dict[str, Rule] = {
     "multi_gpu.lr_scaling": _multi_gpu,
     "multi_gpu.master_port": _multi_gpu,
     "multi_gpu.master_addr": _multi_gpu,
+    "multi_gpu.stall_seconds": _multi_gpu,
     "multi_gpu.timeout_minutes": _multi_gpu,
     "multi_gpu.bucket_cap_mb": _ddp,
     "multi_gpu.gradient_compression": _ddp,

@@ -24,14 +24,12 @@ class MultiGPUSummary:
     lr: float
     scaling: str
     cpu: bool
+    global_batch: int
+    """The launch's global batch, as `resolve_launch` computed it."""
     split: str = "equal"
     """multi_gpu.batch_split as set: equal, auto, or a list such as 6,2."""
     processes_here: int = 0
     """Processes on this machine (several machines: fewer than world_size); 0: all of them."""
-
-    @property
-    def global_batch(self) -> int:
-        return self.per_gpu_batch * self.accumulation * self.world_size
 
     def line(self) -> str:
         if self.world_size < 1:
@@ -78,7 +76,8 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
     return MultiGPUSummary(world_size=launch.world_size, per_gpu_batch=launch.per_gpu_batch,
                            accumulation=launch.accumulation, base_lr=launch.base_lr, lr=launch.lr,
                            scaling=launch.lr_scaling, cpu=launch.multi_process and launch.device_type == "cpu",
-                           split=cfg.multi_gpu.batch_split, processes_here=launch.processes_here)
+                           split=cfg.multi_gpu.batch_split, processes_here=launch.processes_here,
+                           global_batch=launch.global_batch)
 
 
 LOOPBACK = ("127.", "localhost", "::1")

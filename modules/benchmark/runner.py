@@ -27,7 +27,9 @@ from modules.config import TrainConfig, apply_overrides, config_from_dict, confi
 from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
-from modules.distributed.launch import LaunchPlan, plan_launch, setup_logging, spawn_environment, worker_variables
+from modules.distributed.plan import LaunchPlan, plan_launch
+from modules.distributed.processes import spawn_environment, worker_variables
+from modules.util.logs import setup_logging
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
 
@@ -234,8 +236,8 @@ def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None,
     if plan is None:
         trainer = BenchmarkGeneric(cfg)
     else:
-        os.environ.update(worker_variables(plan, local_rank, rendezvous_at))
-        trainer = BenchmarkDistributed(cfg, device_type=case.device)
+        os.environ.update(worker_variables(plan, local_rank))
+        trainer = BenchmarkDistributed(cfg, device_type=case.device, rendezvous=rendezvous_at)
     trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
     trainer.run()
 

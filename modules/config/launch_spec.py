@@ -64,6 +64,21 @@ class LaunchSpec:
     """How often torchrun's agent restarts every worker after a failure (`multi_gpu.max_restarts`)."""
     min_nodes: int = 0
     """The fewest machines the run continues on after losing some (`multi_gpu.min_gpus`); 0: all of them."""
+    global_batch: int = 0
+    """Samples per optimizer step over all processes: per-GPU batch x accumulation x world size of the launch
+    (0 when made: computed). A round on fewer processes (a lost machine) keeps it by accumulating more."""
+    lr: float | None = None
+    """The trainer's learning rate: the base LR scaled for the launch's world size (None when made:
+    computed). It stays the launch's when a round runs on fewer processes: the global batch is kept, so
+    is the result; the base LR while the scaling mode is unknown (mid-edit in the GUI)."""
+
+    def __post_init__(self) -> None:
+        # The one place the global batch and the scaled LR are computed; every later copy (a smaller round,
+        # the job file) carries them as they were.
+        if not self.global_batch:
+            object.__setattr__(self, "global_batch", self.per_gpu_batch * self.accumulation * self.world_size)
+        if self.lr is None:
+            object.__setattr__(self, "lr", scaled_lr(self.base_lr, self.lr_scaling, self.world_size))
 
     @property
     def processes_here(self) -> int:
@@ -74,24 +89,20 @@ class LaunchSpec:
     def multi_process(self) -> bool:
         return self.launcher != SINGLE
 
-    @property
-    def global_batch(self) -> int:
-        return self.per_gpu_batch * self.accumulation * self.world_size
-
-    @property
-    def lr(self) -> float:
-        """The trainer's learning rate; the base LR while the scaling mode is unknown (mid-edit in the GUI)."""
-        try:
-            return self.base_lr * lr_scale_factor(self.lr_scaling, max(self.world_size, 1))
-        except ValueError:
-            return self.base_lr
-
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchSpec:
         return cls(**{**data, "gpus": tuple(data["gpus"])})
+
+
+def scaled_lr(base_lr: float, mode: str, world_size: int) -> float:
+    """`base_lr` scaled for `world_size` processes; unscaled while the mode is unknown (mid-edit in the GUI)."""
+    try:
+        return base_lr * lr_scale_factor(mode, max(world_size, 1))
+    except ValueError:
+        return base_lr
 
 
 def lr_scale_factor(mode: str, world_size: int) -> float:

@@ -25,6 +25,10 @@ def resolve_config_source(path_or_preset: str | os.PathLike) -> Path:
     preset = find_preset(str(path_or_preset))
     if preset is not None:
         return preset
+    if path.is_dir():
+        raise ConfigError([f"{path} is a folder, not a config file: give the path of a config JSON file in it, "
+                           "or a preset name: " + ", ".join(list_presets()) + "."],
+                          str(path))
     raise ConfigError([f"config file not found: {path} (and no preset of that name). "
                        f"Check the path or pick a preset: {', '.join(list_presets())}."], str(path))
 
@@ -45,6 +49,17 @@ def load_config(path_or_preset: str | os.PathLike, overrides: Iterable[str] = ()
 
     Raises `ConfigError` with every problem at once.
     """
-    source = str(resolve_config_source(path_or_preset))
+    overrides = list(overrides)
+    source = describe_source(path_or_preset, bool(overrides))
     cfg = apply_overrides(read_config(path_or_preset), overrides)
     return check(cfg, source=source, check_paths=check_paths)
+
+
+def describe_source(path_or_preset: str | os.PathLike, overridden: bool) -> str:
+    """How a refusal names the config: its file, or the preset by name (its file is Tandem's, not the
+    user's to fix), and whether command-line overrides changed it - their values are checked with it."""
+    path = Path(path_or_preset).expanduser()
+    what = str(resolve_config_source(path_or_preset))
+    if not path.is_file():
+        what = f"preset {str(path_or_preset)!r}"
+    return f"{what} with the command line's overrides" if overridden else what

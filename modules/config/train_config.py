@@ -341,9 +341,11 @@ class MultiGPUConfig:
     master_port: int = rule(0, label="Port (0: free port)")
     """Port for the rendezvous. 0: pick a free port (one machine only: several machines need the same fixed port, e.g. 29500)."""
     timeout_minutes: float = rule(10.0, above=0.0)
-    """How long ranks wait for each other (a collective, the start of every node) before the job fails with a message naming the rank - or, with `max_restarts`, restarts. PyTorch's own defaults are 10-30 minutes."""
+    """How long ranks wait for each other in one collective, and for the start of every node, before the job fails with a message naming the rank - or, with `max_restarts`, restarts. A rank that is frozen or stuck while the others wait for it is found sooner, after `stall_seconds`; this bounds a collective that every rank waits in (a slow network). PyTorch's own defaults are 10-30 minutes."""
+    stall_seconds: float = rule(30.0, above=0.0, label="Stuck rank after (seconds)")
+    """A rank that shows no sign of life for this long, or makes no progress while the others wait for it, ends the job - or, with `max_restarts`, restarts it - with a message naming the rank, its step and what it was doing (watched through the rendezvous store, whatever the backend). Phases that announce themselves as long are not held to it (start-up, the first step, compiling, sampling, backups, saving, validation), and it grows by itself to 4 x the slowest step so far. `timeout_minutes` still bounds a collective that every rank waits in."""
     max_restarts: int = rule(0, minimum=0, label="Restarts after a failure")
-    """Restart every worker this many times when one dies or hangs (a collective timing out after `timeout_minutes`); the workers continue from the run's newest complete backup by themselves. Needs the torchrun launcher. 0: a failure ends the job. With restarts on and no backup cadence by steps or minutes, backups are written every 10 minutes."""
+    """Restart every worker this many times when one dies, fails or hangs (stops answering for `stall_seconds`, or a collective times out after `timeout_minutes`); the workers continue from the run's newest complete backup by themselves. Needs the torchrun launcher. 0: a failure ends the job. With restarts on and no backup cadence by steps or minutes, backups are written every 10 minutes."""
     min_gpus: int = rule(0, minimum=0, label="Continue on at least N GPUs")
     """With several machines: keep training on at least this many GPUs when a machine is lost for good (the others continue after a restart, gradient accumulation raised so the global batch stays the same). 0: every machine is needed."""
     nnodes: int = rule(1, minimum=1, label="Machines (nodes)")

@@ -2,11 +2,13 @@
 
 The scan needs no model: it reads every image once (hash + PIL `verify()`), so a broken file is
 reported and skipped here, and an empty dataset fails here, before anything slow is loaded.
-Warnings go to the `modules.data` logger; `launch.setup_logging` keeps them to the one process that
-reports for the run (every rank scans the same files).
+Warnings go to the `modules.data` logger, from the one process that scans for the run: a multi-process
+launcher scans once and hands the scan to its workers; where every rank scans (a user's own torchrun),
+`util/logs.setup_logging` keeps them to rank 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -64,6 +66,28 @@ class ScanResult:
     """Per dataset item (repeats expanded, regularisation items balanced, see `roles.py`), the index into `images`."""
     validation: list[ImageRecord] = field(default_factory=list)
     """The held-out images (validation concepts and `data.validation_fraction`), each once; not in `images`."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (a launcher hands its scan to its workers in their job file)."""
+        return {"images": [_record_to_dict(r) for r in self.images], "item_images": list(self.item_images),
+                "validation": [_record_to_dict(r) for r in self.validation]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ScanResult":
+        return cls(images=[_record_from_dict(r) for r in data["images"]], item_images=list(data["item_images"]),
+                   validation=[_record_from_dict(r) for r in data["validation"]])
+
+
+def _record_to_dict(record: ImageRecord) -> dict:
+    data = dataclasses.asdict(record)
+    data["path"] = str(record.path)
+    data["mask_path"] = str(record.mask_path) if record.mask_path is not None else None
+    return data
+
+
+def _record_from_dict(data: dict) -> ImageRecord:
+    return ImageRecord(**{**data, "path": Path(data["path"]),
+                          "mask_path": Path(data["mask_path"]) if data.get("mask_path") else None})
 
 
 CAPTION_FALLBACK_ENCODINGS = ("cp1252", "latin-1")
@@ -124,11 +148,35 @@ def with_prefix_and_suffix(caption: str, prefix: str, suffix: str, separator: st
 
 
 def _image_files(folder: Path, recursive: bool) -> list[Path]:
-    pattern = folder.rglob("*") if recursive else folder.glob("*")
-    files = [p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not is_mask_file(p)]
+    entries = list(folder.rglob("*") if recursive else folder.glob("*"))
+    files = [p for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not is_mask_file(p)]
+    _report_links(folder, entries, recursive)
     # Sorted so that item indexes (and with them sampler order and RNG streams) are the same on
     # every rank and every run, whatever order the file system lists entries in.
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _report_links(folder: Path, entries: list[Path], recursive: bool) -> None:
+    """One line about the links the scan leaves out: linked folders (a recursive scan does not follow them,
+    so a link back up - a loop - cannot make it endless) and links to images that are not there."""
+    linked = [p for p in entries if recursive and p.is_symlink() and p.is_dir()]
+    broken = [p for p in entries if p.is_symlink() and not p.exists() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    if not (linked or broken):
+        return
+    parts = []
+    if linked:
+        def shown(link: Path) -> str:
+            target = link.resolve()
+            loop = " (a loop)" if folder.resolve() == target or folder.resolve().is_relative_to(target) else ""
+            return f"{link.relative_to(folder).as_posix()} -> {target}{loop}"
+        parts.append(f"{len(linked)} linked folder(s), not followed: {_some(list(map(shown, linked)))}")
+    if broken:
+        parts.append(f"{len(broken)} link(s) to missing images: {_some([p.name for p in broken])}")
+    log.warning("Ignored in %s: %s.", folder, "; ".join(parts))
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
 
 
 def _read_image(path: Path) -> tuple[int, int, str] | None:
@@ -160,6 +208,38 @@ def _unreadable_reason(err: Exception, path: Path) -> str:
     if isinstance(err, SyntaxError) or "truncated" in text.lower():
         return f"damaged or cut short ({text})"
     return text
+
+
+UPSCALE_WARNING = 2.0
+"""An image enlarged more than this to fill its bucket trains blurry: worth a word."""
+DOWNSCALE_WARNING = 8.0
+"""An image shrunk more than this is decoded whole each time it is loaded (once, with latents cached)."""
+
+
+def report_sizes(images: Sequence[ImageRecord], bucket_sizes: list[tuple[int, int]]) -> None:
+    """One line for images far smaller than their bucket (enlarged, blurry) and one for those far larger (shrunk
+    at every load); both still train."""
+    from .buckets import closest_bucket
+
+    enlarged, shrunk = [], []
+    for im in images:
+        bucket_w, bucket_h = bucket_sizes[closest_bucket(im.width, im.height, bucket_sizes)]
+        scale = max(bucket_w / im.width, bucket_h / im.height)
+        shown = f"{im.path.name} {im.width}x{im.height} -> {bucket_w}x{bucket_h}"
+        if scale > UPSCALE_WARNING:
+            enlarged.append((scale, shown))
+        elif 1 / scale > DOWNSCALE_WARNING:
+            shrunk.append((1 / scale, shown))
+    if enlarged:
+        enlarged.sort(reverse=True)
+        log.warning("%d image(s) are enlarged more than %gx to fill their bucket and will train blurry: %s. Use "
+                    "larger images, or a lower data.resolution.", len(enlarged), UPSCALE_WARNING,
+                    _some([text for _, text in enlarged]))
+    if shrunk:
+        shrunk.sort(reverse=True)
+        log.warning("%d image(s) are shrunk more than %gx to fit their bucket, which decodes them whole at every "
+                    "load (once, with data.cache_latents): %s.", len(shrunk), DOWNSCALE_WARNING,
+                    _some([text for _, text in shrunk]))
 
 
 def scan_concept(concept: ConceptConfig) -> list[ImageRecord]:

@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from modules.config.train_config import DataConfig
+from modules.util.exit import die_with_parent
 
 from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
-from .concepts import ImageRecord, ScanResult, process_caption, scan_concepts, with_prefix_and_suffix
+from .concepts import ImageRecord, ScanResult, process_caption, report_sizes, scan_concepts, with_prefix_and_suffix
 from .masks import load_mask, loss_weights
 
 
@@ -99,6 +100,11 @@ class TrainDataset(Dataset):
         fixed = replace(self.data_cfg, random_flip=False, random_crop=False, caption_dropout=0.0, shuffle_tags=False)
         scan = ScanResult(images=list(self.validation_images), item_images=list(range(len(self.validation_images))))
         return TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
+
+    def scan(self) -> ScanResult:
+        """The scan this dataset was made from (a launcher's, handed to its workers)."""
+        return ScanResult(images=list(self.images), item_images=list(self.item_images),
+                          validation=list(self.validation_images))
 
     def describe_roles(self) -> str:
         """One start-up line: training, regularisation and held-out images, masks."""
@@ -241,12 +247,16 @@ def pad_and_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int) -> TrainDataset:
-    """Scan the concepts and assign buckets; needs no model, so data errors show up first."""
+def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int, scan: ScanResult | None = None) -> TrainDataset:
+    """Scan the concepts (unless `scan` is the result of a scan made already: a launcher's, carried to its
+    workers) and assign buckets; needs no model, so data errors show up first. What the scan left out or will
+    resize is said where the scan is made, once."""
     bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing,
                                 min_side=data_cfg.min_bucket_size, max_side=data_cfg.max_bucket_size)
-    return TrainDataset(scan_concepts(data_cfg.concepts, data_cfg.validation_fraction), bucket_sizes, data_cfg,
-                        cache_dir, seed)
+    if scan is None:
+        scan = scan_concepts(data_cfg.concepts, data_cfg.validation_fraction)
+        report_sizes([*scan.images, *scan.validation], bucket_sizes)
+    return TrainDataset(scan, bucket_sizes, data_cfg, cache_dir, seed)
 
 
 class _EpochTaggedBatches:
@@ -265,6 +275,39 @@ class _EpochTaggedBatches:
         return len(self.batch_sampler)
 
 
+class DataLoadingError(RuntimeError):
+    """Loading a batch failed in this rank: one of its loader's worker processes died, or reading an item failed."""
+
+
+def loading_failure(loader: DataLoader, error: BaseException) -> DataLoadingError:
+    """What went wrong with `loader` when taking a batch raised `error`, in words that name the dead worker.
+
+    A worker killed by the system for lack of memory shows in the training process as whatever the loader
+    happened to be doing - a pipe reset, a queue that ended - so the workers' exit codes are read first."""
+    iterator = getattr(loader, "_iterator", None)
+    dead = []
+    for worker in list(getattr(iterator, "_workers", [])):
+        try:
+            code = worker.exitcode
+        except Exception:  # noqa: BLE001 - a process already reaped: not known
+            continue
+        if code not in (None, 0):
+            dead.append((worker.pid, code))
+    if dead:
+        pid, code = dead[0]
+        how = _signal_name(-code) if code < 0 else f"exit code {code}"
+        return DataLoadingError(f"a data loading worker (pid {pid}) of this rank died ({how})")
+    return DataLoadingError(f"loading a batch failed: {type(error).__name__}: {error}")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def loader_worker_context():
     """How the loader's worker processes start: forked on Linux, whatever launched this process.
 
@@ -281,5 +324,11 @@ def make_dataloader(dataset: TrainDataset, batch_sampler, data_cfg: DataConfig, 
     return DataLoader(dataset, batch_sampler=_EpochTaggedBatches(batch_sampler), collate_fn=collate,
                       num_workers=workers, pin_memory=data_cfg.pin_memory and device_is_cuda,
                       prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
-                      persistent_workers=workers > 0,
+                      persistent_workers=workers > 0, worker_init_fn=end_with_the_rank if workers > 0 else None,
                       multiprocessing_context=loader_worker_context() if workers > 0 else None)
+
+
+def end_with_the_rank(worker_id: int) -> None:
+    """A loader worker dies with the training process that started it (killed, or its launcher killed): it
+    would otherwise notice only at its next look, seconds later, holding its memory meanwhile."""
+    die_with_parent()

@@ -20,9 +20,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from modules.config.validation import fsdp_blockers
-from modules.distributed import fsdp
+from modules.distributed import failures, fsdp
 from modules.distributed.process_group import destroy, init_worker
 from modules.distributed.strategy import choose_strategy
+from modules.distributed.watchdog import Watchdog
 from modules.trainer.base_trainer import BaseTrainer
 from modules.util import dist_utils as du
 from modules.util.batch_slice import equal_split
@@ -49,16 +50,22 @@ def _no_buffer_sync_per_forward() -> dict:
 
 class DistributedTrainer(BaseTrainer):
     def __init__(self, cfg, callbacks=None, inbox=None, device_type: str = "cuda", resume: str | None = None,
-                 run_id: str | None = None) -> None:
-        super().__init__(cfg, callbacks, inbox, resume, run_id)
+                 run_id: str | None = None, launch=None, scan=None, rendezvous: str | None = None) -> None:
+        """`rendezvous`: `host:port` of the store the launcher serves (None: MASTER_ADDR/MASTER_PORT)."""
+        super().__init__(cfg, callbacks, inbox, resume, run_id, launch, scan)
         self.device_type = device_type
+        self.rendezvous = rendezvous
 
     def setup_environment(self) -> None:
         m = self.cfg.multi_gpu
         parts = self.start_phases.parts.setdefault("set-up", {})
         arrived, started = time.time(), time.perf_counter()
-        self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload)
+        self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload,
+                                  store_address=self.rendezvous)
         joined = time.perf_counter() - started
+        # Every rank has joined: from here a rank that fails, freezes or stalls ends the job within seconds.
+        self.watchdog = Watchdog.start(self.heartbeat, du.rank(), du.world_size(), m.stall_seconds,
+                                       failures.failures_folder(self.paths.workspace), self.rendezvous)
         # Joining waits for the last rank to arrive: a slow start elsewhere, not a slow process group.
         # (Clocks of other machines may differ: the wait is bounded by the time the join took.)
         waited = min(joined, max(0.0, max(du.all_gather_objects(arrived)) - arrived))
@@ -188,4 +195,6 @@ class DistributedTrainer(BaseTrainer):
         self.model = None
         if not self.ended:
             gc.collect()
+        elif getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()  # a failed run keeps it: it ends the process if the clean-up below hangs
         destroy()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from modules.config.backends import resolve_backend
-from modules.distributed.rendezvous import RENDEZVOUS_VARIABLE, connect
+from modules.distributed.rendezvous import connect
 from modules.util.dist_utils import GPU_NUMBER
 
 log = logging.getLogger("tandem")
@@ -76,10 +76,12 @@ def see_only_own_gpu(local_rank: int) -> bool:
     return True
 
 
-def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_collectives: bool = False) -> torch.device:
+def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_collectives: bool = False,
+                store_address: str | None = None) -> torch.device:
     """Join the process group described by the standard torchrun variables and pick this rank's device.
 
-    `cpu_collectives`: collectives on CPU tensors too (`with_cpu_collectives`)."""
+    `cpu_collectives`: collectives on CPU tensors too (`with_cpu_collectives`); `store_address`: `host:port` of
+    the store Tandem's launcher serves (its job says where), None: MASTER_ADDR/MASTER_PORT."""
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -97,9 +99,8 @@ def init_worker(backend: str, device_type: str, timeout_minutes: float, cpu_coll
     os.environ.update(store_environment())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    served = os.environ.get(RENDEZVOUS_VARIABLE)
-    if served:  # Tandem's launcher serves the store, listening on the configured address only
-        kwargs["store"] = connect(served, timeout)
+    if store_address:  # Tandem's launcher serves the store, listening on the configured address only
+        kwargs["store"] = connect(store_address, timeout)
     # Otherwise (someone else's launcher, e.g. a user's own torchrun) MASTER_ADDR/MASTER_PORT, as PyTorch does.
     dist.init_process_group(backend=with_cpu_collectives(backend, cpu_collectives), rank=rank, world_size=world,
                             timeout=timeout, **kwargs)

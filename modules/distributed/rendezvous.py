@@ -5,8 +5,8 @@ rank 0 of `init_process_group` and as torchrun's agent store, so a machine on th
 a run's rendezvous although `multi_gpu.master_addr` says 127.0.0.1. So the launcher binds the
 listening socket itself - on `master_addr` (loopback unless the user names another address; the
 wildcard only when the user names 0.0.0.0 or ::) - and hands it to a TCPStore it keeps for the whole
-run. torchrun's agent and every worker connect to it as clients: the workers find it in
-`RENDEZVOUS_VARIABLE`; without that variable (a user's own torchrun or launcher) they use
+run. torchrun's agent and every worker connect to it as clients: the workers find it in their job
+(`job.WorkerJob.rendezvous`); without one (a user's own torchrun or launcher) they use
 MASTER_ADDR/MASTER_PORT as PyTorch does.
 
 Serving from the launcher also ends the race of "find a free port, release it, let rank 0 bind it".
@@ -19,8 +19,6 @@ import os
 import socket
 from typing import Iterator
 
-RENDEZVOUS_VARIABLE = "TANDEM_RENDEZVOUS"
-"""`host:port` of the store a Tandem launcher serves for its workers."""
 WORKER_PREFIX = "tandem-workers/"
 """The workers' keys, apart from those of torchrun's agent, which shares the store."""
 

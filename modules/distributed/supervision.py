@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from modules.distributed.failures import WorkerExit
+from modules.distributed.failures import ENDED_BY_WATCHDOG, WorkerExit
+from modules.util.exit import die_with_parent
 from modules.util.run_protocol import write_command
 
 log = logging.getLogger("tandem")
@@ -30,6 +31,8 @@ SELF_EXIT_GRACE_S = 5.0
 """After one worker failed, how long the others get to notice and exit by themselves."""
 TERMINATE_GRACE_S = 10.0
 """How long a worker gets to exit after SIGTERM before it is killed."""
+WATCHDOG_EXIT_GRACE_S = 3.0
+"""After a watchdog ended a worker, how long the others get before they are killed."""
 
 
 class StopSignals:
@@ -75,6 +78,14 @@ class StopSignals:
             self.abort(HARD_KILL)
 
 
+def end_with_parent(parent_pid: int | None = None) -> None:
+    """Have the system kill this worker when the process that started it ends (Linux; elsewhere the workers'
+    watchdog notices that their launcher's store is gone). A worker must not write on after its launcher was
+    killed: the workspace would look free to a new run. `parent_pid`: the parent it must still have (it may
+    have ended before this was asked for)."""
+    die_with_parent(parent_pid)
+
+
 def signal_processes(processes, signum: int) -> None:
     for process in processes:
         if process.is_alive():
@@ -95,12 +106,19 @@ def watch(processes: list, poll_s: float = 0.5) -> list[WorkerExit]:
             del running[rank]
         failed = [WorkerExit(rank, p.exitcode, now) for rank, p in ended.items() if p.exitcode != 0]
         if failed:
-            _end_the_rest(list(running.values()))
+            _end_the_rest(list(running.values()), quick=any(e.exitcode == ENDED_BY_WATCHDOG for e in failed))
             return failed
     return []
 
 
-def _end_the_rest(processes: list) -> None:
+def _end_the_rest(processes: list, quick: bool = False) -> None:
+    """`quick`: a watchdog ended a worker because of another one - the healthy ones leave by themselves within
+    a beat or two, and the one it named is frozen or stuck and would not act on SIGTERM."""
+    if quick:
+        _join_all(processes, WATCHDOG_EXIT_GRACE_S)
+        signal_processes(processes, HARD_KILL)
+        _join_all(processes, None)
+        return
     _join_all(processes, SELF_EXIT_GRACE_S)
     signal_processes(processes, signal.SIGTERM)
     _join_all(processes, TERMINATE_GRACE_S)

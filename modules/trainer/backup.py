@@ -192,12 +192,18 @@ def read_backup(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return weights, state, manifest
 
 
-def read_state_and_manifest(path: Path) -> tuple[dict, dict]:
-    """(state, manifest) of a backup folder, the state read without running any code (UnsafeBackupError)."""
+def read_state_and_manifest(path: Path, mmap: bool = False) -> tuple[dict, dict]:
+    """(state, manifest) of a backup folder, the state read without running any code (UnsafeBackupError);
+    `mmap`: its tensors mapped from the file, not read (a check costs little for a large optimizer state)."""
     path = Path(path)
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(path / STATE, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not mmap or "mmap" not in str(e):
+                    raise
+                state = torch.load(path / STATE, map_location="cpu", weights_only=True)  # not a zip file
     except pickle.UnpicklingError as e:
         found = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), "")
         raise UnsafeBackupError(
@@ -205,6 +211,25 @@ def read_state_and_manifest(path: Path) -> tuple[dict, dict]:
             f"loaded, so it was not loaded{f' ({found})' if found else ''}. Resume only backups Tandem wrote.") from None
     manifest = json.loads((path / MANIFEST).read_text())
     return state, manifest
+
+
+def check_backup(path: Path) -> None:
+    """Refuse a backup that cannot be resumed, before any worker starts: a state file that would run code
+    (UnsafeBackupError), or one that cannot be read (ValueError naming the file). Nothing large is read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        read_state_and_manifest(path, mmap=True)
+        if (path / WEIGHTS).exists():
+            with safe_open(str(path / WEIGHTS), "pt"):
+                pass
+    except UnsafeBackupError:
+        raise
+    except Exception as e:  # noqa: BLE001 - damaged or foreign files get one explanation
+        raise ValueError(f"--resume {path}: the backup cannot be read ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); resume another backup, "
+                         "or start a new run without --resume.") from None
 
 
 def remove_interrupted(backups_dir: Path) -> None:

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from modules.config import RunPaths, TrainConfig, save_config
+from modules.config.launch_spec import LaunchSpec
 from modules.config.validation import BUILTIN_PREFIX
 from modules.util import dist_utils as du
 from modules.trainer import backup as backups
@@ -36,6 +37,7 @@ from modules.trainer.step_exchange import StepExchange, StepReport
 from modules.trainer.training_model import TrainingModel
 from modules.trainer.validation_loss import ValidationLoss
 from modules.util.atomic import unique_path
+from modules.util.heartbeat import Heartbeat
 from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
 from modules.util.launch_clock import launch_split
 from modules.util.rng import rng_state, seed_everything, set_rng_state
@@ -59,9 +61,12 @@ class BaseTrainer(ABC):
     ranks together (`outputs.py`, `sharded_backup.py`)."""
 
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
-                 inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None) -> None:
+                 inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
+                 launch: LaunchSpec | None = None, scan=None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
-        `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it)."""
+        `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it);
+        `launch`: the launch as its launcher resolved it (its global batch and scaled LR are the run's);
+        `scan`: the launcher's scan of the data (`modules.data.ScanResult`; None: scan here)."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
@@ -70,8 +75,12 @@ class BaseTrainer(ABC):
         self.inbox = inbox
         self.resume = resume
         self.given_run_id = run_id
+        self.launch = launch
+        self.scan = scan
         self.outputs: OutputWriter | None = None
         self.non_finite_in_a_row = 0
+        self.last_finite_loss_step = 0
+        """The last step whose loss was finite: the weights before it were sound (see `fail_non_finite`)."""
         self.first_step_done = False
         self.split: list[int] = []
         """Samples of each global micro-batch per rank (`multi_gpu.batch_split`), decided at start."""
@@ -87,6 +96,8 @@ class BaseTrainer(ABC):
         self.start_phases = PhaseTimes()
         self.text_apart = None
         """What `encode_text_first` did (`text_encoding.TextEncodingReport`), None for most families."""
+        self.heartbeat = Heartbeat()
+        """Where this rank is (step, phase): a distributed run's watchdog reads it (`util/heartbeat.py`)."""
         # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
         self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
 
@@ -157,6 +168,7 @@ class BaseTrainer(ABC):
             self.validate()  # where the finished model stands, whatever the cadence
 
     def end(self) -> None:
+        self.heartbeat.at("ending", long=True)
         self.check_weights_finite()
         if self.completed:
             self.outputs.no_more_backups()
@@ -184,6 +196,7 @@ class BaseTrainer(ABC):
         self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
                   step=self.global_step, completed=self.completed, **trained)
         du.barrier()
+        self.heartbeat.finished()
         self.ended = True
 
     def run(self) -> None:
@@ -192,6 +205,9 @@ class BaseTrainer(ABC):
             self.start()
             self.train()
             self.end()
+        except BaseException as error:
+            self.heartbeat.failed(error)  # before the clean-up below, which may wait for the other ranks
+            raise
         finally:
             gc.unfreeze()  # start() froze the run's objects; after the run they may be collected again
             self.stop_loader_workers()
@@ -252,7 +268,7 @@ class BaseTrainer(ABC):
 
     def create_dataset(self):
         from modules.data import build_dataset
-        dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed)
+        dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed, scan=self.scan)
         log.info("Data: %s", dataset.describe_roles())  # rank 0's INFO only (rank_duties.py)
         return dataset
 
@@ -384,8 +400,8 @@ class BaseTrainer(ABC):
         if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
             self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting,
                                                 "encoding": seconds}
-        log.info("Cache ready in %.1f s (%d processes, %s)", seconds, du.world_size(),
-                 "each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        shared = ("each encoded its share" if share_work else "rank 0 encoded, the others reused it")
+        log.info("Cache ready in %.1f s%s", seconds, f" ({du.world_size()} processes, {shared})" if du.world_size() > 1 else "")
         self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
 
     def offload_cached_encoders(self) -> None:
@@ -494,7 +510,7 @@ class BaseTrainer(ABC):
 
     def compute_numbers(self) -> RunNumbers:
         return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
-                                  items_per_epoch=len(self.dataset))
+                                  items_per_epoch=len(self.dataset), launch=self.launch)
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
         return model
@@ -536,8 +552,10 @@ class BaseTrainer(ABC):
         while self.sampler.batches_remaining() >= accumulation:
             first = not self.first_step_done
             started = time.perf_counter()
-            micro_batches = [next(batches) for _ in range(accumulation)]
+            self.heartbeat.at("loading a batch", self.global_step + 1, long=first)  # the first: workers start
+            micro_batches = self.take_batches(batches, accumulation)
             loaded = time.perf_counter()
+            self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
             loss = self.optimizer_step(micro_batches)
             if first:
                 self.report_first_step(started, loaded, workers_s)
@@ -551,6 +569,16 @@ class BaseTrainer(ABC):
         self.epoch += 1
         self.step_in_epoch = 0
         self.after_epoch()
+
+    def take_batches(self, batches, count: int) -> list[dict]:
+        """The next `count` batches; a failure of the loader is named as one (a dead worker, not a pipe reset)."""
+        try:
+            return [next(batches) for _ in range(count)]
+        except (StopIteration, KeyboardInterrupt):
+            raise
+        except Exception as error:
+            from modules.data.dataset import loading_failure
+            raise loading_failure(self.loader, error) from error
 
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """Log where the first step's time goes (it is start-up time the user waits through: loader
@@ -601,9 +629,10 @@ class BaseTrainer(ABC):
         # The compiled pass goes through the DDP wrapper (where the compiler may split the backward at DDP's
         # buckets), without synchronising, so no rank's gradients leave it yet.
         started, readings = time.perf_counter(), compile_readings()
-        self.compiled_shapes_checked[shape] = compare_with_eager(
-            backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
-            self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
+        with self.heartbeat.during("compiling"):
+            self.compiled_shapes_checked[shape] = compare_with_eager(
+                backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
+                self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
         log.info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.", list(shape),
                  time.perf_counter() - started, describe_compile(readings, compile_readings()))
 
@@ -652,6 +681,7 @@ class BaseTrainer(ABC):
             self.ema.update()
 
     def after_step(self, loss: torch.Tensor) -> None:
+        self.heartbeat.at("after the step", self.global_step)
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, effective_lr(self.optimizer), self.take_commands(),
                            weight=self.batch_part.loss_weight(du.world_size()))
@@ -694,6 +724,10 @@ class BaseTrainer(ABC):
     def write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
         if not (sample or backup or save):
             return
+        with self.heartbeat.during("writing outputs"):
+            self._write_outputs(sample, backup, save)
+
+    def _write_outputs(self, sample: bool, backup: bool, save: bool) -> None:
         # Outputs only of a state known to be sound: this step's loss (waiting for it here, which the loop
         # otherwise avoids) and the weights the step produced must be finite.
         requested = self.act_on(self.exchange.receive())
@@ -709,7 +743,8 @@ class BaseTrainer(ABC):
     def validate(self) -> None:
         """The held-out images' loss (every rank scores its share: call it on every rank at the same step)."""
         started = time.perf_counter()
-        loss = self.validation.evaluate(self)
+        with self.heartbeat.during("validation"):
+            loss = self.validation.evaluate(self)
         log.info("Validation loss at step %d: %.6f (%d images, %.1f s)", self.global_step, loss, len(self.validation),
                  time.perf_counter() - started)
         self.progress.validation(self.global_step, loss)
@@ -719,6 +754,7 @@ class BaseTrainer(ABC):
         """Stop at the first non-finite loss; with fp16 loss scaling, skipped steps are normal unless they persist."""
         if math.isfinite(report.loss):
             self.non_finite_in_a_row = 0
+            self.last_finite_loss_step = max(self.last_finite_loss_step, report.step)
             return
         self.non_finite_in_a_row += 1
         if self.cfg.training.precision == "fp16" and self.non_finite_in_a_row < FP16_SKIPS_TOLERATED:
@@ -733,12 +769,30 @@ class BaseTrainer(ABC):
             self.fail_non_finite(f"the trained weights hold NaN or infinite values after step {self.global_step}")
 
     def fail_non_finite(self, what: str) -> None:
-        last = self.outputs.last_backup if self.outputs is not None else None
-        kept = f"the newest good backup is {last}" if last else "no backup of this run was written before it"
+        """Stop the run (every rank calls this at the same step) with one statement on every rank: which
+        backups of this run hold weights known to be sound."""
+        kept = du.broadcast_object(du.on_main(self.sound_backups) if self.outputs is not None else None)
+        kept = kept or "no backup of this run was written before it"
         raise NonFiniteTrainingError(
             f"Training stopped: {what}. Nothing was saved as the final model ({kept}). Lower "
             f"training.learning_rate (now {self.cfg.training.learning_rate:g}), keep training.max_grad_norm on, "
             "or train in bf16 instead of fp16.")
+
+    def sound_backups(self) -> str | None:
+        """Rank 0's word on this run's backups once the values stopped being finite. A backup's weights are
+        known sound when the next step's loss, computed from them, was finite: a huge learning rate gives
+        finite but absurd weights first (1e29 after one step of 1e30), and only the loss after them shows it."""
+        with contextlib.suppress(Exception):  # a failed write is not a backup; the run is failing anyway
+            self.outputs.backup_writer.wait()
+        written = backups.list_backups(self.paths.backups, self.run_id)
+        sound = [b for b in written if b.step < self.last_finite_loss_step]
+        unsound = [b.step for b in written if b.step >= self.last_finite_loss_step]
+        text = f"the newest backup with sound weights is {sound[-1].path}" if sound else None
+        if unsound:
+            steps = ", ".join(map(str, unsound))
+            text = (f"{text + '; ' if text else 'no backup of this run has sound weights: '}the backup(s) at step(s) "
+                    f"{steps} hold the weights that led to it - do not continue them")
+        return text
 
     def sampling_scheduled(self) -> bool:
         s = self.cfg.sampling

@@ -10,7 +10,7 @@ ranks get stand-ins that do nothing, so the loop never asks which rank it is:
 | reading the commands file | yes (`StepExchange` shares what it read) | signals only; with several machines the first process of each reads its machine's file too (`launch.reads_commands`) |
 | the clock of timed backups | yes | - |
 | the workspace lock of a run no launcher started (a user's torchrun) | takes it | - |
-| INFO logging | stdout | warnings and errors on stderr (`launch.setup_logging`) |
+| INFO logging | stdout | warnings and errors on stderr (`util/logs.setup_logging`) |
 
 Files are the one duty that takes every rank: rank 0 writes them through `dist_utils.on_main`, which
 tells every rank whether the write worked, so that all leave, or all fail, together.

@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from modules.config import TrainConfig
-from modules.config.launch_spec import lr_scale_factor
+from modules.config.launch_spec import LaunchSpec
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,25 @@ class RunNumbers:
 
 
 def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoch: int,
-                       split: list[int] | None = None, items_per_epoch: int | None = None) -> RunNumbers:
+                       split: list[int] | None = None, items_per_epoch: int | None = None,
+                       launch: LaunchSpec | None = None) -> RunNumbers:
     """`micro_batches_per_epoch` counts global micro-batches (each = per-GPU batch x world size); `split`:
     the per-rank sizes when they differ (their sum is still per-GPU batch x world size);
-    `items_per_epoch` (the dataset's length) adds how many items each epoch leaves out."""
+    `items_per_epoch` (the dataset's length) adds how many items each epoch leaves out. The global batch and
+    the scaled LR are the launch's (`launch`; when not given, those of a launch of `world_size` processes
+    with `cfg`): a round on fewer processes keeps both."""
     t = cfg.training
+    if launch is None:
+        launch = LaunchSpec(launcher="single" if world_size == 1 else "external", world_size=world_size,
+                            device_type="cpu", gpus=(), visible_devices=None, backend="", per_gpu_batch=t.batch_size,
+                            accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
+                            lr_scaling=cfg.multi_gpu.lr_scaling)
     accumulation = t.gradient_accumulation_steps
+    global_batch = launch.global_batch
+    if global_batch != t.batch_size * accumulation * world_size:
+        raise ValueError(f"the launch's global batch of {global_batch} is not training.batch_size {t.batch_size} x "
+                         f"accumulation {accumulation} x {world_size} processes (a round on fewer processes must "
+                         "raise the accumulation to keep it)")
     steps_per_epoch = micro_batches_per_epoch // accumulation
     if steps_per_epoch < 1:
         raise ValueError(
@@ -69,13 +82,11 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
     else:
         epochs = t.epochs
         total = steps_per_epoch * epochs
-    scaling = cfg.multi_gpu.lr_scaling
-    global_batch = t.batch_size * accumulation * world_size
     left_out = None if items_per_epoch is None else items_per_epoch - steps_per_epoch * global_batch
     return RunNumbers(world_size=world_size, per_gpu_batch=t.batch_size, accumulation=accumulation,
                       global_batch=global_batch,
                       micro_batches_per_epoch=micro_batches_per_epoch, steps_per_epoch=steps_per_epoch,
-                      epochs=epochs, total_steps=total, base_lr=t.learning_rate, lr_scaling=scaling,
-                      lr=t.learning_rate * lr_scale_factor(scaling, world_size),
+                      epochs=epochs, total_steps=total, base_lr=launch.base_lr, lr_scaling=launch.lr_scaling,
+                      lr=launch.lr,
                       split=tuple(split) if split and len(set(split)) > 1 else (),
                       items_per_epoch=items_per_epoch, items_left_out=left_out)

@@ -152,6 +152,11 @@ def _reader(path: Path):
     return SafeReader(str(Path(path) / SHARDS))
 
 
+def check_index(path: Path) -> None:
+    """Read the backup's DCP index with the restricted unpickler (UnsafeBackupError for anything else)."""
+    _saved_keys(path)
+
+
 def _saved_keys(path: Path) -> set[str]:
     return set(_reader(path).read_metadata().state_dict_metadata)
 

@@ -7,6 +7,22 @@ import sys
 from typing import NoReturn
 
 
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Have the system kill this process (SIGKILL) when the process that started it ends (Linux; elsewhere a
+    no-op). `parent_pid`: the parent it must still have (it may have ended before this was asked for)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def exit_now(code: int) -> NoReturn:
     """Leave the process with `code` at once, skipping the interpreter's clean-up.
 

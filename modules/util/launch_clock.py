@@ -1,28 +1,29 @@
 """When a run's processes started: the clocks behind the start-up report's `launch` split.
 
-The user's command notes when it started (`TANDEM_LAUNCH_TIME`, inherited by every worker); a
-multi-process launcher notes when it began starting the workers (`TANDEM_WORKERS_STARTED`); a worker
-knows when its own process started; the command also notes when it had imported what it needs and began
-reading the config and checking the job (`TANDEM_CHECKS_STARTED`). From them, the time before a worker's
-trainer begins splits into the launcher's imports, the launcher's checks, starting the worker processes,
-and the worker's imports; in one process into the imports and the config and checks.
+The user's command notes when it started (`note_launch_time`: its process's start, so its imports count)
+and when it had imported what it needs and began reading the config and checking the job
+(`note_checks_start`); a multi-process launcher adds when it began starting the workers and hands all three
+to its workers in their job (`marks` -> `adopt`); a worker knows when its own process started. From them,
+the time before a worker's trainer begins splits into the launcher's imports, the launcher's checks,
+starting the worker processes, and the worker's imports; in one process into the imports and the config
+and checks. The marks live in this process only: nothing travels in the environment.
 """
 from __future__ import annotations
 
 import os
 import time
 
-LAUNCH_TIME = "TANDEM_LAUNCH_TIME"
-"""When the user's command started (seconds since the epoch), inherited by every worker: start-up is
-reported from it, so the time spent starting processes and importing libraries is not hidden."""
-
-WORKERS_STARTED = "TANDEM_WORKERS_STARTED"
+LAUNCH_TIME = "launch"
+"""When the user's command started (seconds since the epoch): start-up is reported from it, so the time
+spent starting processes and importing libraries is not hidden."""
+WORKERS_STARTED = "workers"
 """When a multi-process launcher began starting its workers (seconds since the epoch)."""
-
-CHECKS_STARTED = "TANDEM_CHECKS_STARTED"
+CHECKS_STARTED = "checks"
 """When the user's command had imported what it needs and began reading the config and checking the job
 (seconds since the epoch): on H100 hosts the launcher took 6-9 s before starting workers, 1.6 s on a
-2-core development machine, and which part was slow was not known (session 14)."""
+2-core development machine, and which part was slow was not known."""
+
+_marks: dict[str, float] = {}
 
 
 def process_start_time() -> float | None:
@@ -41,35 +42,45 @@ def process_start_time() -> float | None:
 
 def note_launch_time() -> None:
     """The user's command starts the clock: from its process's start where known (its imports count)."""
-    os.environ.setdefault(LAUNCH_TIME, repr(process_start_time() or time.time()))
+    _marks.setdefault(LAUNCH_TIME, process_start_time() or time.time())
 
 
 def note_checks_start() -> None:
     """The user's command has its libraries and begins reading the config and checking the job."""
-    os.environ.setdefault(CHECKS_STARTED, repr(time.time()))
+    _marks.setdefault(CHECKS_STARTED, time.time())
 
 
-def forget_launch_times() -> None:
+def marks(workers_started: float | None = None) -> dict[str, float]:
+    """This process's marks, for its workers' job; `workers_started`: when the launcher starts them."""
+    found = dict(_marks)
+    if workers_started is not None:
+        found[WORKERS_STARTED] = workers_started
+    return found
+
+
+def adopt(given: dict[str, float]) -> None:
+    """A worker takes its launcher's marks (from its job)."""
+    _marks.update({k: float(v) for k, v in given.items() if k in (LAUNCH_TIME, WORKERS_STARTED, CHECKS_STARTED)})
+
+
+def forget() -> None:
     """A restarted round: the user's command (and the first round's workers) started long before it."""
-    for name in (LAUNCH_TIME, WORKERS_STARTED, CHECKS_STARTED):
-        os.environ.pop(name, None)
+    _marks.clear()
 
 
 def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
     """(seconds from the user's command to `now`, or None when unknown; its parts) for this process."""
-    launched = os.environ.get(LAUNCH_TIME)
-    if not launched:
+    launched_at = _marks.get(LAUNCH_TIME)
+    if launched_at is None:
         return None, {}
-    launched_at = float(launched)
     total = max(0.0, now - launched_at)
-    checks = os.environ.get(CHECKS_STARTED)
-    checks_at = min(max(float(checks), launched_at), now) if checks else None
-    workers = os.environ.get(WORKERS_STARTED)
+    checks = _marks.get(CHECKS_STARTED)
+    checks_at = min(max(checks, launched_at), now) if checks is not None else None
+    workers_at = _marks.get(WORKERS_STARTED)
     mine = process_start_time()
-    if not workers or mine is None:  # one process
+    if workers_at is None or mine is None:  # one process
         return total, ({} if checks_at is None else {"imports": checks_at - launched_at,
                                                      "config and checks": now - checks_at})
-    workers_at = float(workers)
     mine = max(mine, workers_at)  # clocks read to 10 ms: never a negative part
     launcher = ({"launcher's imports and checks": max(0.0, workers_at - launched_at)} if checks_at is None else
                 {"launcher's imports": checks_at - launched_at, "launcher's checks": max(0.0, workers_at - checks_at)})

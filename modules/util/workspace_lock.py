@@ -6,7 +6,12 @@ lock on `<workspace>/.tandem/lock` for the run's whole life. It is an operating-
 open file (flock on Linux/macOS, msvcrt on Windows), so it is released by the system when the process
 ends for any reason: a crashed or killed run never leaves the workspace locked. The file itself keeps
 who holds it (process, host, start time, command), so a refused run can name the run in the way.
-Worker processes started by a launcher that holds the lock are told so through TANDEM_WORKSPACE_LOCKED.
+The workers of a launcher that holds the lock learn it from their job and take no workspace lock.
+
+Workers outlive their launcher for a moment when it is killed (they end with it, but not in the same
+instant), and two runs must never write at once: each worker holds a lock of its own
+(`<workspace>/.tandem/workers/rank-K.lock`, `WorkerLock`) for its life, and taking the workspace waits
+for those of an earlier run to be released (`WORKERS_GRACE_S`), then refuses, naming them.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-HELD_BY_PARENT = "TANDEM_WORKSPACE_LOCKED"
-"""Set (to the lock file's path) for processes started by a process that holds the workspace lock."""
+
+WORKERS_GRACE_S = 30.0
+"""How long taking the workspace waits for the workers of an earlier run to end (their launcher was killed:
+they end with it within seconds)."""
 
 
 class WorkspaceBusy(RuntimeError):
@@ -27,6 +34,10 @@ class WorkspaceBusy(RuntimeError):
 
 def lock_file(workspace: str | os.PathLike) -> Path:
     return Path(workspace).expanduser() / ".tandem" / "lock"
+
+
+def worker_lock_folder(workspace: str | os.PathLike) -> Path:
+    return Path(workspace).expanduser() / ".tandem" / "workers"
 
 
 def _try_lock(fd: int) -> bool:
@@ -62,10 +73,9 @@ class WorkspaceLock:
         self.path = lock_file(self.workspace)
         self._fd: int | None = None
 
-    def acquire(self, record: bool = True) -> "WorkspaceLock":
-        """Take the lock or raise WorkspaceBusy naming the holder; `record` writes who holds it now."""
-        if os.environ.get(HELD_BY_PARENT) == str(self.path.resolve()):
-            return self  # the launcher that started this process holds it
+    def acquire(self, record: bool = True, wait_for_workers: bool = True) -> "WorkspaceLock":
+        """Take the lock or raise WorkspaceBusy naming the holder; `record` writes who holds it now;
+        `wait_for_workers`: also wait for the workers of an earlier run to end (`WORKERS_GRACE_S`)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -78,6 +88,12 @@ class WorkspaceLock:
                                 f"({_holder_text(self.path)}). Wait for it to finish or stop it, or choose "
                                 "another workspace for this run.")
         self._fd = fd
+        try:
+            if wait_for_workers:
+                self._wait_for_earlier_workers()
+        except WorkspaceBusy:
+            self.release()
+            raise
         if not record:
             return self
         details = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
@@ -86,9 +102,18 @@ class WorkspaceLock:
         os.pwrite(fd, details, 0) if hasattr(os, "pwrite") else os.write(fd, details)
         return self
 
-    def child_environment(self) -> dict[str, str]:
-        """What processes started by this one need to know that the lock is held for them."""
-        return {HELD_BY_PARENT: str(self.path.resolve())}
+    def _wait_for_earlier_workers(self, grace_s: float = WORKERS_GRACE_S) -> None:
+        """Until no worker of an earlier run holds its lock; WorkspaceBusy naming them after `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            living = workers_alive(self.workspace)
+            if not living:
+                return
+            if time.monotonic() >= deadline:
+                raise WorkspaceBusy(f"general.workspace_dir {str(self.workspace)!r}: worker processes of an earlier run "
+                                    f"are still running ({'; '.join(living)}) although their launcher has ended. "
+                                    "Wait for them to end, or end them, before starting a run here.")
+            time.sleep(0.2)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -102,14 +127,60 @@ class WorkspaceLock:
         self.release()
 
 
+class WorkerLock:
+    """One worker's hold on the workspace for its life (released by the system when the process ends)."""
+
+    def __init__(self, workspace: str | os.PathLike, rank: int) -> None:
+        self.path = worker_lock_folder(workspace) / f"rank-{rank}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> "WorkerLock":
+        """Hold it; a worker whose lock cannot be had (a stale one of this rank still living) goes on without."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return self
+        if not _try_lock(fd):
+            os.close(fd)
+            return self
+        details = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                              "command": f"{self.path.stem} of a training run"}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, details, 0) if hasattr(os, "pwrite") else os.write(fd, details)
+        self._fd = fd
+        return self
+
+
+def workers_alive(workspace: str | os.PathLike) -> list[str]:
+    """The workers that hold their lock in `workspace` ("process 123 on host, started ..."), if any."""
+    folder = worker_lock_folder(workspace)
+    if not folder.is_dir():
+        return []
+    living = []
+    for path in sorted(folder.glob("rank-*.lock")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if _try_lock(fd):
+                continue  # nobody holds it: that worker has ended (closing the descriptor drops the lock)
+            living.append(_holder_text(path))
+        finally:
+            os.close(fd)
+    return living
+
+
 def workspace_in_use(workspace: str | os.PathLike) -> str | None:
     """Who holds the workspace, or None when it is free (the GUI asks before it starts a run)."""
     lock = WorkspaceLock(workspace)
     if not lock.path.exists():
         return None
     try:
-        lock.acquire(record=False)
+        lock.acquire(record=False, wait_for_workers=False)
     except WorkspaceBusy:
         return _holder_text(lock.path)
     lock.release()
-    return None
+    living = workers_alive(workspace)
+    return f"worker processes of an earlier run: {'; '.join(living)}" if living else None

@@ -119,7 +119,8 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.nodes_hint.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10)
         form.row += 1
         form.section("Multi-GPU advanced")
-        for path, label in (("multi_gpu.timeout_minutes", "Timeout (minutes)"),
+        for path, label in (("multi_gpu.stall_seconds", "Stuck rank after (seconds)"),
+                            ("multi_gpu.timeout_minutes", "Timeout (minutes)"),
                             ("multi_gpu.bucket_cap_mb", "DDP bucket size (MB)"),
                             ("multi_gpu.gradient_compression", "Gradient compression"),
                             ("multi_gpu.static_graph", "Static graph (DDP)"),

@@ -1,0 +1,211 @@
+"""Starting and watching a launch's worker processes: through torch.multiprocessing's spawn, or torchrun.
+
+Both start `worker.run_worker` with the job file the launcher wrote (`job.py`); what a worker needs besides
+is in that job, not in the environment. The environment gets only what the processes need before any of
+Tandem's code runs: the standard torchrun variables (spawn sets them itself), the GPUs each machine's
+workers see, their share of the cores, the store's settings on Windows, and PyTorch's C++ log level.
+Workers end with their parent (`supervision.end_with_parent`); torchrun's agent runs in a session of its
+own and is killed with the launcher, so a Ctrl-C reaches it as Tandem's clean stop, not as torchrun's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from modules.distributed import failures
+from modules.distributed.agent import EXITS_VARIABLE
+from modules.distributed.plan import LaunchPlan
+from modules.distributed.process_group import store_environment, threads_per_worker
+from modules.distributed.supervision import HARD_KILL, StopSignals, end_with_parent, signal_processes, watch
+from modules.util.exit import exit_now
+
+log = logging.getLogger("tandem")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ABORTED = 130
+"""Exit code when the user aborted a run (a second Ctrl-C), as a shell reports SIGINT."""
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", CPP_LOG_LEVEL)
+
+
+def worker_variables(plan: LaunchPlan, rank: int) -> dict[str, str]:
+    """The torchrun variables of one spawned worker."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
+                LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.master_port))
+
+
+def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, launcher_pid: int) -> None:
+    from modules.distributed.job import read_job
+    from modules.distributed.worker import run_worker
+
+    end_with_parent(launcher_pid)
+    os.environ.update(worker_variables(plan, local_rank))
+    run_worker(read_job(job_file))
+    exit_now(0)  # finished and closed: skip the interpreter's slow clean-up (errors raised above keep spawn's report)
+
+
+def _worker_env(plan: LaunchPlan) -> dict:
+    env = dict(os.environ)
+    if plan.visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
+    # Forced, not defaulted: torchrun's own store and each worker's fail on Windows with USE_LIBUV=1.
+    env.update(store_environment())
+    # Each worker gets a share of the cores instead of all of them fighting over every core (and
+    # torchrun's own default of 1 thread, which starves CPU workers).
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.spec.processes_here)))
+    # PyTorch's C++ warnings about sockets closing and stores timing out follow from a failure the launcher's
+    # headline names; a user who wants them sets the variable.
+    env.setdefault(CPP_LOG_LEVEL, "ERROR")
+    return env
+
+
+@contextlib.contextmanager
+def spawn_environment(plan: LaunchPlan | None):
+    """The workers' variables (their GPUs, threads) set in this process while it spawns them, then restored.
+
+    Spawned children inherit this process's environment; restoring it afterwards keeps the parent
+    seeing every GPU, e.g. for a larger next run (`scripts/benchmark.py --gpus 1,2,4`)."""
+    if plan is None:
+        yield
+        return
+    env = _worker_env(plan)
+    with environment({k: env[k] for k in _SPAWN_VARIABLES if k in env}):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """`values` set in this process's environment (children started meanwhile inherit them), then restored."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, value in before.items():
+            if value is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = value
+
+
+def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
+                 signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
+    """(exit code, the failures seen first) of N spawned workers."""
+    import torch.multiprocessing as mp
+
+    # The children inherit SIGINT ignored until run_worker installs their stop handler: a Ctrl-C
+    # during their start-up (a terminal sends it to every process) must not kill them half-built.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with spawn_environment(plan):
+            context = mp.start_processes(_spawn_entry, args=(str(job_file), plan, os.getpid()),
+                                         nprocs=plan.world_size, join=False, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    processes = context.processes
+    signals.attach(lambda signum: signal_processes(processes, signum))
+    try:
+        exits = watch(processes)
+    finally:
+        for error_file in context.error_files:  # spawn's per-child traceback files
+            with contextlib.suppress(OSError):
+                os.unlink(error_file)
+    if signals.aborted:
+        return ABORTED, []
+    return (1 if exits else 0), exits
+
+
+def launch_torchrun(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
+                    signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
+    """(exit code, the failures torchrun's agent saw first) of torchrun's workers on this machine."""
+    exits_file = exits_file_of(job_file, plan.spec.node_rank)
+    exits_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "modules.distributed.agent", *agent_arguments(plan, rendezvous_at),
+           str(REPO_ROOT / "scripts" / "train.py"), "--launch-file", str(job_file)]
+    log.info("Running torchrun (torch.distributed.run): %s", " ".join(cmd))
+    env = _worker_env(plan)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # The agent's own settings: where it notes failed workers, and no store of its own (it joins ours).
+    env.update({EXITS_VARIABLE: str(exits_file), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    # torchrun runs in its own process group: a Ctrl-C here becomes a clean "stop" (every rank stops at
+    # the same step and backs up) instead of torchrun's signal handling, which reports a failure.
+    proc = subprocess.Popen(cmd, env=env, **_own_process_group())
+    signals.attach(lambda signum: _signal_group(proc, signum))
+    code = proc.wait()
+    if signals.aborted:
+        return ABORTED, []
+    return code, read_exits(exits_file) if code != 0 else []
+
+
+def exits_file_of(job_file: Path, node_rank: int) -> Path:
+    return job_file.parent / ("worker-exits.json" if node_rank == 0 else f"worker-exits-node-{node_rank}.json")
+
+
+def agent_arguments(plan: LaunchPlan, rendezvous_at: str) -> list[str]:
+    """torchrun's options for this machine's agent.
+
+    It joins the store this launcher (node 0's) serves - c10d rendezvous as a client, is_host=false - and
+    starts no store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): nothing listens on other addresses.
+    Every machine's agent waits `multi_gpu.timeout_minutes` for the others (join_timeout; torchrun's own
+    default is 10 minutes). With `min_gpus`, a round that has its least machines waits for the missing ones
+    10 s more (or half that timeout if shorter: the whole rendezvous must end within it) after the
+    rendezvous forgot the lost one (3 missed 5 s heartbeats) - last_call_timeout, torchrun's is 30 s. The
+    agents of the machines still alive rejoin at once, so 10 s only waits for a machine that comes back. The
+    rendezvous numbers machines in the order of their `local_addr`, so naming each after its node rank puts
+    global rank 0 on node 0, which writes the outputs."""
+    spec = plan.spec
+    timeout_s = max(1, round(60 * plan.timeout_minutes))
+    nodes = f"{spec.min_nodes}:{spec.nnodes}" if spec.min_nodes and spec.min_nodes < spec.nnodes else str(spec.nnodes)
+    arguments = [f"--nproc_per_node={spec.processes_here}", f"--nnodes={nodes}", "--rdzv_backend=c10d",
+                 f"--rdzv_endpoint={rendezvous_at}",
+                 f"--rdzv_conf=is_host=false,join_timeout={timeout_s},last_call_timeout={max(1, min(10, timeout_s // 2))}",
+                 f"--rdzv_id=tandem-{plan.master_port}", f"--max_restarts={spec.max_restarts}"]
+    if spec.nnodes > 1:
+        arguments.append(f"--local_addr=tandem-node-{spec.node_rank:04d}")
+    return arguments
+
+
+def read_exits(exits_file: Path) -> list[failures.WorkerExit]:
+    """Every failed round's exits as the agent noted them (not its notes about the rendezvous)."""
+    try:
+        return [failures.WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8"))
+                if "rank" in entry]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def rendezvous_timed_out(exits_file: Path) -> bool:
+    try:
+        return any(entry.get("rendezvous") == "timeout" for entry in json.loads(exits_file.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+def _own_process_group() -> dict:
+    """Popen arguments: a new process group that dies with this process (Linux) so no worker is orphaned."""
+    if os.name != "posix":
+        return {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+
+    def child_setup() -> None:
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            import ctypes
+            pr_set_pdeathsig = 1
+            # Killed with the launcher: the workers then die with it (each has its own parent-death signal).
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    return {"preexec_fn": child_setup}
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signal.CTRL_BREAK_EVENT if signum != HARD_KILL else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass

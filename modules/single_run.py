@@ -1,0 +1,43 @@
+"""Training in one process (`scripts/train.py` outside torchrun): no process group, no launcher.
+
+The same checks a launch makes before its workers start (`preflight`), the workspace taken for the run,
+Ctrl-C / SIGTERM as a clean stop (`CommandInbox`), then `GenericTrainer`. The multi-process path is
+`modules/distributed/launch.py`; both train with the same loop (`trainer/base_trainer.py`).
+"""
+from __future__ import annotations
+
+import logging
+
+from modules.config import RunPaths, TrainConfig
+from modules.preflight import preflight
+from modules.util.logs import setup_logging
+from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
+
+log = logging.getLogger("tandem")
+
+
+def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
+    """Train `cfg` in this process; the exit code (2: the workspace is in use). Errors are raised, after the
+    GUI's `error` event."""
+    from modules.trainer.callbacks import default_callbacks
+    from modules.trainer.commands import CommandInbox
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    setup_logging()
+    preflight(cfg)  # raises PreflightError, whose message is the whole story
+    inbox = CommandInbox(RunPaths(cfg).commands_file)
+    inbox.install_signal_handlers()
+    callbacks = default_callbacks()
+    try:
+        lock = WorkspaceLock(cfg.general.workspace_dir).acquire()
+    except WorkspaceBusy as e:
+        log.error("error: %s", e)
+        callbacks.on_event("error", text=str(e), rank=0)
+        return 2
+    try:
+        with lock:
+            GenericTrainer(cfg, callbacks, inbox, resume).run()
+    except Exception as e:
+        callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=0)
+        raise
+    return 0
