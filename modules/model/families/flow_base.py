@@ -100,7 +100,7 @@ class FlowFamily(ModelFamily):
         return self._assemble(transformer, folder, model_cfg, dtypes, source_name, own_vae)
 
     def load_single_file(self, path, model_cfg, dtypes, own_vae):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import read_checkpoint
 
         components = model_cfg.components_folder.strip()
@@ -182,7 +182,7 @@ class FlowFamily(ModelFamily):
         return self.default_t5_length
 
     def load_vae(self, path, dtype, config=None):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import load_vae_file
 
         return as_dtype(load_vae_file(path, model_type=self.name, config=config), dtype)
