@@ -194,7 +194,7 @@ class TrainingConfig:
     tf32: bool = rule(True, label="Allow TF32")
     """Allow TF32 matrix multiplications on CUDA (faster, nearly fp32 accurate)."""
     cudnn_benchmark: str = rule("auto", choices=("auto", "on", "off"), label="cuDNN autotuning")
-    """Let cuDNN try its convolution algorithms at each new shape and keep the fastest. `auto` (default): for the training steps when convolution weights train (a full fine-tune of a UNet, LoRA on convolutions), where it gave an SD1.5 full fine-tune 16% more images/s on an H100; not when only attention and linear weights train (LoRA on attention; SD3 and Flux), where its trials cost 5-12 s before the first step and the steps were no faster (docs/Performance.md, session 11). `on`: always, caching included (what `true` did in configs before version 3). `off`: never. Samples are rendered without it whatever this says."""
+    """Let cuDNN try its convolution algorithms at each new shape and keep the fastest. `auto` (default): for the training steps when convolution weights train (a full fine-tune of a UNet, LoRA on convolutions), where it gave an SD1.5 full fine-tune 16% more images/s on an H100; not when only attention and linear weights train (LoRA on attention; SD3 and Flux), where its trials cost 5-12 s before the first step and the steps were no faster (docs/Performance.md). `on`: always, caching included (what `true` did in configs before version 3). `off`: never. Samples are rendered without it whatever this says."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
     channels_last: bool = rule(False, label="Channels-last UNet")
@@ -296,7 +296,7 @@ class MultiGPUConfig:
     backend: str = rule("auto", choices=("auto", "nccl", "gloo"), label="Backend")
     """Communication backend: `auto` (NCCL with CUDA on Linux, else GLOO), `nccl` or `gloo`."""
     launcher: str = rule("auto", choices=("auto", "torchrun", "spawn"), label="Launcher")
-    """How worker processes are started: `spawn` (torch.multiprocessing: the launching process starts them) or `torchrun` (PyTorch's elastic agent, a process of its own that starts them; needed for `nnodes`, `max_restarts` and `min_gpus`). `auto` (default): torchrun where one of those needs it, else spawn, which reached the first step 10-14 s sooner on 2 and 4 H100s (no agent process importing PyTorch first; docs/Performance.md, session 12)."""
+    """How worker processes are started: `spawn` (torch.multiprocessing: the launching process starts them) or `torchrun` (PyTorch's elastic agent, a process of its own that starts them; needed for `nnodes`, `max_restarts` and `min_gpus`). `auto` (default): torchrun where one of those needs it, else spawn, which reached the first step 10-14 s sooner on 2 and 4 H100s (no agent process importing PyTorch first; docs/Performance.md)."""
     distributed_data_loading: bool = rule(True, label="Distributed data loading")
     """Each rank caches and loads only its share of the data (faster caching, less RAM)."""
     lr_scaling: str = rule("none", choices=("none", "linear", "sqrt"), label="Scale learning rate")

@@ -21,8 +21,8 @@ WORKERS_STARTED = "TANDEM_WORKERS_STARTED"
 
 CHECKS_STARTED = "TANDEM_CHECKS_STARTED"
 """When the user's command had imported what it needs and began reading the config and checking the job
-(seconds since the epoch): on H100 hosts the launcher took 6-9 s before starting workers, 1.6 s on a
-2-core development machine, and which part was slow was not known (session 14)."""
+(seconds since the epoch): the launcher's own time before it starts workers (6-9 s on H100 hosts, 1.6 s
+on a 2-core machine) splits into its imports and its checks."""
 
 
 def process_start_time() -> float | None:
