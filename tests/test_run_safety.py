@@ -11,7 +11,7 @@ import torch
 
 from modules.distributed.launch import LaunchError, launch
 from modules.trainer import backup as backups
-from modules.trainer.base_trainer import NonFiniteTrainingError
+from modules.trainer.finite import NonFiniteTrainingError
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use

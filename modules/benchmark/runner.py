@@ -202,8 +202,9 @@ class BenchmarkMixin:
                                                  [*self.bundle.denoiser.parameters(), *self.bundle.denoiser.buffers()])
                                              / 2**30, 3),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
-                          start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
-                          compile_gradient_difference=max(self.compiled_shapes_checked.values(), default=None),
+                          start_phases_s={k: round(v, 2) for k, v in self.startup.seconds.items()},
+                          compile_gradient_difference=max(self.compile_check.checked.values(), default=None)
+                          if self.compile_check is not None else None,
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
             if c.profile_dir:
                 result["profile"] = profiles[0]

@@ -35,7 +35,7 @@ class DistributedTrainer(BaseTrainer):
 
     def setup_environment(self) -> None:
         m = self.cfg.multi_gpu
-        parts = self.start_phases.parts.setdefault("set-up", {})
+        parts = self.startup.parts.setdefault("set-up", {})
         arrived, started = time.time(), time.perf_counter()
         self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload)
         joined = time.perf_counter() - started

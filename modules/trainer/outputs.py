@@ -54,9 +54,6 @@ class TrainingRun(Protocol):
     def trainable_state(self) -> dict:
         """The trained weights by name."""
 
-    def encoders_on_device(self) -> ContextManager:
-        """The VAE and text encoders on the training device for the block (sampling)."""
-
     def sampling_calls(self) -> ContextManager:
         """Inside the block the sampling pipeline may call the trained parts (through the sharded root
         under FSDP)."""
@@ -130,7 +127,7 @@ class OutputWriter:
         if renders:
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
-            with self._weights_for_samples(), self.run.encoders_on_device(), self.run.sampling_calls():
+            with self._weights_for_samples(), self._encoders_on_device(), self.run.sampling_calls():
                 images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                         samp.inference_steps, samp.guidance_scale, parts.device)[:len(mine)]
         gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
@@ -258,6 +255,20 @@ class OutputWriter:
                 save_full_single_file(parts.bundle, file, dtype, source=source)
         log.info("Model saved: %s", path)
         parts.emit("saved", path=str(path), step=step)
+
+    @contextlib.contextmanager
+    def _encoders_on_device(self):
+        """The VAE and text encoders on the training device for the block: with a cache they wait elsewhere."""
+        bundle = self.parts.bundle
+        parts = [bundle.vae, *bundle.text_encoders]
+        homes = [next(m.parameters()).device for m in parts]
+        for m in parts:
+            m.to(self.parts.device)
+        try:
+            yield
+        finally:
+            for m, home in zip(parts, homes):
+                m.to(home)
 
     @contextlib.contextmanager
     def _weights_for_samples(self):
