@@ -7,7 +7,7 @@ diffusers folders and single files whose missing parts come from a components fo
   spends its steps where sampling does.
 - **Text**: the CLIP encoders and T5 run as the pipelines run them, without attention masks (the
   pipelines use none, so the transformer learns the padded T5 sequence it will see). T5 is never
-  trained; cached text embeddings let it leave the GPU (`BaseTrainer.offload_cached_encoders`).
+  trained; cached text embeddings let it leave the GPU (`trainer/caching.offload_cached_encoders`).
 - **Single files** hold the transformer (SD3.5's also the VAE); the text encoders, tokenizers and
   scheduler come from `model.components_folder`, a diffusers folder of the same family.
 """
