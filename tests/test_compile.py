@@ -209,6 +209,7 @@ def test_a_gpu_build_without_triton_gets_a_clear_error(monkeypatch):
         compiled_unet.compile_unet(torch.nn.Linear(2, 2), torch.device("cuda", 0), image_sizes=1, dropout=False)
 
 
+@pytest.mark.slow
 def test_compile_readings_count_a_compile_and_describe_the_difference():
     before = compiled_unet.compile_readings()
     fn = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager")
