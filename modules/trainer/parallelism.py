@@ -15,8 +15,11 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
 
-This class is the one-process parallelism, and its defaults are the whole-model behaviour one process
-and DDP share. What comes next fits the same seams: memory pooling chosen by a planner (FSDP over a
+The collectives every strategy needs alike (barriers, the step's report, broadcasts, gathering RNG
+states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
+between strategies: DDP's gradient all-reduce, FSDP's gathers in every forward and for a save, equal
+forward calls on every rank. This class is the one-process parallelism, and its defaults are the
+whole-model behaviour one process and DDP share. What comes next fits the same seams: memory pooling chosen by a planner (FSDP over a
 LoRA's frozen base, an fp8 base, activation checkpointing or offloading, CPU offload of shards - today
 `multi_gpu.fsdp_cpu_offload`) is a parallelism's `place` and `wrap`; context parallelism for video
 (N GPUs = data x context groups on a device mesh) is a parallelism whose `wrap` splits each sample's
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from modules.model.streamed_save import LOCAL, TensorSource
+from modules.trainer.backup_writer import BackgroundBackups
 from modules.util import dist_utils as du
 
 T = TypeVar("T")
@@ -113,7 +117,6 @@ class Parallelism:
     def backups(self, parts, run_id: str):
         """What writes this run's backups (`outputs.RunParts` of the run): rank 0, on a background thread,
         from a snapshot of the whole state in host memory."""
-        from modules.trainer.backup_writer import BackgroundBackups
         return BackgroundBackups(parts.paths.backups, run_id, parts.cfg.save.rolling_backup_count)
 
     def load_whole_backup(self, model: nn.Module, optimizer, ema, own: dict[str, torch.Tensor],
