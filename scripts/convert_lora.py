@@ -19,5 +19,5 @@ if __name__ == "__main__":
     p.add_argument("--format", choices=["kohya", "peft"], default="kohya")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
     a = p.parse_args()
-    from modules.model.lora_reading import convert_lora_file
+    from modules.model.lora_convert import convert_lora_file
     print(convert_lora_file(a.source, a.target, a.base_model, a.format, a.dtype))

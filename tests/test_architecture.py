@@ -30,6 +30,87 @@ def test_no_import_runs_back_up_the_layers():
     assert not upward, "\n".join(upward)
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """Every module of `modules/` (a package's `__init__` as the package) -> the modules of `modules/` it
+    imports anywhere in its file: at the top, inside functions (lazy imports) and under TYPE_CHECKING alike,
+    each resolved to the most specific module that exists (`from modules.model import bundle` names the
+    module `modules.model.bundle`)."""
+    files = {}
+    for path in MODULES.rglob("*.py"):
+        parts = list(path.relative_to(MODULES.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        files[".".join(parts)] = (path, parts if is_package else parts[:-1])  # the package relative imports start in
+    graph = {}
+    for name, (path, package) in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+                module = ".".join(filter(None, [base, node.module or ""]))
+                candidates = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            for candidate in candidates:
+                while candidate and candidate not in files:
+                    candidate = candidate.rpartition(".")[0]
+                if candidate and candidate != name:
+                    found.add(candidate)
+        graph[name] = found
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a circle (Tarjan's strongly
+    connected components of more than one module)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    """No circle of imports between modules, not even through a function-level import: each module can be
+    read (and changed) knowing only what it imports."""
+    graph = _module_imports()
+    circles = _circles(graph)
+    described = ["  " + " | ".join(f"{m} -> {', '.join(sorted(graph[m] & set(group)))}" for m in group)
+                 for group in circles]
+    assert not circles, "modules that import each other:\n" + "\n".join(described)
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
 def test_only_rank_0_reports():
     given = RecordingCallbacks()
     lead = rank_duties(0, given)

@@ -84,6 +84,7 @@ def test_a_backup_whose_state_runs_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_state_of_a_real_backup_loads_with_weights_only(tmp_path, cache_dir):
     """What the trainer writes (optimizer, schedule, scaler, sampler, every RNG, EMA) is tensors and plain values."""
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "save.backup_every_n_steps=2",

@@ -189,6 +189,7 @@ def test_probe_accepts_the_demo_folder_and_names_a_truncated_weights_file(tandem
         probe_model(ModelConfig(base_model=str(folder)))
 
 
+@pytest.mark.slow
 def test_the_launchers_model_check_imports_neither_transformers_nor_diffusers(tandem_home, tmp_path):
     """The launcher checks a model folder before starting workers; importing transformers for it took 1-2.5 s
     of the launcher's checks on the H100 hosts (session 15), and the launcher never uses it."""

@@ -114,7 +114,7 @@ def test_auto_strategy_sizes_the_real_model_a_case_builds(tmp_path, model, mode,
 
 
 def test_end_to_end_harness_splits_the_training_into_steps_epoch_ends_samplings_and_the_final_save():
-    """The table of docs/Performance.md (session 15): what does not shrink with more GPUs, read from a run's log."""
+    """The table of docs/Performance.md (from the command to the saved model): what does not shrink with more GPUs, read from a run's log."""
     from modules.benchmark.end_to_end import _read_line, split_training
 
     # config at 10.0; first step 1.0 s; epoch 1: steps at 11.0, 11.2, 11.4; the boundary adds a 0.3 s backup
@@ -187,3 +187,17 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         release.touch()
         group.join(60)
     assert [json.loads(line)["label"] for line in args.json.read_text().splitlines()] == ["quick", "slow"]
+
+
+def test_the_rounding_check_compares_runs_of_one_global_batch_on_one_thread_but_its_control(tmp_path):
+    """scripts/check_rounding.py (docs/Performance.md): each row's two runs train the same global batch; only the
+    control changes the thread count, only the accumulation row the micro-batch, only the last the cache."""
+    from modules.benchmark.rounding import ROWS, arguments
+    assert all(run.global_batch() == reference.global_batch() for _, run, reference in ROWS)
+    threads = {(run.threads, reference.threads) for _, run, reference in ROWS}
+    assert threads == {(1, 1), (2, 1)}
+    script, args, environment = arguments(ROWS[0][1], tmp_path, 20)
+    assert script == "train_multi_gpu.py" and environment == {"OMP_NUM_THREADS": "1"}
+    assert "training.batch_size=4" in args and "--num-gpus" in args and "training.max_steps=20" in args
+    script, args, _ = arguments(ROWS[-1][2], tmp_path, 20)
+    assert script == "train.py" and "data.cache_latents=false" in args

@@ -49,7 +49,7 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     trainer.run()
     assert trainer.completed
     assert trainer.model.unet_call is not trainer.bundle.unet  # it really predicted through the compiled UNet
-    assert list(trainer.compiled_shapes_checked) == [(8, 4, 8, 8)]
+    assert list(trainer.compile_check.checked) == [(8, 4, 8, 8)]
     assert "checked against the uncompiled one" in caplog.text
     # Where the compile's seconds went (the 2-GPU warm compile is diagnosed from this line).
     assert re.search(r"compiled and checked for batch shape \[8, 4, 8, 8\] in [\d.]+ s: tracing [\d.]+ s, "
@@ -70,7 +70,7 @@ def test_every_batch_shape_is_checked_once_also_with_dropout(tmp_path, tmp_path_
     trainer.run()
     assert trainer.completed and trainer.global_step == 16
     # The demo's images fall into 48x80, 64x64 and 80x48 px buckets.
-    assert set(trainer.compiled_shapes_checked) == {(4, 4, 6, 10), (4, 4, 8, 8), (4, 4, 10, 6)}
+    assert set(trainer.compile_check.checked) == {(4, 4, 6, 10), (4, 4, 8, 8), (4, 4, 10, 6)}
     assert caplog.text.count("checked against the uncompiled one") == 3
 
 
@@ -86,7 +86,7 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
         trainer.run()
         assert trainer.completed
         runs[name] = latest_backup_weights(tmp_path / name)
-    assert trainer.model.unet_call is not trainer.bundle.denoiser and len(trainer.compiled_shapes_checked) == 1
+    assert trainer.model.unet_call is not trainer.bundle.denoiser and len(trainer.compile_check.checked) == 1
     assert_weights_close(runs["compiled"], runs["eager"], atol=1e-5, rtol=1e-4)
     assert not any("_orig_mod" in k for k in runs["compiled"])
     up = [v for k, v in runs["compiled"].items() if "lora_B" in k]  # zero at the start: nonzero only if trained
@@ -209,6 +209,7 @@ def test_a_gpu_build_without_triton_gets_a_clear_error(monkeypatch):
         compiled_unet.compile_unet(torch.nn.Linear(2, 2), torch.device("cuda", 0), image_sizes=1, dropout=False)
 
 
+@pytest.mark.slow
 def test_compile_readings_count_a_compile_and_describe_the_difference():
     before = compiled_unet.compile_readings()
     fn = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager")

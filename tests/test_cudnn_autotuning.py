@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from modules.config import config_from_dict, migrate
-from modules.trainer.base_trainer import BaseTrainer, trains_convolutions
+from modules.trainer.base_trainer import BaseTrainer
+from modules.trainer.trainable import trains_convolutions
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from tests.trainer_helpers import demo_config

@@ -337,6 +337,7 @@ def test_samples_render_through_the_pipeline_and_are_seeded(demos, name):
 
 # ------------------------------------------------------------------ benchmark models
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tokens", [("sd3", 333), ("flux", 512)])
 def test_benchmark_items_fit_the_real_size_transformers(name, tokens):
     """scripts/benchmark.py --model sd35m|flux: the synthetic cache entries have the real models' shapes
@@ -426,6 +427,7 @@ def test_flux_schnell_has_no_guidance_input_and_a_shorter_t5(tmp_path):
     assert (config["guidance_embeds"], config["num_layers"], config["num_single_layers"]) == (False, 1, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_random_model_folders_load_like_downloaded_ones(tmp_path, monkeypatch, name):
     """scripts/make_random_model.py --type sd3|flux: every part built from the shipped configs (shrunk here

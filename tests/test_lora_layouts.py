@@ -18,7 +18,8 @@ from modules.model import add_lora, load_model, save_lora
 from modules.model.kohya_lora import kohya_module_name
 from modules.model.ldm_layout import unet_module_to_ldm
 from modules.model.lora import lora_modules
-from modules.model.lora_reading import apply_lora, convert_lora_file, read_lora
+from modules.model.lora_convert import convert_lora_file
+from modules.model.lora_reading import apply_lora, read_lora
 from modules.model.single_file import shipped_config, unet_to_ldm
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer

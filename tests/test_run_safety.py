@@ -12,7 +12,7 @@ import torch
 
 from modules.distributed.launch import LaunchError, launch
 from modules.trainer import backup as backups
-from modules.trainer.base_trainer import NonFiniteTrainingError
+from modules.trainer.finite import NonFiniteTrainingError
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use
@@ -40,6 +40,7 @@ def test_a_workspace_in_use_is_refused_naming_the_holder_and_a_killed_holder_fre
     assert workspace_in_use(ws) is None
 
 
+@pytest.mark.slow
 def test_second_run_on_a_busy_workspace_stops_at_once(tmp_path, cache_dir):
     ws = tmp_path / "ws"
     holder = hold_lock(ws)
@@ -58,6 +59,7 @@ def test_second_run_on_a_busy_workspace_stops_at_once(tmp_path, cache_dir):
         holder.wait()
 
 
+@pytest.mark.slow
 def test_a_users_config_json_in_the_workspace_is_left_alone(tmp_path, cache_dir):
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -69,6 +71,7 @@ def test_a_users_config_json_in_the_workspace_is_left_alone(tmp_path, cache_dir)
     assert json.loads((ws / "config" / f"{trainer.run_id}.json").read_text())["training"]["max_steps"] == 1
 
 
+@pytest.mark.slow
 def test_a_run_whose_loss_turns_nan_stops_and_saves_nothing(tmp_path, cache_dir):
     """A huge learning rate (finite, so validation passes) sends the weights to inf within a few steps:
     the run must fail naming the step, write no final model, and keep its earlier good backup."""

@@ -218,6 +218,7 @@ def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
     assert all(Path(s["path"]).is_file() for s in cb.of_type("sample"))
 
 
+@pytest.mark.slow
 def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tmp_path, cache_dir, monkeypatch):
     """Written one after another, a sampling's 4 images kept every rank waiting ~1 s on H100 hosts. Each
     write here waits until every image's write has begun: written one at a time, the first would time out."""

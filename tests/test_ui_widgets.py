@@ -103,6 +103,7 @@ def app_factory(display, tmp_path):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_preset_edit_save_and_reload(app_factory, tmp_path):
     app, dialogs = app_factory()
     assert app.load("#demo") and app.model.source_name == "#demo"
@@ -134,6 +135,7 @@ def test_preset_edit_save_and_reload(app_factory, tmp_path):
     assert RecentConfigs(tmp_path / "home").last == str(target.resolve())
 
 
+@pytest.mark.slow
 def test_invalid_values_are_marked_and_start_is_refused(app_factory):
     app, _ = app_factory()
     batch = app.binder.fields["training.batch_size"]
@@ -164,6 +166,7 @@ def test_invalid_values_are_marked_and_start_is_refused(app_factory):
     assert batch.tooltip.text == plain_text(field_doc("training.batch_size"))  # tooltips come from the docstrings
 
 
+@pytest.mark.slow
 def test_start_refuses_nccl_without_a_gpu(app_factory):
     """Backend nccl on a machine without GPUs: Start names the problem instead of launching a run that fails."""
     app, _ = app_factory()  # no GPU
@@ -188,6 +191,7 @@ def test_check_setup_fails_for_nccl_without_a_gpu(app_factory):
     assert "PROBLEM: multi_gpu.backend: 'nccl' needs CUDA GPUs" in report and "Problems found" in report
 
 
+@pytest.mark.slow
 def test_multi_gpu_frame_writes_the_config(app_factory):
     gpus = [GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)]
     app, _ = app_factory(gpus=gpus)
@@ -364,6 +368,7 @@ def _png(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_factory, tmp_path):
     controller = ScriptedController()
     app, _ = app_factory(controller=controller)
@@ -404,6 +409,7 @@ def test_a_new_run_starts_clean_and_a_resumed_run_continues_the_loss_curve(app_f
     assert view.status.cget("text") == "Finished"
 
 
+@pytest.mark.slow
 def test_per_gpu_view_shows_each_rank_and_its_gpu(app_factory, tmp_path):
     from tests.test_ui_controllers import FakeNvml
     from ui.gpu_info import UsageMonitor
@@ -463,6 +469,7 @@ def test_the_window_works_at_1024x600(app_factory, tmp_path):
     shot.save(tmp_path / "run-1024x600.png")
 
 
+@pytest.mark.slow
 def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_factory):
     from ui.views.tooltip import Tooltip
     app, _ = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
@@ -534,6 +541,7 @@ def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory,
     assert view.tensorboard.url in view.notice_text()
 
 
+@pytest.mark.slow
 def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(app_factory):
     controller = ScriptedController()
     app, dialogs = app_factory(controller=controller)
@@ -562,6 +570,7 @@ def _shown(app, path: str) -> bool:
     return field.visible and all(widget.winfo_manager() == "grid" for widget in field.row_widgets)
 
 
+@pytest.mark.slow
 def test_model_family_rows_appear_and_disappear_with_the_model_type(app_factory):
     """A family's own settings show only when they apply (ui/field_visibility.py)."""
     app, _ = app_factory()
@@ -598,6 +607,7 @@ def test_model_family_rows_appear_and_disappear_with_the_model_type(app_factory)
     assert _shown(app, "model.prediction_type") and not _shown(app, "training.timestep_logit_mean")
 
 
+@pytest.mark.slow
 def test_concept_rows_offer_roles_masks_and_weights_with_tooltips(app_factory):
     app, _ = app_factory()
     binder = app.binder
@@ -624,6 +634,7 @@ def test_concept_rows_offer_roles_masks_and_weights_with_tooltips(app_factory):
     assert cadence.widget.cget("state") == "normal"
 
 
+@pytest.mark.slow
 def test_multi_gpu_frame_sets_restarts_and_several_machines(app_factory):
     """#17: the frame's restart and machine fields write the config; the line under them says what they do,
     and the summary counts the processes of every machine."""

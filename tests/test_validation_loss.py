@@ -66,7 +66,7 @@ def test_validation_loss_at_start_on_cadence_and_at_the_end_for_every_family(tmp
     assert all(e["images"] == 5 and e["loss"] > 0 for e in events)
     assert len(trainer.dataset) == 64, "validation images are not trained"
     # Fixed noise, timesteps and VAE samples (and no LoRA dropout): the same weights score the same, bitwise.
-    again = trainer.validation.evaluate(trainer)
+    again = trainer.validation.evaluate(trainer.parallel.unwrap(trainer.model), trainer.global_step)
     assert again == events[-1]["loss"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     logs = EventAccumulator(str(trainer.paths.tensorboard)).Reload()

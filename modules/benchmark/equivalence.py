@@ -17,9 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, args: list[str]) -> list[dict]:
+def _run(script: str, args: list[str], environment: dict[str, str] | None = None) -> list[dict]:
     from modules.util.run_protocol import parse_event_line
-    env = dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1", **(environment or {}))
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
                           env=env, cwd=REPO)
     if proc.returncode != 0:

@@ -129,7 +129,7 @@ class BenchmarkMixin:
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
         super().start()
-        if self.device.type == "cuda" and getattr(self, "sharded", False):
+        if self.device.type == "cuda" and not self.parallel.holds_whole_model:
             # The random model was built whole on every GPU (`create_model`); a user's sharded run loads it on
             # the CPU and moves only each rank's shard to the GPU: count the peak from the sharded state on.
             # The whole-run peak (what the raw reference reports: it also builds whole) is kept apart.
@@ -197,7 +197,7 @@ class BenchmarkMixin:
             trainable = sum(p.numel() for p in self.trainable_params())
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
-                          strategy=getattr(self, "strategy", "single"),  # what multi_gpu.strategy gave
+                          strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),
@@ -211,8 +211,9 @@ class BenchmarkMixin:
                                                  [*self.bundle.denoiser.parameters(), *self.bundle.denoiser.buffers()])
                                              / 2**30, 3),
                           per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
-                          start_phases_s={k: round(v, 2) for k, v in self.start_phases.seconds.items()},
-                          compile_gradient_difference=max(self.compiled_shapes_checked.values(), default=None),
+                          start_phases_s={k: round(v, 2) for k, v in self.startup.seconds.items()},
+                          compile_gradient_difference=max(self.compile_check.checked.values(), default=None)
+                          if self.compile_check is not None else None,
                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
             if c.profile_dir:
                 result["profile"] = profiles[0]

@@ -7,84 +7,23 @@ Tandem counterpart is listed in one message (`ImportResult.report`), so nothing 
 settings left at an off value (false, 0, empty) are only counted. Approximations (a warm-up given as a
 share of the steps, a scheduler Tandem has in another form) are said in `notes`.
 
-The mappings themselves are in `import_kohya.py` and `import_onetrainer.py`. Torch-free: the GUI and
-`scripts/import_config.py` use it without loading any model code.
+The mappings themselves are in `import_kohya.py` and `import_onetrainer.py`, what they fill and the
+value readers they share in `import_result.py`. Torch-free: the GUI and `scripts/import_config.py` use it
+without loading any model code.
 """
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from .presets import config_from_overlay
+from . import import_kohya, import_onetrainer
+from .import_result import ImportResult
 from .serialization import ConfigError
-from .train_config import TrainConfig
-
-
-@dataclass
-class ImportResult:
-    source: Path
-    tool: str
-    """Whose config it was: `kohya sd-scripts`, `kohya_ss GUI` or `OneTrainer`."""
-    overlay: dict = field(default_factory=dict)
-    """The mapped settings as a sparse Tandem config (section -> field -> value)."""
-    unmapped: list[str] = field(default_factory=list)
-    """`key = value` of each setting that was set but has no Tandem counterpart (with the reason, if any)."""
-    off_unmapped: int = 0
-    """How many settings without a counterpart were at an off value (false, 0, empty): not listed."""
-    notes: list[str] = field(default_factory=list)
-    """Mapped settings whose meaning changed on the way (say so, so the user can check them)."""
-
-    def set(self, path: str, value: Any) -> None:
-        """Set Tandem field `path` (`training.learning_rate`) in the overlay."""
-        section, name = path.split(".", 1)
-        self.overlay.setdefault(section, {})[name] = value
-
-    def get(self, path: str, default: Any = None) -> Any:
-        section, name = path.split(".", 1)
-        return self.overlay.get(section, {}).get(name, default)
-
-    def skip(self, key: str, value: Any, reason: str = "") -> None:
-        """Record a setting that is not mapped (counted only when it is off)."""
-        if is_off(value):
-            self.off_unmapped += 1
-            return
-        shown = json.dumps(value) if not isinstance(value, str) else repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        self.unmapped.append(f"{key} = {shown}" + (f" ({reason})" if reason else ""))
-
-    def config(self) -> TrainConfig:
-        """The Tandem config: the defaults with the mapped settings (types checked, values not validated)."""
-        return config_from_overlay(self.overlay, str(self.source))
-
-    def report(self) -> str:
-        """The one message about what was not taken over."""
-        lines = [f"Imported {self.source.name} ({self.tool}): "
-                 f"{sum(len(v) for v in self.overlay.values())} settings mapped."]
-        if self.notes:
-            lines += ["", "Check these (their meaning differs a little in Tandem):"] + [f"  - {n}" for n in self.notes]
-        if self.unmapped:
-            lines += ["", f"Not imported ({len(self.unmapped)}; Tandem has no such setting or value):"]
-            lines += [f"  - {item}" for item in self.unmapped]
-        else:
-            lines += ["", "Every setting that was set is mapped."]
-        if self.off_unmapped:
-            lines.append(f"  ({self.off_unmapped} more without a Tandem counterpart were off or empty.)")
-        return "\n".join(lines)
-
-
-def is_off(value: Any) -> bool:
-    return value is None or value is False or value == 0 or value in ("", "0", [], {}) or (
-        isinstance(value, str) and value.strip().lower() in ("", "none", "false", "0", "0.0"))
 
 
 def import_config(path: str | Path) -> ImportResult:
     """The Tandem config of a kohya (`.toml` / `.json`) or OneTrainer (`.json`) config file."""
-    from . import import_kohya, import_onetrainer
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError([f"{path}: no such file; choose a kohya .toml/.json or OneTrainer .json config."], str(path))
@@ -106,34 +45,3 @@ def import_config(path: str | Path) -> ImportResult:
     raise ConfigError(["not a config Tandem can import: neither OneTrainer's (training_method, model_type, "
                        "base_model_name) nor kohya's (pretrained_model_name_or_path, train_data_dir); kohya "
                        "sd-scripts configs are .toml files."], str(path))
-
-
-def number(value: Any) -> float | None:
-    """A number from a config value (the kohya GUI writes many as strings: "1", "0.0001"); None if empty."""
-    if value is None or value == "" or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def whole(value: Any) -> int | None:
-    found = number(value)
-    return None if found is None else int(round(found))
-
-
-def resolution(value: Any) -> tuple[int, bool] | None:
-    """(side of a square of the same area, rounded to 8; whether it was a rectangle) from "512", 512, "768,512"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value) // 8 * 8, False
-    parts = [p for p in str(value).replace("x", ",").split(",") if p.strip()]
-    try:
-        sides = [int(float(p)) for p in parts]
-    except ValueError:
-        return None
-    if len(sides) == 1:
-        return sides[0] // 8 * 8, False
-    if len(sides) == 2:
-        return int(round((sides[0] * sides[1]) ** 0.5)) // 8 * 8, sides[0] != sides[1]
-    return None

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from .config_import import ImportResult, is_off, number, resolution, whole
+from .import_result import ImportResult, is_off, number, resolution, whole
 
 GUI_MARKERS = ("LoRA_type", "pretrained_model_name_or_path", "train_data_dir", "max_resolution")
 

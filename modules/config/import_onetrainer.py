@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config_import import ImportResult, number, resolution, whole
+from .import_result import ImportResult, number, resolution, whole
 
 MARKERS = ("training_method", "base_model_name", "output_model_destination", "concept_file_name")
 FAMILIES = {"STABLE_DIFFUSION_15": "sd1", "STABLE_DIFFUSION_20": "sd2", "STABLE_DIFFUSION_20_BASE": "sd2",

@@ -169,7 +169,7 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
 def chosen_launcher(cfg: TrainConfig) -> str:
     """`multi_gpu.launcher`, with `auto` made torchrun where its elastic agent is needed (several machines,
     restarts), else spawn: no agent process importing PyTorch before the workers do, so the first step
-    comes sooner (docs/Performance.md, session 12)."""
+    comes 10-14 s sooner on H100 hosts (docs/Performance.md)."""
     m = cfg.multi_gpu
     if m.launcher != AUTO:
         return m.launcher

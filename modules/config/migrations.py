@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .errors import ConfigError
 from .train_config import CONFIG_VERSION
+
+VERSION_KEY = "__version"
+"""The key of a saved config that holds its version (missing: version 0)."""
 
 
 def _v0_to_v1(data: dict) -> dict:
@@ -54,8 +58,6 @@ def migrate(data: dict, source: str | None = None, migrations: dict | None = Non
     A migration receives the data of its version and returns the data of the next one; it must
     tolerate missing keys, because presets are sparse overlays and are migrated before merging.
     """
-    from .serialization import VERSION_KEY, ConfigError
-
     steps = MIGRATIONS if migrations is None else migrations
     version = data.get(VERSION_KEY, 0)
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:

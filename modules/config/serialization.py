@@ -15,22 +15,9 @@ from typing import Any
 
 from modules.util.atomic import write_text_atomically
 
-from .migrations import migrate
+from .errors import ConfigError
+from .migrations import VERSION_KEY, migrate
 from .train_config import CONFIG_VERSION, REMOVED_FIELDS, TrainConfig
-
-VERSION_KEY = "__version"
-
-
-class ConfigError(ValueError):
-    """One or more problems in a config; `problems` lists each as a full sentence."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = list(problems)
-        self.source = source
-        where = f" in {source}" if source else ""
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s){where}:\n{lines}")
-
 
 _TYPE_FIXES = {
     bool: "write true or false",

@@ -313,8 +313,8 @@ def loader_worker_context():
 
     A rank started by `torch.multiprocessing.spawn` (`multi_gpu.launcher = spawn`) inherits "spawn" as
     its default start method, and spawned workers import torch and the model libraries again before
-    their first batch: the spawn launcher's 2-GPU runs waited ~10 s more before step 1 than torchrun's
-    on H100s (session 11), 3.4 s on 2 CPU processes here. Forked workers are what a torchrun rank gets.
+    their first batch: spawned ranks would wait ~10 s more before step 1 than torchrun's on H100 hosts,
+    3.4 s on 2 CPU processes. Forked workers are what a torchrun rank gets.
     Elsewhere (Windows, macOS) spawning is the only safe way, as it is for the ranks."""
     return multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
 

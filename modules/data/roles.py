@@ -11,15 +11,24 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Protocol, Sequence, TypeVar
 
-from .concepts import ImageRecord
+
+class ScannedImage(Protocol):
+    """What the roles read of a scanned image (`concepts.ImageRecord`, which scanning the concepts then
+    hands here: so this module needs nothing of the scan)."""
+    content_hash: str
+    role: str
+    repeats: int
+
+
+Image = TypeVar("Image", bound=ScannedImage)
 
 TRAIN, REGULARISATION = 0, 1
 """Item groups the sampler balances (`item_groups`)."""
 
 
-def hold_out(training: Sequence[ImageRecord], fraction: float) -> tuple[list[ImageRecord], list[ImageRecord]]:
+def hold_out(training: Sequence[Image], fraction: float) -> tuple[list[Image], list[Image]]:
     """(kept for training, held out for validation): the `fraction` of images whose content hash ranks first
     (at least one when the fraction is above 0, and never all of them)."""
     if fraction <= 0 or len(training) < 2:
@@ -31,7 +40,7 @@ def hold_out(training: Sequence[ImageRecord], fraction: float) -> tuple[list[Ima
     return ([r for i, r in enumerate(training) if i not in held], [r for i, r in enumerate(training) if i in held])
 
 
-def epoch_items(images: Sequence[ImageRecord]) -> list[int]:
+def epoch_items(images: Sequence[ScannedImage]) -> list[int]:
     """Indexes into `images` of one epoch's items: each training image `repeats` times (in image order), then
     as many regularisation items as training items."""
     items = [i for i, image in enumerate(images) if image.role == "train" for _ in range(image.repeats)]
@@ -46,7 +55,7 @@ def epoch_items(images: Sequence[ImageRecord]) -> list[int]:
     return items + [turns[k % len(turns)] for k in range(wanted)]
 
 
-def item_groups(images: Sequence[ImageRecord], item_images: Sequence[int]) -> list[int] | None:
+def item_groups(images: Sequence[ScannedImage], item_images: Sequence[int]) -> list[int] | None:
     """Each item's group (TRAIN or REGULARISATION) for the sampler; None without regularisation items."""
     groups = [REGULARISATION if images[i].role == "regularisation" else TRAIN for i in item_images]
     return groups if REGULARISATION in groups else None

@@ -5,6 +5,10 @@ GPU with its free memory, peer-to-peer access and NVLink topology, a real all-re
 (NCCL, one process per GPU, the sum checked exactly, bus bandwidth measured), a 2-process gloo
 all-reduce on the CPU, and, given a config, an estimate of memory per GPU against the free memory.
 Every finding that would make training fail is a problem and makes the exit status 1.
+
+One report, so one module (~560 lines) in three layers: measuring (versions, GPUs, topology, the
+all-reduces), judging (memory, strategy, batch split, network: `*_findings`) and formatting; the next
+check that grows it should take one layer into a module of its own.
 """
 from __future__ import annotations
 

@@ -58,6 +58,15 @@ class WorkerExit:
             return f"signal {-self.exitcode}"
 
 
+def read_exits(exits_file: Path) -> list[WorkerExit]:
+    """Every failed round's exits as torchrun's agent noted them (`agent.py`; not its notes about the
+    rendezvous)."""
+    try:
+        return [WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8")) if "rank" in entry]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
 @dataclass(frozen=True)
 class WorkerError:
     """An exception a worker raised, as it recorded it."""

@@ -61,9 +61,9 @@ def see_only_own_gpu(local_rank: int) -> bool:
 
     torch.compile's cache keys name the GPU (the UNet's graph builds its timestep embedding on `cuda:N`), so
     with every rank on its own index, a cache filled by 1- and 2-GPU runs left ranks 2 and 3 of the next
-    4-GPU run compiling from scratch for 160 s (H100, session 13). As `cuda:0` every rank of every world
-    size shares one entry. NCCL finds the other GPUs by bus id, not by this process's numbering: the same P2P
-    transport and speed on 2 H100s (session 14, docs/Performance.md)."""
+    4-GPU run compiling from scratch for 160 s (H100). As `cuda:0` every rank of every world size shares one
+    entry. NCCL finds the other GPUs by bus id, not by this process's numbering: the same P2P transport and
+    speed on 2 H100s as with every GPU visible."""
     if torch.cuda.is_initialized():
         return False
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -139,7 +139,7 @@ def launch_torchrun(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
     code = proc.wait()
     if signals.aborted:
         return ABORTED, []
-    return code, read_exits(exits_file) if code != 0 else []
+    return code, failures.read_exits(exits_file) if code != 0 else []
 
 
 def exits_file_of(job_file: Path, node_rank: int) -> Path:
@@ -168,15 +168,6 @@ def agent_arguments(plan: LaunchPlan, rendezvous_at: str) -> list[str]:
     if spec.nnodes > 1:
         arguments.append(f"--local_addr=tandem-node-{spec.node_rank:04d}")
     return arguments
-
-
-def read_exits(exits_file: Path) -> list[failures.WorkerExit]:
-    """Every failed round's exits as the agent noted them (not its notes about the rendezvous)."""
-    try:
-        return [failures.WorkerExit(**entry) for entry in json.loads(exits_file.read_text(encoding="utf-8"))
-                if "rank" in entry]
-    except (OSError, ValueError, TypeError):
-        return []
 
 
 def rendezvous_timed_out(exits_file: Path) -> bool:

@@ -135,11 +135,9 @@ def keep_global_batch(job: WorkerJob, world_size: int) -> WorkerJob:
 def announce_restart(job: WorkerJob, backup, callbacks, world_before: int) -> None:
     """The restarted round's first words: "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from
     the backup at step 400" - in the log and as the GUI's `restart` event."""
-    from modules.distributed.processes import read_exits
-
     attempt = failures.current_attempt()
     limit = int(os.environ.get(failures.MAX_RESTARTS_VARIABLE, job.spec.max_restarts) or job.spec.max_restarts)
-    exits = [e for e in read_exits(Path(job.exits_file)) if e.attempt == attempt - 1] if job.exits_file else []
+    exits = [e for e in failures.read_exits(Path(job.exits_file)) if e.attempt == attempt - 1] if job.exits_file else []
     errors = failures.read_errors(failures.failures_folder(RunPaths(job.cfg).workspace), attempt - 1)
     cause = failures.round_cause(exits, errors, world_before, job.cfg.multi_gpu.timeout_minutes)
     steps = [e.step for e in errors.values() if e.step is not None]

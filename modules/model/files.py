@@ -19,3 +19,10 @@ def resolve_save_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in SAVE_DTYPES:
         raise ValueError(f"save dtype {dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
     return SAVE_DTYPES[name]
+
+
+def as_dtype(module, dtype: torch.dtype):
+    """`module` in `dtype`; casting frees each old tensor as it goes, and a no-op cast is skipped
+    (which also skips diffusers' warning). Here, below both, so the families' loaders and `loading.py`,
+    which picks a family, need not import each other."""
+    return module if next(module.parameters()).dtype == dtype else module.to(dtype)

@@ -21,6 +21,7 @@ from .families import detect_checkpoint, detect_folder
 from .families import family as get_family
 from .families.sd import PREDICTION_TYPES, REQUIRED_FOLDER_FILES
 from .files import SAVE_DTYPES as DTYPES
+from .files import as_dtype  # noqa: F401 - re-exported: family loaders written against loading.as_dtype keep working
 from .variants import component_variant
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -245,9 +246,3 @@ def _single_file_family(path: Path, model_cfg: ModelConfig):
         _resolve_model_type(model_cfg.model_type, detected, "detected from its weights", str(path))
     # Between SD types the SD loader checks an explicit type against the file, with its own message.
     return get_family(detected)
-
-
-def as_dtype(module, dtype: torch.dtype):
-    """`module` in `dtype`; casting frees each old tensor as it goes, and a no-op cast is skipped
-    (which also skips diffusers' warning)."""
-    return module if next(module.parameters()).dtype == dtype else module.to(dtype)

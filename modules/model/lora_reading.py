@@ -12,9 +12,8 @@
 
 `read_lora` returns the weights in peft's key layout by component; `apply_lora` copies them into the
 adapters of a bundle, after checking that type, rank, alpha and modules match; `start_from_file` does
-both for `training.lora_init`, naming the file and the fields in its errors; `convert_lora_file` rewrites
-a file in the current layouts (an SDXL LoRA from an older Tandem then loads in A1111/Forge as
-sd-scripts' files do).
+both for `training.lora_init`, naming the file and the fields in its errors; `adapter_settings` says
+which adapters match a file (`lora_convert.py` rewrites a file in the current layouts with it).
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from torch import nn
 
 from .bundle import checkpoint_text_encoder_key
 from .kohya_lora import ALPHA, DOWN, KOHYA_PREFIXES, UP, kohya_name_table
-from .lora_metadata import file_metadata
 from .lora_variants import TITLES, alpha_and_rank, is_adapter_parameter, split_adapter_key, type_of_config, type_of_keys
 from .lycoris_layout import PEFT_NAMES, magnitude_from_dora_scale, split_lycoris_key
 
@@ -322,25 +320,3 @@ def adapter_settings(weights: LoraWeights) -> dict:
     return {"lora_rank": weights.rank[denoiser], "lora_alpha": weights.alpha[denoiser],
             "lora_target_modules": modules, "lora_type": weights.lora_type,
             "train_text_encoder": any(c.startswith("text_encoder") for c in weights.state)}
-
-
-def convert_lora_file(source: str | Path, target: str | Path, base_model: str, fmt: str,
-                      dtype: str = "fp16") -> Path:
-    """Rewrite the LoRA `source` (any layout above) for `base_model` as `target` in today's `fmt` layout;
-    the metadata of the source is kept where the new file does not set it."""
-    from modules.config.train_config import ModelConfig, TrainingConfig
-
-    from .loading import load_model
-    from .lora import add_lora, save_lora
-
-    bundle = load_model(ModelConfig(base_model=base_model))
-    weights = read_lora(source, bundle)
-    settings = adapter_settings(weights)
-    add_lora(bundle, TrainingConfig(precision="fp32", **settings))
-    apply_lora(bundle, weights)
-    # What describes the new file (layout, implementation, base model by name) is written anew; an old
-    # file's `tandem_base_model` may even hold a full local path.
-    fresh = set(file_metadata(bundle, fmt, settings["lora_rank"], settings["lora_alpha"], "", weights.lora_type)) | {
-        "format", "lora_adapter_metadata"}
-    kept = {k: v for k, v in weights.metadata.items() if k not in fresh}
-    return save_lora(bundle, target, fmt, dtype, kept)

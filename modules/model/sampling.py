@@ -75,9 +75,9 @@ def render_one(bundle: ModelBundle, pipeline, prompt: SamplePromptConfig, resolu
 def without_cudnn_autotuning():
     """cuDNN's autotuning (`training.cudnn_benchmark`) pays for itself over thousands of training steps
     at a few shapes. A sampling calls the denoiser a few dozen times at shapes training never used (the
-    guidance batch, the VAE decoder), where tuning costs seconds: the first sampling of the end-to-end
-    job took 3.5-4.3 s longer than the second on H100s (docs/Performance.md, session 10), about what
-    tuning the VAE encoder cost at the start of caching (~3 s, session 6)."""
+    guidance batch, the VAE decoder), where tuning costs seconds: tuned, the first sampling of the
+    end-to-end job took 3.5-4.3 s longer than the second on H100s, about what tuning the VAE encoder
+    costs at the start of caching (~3 s)."""
     cudnn = torch.backends.cudnn
     tuning = cudnn.benchmark
     cudnn.benchmark = False

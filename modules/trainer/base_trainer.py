@@ -1,10 +1,21 @@
 """The training loop, written once for one process and for N.
 
 `start()` builds everything, `train()` runs epochs of optimizer steps, `end()` saves and reports.
-Every step is a small method; `DistributedTrainer` overrides only what distribution changes (process
-group, DDP wrapping, gradient-sync skipping), while the helpers in `modules.util.dist_utils` are no-ops
-in a single process. What rank 0 does besides training is decided once, in `rank_duties`: the loop
-never asks which rank it is.
+Every step is a small method. How the model is spread over the processes is one object, the run's
+`Parallelism` (`parallelism.py`: one process here; DDP or FSDP, chosen by `DistributedTrainer` when it
+joins the process group): the loop asks it for placement, wrapping, gradient sync and how outputs are
+written, and never which strategy trains. The helpers in `modules.util.dist_utils` are no-ops in a
+single process. What rank 0 does besides training is decided once, in `rank_duties`: the loop never
+asks which rank it is.
+
+The trainer is made of parts, each given only what it uses: outputs (`outputs.py`: the run's live state
+as a `TrainingRun`, its fixed `RunParts`), the start-up's timing (`startup.py`), the caches (`caching.py`),
+the batch split and its probe (`split_probe.py`), the compiled denoiser's check (`compiled_unet.py`),
+resuming (`resume.py`), the validation loss (`validation_loss.py`), the finite-numbers guard
+(`finite.py`), what trains and the CUDA settings (`trainable.py`), progress, commands and the per-step
+exchange. What stays here (~650 lines) is the run's order of things and the step itself, as methods of
+one class because subclasses replace single steps: the benchmark its data, model and the step's timing,
+`DistributedTrainer` the environment.
 """
 from __future__ import annotations
 
@@ -12,7 +23,6 @@ import contextlib
 import faulthandler
 import gc
 import logging
-import math
 import os
 import time
 from abc import ABC, abstractmethod
@@ -22,44 +32,38 @@ import torch
 from modules.config import RunPaths, TrainConfig, save_config
 from modules.config.launch_spec import LaunchSpec
 from modules.config.validation import BUILTIN_PREFIX
-from modules.util import dist_utils as du
 from modules.trainer import backup as backups
-from modules.trainer import sharded_backup
+from modules.trainer import resume as resuming
+from modules.trainer.caching import fill_caches, offload_cached_encoders
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
+from modules.trainer.compiled_unet import CompileCheck
 from modules.trainer.ema import EMA
-from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr, is_schedule_free, match_param_layouts
+from modules.trainer.finite import FiniteGuard
+from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr
 from modules.trainer.outputs import OutputWriter, RunParts
-from modules.trainer.progress import PhaseTimes, ProgressReporter
+from modules.trainer.parallelism import Parallelism, SingleProcess
+from modules.trainer.progress import ProgressReporter
 from modules.trainer.rank_duties import RankDuties, rank_duties
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
+from modules.trainer.split_probe import decide_split, measure_capacity
+from modules.trainer.startup import StartupTimes
 from modules.trainer.step_exchange import StepExchange, StepReport
+from modules.trainer.trainable import configure_cuda, decide_cudnn_autotuning, prepare_trainable, trained_weights
 from modules.trainer.training_model import TrainingModel
-from modules.trainer.validation_loss import ValidationLoss
+from modules.trainer.validation_loss import Scoring, ValidationLoss
+from modules.util import dist_utils as du
 from modules.util.atomic import unique_path
+from modules.util.batch_slice import BatchSlice
 from modules.util.heartbeat import Heartbeat
-from modules.util.batch_slice import BatchSlice, SplitDoesNotFit, choose_split, describe_split, equal_split, parse_split
-from modules.util.launch_clock import launch_split
-from modules.util.rng import rng_state, seed_everything, set_rng_state
+from modules.util.rng import rng_state, seed_everything
 
 log = logging.getLogger("tandem")
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class NonFiniteTrainingError(RuntimeError):
-    """The loss or the trained weights stopped being finite numbers: the run cannot continue."""
-
-
-FP16_SKIPS_TOLERATED = 10
-"""fp16 loss scaling skips a step whose values overflowed (weights unchanged); this many in a row is a failure."""
-
-
 class BaseTrainer(ABC):
-    sharded = False
-    """Whether every rank holds only a shard of the trained weights (FSDP): outputs are then written by all
-    ranks together (`outputs.py`, `sharded_backup.py`)."""
-
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
                  launch: LaunchSpec | None = None, scan=None) -> None:
@@ -70,6 +74,8 @@ class BaseTrainer(ABC):
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
+        self.parallel: Parallelism = SingleProcess()
+        """How the model is spread over the processes, chosen once by `setup_environment`."""
         self.duties: RankDuties | None = None
         """This rank's duties besides training, decided once the rank is known (`start`)."""
         self.inbox = inbox
@@ -78,9 +84,7 @@ class BaseTrainer(ABC):
         self.launch = launch
         self.scan = scan
         self.outputs: OutputWriter | None = None
-        self.non_finite_in_a_row = 0
-        self.last_finite_loss_step = 0
-        """The last step whose loss was finite: the weights before it were sound (see `fail_non_finite`)."""
+        self.finite = FiniteGuard(cfg.training.precision, cfg.training.learning_rate)
         self.first_step_done = False
         self.split: list[int] = []
         """Samples of each global micro-batch per rank (`multi_gpu.batch_split`), decided at start."""
@@ -93,21 +97,18 @@ class BaseTrainer(ABC):
         self.completed = False
         self.ended = False
         """Whether `end()` ran to its last line: the outputs are written and the process may end at once."""
-        self.start_phases = PhaseTimes()
+        self.startup = StartupTimes()
         self.text_apart = None
         """What `encode_text_first` did (`text_encoding.TextEncodingReport`), None for most families."""
         self.heartbeat = Heartbeat()
         """Where this rank is (step, phase): a distributed run's watchdog reads it (`util/heartbeat.py`)."""
-        # training.compile: each new batch shape compiles new kernels, so each is checked once (shape -> difference).
-        self.compiled_shapes_checked: dict[tuple[int, ...], float] = {}
+        self.compile_check: CompileCheck | None = None
+        """training.compile: each new batch shape compiles new kernels, so each is checked once (`start`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        launched, parts = launch_split(time.time())
-        if launched is not None:  # processes starting, libraries importing, the launcher's checks
-            self.start_phases.seconds["launch"] = launched
-            self.start_phases.parts["launch"] = parts
-        phase = self.start_phases.time
+        self.startup.launched(time.time())
+        phase = self.startup.time
         with phase("set-up"):
             self.setup_environment()
             self.duties = rank_duties(du.rank(), self.callbacks)
@@ -124,25 +125,28 @@ class BaseTrainer(ABC):
             self.objective = self.bundle.family.objective(self.bundle, self.cfg.training)
         with phase("cache"):
             self.fill_cache()
-            self.offload_cached_encoders()
+            offload_cached_encoders(self.bundle, self.device, self.cfg.data.cache_latents, self.cache_text())
         with phase("wrap"):
             self.decide_cudnn_autotuning()
             self.split = self.decide_split()
-            self.batch_part = BatchSlice.of(self.split, du.rank())
+            self.batch_part = BatchSlice.of(self.split, self.parallel.data_rank)
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
             self.model = self.wrap_model(self.training_model())
+            self.compile_check = CompileCheck(self.device) if self.cfg.training.compile else None
             self.seed_this_process()
             self.optimizer, self.lr_schedule = self.create_optimizer()
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
             self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
             self.exchange = StepExchange()
-            self.validation = (ValidationLoss(self.validation_set, self.cfg.general.seed, equal_calls=self.sharded)
-                               if self.validation_set is not None else None)
+            self.validation = None if self.validation_set is None else ValidationLoss(
+                self.validation_set, self.cfg.general.seed, Scoring(
+                    self.bundle, self.objective, self.device, self.cfg.training.offset_noise, self.autocast,
+                    self.optimizer), self.parallel)
         with phase("resume"):
             self.maybe_resume()
         self.announce()
-        self.announced_at = time.perf_counter()
+        self.startup.over()
         self.progress = ProgressReporter(self.numbers, self.emit, self.global_step,
                                          self.paths.tensorboard if self.cfg.general.tensorboard else None,
                                          reports=self.duties.leads)
@@ -169,7 +173,7 @@ class BaseTrainer(ABC):
 
     def end(self) -> None:
         self.heartbeat.at("ending", long=True)
-        self.check_weights_finite()
+        self.finite.check_weights(self.trainable_params(), self.global_step)
         if self.completed:
             self.outputs.no_more_backups()
         if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
@@ -192,7 +196,7 @@ class BaseTrainer(ABC):
         self.progress.close()
         trained = self.progress.summary()
         log.info("Trained %d images in %.1f s: %.1f images/s over the whole run (start-up before it: %.1f s).",
-                 trained["images"], trained["train_s"], trained["images_per_s"], sum(self.start_phases.seconds.values()))
+                 trained["images"], trained["train_s"], trained["images_per_s"], sum(self.startup.seconds.values()))
         self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
                   step=self.global_step, completed=self.completed, **trained)
         du.barrier()
@@ -232,7 +236,7 @@ class BaseTrainer(ABC):
     # ------------------------------------------------------------------ set-up steps
     @abstractmethod
     def setup_environment(self) -> None:
-        """Choose `self.device`, set up processes/seeds/backends."""
+        """Choose `self.device` and the run's parallelism (`self.parallel`), set up processes/seeds/backends."""
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""
@@ -244,27 +248,10 @@ class BaseTrainer(ABC):
         seed_everything(self.cfg.general.seed * du.world_size() + du.rank())
 
     def configure_backends(self) -> None:
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = self.cfg.training.tf32
-            torch.backends.cudnn.allow_tf32 = self.cfg.training.tf32
-            # `auto` decides once it is known what trains (decide_cudnn_autotuning): caching runs untuned.
-            torch.backends.cudnn.benchmark = self.cfg.training.cudnn_benchmark == "on"
-            # cuDNN's attention backward fails at Flux-size shapes on H100 with torch 2.11
-            # ("mha_graph.execute ... is_good()"); flash and memory-efficient attention serve every shape we train.
-            torch.backends.cuda.enable_cudnn_sdp(False)
-            from modules.trainer.split_probe import cap_device_memory
-            cap_device_memory(self.device)
-            from modules.util.host_copy import use_fast_pinning
-            use_fast_pinning()  # a full fine-tune's first backup: 2.4-3.7 s instead of 7.7-8.5 s on H100 hosts
+        configure_cuda(self.device, self.cfg.training)
 
     def decide_cudnn_autotuning(self) -> None:
-        if self.device.type != "cuda" or self.cfg.training.cudnn_benchmark != "auto":
-            return
-        tuning = trains_convolutions(self.bundle.modules().values())
-        torch.backends.cudnn.benchmark = tuning
-        log.info("cuDNN autotuning (training.cudnn_benchmark=auto): %s.",
-                 "on for the training steps: convolution weights train" if tuning else
-                 "off: no convolution weight trains, so it would only lengthen the start")
+        decide_cudnn_autotuning(self.device, self.cfg.training.cudnn_benchmark, self.bundle.modules().values())
 
     def create_dataset(self):
         from modules.data import build_dataset
@@ -295,69 +282,24 @@ class BaseTrainer(ABC):
         datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
         self.text_apart = encode_text_apart(self.cfg, datasets, self.device, self.paths.cache)
         if self.text_apart is not None:
-            self.start_phases.seconds["text"] = time.perf_counter() - started
-            self.start_phases.parts["text"] = {"loading the text encoder": self.text_apart.load_seconds,
-                                               "encoding": self.text_apart.encode_seconds}
+            self.startup.seconds["text"] = time.perf_counter() - started
+            self.startup.parts["text"] = {"loading the text encoder": self.text_apart.load_seconds,
+                                          "encoding": self.text_apart.encode_seconds}
 
     def load_device(self) -> torch.device:
-        """Where the model is loaded; `move_to_device` then places each part."""
-        return self.device
+        """Where the model is loaded (the parallelism's choice); `prepare_trainable` then places each part."""
+        return self.parallel.load_device(self.device)
 
     def prepare_trainable(self) -> list[torch.nn.Parameter]:
         """Choose what trains (LoRA adapters or the whole UNet/transformer) and move the model to the device."""
-        t = self.cfg.training
-        bundle = self.bundle
-        for m in bundle.modules().values():
-            m.requires_grad_(False)
-        trained_encoders = bundle.trainable_text_encoders() if t.train_text_encoder else []
-        if t.method == "lora":
-            from modules.model.lora import add_lora
-            params = add_lora(bundle, t)
-        else:
-            bundle.denoiser.requires_grad_(True)
-            # Full fine-tune keeps fp32 master weights; autocast does the rest. (load_model already gave
-            # fp32; a no-op cast would only make diffusers warn about transformers' fp32 modules.)
-            if next(bundle.denoiser.parameters()).dtype != torch.float32:
-                bundle.denoiser.to(torch.float32)
-            params = [p for p in bundle.denoiser.parameters()]
-            for te in trained_encoders:
-                te.requires_grad_(True)
-                te.to(torch.float32)
-                params += list(te.parameters())
-        for dead_end in bundle.unused_text_encoder_modules():
-            dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
-        if t.gradient_checkpointing:
-            self.enable_gradient_checkpointing()
-        self.move_to_device()
-        if t.channels_last:
-            # NHWC convolution weights (4-D tensors only); a convolution then runs in NHWC and so do its
-            # outputs, whatever the layout of the latents fed in. Parameters keep their identity (their
-            # `.data` is replaced), so `params` stays valid; DDP, the optimizer and EMA, built later,
-            # see the new layout. Every writer of weights (backups, full saves, LoRA files) stores
-            # contiguous copies, which safetensors requires.
-            bundle.denoiser.to(memory_format=torch.channels_last)
-        bundle.denoiser.train()
-        for te in bundle.text_encoders:
-            te.train(any(te is trained for trained in trained_encoders))
-        return params
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.bundle.denoiser.enable_gradient_checkpointing()
-
-    def move_to_device(self) -> None:
-        """Every part of the model onto the training device (sharded training moves the trained part later)."""
-        self.bundle.to(self.device)
+        return prepare_trainable(self.bundle, self.cfg.training, self.parallel, self.device)
 
     def trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.trainable if p.requires_grad]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> tensor of every trained weight (what a backup stores)."""
-        wanted = {id(p) for p in self.trainable_params()}
-        modules = {self.bundle.denoiser_name: self.bundle.denoiser,
-                   **{f"text_encoder_{i}": te for i, te in enumerate(self.bundle.text_encoders)}}
-        return {f"{prefix}.{name}": p for prefix, m in modules.items()
-                for name, p in m.named_parameters() if id(p) in wanted}
+        return trained_weights(self.bundle, self.trainable_params())
 
     def cache_text(self) -> bool:
         from modules.data import text_cache_allowed
@@ -371,121 +313,35 @@ class BaseTrainer(ABC):
             log.warning(refusal)
         if not (self.cfg.data.cache_latents or self.cache_text()):
             return
-        share_work = self.cfg.multi_gpu.distributed_data_loading
-        waiting = time.perf_counter()
-        # Ranks finish loading the model at different times: the caching is timed once all have (this
-        # collective is also the barrier), and which rank was slowest is said.
-        model_seconds = du.all_gather_objects(self.start_phases.seconds.get("model", 0.0))
-        started = time.perf_counter()
-        if du.world_size() > 1:
-            slowest = max(range(len(model_seconds)), key=model_seconds.__getitem__)
-            log.info("Model loaded in %.1f-%.1f s on the %d ranks (slowest: rank %d).", min(model_seconds),
-                     model_seconds[slowest], len(model_seconds), slowest)
         datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
-        encoders = (self.bundle.encode_latent_distribution, self.bundle.encode_text, self.bundle.fingerprint())
-        with torch.no_grad(), (contextlib.nullcontext() if share_work else du.main_first()):
-            for dataset in datasets:
-                dataset.cache(*encoders, rank=du.rank() if share_work else 0,
-                              world_size=du.world_size() if share_work else 1, cache_text=self.cache_text())
-        du.barrier()
-        if du.local_world_size() < du.world_size():
-            # Several machines: a cache folder on each machine's own disk lacks what the other machines'
-            # ranks encoded. This machine's ranks encode what is missing here (nothing, with a shared folder).
-            with torch.no_grad():
-                for dataset in datasets:
-                    dataset.cache(*encoders, rank=du.local_rank(), world_size=du.local_world_size(),
-                                  cache_text=self.cache_text(), progress=False)
-            du.barrier()
-        seconds = time.perf_counter() - started
-        if du.world_size() > 1:  # where a 4-GPU start's `cache` phase went (6 s of 8.5 on H100s, session 12)
-            self.start_phases.parts["cache"] = {"waiting for the slowest rank's model": started - waiting,
-                                                "encoding": seconds}
-        shared = ("each encoded its share" if share_work else "rank 0 encoded, the others reused it")
-        log.info("Cache ready in %.1f s%s", seconds, f" ({du.world_size()} processes, {shared})" if du.world_size() > 1 else "")
-        self.emit("cache", seconds=round(seconds, 2), world_size=du.world_size(), shared=share_work)
-
-    def offload_cached_encoders(self) -> None:
-        """With latents (text) cached, the VAE (frozen text encoders) only serve samples: keep them off the GPU."""
-        if self.device.type != "cuda":
-            return
-        if self.cfg.data.cache_latents:
-            self.bundle.vae.to("cpu")
-        if self.cache_text():
-            for te in self.bundle.text_encoders:
-                te.to("cpu")
-
-    @contextlib.contextmanager
-    def encoders_on_device(self):
-        """Every part of the model on the training device for the duration of the block (sampling)."""
-        parts = [self.bundle.vae, *self.bundle.text_encoders]
-        homes = [next(m.parameters()).device for m in parts]
-        for m in parts:
-            m.to(self.device)
-        try:
-            yield
-        finally:
-            for m, home in zip(parts, homes):
-                m.to(home)
+        parts = fill_caches(datasets, self.bundle, self.cache_text(), self.cfg.multi_gpu.distributed_data_loading,
+                            self.startup.seconds.get("model", 0.0), self.emit)
+        if parts:
+            self.startup.parts["cache"] = parts
 
     def sampling_calls(self):
         """Inside the block the sampling pipeline calls the trained parts (sharded training routes the
-        calls through the wrapper, `DistributedTrainer`)."""
-        return contextlib.nullcontext()
+        calls through the wrapper)."""
+        return self.parallel.sampling_calls(self.model, self.autocast())
 
     def create_loader(self):
         from modules.data import BucketBatchSampler, make_dataloader
         sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
-                                     world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed,
+                                     world_size=self.parallel.data_world, rank=self.parallel.data_rank,
+                                     seed=self.cfg.general.seed,
                                      split=self.split, groups=self.dataset.item_groups())
         loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
         return sampler, loader
 
     def decide_split(self) -> list[int]:
         """How many samples of each global micro-batch each rank trains (`multi_gpu.batch_split`)."""
-        world, batch = du.world_size(), self.cfg.training.batch_size
-        # batch_split is per machine, like device_indexes: a list names this machine's GPUs only.
-        choice = parse_split(self.cfg.multi_gpu.batch_split, du.local_world_size(), batch)
-        if world == 1:
-            return equal_split(batch, world)
-        if du.local_world_size() != world:
-            choice = self._split_of_all_machines(choice)
-        if choice is None:
-            return equal_split(batch, world)
-        if choice != "auto":
-            log.info("Batch split: %s.", describe_split(choice, self.device_names()))
-            return choice
-        from modules.trainer.split_probe import measure_capacity
-        mine = measure_capacity(self, TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective))
-        everyone = du.all_gather_objects(mine)
-        try:
-            split = choose_split(batch * world, everyone)
-        except SplitDoesNotFit as e:
-            raise RuntimeError(f"multi_gpu.batch_split auto: {e}. Lower training.batch_size (and raise "
-                               "training.gradient_accumulation_steps to keep the global batch), or turn on "
-                               "training.gradient_checkpointing.") from None
-        names = self.device_names()
-        details = "; ".join(f"{name}: {1000 * c.seconds_per_sample:.1f} ms/sample, room for "
-                            f"{c.most_samples() if c.most_samples() is not None else 'any number of'} samples"
-                            for name, c in zip(names, everyone))
-        log.info("Batch split (auto, measured): %s (%s).", describe_split(split, names), details)
-        slowest, fastest = max(c.seconds_per_sample for c in everyone), min(c.seconds_per_sample for c in everyone)
-        if slowest > 1.5 * fastest:
-            log.warning("One GPU is %.1fx slower than the fastest: the split gives it fewer samples, but every step "
-                        "still waits for it.", slowest / fastest)
-        return split
-
-    def _split_of_all_machines(self, mine: list[int] | str | None) -> list[int] | str | None:
-        """Several machines: every rank's size from its own machine's `batch_split` (global ranks follow
-        machines, node 0's processes first); `auto` only when every machine chose it."""
-        batch = self.cfg.training.batch_size
-        sizes = du.all_gather_objects("auto" if mine == "auto" else mine[du.local_rank()] if mine else batch)
-        if "auto" in sizes:
-            if any(size != "auto" for size in sizes):
-                raise RuntimeError("multi_gpu.batch_split is auto on some machines and not on others: the "
-                                   "measurement is made by every GPU together. Set auto on every machine, or "
-                                   "equal / a list of this machine's sizes on each.")
-            return "auto"
-        return None if all(size == batch for size in sizes) else sizes
+        def measure():  # multi_gpu.batch_split auto: this rank's probe, through the unwrapped training model
+            model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective)
+            return measure_capacity(self.dataset[0], lambda batch, part: self.compute_loss(batch, 0, model, part),
+                                    self.trainable_params(), self.device, self.cfg.optimizer.name,
+                                    self.cfg.training.ema)
+        return decide_split(self.cfg.multi_gpu.batch_split, self.cfg.training.batch_size, self.parallel.data_world,
+                            self.parallel.holds_whole_model, self.device_names, measure)
 
     def device_names(self) -> list[str]:
         """Each rank's device, for messages (`GPU 1`, `CPU process 0`)."""
@@ -500,20 +356,17 @@ class BaseTrainer(ABC):
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
             model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)),
-                                                 dropout, self.compile_split_at_ddp_buckets()))
+                                                 dropout, self.parallel.compile_splits_at_buckets(self.trainable_params())))
         return model
 
-    def compile_split_at_ddp_buckets(self) -> bool:
-        """Whether training.compile splits the denoiser's graph at DDP's gradient buckets: not in one
-        process, where there is no DDP (DistributedTrainer decides for N processes)."""
-        return False
-
     def compute_numbers(self) -> RunNumbers:
-        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
+        return derive_run_numbers(self.cfg, self.parallel.data_world, len(self.sampler), self.split,
                                   items_per_epoch=len(self.dataset), launch=self.launch)
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
-        return model
+        """The trained module as the parallelism runs it; the trained parameters as it holds them."""
+        wrapped, self.trainable = self.parallel.wrap(model, self.trainable)
+        return wrapped
 
     def create_optimizer(self):
         t = self.cfg.training
@@ -529,10 +382,7 @@ class BaseTrainer(ABC):
 
     def announce(self) -> None:
         log.info("Tandem: %s", self.numbers.describe())
-        log.info("Start-up: %s", self.start_phases.describe())
-        parts = self.start_phases.describe_parts()
-        if parts:
-            log.info("Start-up parts: %s", parts)
+        self.startup.summarise()
         self.emit("config", **self.numbers.as_dict())
         du.on_main(self.save_run_config)
 
@@ -558,7 +408,8 @@ class BaseTrainer(ABC):
             self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
             loss = self.optimizer_step(micro_batches)
             if first:
-                self.report_first_step(started, loaded, workers_s)
+                self.startup.first_step(self.device, started, loaded, workers_s)
+                self.first_step_done = True
             # Told after training, not when handed out: prefetching workers run ahead of the trained position.
             self.sampler.mark_consumed(accumulation)
             self.global_step += 1
@@ -580,27 +431,13 @@ class BaseTrainer(ABC):
             from modules.data.dataset import loading_failure
             raise loading_failure(self.loader, error) from error
 
-    def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
-        """Log where the first step's time goes (it is start-up time the user waits through: loader
-        workers starting, kernel selection, first allocations) and what ran between the start-up summary
-        and it (10 s under the spawn launcher on H100s, session 11: its ranks spawned their loader workers).
-        The one synchronisation the loop makes."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        done = time.perf_counter()
-        faulthandler.cancel_dump_traceback_later()
-        self.first_step_done = True
-        log.info("First step: %.1f s (first batch from the loader %.1f s, the step itself %.1f s); %.1f s before it "
-                 "since the start-up summary (starting the loader's workers %.1f s).",
-                 done - started, loaded - started, done - loaded, started - self.announced_at, workers_s)
-
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
-        if self.cfg.training.compile:
+        if self.compile_check is not None and self.compile_check.needed(micro_batches[0]):
             self.check_compiled_unet(micro_batches[0])
         total = torch.zeros((), device=self.device)
         # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
         # ranks is the mean over the global batch (1.0 with equal GPUs).
-        weight = self.batch_part.loss_weight(du.world_size()) / len(micro_batches)
+        weight = self.batch_part.loss_weight(self.parallel.data_world) / len(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self.gradient_sync(i == len(micro_batches) - 1):
                 loss = self.compute_loss(batch, micro=i)
@@ -610,13 +447,9 @@ class BaseTrainer(ABC):
         return total / len(micro_batches)
 
     def check_compiled_unet(self, batch: dict) -> None:
-        """On the first batch of each shape: compile, and compare the gradients with the uncompiled UNet's
-        (compiled_unet.py) before the step trains on them."""
-        from modules.trainer.compiled_unet import compare_with_eager, compile_readings, describe_compile
-        shape = tuple((batch["latents"] if "latents" in batch else batch["pixels"]).shape)
-        if shape in self.compiled_shapes_checked:
-            return
-        inner = getattr(self.model, "module", self.model)  # under DDP: the TrainingModel it wraps
+        """Compile for this batch's shape and compare the gradients with the uncompiled UNet's
+        (`compiled_unet.CompileCheck`) before the step trains on them."""
+        inner = self.parallel.unwrap(self.model)  # the TrainingModel itself: its forward synchronises nothing
 
         def backward_pass(context, model):
             def run():
@@ -626,21 +459,21 @@ class BaseTrainer(ABC):
                 return loss.detach()
             return run
 
-        # The compiled pass goes through the DDP wrapper (where the compiler may split the backward at DDP's
+        # The compiled pass goes through the wrapper (where the compiler may split the backward at DDP's
         # buckets), without synchronising, so no rank's gradients leave it yet.
-        started, readings = time.perf_counter(), compile_readings()
         with self.heartbeat.during("compiling"):
-            self.compiled_shapes_checked[shape] = compare_with_eager(
-                backward_pass(inner.eager_unet(), inner), backward_pass(self.gradient_sync(last_micro_batch=False), None),
-                self.trainable_params(), self.device, what=f"batch shape {list(shape)}")
-        log.info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.", list(shape),
-                 time.perf_counter() - started, describe_compile(readings, compile_readings()))
+            self.compile_check.check(batch, backward_pass(inner.eager_unet(), inner),
+                                     backward_pass(self.gradient_sync(last_micro_batch=False), None),
+                                     self.trainable_params())
 
     def gradient_sync(self, last_micro_batch: bool):
-        """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""
-        return contextlib.nullcontext()
+        """Context for one micro-batch's backward: gradients are exchanged after the last (`Parallelism`)."""
+        return self.parallel.gradient_sync(self.model, last_micro_batch)
 
-    def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None) -> torch.Tensor:
+    def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None,
+                     part: BatchSlice | None = None) -> torch.Tensor:
+        """The training loss of `batch`, micro-batch `micro` of this step, through `model` (default: the wrapped
+        model) as the part `part` of the global micro-batch (default: this rank's)."""
         bundle, dev = self.bundle, self.device
         if "latents" in batch:
             latents = batch["latents"].to(dev, non_blocking=True).float()
@@ -651,8 +484,8 @@ class BaseTrainer(ABC):
         if text is not None:
             text = {k: v.to(dev, non_blocking=True) for k, v in text.items()}
         objective = self.objective  # the family's: noise and timesteps keyed by (seed, step, micro)
-        draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro, self.batch_part,
-                              dev, self.cfg.training.offset_noise)
+        draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro,
+                              self.batch_part if part is None else part, dev, self.cfg.training.offset_noise)
         noisy = objective.noisy(latents, draw)
         target = objective.target(latents, draw)
         with self.autocast():
@@ -684,7 +517,7 @@ class BaseTrainer(ABC):
         self.heartbeat.at("after the step", self.global_step)
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, effective_lr(self.optimizer), self.take_commands(),
-                           weight=self.batch_part.loss_weight(du.world_size()))
+                           weight=self.batch_part.loss_weight(self.parallel.data_world))
         self.outputs.poll_backups()
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
@@ -714,7 +547,7 @@ class BaseTrainer(ABC):
         """
         if report is None:
             return set()
-        self.check_loss_finite(report)
+        self.finite.check_loss(report.step, report.loss)
         self.progress.step(report)
         if "stop" in report.commands:
             log.info("Stop requested: stopping at step %d", self.global_step)
@@ -732,7 +565,7 @@ class BaseTrainer(ABC):
         # otherwise avoids) and the weights the step produced must be finite.
         requested = self.act_on(self.exchange.receive())
         sample, backup, save = sample or "sample" in requested, backup or "backup" in requested, save or "save" in requested
-        self.check_weights_finite()
+        self.finite.check_weights(self.trainable_params(), self.global_step)
         if sample:
             self.outputs.sample()
         if backup:
@@ -744,55 +577,11 @@ class BaseTrainer(ABC):
         """The held-out images' loss (every rank scores its share: call it on every rank at the same step)."""
         started = time.perf_counter()
         with self.heartbeat.during("validation"):
-            loss = self.validation.evaluate(self)
+            loss = self.validation.evaluate(self.parallel.unwrap(self.model), self.global_step)
         log.info("Validation loss at step %d: %.6f (%d images, %.1f s)", self.global_step, loss, len(self.validation),
                  time.perf_counter() - started)
         self.progress.validation(self.global_step, loss)
         self.emit("validation", step=self.global_step, loss=loss, images=len(self.validation))
-
-    def check_loss_finite(self, report: StepReport) -> None:
-        """Stop at the first non-finite loss; with fp16 loss scaling, skipped steps are normal unless they persist."""
-        if math.isfinite(report.loss):
-            self.non_finite_in_a_row = 0
-            self.last_finite_loss_step = max(self.last_finite_loss_step, report.step)
-            return
-        self.non_finite_in_a_row += 1
-        if self.cfg.training.precision == "fp16" and self.non_finite_in_a_row < FP16_SKIPS_TOLERATED:
-            log.warning("Step %d: the loss overflowed in fp16; loss scaling skips this step.", report.step)
-            return
-        self.fail_non_finite(f"the loss of step {report.step} is {report.loss}")
-
-    def check_weights_finite(self) -> None:
-        """Before anything is written from the weights: every trained weight must be a finite number."""
-        params = self.trainable_params()
-        if params and not du.all_finite(params):
-            self.fail_non_finite(f"the trained weights hold NaN or infinite values after step {self.global_step}")
-
-    def fail_non_finite(self, what: str) -> None:
-        """Stop the run (every rank calls this at the same step) with one statement on every rank: which
-        backups of this run hold weights known to be sound."""
-        kept = du.broadcast_object(du.on_main(self.sound_backups) if self.outputs is not None else None)
-        kept = kept or "no backup of this run was written before it"
-        raise NonFiniteTrainingError(
-            f"Training stopped: {what}. Nothing was saved as the final model ({kept}). Lower "
-            f"training.learning_rate (now {self.cfg.training.learning_rate:g}), keep training.max_grad_norm on, "
-            "or train in bf16 instead of fp16.")
-
-    def sound_backups(self) -> str | None:
-        """Rank 0's word on this run's backups once the values stopped being finite. A backup's weights are
-        known sound when the next step's loss, computed from them, was finite: a huge learning rate gives
-        finite but absurd weights first (1e29 after one step of 1e30), and only the loss after them shows it."""
-        with contextlib.suppress(Exception):  # a failed write is not a backup; the run is failing anyway
-            self.outputs.backup_writer.wait()
-        written = backups.list_backups(self.paths.backups, self.run_id)
-        sound = [b for b in written if b.step < self.last_finite_loss_step]
-        unsound = [b.step for b in written if b.step >= self.last_finite_loss_step]
-        text = f"the newest backup with sound weights is {sound[-1].path}" if sound else None
-        if unsound:
-            steps = ", ".join(map(str, unsound))
-            text = (f"{text + '; ' if text else 'no backup of this run has sound weights: '}the backup(s) at step(s) "
-                    f"{steps} hold the weights that led to it - do not continue them")
-        return text
 
     def sampling_scheduled(self) -> bool:
         s = self.cfg.sampling
@@ -827,106 +616,36 @@ class BaseTrainer(ABC):
         }
 
     def maybe_resume(self) -> None:
-        """Continue the backup `resume` names (same run id), or start a new run with a new id."""
-        du.on_main(lambda: backups.remove_interrupted(self.paths.backups))
-        chosen = du.on_main(lambda: backups.find_backup(self.paths.backups, self.resume) if self.resume else None)
-        chosen = du.broadcast_object(chosen)
-        if chosen is not None and chosen.run_id != backups.LEGACY_RUN:
-            self.run_id = chosen.run_id
-        else:
-            self.run_id = du.broadcast_object(du.on_main(lambda: self.given_run_id or backups.new_run_id(self.paths.backups)))
+        """Continue the backup `resume` names (same run id), or start a new run with a new id (`resume.py`)."""
+        chosen, self.run_id = resuming.choose(self.paths.backups, self.resume, self.given_run_id)
         self.outputs = OutputWriter(self, RunParts(
             cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
             numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,
-            optimizer=self.optimizer, sharded=self.sharded), self.run_id)
+            optimizer=self.optimizer, parallelism=self.parallel), self.run_id)
+        self.finite.watch_backups(self.written_backups)
         if chosen is None:
             others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:
                 log.info(others)
             return
         fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
-        if sharded_backup.is_sharded(chosen.path):
-            state, _ = sharded_backup.load_sharded_backup(self, chosen.path)
-        else:
-            weights, state, _ = backups.read_backup(chosen.path)
-            self.load_trained_tensors(weights, state)
-        self.restore_progress(state, fresh_base_lrs)
+        state = resuming.load_trained(chosen.path, resuming.TrainedState(
+            self.model, self.optimizer, self.ema, self.trainable_state(), self.parallel), self.cfg.optimizer.name)
+        position = resuming.restore_progress(
+            state, resuming.LoopState(self.sampler, self.optimizer, self.lr_schedule, self.scaler),
+            self.numbers.global_batch, fresh_base_lrs)
+        self.global_step, self.epoch, self.step_in_epoch = position.global_step, position.epoch, position.step_in_epoch
         log.info("Continuing %s from %s (now at step %d, epoch %d)", chosen.describe(), chosen.path,
                  self.global_step, self.epoch + 1)
 
-    def load_trained_tensors(self, weights: dict, state: dict) -> None:
-        """A backup's trained weights, optimizer state and EMA (whole tensors) into this run's."""
-        own = self.trainable_state()
-        missing = sorted(set(own) - set(weights))
-        if missing:
-            raise ValueError(f"the backup does not match this model/training method (missing {missing[:3]}...); "
-                             "start fresh or use the config the backup was made with.")
-        self.check_backup_optimizer(state)
-        if self.sharded:  # every rank keeps its part of each whole tensor
-            names = dict(zip(own, sharded_backup.parameter_names(self.model, own.values())))
-            sharded_backup.load_full_backup(self, weights, state, names)
-            return
-        with torch.no_grad():
-            for name, p in own.items():
-                p.copy_(weights[name].to(p.dtype))
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
-
-    def check_backup_optimizer(self, state: dict) -> None:
-        """Refuse a backup whose optimizer state belongs to another optimizer, before any of it is loaded."""
-        saved_optimizer = state.get("optimizer_name")  # backups before it was recorded: not checked
-        if saved_optimizer is not None and saved_optimizer != self.cfg.optimizer.name:
-            raise ValueError(f"optimizer.name: the backup was trained with {saved_optimizer!r} and this run uses "
-                             f"{self.cfg.optimizer.name!r}, whose state it cannot continue; set optimizer.name to "
-                             f"{saved_optimizer!r} to continue the backup, or start a new run without resuming.")
-
-    def restore_progress(self, state: dict, fresh_base_lrs: list[float]) -> None:
-        """Step, sampler position, schedule, loss scaler and RNG from a backup's `progress_state`."""
-        self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.step_in_epoch = state["step_in_epoch"]
-        self.sampler.load_state_dict(state["sampler"])  # regroups the epoch's rest if the global batch changed
-        match_param_layouts(self.optimizer)  # a backup from a run with another training.channels_last
-        if is_schedule_free(self.optimizer):
-            self.optimizer.train()  # a no-op for Tandem's backups (taken in train mode); converts any other
-        self.lr_schedule.load_state_dict(state["lr_schedule"])
-        self.adapt_to_new_global_batch(state, fresh_base_lrs)
-        self.scaler.load_state_dict(state["scaler"])
-        rngs = state["rng"]
-        if du.rank() < len(rngs):
-            set_rng_state(rngs[du.rank()])
-
-    def adapt_to_new_global_batch(self, state: dict, fresh_base_lrs: list[float]) -> None:
-        """Resuming with another GPU count: count progress in images, and use this run's (scaled) LR.
-
-        Steps are counted in global batches, so the step reached is rescaled to the same number of
-        images, which keeps the end of training and the position on the LR curve where they were.
-        """
-        old_global = self.backup_global_batch(state)
-        if old_global != self.numbers.global_batch:
-            step = state["global_step"] * old_global // self.numbers.global_batch
-            log.warning("Global batch changed from %d to %d: step %d continues as step %d (same images seen).",
-                        old_global, self.numbers.global_batch, state["global_step"], step)
-            self.global_step = step
-            self.lr_schedule.last_epoch = step
-        self.lr_schedule.base_lrs = list(fresh_base_lrs)
-        for group, base, lr in zip(self.optimizer.param_groups, fresh_base_lrs,
-                                   [b * self.lr_schedule.lr_lambdas[0](self.lr_schedule.last_epoch) for b in fresh_base_lrs]):
-            group["initial_lr"], group["lr"] = base, lr
-
-    @staticmethod
-    def backup_global_batch(state: dict) -> int:
-        return state["sampler"]["global_batch_size"] * state.get("accumulation", 1)
+    def written_backups(self) -> list[backups.BackupInfo]:
+        """This run's backups once the one being written is done (rank 0; the finite guard's word on them)."""
+        with contextlib.suppress(Exception):  # a failed write is not a backup; the run is failing anyway
+            self.outputs.backups.wait()
+        return backups.list_backups(self.paths.backups, self.run_id)
 
     def log_image(self, tag: str, image, step: int) -> None:
         self.progress.log_image(tag, image, step)
 
     def emit(self, type_: str, **fields) -> None:
         self.duties.callbacks.on_event(type_, **fields)
-
-
-def trains_convolutions(modules) -> bool:
-    """Whether any convolution's own weight trains: cuDNN's autotuning pays back its trials there
-    (the weight-gradient kernels), not where frozen convolutions only pass gradients through."""
-    return any(isinstance(m, torch.nn.modules.conv._ConvNd) and any(p.requires_grad for p in m.parameters(recurse=False))
-               for root in modules for m in root.modules())

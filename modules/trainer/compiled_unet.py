@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -170,3 +171,33 @@ def compare_with_eager(eager_pass, compiled_pass, params: list[torch.nn.Paramete
     log.info("Compiled denoiser checked against the uncompiled one on %s: gradients differ by %.2e (allowed "
              "%.0e), loss by %.2e.", what, grad_diff, GRADIENT_TOLERANCE, loss_diff)
     return grad_diff
+
+
+class CompileCheck:
+    """The check of a compiled run: the first batch of each shape (each compiles its own kernels) is trained
+    through the uncompiled and the compiled denoiser, and the gradients compared, before the step trains
+    on it. `checked`: each shape checked so far, with the relative difference found."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.checked: dict[tuple[int, ...], float] = {}
+
+    @staticmethod
+    def shape(batch: dict) -> tuple[int, ...]:
+        return tuple((batch["latents"] if "latents" in batch else batch["pixels"]).shape)
+
+    def needed(self, batch: dict) -> bool:
+        return self.shape(batch) not in self.checked
+
+    def check(self, batch: dict, eager_pass, compiled_pass, params: list[torch.nn.Parameter]) -> None:
+        """Compile for `batch`'s shape and compare: `eager_pass()` and `compiled_pass()` each run the batch's
+        forward and backward (the compiled one without synchronising gradients) and return the loss;
+        `params` are the trained parameters whose gradients are compared."""
+        shape = self.shape(batch)
+        started, readings = time.perf_counter(), compile_readings()
+        self.checked[shape] = compare_with_eager(eager_pass, compiled_pass, params, self.device,
+                                                 what=f"batch shape {list(shape)}")
+        # On the run's log (the trainer's logger): how long the first step of each shape waits for the compiler.
+        logging.getLogger("tandem").info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.",
+                                         list(shape), time.perf_counter() - started,
+                                         describe_compile(readings, compile_readings()))

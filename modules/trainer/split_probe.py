@@ -1,4 +1,7 @@
-"""`multi_gpu.batch_split = auto`: each rank measures what it can carry, then all agree on one split.
+"""`multi_gpu.batch_split`: how many samples of each global micro-batch each rank trains.
+
+`decide_split` reads the setting (`equal`, a list of this machine's sizes, or `auto`) and, for `auto`,
+has each rank measure what it can carry; then all agree on one split.
 
 At start-up, before the model is wrapped for DDP (so nothing is synchronised), every rank runs a few
 forward and backward passes of its model on a real sample of the dataset: once with one sample and
@@ -20,11 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 
 from modules.util import dist_utils as du
-from modules.util.batch_slice import RankCapacity
+from modules.util.batch_slice import (BatchSlice, RankCapacity, SplitDoesNotFit, choose_split, describe_split,
+                                      equal_split, parse_split)
 
 log = logging.getLogger("tandem")
 
@@ -38,10 +43,70 @@ TRAINING_STATE_BYTES_PER_PARAMETER = {"adamw": 12, "adamw_8bit": 6, "adafactor":
 optimizer's state (AdamW: two fp32 moments)."""
 
 
-def _one_pass(trainer, sample: dict, n: int, model) -> tuple[float, int]:
+LossOf = Callable[[dict, BatchSlice], torch.Tensor]
+"""`loss_of(batch, part)`: the training loss of `batch` as the part `part` of its global micro-batch,
+through the unwrapped training model (nothing synchronised)."""
+
+
+def decide_split(setting: str, batch: int, world: int, holds_whole_model: bool, device_names: Callable[[], list[str]],
+                 measure: Callable[[], RankCapacity]) -> list[int]:
+    """The samples of each global micro-batch per rank: `setting` is `multi_gpu.batch_split`, `batch`
+    `training.batch_size`, `world` the number of slices each global micro-batch is cut into.
+    `device_names()` names every rank's device for messages and `measure()` is this rank's probe (both
+    collectives, called on every rank alike). A parallelism that does not hold the whole model on each rank
+    cannot be probed with it: `auto` then gives equal batches."""
+    if not holds_whole_model and setting.strip().lower() == "auto":
+        # The probe trains the whole model on each GPU, which a sharded run may not fit on one.
+        log.info("Batch split: equal (multi_gpu.batch_split auto measures each GPU with the whole model, "
+                 "which FSDP does not hold on one GPU; give an explicit split such as 6,2 for unequal GPUs).")
+        return equal_split(batch, world)
+    # batch_split is per machine, like device_indexes: a list names this machine's GPUs only.
+    choice = parse_split(setting, du.local_world_size(), batch)
+    if world == 1:
+        return equal_split(batch, world)
+    if du.local_world_size() != world:
+        choice = _split_of_all_machines(choice, batch)
+    if choice is None:
+        return equal_split(batch, world)
+    if choice != "auto":
+        log.info("Batch split: %s.", describe_split(choice, device_names()))
+        return choice
+    everyone = du.all_gather_objects(measure())
+    try:
+        split = choose_split(batch * world, everyone)
+    except SplitDoesNotFit as e:
+        raise RuntimeError(f"multi_gpu.batch_split auto: {e}. Lower training.batch_size (and raise "
+                           "training.gradient_accumulation_steps to keep the global batch), or turn on "
+                           "training.gradient_checkpointing.") from None
+    names = device_names()
+    details = "; ".join(f"{name}: {1000 * c.seconds_per_sample:.1f} ms/sample, room for "
+                        f"{c.most_samples() if c.most_samples() is not None else 'any number of'} samples"
+                        for name, c in zip(names, everyone))
+    log.info("Batch split (auto, measured): %s (%s).", describe_split(split, names), details)
+    slowest, fastest = max(c.seconds_per_sample for c in everyone), min(c.seconds_per_sample for c in everyone)
+    if slowest > 1.5 * fastest:
+        log.warning("One GPU is %.1fx slower than the fastest: the split gives it fewer samples, but every step "
+                    "still waits for it.", slowest / fastest)
+    return split
+
+
+def _split_of_all_machines(mine: list[int] | str | None, batch: int) -> list[int] | str | None:
+    """Several machines: every rank's size from its own machine's `batch_split` (global ranks follow
+    machines, node 0's processes first); `auto` only when every machine chose it."""
+    sizes = du.all_gather_objects("auto" if mine == "auto" else mine[du.local_rank()] if mine else batch)
+    if "auto" in sizes:
+        if any(size != "auto" for size in sizes):
+            raise RuntimeError("multi_gpu.batch_split is auto on some machines and not on others: the "
+                               "measurement is made by every GPU together. Set auto on every machine, or "
+                               "equal / a list of this machine's sizes on each.")
+        return "auto"
+    return None if all(size == batch for size in sizes) else sizes
+
+
+def _one_pass(sample: dict, n: int, loss_of: LossOf, trainable: list[torch.nn.Parameter],
+              device: torch.device) -> tuple[float, int]:
     """Seconds and activation bytes of a forward and backward pass on `n` copies of `sample`."""
     from modules.data.dataset import collate
-    from modules.util.batch_slice import BatchSlice
 
     batch = collate([sample] * n)
     saved = [0]
@@ -50,27 +115,22 @@ def _one_pass(trainer, sample: dict, n: int, model) -> tuple[float, int]:
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    cuda = trainer.device.type == "cuda"
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.synchronize(trainer.device)
-        torch.cuda.reset_peak_memory_stats(trainer.device)
-        before = torch.cuda.memory_allocated(trainer.device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
-    previous_part = trainer.batch_part
-    trainer.batch_part = BatchSlice(0, n, n)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = trainer.compute_loss(batch, micro=0, model=model)
-        loss.backward()
-    finally:
-        trainer.batch_part = previous_part
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = loss_of(batch, BatchSlice(0, n, n))  # the whole batch is this rank's: no other rank's share
+    loss.backward()
     if cuda:
-        torch.cuda.synchronize(trainer.device)
-        used = torch.cuda.max_memory_allocated(trainer.device) - before
+        torch.cuda.synchronize(device)
+        used = torch.cuda.max_memory_allocated(device) - before
     else:
         used = saved[0]
     seconds = time.perf_counter() - started
-    for p in trainer.trainable_params():
+    for p in trainable:
         p.grad = None
     return seconds, used
 
@@ -107,12 +167,13 @@ def _simulated(variable: str) -> float | None:
     return entries[rank]
 
 
-def measure_capacity(trainer, model) -> RankCapacity:
-    """What this rank can carry: see the module's docstring. `model` is the unwrapped training model."""
-    sample = trainer.dataset[0]
-    _one_pass(trainer, sample, 1, model)  # warm-up: kernel selection, first allocations
-    one_s, one_bytes = _one_pass(trainer, sample, 1, model)
-    two_s, two_bytes = _one_pass(trainer, sample, 2, model)
+def measure_capacity(sample: dict, loss_of: LossOf, trainable: list[torch.nn.Parameter], device: torch.device,
+                     optimizer_name: str, ema: bool) -> RankCapacity:
+    """What this rank can carry (see the module's docstring): `sample` is an item of the dataset, `trainable`
+    the trained parameters (before wrapping), `optimizer_name` and `ema` what training allocates later."""
+    _one_pass(sample, 1, loss_of, trainable, device)  # warm-up: kernel selection, first allocations
+    one_s, one_bytes = _one_pass(sample, 1, loss_of, trainable, device)
+    two_s, two_bytes = _one_pass(sample, 2, loss_of, trainable, device)
     per_sample_bytes = max(two_bytes - one_bytes, one_bytes // 2, 1)
     seconds_per_sample = max(two_s / 2, 1e-6)
     simulated_seconds = _simulated(SIMULATE_SECONDS)
@@ -122,14 +183,13 @@ def measure_capacity(trainer, model) -> RankCapacity:
     if simulated_room is not None:
         return RankCapacity(free_bytes=simulated_room * per_sample_bytes, bytes_per_sample=per_sample_bytes,
                             seconds_per_sample=seconds_per_sample)
-    if trainer.device.type != "cuda":
+    if device.type != "cuda":
         return RankCapacity(float("inf"), per_sample_bytes, seconds_per_sample)
-    free, total = torch.cuda.mem_get_info(trainer.device)
-    free = free_for_tensors(free, total, torch.cuda.memory_reserved(trainer.device),
-                            torch.cuda.memory_allocated(trainer.device),
-                            torch.cuda.get_per_process_memory_fraction(trainer.device))
-    trained = sum(p.numel() for p in trainer.trainable_params())
-    later = trained * TRAINING_STATE_BYTES_PER_PARAMETER.get(trainer.cfg.optimizer.name, 12)
-    later += trained * 4 if trainer.cfg.training.ema else 0
+    free, total = torch.cuda.mem_get_info(device)
+    free = free_for_tensors(free, total, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device),
+                            torch.cuda.get_per_process_memory_fraction(device))
+    trained = sum(p.numel() for p in trainable)
+    later = trained * TRAINING_STATE_BYTES_PER_PARAMETER.get(optimizer_name, 12)
+    later += trained * 4 if ema else 0
     return RankCapacity(free_bytes=max(0.0, (free - later) * MEMORY_MARGIN), bytes_per_sample=per_sample_bytes,
                         seconds_per_sample=seconds_per_sample)

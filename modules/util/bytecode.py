@@ -4,7 +4,7 @@ Some environments ship torch, diffusers and transformers without compiled byteco
 write any (`PYTHONDONTWRITEBYTECODE=1`, common in container images; uv installs without bytecode by
 default), or install them where the user cannot write. Then every process compiles each module it
 imports from source, on every start: about 3,000 modules, 6 s per process on the H100 hosts of
-docs/Performance.md (session 15), in every rank. Tandem then keeps the bytecode in a folder of its own
+docs/Performance.md, in every rank. Tandem then keeps the bytecode in a folder of its own
 (Python's `sys.pycache_prefix`), outside the installed packages: the first run writes it, later runs and
 every worker read it. Nothing changes where the packages have bytecode or the user chose a prefix.
 

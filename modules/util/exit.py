@@ -50,7 +50,7 @@ def _leave_compile_workers_to_end_themselves(multiprocessing_util) -> None:
     Each pool is a helper process that ends its workers by itself when this process's end closes the pipe
     it reads; waiting for that here kept compiled runs alive 1 s after `done` with 8 workers on 2 cores.
     (On H100 hosts the 3.7-4.0 s after cold compiles were the trainer's garbage collection instead, see
-    DistributedTrainer.teardown; session 14.)"""
+    DistributedTrainer.teardown.)"""
     async_compile = sys.modules.get("torch._inductor.async_compile")
     pools = getattr(async_compile, "_pool_set", None)
     if not pools:

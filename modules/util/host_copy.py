@@ -9,10 +9,10 @@ first (a background writer does, not the training loop).
 The first snapshot of a size grows PyTorch's pinned pool (a full SD1.5 fine-tune: 10 GB; later
 backups reuse it). PyTorch's default pins each block with one cudaHostAlloc call: 7.7-8.5 s of the first
 backup's pause on H100 hosts. `use_fast_pinning` has it page the memory in from 8 threads and register
-it instead: 2.4-3.7 s (session 13, docs/Performance.md). Cloning on the GPU and copying to pageable host
-memory in the writer thread was tried and measured worse (session 12): the loop paused 0.2 s, but
-training stalled ~9 s per backup while the 10 GB pageable copy ran; copying those clones through two
-64 MiB pinned buffers stalled training as long (session 13).
+it instead: 2.4-3.7 s (docs/Performance.md). Two other ways measured worse: cloning on the GPU and
+copying to pageable host memory in the writer thread paused the loop 0.2 s, but training stalled ~9 s
+per backup while the 10 GB pageable copy ran; copying those clones through two 64 MiB pinned buffers
+stalled training as long.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def release_pinned_pool() -> int:
     """Give the pinned pool's unused blocks back to the system; returns the bytes released.
 
     A full SD1.5 fine-tune's backups leave 10 GB pinned. Unpinning and freeing it happens somewhere: left to
-    the process's exit it added 1.3-1.9 s between `done` and the exit (H100 hosts, session 13), so the
+    the process's exit it added 1.3-1.9 s between `done` and the exit (H100 hosts), so the
     backup writer does it once the last backup is written, while the run samples and saves."""
     before = pinned_pool_bytes()
     if before == 0:

@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# Launch to exit, as a user waits: the 5,120-image SD1.5 LoRA job of issue #13 (real-size random SD1.5
-# folder, 512 JPEGs at 512 px with captions, batch 8 per GPU, 10 epochs, 4 sample prompts every 5 epochs,
-# backups every epoch, fresh cache) on 1, 2 and 4 GPUs, for this tree and a baseline tree (an earlier
-# commit exported to .bench/baseline: `git archive <commit> modules scripts training_presets pyproject.toml
-# | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
+# Launch to exit, as a user waits: the 5,120-image SD1.5 LoRA job of docs/Performance.md (real-size random
+# SD1.5 folder, 512 JPEGs at 512 px with captions, batch 8 per GPU, 10 epochs, 4 sample prompts every 5
+# epochs, backups every epoch, fresh cache) on 1, 2 and 4 GPUs, for this tree and a baseline tree (an
+# earlier commit exported to .bench/baseline: `git archive <commit> modules scripts training_presets
+# pyproject.toml | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
+#   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
+#   compiled the same with training.compile=true; run it twice on a fresh machine (the first run of each
+#            GPU count fills the compile cache; the second is the warm figure)
+#   coldexit `done` to exit after a cold compile: 2 GPUs, 1 epoch, a fresh compile cache
+#   bytecode launch to first step with a complete cache, 8 steps: Tandem's bytecode cache off (1, 4 GPUs),
+#            then on: the first start writes it (4 GPUs), then 1 GPU and 4 GPUs read it. Meaningful where
+#            the packages have no bytecode and PYTHONDONTWRITEBYTECODE is set
+#   imports  where one process's imports go: `python -X importtime` and cProfile, into $OUT
 #   before   both trees at the same time on different GPUs: 1 GPU (GPU 0 | GPU 1), 2 GPUs (0,1 | 2,3);
 #            then the baseline on 4 GPUs
 #   after    this tree: 1 GPU (GPU 0) beside 2 GPUs (1,2), then 4 GPUs
-#   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
 #   startup  the first step with cuDNN autotuning on | auto (the default: off for this LoRA); launch to first
 #            step with a complete cache
 #   backups  what a backup costs the training: full fine-tune on 2 GPUs, 3 epochs, backups every epoch
 #            against none (the two at the same time on GPUs 0,1 | 2,3); the LoRA job on 1 GPU with and
 #            without backups (GPU 0 | GPU 1), both with data.num_workers=4 (the shut-down with 4 workers)
 #   sampling the first and the second sampling (2 epochs, samples every epoch), 1 GPU: the tree in
-#            $SAMPLING_BASE (default .bench/sampling-base: the code before samples were rendered without
-#            cuDNN autotuning) | this tree (GPU 0 | GPU 1)
+#            $SAMPLING_BASE (default .bench/sampling-base) | this tree (GPU 0 | GPU 1)
 #   launchers launch to exit of 8 steps on 2 GPUs: torchrun | spawn (GPUs 0,1 | 2,3)
 #   launch4  launch to first step with a complete cache, 8 steps: 1 GPU, then 4 GPUs under torchrun and
 #            under spawn (the start-up's parts: the launcher, starting workers, imports, process group)
-# Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e.
+# Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e
+# (each line of the table in docs/Performance.md: `scripts/end_to_end.py` prints it, `training_split_s`).
 set -u
-PART="${1:?usage: end_to_end.sh before|baseline|after|alone|backups|sampling|launchers|launch4|startup}"
+PART="${1:?usage: end_to_end.sh alone|compiled|coldexit|bytecode|imports|before|baseline|after|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline
+COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
 e2e() { python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 \
         --json "$RES" "$@"; }
 nvidia-smi -L
@@ -44,6 +52,30 @@ after)
 alone)
     log "this tree: 1 GPU, 2 GPUs, 4 GPUs, one at a time"
     e2e --run "new@.:1:0" --run "new@.:2:0,1" --run "new@.:4"
+    ;;
+compiled)
+    log "training.compile: 1 GPU, 2 GPUs, 4 GPUs, one at a time"
+    e2e "${COMPILED[@]}" --run "c1@.:1:0" --run "c2@.:2:0,1" --run "c4@.:4"
+    ;;
+coldexit)
+    log "done to exit after a cold compile: 2 GPUs, 6 steps, a fresh compile cache"
+    TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" e2e "${COMPILED[@]}" --epochs 1 --prompts 0 --sample-every 0 \
+        --config-value training.max_steps=6 --run "c2@.:2:0,1"
+    ;;
+bytecode)
+    log "launch to first step, complete cache, 8 steps: bytecode cache off (1, 4 GPUs), then on (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset})"
+    rm -rf /tmp/tandem-e2e/shared-cache ~/.cache/tandem/bytecode
+    S=(--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0)
+    TANDEM_BYTECODE_CACHE=off e2e "${S[@]}" --run "fill@.:1:0" --run "off@.:1:0" --run "off@.:4"
+    e2e "${S[@]}" --run "fillbc@.:4" --run "on@.:1:0" --run "on@.:4"
+    echo "bytecode cache: $(find ~/.cache/tandem/bytecode -name '*.pyc' | wc -l) files, $(du -sh ~/.cache/tandem/bytecode | cut -f1)"
+    ;;
+imports)
+    log "one process's imports: -X importtime (twice) and cProfile"
+    IMPORTS="import torch; import modules.distributed.launch, modules.distributed.distributed_trainer, modules.model.loading; from diffusers import UNet2DConditionModel, AutoencoderKL; from transformers import CLIPTextModel"
+    for i in 1 2; do TIMEFORMAT="imports, run $i: %R s"; time python3 -X importtime -c "$IMPORTS" 2> "$OUTDIR/importtime$i.txt"; done
+    python3 -c "import cProfile, pstats, sys; cProfile.run(sys.argv[1], '/tmp/imports.prof'); pstats.Stats('/tmp/imports.prof').sort_stats('tottime').print_stats(40)" "$IMPORTS" > "$OUTDIR/cprofile.txt"
+    sort -t'|' -k2 -n -r "$OUTDIR/importtime2.txt" | head -40
     ;;
 backups)  # BACKUPS="full" runs the full fine-tune's pair only (default "full lora")
     if [[ " ${BACKUPS:-full lora} " == *" full "* ]]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharded training (multi_gpu.strategy, issue #16) on one host with 4 GPUs, the raw reference
+# Sharded training (multi_gpu.strategy) on one host with 4 GPUs, the raw reference
 # (.bench/raw_ddp_reference.py, --fsdp: fully_shard per block) beside the trainer in the same call, in
 # parts that each fit a 10-minute call:
 #   check    FSDP on GPUs (NCCL): the demo's 2 x 4 == 1 x 8 through torchrun (full fine-tune, fp32),
@@ -15,11 +15,11 @@
 #   lora     LoRA r16 at batch 1 (where SimpleTuner found FSDP2 3-6x slower than DDP): SDXL-size at
 #            1024 px on 2 GPUs, DDP vs FSDP vs auto (auto must pick DDP), reference DDP and FSDP
 #   e2e      the whole path on a real-size model read from files: SD1.5-size random model folder (an
-#            SDXL-size one wrote ~80 GB of backups and models before the first resume and outran a 250 s
-#            limit in session 9), full fine-tune under FSDP on 2 GPUs (bf16, 512 px, global batch 4) with a sharded backup every
+#            SDXL-size one writes ~80 GB of backups and models before the first resume), full fine-tune
+#            under FSDP on 2 GPUs (bf16, 512 px, global batch 4) with a sharded backup every
 #            3 steps and the final model (diffusers folder + single file, streamed) - then resumed from
 #            the step-3 backup on 4 GPUs (FSDP) and on 1 GPU (DCP resharding), each to step 6, and the
-#            three step-6 backups compared (relative L2; bf16, so ~1e-2 is the same training; session 10:
+#            three step-6 backups compared (relative L2; bf16, so ~1e-2 is the same training; measured
 #            1.1e-4 and 2.5e-4). Takes ~5.5 min on 4x H100, the comparison ~1.5 min more: limit it to 480 s
 # Each trainer result carries "strategy" (what multi_gpu.strategy gave) and "per_rank" peak memory.
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).

@@ -8,7 +8,7 @@
 #   qwen2ddp   Qwen-Image LoRA with DDP on 2 GPUs (a whole bf16 base per GPU)
 #   qwen4full  Qwen-Image full fine-tune, FSDP2 on 4 GPUs. Both sides build the 20 B transformer whole in fp32
 #              (82 GB) on every GPU before sharding it: run on nvidia-h200-x4 (needs_h200); a user's run loads
-#              it into host memory instead (DistributedTrainer.load_device)
+#              it into host memory instead (FSDPParallelism.load_device)
 #   zimage     Z-Image LoRA on 1 and 2 GPUs (DDP)
 #   text       the text encoders at their real size, placed as the trainer places them: Qwen2.5-VL 7B whole
 #              on a GPU in bf16, in fp8, offloaded, sharded over 2 GPUs; Qwen3 4B whole (needs 2 GPUs)

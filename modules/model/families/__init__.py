@@ -3,6 +3,9 @@
 `family(name)` gives the family object (`base.ModelFamily`); `detect_folder` and `detect_checkpoint`
 ask every family whether it recognises a diffusers folder or a single file's tensor names, so adding
 a family never touches the detection of the others.
+
+This registry imports no family module at load time (nor `base.py`, whose interface names the
+`ModelBundle`): the bundle asks it for its family, so it must not import what imports the bundle.
 """
 from __future__ import annotations
 
@@ -13,13 +16,11 @@ from pathlib import Path
 
 from modules.config.model_families import DETECTION_ORDER, FAMILIES, MODEL_TYPES, known_pipelines
 
-from .base import ModelFamily, Objective
-
 
 @functools.cache
-def family(name: str) -> ModelFamily:
-    """The family object of model type `name` (one of `MODEL_TYPES`), from the module and class its
-    `FamilyInfo.implementation` names (SD 1.x and 2.x share one)."""
+def family(name: str):
+    """The family object (a `base.ModelFamily`) of model type `name` (one of `MODEL_TYPES`), from the module
+    and class its `FamilyInfo.implementation` names (SD 1.x and 2.x share one)."""
     if name not in FAMILIES:
         raise ValueError(f"model type {name!r} is not one of {', '.join(MODEL_TYPES)}")
     module, cls = FAMILIES[name].implementation.split(":")
@@ -51,4 +52,4 @@ def detect_checkpoint(keys, source="checkpoint") -> str:
     return detect_model_type(keys, source)  # SD 1.x/2.x/SDXL, or a clear error naming what was found
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "ModelFamily", "Objective", "detect_checkpoint", "detect_folder", "family"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "detect_checkpoint", "detect_folder", "family"]

@@ -7,7 +7,7 @@ diffusers folders and single files whose missing parts come from a components fo
   spends its steps where sampling does.
 - **Text**: the CLIP encoders and T5 run as the pipelines run them, without attention masks (the
   pipelines use none, so the transformer learns the padded T5 sequence it will see). T5 is never
-  trained; cached text embeddings let it leave the GPU (`BaseTrainer.offload_cached_encoders`).
+  trained; cached text embeddings let it leave the GPU (`trainer/caching.offload_cached_encoders`).
 - **Single files** hold the transformer (SD3.5's also the VAE); the text encoders, tokenizers and
   scheduler come from `model.components_folder`, a diffusers folder of the same family.
 """
@@ -102,7 +102,7 @@ class FlowFamily(ModelFamily):
         return self._assemble(transformer, folder, model_cfg, dtypes, source_name, own_vae)
 
     def load_single_file(self, path, model_cfg, dtypes, own_vae):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import read_checkpoint
 
         folder = self._components_folder(path, model_cfg)
@@ -190,7 +190,7 @@ class FlowFamily(ModelFamily):
         return self.default_t5_length
 
     def load_vae(self, path, dtype, config=None):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import load_vae_file
 
         return as_dtype(load_vae_file(path, model_type=self.name, config=config), dtype)

@@ -108,7 +108,7 @@ class SDFamily(ModelFamily):
         return self._assemble(unet, vae, text_encoders, tokenizers, scheduler, model_cfg, source_name, folder)
 
     def load_single_file(self, path, model_cfg, dtypes, own_vae):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import load_single_file_components
 
         parts = load_single_file_components(
@@ -134,7 +134,7 @@ class SDFamily(ModelFamily):
         return self._assemble(unet, vae, encoders, tokenizers, scheduler, model_cfg, str(path.resolve()), path)
 
     def load_vae(self, path, dtype, config=None):
-        from modules.model.loading import as_dtype
+        from modules.model.files import as_dtype
         from modules.model.single_file import load_vae_file
 
         return as_dtype(load_vae_file(path, model_type=self.name, config=config), dtype)

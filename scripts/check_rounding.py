@@ -1,0 +1,14 @@
+"""How far rounding carries: N processes x B against 1 x N*B, beside a thread-count control and runs that
+train something else (another micro-batch, no latent cache), on CPU processes; docs/Performance.md.
+
+    python scripts/check_rounding.py /tmp/rounding --steps 20
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules.benchmark.rounding import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
