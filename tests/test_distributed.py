@@ -357,15 +357,18 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
     assert not _worker_pids(proc.pid)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shared", [True, False])
-def test_caching_with_and_without_distributed_data_loading(tmp_path, tandem_home, shared):
-    """Split caching (each rank its share) and rank-0 caching both fill the whole cache and train."""
-    cache = tmp_path / "fresh_cache"
-    multi(tmp_path / "ws", cache, "training.max_steps=1", "data.caption_dropout=0",
-          f"multi_gpu.distributed_data_loading={str(shared).lower()}")
+def _assert_the_whole_demo_is_cached(cache: Path) -> None:
     assert len(list((cache / "latents").glob("*.safetensors"))) == 64  # one entry per demo image
     assert len(list((cache / "text").glob("*.safetensors"))) == 64
+
+
+@pytest.mark.slow
+def test_caching_without_distributed_data_loading(tmp_path, tandem_home):
+    """Rank-0 caching fills the whole cache and trains (split caching, the default: the test below)."""
+    cache = tmp_path / "fresh_cache"
+    multi(tmp_path / "ws", cache, "training.max_steps=1", "data.caption_dropout=0",
+          "multi_gpu.distributed_data_loading=false")
+    _assert_the_whole_demo_is_cached(cache)
 
 
 def relative_l2(a: dict, b: dict) -> float:
@@ -376,13 +379,17 @@ def relative_l2(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_caches_built_by_one_and_by_two_processes_are_identical(tmp_path, tandem_home):
-    """Latents were sampled in encode order, so 2 processes cached other values than 1 (9 of 10 entries).
-    Now an entry holds the VAE's distribution, encoded in batches cut from the data: bitwise the same."""
+def test_split_caching_fills_the_whole_cache_bitwise_as_one_process_does(tmp_path, tandem_home):
+    """Split caching (distributed data loading, the default: each rank caches its share) fills the whole
+    cache and trains. Latents were sampled in encode order, so 2 processes cached other values than 1 (9 of
+    10 entries). Now an entry holds the VAE's distribution, encoded in batches cut from the data: bitwise the
+    same. (One launch checks both.)"""
     from tests.trainer_helpers import files_under
     one, two = tmp_path / "cache-one", tmp_path / "cache-two"
     single(tmp_path / "ws1", one, "training.max_steps=1", "data.caption_dropout=0")
-    multi(tmp_path / "ws2", two, "training.max_steps=1", "data.caption_dropout=0")
+    multi(tmp_path / "ws2", two, "training.max_steps=1", "data.caption_dropout=0",
+          "multi_gpu.distributed_data_loading=true")
+    _assert_the_whole_demo_is_cached(two)
     names = files_under(one)
     assert names == files_under(two)
     assert len([n for n in names if n.startswith("latents/")]) == 64 and any(n.startswith("text/") for n in names)
