@@ -673,3 +673,20 @@ def test_a_dead_loader_worker_is_named_with_how_it_died():
     assert isinstance(failure, DataLoadingError)
     assert str(failure) == f"a data loading worker (pid {worker.pid}) of this rank died (SIGKILL)"
     loader._iterator._shutdown_workers()
+
+
+def test_a_pipe_reset_read_before_the_dead_worker_can_be_reaped_still_names_it():
+    """The killed worker's pipe closes while the kernel is still ending it: the rank can read the reset before the
+    worker's exit code exists. The reset waits (up to 2 s) for the exit code instead of blaming the pipe."""
+    import threading
+    from types import SimpleNamespace
+    from modules.data.dataset import loading_failure
+
+    worker = SimpleNamespace(pid=4242, exitcode=None)
+    loader = SimpleNamespace(_iterator=SimpleNamespace(_workers=[worker]))
+    threading.Timer(0.3, lambda: setattr(worker, "exitcode", -9)).start()
+    failure = loading_failure(loader, ConnectionResetError(104, "Connection reset by peer"))
+    assert str(failure) == "a data loading worker (pid 4242) of this rank died (SIGKILL)"
+    # an error that is not what a dead worker looks like is said as it is, at once
+    worker.exitcode = None
+    assert str(loading_failure(loader, ValueError("bad caption"))) == "loading a batch failed: ValueError: bad caption"

@@ -10,6 +10,7 @@ import hashlib
 import multiprocessing
 import random
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -285,19 +286,34 @@ def loading_failure(loader: DataLoader, error: BaseException) -> DataLoadingErro
     A worker killed by the system for lack of memory shows in the training process as whatever the loader
     happened to be doing - a pipe reset, a queue that ended - so the workers' exit codes are read first."""
     iterator = getattr(loader, "_iterator", None)
+    workers = list(getattr(iterator, "_workers", []))
+    # A killed worker's pipe closes while the kernel is still ending it: the reset can be read a moment before
+    # its exit code can. What a dead worker looks like from here (a reset, a closed pipe) waits up to 2 s for it.
+    patience = 2.0 if isinstance(error, (ConnectionError, EOFError)) else 0.0
+    deadline = time.monotonic() + patience
+    while True:
+        dead = _dead_workers(workers)
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if dead:
+        pid, code = dead[0]
+        how = _signal_name(-code) if code < 0 else f"exit code {code}"
+        return DataLoadingError(f"a data loading worker (pid {pid}) of this rank died ({how})")
+    return DataLoadingError(f"loading a batch failed: {type(error).__name__}: {error}")
+
+
+def _dead_workers(workers: list) -> list[tuple[int, int]]:
+    """(pid, exit code) of each loader worker that has ended with a failure."""
     dead = []
-    for worker in list(getattr(iterator, "_workers", [])):
+    for worker in workers:
         try:
             code = worker.exitcode
         except Exception:  # noqa: BLE001 - a process already reaped: not known
             continue
         if code not in (None, 0):
             dead.append((worker.pid, code))
-    if dead:
-        pid, code = dead[0]
-        how = _signal_name(-code) if code < 0 else f"exit code {code}"
-        return DataLoadingError(f"a data loading worker (pid {pid}) of this rank died ({how})")
-    return DataLoadingError(f"loading a batch failed: {type(error).__name__}: {error}")
+    return dead
 
 
 def _signal_name(number: int) -> str:
