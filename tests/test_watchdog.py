@@ -166,3 +166,33 @@ def test_a_rank_that_died_without_a_word_is_placed_where_its_watchdog_last_saw_i
     heart.at("after the step", 7)
     dog.beat()
     assert last_round_positions(store) == {0: (7, "after the step")}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory):
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def test_each_epochs_loader_start_is_told_as_loading_the_next_batch(tmp_path, cache_dir, monkeypatch):
+    """A later epoch's `iter(loader)` waits for every persistent worker: a stuck one must be named while
+    loading a batch, not at the previous epoch's last step ("after the step")."""
+    from torch.utils.data import DataLoader
+    from tests.trainer_helpers import demo_config, train
+    said: list[tuple[int, str]] = []
+    at, iterate = Heartbeat.at, DataLoader.__iter__
+
+    def remember_at(self, phase, step=None, long=False):
+        at(self, phase, step, long)
+        said.append((self.step, self.phase))
+
+    def remember_iter(self):
+        said.append(("iter", said[-1] if said else (0, "nothing said yet")))
+        return iterate(self)
+
+    monkeypatch.setattr(Heartbeat, "at", remember_at)
+    monkeypatch.setattr(DataLoader, "__iter__", remember_iter)
+    trainer = train(demo_config(tmp_path / "ws", cache_dir, "training.epochs=3", "training.max_steps=0"))
+    starts = [before for tag, before in said if tag == "iter"]
+    assert trainer.epoch == 2 and len(starts) >= 3, said  # the last epoch (0-based) ends the run
+    for epoch, (step, phase) in enumerate(starts[-3:]):
+        assert phase == "loading a batch", (epoch, said)

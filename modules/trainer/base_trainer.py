@@ -397,6 +397,9 @@ class BaseTrainer(ABC):
         self.sampler.set_epoch(self.epoch)  # keeps a resumed position within the same epoch
         accumulation = self.numbers.accumulation
         iterating = time.perf_counter()
+        # Said before `iter`: for a later epoch it waits for every (persistent) worker to restart its order, so a
+        # stuck worker is named while loading, not after the epoch's last step.
+        self.heartbeat.at("loading a batch", self.global_step + 1, long=not self.first_step_done)
         batches = iter(self.loader)  # the first call starts the loader's (persistent) worker processes
         workers_s = time.perf_counter() - iterating
         while self.sampler.batches_remaining() >= accumulation:
