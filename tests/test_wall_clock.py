@@ -169,9 +169,9 @@ def test_backups_are_written_while_training_goes_on(tmp_path, cache_dir, monkeyp
 def test_a_backup_says_how_much_of_its_pause_went_to_pinning_host_memory(tmp_path, cache_dir, monkeypatch, caplog):
     """On GPUs the first snapshot grows PyTorch's pinned host memory pool (an SD1.5 full fine-tune paused
     8.1 s for its first backup, 0.8 s for the second: session 11); the log and the event say so."""
-    from modules.trainer import outputs
+    from modules.trainer import backup_writer
     pool_growth = iter([0.0, 2.5, 2.5, 2.5])  # seconds spent pinning so far: before/after each of two backups
-    monkeypatch.setattr(outputs, "pinned_alloc_seconds", lambda: next(pool_growth))
+    monkeypatch.setattr(backup_writer, "pinned_alloc_seconds", lambda: next(pool_growth))
     cb = RecordingCallbacks()
     with caplog.at_level("INFO"):
         GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
@@ -185,7 +185,7 @@ def test_a_backup_says_how_much_of_its_pause_went_to_pinning_host_memory(tmp_pat
 def test_a_finished_run_frees_the_backups_pinned_memory_once_the_last_is_written(tmp_path, cache_dir, monkeypatch, caplog):
     """A full SD1.5 fine-tune's backups leave 10 GB of pinned host memory; freed at the exit it cost 1.3-1.9 s
     between `done` and the exit (session 13). The writer frees it after the last backup, once, in the run."""
-    from modules.trainer import outputs
+    from modules.trainer import backup_writer
     order = []
     real_write = backups.write_backup
 
@@ -195,7 +195,7 @@ def test_a_finished_run_frees_the_backups_pinned_memory_once_the_last_is_written
         return path
 
     monkeypatch.setattr(backups, "write_backup", write)
-    monkeypatch.setattr(outputs, "release_pinned_pool", lambda: order.append("release") or 10_000_000_000)
+    monkeypatch.setattr(backup_writer, "release_pinned_pool", lambda: order.append("release") or 10_000_000_000)
     with caplog.at_level("INFO"):
         GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
                        RecordingCallbacks()).run()
@@ -228,7 +228,7 @@ def slow_save(obj, f, *a, **k):
     print("writing", flush=True)
     time.sleep(60)  # killed here, mid-write
 backups.torch.save = slow_save
-from modules.trainer.outputs import BackupWriter
+from modules.trainer.backup_writer import BackupWriter
 from modules.util.host_copy import snapshot_to_host
 w = BackupWriter({bdir!r}, "run-a", keep=3)
 w.submit(2, snapshot_to_host({{"w": torch.full((4,), 2.0)}}), snapshot_to_host({{"global_step": 2}}), {{}})

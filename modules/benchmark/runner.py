@@ -120,7 +120,7 @@ class BenchmarkMixin:
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
         super().start()
-        if self.device.type == "cuda" and getattr(self, "sharded", False):
+        if self.device.type == "cuda" and not self.parallel.holds_whole_model:
             # The random model was built whole on every GPU (`create_model`); a user's sharded run loads it on
             # the CPU and moves only each rank's shard to the GPU: count the peak from the sharded state on.
             # The whole-run peak (what the raw reference reports: it also builds whole) is kept apart.
@@ -188,7 +188,7 @@ class BenchmarkMixin:
             trainable = sum(p.numel() for p in self.trainable_params())
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
-                          strategy=getattr(self, "strategy", "single"),  # what multi_gpu.strategy gave
+                          strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),

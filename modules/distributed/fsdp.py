@@ -1,4 +1,5 @@
-"""Sharded training with PyTorch's FSDP2 (`fully_shard`): what `multi_gpu.strategy = fsdp` changes.
+"""Sharded training with PyTorch's FSDP2 (`fully_shard`): what `multi_gpu.strategy = fsdp` changes,
+as the run's parallelism (`FSDPParallelism`).
 
 Each of the model family's repeated blocks (`family.repeated_blocks`; the layers of a text encoder that
 trains) becomes one FSDP unit, and the trained module (`TrainingModel`) the root unit holding the rest.
@@ -15,14 +16,24 @@ as under DDP.
 Gradient checkpointing: PyTorch's composable `checkpoint` on each block *before* it is sharded.
 diffusers' own checkpointing inside a sharded block fails in the recompute on Flux ("Recomputed values
 ... have different metadata"), see shared/ANCHORS.md.
+
+Outputs: no rank holds the whole model, so a model is saved by every rank gathering one block at a time
+while rank 0 writes (`streamed_save.gathering_source`), a backup by every rank writing its shards
+(`ShardedBackups`, `sharded_backup.py`'s format), and a backup of whole tensors loads into the shards
+(`FSDPParallelism.load_whole_backup`). Samples and the validation loss call the sharded model equally
+often on every rank, through the root (`calls_through_root`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from modules.trainer.parallelism import Parallelism
+from modules.util import dist_utils as du
 
 RUN_PART = "run_part"
 """The trained module's method that runs one of its parts alone (`TrainingModel.run_part`), registered
@@ -112,3 +123,138 @@ def gradient_sync(model: nn.Module, sync: bool):
     rank until the last micro-batch (FSDP's equivalent of DDP's `no_sync`)."""
     model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------ the parallelism
+
+def _trained_parts(model: nn.Module) -> list[str]:
+    """The trained module's parts by name: `unet` (the denoiser, for every family) and each text encoder
+    that trains (`text_encoders.0`, ...)."""
+    encoders = getattr(model, "text_encoders", None)
+    return ["unet"] + [f"text_encoders.{i}" for i in range(len(encoders) if encoders is not None else 0)]
+
+
+class FSDPParallelism(Parallelism):
+    """Every process holds 1/N of the trained module (`multi_gpu.strategy = fsdp`): see the module's doc."""
+    name = "fsdp"
+    holds_whole_model = False
+    forward_is_collective = True
+
+    def __init__(self, training, cpu_offload: bool, device: torch.device) -> None:
+        """`training`: the run's `TrainingConfig` (precision, gradient checkpointing, method);
+        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`."""
+        self.training = training
+        self.cpu_offload = cpu_offload
+        self.device = device
+
+    def checkpoint_activations(self, bundle) -> None:
+        """Nothing here: each block is checkpointed as it is sharded (`shard`)."""
+
+    def place(self, bundle, trained: list[nn.Module], device: torch.device) -> None:
+        """The frozen parts onto the device; the trained module stays where it was loaded, and sharding moves
+        each rank's part of it to the GPU block by block, so no GPU ever holds the whole of it."""
+        for module in bundle.modules().values():
+            if not any(module is t for t in trained):
+                module.to(device)
+
+    def compile_splits_at_buckets(self, trainable: list[nn.Parameter]) -> bool:
+        return True  # DDP's setting; validation refuses training.compile under FSDP
+
+    def wrap(self, model: nn.Module, trainable: list[nn.Parameter]):
+        """FSDP over the family's blocks (and the layers of text encoders that train); the trained parameters
+        become sharded ones, so the list the optimizer and EMA take is made anew."""
+        t = self.training
+        if t.method == "lora":  # randomly initialised adapters must start alike on every rank
+            du.broadcast_parameters(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        trained = [names[id(p)] for p in trainable]
+        bundle = model.bundle
+        blocks = bundle.family.repeated_blocks(bundle)
+        for part in _trained_parts(model)[1:]:
+            blocks += bundle.family.text_encoder_blocks(model.get_submodule(part))
+        shard(model, blocks, self.device, t.precision, t.gradient_checkpointing, self.cpu_offload)
+        params = dict(model.named_parameters())
+        return model, [params[name] for name in trained]
+
+    def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
+        return gradient_sync(model, last_micro_batch)
+
+    def sampling_calls(self, model: nn.Module, autocast):
+        return calls_through_root(model, _trained_parts(model), autocast)
+
+    def write_model(self, work):
+        """Every rank gathers each block (a collective), rank 0 writes; all learn whether it worked."""
+        return du.on_every_rank(work)
+
+    def tensor_source(self, device: torch.device):
+        from modules.model.streamed_save import gathering_source
+        return gathering_source(device)
+
+    def backups(self, parts, run_id: str):
+        return ShardedBackups(parts, run_id)
+
+    def load_whole_backup(self, model: nn.Module, optimizer, ema, own: dict[str, torch.Tensor],
+                          weights: dict[str, torch.Tensor], state: dict) -> None:
+        """A backup of whole tensors (one process or DDP: `weights.safetensors`, the optimizer's state dict by
+        parameter index) into the sharded model: each rank keeps its part."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        from modules.trainer.sharded_backup import parameter_names
+
+        names = dict(zip(own, parameter_names(model, own.values())))  # backup name -> parameter name
+        # The saved optimizer state names parameters by their index in the optimizer; FSDP's loader by name.
+        order = parameter_names(model, [p for g in optimizer.param_groups for p in g["params"]])
+        saved = state["optimizer"]
+        optimizer_state = {"state": {order[index]: value for index, value in saved["state"].items()},
+                           "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
+                                            for group in saved["param_groups"]]}
+        model_state = {names[key]: value for key, value in weights.items() if key in names}
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=StateDictOptions(ignore_frozen_params=True, full_state_dict=True, strict=False))
+        if ema is not None and state.get("ema") is not None:
+            for shadow, full in zip(ema.shadow, state["ema"]["shadow"]):
+                du.copy_full_into(shadow, full)
+
+
+class ShardedBackups:
+    """No rank holds the whole state, so every rank writes its shards through DCP (`sharded_backup.py`'s
+    format), and training waits while they do: DCP's `async_save` would need a copy of every rank's
+    shards in host memory (a Flux full fine-tune's 190 GB of weights and Adam state) and a second
+    process group for its background collectives."""
+
+    def __init__(self, parts, run_id: str) -> None:
+        """`parts`: the run's `outputs.RunParts`."""
+        self.parts = parts
+        self.run_id = run_id
+        self.last_written: Path | None = None
+
+    def take(self, run, manifest: dict) -> tuple[list[tuple[int, Path]], float]:
+        """Write the current step of `run` (an `outputs.TrainingRun`; every rank calls this): the trained
+        weights, optimizer state and EMA as shards, rank 0 the plain state. Rank 0 returns the backup as
+        done; nothing is pinned."""
+        from modules.trainer import sharded_backup
+
+        tensors, optimizer_entries = sharded_backup.checkpoint_state(run.model, self.parts.optimizer, self.parts.ema)
+        own = run.trainable_state()
+        state = {**run.progress_state(), "optimizer_entries": optimizer_entries,
+                 "trained_parameters": sorted(tensors["model"]),
+                 # parameter name -> the name `weights.safetensors` of other backups uses (`transformer.…`)
+                 "weight_names": dict(zip(sharded_backup.parameter_names(run.model, own.values()), own))}
+        path = sharded_backup.write_sharded_backup(self.parts.paths.backups, self.run_id, run.global_step, tensors,
+                                                   state, manifest, self.parts.cfg.save.rolling_backup_count)
+        if not du.is_main():
+            return [], 0.0
+        self.last_written = path
+        return [(run.global_step, path)], 0.0
+
+    def finished(self) -> list[tuple[int, Path]]:
+        return []  # written at once
+
+    def wait(self) -> list[tuple[int, Path]]:
+        return []
+
+    def release_host_memory(self) -> None:
+        """Nothing to release: no snapshot in host memory."""
+
+    def close(self) -> None:
+        """No thread to end."""

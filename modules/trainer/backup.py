@@ -186,6 +186,16 @@ def read_state_and_manifest(path: Path) -> tuple[dict, dict]:
     return state, manifest
 
 
+def check_optimizer(state: dict, optimizer_name: str) -> None:
+    """Refuse a backup whose optimizer state belongs to another optimizer than `optimizer_name`, before any of
+    it is loaded (backups from before the name was recorded are not checked)."""
+    saved = state.get("optimizer_name")
+    if saved is not None and saved != optimizer_name:
+        raise ValueError(f"optimizer.name: the backup was trained with {saved!r} and this run uses "
+                         f"{optimizer_name!r}, whose state it cannot continue; set optimizer.name to "
+                         f"{saved!r} to continue the backup, or start a new run without resuming.")
+
+
 def remove_interrupted(backups_dir: Path) -> None:
     """Delete temporary folders left by a backup that was interrupted mid-write (in any run's folder)."""
     backups_dir = Path(backups_dir)

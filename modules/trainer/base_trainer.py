@@ -1,10 +1,12 @@
 """The training loop, written once for one process and for N.
 
 `start()` builds everything, `train()` runs epochs of optimizer steps, `end()` saves and reports.
-Every step is a small method; `DistributedTrainer` overrides only what distribution changes (process
-group, DDP wrapping, gradient-sync skipping), while the helpers in `modules.util.dist_utils` are no-ops
-in a single process. What rank 0 does besides training is decided once, in `rank_duties`: the loop
-never asks which rank it is.
+Every step is a small method. How the model is spread over the processes is one object, the run's
+`Parallelism` (`parallelism.py`: one process here; DDP or FSDP, chosen by `DistributedTrainer` when it
+joins the process group): the loop asks it for placement, wrapping, gradient sync and how outputs are
+written, and never which strategy trains. The helpers in `modules.util.dist_utils` are no-ops in a
+single process. What rank 0 does besides training is decided once, in `rank_duties`: the loop never
+asks which rank it is.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from modules.trainer.commands import CommandInbox
 from modules.trainer.ema import EMA
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr, is_schedule_free, match_param_layouts
 from modules.trainer.outputs import OutputWriter, RunParts
+from modules.trainer.parallelism import Parallelism, SingleProcess
 from modules.trainer.progress import PhaseTimes, ProgressReporter
 from modules.trainer.rank_duties import RankDuties, rank_duties
 from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
@@ -54,10 +57,6 @@ FP16_SKIPS_TOLERATED = 10
 
 
 class BaseTrainer(ABC):
-    sharded = False
-    """Whether every rank holds only a shard of the trained weights (FSDP): outputs are then written by all
-    ranks together (`outputs.py`, `sharded_backup.py`)."""
-
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
@@ -65,6 +64,8 @@ class BaseTrainer(ABC):
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
+        self.parallel: Parallelism = SingleProcess()
+        """How the model is spread over the processes, chosen once by `setup_environment`."""
         self.duties: RankDuties | None = None
         """This rank's duties besides training, decided once the rank is known (`start`)."""
         self.inbox = inbox
@@ -114,7 +115,7 @@ class BaseTrainer(ABC):
         with phase("wrap"):
             self.decide_cudnn_autotuning()
             self.split = self.decide_split()
-            self.batch_part = BatchSlice.of(self.split, du.rank())
+            self.batch_part = BatchSlice.of(self.split, self.parallel.data_rank)
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
             self.model = self.wrap_model(self.training_model())
@@ -123,7 +124,7 @@ class BaseTrainer(ABC):
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
             self.ema = EMA(self.trainable_params(), self.cfg.training.ema_decay) if self.cfg.training.ema else None
             self.exchange = StepExchange()
-            self.validation = (ValidationLoss(self.validation_set, self.cfg.general.seed, equal_calls=self.sharded)
+            self.validation = (ValidationLoss(self.validation_set, self.cfg.general.seed, self.parallel)
                                if self.validation_set is not None else None)
         with phase("resume"):
             self.maybe_resume()
@@ -210,7 +211,7 @@ class BaseTrainer(ABC):
     # ------------------------------------------------------------------ set-up steps
     @abstractmethod
     def setup_environment(self) -> None:
-        """Choose `self.device`, set up processes/seeds/backends."""
+        """Choose `self.device` and the run's parallelism (`self.parallel`), set up processes/seeds/backends."""
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""
@@ -286,8 +287,8 @@ class BaseTrainer(ABC):
         for dead_end in bundle.unused_text_encoder_modules():
             dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
         if t.gradient_checkpointing:
-            self.enable_gradient_checkpointing()
-        self.move_to_device()
+            self.parallel.checkpoint_activations(bundle)
+        self.parallel.place(bundle, [bundle.denoiser, *trained_encoders], self.device)
         if t.channels_last:
             # NHWC convolution weights (4-D tensors only); a convolution then runs in NHWC and so do its
             # outputs, whatever the layout of the latents fed in. Parameters keep their identity (their
@@ -299,13 +300,6 @@ class BaseTrainer(ABC):
         for te in bundle.text_encoders:
             te.train(any(te is trained for trained in trained_encoders))
         return params
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.bundle.denoiser.enable_gradient_checkpointing()
-
-    def move_to_device(self) -> None:
-        """Every part of the model onto the training device (sharded training moves the trained part later)."""
-        self.bundle.to(self.device)
 
     def trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.trainable if p.requires_grad]
@@ -384,20 +378,26 @@ class BaseTrainer(ABC):
 
     def sampling_calls(self):
         """Inside the block the sampling pipeline calls the trained parts (sharded training routes the
-        calls through the wrapper, `DistributedTrainer`)."""
-        return contextlib.nullcontext()
+        calls through the wrapper)."""
+        return self.parallel.sampling_calls(self.model, self.autocast())
 
     def create_loader(self):
         from modules.data import BucketBatchSampler, make_dataloader
         sampler = BucketBatchSampler(self.dataset.buckets, self.cfg.training.batch_size,
-                                     world_size=du.world_size(), rank=du.rank(), seed=self.cfg.general.seed,
+                                     world_size=self.parallel.data_world, rank=self.parallel.data_rank,
+                                     seed=self.cfg.general.seed,
                                      split=self.split, groups=self.dataset.item_groups())
         loader = make_dataloader(self.dataset, sampler, self.cfg.data, self.device.type == "cuda")
         return sampler, loader
 
     def decide_split(self) -> list[int]:
         """How many samples of each global micro-batch each rank trains (`multi_gpu.batch_split`)."""
-        world, batch = du.world_size(), self.cfg.training.batch_size
+        world, batch = self.parallel.data_world, self.cfg.training.batch_size
+        if not self.parallel.holds_whole_model and self.cfg.multi_gpu.batch_split.strip().lower() == "auto":
+            # The probe trains the whole model on each GPU, which a sharded run may not fit on one.
+            log.info("Batch split: equal (multi_gpu.batch_split auto measures each GPU with the whole model, "
+                     "which FSDP does not hold on one GPU; give an explicit split such as 6,2 for unequal GPUs).")
+            return equal_split(batch, world)
         # batch_split is per machine, like device_indexes: a list names this machine's GPUs only.
         choice = parse_split(self.cfg.multi_gpu.batch_split, du.local_world_size(), batch)
         if world == 1:
@@ -455,20 +455,17 @@ class BaseTrainer(ABC):
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
             model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)),
-                                                 dropout, self.compile_split_at_ddp_buckets()))
+                                                 dropout, self.parallel.compile_splits_at_buckets(self.trainable_params())))
         return model
 
-    def compile_split_at_ddp_buckets(self) -> bool:
-        """Whether training.compile splits the denoiser's graph at DDP's gradient buckets: not in one
-        process, where there is no DDP (DistributedTrainer decides for N processes)."""
-        return False
-
     def compute_numbers(self) -> RunNumbers:
-        return derive_run_numbers(self.cfg, du.world_size(), len(self.sampler), self.split,
+        return derive_run_numbers(self.cfg, self.parallel.data_world, len(self.sampler), self.split,
                                   items_per_epoch=len(self.dataset))
 
     def wrap_model(self, model: TrainingModel) -> torch.nn.Module:
-        return model
+        """The trained module as the parallelism runs it; the trained parameters as it holds them."""
+        wrapped, self.trainable = self.parallel.wrap(model, self.trainable)
+        return wrapped
 
     def create_optimizer(self):
         t = self.cfg.training
@@ -543,7 +540,7 @@ class BaseTrainer(ABC):
         total = torch.zeros((), device=self.device)
         # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
         # ranks is the mean over the global batch (1.0 with equal GPUs).
-        weight = self.batch_part.loss_weight(du.world_size()) / len(micro_batches)
+        weight = self.batch_part.loss_weight(self.parallel.data_world) / len(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self.gradient_sync(i == len(micro_batches) - 1):
                 loss = self.compute_loss(batch, micro=i)
@@ -559,7 +556,7 @@ class BaseTrainer(ABC):
         shape = tuple((batch["latents"] if "latents" in batch else batch["pixels"]).shape)
         if shape in self.compiled_shapes_checked:
             return
-        inner = getattr(self.model, "module", self.model)  # under DDP: the TrainingModel it wraps
+        inner = self.parallel.unwrap(self.model)  # the TrainingModel itself: its forward synchronises nothing
 
         def backward_pass(context, model):
             def run():
@@ -579,8 +576,8 @@ class BaseTrainer(ABC):
                  time.perf_counter() - started, describe_compile(readings, compile_readings()))
 
     def gradient_sync(self, last_micro_batch: bool):
-        """Context for one micro-batch's backward; the distributed layer skips the all-reduce until the last."""
-        return contextlib.nullcontext()
+        """Context for one micro-batch's backward: gradients are exchanged after the last (`Parallelism`)."""
+        return self.parallel.gradient_sync(self.model, last_micro_batch)
 
     def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None) -> torch.Tensor:
         bundle, dev = self.bundle, self.device
@@ -625,7 +622,7 @@ class BaseTrainer(ABC):
     def after_step(self, loss: torch.Tensor) -> None:
         requested = self.act_on(self.exchange.receive())  # the previous step's report: its GPU work is done
         self.exchange.send(self.global_step, self.epoch, loss, effective_lr(self.optimizer), self.take_commands(),
-                           weight=self.batch_part.loss_weight(du.world_size()))
+                           weight=self.batch_part.loss_weight(self.parallel.data_world))
         self.outputs.poll_backups()
         s = self.cfg.save
         due = lambda every: every > 0 and self.global_step % every == 0  # noqa: E731
@@ -755,7 +752,7 @@ class BaseTrainer(ABC):
         self.outputs = OutputWriter(self, RunParts(
             cfg=self.cfg, paths=self.paths, bundle=self.bundle, device=self.device, ema=self.ema,
             numbers=self.numbers, dataset=self.dataset, emit=self.emit, log_image=self.log_image,
-            optimizer=self.optimizer, sharded=self.sharded), self.run_id)
+            optimizer=self.optimizer, parallelism=self.parallel), self.run_id)
         if chosen is None:
             others = du.on_main(lambda: backups.describe_other_runs(self.paths.backups, self.run_id))
             if others:
@@ -763,7 +760,8 @@ class BaseTrainer(ABC):
             return
         fresh_base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
         if sharded_backup.is_sharded(chosen.path):
-            state, _ = sharded_backup.load_sharded_backup(self, chosen.path)
+            state, _ = sharded_backup.load_sharded_backup(chosen.path, self.model, self.optimizer, self.ema,
+                                                          self.cfg.optimizer.name)
         else:
             weights, state, _ = backups.read_backup(chosen.path)
             self.load_trained_tensors(weights, state)
@@ -778,25 +776,8 @@ class BaseTrainer(ABC):
         if missing:
             raise ValueError(f"the backup does not match this model/training method (missing {missing[:3]}...); "
                              "start fresh or use the config the backup was made with.")
-        self.check_backup_optimizer(state)
-        if self.sharded:  # every rank keeps its part of each whole tensor
-            names = dict(zip(own, sharded_backup.parameter_names(self.model, own.values())))
-            sharded_backup.load_full_backup(self, weights, state, names)
-            return
-        with torch.no_grad():
-            for name, p in own.items():
-                p.copy_(weights[name].to(p.dtype))
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
-
-    def check_backup_optimizer(self, state: dict) -> None:
-        """Refuse a backup whose optimizer state belongs to another optimizer, before any of it is loaded."""
-        saved_optimizer = state.get("optimizer_name")  # backups before it was recorded: not checked
-        if saved_optimizer is not None and saved_optimizer != self.cfg.optimizer.name:
-            raise ValueError(f"optimizer.name: the backup was trained with {saved_optimizer!r} and this run uses "
-                             f"{self.cfg.optimizer.name!r}, whose state it cannot continue; set optimizer.name to "
-                             f"{saved_optimizer!r} to continue the backup, or start a new run without resuming.")
+        backups.check_optimizer(state, self.cfg.optimizer.name)
+        self.parallel.load_whole_backup(self.model, self.optimizer, self.ema, own, weights, state)
 
     def restore_progress(self, state: dict, fresh_base_lrs: list[float]) -> None:
         """Step, sampler position, schedule, loss scaler and RNG from a backup's `progress_state`."""

@@ -1,106 +1,39 @@
 """Everything a run writes: samples, backups, the trained model.
 
-Only rank 0 writes files (no duplicate files, ever), through `du.on_main`, which also tells every rank
-whether the write worked: all ranks leave together, or all raise together, so no rank waits for a
-rank 0 that failed. Work that takes every rank happens before: gathering RNG states for a backup, and
-rendering samples (each rank renders its share of the prompts).
+Only rank 0 writes files (no duplicate files, ever), and every rank learns whether the write worked:
+all ranks leave together, or all raise together, so no rank waits for a rank 0 that failed. Work that
+takes every rank happens before: gathering RNG states for a backup, and rendering samples (each rank
+renders its share of the prompts).
 
-Backups are written in the background: the state is copied to host memory at the step (queued on the
-GPU, see modules/util/host_copy.py) and a writer thread on rank 0 writes it while training goes on.
-One backup is in flight at a time; `finish_backups()` waits for it (at the end of a run).
-
-Under sharded training (FSDP, `trainer.sharded`) no rank holds the whole model, so writing takes every
-rank: backups are written by all ranks together and synchronously (`sharded_backup.py`), and a model is
-saved by every rank gathering one block at a time while rank 0 writes (`streamed_save.py`). Samples are
-rendered as under DDP, each rank its share of the prompts, but every rank renders equally often, since
-each call of a sharded denoiser gathers its weights from all ranks.
+How the weights are read and who takes part is the run's parallelism's (`RunParts.parallelism`,
+`parallelism.py`): with the whole model on rank 0 (one process, DDP), rank 0 writes a model alone and
+its backups on a background thread (`backup_writer.py`); under sharded training (FSDP) every rank
+gathers the model one block at a time while rank 0 writes (`streamed_save.py`), and every rank writes
+its shards of a backup. Under FSDP every rank also renders samples equally often, since each call of a
+sharded denoiser gathers its weights from all ranks.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
 from modules.config import RunPaths, TrainConfig
-from modules.util import dist_utils as du
-from modules.trainer import backup as backups
-from modules.trainer import sharded_backup
 from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
+from modules.trainer.parallelism import Parallelism, SingleProcess
 from modules.trainer.run_numbers import RunNumbers
+from modules.util import dist_utils as du
 from modules.util.atomic import unique_path
-from modules.util.host_copy import HostSnapshot, pinned_alloc_seconds, release_pinned_pool, snapshot_to_host
 
 log = logging.getLogger("tandem")
-
-
-class BackupWriter:
-    """Writes backups on one background thread, one at a time, and reports those that are done."""
-
-    def __init__(self, backups_dir: Path, run_id: str, keep: int) -> None:
-        self.backups_dir = Path(backups_dir)
-        self.run_id = run_id
-        self.keep = keep
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="backup-writer")
-        self._pending: tuple[int, Future] | None = None
-        self.last_written: Path | None = None
-
-    def submit(self, step: int, weights: HostSnapshot, state: HostSnapshot, manifest: dict) -> list[tuple[int, Path]]:
-        """Queue a backup; first waits for the one in flight (returned, with any other finished one)."""
-        done = self.wait()
-
-        def write() -> Path:
-            return backups.write_backup(self.backups_dir, self.run_id, step, weights.ready(), state.ready(),
-                                        manifest, self.keep)
-
-        self._pending = (step, self._executor.submit(write))
-        return done
-
-    def finished(self) -> list[tuple[int, Path]]:
-        """(step, path) of the backup that finished since the last call, if any; raises if its write failed."""
-        if self._pending is None or not self._pending[1].done():
-            return []
-        return self.wait()
-
-    def wait(self) -> list[tuple[int, Path]]:
-        """Wait for the backup in flight; raises if its write failed."""
-        if self._pending is None:
-            return []
-        step, future = self._pending
-        self._pending = None
-        path = future.result()
-        self.last_written = path
-        return [(step, path)]
-
-    def release_host_memory(self) -> None:
-        """Once the backup in flight is written, give its pinned host memory back (see
-        host_copy.release_pinned_pool), on the writer's thread, so the run goes on meanwhile."""
-        def release() -> None:
-            started = time.perf_counter()
-            try:
-                released = release_pinned_pool()
-            except Exception as error:  # the exit frees the memory all the same
-                log.warning("Could not release the backups' pinned host memory early: %s", error)
-                return
-            if released:
-                log.info("Released the backups' %.1f GB of pinned host memory in %.2f s (in the background).",
-                         released / 1e9, time.perf_counter() - started)
-
-        self._executor.submit(release)
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
 
 
 class TrainingRun(Protocol):
@@ -148,9 +81,9 @@ class RunParts:
     optimizer: Any = None
     """The optimizer: schedule-free AdamW's averaged weights are the ones sampled and saved
     (`optim.evaluation_weights`); None where none is needed (a backup alone)."""
-    sharded: bool = False
-    """Whether every rank holds only a shard of the trained weights (FSDP): every rank then takes part in
-    backups and saves."""
+    parallelism: Parallelism = field(default_factory=SingleProcess)
+    """How the trained model is spread over the processes: who takes part in writing it, how its weights are
+    read, what writes the backups."""
 
 
 class OutputWriter:
@@ -165,8 +98,7 @@ class OutputWriter:
         self.run_id = run_id
         self.last_backup_started = time.monotonic()
         """When the last backup was taken (or the run started): `save.backup_every_n_minutes` counts from it."""
-        # Only rank 0 writes, so only rank 0 has a writer thread.
-        self.backup_writer = du.on_main(lambda: BackupWriter(parts.paths.backups, run_id, save.rolling_backup_count))
+        self.backups = parts.parallelism.backups(parts, run_id)
         self.backup_pauses: dict[int, tuple[float, float]] = {}
         """Seconds the loop spent on each backup not yet announced (snapshot and hand-over; all of a sharded
         write) and how many of them went to growing the pinned host memory pool, so its announcement says
@@ -191,10 +123,8 @@ class OutputWriter:
         if not prompts:
             return
         mine = [i for i in range(len(prompts)) if i % du.world_size() == du.rank()]
-        renders = mine
-        if parts.sharded:  # as many renders on every rank (each denoiser call is collective); extra ones dropped
-            rounds = math.ceil(len(prompts) / du.world_size())
-            renders = mine + [(mine or [0])[0]] * (rounds - len(mine))
+        # As many renders on every rank where each denoiser call is collective; the extra ones are dropped.
+        renders = mine + [(mine or [0])[0]] * parts.parallelism.extra_calls(len(mine), len(prompts))
         images = []
         started = time.monotonic()
         if renders:
@@ -237,42 +167,27 @@ class OutputWriter:
         self.last_backup_started = time.monotonic()
         manifest = {"config_version": 1, "global_step": run.global_step, "epoch": run.epoch,
                     "world_size": du.world_size()}
-        if self.parts.sharded:
-            path = sharded_backup.write_run_backup(run, self.parts, self.run_id, manifest)
-            if self.backup_writer is not None:
-                self.backup_writer.last_written = path
-                self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started, 0.0)
-                self._announce([(run.global_step, path)])
-            return
-        state = run.training_state()  # collective: every rank contributes its RNG state
-        if self.backup_writer is None:
-            return
-        pinning_before = pinned_alloc_seconds()
-        done = self.backup_writer.submit(run.global_step, snapshot_to_host(run.trainable_state()),
-                                         snapshot_to_host(state), manifest)
-        self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started,
-                                               pinned_alloc_seconds() - pinning_before)
+        done, pinning = self.backups.take(run, manifest)  # collective
+        if du.is_main():  # the rank that announces backups
+            self.backup_pauses[run.global_step] = (time.monotonic() - self.last_backup_started, pinning)
         self._announce(done)
 
     def poll_backups(self) -> None:
         """Report backups the writer finished (rank 0); a failed write raises here."""
-        if self.backup_writer is not None:
-            self._announce(self.backup_writer.finished())
+        self._announce(self.backups.finished())
 
     def finish_backups(self) -> None:
         """Wait until every backup is on disk; every rank learns whether the last write worked."""
-        du.on_main(lambda: self._announce(self.backup_writer.wait()))
+        du.on_main(lambda: self._announce(self.backups.wait()))
 
     def no_more_backups(self) -> None:
         """The run takes no more backups (it finished): the writer frees their host memory when the last is
         written. A backup taken after all (a failed final save keeps the weights) pins memory again."""
-        if self.backup_writer is not None:
-            self.backup_writer.release_host_memory()
+        self.backups.release_host_memory()
 
     def close(self) -> None:
         """End the writer thread (after a failure too: a backup in flight is completed, not abandoned)."""
-        if self.backup_writer is not None:
-            self.backup_writer.close()
+        self.backups.close()
 
     def _announce(self, done: list[tuple[int, Path]]) -> None:
         for step, path in done:
@@ -285,7 +200,7 @@ class OutputWriter:
 
     @property
     def last_backup(self) -> Path | None:
-        return self.backup_writer.last_written if self.backup_writer is not None else None
+        return self.backups.last_written
 
     # -- model
     def save_final(self) -> None:
@@ -296,15 +211,7 @@ class OutputWriter:
         self._save(unique_path(self.output_dir / name, self.stamp))
 
     def _save(self, path: Path) -> None:
-        if self.parts.sharded:  # every rank gathers, rank 0 writes
-            du.on_every_rank(lambda: self._write_models(path))
-        else:
-            du.on_main(lambda: self._write_models(path))
-
-    def _source(self):
-        """How the weights are read for a save: whole from this process, or gathered from every rank."""
-        from modules.model.streamed_save import LOCAL, gathering_source
-        return gathering_source(self.parts.device) if self.parts.sharded else LOCAL
+        self.parts.parallelism.write_model(lambda: self._write_models(path))
 
     def _write_models(self, path: Path) -> None:
         ema = self.parts.ema
@@ -321,7 +228,7 @@ class OutputWriter:
         parts, step = self.parts, self.run.global_step
         s = parts.cfg.save
         dtype = s.save_dtype
-        source = self._source()
+        source = self.parts.parallelism.tensor_source(self.parts.device)
         if source.writes:
             path.parent.mkdir(parents=True, exist_ok=True)
         if not sys.stderr.isatty():
@@ -335,11 +242,11 @@ class OutputWriter:
             metadata = training_metadata(parts.cfg, parts.numbers, parts.dataset, step, self.started_at)
             metadata["tandem_step"] = str(step)
             if s.lora_format in ("kohya", "both"):
-                save_lora(parts.bundle, path, "kohya", dtype, metadata, source if parts.sharded else None)
+                save_lora(parts.bundle, path, "kohya", dtype, metadata, source)
             if s.lora_format in ("peft", "both"):
                 peft_path = path.with_name(path.name.replace(".safetensors", ".peft.safetensors")) \
                     if s.lora_format == "both" else path
-                save_lora(parts.bundle, peft_path, "peft", dtype, metadata, source if parts.sharded else None)
+                save_lora(parts.bundle, peft_path, "peft", dtype, metadata, source)
         else:
             if s.full_format in ("diffusers", "both"):
                 from modules.model.saving import save_full_diffusers

@@ -6,10 +6,11 @@ shards of the trained weights, the optimizer state and the EMA into `shards/` (D
 sampler position, schedule, RNG of every rank, and the optimizer's per-parameter hyper-parameters -
 and `backup.json`, and renames the folder into place, as for every backup (`backup.py`).
 
-Reading reshards: DCP loads each tensor into whatever shape this run holds it in, so a backup of N
-processes resumes on M processes, sharded or not (one process, DDP), and a one-process or DDP backup
-resumes under FSDP (`load_full_backup`). Keys are the trained module's own parameter names
-(`unet.…`, `text_encoders.0.…`), the same in every strategy.
+Written by sharded training (`modules/distributed/fsdp.py`: `ShardedBackups`); read by any run. Reading
+reshards: DCP loads each tensor into whatever shape this run holds it in, so a backup of N processes
+resumes on M processes, sharded or not (one process, DDP); a one-process or DDP backup resumes under FSDP
+through the parallelism (`FSDPParallelism.load_whole_backup`). Keys are the trained module's own
+parameter names (`unet.…`, `text_encoders.0.…`), the same in every strategy.
 
 Safety: `state.pt` is read with `weights_only=True` and DCP's `.metadata` index (a pickle) with an
 unpickler that allows DCP's own metadata classes only, so a doctored backup cannot run code. Only
@@ -18,7 +19,7 @@ tensors go through DCP (its non-tensor entries would be unpickled freely).
 Written synchronously: every rank writes its 1/N at once, and training waits. DCP's `async_save` would
 let training go on, but it needs a copy of every rank's shards in host memory (for a Flux full
 fine-tune the whole 190 GB of weights and Adam state, on the host, next to the CPU copy training may
-already keep) and a second process group for its background collectives; that is the next step.
+already keep) and a second process group for its background collectives.
 """
 from __future__ import annotations
 
@@ -74,19 +75,6 @@ def checkpoint_state(model: torch.nn.Module, optimizer, ema) -> tuple[dict, dict
     if ema is not None:
         tensors["ema"] = dict(zip(parameter_names(model, ema.params), ema.shadow))
     return tensors, {k: v for k, v in optimizer_state.items() if not isinstance(v, torch.Tensor)}
-
-
-def write_run_backup(run, parts, run_id: str, manifest: dict) -> Path:
-    """Back up the current step of a run (`outputs.TrainingRun`, with its `outputs.RunParts`); every rank
-    calls this. Returns the backup's path."""
-    tensors, optimizer_entries = checkpoint_state(run.model, parts.optimizer, parts.ema)
-    own = run.trainable_state()
-    state = {**run.progress_state(), "optimizer_entries": optimizer_entries,
-             "trained_parameters": sorted(tensors["model"]),
-             # parameter name -> the name `weights.safetensors` of other backups uses (`transformer.…`, `text_encoder_0.…`)
-             "weight_names": dict(zip(parameter_names(run.model, own.values()), own))}
-    return write_sharded_backup(parts.paths.backups, run_id, run.global_step, tensors, state, manifest,
-                                parts.cfg.save.rolling_backup_count)
 
 
 def write_sharded_backup(backups_dir: Path, run_id: str, step: int, tensors: dict, state: dict, manifest: dict,
@@ -156,25 +144,27 @@ def _saved_keys(path: Path) -> set[str]:
     return set(_reader(path).read_metadata().state_dict_metadata)
 
 
-def load_sharded_backup(trainer, path: Path) -> tuple[dict, dict]:
-    """Load a sharded backup's tensors into the trainer's model, optimizer and EMA, in whatever layout
-    this run holds them (sharded or whole, any number of processes); returns (plain state, manifest)."""
+def load_sharded_backup(path: Path, model: torch.nn.Module, optimizer, ema, optimizer_name: str) -> tuple[dict, dict]:
+    """Load a sharded backup's tensors into `model` (the wrapped trained module), `optimizer` and `ema`, in
+    whatever layout this run holds them (sharded or whole, any number of processes), after checking that
+    it was trained with `optimizer_name`; returns (plain state, manifest)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     state, manifest = backups.read_state_and_manifest(path)
-    trainer.check_backup_optimizer(state)
-    model, optimizer = _state_dicts(trainer.model, trainer.optimizer)  # templates in this run's layout
-    tensors = {"model": model, "optimizer": {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
+    backups.check_optimizer(state, optimizer_name)
+    model_state, optimizer_state = _state_dicts(model, optimizer)  # templates in this run's layout
+    tensors = {"model": model_state,
+               "optimizer": {k: v for k, v in optimizer_state.items() if isinstance(v, torch.Tensor)}}
     saved = {key.split(".", 1)[0] for key in _saved_keys(path)}
-    if trainer.ema is not None and "ema" in saved:
-        tensors["ema"] = dict(zip(parameter_names(trainer.model, trainer.ema.params), trainer.ema.shadow))
-    _check_same_parameters(path, set(model), state)
+    if ema is not None and "ema" in saved:
+        tensors["ema"] = dict(zip(parameter_names(model, ema.params), ema.shadow))
+    _check_same_parameters(path, set(model_state), state)
     dcp.load(tensors, storage_reader=_reader(path), no_dist=not du.is_distributed())
-    optimizer = {**optimizer, **tensors["optimizer"], **state.pop("optimizer_entries")}
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict=optimizer, options=_options())
+    optimizer_state = {**optimizer_state, **tensors["optimizer"], **state.pop("optimizer_entries")}
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optimizer_state,
+                   options=_options())
     return state, manifest
 
 
@@ -184,25 +174,6 @@ def _check_same_parameters(path: Path, wanted: set[str], state: dict) -> None:
     if missing:
         raise ValueError(f"the backup {path} does not match this model/training method (missing {missing[:3]}...); "
                          "start fresh or use the config the backup was made with.")
-
-
-def load_full_backup(trainer, weights: dict[str, torch.Tensor], state: dict, names: dict[str, str]) -> None:
-    """A backup of whole tensors (one process or DDP: `weights.safetensors`, the optimizer's state dict by
-    parameter index) into a sharded model: each rank keeps its part. `names`: backup name -> parameter name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    # The saved optimizer state names parameters by their index in the optimizer; FSDP's loader by name.
-    order = parameter_names(trainer.model, [p for g in trainer.optimizer.param_groups for p in g["params"]])
-    saved = state["optimizer"]
-    optimizer = {"state": {order[index]: value for index, value in saved["state"].items()},
-                 "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
-                                  for group in saved["param_groups"]]}
-    model = {names[key]: value for key, value in weights.items() if key in names}
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model, optim_state_dict=optimizer,
-                   options=StateDictOptions(ignore_frozen_params=True, full_state_dict=True, strict=False))
-    if trainer.ema is not None and state.get("ema") is not None:
-        for shadow, full in zip(trainer.ema.shadow, state["ema"]["shadow"]):
-            du.copy_full_into(shadow, full)
 
 
 def read_trained_weights(path: Path) -> dict[str, torch.Tensor]:

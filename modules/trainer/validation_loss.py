@@ -9,9 +9,9 @@ images go to the ranks in turn; a forward pass without gradients per image is qu
 steps for the few dozen images a validation set holds. Each rank writes its images' losses into its slots
 of one float64 vector of every image (zeros elsewhere), one all-reduce adds the vectors - adding zeros is
 exact - and every rank sums the slots exactly (`math.fsum`): the mean is bitwise the same on 1 and N
-processes (of one device type and, on CPUs, thread count), not an average of averages. Under sharded
-training (FSDP) each forward gathers weights from every rank, so every rank runs as many: one with fewer
-images scores one of its batches again and drops the result (`equal_calls`).
+processes (of one device type and, on CPUs, thread count), not an average of averages. Where each
+forward gathers weights from every rank (sharded training, FSDP), every rank runs as many: one with fewer
+images scores one of its batches again and drops the result (`Parallelism.extra_calls`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from modules.trainer.parallelism import Parallelism, SingleProcess
 from modules.util import dist_utils as du
 from modules.util.batch_slice import BatchSlice
 
@@ -40,15 +41,15 @@ def evaluation_batches(buckets: list[int], batch_size: int) -> list[list[int]]:
 class ValidationLoss:
     """Scores the held-out `dataset` (a `TrainDataset` without augmentation, cached like the training data)."""
 
-    def __init__(self, dataset, seed: int, equal_calls: bool = False) -> None:
-        """`equal_calls`: every rank runs the model as often (sharded training, where each forward gathers
-        weights from all ranks): a rank with fewer images scores one of its batches again and drops it."""
+    def __init__(self, dataset, seed: int, parallelism: Parallelism | None = None) -> None:
+        """`parallelism`: the run's; where each forward is a collective, a rank with fewer images scores one of
+        its batches again and drops it, so that every rank runs the model as often."""
         self.dataset = dataset
         self.seed = seed
         batches = evaluation_batches(dataset.buckets, EVALUATION_BATCH)
         self.my_batches = batches[du.rank()::du.world_size()]
-        rounds = math.ceil(len(batches) / du.world_size())
-        self.extra_batches = [batches[0]] * (rounds - len(self.my_batches)) if equal_calls and batches else []
+        extra = (parallelism or SingleProcess()).extra_calls(len(self.my_batches), len(batches))
+        self.extra_batches = [batches[0]] * extra if batches else []
         self.last_step: int | None = None
 
     def __len__(self) -> int:
@@ -58,7 +59,7 @@ class ValidationLoss:
         """float64 [images]: this rank's images' losses in their slots, 0 in the others'."""
         from modules.data import collate
         losses = torch.zeros(len(self.dataset), dtype=torch.float64, device=trainer.device)
-        model = getattr(trainer.model, "module", trainer.model)  # the TrainingModel, not DDP: no gradient sync
+        model = trainer.parallel.unwrap(trainer.model)  # the TrainingModel itself: no gradient sync
         for batch_items in self.my_batches:
             batch = collate([self.dataset[(0, index)] for index in batch_items])
             losses[batch["indices"].to(trainer.device)] = self.batch_losses(trainer, model, batch).double()
@@ -94,7 +95,7 @@ class ValidationLoss:
         denoiser.eval()  # no LoRA dropout: the same weights give the same loss
         for te, _ in encoders:
             te.eval()
-        model = getattr(trainer.model, "module", trainer.model)
+        model = trainer.parallel.unwrap(trainer.model)
         # training.compile: the uncompiled denoiser, whose one-image shapes need no compiling (and no check).
         eager = model.eager_unet() if hasattr(model, "eager_unet") else contextlib.nullcontext()
         try:

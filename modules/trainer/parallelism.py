@@ -1,0 +1,132 @@
+"""How the trained model is spread over the processes: one object, chosen once at start.
+
+The loop never asks which strategy trains. It holds one `Parallelism`, chosen where the run starts
+(`GenericTrainer`: `SingleProcess`; `DistributedTrainer`: DDP or FSDP by `multi_gpu.strategy`, from
+`modules/distributed/ddp.py` and `fsdp.py`), and asks it for everything that differs between them:
+
+| concern | one process | DDP | FSDP |
+| --- | --- | --- | --- |
+| placement (`place`) | the whole model on the device | the same | frozen parts on the device; the trained module's shards move there as it is sharded |
+| activation checkpointing | diffusers' own | the same | PyTorch's composable checkpoint on each block, before sharding it |
+| wrapping (`wrap`, `unwrap`) | none | DDP around the trained module, rank 0's weights broadcast first | `fully_shard` per block and the root: trained parameters become sharded ones |
+| gradient sync and accumulation | nothing to sync | `no_sync` on all micro-batches but the last | gradient sync off until the last |
+| forward calls outside a step | as they come | the same | collective: every rank calls as often (`extra_calls`), through the root (`sampling_calls`) |
+| writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
+| backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
+| a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
+
+This class is the one-process parallelism, and its defaults are the whole-model behaviour one process
+and DDP share. What comes next fits the same seams: memory pooling chosen by a planner (FSDP over a
+LoRA's frozen base, an fp8 base, activation checkpointing or offloading, CPU offload of shards - today
+`multi_gpu.fsdp_cpu_offload`) is a parallelism's `place` and `wrap`; context parallelism for video
+(N GPUs = data x context groups on a device mesh) is a parallelism whose `wrap` splits each sample's
+sequence over its context group, and whose `data_rank` / `data_world` say which slice of the global
+batch the process's group trains (here they are the process's own rank and the number of processes).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, TypeVar
+
+import torch
+from torch import nn
+
+from modules.model.streamed_save import LOCAL, TensorSource
+from modules.util import dist_utils as du
+
+T = TypeVar("T")
+
+
+class Parallelism:
+    name = "single"
+    """As the log and the benchmark's results name it: `single`, `ddp` or `fsdp`."""
+    holds_whole_model = True
+    """Whether every process holds every trained weight, so that measuring one GPU with the whole model
+    means something (`multi_gpu.batch_split = auto`) and a benchmark's set-up peak is the training one."""
+    forward_is_collective = False
+    """Whether each forward of the trained model is a collective (FSDP gathers its weights from every rank):
+    forward calls outside a training step (samples, the validation loss) must then be as many on every rank."""
+
+    # ---------------------------------------------------------------- which part of the global batch
+    @property
+    def data_rank(self) -> int:
+        """Which slice of each global micro-batch this process trains."""
+        return du.rank()
+
+    @property
+    def data_world(self) -> int:
+        """Into how many slices each global micro-batch is cut."""
+        return du.world_size()
+
+    # ---------------------------------------------------------------- before wrapping
+    def checkpoint_activations(self, bundle) -> None:
+        """Turn on activation (gradient) checkpointing of the denoiser."""
+        bundle.denoiser.enable_gradient_checkpointing()
+
+    def place(self, bundle, trained: list[nn.Module], device: torch.device) -> None:
+        """Every part of the model onto the training device (`trained`: the modules that train)."""
+        bundle.to(device)
+
+    def compile_splits_at_buckets(self, trainable: list[nn.Parameter]) -> bool:
+        """Whether `training.compile` splits the denoiser's graph where gradients are synchronised in
+        buckets (DDP's): not without a gradient exchange."""
+        return False
+
+    # ---------------------------------------------------------------- wrapping and the step
+    def wrap(self, model: nn.Module, trainable: list[nn.Parameter]) -> tuple[nn.Module, list[nn.Parameter]]:
+        """The trained module (`TrainingModel`) as the step runs it, and the trained parameters as the optimizer
+        and EMA take them (a wrapper that shards them makes new ones)."""
+        return model, trainable
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The trained module itself, whose forward synchronises no gradients (the compile check, the
+        validation loss)."""
+        return model
+
+    def gradient_sync(self, model: nn.Module, last_micro_batch: bool) -> ContextManager:
+        """Context for one micro-batch's forward and backward: gradients are exchanged after the last one."""
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- forward calls outside a step
+    def extra_calls(self, mine: int, total: int) -> int:
+        """How many calls beyond its own `mine` this rank makes when `total` calls of the model are shared
+        out over the ranks in turn (their results dropped): none, unless each forward is a collective."""
+        if not self.forward_is_collective:
+            return 0
+        return math.ceil(total / du.world_size()) - mine
+
+    def sampling_calls(self, model: nn.Module, autocast: ContextManager) -> ContextManager:
+        """Inside the block the sampling pipeline calls the trained parts (`model` is the wrapped module)."""
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- outputs
+    def write_model(self, work: Callable[[], T]) -> T | None:
+        """Run `work`, writing a model from the trained weights, where the weights are: rank 0 alone when it
+        holds them all; every rank learns whether it worked (`du.on_main`)."""
+        return du.on_main(work)
+
+    def tensor_source(self, device: torch.device) -> TensorSource:
+        """How the weights are read for a save (`streamed_save`): whole, from this process."""
+        return LOCAL
+
+    def backups(self, parts, run_id: str):
+        """What writes this run's backups (`outputs.RunParts` of the run): rank 0, on a background thread,
+        from a snapshot of the whole state in host memory."""
+        from modules.trainer.backup_writer import BackgroundBackups
+        return BackgroundBackups(parts.paths.backups, run_id, parts.cfg.save.rolling_backup_count)
+
+    def load_whole_backup(self, model: nn.Module, optimizer, ema, own: dict[str, torch.Tensor],
+                          weights: dict[str, torch.Tensor], state: dict) -> None:
+        """A backup of whole tensors (`backup.py`'s format) into this run: `own` are this run's trained
+        weights by the backup's names (`weights`), `state` the backup's optimizer state and EMA."""
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(weights[name].to(p.dtype))
+        optimizer.load_state_dict(state["optimizer"])
+        if ema is not None and state["ema"] is not None:
+            ema.load_state_dict(state["ema"])
+
+
+class SingleProcess(Parallelism):
+    """One process holding the whole model: nothing is wrapped, synchronised or gathered."""
