@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--type", choices=["sd1", "sd2", "sdxl", "sd3", "flux"], default="sd1")
+    from modules.config.model_families import MODEL_TYPES
+    p.add_argument("--type", choices=MODEL_TYPES, default="sd1")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="saved dtype (default: fp16; sd3/flux bf16)")
     p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for flux)")

@@ -6,15 +6,16 @@ import json
 import sys
 from pathlib import Path
 
-MODEL_ALIASES = {"sd15": "sd1", "sd1": "sd1", "sd2": "sd2", "sdxl": "sdxl", "sd35m": "sd3", "sd3": "sd3",
-                 "flux": "flux"}
+from modules.config.model_families import MODEL_TYPES
+
+MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3"}
 """--model names (those of `shared/bench/raw_ddp_reference.py` among them) -> the model family; sd35m
-and sd3 mean SD3.5 Medium's transformer, flux Flux.1-dev's."""
+and sd3 mean SD3.5 Medium's transformer, flux Flux.1-dev's, each other family its published size."""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Benchmark the Tandem trainer on synthetic cached latents.")
-    p.add_argument("--model", default="sd15", choices=sorted(MODEL_ALIASES), help="model size (random weights): sd15, sd2, sdxl UNets; sd35m, flux transformers")
+    p.add_argument("--model", default="sd15", choices=sorted(MODEL_ALIASES), help="model size (random weights): sd15, sd2, sdxl UNets; sd35m, flux and the newer families' transformers")
     p.add_argument("--mode", default="full", choices=["full", "lora"])
     p.add_argument("--batch", type=int, default=8, help="images per GPU")
     p.add_argument("--res", type=int, default=512, help="resolution in pixels")

@@ -4,7 +4,12 @@ Validation, the GUI and the launchers need to know which model types exist, whic
 apply to which family and what image sizes a family accepts; none of them may import the training
 code. So those facts live here, as data. Everything a family *does* (loading, text encoding, the
 objective, sampling, saving) lives in `modules/model/families/`, one module per family, which reads
-its facts from this table. Adding a family is one entry here plus one module there.
+its facts from this table. Adding a family is one entry here (appended to `FAMILIES`, whose order is
+the GUI's) plus the module its `implementation` names there; nothing else lists the families.
+
+Models are recognised newest family first (`DETECTION_ORDER`): a newer family's files may carry an
+older one's names (Chroma's and Flux.2's single files have Flux.1's `double_blocks.*`, SDXL's folders
+SD's pipeline pieces), never the other way round.
 """
 from __future__ import annotations
 
@@ -29,10 +34,21 @@ class FamilyInfo:
     """Trained with rectified flow (noisy = (1-t) x0 + t noise, target noise - x0) instead of DDPM noise."""
     demo: str
     """The built-in tiny random model of this family (`model.base_model`), or empty."""
+    implementation: str
+    """`module:Class` of the family's `ModelFamily` in `modules/model/families/`."""
+    denoiser_class: str
+    """The diffusers class of the trained network (built on `meta` to size it without loading)."""
     own_fields: tuple[str, ...] = ()
     """Config fields (section.name) that only this family uses; other families ignore them."""
     key_markers: tuple[str, ...] = ()
-    """Tensor-name prefixes that only this family's single files have (checked in `FAMILIES` order)."""
+    """Tensor-name prefixes that only this family's single files have (checked in `DETECTION_ORDER`)."""
+    other_pipelines: tuple[str, ...] = ()
+    """Further diffusers pipelines whose folders hold this family's models (Flux.2 Klein's own pipeline)."""
+
+    @property
+    def pipelines(self) -> tuple[str, ...]:
+        """Every pipeline class whose folders this family loads, its own first."""
+        return (self.pipeline_class, *self.other_pipelines)
 
 
 _SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
@@ -40,22 +56,23 @@ _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.time
                 "training.timestep_logit_std")
 
 FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
-    # Detection order: the transformer families first (their files may share the `model.diffusion_model.`
-    # prefix with SD's), then SDXL before SD 2.x before SD 1.x.
-    FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
-               _FLOW_FIELDS + ("training.flux_guidance",),
-               ("double_blocks.", "model.diffusion_model.double_blocks.")),
-    FamilyInfo("sd3", "Stable Diffusion 3 / 3.5", "transformer", "StableDiffusion3Pipeline", 16, True,
-               "builtin:demo-sd3", _FLOW_FIELDS, ("joint_blocks.", "model.diffusion_model.joint_blocks.")),
-    FamilyInfo("sdxl", "Stable Diffusion XL", "unet", "StableDiffusionXLPipeline", 8, False, "", _SD_FIELDS,
-               ("conditioner.embedders.1.model.",)),
-    FamilyInfo("sd2", "Stable Diffusion 2.x", "unet", "StableDiffusionPipeline", 8, False, "", _SD_FIELDS,
-               ("cond_stage_model.model.",)),
     FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
-               _SD_FIELDS, ("cond_stage_model.transformer.",)),
+               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.transformer.",)),
+    FamilyInfo("sd2", "Stable Diffusion 2.x", "unet", "StableDiffusionPipeline", 8, False, "",
+               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.model.",)),
+    FamilyInfo("sdxl", "Stable Diffusion XL", "unet", "StableDiffusionXLPipeline", 8, False, "",
+               "sdxl:SDXLFamily", "UNet2DConditionModel", _SD_FIELDS, ("conditioner.embedders.1.model.",)),
+    FamilyInfo("sd3", "Stable Diffusion 3 / 3.5", "transformer", "StableDiffusion3Pipeline", 16, True,
+               "builtin:demo-sd3", "sd3:SD3Family", "SD3Transformer2DModel", _FLOW_FIELDS,
+               ("joint_blocks.", "model.diffusion_model.joint_blocks.")),
+    FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
+               "flux:FluxFamily", "FluxTransformer2DModel", _FLOW_FIELDS + ("training.flux_guidance",),
+               ("double_blocks.", "model.diffusion_model.double_blocks.")),
 )}
-MODEL_TYPES = ("sd1", "sd2", "sdxl", "sd3", "flux")
+MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""
+DETECTION_ORDER = tuple(reversed(FAMILIES))
+"""The order in which families are asked whether a model is theirs: newest first (see above)."""
 BUILTIN_MODELS = {info.demo: info.name for info in FAMILIES.values() if info.demo}
 """Built-in model name -> its family."""
 
@@ -91,15 +108,37 @@ def guess_family(base_model: str, model_type: str = "auto") -> str | None:
     path = Path(base_model.strip()).expanduser()
     try:
         if (path / "model_index.json").is_file():
-            pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")
-            return next((info.name for info in reversed(FAMILIES.values()) if info.pipeline_class == pipeline), None)
+            return family_of_pipeline(json.loads((path / "model_index.json").read_text()).get("_class_name"))
         if path.suffix.lower() == ".safetensors" and path.is_file():
-            keys = _safetensors_keys(path)
-            return next((info.name for info in FAMILIES.values()
-                         if any(key.startswith(info.key_markers) for key in keys) and info.key_markers), None)
+            return family_of_keys(_safetensors_keys(path))
     except (OSError, ValueError):
         return None
     return None
+
+
+def families_of_pipeline(pipeline: str | None) -> tuple[str, ...]:
+    """The families whose folders name diffusers pipeline `pipeline` (SD 1.x and 2.x share one), in GUI order."""
+    return tuple(info.name for info in FAMILIES.values() if pipeline in info.pipelines)
+
+
+def family_of_pipeline(pipeline: str | None) -> str | None:
+    """The first family of `families_of_pipeline` (`sd1` stands for SD 1.x and 2.x), or None."""
+    return next(iter(families_of_pipeline(pipeline)), None)
+
+
+def family_of_keys(keys) -> str | None:
+    """The family whose single files alone have a tensor name among `keys` (`key_markers`, newest family
+    first), or None: the SD families' files are told apart by `modules/model/detect.py`, not here."""
+    for name in DETECTION_ORDER:
+        markers = FAMILIES[name].key_markers
+        if markers and any(key.startswith(markers) for key in keys):
+            return name
+    return None
+
+
+def known_pipelines() -> str:
+    """The pipeline classes Tandem trains, for messages."""
+    return ", ".join(dict.fromkeys(p for info in FAMILIES.values() for p in info.pipelines))
 
 
 def _safetensors_keys(path: Path) -> list[str]:

@@ -31,7 +31,7 @@ PUBLISHED_PARAMS_M = {"sd1": {"unet": 859.5, "text_encoder": 123.1},
                       "sd2": {"unet": 865.9, "text_encoder": 340.4},
                       "sdxl": {"unet": 2567.5, "text_encoder": 123.1, "text_encoder_2": 694.7}}
 
-TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+TRANSFORMER_CLASSES = {name: info.denoiser_class for name, info in FAMILIES.items() if info.denoiser == "transformer"}
 """The diffusers class of each transformer family's denoiser (built on `meta` from its config)."""
 
 # GiB of activations per sample at `ACTIVATION_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA
@@ -64,9 +64,11 @@ def _build_unet(config: dict) -> torch.nn.Module:
 
 
 def _build_vae(config: dict) -> torch.nn.Module:
-    from diffusers import AutoencoderKL
+    import diffusers
+    # The families' own VAE classes (Flux.2's AutoencoderKLFlux2, ...) by the name their config records.
+    cls = getattr(diffusers, str(config.get("_class_name", "AutoencoderKL")), diffusers.AutoencoderKL)
     with torch.device("meta"):
-        return AutoencoderKL(**_known_args(AutoencoderKL, config))
+        return cls(**_known_args(cls, config))
 
 
 def _build_transformer(class_name: str, config: dict) -> torch.nn.Module:
@@ -77,20 +79,25 @@ def _build_transformer(class_name: str, config: dict) -> torch.nn.Module:
 
 
 def _build_text_encoder(config: dict, with_projection: bool) -> torch.nn.Module:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    import transformers
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
     fields = {k: v for k, v in config.items() if not k.startswith("_") and k != "architectures"}
-    if "T5EncoderModel" in config.get("architectures", ()):
+    architecture = next(iter(config.get("architectures") or ()), "")
+    if architecture and not architecture.startswith("CLIP"):
+        # T5 and the language models of the newer families (Mistral, Qwen): the class the config names.
+        cls = getattr(transformers, architecture)
         with torch.device("meta"):
-            return T5EncoderModel(T5Config(**fields))
-    if "CLIPTextModelWithProjection" in config.get("architectures", ()):
+            return cls(cls.config_class(**fields))
+    if architecture == "CLIPTextModelWithProjection":
         with_projection = True
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     with torch.device("meta"):
         return cls(CLIPTextConfig(**fields))
 
 
-def _is_t5(model: torch.nn.Module) -> bool:
-    return type(model).__name__.startswith("T5")
+def _never_trains(model: torch.nn.Module) -> bool:
+    """Whether a text encoder never trains: only CLIP encoders do (T5 and language models stay frozen)."""
+    return not type(model).__name__.startswith("CLIP")
 
 
 def _known_args(cls, config: dict) -> dict:
@@ -324,7 +331,7 @@ def estimate(cfg) -> dict:
     else:
         trainable += [tuple(p.shape) for p in models[denoiser].parameters()]
     encoders = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if n in models]
-    trained_encoders = [n for n in encoders if not _is_t5(models[n])] if t.train_text_encoder else []  # T5 never trains
+    trained_encoders = [n for n in encoders if not _never_trains(models[n])] if t.train_text_encoder else []  # T5 never trains
     for name in trained_encoders:
         trainable += (lora_shapes(models[name], TEXT_ENCODER_LORA_TARGETS, t.lora_rank) if lora
                       else [tuple(p.shape) for p in models[name].parameters()])

@@ -115,14 +115,15 @@ class ModelBundle:
         decides about `torch.no_grad()`. `generator` makes the sample reproducible.
         """
         distribution = self._latent_distribution(pixels)
-        return self._scaled(distribution.sample(generator=generator))
+        return self.family.normalize_latents(self, distribution.sample(generator=generator))
 
     def encode_latent_distribution(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the scaled latents of images in [-1, 1], [B, 3, H, W]: `encode_images` draws
         `mean + std * noise`. The latent cache stores these, so that each use of an image draws its own
         sample from a generator keyed by the seed and the item alone (see modules/data/cache.py)."""
         distribution = self._latent_distribution(pixels)
-        return self._scaled(distribution.mean), distribution.std * self.vae.config.scaling_factor
+        return (self.family.normalize_latents(self, distribution.mean),
+                self.family.normalize_latents(self, distribution.std, spread=True))
 
     def _latent_distribution(self, pixels: torch.Tensor):
         if pixels.ndim != 4 or pixels.shape[1] != 3:
@@ -131,21 +132,11 @@ class ModelBundle:
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return self.vae.encode(pixels).latent_dist
 
-    def _scaled(self, latents: torch.Tensor) -> torch.Tensor:
-        shift = getattr(self.vae.config, "shift_factor", None)
-        if shift is not None:
-            latents = latents - shift
-        return latents * self.vae.config.scaling_factor
-
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode_images` (up to the VAE's quality): scaled latents -> pixels in [-1, 1]."""
-        vae = self.vae
-        vae_param = next(vae.parameters())
-        latents = latents.to(device=vae_param.device, dtype=vae_param.dtype) / vae.config.scaling_factor
-        shift = getattr(vae.config, "shift_factor", None)
-        if shift is not None:
-            latents = latents + shift
-        return vae.decode(latents).sample.clamp(-1, 1)
+        vae_param = next(self.vae.parameters())
+        latents = self.family.denormalize_latents(self, latents.to(device=vae_param.device, dtype=vae_param.dtype))
+        return self.vae.decode(latents).sample.clamp(-1, 1)
 
     def tokenize(self, captions: Sequence[str]) -> list[torch.Tensor]:
         """Token ids [B, length] for each tokenizer, padded and truncated like the pipelines."""

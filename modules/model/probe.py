@@ -15,7 +15,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES
+from modules.config.model_families import (BUILTIN_MODELS, FAMILIES, families_of_pipeline, family_of_keys,
+                                           known_pipelines)
 from modules.config.train_config import ModelConfig
 
 from .detect import UNET_PREFIX, VAE_PREFIX, detect_model_type
@@ -76,11 +77,10 @@ def _probe_folder(folder: Path, own_vae: bool) -> tuple[str, ...]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{index_file}: not valid JSON ({e}); restore the folder from its source.") from None
     pipeline = index.get("_class_name")
-    matches = [info.name for info in FAMILIES.values() if info.pipeline_class == pipeline]
+    matches = families_of_pipeline(pipeline)
     if not matches:
-        known = ", ".join(dict.fromkeys(info.pipeline_class for info in FAMILIES.values()))
         raise ValueError(f"{folder}: its model_index.json names pipeline {pipeline!r}, which Tandem does not "
-                         f"train; supported: {known}.")
+                         f"train; supported: {known_pipelines()}.")
     for part, spec in index.items():
         if part.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and spec[1]):
             continue
@@ -93,7 +93,7 @@ def _probe_folder(folder: Path, own_vae: bool) -> tuple[str, ...]:
         for file in weights:
             if file.suffix == SAFETENSORS_SUFFIX:
                 _safetensors_keys(file)
-    return tuple(sorted(matches, key=MODEL_TYPES.index))
+    return matches
 
 
 def _probe_file(path: Path, own_vae: bool) -> str:
@@ -101,9 +101,9 @@ def _probe_file(path: Path, own_vae: bool) -> str:
         raise ValueError(f"model.base_model {str(path)!r} is a file but not a model checkpoint "
                          f"({', '.join(SINGLE_FILE_SUFFIXES)}); point it at a checkpoint or a diffusers folder.")
     keys = _checkpoint_keys(path)
-    for info in FAMILIES.values():  # the transformer families by their own key names, as the loader asks
-        if info.flow_matching and any(key.startswith(info.key_markers) for key in keys):
-            return info.name
+    found = family_of_keys(keys)  # the transformer families by their own key names, as the loader asks
+    if found and FAMILIES[found].flow_matching:
+        return found
     family = detect_model_type(keys, source=path)  # raises with the reason when it is no SD model
     if not any(k.startswith(UNET_PREFIX) for k in keys):
         raise ValueError(f"{path}: no UNet weights ({UNET_PREFIX}*) in the checkpoint.")

@@ -89,7 +89,7 @@ def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> Non
     scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
     scheduler.save_pretrained(folder / "scheduler")
     components["scheduler"] = scheduler
-    index = _model_index(bundle.family, components, diffusers.__version__)
+    index = _model_index(bundle, components, diffusers.__version__)
     (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
@@ -138,10 +138,10 @@ def _untied(model) -> dict[str, torch.Tensor]:
     return {key: value for key, value in model.state_dict().items() if key not in tied}
 
 
-def _model_index(family, components: dict, diffusers_version: str) -> dict:
-    index = {"_class_name": family.info.pipeline_class, "_diffusers_version": diffusers_version}
+def _model_index(bundle: ModelBundle, components: dict, diffusers_version: str) -> dict:
+    index = {"_class_name": bundle.family.info.pipeline_class, "_diffusers_version": diffusers_version}
     for name, component in components.items():
         library = "diffusers" if type(component).__module__.startswith("diffusers") else "transformers"
         index[name] = [library, type(component).__name__]
-    index.update(family.model_index_extras())  # unused components, pipeline flags
+    index.update(bundle.family.model_index_extras(bundle))  # unused components, pipeline flags
     return index

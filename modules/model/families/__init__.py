@@ -14,36 +14,29 @@ import importlib
 import json
 from pathlib import Path
 
-from modules.config.model_families import FAMILIES, MODEL_TYPES
-
-# Family name -> module and class. SD 1.x and 2.x share one module (they differ only in data).
-_IMPLEMENTATIONS = {
-    "sd1": ("sd", "SDFamily"), "sd2": ("sd", "SDFamily"), "sdxl": ("sdxl", "SDXLFamily"),
-    "sd3": ("sd3", "SD3Family"), "flux": ("flux", "FluxFamily"),
-}
-# The transformer families first: their single files may share the `model.diffusion_model.` prefix with SD's.
-_DETECTION_ORDER = tuple(FAMILIES)
+from modules.config.model_families import DETECTION_ORDER, FAMILIES, MODEL_TYPES, known_pipelines
 
 
 @functools.cache
 def family(name: str):
-    """The family object (a `base.ModelFamily`) of model type `name` (`sd1`, `sd2`, `sdxl`, `sd3`, `flux`)."""
-    if name not in _IMPLEMENTATIONS:
+    """The family object (a `base.ModelFamily`) of model type `name` (one of `MODEL_TYPES`), from the module
+    and class its `FamilyInfo.implementation` names (SD 1.x and 2.x share one)."""
+    if name not in FAMILIES:
         raise ValueError(f"model type {name!r} is not one of {', '.join(MODEL_TYPES)}")
-    module, cls = _IMPLEMENTATIONS[name]
+    module, cls = FAMILIES[name].implementation.split(":")
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(name)
 
 
 def detect_folder(folder: Path) -> tuple[str, str]:
     """(model type, reason) of a diffusers folder, from its model_index.json and component configs."""
     index = json.loads((Path(folder) / "model_index.json").read_text())
-    for name in _DETECTION_ORDER:
+    for name in DETECTION_ORDER:
         reason = family(name).recognise_folder(Path(folder), index)
         if reason:
             return name, reason
     raise ValueError(
         f"{folder}: its model_index.json names pipeline {index.get('_class_name')!r}, which Tandem does not "
-        f"train; supported: {', '.join(dict.fromkeys(info.pipeline_class for info in FAMILIES.values()))}")
+        f"train; supported: {known_pipelines()}")
 
 
 def detect_checkpoint(keys, source="checkpoint") -> str:
@@ -51,7 +44,7 @@ def detect_checkpoint(keys, source="checkpoint") -> str:
     SD3 and Flux by their `key_markers`, the SD families by `detect.detect_model_type`, whose errors
     explain refiners, diffusers-layout files and UNet-only files."""
     keys = set(keys)
-    for name in _DETECTION_ORDER:
+    for name in DETECTION_ORDER:
         if FAMILIES[name].flow_matching and family(name).recognise_checkpoint(keys):
             return name
     from modules.model.detect import detect_model_type

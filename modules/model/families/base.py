@@ -111,6 +111,26 @@ class ModelFamily(ABC):
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")
 
+    # ------------------------------------------------------------------ latents
+
+    def normalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor, spread: bool = False) -> torch.Tensor:
+        """The VAE's latents [B, C, H/8, W/8] in the units the denoiser trains on (most families: minus the
+        VAE's `shift_factor`, times its `scaling_factor`); `spread`: `latents` is a posterior's standard
+        deviation, which only scales. The result keeps the VAE latents' shape, so masks, buckets and the
+        cache treat every family alike."""
+        config = bundle.vae.config
+        shift = getattr(config, "shift_factor", None)
+        if shift is not None and not spread:
+            latents = latents - shift
+        return latents * config.scaling_factor
+
+    def denormalize_latents(self, bundle: "ModelBundle", latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of `normalize_latents`: what the VAE decodes."""
+        config = bundle.vae.config
+        latents = latents / config.scaling_factor
+        shift = getattr(config, "shift_factor", None)
+        return latents + shift if shift is not None else latents
+
     # ------------------------------------------------------------------ text
 
     @abstractmethod
@@ -177,8 +197,9 @@ class ModelFamily(ABC):
 
     # ------------------------------------------------------------------ saving
 
-    def model_index_extras(self) -> dict[str, Any]:
-        """`model_index.json` entries besides the components (unused components, pipeline flags)."""
+    def model_index_extras(self, bundle: "ModelBundle") -> dict[str, Any]:
+        """`model_index.json` entries besides the components (unused components, pipeline flags; a family
+        with several pipelines names the bundle's in `_class_name`)."""
         return {}
 
     @abstractmethod

@@ -77,8 +77,8 @@ class FlowFamily(ModelFamily):
     # ------------------------------------------------------------------ detection
 
     def recognise_folder(self, folder, index):
-        if index.get("_class_name") == self.info.pipeline_class:
-            return f"its model_index.json names {self.info.pipeline_class}"
+        if index.get("_class_name") in self.info.pipelines:
+            return f"its model_index.json names {index['_class_name']}"
         if (index.get("transformer") or [None, None])[1] == self.transformer_class:
             return f"its transformer is a {self.transformer_class}"
         return None

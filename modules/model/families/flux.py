@@ -113,7 +113,7 @@ class FluxFamily(FlowFamily):
         return {"prompt": prompt.prompt, "guidance_scale": guidance_scale,
                 "max_sequence_length": bundle.text_lengths()[-1]}
 
-    def model_index_extras(self):
+    def model_index_extras(self, bundle):
         return {"image_encoder": [None, None], "feature_extractor": [None, None]}
 
     def cached_shapes(self):

@@ -220,7 +220,7 @@ class SDFamily(ModelFamily):
 
     # ------------------------------------------------------------------ saving
 
-    def model_index_extras(self):
+    def model_index_extras(self, bundle):
         return {"safety_checker": [None, None], "feature_extractor": [None, None], "image_encoder": [None, None],
                 "requires_safety_checker": False}
 

@@ -71,7 +71,7 @@ class SD3Family(FlowFamily):
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
 
-    def model_index_extras(self):
+    def model_index_extras(self, bundle):
         return {"image_encoder": [None, None], "feature_extractor": [None, None]}
 
     def cached_shapes(self):

@@ -65,7 +65,7 @@ class SDXLFamily(SDFamily):
             scheduler=self.sampling_scheduler(bundle), add_watermarker=False,
         )
 
-    def model_index_extras(self):
+    def model_index_extras(self, bundle):
         return {"feature_extractor": [None, None], "image_encoder": [None, None],
                 "force_zeros_for_empty_prompt": True}
 
