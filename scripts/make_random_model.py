@@ -1,7 +1,10 @@
-"""Write a real-size SD1/SD2/SDXL/SD3.5-Medium/Flux.1-dev diffusers folder with random weights (offline GPU checks).
+"""Write a real-size diffusers folder of any family with random weights (offline GPU checks).
 
     python scripts/make_random_model.py --type sd1 --out /tmp/random-sd15
     python scripts/make_random_model.py --type flux --out /tmp/random-flux --device cuda   # 12 B + T5-XXL: ~33 GB
+    python scripts/make_random_model.py --type chroma --out /tmp/random-chroma --device cuda   # 8.9 B + T5-XXL: ~27 GB
+    python scripts/make_random_model.py --type flux2 --variant klein-4b --out /tmp/random-klein4b --device cuda
+    python scripts/make_random_model.py --type flux2 --out /tmp/random-flux2-dev --device cuda   # 32 B + 24 B: ~113 GB
 """
 import argparse
 import os
@@ -13,10 +16,11 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from modules.config.model_families import MODEL_TYPES
     p.add_argument("--type", choices=MODEL_TYPES, default="sd1")
+    p.add_argument("--variant", default="", help="a published size of the family (flux2: dev, klein-4b, klein-9b)")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="saved dtype (default: fp16; sd3/flux bf16)")
     p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for flux)")
     a = p.parse_args()
     from modules.benchmark.synthetic import write_random_model
     from modules.model.files import SAVE_DTYPES
-    print(write_random_model(a.type, a.out, SAVE_DTYPES[a.dtype] if a.dtype else None, a.device))
+    print(write_random_model(a.type, a.out, SAVE_DTYPES[a.dtype] if a.dtype else None, a.device, a.variant))

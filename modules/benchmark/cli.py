@@ -6,11 +6,19 @@ import json
 import sys
 from pathlib import Path
 
-from modules.config.model_families import MODEL_TYPES
+from modules.config.model_families import FAMILIES, MODEL_TYPES
 
-MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3"}
+MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3",
+                 **{f"{name}-{variant}": name for name, info in FAMILIES.items() for variant in info.variants}}
 """--model names (those of `shared/bench/raw_ddp_reference.py` among them) -> the model family; sd35m
-and sd3 mean SD3.5 Medium's transformer, flux Flux.1-dev's, each other family its published size."""
+and sd3 mean SD3.5 Medium's transformer, flux Flux.1-dev's, each other family its published size (its
+first variant), `<family>-<variant>` another of its sizes (flux2-klein-4b)."""
+
+
+def model_variant(name: str) -> str:
+    """The variant a --model name picks ('' for the family's default size)."""
+    family = MODEL_ALIASES[name]
+    return name.removeprefix(f"{family}-") if name.startswith(f"{family}-") else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for world in worlds:
         case = Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
-                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps)
+                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps,
+                    model_variant(args.model))
         runs = [run_case(case) for _ in range(args.repeat)]
         result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
         result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]

@@ -51,11 +51,13 @@ class Case:
     device: str = "cuda"  # cpu: a smoke test of the benchmark itself (gloo), not a measurement
     profile_dir: str = ""  # non-empty: profile `profile_steps` extra steps after the measured ones
     profile_steps: int = PROFILE_STEPS
+    variant: str = ""  # one of the family's published sizes (FamilyInfo.variants); '' for its default
 
     def name(self) -> str:
         extra = f" {' '.join(self.extra)}" if self.extra else ""
         gc = " gc" if self.gradient_checkpointing else ""
-        return f"{self.model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
+        model = f"{self.model}-{self.variant}" if self.variant else self.model
+        return f"{model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
 
     def total_steps(self) -> int:
         return self.warmup + self.steps + (self.profile_steps if self.profile_dir else 0)
@@ -99,12 +101,13 @@ class BenchmarkMixin:
         from modules.benchmark.synthetic import SyntheticCachedLatents
         c = self.case
         length = c.batch * c.world * (c.total_steps() + 1)
-        return SyntheticCachedLatents(c.model, c.resolution, length)
+        return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant)
 
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle
         from modules.model.loading import frozen_dtypes, store_base_in_float8
-        bundle = random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"])
+        bundle = random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"],
+                               self.case.variant)
         store_base_in_float8(bundle, self.cfg.model)  # model.unet_dtype=fp8 (float8.py)
         if self.device.type == "cuda" and self.cfg.model.unet_dtype == "fp8":
             # The random model is built on the GPU in bf16 (building 12 B weights on the CPU takes minutes);

@@ -13,12 +13,17 @@ from torch.utils.data import Dataset
 from modules.model.families import family
 
 
-def random_bundle(model_type: str, device: torch.device, unet_dtype: torch.dtype = torch.float32):
+def _variant(variant: str) -> dict:
+    """The keyword a family with several published sizes takes (families of one size take none)."""
+    return {"variant": variant} if variant else {}
+
+
+def random_bundle(model_type: str, device: torch.device, unet_dtype: torch.dtype = torch.float32, variant: str = ""):
     """A ModelBundle with a randomly initialised real-size UNet or transformer (built directly on `device`).
 
     `unet_dtype` is the storage dtype `load_model` would give it (bf16 for a LoRA base, see
-    `modules.model.loading.frozen_dtypes`)."""
-    return family(model_type).random_bundle(device, unet_dtype)
+    `modules.model.loading.frozen_dtypes`); `variant` one of the family's sizes (`FamilyInfo.variants`)."""
+    return family(model_type).random_bundle(device, unet_dtype, **_variant(variant))
 
 
 class SyntheticCachedLatents(Dataset):
@@ -27,9 +32,9 @@ class SyntheticCachedLatents(Dataset):
     A small pool of random tensors is reused by index, so item creation costs nothing measurable.
     """
 
-    def __init__(self, model_type: str, resolution: int, length: int, pool: int = 16) -> None:
+    def __init__(self, model_type: str, resolution: int, length: int, pool: int = 16, variant: str = "") -> None:
         gen = torch.Generator().manual_seed(0)
-        channels, text_shapes = family(model_type).cached_shapes()
+        channels, text_shapes = family(model_type).cached_shapes(**_variant(variant))
         lat = resolution // 8
         self.length = length
         self.resolution = resolution
@@ -56,9 +61,10 @@ class SyntheticCachedLatents(Dataset):
                 "caption": "", "original_size": size, "crop_coords": (0, 0), "target_size": size}
 
 
-def write_random_model(model_type: str, folder, dtype: torch.dtype | None = None, device: str = "cpu"):
+def write_random_model(model_type: str, folder, dtype: torch.dtype | None = None, device: str = "cpu",
+                       variant: str = ""):
     """A complete diffusers folder of a real-size model with random weights (for GPU checks offline).
 
     Unlike `random_bundle`, every part is properly initialised, so the VAE and text encoders can run.
-    `dtype`: the saved dtype (None: fp16 for the SD families, bf16 for SD3 and Flux)."""
-    return family(model_type).write_random_model(folder, dtype, device)
+    `dtype`: the saved dtype (None: fp16 for the SD families, bf16 for the transformer families)."""
+    return family(model_type).write_random_model(folder, dtype, device, **_variant(variant))

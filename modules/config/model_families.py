@@ -44,6 +44,12 @@ class FamilyInfo:
     """Tensor-name prefixes that only this family's single files have (checked in `DETECTION_ORDER`)."""
     other_pipelines: tuple[str, ...] = ()
     """Further diffusers pipelines whose folders hold this family's models (Flux.2 Klein's own pipeline)."""
+    variants: tuple[str, ...] = ()
+    """Named published sizes (`scripts/benchmark.py --model <family>-<variant>`, `make_random_model.py
+    --variant`), the default first; empty: one size."""
+    lora_targets: tuple[str, ...] = ()
+    """`training.lora_target_modules` the family's LoRA presets use (every attention projection and the fused
+    projections where the family has them); empty: the config's default suits it."""
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -52,6 +58,8 @@ class FamilyInfo:
 
 
 _SD_FIELDS = ("model.prediction_type", "training.min_snr_gamma")
+_DOUBLE_STREAM_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+"""The attention projections of both streams in the Flux-like double blocks (single blocks: their to_q/k/v)."""
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
 

@@ -48,15 +48,20 @@ SIGNAL_SCALE = 1e-5
 _NORM_EPS = 1e-6  # diffusers' Encoder/Decoder conv_norm_out eps; the tests check that it still holds
 
 
-def build_demo_vae(scaling_factor: float = 1.0, latent_channels: int = 4, shift_factor: float | None = None):
+def build_demo_vae(scaling_factor: float = 1.0, latent_channels: int = 4, shift_factor: float | None = None,
+                   vae_class: str = "AutoencoderKL"):
     """The thumbnail-codec `AutoencoderKL` described above, in eval mode, with no gradients.
 
-    `latent_channels` 16 gives the latent shape of SD3's and Flux's VAEs (channels 3 and up stay 0);
-    `shift_factor` is subtracted from latents before scaling, as those VAEs do."""
-    from diffusers import AutoencoderKL
+    `latent_channels` 16 gives the latent shape of SD3's and Flux's VAEs, 32 Flux.2's (channels 3 and up
+    stay 0); `shift_factor` is subtracted from latents before scaling, as those VAEs do. `vae_class`
+    `AutoencoderKLFlux2`: the same encoder and decoder in Flux.2's class, which normalises latents with its
+    own batch-norm statistics instead of a scaling factor (the caller sets them)."""
+    import diffusers
 
-    vae = AutoencoderKL(**{**VAE_CONFIG, "latent_channels": latent_channels}, scaling_factor=scaling_factor,
-                        shift_factor=shift_factor)
+    config = {**VAE_CONFIG, "latent_channels": latent_channels}
+    if vae_class == "AutoencoderKL":
+        config.update(scaling_factor=scaling_factor, shift_factor=shift_factor)
+    vae = getattr(diffusers, vae_class)(**config)
     for norm in (vae.encoder.conv_norm_out, vae.decoder.conv_norm_out):
         if norm.eps != _NORM_EPS or norm.num_channels // norm.num_groups != 2:
             raise RuntimeError(

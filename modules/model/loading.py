@@ -6,6 +6,7 @@ eval mode: the trainer unfreezes what it trains (see `lora.add_lora`, or the UNe
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -125,7 +126,7 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
     (SD 0.18215, SDXL 0.13025, SD3 1.5305, Flux 0.3611) its VAE was trained with; diffusers folders do.
     `config` (fields from `model.config_overrides["vae"]`) applies to a single file.
     """
-    from diffusers import AutoencoderKL
+    import diffusers
 
     path = Path(path_text).expanduser()
     if not path.exists():
@@ -134,12 +135,13 @@ def load_vae(path_text: str, dtype: torch.dtype = torch.float32, model_type: str
     if path.is_file():
         return get_family(model_type).load_vae(path, dtype, config)
     storage = next((name for name, value in DTYPES.items() if value == dtype), "fp16")
-    if (path / "config.json").is_file():
-        return AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype,
-                                             variant=component_variant(path, "vae", storage))
-    if (path / "vae" / "config.json").is_file():
-        return AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=dtype,
-                                             variant=component_variant(path / "vae", "vae", storage))
+    for folder in (path, path / "vae"):
+        if (folder / "config.json").is_file():
+            # The class the folder's config names (Flux.2's VAE is an AutoencoderKLFlux2).
+            name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_class_name", "")
+            cls = getattr(diffusers, name, None) if name.startswith("Autoencoder") else None
+            return (cls or diffusers.AutoencoderKL).from_pretrained(
+                folder, local_files_only=True, torch_dtype=dtype, variant=component_variant(folder, "vae", storage))
     raise FileNotFoundError(
         f"model.vae_path {str(path)!r} is a folder without config.json or vae/config.json; "
         "point it at a diffusers VAE folder, a model folder that has one, or a .safetensors file"

@@ -57,6 +57,7 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     targets = list(training_cfg.lora_target_modules)
     if not targets:
         raise ValueError("training.lora_target_modules is empty; name at least one UNet module, e.g. to_q")
+    targets = adapted_layers(bundle.denoiser, targets) or targets  # none found: peft's own error names them
     try:
         bundle.denoiser.add_adapter(config(targets))
     except ValueError as error:
@@ -81,6 +82,22 @@ def add_lora(bundle: ModelBundle, training_cfg: TrainingConfig) -> list[nn.Param
     if training_cfg.precision in ("bf16", "fp16"):
         _skip_input_casts(adapted)
     return params
+
+
+ADAPTABLE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+"""The layer types an adapter attaches to (what peft adapts)."""
+
+
+def adapted_layers(module: nn.Module, names) -> list[str]:
+    """The paths of the layers that target `names` adapt: every Linear, convolution or embedding whose path
+    is a name or ends in `.<name>` (peft's rule for a list of names). peft also matches containers and then
+    refuses them; resolving to layers first lets a name mean "these layers" wherever a container shares
+    it: Flux.2's `attn.to_out` is a Linear in single blocks and a ModuleList around `to_out.0` in double
+    blocks, so `attn.to_out` adapts the single blocks' fused output projections only. Empty when no layer
+    matches (the caller lets peft say so)."""
+    names = list(names)
+    return [path for path, layer in module.named_modules() if isinstance(layer, ADAPTABLE_LAYERS)
+            and any(path == name or path.endswith("." + name) for name in names)]
 
 
 def _skip_input_casts(modules: list[nn.Module]) -> None:

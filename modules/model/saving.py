@@ -72,8 +72,6 @@ def diffusers_weight_files(bundle: ModelBundle, unet_state_override: dict | None
 
 def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
     """Everything of the folder but the weights: configs, tokenizers, scheduler, model_index.json."""
-    import diffusers
-
     bundle.denoiser.save_config(folder / bundle.denoiser_name)
     bundle.vae.save_config(folder / "vae")
     components = {bundle.denoiser_name: bundle.denoiser, "vae": bundle.vae}
@@ -89,8 +87,7 @@ def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> Non
     scheduler = bundle.extra.get("scheduler", bundle.noise_scheduler)
     scheduler.save_pretrained(folder / "scheduler")
     components["scheduler"] = scheduler
-    index = _model_index(bundle, components, diffusers.__version__)
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_model_index(folder, bundle.family.info.pipeline_class, components, bundle.family.model_index_extras(bundle))
 
 
 def save_full_single_file(
@@ -138,10 +135,14 @@ def _untied(model) -> dict[str, torch.Tensor]:
     return {key: value for key, value in model.state_dict().items() if key not in tied}
 
 
-def _model_index(bundle: ModelBundle, components: dict, diffusers_version: str) -> dict:
-    index = {"_class_name": bundle.family.info.pipeline_class, "_diffusers_version": diffusers_version}
+def write_model_index(folder: Path, pipeline_class: str, components: dict, extras: dict | None = None) -> None:
+    """`model_index.json`: the pipeline class, each component's library and class (`components`: name -> the
+    component, or its class), and `extras` (unused components, pipeline flags; may replace `_class_name`)."""
+    import diffusers
+
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
     for name, component in components.items():
-        library = "diffusers" if type(component).__module__.startswith("diffusers") else "transformers"
-        index[name] = [library, type(component).__name__]
-    index.update(bundle.family.model_index_extras(bundle))  # unused components, pipeline flags
-    return index
+        cls = component if isinstance(component, type) else type(component)
+        index[name] = ["diffusers" if cls.__module__.startswith("diffusers") else "transformers", cls.__name__]
+    index.update(extras or {})
+    (Path(folder) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -68,6 +68,8 @@ class FlowFamily(ModelFamily):
 
     transformer_class = ""
     """The diffusers transformer class name."""
+    vae_class = "AutoencoderKL"
+    """The diffusers VAE class name."""
     clip_classes: tuple[str, ...] = ()
     """The transformers classes of the CLIP encoders, in pipeline order (T5 follows them)."""
     default_t5_length = 256
@@ -145,8 +147,9 @@ class FlowFamily(ModelFamily):
 
     def _assemble(self, transformer, folder: Path, model_cfg, dtypes, source_name: str, own_vae: bool):
         """The bundle around `transformer`, every other part read from the diffusers `folder`."""
+        import diffusers
         import transformers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer
 
         from modules.model.bundle import ModelBundle
@@ -156,9 +159,9 @@ class FlowFamily(ModelFamily):
             raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
                              "trains rectified flow; set model.prediction_type to auto")
         common = {"local_files_only": True}
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
-                                            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) \
-            if own_vae else None
+        vae = getattr(diffusers, self.vae_class).from_pretrained(
+            folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
+            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) if own_vae else None
         encoders, tokenizers = [], []
         for index, name in enumerate(self.component_names()):
             is_t5 = index == len(self.clip_classes)
@@ -319,7 +322,7 @@ class FlowFamily(ModelFamily):
         would take 48 GB first), a real-size uninitialised VAE, and tiny random text encoders: they are
         never run, the synthetic cache holds real-size text embeddings (`cached_shapes`)."""
         import diffusers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         from modules.model.bundle import ModelBundle
 
@@ -335,7 +338,7 @@ class FlowFamily(ModelFamily):
         finally:
             torch.set_default_dtype(default)
         transformer.requires_grad_(False)
-        vae = uninitialised(lambda: AutoencoderKL.from_config(shipped(self.name, "vae")))
+        vae = uninitialised(lambda: getattr(diffusers, self.vae_class).from_config(shipped(self.name, "vae")))
         from modules.model.tokenizer import clip_tokenizer
 
         clip = clip_tokenizer()
@@ -355,7 +358,7 @@ class FlowFamily(ModelFamily):
         (its ids fit T5's vocabulary; the weights are random anyway), the CLIP tokenizers are the real ones."""
         import diffusers
         import transformers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         from modules.model.bundle import ModelBundle
         from modules.model.saving import save_full_diffusers
@@ -370,7 +373,7 @@ class FlowFamily(ModelFamily):
         try:
             with torch.device(device):
                 transformer = getattr(diffusers, self.transformer_class).from_config(self.shipped_transformer_config({}))
-                vae = AutoencoderKL.from_config(shipped(self.name, "vae"))
+                vae = getattr(diffusers, self.vae_class).from_config(shipped(self.name, "vae"))
                 encoders = []
                 for name in self.component_names():
                     config = {k: v for k, v in shipped(self.name, name).items() if not k.startswith("_")}
