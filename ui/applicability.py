@@ -93,6 +93,8 @@ RULES: dict[str, Rule] = {
     "data.prefetch_factor": lambda c: None if c.data.num_workers > 0 else "used only with Loader workers above 0",
     "multi_gpu.strategy": _multi_gpu,
     "multi_gpu.fsdp_cpu_offload": _fsdp,
+    "multi_gpu.fsdp_activation_offload": _fsdp,
+    "multi_gpu.memory_limit_gib": _multi_gpu,
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,
     "multi_gpu.lr_scaling": _multi_gpu,

@@ -31,6 +31,7 @@ from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_di
 from modules.config.train_config import MultiGPUConfig
 from modules.distributed import failures, nodes, rendezvous
 from modules.distributed.agent import EXITS_VARIABLE
+from modules.distributed.strategy import NoPlanFits, check_cards
 from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
@@ -536,6 +537,10 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
         preflight(cfg)
     except PreflightError as e:
         raise LaunchError(str(e)) from None
+    try:
+        check_cards(cfg, plan.spec)  # a config that fits no memory plan goes no further
+    except NoPlanFits as e:
+        raise LaunchError(f"multi_gpu: {e}") from None
     dataset = check_data_fits(cfg, plan.world_size) if check_data or plan.spec.nnodes > 1 else None
     paths = RunPaths(cfg)
     errors_folder = failures.failures_folder(paths.workspace)

@@ -76,6 +76,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.data_loading = form.field("multi_gpu.distributed_data_loading")
         self.launcher = form.field("multi_gpu.launcher")
         self.strategy = form.field("multi_gpu.strategy")
+        self.memory_limit = form.field("multi_gpu.memory_limit_gib", width=100)
         self.cpu_offload = form.field("multi_gpu.fsdp_cpu_offload")
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
         self.batch_split = form.field("multi_gpu.batch_split", width=120)
@@ -90,10 +91,10 @@ class MultiGPUFrame(ctk.CTkFrame):
         form.row += 1
         self.memory = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=620)
         self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
-        Tooltip(self.memory, "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients "
-                             "and optimizer state) and with FSDP (sharded over the GPUs), against the smallest "
-                             "chosen GPU; and the strategy multi_gpu.strategy gives. The same estimate as Check "
-                             "setup; activations are included where they have been measured.")
+        Tooltip(self.memory, "The memory plan for the chosen GPUs (or Memory per GPU, when set): the fastest way to "
+                             "spread the model that fits every GPU - DDP, an fp8 base, FSDP, checkpointing, "
+                             "offloading - and its estimated peak per GPU; or the smallest change that would fit. "
+                             "The same plan as scripts/check_multi_gpu.py --plan-for and the trainer's start.")
         self._memory_key: str | None = None
         form.row += 1
         self.check_button = ctk.CTkButton(self, text="Check setup", width=120, command=self.check_setup)
@@ -207,8 +208,7 @@ class MultiGPUFrame(ctk.CTkFrame):
             return
         sizes = [g.memory_mib / 1024 for g in self.gpus if g.index in chosen]
         world = summarize(cfg, len(self._visible())).world_size
-        gib = min(sizes) if sizes else None
-        key = json.dumps([config_to_dict(cfg), world, gib], sort_keys=True, default=str)
+        key = json.dumps([config_to_dict(cfg), world, sizes], sort_keys=True, default=str)
         if key == self._memory_key:
             return
         self._memory_key = key
@@ -221,7 +221,7 @@ class MultiGPUFrame(ctk.CTkFrame):
                 if self._memory_key != key:
                     return  # replaced by a newer request (or the frame closed) while it waited its turn
                 try:
-                    result.append(memory_line(cfg, world, gib))
+                    result.append(memory_line(cfg, world, sizes or None))
                 except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
                     result.append(f"Memory estimate failed: {e}")
 
