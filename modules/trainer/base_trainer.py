@@ -394,6 +394,10 @@ class BaseTrainer(ABC):
         """How many samples of each global micro-batch each rank trains (`multi_gpu.batch_split`)."""
         world, batch = self.parallel.data_world, self.cfg.training.batch_size
         if not self.parallel.holds_whole_model and self.cfg.multi_gpu.batch_split.strip().lower() == "auto":
+            if self.parallel.planned_split:  # the memory plan split it by the cards' room
+                log.info("Batch split (auto, from the memory plan): %s.", describe_split(self.parallel.planned_split,
+                                                                                        self.device_names()))
+                return list(self.parallel.planned_split)
             # The probe trains the whole model on each GPU, which a sharded run may not fit on one.
             log.info("Batch split: equal (multi_gpu.batch_split auto measures each GPU with the whole model, "
                      "which FSDP does not hold on one GPU; give an explicit split such as 6,2 for unequal GPUs).")

@@ -16,9 +16,10 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
 
 This class is the one-process parallelism, and its defaults are the whole-model behaviour one process
-and DDP share. What comes next fits the same seams: memory pooling chosen by a planner (FSDP over a
-LoRA's frozen base, an fp8 base, activation checkpointing or offloading, CPU offload of shards - today
-`multi_gpu.fsdp_cpu_offload`) is a parallelism's `place` and `wrap`; context parallelism for video
+and DDP share. Memory pooling (`modules/config/memory_plan.py`) chooses among them and sets what they
+read: FSDP over a LoRA's frozen base, an fp8 base sharded in float8 (`wrap`), activation checkpointing,
+activation offloading (saved-tensor hooks in `gradient_sync`'s context) and CPU offload of the shards,
+and for unequal GPUs under FSDP the split of each batch (`planned_split`); context parallelism for video
 (N GPUs = data x context groups on a device mesh) is a parallelism whose `wrap` splits each sample's
 sequence over its context group, and whose `data_rank` / `data_world` say which slice of the global
 batch the process's group trains (here they are the process's own rank and the number of processes).
@@ -47,6 +48,9 @@ class Parallelism:
     forward_is_collective = False
     """Whether each forward of the trained model is a collective (FSDP gathers its weights from every rank):
     forward calls outside a training step (samples, the validation loss) must then be as many on every rank."""
+    planned_split: list[int] | None = None
+    """Samples of each global micro-batch per rank as the memory plan split it over unequal GPUs, where the
+    start-up measurement of `multi_gpu.batch_split = auto` cannot run (it needs the whole model on each GPU)."""
 
     # ---------------------------------------------------------------- which part of the global batch
     @property
