@@ -36,6 +36,7 @@ from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, signal_processes, watch
 from modules.preflight import PreflightError, preflight
+from modules.trainer import memory_limit
 from modules.util.atomic import write_text_atomically
 from modules.util.batch_slice import parse_split
 from modules.util.exit import exit_now
@@ -294,12 +295,15 @@ def run_worker(job: WorkerJob) -> None:
         if duties.leads:  # a user's own torchrun: no launcher took the workspace for this run (else a no-op)
             WorkspaceLock(cfg.general.workspace_dir).acquire()
         trainer.run()
-    except BaseException as e:
+    except BaseException as error:
+        e = memory_limit.explained(error, trainer)  # out of memory: the figures, not CUDA's traceback
         # Named here because torchrun/spawn only report an exit code; the user needs the rank and cause.
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
         failures.record_error(failures.failures_folder(RunPaths(cfg).workspace), rank, e,
                               step=getattr(trainer, "global_step", None) if getattr(trainer, "first_step_done", False) else None)
         duties.callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=rank)
+        if e is not error:
+            raise SystemExit(1) from None  # said in full above; the launcher names the rank that failed first
         raise
 
 
@@ -663,11 +667,17 @@ def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
         log.error("error: %s", e)
         callbacks.on_event("error", text=str(e), rank=0)
         return 2
+    trainer = None
     try:
         with lock:
-            GenericTrainer(cfg, callbacks, inbox, resume).run()
-    except Exception as e:
+            trainer = GenericTrainer(cfg, callbacks, inbox, resume)
+            trainer.run()
+    except Exception as error:
+        e = memory_limit.explained(error, trainer) if trainer is not None else error
         callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=0)
+        if e is not error:
+            log.error("error: %s", e)
+            return 1
         raise
     return 0
 
