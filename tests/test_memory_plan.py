@@ -201,3 +201,33 @@ def test_plan_for_cards_this_machine_does_not_have(tmp_path):
         assert out.returncode == code and words in out.stdout, out.stdout + out.stderr
         assert "nothing ran on a GPU" in out.stdout
     assert main(["--plan-for", "2x24"]) == 2  # needs a config
+
+
+def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_starts(tmp_path, monkeypatch):
+    """`multi_gpu.memory_limit_gib` 6 for a Flux.1 LoRA at 8 images per GPU: the launcher's check refuses it with
+    the figures and the changes that fit; no worker is started. Within the limit, the check passes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from modules.config.launch_spec import resolve_launch
+    from modules.distributed import launch
+    from modules.distributed.strategy import check_cards
+
+    cfg = config("flux", "lora", "training.batch_size=8", "training.gradient_checkpointing=true",
+                 "multi_gpu.memory_limit_gib=6", f"general.workspace_dir={tmp_path / 'ws'}")
+    spec = resolve_launch(cfg, 2)
+    assert spec.device_type == "cuda" and spec.world_size == 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2 ** 30))
+    monkeypatch.setattr(launch, "plan_launch", lambda c: launch.LaunchPlan(spec, "127.0.0.1", 29500))
+    monkeypatch.setattr(launch, "preflight", lambda c: None)
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(launch, "launch_spawn", started)
+    monkeypatch.setattr(launch, "launch_torchrun", started)
+    with pytest.raises(launch.LaunchError, match=r"^multi_gpu: nothing fits 2 GPU\(s\) of 6 GiB \(multi_gpu.memory_limit_gib\)"
+                                                 r".*Any one of these fits: training.batch_size"):
+        launch.launch(cfg, check_data=False)
+    fits = check_cards(with_changes(cfg, {"multi_gpu.memory_limit_gib": "24", "training.batch_size": 1}), spec)
+    assert fits.plan.capacities == [24.0, 24.0] and not fits.plan.tight

@@ -21,18 +21,18 @@ def plan_table(plan: Plan) -> list[str]:
     columns = columns[:1] if same else columns
     head = "all GPUs" if same and len(plan.needs) > 1 else None
     width = 10
-    lines = ["  per GPU, GiB" + "".join(f"{(head or f'GPU {r}'):>{width}}" for r in columns)]
+    lines = ["per GPU, GiB" + " " * 20 + "".join(f"{(head or f'GPU {r}'):>{width}}" for r in columns)]
     for part in plan.needs[0].parts:
         values = [plan.needs[r].parts[part] for r in columns]
         if any(v > 0.005 for v in values):
-            lines.append(f"    {part:<28}" + "".join(f"{v:>{width}.2f}" for v in values))
+            lines.append(f"  {part:<30}" + "".join(f"{v:>{width}.2f}" for v in values))
     rows = (("training peak", [plan.needs[r].training for r in columns]),
             ("while caching", [plan.needs[r].caching for r in columns]),
             ("the card", [plan.capacities[r] for r in columns]))
-    lines += [f"    {name:<28}" + "".join(f"{v:>{width}.2f}" for v in values) for name, values in rows]
+    lines += [f"  {name:<30}" + "".join(f"{v:>{width}.2f}" for v in values) for name, values in rows]
     hosts = [plan.needs[r].host for r in columns]
     if any(h > 0 for h in hosts):
-        lines.append(f"    {'in host memory (offload)':<28}" + "".join(f"{v:>{width}.2f}" for v in hosts))
+        lines.append(f"  {'in host memory (offload)':<30}" + "".join(f"{v:>{width}.2f}" for v in hosts))
     return lines
 
 
@@ -53,16 +53,15 @@ def plan_report(cfg, cards_text: str, measure=None, builtin_folder=None) -> tupl
     caps, source = capacities(cfg, len(cards), cards)
     source = f"{source} of --plan-for {cards_text}" if source == "multi_gpu.memory_limit_gib" else f"--plan-for {cards_text}"
     data: dict = {"cards": cards, "capacities": caps, "model": describe_model(cfg, sizes)}
-    lines = [f"Memory plan for {len(cards)} GPU(s): {', '.join(f'{c:g}' for c in caps)} GiB ({source})",
-             f"  model: {data['model']}"]
+    lines = [f"Model: {data['model']}"]
     try:
         plan = choose_plan(cfg, sizes, caps, source)
     except NoPlanFits as e:
-        lines.append(f"  REFUSED: {e}")
+        lines.append(f"REFUSED: {e}")
         data.update(plan=None, refused=str(e))
         code = 1
     else:
-        lines.append(f"  {plan.describe()}")
+        lines.append(plan.describe())
         lines += plan_table(plan)
         data.update(plan=plan.name, strategy=plan.strategy, changes=plan.changes, peaks=plan.peaks, tight=plan.tight,
                     rejected=plan.rejected, split=plan.planned_split,
@@ -70,7 +69,7 @@ def plan_report(cfg, cards_text: str, measure=None, builtin_folder=None) -> tupl
                     caching=[n.caching for n in plan.needs])
         code = 0
     data["seconds"] = {"sizing the model": round(sized - started, 3), "planning": round(time.perf_counter() - sized, 3)}
-    lines.append(f"  (sized in {1000 * (sized - started):.0f} ms, planned in {1000 * (time.perf_counter() - sized):.0f} ms;"
+    lines.append(f"(sized in {1000 * (sized - started):.0f} ms, planned in {1000 * (time.perf_counter() - sized):.0f} ms;"
                  " nothing ran on a GPU)")
     return data, "\n".join(lines), code
 

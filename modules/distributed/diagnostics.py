@@ -297,7 +297,8 @@ def _memory_findings(cfg, model, cards: list[dict], assume_free_gib: float | Non
             "parts": [n.parts for n in plan.needs]}
 
 
-def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None) -> dict:
+def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None,
+                 overrides: list[str] = ()) -> dict:
     report: dict = {"versions": versions(), "env": {k: os.environ.get(k) for k in ENV_VARS}}
     problems: list[str] = []
     advice: list[str] = []
@@ -343,7 +344,7 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
     report["memory"] = None
     if config_path:
         try:
-            cfg = load_config(config_path)
+            cfg = load_config(config_path, overrides)
             model = memory_estimate.sizes(cfg)
             est = memory_estimate.estimate(cfg, model=model)
         except (ValueError, OSError) as e:  # ConfigError and EstimateError are ValueErrors
@@ -463,16 +464,16 @@ def format_node_check(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_for(config_path: str | None, cards: str, as_json: bool) -> int:
-    """`--plan-for`: the memory plan for cards this machine need not have; 0 when a plan fits, 1 when none
-    does, 2 for bad input."""
+def plan_for(config_path: str | None, cards: str, as_json: bool, overrides: list[str] = ()) -> int:
+    """`--plan-for`: the memory plan for cards this machine need not have (and a model it need not have yet:
+    paths are not checked); 0 when a plan fits, 1 when none does, 2 for bad input."""
     from modules.config.memory_report import plan_report, report_json
 
     if not config_path:
         print("error: --plan-for needs --config-path", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, overrides, check_paths=False)
         data, text, code = plan_report(cfg, cards, memory_estimate.measure, memory_estimate.builtin_folder)
     except (ValueError, OSError) as e:  # ConfigError, the estimate's and --plan-for's errors name what to fix
         print(f"error: {e}", file=sys.stderr)
@@ -491,6 +492,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plan-for", metavar="CARDS",
                         help="only the memory plan of --config-path for these GPUs, e.g. 2x24 (two of 24 GiB) or "
                              "24,16; no GPU is used")
+    parser.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of --config-path (repeatable), e.g. training.batch_size=2")
     parser.add_argument("--nnodes", type=int, default=1, help="check the all-reduce between this many machines "
                                                               "(run it on each, with its --node-rank)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number (0 serves the rendezvous)")
@@ -504,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the report; 0 when every check passed, 1 when a problem was found."""
     args = parse_args(argv)
     if args.plan_for:
-        return plan_for(args.config_path, args.plan_for, args.json)
+        return plan_for(args.config_path, args.plan_for, args.json, args.config_value)
     if args.nnodes > 1:
         if not 0 <= args.node_rank < args.nnodes:
             print(f"error: --node-rank {args.node_rank} is not a node of --nnodes {args.nnodes} (0 to {args.nnodes - 1}).",
@@ -513,6 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         result = run_node_check(Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port), args.size_mib)
         print(json.dumps(result, indent=2) if args.json else format_node_check(result), flush=True)
         return 0 if result.get("ok") else 1
-    report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib)
+    report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib, args.config_value)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
     return 1 if report["problems"] else 0

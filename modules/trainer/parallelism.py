@@ -14,6 +14,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
+| the memory plan's savers | an fp8 base whole | the same | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
 
 This class is the one-process parallelism, and its defaults are the whole-model behaviour one process
 and DDP share. Memory pooling (`modules/config/memory_plan.py`) chooses among them and sets what they
