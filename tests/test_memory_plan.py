@@ -125,7 +125,7 @@ def test_the_limit_caps_each_card_and_is_per_gpu():
     cfg = TrainConfig()
     assert memory_limits("", 2) is None and memory_limits("24", 3) == [24, 24, 24]
     assert memory_limits("24,16", 2) == [24, 16]
-    with pytest.raises(ValueError, match="2 limits for 3 GPU"):
+    with pytest.raises(ValueError, match="multi_gpu.memory_limit_gib: '24,16' gives 2 limits for 3 GPU"):
         memory_limits("24,16", 3)
     cfg.multi_gpu.memory_limit_gib = "24,16"
     assert capacities(cfg, 2, [80.0, 12.0]) == ([24.0, 12.0], "multi_gpu.memory_limit_gib")  # never above the card
@@ -219,7 +219,9 @@ def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_start
     spec = resolve_launch(cfg, 2)
     assert spec.device_type == "cuda" and spec.world_size == 2
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2 ** 30))
-    monkeypatch.setattr(launch, "plan_launch", lambda c: launch.LaunchPlan(spec, "127.0.0.1", 29500))
+    from modules.util.ports import find_free_port
+    port = find_free_port("127.0.0.1")
+    monkeypatch.setattr(launch, "plan_launch", lambda c: launch.LaunchPlan(spec, "127.0.0.1", port))
     monkeypatch.setattr(launch, "preflight", lambda c: None)
 
     def started(*args, **kwargs):
@@ -227,7 +229,12 @@ def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_start
     monkeypatch.setattr(launch, "launch_spawn", started)
     monkeypatch.setattr(launch, "launch_torchrun", started)
     with pytest.raises(launch.LaunchError, match=r"^multi_gpu: nothing fits 2 GPU\(s\) of 6 GiB \(multi_gpu.memory_limit_gib\)"
-                                                 r".*Any one of these fits: training.batch_size"):
+                                                 r".*Any one of these fits: training.batch_size.*TANDEM_SKIP_MEMORY_CHECK=1"):
+        launch.launch(cfg, check_data=False)
+    with pytest.raises(launch.LaunchError, match=r"^multi_gpu.memory_limit_gib: '24,16,8' gives 3 limits for 2 GPU"):
+        launch.launch(with_changes(cfg, {"multi_gpu.memory_limit_gib": "24,16,8"}), check_data=False)
+    monkeypatch.setenv("TANDEM_SKIP_MEMORY_CHECK", "1")  # the estimate can be wrong: start anyway, warned
+    with pytest.raises(AssertionError, match="a worker was started"):
         launch.launch(cfg, check_data=False)
     fits = check_cards(with_changes(cfg, {"multi_gpu.memory_limit_gib": "24", "training.batch_size": 1}), spec)
     assert fits.plan.capacities == [24.0, 24.0] and not fits.plan.tight

@@ -151,8 +151,8 @@ def memory_limits(text: str, world: int) -> list[float] | None:
     if len(limits) == 1:
         return limits * world
     if len(limits) != world:
-        raise ValueError(f"{text!r} gives {len(limits)} limits for {world} GPU(s); give one number for every GPU or "
-                         "one per GPU")
+        raise ValueError(f"multi_gpu.memory_limit_gib: {text!r} gives {len(limits)} limits for {world} GPU(s); give "
+                         "one number for every GPU or one per GPU")
     return limits
 
 

@@ -50,6 +50,8 @@ SCAN_REPORTED = "TANDEM_SCAN_REPORTED"
 """Set (to 1) for workers whose launcher has scanned the data and reported its warnings already."""
 COMMANDS_FROM = "TANDEM_COMMANDS_FROM"
 """Byte offset of the commands file from which commands are this run's (taken before workers start)."""
+SKIP_MEMORY_CHECK = "TANDEM_SKIP_MEMORY_CHECK"
+"""Set to 1 to start a run the memory plan says fits no card (the estimate can be wrong for a model)."""
 ABORTED = 130
 """Exit code when the user aborted a run (a second Ctrl-C), as a shell reports SIGINT."""
 RESTART_BACKUP_MINUTES = 10.0
@@ -544,7 +546,12 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     try:
         check_cards(cfg, plan.spec)  # a config that fits no memory plan goes no further
     except NoPlanFits as e:
-        raise LaunchError(f"multi_gpu: {e}") from None
+        if os.environ.get(SKIP_MEMORY_CHECK) != "1":
+            raise LaunchError(f"multi_gpu: {e} (If the estimate is wrong for this model, {SKIP_MEMORY_CHECK}=1 "
+                              "starts it anyway.)") from None
+        log.warning("multi_gpu: %s Starting anyway (%s=1).", e, SKIP_MEMORY_CHECK)
+    except ValueError as e:  # a limit per GPU for another number of GPUs
+        raise LaunchError(str(e)) from None
     dataset = check_data_fits(cfg, plan.world_size) if check_data or plan.spec.nnodes > 1 else None
     paths = RunPaths(cfg)
     errors_folder = failures.failures_folder(paths.workspace)
