@@ -53,6 +53,23 @@ def both(root: Path, cache: Path, *overrides: str) -> tuple[dict, dict]:
     return weights(root / "one"), weights(root / "fsdp")
 
 
+def test_activation_offloading_moves_activations_and_never_weights():
+    """What a Linear layer saves: its input (moved to host memory, returned for the backward) and its weight, as
+    a view (`weight.t()`), which stays: copying every gathered weight each step would cost more than it saves."""
+    from modules.distributed.activation_offload import ActivationOffload
+
+    offload = ActivationOffload(torch.device("cpu"))
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    packed = [offload.pack(t) for t in (x, layer.weight, layer.weight.t())]
+    assert isinstance(packed[0], tuple) and packed[0][1] is not x and torch.equal(offload.unpack(packed[0]), x)
+    assert packed[1] is layer.weight and packed[2] is not None and not isinstance(packed[2], tuple)
+    with offload.hooks():
+        layer(x).sum().backward()
+    assert offload.offloaded_bytes == x.numel() * 4 and x.grad is not None
+    assert torch.allclose(x.grad, layer.weight.sum(0).expand(3, 8))
+
+
 @pytest.mark.slow
 def test_lora_with_checkpointing_and_both_offloads_trains_what_one_process_trains(tmp_path, cache_dir, capfd):
     one, fsdp = both(tmp_path, cache_dir, "training.precision=fp32", "training.gradient_checkpointing=true",

@@ -8,9 +8,10 @@ the block) and back through `unpack` when the backward needs it: here a copy in 
 made and returned on the compute stream. That costs the copies' time (PCIe, both ways, each step) and
 saves their GPU memory - the `fsdp + activation offloading` step of the memory plan.
 
-Parameters are never copied (FSDP's gathered weights are saved by the layers that use them; they are
-freed and gathered again anyway), nor small tensors, whose copies would cost more than they save. CPU
-processes (the tests) copy every saved tensor that is no parameter, through the same code.
+Parameters are never copied, nor the views of them the layers save (`weight.t()`: FSDP's gathered
+weights are freed after the forward and gathered again for the backward anyway), nor small tensors,
+whose copies would cost more than they save. CPU processes (the tests) copy every saved tensor that is
+no parameter, through the same code.
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ class ActivationOffload:
 
     def pack(self, tensor: torch.Tensor):
         size = tensor.numel() * tensor.element_size()
-        if isinstance(tensor, nn.Parameter) or size < self.min_bytes or tensor.device.type != self.device.type:
+        # A layer saves its weight as a view (`weight.t()`): a view of a parameter is a parameter too.
+        weight = isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+        if weight or size < self.min_bytes or tensor.device.type != self.device.type:
             return tensor
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=self.cuda)
         host.copy_(tensor, non_blocking=self.cuda)
