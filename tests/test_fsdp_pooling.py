@@ -92,3 +92,18 @@ def test_an_fp8_base_sharded_in_float8_trains_what_one_process_trains(tmp_path, 
     assert up and all(float(fsdp[k].abs().max()) > 0 for k in up)
     assert relative_l2(fsdp, one, up) <= FP8_BOUND
     assert relative_l2(fsdp, one) <= 1e-3
+
+
+def test_fsdp_takes_the_plans_split_of_each_batch_over_unequal_cards(tmp_path, cache_dir):
+    """`batch_split auto` under FSDP: the start-up probe needs the whole model on each GPU, so the split the memory
+    plan made from the cards' room (`planned_split`) is the one the run trains; without one, equal batches."""
+    from modules.distributed.fsdp import FSDPParallelism
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    cfg = demo_config(tmp_path, cache_dir, "multi_gpu.batch_split=auto", "training.batch_size=2")
+    trainer = GenericTrainer(cfg)
+    trainer.device = torch.device("cpu")
+    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device, planned_split=[3, 1])
+    assert trainer.decide_split() == [3, 1]
+    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device)
+    assert trainer.decide_split() == [2]  # one process here: equal
