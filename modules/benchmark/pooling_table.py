@@ -27,7 +27,8 @@ def read(path: Path) -> dict:
 def _peaks(run: dict | None) -> str:
     if not run:
         return "-"
-    return ", ".join(f"{r['max_mem_gib']:.1f}" for r in sorted(run.get("per_rank") or [], key=lambda r: r["rank"])) or "-"
+    ranks = sorted(run.get("per_rank") or [], key=lambda r: r["rank"])
+    return ", ".join(f"{r['max_mem_gib']:.1f}" for r in ranks) or "-"
 
 
 def _speed(run: dict | None) -> str:
@@ -35,17 +36,17 @@ def _speed(run: dict | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| row | case | GPUs x limit (GiB) | plan | estimated peak per GPU | measured peak per GPU | img/s | one uncapped GPU img/s | "
-           "raw reference img/s (peak GiB) | GPU |",
+    out = ["| row | case | GPUs x limit (GiB) | plan | estimated peak per GPU | measured peak per GPU | img/s | "
+           "one uncapped GPU img/s | raw reference img/s (peak GiB) | GPU |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         capped, one, ref = row["capped"], row["one"], row["reference"]
         estimate = ", ".join(f"{p:.1f}" for p in (capped or {}).get("estimated_peak_gib") or []) or "-"
         limit = f"{capped['world']} x {capped['memory_limit_gib']}" if capped else "-"
         reference = f"{ref['samples_per_s']:.2f} ({ref.get('max_mem_gib')})" if ref else "-"
-        out.append(f"| {row['row']} | {(capped or one or {}).get('case', '-')} | {limit} | {(capped or {}).get('plan', '-')} | "
-                   f"{estimate} | {_peaks(capped)} | {_speed(capped)} | {_speed(one)} | {reference} | "
-                   f"{(capped or one or ref or {}).get('gpu', '-')} |")
+        case, plan = (capped or one or {}).get("case", "-"), (capped or {}).get("plan", "-")
+        out.append(f"| {row['row']} | {case} | {limit} | {plan} | {estimate} | {_peaks(capped)} | {_speed(capped)} | "
+                   f"{_speed(one)} | {reference} | {(capped or one or ref or {}).get('gpu', '-')} |")
     return "\n".join(out)
 
 

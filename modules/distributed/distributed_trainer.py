@@ -89,13 +89,11 @@ class DistributedTrainer(BaseTrainer):
         super().report_first_step(started, loaded, workers_s)
         if self.device.type != "cuda":
             return
-        peaks = du.all_gather_objects(torch.cuda.max_memory_allocated(self.device) / GIB)
-        self.measured_peaks = peaks
-        plan = self.strategy.plan
-        estimated = f" (estimated {', '.join(f'{p:.1f}' for p in plan.peaks)}; cards {', '.join(f'{c:.1f}' for c in plan.capacities)} GiB)" \
-            if plan is not None else ""
-        log.info("Memory after the first step: peak %s GiB%s.", ", ".join(f"GPU {r} {p:.1f}" for r, p in enumerate(peaks)),
-                 estimated)
+        self.measured_peaks = du.all_gather_objects(torch.cuda.max_memory_allocated(self.device) / GIB)
+        plan, listed = self.strategy.plan, lambda values: ", ".join(f"{v:.1f}" for v in values)
+        estimated = f" (estimated {listed(plan.peaks)}; cards {listed(plan.capacities)} GiB)" if plan is not None else ""
+        log.info("Memory after the first step: peak %s GiB%s.",
+                 ", ".join(f"GPU {r} {p:.1f}" for r, p in enumerate(self.measured_peaks)), estimated)
 
     def teardown(self) -> None:
         # DDP holds the process group, and the trainer's reference cycles kept it alive until interpreter
