@@ -238,3 +238,26 @@ def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_start
         launch.launch(cfg, check_data=False)
     fits = check_cards(with_changes(cfg, {"multi_gpu.memory_limit_gib": "24", "training.batch_size": 1}), spec)
     assert fits.plan.capacities == [24.0, 24.0] and not fits.plan.tight
+
+
+@pytest.mark.slow
+def test_fsdp_units_told_by_names_are_the_families_repeated_blocks():
+    """The estimate finds FSDP's units (the family's repeated blocks, which `fsdp.shard` wraps) from the weights'
+    names; for every family with shipped configs, built on `meta`, they are the blocks the family names. A new
+    family whose blocks are named otherwise fails here (and its gathered-block estimate would be wrong)."""
+    from types import SimpleNamespace
+
+    from modules.config.model_families import FAMILIES
+    from modules.config.model_sizes import shipped_configs, units
+    from modules.distributed.memory_estimate import build_meta_model, component_of
+    from modules.model.families import family
+
+    for name, info in FAMILIES.items():
+        configs = shipped_configs(name)
+        if info.denoiser not in configs:
+            continue
+        denoiser = build_meta_model(info.denoiser, configs[info.denoiser])
+        blocks = family(name).repeated_blocks(SimpleNamespace(unet=denoiser, denoiser=denoiser))
+        expected = sorted(sum(p.numel() for p in block.parameters()) for block in blocks)
+        found = sorted(units(component_of(denoiser).tensors, info.denoiser).values())
+        assert found == expected, name
