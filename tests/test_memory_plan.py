@@ -152,6 +152,7 @@ def test_activation_offloading_needs_checkpointing():
                for p in validate(cfg, check_paths=False))
 
 
+@pytest.mark.slow
 def test_sizes_come_from_a_folders_files_without_torch(tandem_home, tmp_path):
     """The built-in model's folder (the demo UNet) sized from its .safetensors headers equals the network built
     on `meta`; the published sizes plan a 12 B model in a fresh process that never imports torch."""
@@ -166,6 +167,8 @@ def test_sizes_come_from_a_folders_files_without_torch(tandem_home, tmp_path):
     assert read.source.startswith("diffusers folder") and read.family == "sd1"
     for part, component in read.components.items():
         assert component.tensors == built[part].tensors, part
+    builtin = model_sizes(TrainConfig())  # builtin:demo, built already: read from its folder, no hook needed
+    assert builtin.source == f"built-in model ({folder})" and builtin.components["unet"].tensors == read.components["unet"].tensors
     script = ("import sys, time; t = time.perf_counter()\n"
               "from modules.config import TrainConfig, apply_overrides\n"
               "from modules.config.model_sizes import model_sizes\n"

@@ -298,6 +298,14 @@ def sizes_from_configs(family: str, source: str, configs: dict[str, dict], folde
     return ModelSizes(family, source, {p: components[p] for p in configs}, dict(denoiser))
 
 
+def built_in_folder(family: str) -> Path | None:
+    """A built-in model's folder where it was built already (`modules.model.demo.default_demo_root`'s names:
+    `demo-model` for SD, `demo-<family>` for the others), else None: reading it needs no torch."""
+    home = os.environ.get("TANDEM_HOME")
+    folder = (Path(home) if home else REPO_ROOT / ".cache") / ("demo-model" if family == "sd1" else f"demo-{family}")
+    return folder if (folder / "model_index.json").is_file() else None
+
+
 def _folder_family(folder: Path, model_type: str, configs: dict[str, dict]) -> str:
     family = model_type if model_type in FAMILIES else guess_family(str(folder))
     if family is None:
@@ -315,9 +323,11 @@ def model_sizes(cfg, measure: Measure | None = None, builtin_folder: Callable[[s
     family = guess_family(base, model_type)
     builtin = next((name for name, info in FAMILIES.items() if info.demo and info.demo == base), None)
     if builtin is not None:
-        if builtin_folder is None:
-            raise SizesUnavailable(f"the built-in model {base} is sized from its folder, built on first use")
-        folder = Path(builtin_folder(builtin))
+        folder = built_in_folder(builtin)
+        if folder is None:
+            if builtin_folder is None:
+                raise SizesUnavailable(f"the built-in model {base} is sized from its folder, built on first use")
+            folder = Path(builtin_folder(builtin))
         return sizes_from_configs(builtin, f"built-in model ({folder})", read_folder_configs(folder), folder, measure)
     path = Path(base).expanduser()
     if path.is_dir():
