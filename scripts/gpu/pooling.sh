@@ -5,6 +5,11 @@
 # one and the raw reference's FSDP (.bench/raw_ddp_reference.py --fsdp, uncapped: the floor). One part
 # per call, each within ~8 minutes:
 #   plans     (no GPU needed) the plan Tandem makes for every row below (check_multi_gpu.py --plan-for)
+#   check     on 2 GPUs (NCCL), the plans' savers train what 1 GPU trains (the demo through
+#             check_equivalence.py, relative L2 within its tolerance): an fp8 base sharded under FSDP (bf16),
+#             checkpointing + activation offloading + CPU offload (fp32); then a run held to a limit far below
+#             its need (past the launcher's refusal with TANDEM_SKIP_MEMORY_CHECK=1) must end with exit 1 and
+#             the out-of-memory figure, no CUDA traceback
 #   qwen      Qwen-Image LoRA r16, 1024 px, batch 1, 2 GPUs capped at 24 GiB (target: trains, peak <= 24,
 #             >= 1.4 img/s on H200; the reference: 1.50 img/s at 23.0 GiB on 2x H200); 1 uncapped GPU
 #   flux2     Flux.2-dev LoRA r16, 1024 px, batch 1, 4 GPUs capped at 24 GiB; 1 uncapped GPU
@@ -17,7 +22,7 @@
 # (or ./pooling-<part>.jsonl): the capped run carries "plan", "memory_limit_gib", "estimated_peak_gib" and
 # "per_rank" (each GPU's measured peak, from the sharded state on; the random model is built uncapped).
 set -u
-PART="${1:?usage: pooling.sh plans|qwen|flux2|flux2fp8|flux|sdxl|table}"
+PART="${1:?usage: pooling.sh plans|check|qwen|flux2|flux2fp8|flux|sdxl|table}"
 source "$(dirname "$0")/common.sh"
 RES="${OUTDIR}/pooling-${PART}.jsonl"
 CASE=(--res 1024 --batch 1 --gc --steps 8 --warmup 3)
@@ -64,6 +69,25 @@ table) table; exit 0 ;;
 esac
 nvidia-smi -L
 case "$PART" in
+check)
+    EQ=(python3 scripts/check_equivalence.py --num-gpus 2 --batch 4 --steps 5 --launchers spawn
+        --config-value training.method=lora --config-value multi_gpu.strategy=fsdp)
+    log "equivalence: FSDP with an fp8 base (bf16), 2 x 4 == 1 x 8"
+    limited 240 "${EQ[@]}" --config-value training.precision=bf16 --config-value model.unet_dtype=fp8 | tee -a "$RES"
+    log "equivalence: FSDP with checkpointing, activation offloading and CPU offload (fp32), 2 x 4 == 1 x 8"
+    limited 240 "${EQ[@]}" --config-value training.precision=fp32 --config-value training.gradient_checkpointing=true \
+        --config-value multi_gpu.fsdp_activation_offload=true --config-value multi_gpu.fsdp_cpu_offload=true | tee -a "$RES"
+    log "a run held to 0.05 GiB per GPU: must end with the out-of-memory figure (exit 1), no traceback"
+    TANDEM_SKIP_MEMORY_CHECK=1 limited 150 python3 scripts/train_multi_gpu.py --num-gpus 2 --config-path '#demo' \
+        --config-value multi_gpu.memory_limit_gib=0.05 --config-value general.workspace_dir=/tmp/pooling-oom \
+        --config-value training.max_steps=2 --config-value sampling.every_n_epochs=0 > /tmp/pooling-oom.log 2>&1
+    code=$?
+    said=$(grep -c "ran out of memory" /tmp/pooling-oom.log)
+    traceback=$(grep -c "Traceback" /tmp/pooling-oom.log)
+    grep -m 3 "ran out of memory\|Training failed" /tmp/pooling-oom.log
+    echo "{\"check\": \"out_of_memory_message\", \"exit\": $code, \"said\": $said, \"tracebacks\": $traceback}" | tee -a "$RES"
+    exit 0
+    ;;
 qwen)
     log "Qwen-Image LoRA: 2 GPUs capped at 24 GiB, the raw reference on 2, 1 uncapped GPU"
     capped 200 2 24 --model qwen --mode lora "${CASE[@]}"
