@@ -201,3 +201,24 @@ def test_the_rounding_check_compares_runs_of_one_global_batch_on_one_thread_but_
     assert "training.batch_size=4" in args and "--num-gpus" in args and "training.max_steps=20" in args
     script, args, _ = arguments(ROWS[-1][2], tmp_path, 20)
     assert script == "train.py" and "data.cache_latents=false" in args
+
+
+def test_the_pooling_table_puts_each_capped_row_beside_one_gpu_and_the_reference(tmp_path):
+    """scripts/gpu/pooling.sh's last table: from one row's JSON lines (the capped run with its plan, the uncapped
+    one-GPU run, the raw reference), one line with the plan, estimated and measured peaks and the speeds."""
+    import json as json_
+    from modules.benchmark.pooling_table import main, read, table
+
+    capped = {"case": "qwen lora 1024px b1 gc", "world": 2, "memory_limit_gib": "24", "plan": "FSDP + fp8 base",
+              "estimated_peak_gib": [19.5, 19.5], "samples_per_s": 1.45, "gpu": "NVIDIA H200",
+              "per_rank": [{"rank": 1, "max_mem_gib": 18.2}, {"rank": 0, "max_mem_gib": 18.4}]}
+    one = {"case": "qwen lora 1024px b1 gc", "world": 1, "memory_limit_gib": None, "samples_per_s": 0.8, "per_rank": []}
+    reference = {"source": "raw_reference", "samples_per_s": 1.5, "max_mem_gib": 23.0}
+    path = tmp_path / "pooling-qwen.jsonl"
+    path.write_text("\n".join(json_.dumps(r) for r in (capped, reference, one)) + "\n")
+    row = read(path)
+    assert row["row"] == "qwen" and row["capped"] == capped and row["one"] == one and row["reference"] == reference
+    line = table([row]).splitlines()[-1]
+    assert line == ("| qwen | qwen lora 1024px b1 gc | 2 x 24 | FSDP + fp8 base | 19.5, 19.5 | 18.4, 18.2 | 1.45 | 0.80 | "
+                    "1.50 (23.0) | NVIDIA H200 |")
+    assert main([str(tmp_path / "missing.jsonl")]) == 1

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from modules.config import TrainConfig
+from modules.config.memory_need import EstimateError, facts, frozen_base_bytes, optimizer_state_bytes
+from modules.config.model_sizes import lora_shapes, numel, shipped_configs
 from modules.distributed import diagnostics, memory_estimate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,14 +56,12 @@ def test_json_report_with_the_demo_preset(tmp_path):
     report = json.loads(result.stdout)
     assert report["gpus"] == [] and report["allreduce"] == [] and report["problems"] == []
     memory = report["memory"]
-    for key in ("weights", "gradients", "optimizer_state", "ema", "activations", "total"):
-        assert memory[key] >= 0, key
-    assert "demo model" in memory["architecture_source"]
+    for key, value in memory["parts"].items():
+        assert value >= 0, key
+    assert "built-in model" in memory["architecture_source"]
     # The demo UNet is tiny: far below a million parameters, but not empty.
     assert 10_000 < memory["params"]["unet"] < 5_000_000
-    parts = sum(memory[k] for k in ("weights", "gradients", "ddp_buckets", "optimizer_state", "ema",
-                                    "autocast_cache", "activations", "runtime_overhead"))
-    assert memory["total"] == pytest.approx(parts)
+    assert memory["training"] == pytest.approx(sum(memory["parts"].values()))
 
 
 def test_sd1_full_finetune_adamw_fp32_needs_16_bytes_per_unet_parameter(tmp_path):
@@ -69,55 +69,68 @@ def test_sd1_full_finetune_adamw_fp32_needs_16_bytes_per_unet_parameter(tmp_path
     cfg.model.base_model, cfg.model.model_type = "unused.safetensors", "sd1"
     cfg.training.method, cfg.training.precision = "full", "fp32"
     est = memory_estimate.estimate(cfg)
-    unet = est["params"]["unet"]
+    unet, parts = est["params"]["unet"], est["parts"]
     assert unet == pytest.approx(859.5e6, rel=1e-3)
-    assert est["gradients"] * GIB == 4 * unet
-    assert est["optimizer_state"] * GIB == 8 * unet
-    weights_unet = 4 * unet
-    # weights (fp32 UNet + frozen TE + VAE) + gradients + Adam states ~ 16 B x 860M ~ 13.8 GB
-    assert 13.7e9 < weights_unet + (est["gradients"] + est["optimizer_state"]) * GIB < 13.9e9
-    assert est["weights"] * GIB == weights_unet + 4 * (est["params"]["text_encoder"] + est["params"]["vae"])
-    assert est["autocast_cache"] == 0  # fp32 training casts nothing
+    assert parts["gradients"] * GIB == 4 * unet
+    assert parts["optimizer state"] * GIB == 8 * unet
+    # weights (fp32 UNet) + gradients + Adam states ~ 16 B x 860M ~ 13.8 GB; the cached encoders are off the GPU
+    assert 13.7e9 < (parts["weights"] + parts["gradients"] + parts["optimizer state"]) * GIB < 13.9e9
+    assert parts["weights"] * GIB == 4 * unet
+    assert parts["autocast copies"] == 0  # fp32 training casts nothing
+    # While caching, the UNet waits on the GPU beside the text encoder and VAE that encode.
+    assert est["caching"] * GIB == pytest.approx((parts["weights"] + parts["gradients"] + parts["runtime overhead"]) * GIB
+                                                 - 4 * unet + 4 * (est["params"]["text_encoder"] + est["params"]["vae"]), rel=1e-6)
 
 
 def test_fp8_lora_base_counts_one_byte_per_linear_weight():
     """The estimate of a float8 base matches what Float8Linear really stores (on the demo UNet)."""
-    import torch
     from modules.model import load_model
     from modules.config.train_config import ModelConfig, TrainingConfig
     bundle = load_model(ModelConfig(unet_dtype="fp8"), training_cfg=TrainingConfig(method="lora"))
     unet = bundle.unet
     real = sum(t.numel() * t.element_size() for t in [*unet.parameters(), *unet.buffers()])
+    cfg = TrainConfig()  # builtin:demo
+    f = facts(memory_estimate.sizes(cfg), cfg)
+    assert frozen_base_bytes(f, "fp8") == real
     fresh = load_model(ModelConfig(unet_dtype="bf16"), training_cfg=TrainingConfig(method="lora")).unet
-    assert memory_estimate.frozen_unet_bytes(fresh, "fp8") == real
-    assert memory_estimate.frozen_unet_bytes(fresh, "bf16") == 2 * sum(p.numel() for p in fresh.parameters())
-    cfg = TrainConfig()
-    cfg.model.base_model, cfg.model.model_type, cfg.model.unet_dtype = "unused.safetensors", "sd1", "bf16"
-    bf16 = memory_estimate.estimate(cfg)
-    cfg.model.unet_dtype = "fp8"
-    fp8 = memory_estimate.estimate(cfg)
-    linear = sum(m.weight.numel() for m in memory_estimate.build_meta_models(
-        memory_estimate.resolve_architecture(cfg)[2])["unet"].modules() if isinstance(m, torch.nn.Linear))
-    assert 0.3 * bf16["params"]["unet"] < linear < 0.32 * bf16["params"]["unet"]  # SD1.5: the rest are convolutions
-    assert (bf16["weights"] - fp8["weights"]) * GIB == pytest.approx(linear, rel=1e-3)
+    assert frozen_base_bytes(f, "bf16") == 2 * sum(p.numel() for p in fresh.parameters())
+    cfg.model.base_model, cfg.model.model_type = "unused.safetensors", "sd1"  # SD1.5's published sizes
+    f = facts(memory_estimate.sizes(cfg), cfg)
+    linear = f.linear[0]
+    assert 0.3 * f.params["unet"] < linear < 0.32 * f.params["unet"]  # SD1.5: the rest are convolutions
+    assert frozen_base_bytes(f, "bf16") - frozen_base_bytes(f, "fp8") == linear - 4 * f.linear[1]
 
 
-def test_shipped_architectures_match_published_parameter_counts():
-    for family, expected in memory_estimate.PUBLISHED_PARAMS_M.items():
-        models = memory_estimate.build_meta_models(memory_estimate.shipped_components(family))
-        for name, millions in expected.items():
-            count = sum(p.numel() for p in models[name].parameters())
-            assert count / 1e6 == pytest.approx(millions, abs=0.1), (family, name)
+def test_shipped_architectures_match_published_parameter_counts_and_their_stored_sizes():
+    """The published sizes Tandem ships (modules/model/configs/sizes/) are the shipped configs built on `meta`:
+    each component's every name and shape; the SD families' counts are the published ones."""
+    from modules.config.model_sizes import CONFIGS_DIR, stored_component
+    for family in sorted(p.name for p in CONFIGS_DIR.iterdir() if (p / "vae.json").is_file()):
+        configs = shipped_configs(family)
+        built = memory_estimate.measure(configs)
+        for part, config in configs.items():
+            stored = stored_component(config)
+            assert stored is not None, (f"no published sizes for {family}/{part}: run python -m "
+                                        "modules.distributed.memory_estimate --write-shipped")
+            assert stored.tensors == built[part].tensors and stored.class_name == built[part].class_name, (family, part)
+        for name, millions in memory_estimate.PUBLISHED_PARAMS_M.get(family, {}).items():
+            assert built[name].params / 1e6 == pytest.approx(millions, abs=0.1), (family, name)
 
 
 def test_lora_counts_follow_rank_and_targets():
-    models = memory_estimate.build_meta_models(memory_estimate.shipped_components("sd1"))
-    shapes_16 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 16)
-    shapes_32 = memory_estimate.lora_shapes(models["unet"], ["to_q", "to_k", "to_v", "to_out.0"], 32)
-    count_16 = sum(memory_estimate._numel(s) for s in shapes_16)
+    unet = memory_estimate.sizes(_sd1()).components["unet"].tensors
+    shapes_16 = lora_shapes(unet, ["to_q", "to_k", "to_v", "to_out.0"], 16)
+    shapes_32 = lora_shapes(unet, ["to_q", "to_k", "to_v", "to_out.0"], 32)
+    count_16 = sum(numel(s) for s in shapes_16)
     assert count_16 == pytest.approx(3.19e6, rel=0.01)  # the well-known 3.2M of an SD1.5 rank-16 LoRA
-    assert sum(memory_estimate._numel(s) for s in shapes_32) == 2 * count_16
-    assert memory_estimate.lora_shapes(models["unet"], ["to_q"], 16) != shapes_16
+    assert sum(numel(s) for s in shapes_32) == 2 * count_16
+    assert lora_shapes(unet, ["to_q"], 16) != shapes_16
+
+
+def _sd1() -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.model.base_model, cfg.model.model_type = "unused.safetensors", "sd1"
+    return cfg
 
 
 def test_the_estimate_tells_the_family_by_the_model_layers_rules(tmp_path):
@@ -128,27 +141,27 @@ def test_the_estimate_tells_the_family_by_the_model_layers_rules(tmp_path):
                "model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1)}, str(refiner))
     cfg = TrainConfig()
     cfg.model.base_model = str(refiner)
-    with pytest.raises(memory_estimate.EstimateError, match="SDXL refiner"):
-        memory_estimate.resolve_architecture(cfg)
+    with pytest.raises(EstimateError, match="SDXL refiner"):
+        memory_estimate.sizes(cfg)
     xl = tmp_path / "xl.safetensors"
     save_file({"conditioner.embedders.0.transformer.text_model.x": torch.zeros(1),
                "conditioner.embedders.1.model.ln_final.weight": torch.zeros(1),
                "model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1)}, str(xl))
     cfg.model.base_model = str(xl)
-    family, source, components = memory_estimate.resolve_architecture(cfg)
-    assert family == "sdxl" and "text_encoder_2" in components and "shipped configs" in source
+    sizes = memory_estimate.sizes(cfg)
+    assert sizes.family == "sdxl" and "text_encoder_2" in sizes.components and "published sizes" in sizes.source
 
 
 def test_optimizer_state_sizes():
     shapes = [(320, 768), (320,)]
     params = 320 * 768 + 320
-    assert memory_estimate.optimizer_state_bytes("adamw", shapes, 0.9) == 8 * params
-    assert memory_estimate.optimizer_state_bytes("adamw_8bit", shapes, 0.9) == 2 * params
-    assert memory_estimate.optimizer_state_bytes("sgd", shapes, 0.9) == 4 * params
-    assert memory_estimate.optimizer_state_bytes("sgd", shapes, 0.0) == 0
-    assert memory_estimate.optimizer_state_bytes("adafactor", shapes, 0.9) == 4 * (320 + 768 + 320)
-    with pytest.raises(memory_estimate.EstimateError, match="optimizer.name"):
-        memory_estimate.optimizer_state_bytes("lion", shapes, 0.9)
+    assert optimizer_state_bytes("adamw", shapes, 0.9) == 8 * params
+    assert optimizer_state_bytes("adamw_8bit", shapes, 0.9) == 2 * params
+    assert optimizer_state_bytes("sgd", shapes, 0.9) == 4 * params
+    assert optimizer_state_bytes("sgd", shapes, 0.0) == 0
+    assert optimizer_state_bytes("adafactor", shapes, 0.9) == 4 * (320 + 768 + 320)
+    with pytest.raises(EstimateError, match="optimizer.name"):
+        optimizer_state_bytes("lion", shapes, 0.9)
 
 
 @pytest.mark.parametrize("name, slice_p", [("prodigy", 1), ("prodigy", 11), ("adamw_schedule_free", 1)])
@@ -167,7 +180,7 @@ def test_optimizer_state_sizes_match_the_real_optimizers(name, slice_p):
     optimizer.step()
     real = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
-    assert memory_estimate.optimizer_state_bytes(name, shapes, 0.9, slice_p) == real
+    assert optimizer_state_bytes(name, shapes, 0.9, slice_p) == real
 
 
 @pytest.mark.slow
@@ -179,8 +192,8 @@ def test_estimate_over_free_memory_fails_with_advice(tmp_path):
     assert "training.gradient_checkpointing=true" in small.stdout
     big = run_check("--skip-gloo", "--json", "--config-path", str(config), "--assume-free-gib", "80")
     assert big.returncode == 0, big.stdout
-    memory = json.loads(big.stdout)["memory"]
-    assert memory["largest_batch"] >= 4 and memory["largest_batch_checkpointed"] > memory["largest_batch"]
+    plan = json.loads(big.stdout)["plan"]
+    assert plan["plan"] == "one process" and plan["peaks"][0] < 0.9 * 80
 
 
 @pytest.mark.slow
@@ -251,10 +264,16 @@ def test_parse_real_topology_with_underlined_header():
 
 
 def test_largest_batch_that_fits():
-    est = {"fixed": 10.0, "activations_per_sample": 3.0, "activations_per_sample_checkpointed": 1.0}
-    assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=False) == 3
-    assert memory_estimate.largest_batch_that_fits(est, 20.0, checkpointing=True) == 10
-    assert memory_estimate.largest_batch_that_fits(est, 9.0, checkpointing=True) == 0
+    from modules.config.memory_need import Setup, largest_batch, need
+    cfg = _sd1()
+    cfg.training.method = "full"
+    f = facts(memory_estimate.sizes(cfg), cfg)
+    setup = Setup("single")
+    one, two = need(f, cfg, setup, 1).training, need(f, cfg, setup, 2).training
+    per_sample = two - one
+    assert largest_batch(f, cfg, setup, one + 2.5 * per_sample) == 3
+    assert largest_batch(f, cfg, setup, one - 0.1) == 0
+    assert largest_batch(f, cfg, Setup("single", checkpointing=True), one + 2.5 * per_sample) > 3
 
 
 def test_unequal_gpus_get_the_batch_split_advice():
@@ -270,21 +289,20 @@ def test_unequal_gpus_get_the_batch_split_advice():
 
 def test_an_explicit_split_is_estimated_per_gpu(tmp_path):
     from modules.config import load_config
+    from modules.config.memory_plan import choose_plan
 
     config = write_config(tmp_path, training={"method": "full", "batch_size": 4},
-                          multi_gpu={"batch_split": "6,2"})
+                          multi_gpu={"enabled": True, "batch_split": "6,2", "strategy": "ddp"})
     cfg = load_config(str(config))
-    problems: list[str] = []
-    rows = diagnostics._per_gpu_batches(cfg, [], 20.0, problems)
-    assert [r["batch"] for r in rows] == [6, 2] and rows[0]["estimate_gib"] > rows[1]["estimate_gib"]
-    full = memory_estimate.estimate(cfg)["total"]  # batch 4
-    assert rows[1]["estimate_gib"] < full < rows[0]["estimate_gib"]
-    assert any("gives GPU 0 a batch of 6" in p for p in problems) == (rows[0]["estimate_gib"] > 20.0 * 0.9)
+    plan = choose_plan(cfg, memory_estimate.sizes(cfg), [80.0, 80.0])
+    assert plan.batches == [6, 2] and plan.needs[0].training > plan.needs[1].training
+    even = choose_plan(load_config(str(config), ["multi_gpu.batch_split=equal"]), memory_estimate.sizes(cfg), [80.0, 80.0])
+    assert plan.needs[1].training < even.needs[0].training < plan.needs[0].training
 
 
-def test_memory_per_strategy_and_the_strategy_auto_picks(tmp_path):
-    """A Flux.1 full fine-tune on 4 GPUs of 79 GiB: DDP does not fit, FSDP does, auto picks FSDP - said per
-    strategy as "fits / does not fit, per GPU ~X GiB", and no problem reported."""
+def test_the_report_gives_the_memory_plan_for_the_gpus(tmp_path):
+    """A Flux.1 full fine-tune on 4 GPUs of 79 GiB: DDP does not fit, FSDP does - the plan in the report, with
+    the faster plan that does not fit, and no problem; on 2 GPUs the plan needs CPU offload."""
     weights = tmp_path / "flux.safetensors"
     weights.write_bytes(b"")
     config = tmp_path / "config.json"
@@ -294,18 +312,13 @@ def test_memory_per_strategy_and_the_strategy_auto_picks(tmp_path):
                                                "gradient_checkpointing": True},
                                   "multi_gpu": {"enabled": True, "num_gpus": 4}}))
     report = diagnostics.build_report(str(config), skip_gloo=True, assume_free_gib=79.0)
-    strategies = report["strategies"]
-    assert strategies["world_size"] == 4 and strategies["choice"] == "fsdp"
-    assert strategies["ddp"]["fits"] is False and strategies["fsdp"]["fits"] is True
+    plan = report["plan"]
+    assert plan["world_size"] == 4 and plan["strategy"] == "fsdp" and plan["plan"] == "FSDP"
+    assert plan["rejected"][0].startswith("DDP ~")
     assert not report["problems"], report["problems"]
     text = diagnostics.format_report(report)
-    assert f"DDP:  does not fit, per GPU ~{strategies['ddp']['total']:.1f} GiB" in text
-    assert f"FSDP over 4 GPUs: fits, per GPU ~{strategies['fsdp']['total']:.1f} GiB" in text
-    assert "multi_gpu.strategy: FSDP, DDP would need" in text
-    assert ["activations", "not", "measured"] in [line.split() for line in text.splitlines()]  # never guessed
+    assert "Recommendation: Memory: Memory plan for 4 GPU(s) of 79 GiB" in text and "Faster plans that do not fit: DDP" in text
 
     config.write_text(config.read_text().replace('"num_gpus": 4', '"num_gpus": 2'))
     two = diagnostics.build_report(str(config), skip_gloo=True, assume_free_gib=79.0)
-    assert two["strategies"]["fsdp"]["fits"] is False
-    assert any("FSDP over 2 GPUs" in p for p in two["problems"])
-    assert any("multi_gpu.fsdp_cpu_offload=true" in a for a in two["recommendations"])
+    assert two["plan"]["plan"] == "FSDP + CPU offload" and not two["problems"]

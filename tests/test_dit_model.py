@@ -389,9 +389,9 @@ def test_image_sizes_of_a_detected_family_are_checked(tandem_home, tmp_path):
         GenericTrainer(cfg).start()
 
 
-def test_memory_estimate_sizes_the_transformer_families_but_says_their_activations_are_unmeasured():
-    """Weights, gradients and optimizer state are exact for Flux's shapes (FSDP's `auto` needs them); the
-    activations are not measured, so they are left out of the total and the note says so."""
+def test_memory_estimate_sizes_the_transformer_families_and_their_activations():
+    """Weights, gradients and optimizer state are exact for Flux's shapes (from the built-in model's files);
+    the activations come from the transformer's geometry and grow with the batch."""
     from modules.config import TrainConfig
     from modules.distributed.memory_estimate import estimate
 
@@ -399,10 +399,12 @@ def test_memory_estimate_sizes_the_transformer_families_but_says_their_activatio
     cfg.model.base_model = "builtin:demo-flux"
     cfg.training.method = "full"
     est = estimate(cfg)
-    assert est["model_type"] == "flux" and est["activations"] is None and not est["activations_measured"]
-    assert est["weights"] > 0 and est["gradients"] > 0 and est["optimizer_state"] > 0
-    assert est["total"] == pytest.approx(est["fixed"])
-    assert "has not been measured" in est["note"] and "NOT included" in est["note"]
+    parts = est["parts"]
+    assert est["model_type"] == "flux" and est["activations_known"] and parts["activations"] > 0
+    assert parts["weights"] > 0 and parts["gradients"] > 0 and parts["optimizer state"] > 0
+    assert "built-in model" in est["architecture_source"]
+    cfg.training.batch_size *= 2
+    assert estimate(cfg)["parts"]["activations"] == pytest.approx(2 * parts["activations"])
 
 
 def test_flux_schnell_has_no_guidance_input_and_a_shorter_t5(tmp_path):

@@ -1,13 +1,14 @@
 """`multi_gpu.strategy`: what `auto` picks and why, FSDP's per-GPU estimate, and the configs FSDP refuses.
-(Training under FSDP: tests/test_fsdp.py.)"""
+(Training under FSDP: tests/test_fsdp.py; every plan of the memory planner: tests/test_memory_plan.py.)"""
 from __future__ import annotations
 
 import pytest
 
 from modules.config import TrainConfig
 from modules.config.validation import fsdp_blockers, validate
+from modules.config.memory_need import Setup, facts, need
 from modules.distributed import memory_estimate
-from modules.distributed.strategy import choose_strategy, strategy_estimates
+from modules.distributed.strategy import choose_strategy
 
 
 def config(model_type: str, method: str, **training) -> TrainConfig:
@@ -23,22 +24,25 @@ def config(model_type: str, method: str, **training) -> TrainConfig:
 
 
 def test_flux_full_fine_tune_gets_fsdp_on_four_h100s_and_a_lora_gets_ddp():
-    full = choose_strategy(config("flux", "full"), 4, "cuda", free_gib=79.0)
-    assert full.strategy == "fsdp"
-    assert "DDP would need ~" in full.reason and "FSDP over 4 GPUs needs ~" in full.reason and "which fits" in full.reason
+    full = choose_strategy(config("flux", "full"), 4, "cuda", 79.0)
+    assert full.strategy == "fsdp" and full.plan.name == "FSDP"
+    assert full.plan.rejected[0].startswith("DDP ~") and "FSDP over" not in full.reason
     cfg = config("flux", "lora")
     cfg.model.unet_dtype = cfg.model.text_encoder_dtype = cfg.model.vae_dtype = "bf16"  # the usual LoRA set-up
-    lora = choose_strategy(cfg, 4, "cuda", free_gib=79.0)
-    assert lora.strategy == "ddp" and "which fits the 79.0 GiB free" in lora.reason
-    # Only a LoRA that does not fit is sharded: an fp32 base of 12 B parameters (~63 GiB) plus autocast's copies.
+    lora = choose_strategy(cfg, 4, "cuda", 79.0)
+    assert lora.strategy == "ddp" and lora.plan.name == "DDP" and lora.plan.changes == {"multi_gpu.strategy": "ddp"}
+    # A LoRA whose fp32 base of 12 B parameters (~44 GiB) and autocast's bf16 copies (~22) do not fit 70 GiB free: an fp8 base under
+    # DDP fits, and costs less speed than sharding.
     cfg.model.unet_dtype = cfg.model.text_encoder_dtype = cfg.model.vae_dtype = "fp32"
-    assert choose_strategy(cfg, 4, "cuda", free_gib=79.0).strategy == "fsdp"
+    big = choose_strategy(cfg, 4, "cuda", 70.0)
+    assert big.strategy == "ddp" and big.plan.name == "DDP + fp8 base"
+    assert big.plan.changes == {"multi_gpu.strategy": "ddp", "model.unet_dtype": "fp8"}
 
 
 def test_sdxl_full_fine_tune_fits_an_h100_with_ddp_and_not_a_24_gib_card():
     cfg = config("sdxl", "full", batch_size=1)
-    assert choose_strategy(cfg, 2, "cuda", free_gib=79.0).strategy == "ddp"
-    small = choose_strategy(cfg, 8, "cuda", free_gib=24.0)
+    assert choose_strategy(cfg, 2, "cuda", 79.0).strategy == "ddp"
+    small = choose_strategy(cfg, 8, "cuda", 24.0)
     assert small.strategy == "fsdp"
 
 
@@ -51,24 +55,28 @@ def test_auto_keeps_ddp_where_sharding_cannot_help_or_is_unknown():
     unknown = choose_strategy(cfg, 2, "cuda", 79.0)
     assert unknown.strategy == "ddp" and "no memory estimate for this model" in unknown.reason
     blocked = choose_strategy(config("flux", "full", precision="fp16"), 4, "cuda", 79.0)
-    assert blocked.strategy == "ddp" and "FSDP cannot train this config (training.precision fp16" in blocked.reason
+    assert blocked.strategy == "ddp" and blocked.plan.name == "DDP"  # FSDP cannot train fp16: no FSDP plan
+    assert "DOES NOT FIT" in blocked.describe()
     for explicit in ("ddp", "fsdp"):
         cfg = config("flux", "lora")
         cfg.multi_gpu.strategy = explicit
-        assert choose_strategy(cfg, 4, "cuda", 1.0).strategy == explicit
+        chosen = choose_strategy(cfg, 4, "cuda", 1.0)
+        assert chosen.strategy == explicit and chosen.plan.chosen_by == f"multi_gpu.strategy {explicit}"
 
 
 def test_fsdp_estimate_shards_the_trained_state_and_keeps_the_rest_whole():
     cfg = config("flux", "full")
-    est = strategy_estimates(cfg, 4)
-    ddp, fsdp = est["ddp"], est["fsdp"]
-    sharded = ddp["weights"] - ddp["replicated_weights"] + ddp["gradients"] + ddp["optimizer_state"] + ddp["ema"]
-    assert fsdp["sharded"] == pytest.approx(sharded / 4)
-    assert ddp["total"] > 150 and fsdp["total"] < 79  # Flux.1 (12 B): ~16 bytes per trained parameter
-    eight = memory_estimate.estimate_fsdp(ddp, 8)
-    assert eight["sharded"] == pytest.approx(fsdp["sharded"] / 2) and eight["replicated_weights"] == fsdp["replicated_weights"]
-    offload = memory_estimate.estimate_fsdp(ddp, 4, cpu_offload=True)
-    assert offload["sharded"] == 0 and offload["host_offload"] == pytest.approx(sharded / 4)
+    model = memory_estimate.sizes(cfg)
+    f = facts(model, cfg)
+    ddp, fsdp4 = need(f, cfg, Setup("ddp", 4, checkpointing=True)), need(f, cfg, Setup("fsdp", 4, checkpointing=True))
+    trained = sum(ddp.parts[k] for k in ("weights", "gradients", "optimizer state", "EMA"))
+    assert fsdp4.parts["sharded state"] == pytest.approx(trained / 4)
+    assert ddp.training > 150 and fsdp4.training < 79  # Flux.1 (12 B): ~16 bytes per trained parameter
+    fsdp8 = need(f, cfg, Setup("fsdp", 8, checkpointing=True))
+    assert fsdp8.parts["sharded state"] == pytest.approx(fsdp4.parts["sharded state"] / 2)
+    assert fsdp8.parts["gathered blocks"] == fsdp4.parts["gathered blocks"]
+    offload = need(f, cfg, Setup("fsdp", 4, checkpointing=True, cpu_offload=True))
+    assert offload.parts["sharded state"] == 0 and offload.host == pytest.approx(trained / 4)
 
 
 def test_configs_fsdp_cannot_train_are_refused_with_the_field_and_the_fix():

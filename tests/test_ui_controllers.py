@@ -635,8 +635,9 @@ def test_summary_line_shows_the_split_over_unequal_gpus():
         "World size 4 · global batch 16 (4 x 1 x 4), this machine's 8 = 6 on GPU 0 + 2 on GPU 1 · LR 1e-4"
 
 
-def test_memory_line_per_strategy():
-    """The multi-GPU frame's memory line: DDP and FSDP per GPU, fits or not, and what auto picks."""
+def test_memory_line_gives_the_memory_plan():
+    """The multi-GPU frame's memory line: the plan for the chosen GPUs (or Memory per GPU), its estimate, the
+    faster plans that do not fit - or, when nothing fits, what would."""
     from ui.multi_gpu_summary import memory_line
 
     cfg = TrainConfig()
@@ -644,12 +645,14 @@ def test_memory_line_per_strategy():
     cfg.training.method, cfg.training.precision, cfg.training.gradient_checkpointing = "full", "bf16", True
     cfg.data.resolution = 1024
     cfg.multi_gpu.enabled = True
-    line = memory_line(cfg, 4, 80.0)
-    assert line.startswith("Memory per GPU of 80 GiB: DDP does not fit, per GPU ~")
-    assert "FSDP over 4: fits, per GPU ~" in line and line.endswith("· strategy: FSDP (auto)")
-    assert "(activations not included)" in line
+    line = memory_line(cfg, 4, [80.0] * 4)
+    assert line.startswith("Memory plan for 4 GPU(s) of 80 GiB (card): FSDP, ~") and "faster plans do not fit: DDP ~" in line
+    cfg.multi_gpu.memory_limit_gib = "24"
+    assert memory_line(cfg, 4, [80.0] * 4).startswith("Memory plan for 4 GPU(s) of 24 GiB (limit): FSDP + CPU offload")
     cfg.multi_gpu.strategy = "ddp"
-    assert memory_line(cfg, 4, 80.0).endswith("· strategy: DDP")
-    assert "no GPU to compare" in memory_line(cfg, 4, None) and "free memory unknown" in memory_line(cfg, 4, None)
+    refused = memory_line(cfg, 4, [80.0] * 4)
+    assert "multi_gpu.strategy ddp (DDP) needs ~" in refused and "multi_gpu.strategy auto (plan: FSDP + CPU offload)" in refused
+    cfg.multi_gpu.memory_limit_gib = ""
+    assert "no GPU to compare with" in memory_line(cfg, 4, None)
     cfg.model.model_type, cfg.model.base_model = "auto", "/nonexistent/model.safetensors"
-    assert memory_line(cfg, 2, 80.0).startswith("Memory estimate: none for this config (")
+    assert memory_line(cfg, 2, [80.0, 80.0]).startswith("Memory estimate: none for this config (")

@@ -221,8 +221,15 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
         app.update()
         time.sleep(0.05)
     text = frame.memory.cget("text")
-    assert text.startswith("Memory per GPU of 80 GiB: DDP fits, per GPU ~") and "FSDP over 2: fits" in text, text
-    assert text.endswith("· strategy: FSDP")
+    # The field that chose it by its tab and label, as the window names fields.
+    assert text.startswith("Memory plan for 2 GPU(s) of 80 GiB (card): FSDP, ~") and "(set by Training › Strategy" in text, text
+    frame.memory_limit.var.set("24,16")  # Memory per GPU: the plan is made for it
+    assert app.model.cfg.multi_gpu.memory_limit_gib == "24,16"
+    deadline = time.monotonic() + 30
+    while "(limit)" not in frame.memory.cget("text") and time.monotonic() < deadline:
+        app.update()
+        time.sleep(0.05)
+    assert frame.memory.cget("text").startswith("Memory plan for 2 GPU(s) of 16, 24 GiB (limit): FSDP"), frame.memory.cget("text")
 
 
 def test_multi_gpu_frame_without_gpus_offers_cpu_processes(app_factory):

@@ -111,6 +111,8 @@ RULES: dict[str, Rule] = {
     "multi_gpu.launcher": _multi_gpu,
     "multi_gpu.batch_split": _multi_gpu,
     "multi_gpu.fsdp_cpu_offload": _fsdp,
+    "multi_gpu.fsdp_activation_offload": _fsdp,
+    "multi_gpu.memory_limit_gib": _multi_gpu,
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,
     "multi_gpu.lr_scaling": _multi_gpu,

@@ -3,8 +3,8 @@
 "World size 2 · global batch 16 (8 x 1 x 2) · LR 1e-4 -> 2e-4 (linear)": the config and the GPUs the
 GUI can see, resolved by `modules.config.launch_spec.resolve_launch` as the launcher resolves them, so
 the user sees the effect of batch, accumulation, GPU selection and LR scaling before starting. Below it
-the memory line (`memory_line`): per GPU with DDP and with FSDP, whether each fits, and the strategy
-`auto` takes.
+the memory line (`memory_line`): the memory plan for the chosen GPUs (or `multi_gpu.memory_limit_gib`)
+and its estimate per GPU, or the smallest changes that would fit.
 """
 from __future__ import annotations
 
@@ -109,28 +109,22 @@ def nodes_and_restarts_line(cfg) -> str:
     return " ".join(parts)
 
 
-def memory_line(cfg: TrainConfig, world: int, gpu_gib: float | None) -> str:
-    """"Memory per GPU of 80 GiB: DDP does not fit, per GPU ~219.0 GiB · FSDP over 4: fits, per GPU ~65.9 GiB
-    · strategy: FSDP (auto)" - the estimate of `check_multi_gpu.py` for each strategy against the smallest
-    chosen GPU (its total memory: the GUI does not know what else will run on it)."""
-    from modules.distributed.diagnostics import fits_text
-    from modules.distributed.memory_estimate import EstimateError
-    from modules.distributed.strategy import SAFETY_FRACTION, choose_strategy, strategy_estimates
+def memory_line(cfg: TrainConfig, world: int, cards: list[float] | None) -> str:
+    """"Memory plan for 2 GPU(s) of 24 GiB (limit): FSDP + fp8 base, ~17.9 GiB per GPU · faster plans do not
+    fit: DDP; DDP + fp8 base; FSDP" - the plan `scripts/check_multi_gpu.py --plan-for` prints, for the chosen
+    GPUs (`cards`: each one's memory; `multi_gpu.memory_limit_gib` caps it). Sized from the model's files
+    without torch where they describe it; otherwise the shapes are built, which imports torch (the frame
+    calls this on a worker thread)."""
+    from modules.config.memory_report import memory_line as plan_line
+    from modules.config.model_sizes import SizesUnavailable, model_sizes
 
     world = max(world, 2)
     try:
-        estimates = strategy_estimates(cfg, world)
-    except (EstimateError, OSError, ValueError) as e:
+        try:
+            sizes = model_sizes(cfg)
+        except SizesUnavailable:
+            from modules.distributed.memory_estimate import sizes as sizes_with_torch
+            sizes = sizes_with_torch(cfg)
+        return plan_line(cfg, world, cards, sizes)
+    except (OSError, ValueError) as e:
         return f"Memory estimate: none for this config ({e})."
-    ddp, fsdp = estimates["ddp"]["total"], estimates["fsdp"]["total"]
-    usable = None if gpu_gib is None else gpu_gib * SAFETY_FRACTION
-    fits = (lambda total: None) if usable is None else (lambda total: total <= usable)
-    head = f"Memory per GPU of {gpu_gib:.0f} GiB" if gpu_gib is not None else "Memory per GPU (no GPU to compare)"
-    line = (f"{head}: DDP {fits_text(fits(ddp), ddp)} · FSDP over {world}: {fits_text(fits(fsdp), fsdp)}")
-    if not estimates["ddp"]["activations_measured"]:
-        line += " (activations not included)"
-    if gpu_gib is not None and cfg.multi_gpu.enabled:
-        choice = choose_strategy(cfg, world, "cuda", gpu_gib, estimates)
-        setting = cfg.multi_gpu.strategy
-        line += f" · strategy: {choice.strategy.upper()}" + (" (auto)" if setting == "auto" else "")
-    return line

@@ -108,6 +108,10 @@ class BenchmarkMixin:
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle
         from modules.model.loading import frozen_dtypes, store_base_in_float8
+        if self.device.type == "cuda" and self.cfg.multi_gpu.memory_limit_gib.strip():
+            # Built whole on the GPU (a user's run loads on the CPU): the GPU's limit holds from the sharded
+            # state on (`start`), as it would for the user.
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         bundle = random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"],
                                self.case.variant)
         store_base_in_float8(bundle, self.cfg.model)  # model.unet_dtype=fp8 (float8.py)
@@ -136,6 +140,10 @@ class BenchmarkMixin:
             self.setup_peak_gib = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device.type == "cuda" and self.cfg.multi_gpu.memory_limit_gib.strip():
+            from modules.trainer.memory_limit import hold_to_memory_limit
+            torch.cuda.empty_cache()  # what the whole model's build left reserved counts against the limit
+            hold_to_memory_limit(self.cfg, self.device)
         self.synchronize()
         self.last_step_end = time.perf_counter()
 
@@ -198,6 +206,7 @@ class BenchmarkMixin:
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
                           strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
+                          **plan_figures(getattr(self, "strategy", None), self.cfg),
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           samples_per_s=round(c.batch * du.world_size() / step_s, 2),
@@ -220,6 +229,17 @@ class BenchmarkMixin:
                 result["profile_per_rank"] = profiles
             self.result_file.write_text(json.dumps(result))
         du.barrier()
+
+
+def plan_figures(strategy, cfg) -> dict:
+    """The memory plan a multi-GPU case trained with: its name, the limit it was made for, each GPU's
+    estimate (beside `per_rank`'s measured peaks)."""
+    plan = getattr(strategy, "plan", None)
+    figures = {"memory_limit_gib": cfg.multi_gpu.memory_limit_gib or None}
+    if plan is not None:
+        figures.update(plan=plan.name, plan_changes=plan.changes, estimated_peak_gib=[round(p, 2) for p in plan.peaks],
+                       plan_capacities_gib=[round(c, 2) for c in plan.capacities])
+    return figures
 
 
 class BenchmarkGeneric(BenchmarkMixin, GenericTrainer):

@@ -54,6 +54,11 @@ class FamilyInfo:
     """Its text encoder is a large language model (Qwen2.5-VL 7B, Qwen3 4B) that never trains: it is loaded
     only to fill the text cache, before the denoiser loads, and freed after (`modules/trainer/text_encoding.py`);
     captions are always cached, and a run whose cache is complete never loads it."""
+    block_groups: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
+    """A transformer's module lists whose elements are its repeated blocks, in the order they run (those it
+    lacks are skipped): the units FSDP shards and checkpoints (`ModelFamily.repeated_blocks`), which the
+    memory estimate finds by these names in the weights (`model_sizes.units`). UNets: their ResNet and
+    transformer blocks, by the UNet's own rule."""
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -102,7 +107,10 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                text_apart=True),
     FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
                "z_image:ZImageFamily", "ZImageTransformer2DModel", _TEXT_APART_FIELDS,
-               ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True),
+               ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True,
+               # Refiners of the image and of the caption tokens, then the main layers (`cap_embedder` is a
+               # module list too, but no block).
+               block_groups=("noise_refiner", "context_refiner", "layers")),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

@@ -325,6 +325,7 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
             parse_split(split, gpus, cfg.training.batch_size)
         except ValueError as reason:
             problems.append(f"multi_gpu.batch_split: {reason}; or set it to equal or auto.")
+    problems += _memory_limit_checks(cfg, indexes)
     if indexes and m.num_gpus > 0 and m.num_gpus != len(indexes):
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
@@ -346,6 +347,41 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
                 problems.append(f"multi_gpu.static_graph: true cannot be combined with {path} = "
                                 f"{str(value).lower()} (PyTorch's DDP fails on a static graph's unsynchronised "
                                 "first backward, pytorch/pytorch#143580); set multi_gpu.static_graph to false.")
+    return problems
+
+
+def parse_memory_limits(text: str) -> list[float]:
+    """`multi_gpu.memory_limit_gib`: `""` -> [], `24` -> [24.0], `24,16` -> [24.0, 16.0]; ValueError with the reason."""
+    text = text.strip()
+    if not text:
+        return []
+    limits = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not a number of GiB") from None
+        if not value > 0:
+            raise ValueError(f"{part.strip()!r}: a GPU needs more than 0 GiB")
+        limits.append(value)
+    return limits
+
+
+def _memory_limit_checks(cfg: TrainConfig, indexes: list[int]) -> list[str]:
+    m = cfg.multi_gpu
+    problems = []
+    try:
+        limits = parse_memory_limits(m.memory_limit_gib)
+    except ValueError as reason:
+        return [f"multi_gpu.memory_limit_gib: {m.memory_limit_gib!r} is not valid ({reason}); write one number of "
+                "GiB for every GPU, e.g. 24, or one per GPU, e.g. 24,16; or leave it empty."]
+    gpus = m.num_gpus or len(indexes)
+    if len(limits) > 1 and gpus and len(limits) != gpus:
+        problems.append(f"multi_gpu.memory_limit_gib: {m.memory_limit_gib!r} gives {len(limits)} limits for {gpus} "
+                        "GPU(s); give one number for every GPU or one per GPU.")
+    if m.fsdp_activation_offload and not cfg.training.gradient_checkpointing:
+        problems.append("multi_gpu.fsdp_activation_offload: true offloads what checkpointed blocks keep; set "
+                        "training.gradient_checkpointing to true, or turn it off.")
     return problems
 
 

@@ -3,10 +3,11 @@
 It answers "will multi-GPU training work here, and with which settings?": software versions, every
 GPU with its free memory, peer-to-peer access and NVLink topology, a real all-reduce across all GPUs
 (NCCL, one process per GPU, the sum checked exactly, bus bandwidth measured), a 2-process gloo
-all-reduce on the CPU, and, given a config, an estimate of memory per GPU against the free memory.
-Every finding that would make training fail is a problem and makes the exit status 1.
+all-reduce on the CPU, and, given a config, the memory plan for these GPUs (`--plan-for 2x24`: for
+GPUs this machine need not have, and nothing else). Every finding that would make training fail is a
+problem and makes the exit status 1.
 
-One report, so one module (~560 lines) in three layers: measuring (versions, GPUs, topology, the
+One report, so one module (~520 lines) in three layers: measuring (versions, GPUs, topology, the
 all-reduces), judging (memory, strategy, batch split, network: `*_findings`) and formatting; the next
 check that grows it should take one layer into a module of its own.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import datetime
 import json
@@ -32,6 +32,9 @@ import torch
 from modules.config import load_config
 from modules.config.backends import backend_problem
 
+from modules.config.memory_need import facts, largest_batch
+from modules.config.memory_plan import SAFETY_FRACTION
+
 from . import memory_estimate, rendezvous
 
 GIB = 1024 ** 3
@@ -40,8 +43,6 @@ CPU_ALLREDUCE_MIB = 8
 TIMED_ITERATIONS = 5
 ENV_VARS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
             "NCCL_IB_DISABLE", "TANDEM_FORCE_SINGLE_GPU")
-# Free memory kept back when sizing the batch: the allocator rounds up and fragments.
-SAFETY_FRACTION = 0.9
 
 
 UNEQUAL_SPEED = 1.5
@@ -258,90 +259,50 @@ def run_allreduce(backend: str, world: int, size_mib: int, nodes: Nodes | None =
     return result
 
 
-def _memory_findings(est: dict, cfg, free_gib: float, problems: list, advice: list) -> None:
-    usable = free_gib * SAFETY_FRACTION
-    plain = memory_estimate.largest_batch_that_fits(est, usable, checkpointing=False)
-    ckpt = memory_estimate.largest_batch_that_fits(est, usable, checkpointing=True)
-    est["compared_free_gib"] = free_gib
-    est["largest_batch"] = plain
-    est["largest_batch_checkpointed"] = ckpt
-    if est["total"] <= usable:
-        advice.append(f"Memory: about {est['total']:.1f} GiB of {free_gib:.1f} GiB free per GPU; batch size up to "
-                      f"{plain} fits without gradient checkpointing ({ckpt} with it).")
-        return
-    problems.append(f"Estimated memory per GPU ({est['total']:.1f} GiB) exceeds {SAFETY_FRACTION:.0%} of the "
-                    f"free memory ({free_gib:.1f} GiB) with training.batch_size={cfg.training.batch_size}.")
-    fits_as_set = ckpt if cfg.training.gradient_checkpointing else plain
-    if fits_as_set >= 1:
-        advice.append(f"Lower training.batch_size to {fits_as_set}.")
-    if not cfg.training.gradient_checkpointing and ckpt >= 1:
-        advice.append(f"Or set training.gradient_checkpointing=true: then batch size up to {ckpt} fits.")
-    if ckpt == 0:
-        advice.append("Even batch size 1 with gradient checkpointing does not fit: use training.method=lora, "
-                      "optimizer.name=adamw_8bit or adafactor, and model.unet_dtype=bf16 (or fp8, with "
-                      "training.precision=bf16).")
+def _memory_findings(cfg, model, cards: list[dict], assume_free_gib: float | None, problems: list,
+                     advice: list) -> dict | None:
+    """The memory plan for this machine's GPUs (their free memory, `--assume-free-gib`, or
+    `multi_gpu.memory_limit_gib`): a problem when nothing fits, advice when it is tight."""
+    from modules.config.memory_plan import NoPlanFits, plan_for_cards
+    from modules.distributed.strategy import planned_world_size
 
-
-def _strategy_estimates(cfg, est: dict, visible_gpus: int, free_gib: float | None) -> dict:
-    """Per-GPU memory with DDP and with FSDP over the planned number of GPUs (2 when fewer are visible, to
-    plan), whether each fits `free_gib`, and what `multi_gpu.strategy` makes of it."""
-    from modules.distributed.strategy import choose_strategy, planned_world_size
-
-    world = max(2, planned_world_size(cfg, visible_gpus))
-    fsdp = memory_estimate.estimate_fsdp(est, world, cfg.multi_gpu.fsdp_cpu_offload)
-    usable = None if free_gib is None else free_gib * SAFETY_FRACTION
-    if cfg.multi_gpu.enabled:
-        choice = choose_strategy(cfg, world, "cuda", free_gib, {"ddp": est, "fsdp": fsdp})
-        chosen, reason = choice.strategy, choice.reason
-    else:
-        chosen, reason = None, "multi_gpu.enabled is false: one GPU holds the whole model, as with DDP"
-    return {"world_size": world, "free_gib": free_gib, "activations_measured": est["activations_measured"],
-            "ddp": {"total": est["total"], "fits": None if usable is None else est["total"] <= usable},
-            "fsdp": {**fsdp, "fits": None if usable is None else fsdp["total"] <= usable},
-            "choice": chosen, "reason": reason}
-
-
-def _fsdp_findings(strategies: dict, cfg, free_gib: float, problems: list, advice: list) -> None:
-    fsdp, world = strategies["fsdp"], strategies["world_size"]
-    if fsdp["fits"]:
-        advice.append(f"Memory: DDP would need about {strategies['ddp']['total']:.1f} GiB per GPU, more than the "
-                      f"{free_gib:.1f} GiB free; FSDP over {world} GPUs needs about {fsdp['total']:.1f} GiB per GPU "
-                      "and fits (multi_gpu.strategy auto or fsdp).")
-        return
-    problems.append(f"Estimated memory per GPU with FSDP over {world} GPUs ({fsdp['total']:.1f} GiB) exceeds "
-                    f"{SAFETY_FRACTION:.0%} of the free memory ({free_gib:.1f} GiB).")
-    if not cfg.multi_gpu.fsdp_cpu_offload:
-        advice.append("Set multi_gpu.fsdp_cpu_offload=true (the sharded weights, gradients and optimizer state "
-                      "then live in CPU memory), use more GPUs, or lower training.batch_size.")
-    elif not cfg.training.gradient_checkpointing:
-        advice.append("Set training.gradient_checkpointing=true, or lower training.batch_size.")
-
-
-def _per_gpu_batches(cfg, cards: list[dict], assume_free_gib: float | None, problems: list) -> list[dict] | None:
-    """With an explicit multi_gpu.batch_split: each GPU's batch and estimated memory against its free memory."""
-    from modules.util.batch_slice import parse_split
-
+    world = planned_world_size(cfg, len(cards)) if cfg.multi_gpu.enabled else 1
+    world = max(world, 2) if cfg.multi_gpu.enabled else 1
+    free = [assume_free_gib] * world if assume_free_gib is not None else (
+        [c["free_gib"] for c in cards][:world] if len(cards) >= world else None)
     try:
-        split = parse_split(cfg.multi_gpu.batch_split, len(cfg.multi_gpu.batch_split.split(",")), cfg.training.batch_size)
-    except ValueError:
+        plan = plan_for_cards(cfg, model, free, world)
+    except NoPlanFits as e:
+        problems.append(f"Memory: {e}")
+        return {"world_size": world, "plan": None, "refused": str(e)}
+    if plan is None:
+        advice.append("No GPU to compare the memory estimate against: each GPU needs the memory estimated above.")
         return None
-    if not isinstance(split, list):
-        return None
-    rows = []
-    for rank, batch in enumerate(split):
-        part = copy.deepcopy(cfg)
-        part.training.batch_size = batch
-        need = memory_estimate.estimate(part)["total"]
-        free = assume_free_gib if assume_free_gib is not None else (
-            cards[rank]["free_gib"] if rank < len(cards) else None)
-        rows.append({"rank": rank, "batch": batch, "estimate_gib": need, "free_gib": free})
-        if free is not None and need > free * SAFETY_FRACTION:
-            problems.append(f"multi_gpu.batch_split gives GPU {rank} a batch of {batch}, estimated at {need:.1f} GiB, "
-                            f"more than {SAFETY_FRACTION:.0%} of its {free:.1f} GiB free; move samples to another GPU.")
-    return rows
+    over = [r for r, (p, c) in enumerate(zip(plan.peaks, plan.capacities)) if p > c * SAFETY_FRACTION]
+    if over:
+        worst = max(over, key=lambda r: plan.peaks[r] - plan.capacities[r])
+        problems.append(f"Estimated memory per GPU ({plan.peaks[worst]:.1f} GiB, {plan.name}) exceeds "
+                        f"{SAFETY_FRACTION:.0%} of GPU {worst}'s {plan.capacities[worst]:.1f} GiB with "
+                        f"training.batch_size={cfg.training.batch_size}.")
+        f, usable, setup = facts(model, cfg), min(plan.capacities) * SAFETY_FRACTION, plan.candidate.setup
+        largest = largest_batch(f, cfg, setup, usable)
+        if 0 < largest < cfg.training.batch_size:
+            advice.append(f"Lower training.batch_size to {largest}.")
+        if not setup.checkpointing:
+            checkpointed = largest_batch(f, cfg, dataclasses.replace(setup, checkpointing=True), usable)
+            if checkpointed > 0:
+                advice.append(f"Or set training.gradient_checkpointing=true: then batch size up to {checkpointed} fits.")
+        advice.append("scripts/check_multi_gpu.py --config-path <config> --plan-for <GPUs>x<GiB> shows the plans "
+                      "for several GPUs (FSDP, an fp8 base, offloading).")
+    else:
+        advice.append(f"Memory: {plan.describe()}")
+    return {"world_size": world, "plan": plan.name, "strategy": plan.strategy, "changes": plan.changes,
+            "peaks": plan.peaks, "capacities": plan.capacities, "tight": plan.tight, "rejected": plan.rejected,
+            "parts": [n.parts for n in plan.needs]}
 
 
-def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None) -> dict:
+def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: float | None,
+                 overrides: list[str] = ()) -> dict:
     report: dict = {"versions": versions(), "env": {k: os.environ.get(k) for k in ENV_VARS}}
     problems: list[str] = []
     advice: list[str] = []
@@ -387,8 +348,9 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
     report["memory"] = None
     if config_path:
         try:
-            cfg = load_config(config_path)
-            est = memory_estimate.estimate(cfg)
+            cfg = load_config(config_path, overrides)
+            model = memory_estimate.sizes(cfg)
+            est = memory_estimate.estimate(cfg, model=model)
         except (ValueError, OSError) as e:  # ConfigError and EstimateError are ValueErrors
             problems.append(f"Config {config_path}: {e}")
         else:
@@ -398,16 +360,7 @@ def build_report(config_path: str | None, skip_gloo: bool, assume_free_gib: floa
                 problems.append(backend)
             if cards and cfg.training.precision == "bf16" and not all(c["bf16"] for c in cards):
                 problems.append("training.precision=bf16 but not every GPU supports bf16; set training.precision=fp16.")
-            free = assume_free_gib if assume_free_gib is not None else (
-                min(c["free_gib"] for c in cards) if cards else None)
-            report["strategies"] = strategies = _strategy_estimates(cfg, est, len(cards), free)
-            if free is None:
-                advice.append("No GPU to compare the memory estimate against: each GPU needs the memory estimated above.")
-            elif strategies["choice"] == "fsdp":
-                _fsdp_findings(strategies, cfg, free, problems, advice)
-            else:
-                _memory_findings(est, cfg, free, problems, advice)
-            report["per_gpu"] = _per_gpu_batches(cfg, cards, assume_free_gib, problems)
+            report["plan"] = _memory_findings(cfg, model, cards, assume_free_gib, problems, advice)
     report["problems"] = problems
     report["recommendations"] = advice
     return report
@@ -460,43 +413,21 @@ def format_report(report: dict) -> str:
     m = report["memory"]
     if m:
         p = m["params"]
-        out += ["", f"Memory per GPU for this config ({m['model_type']}, {m['method']}, {m['optimizer']}, batch "
+        out += ["", f"Memory per GPU holding the whole model ({m['model_type']}, {m['method']}, {m['optimizer']}, batch "
                     f"{m['batch_size']} at {m['resolution']}px; shapes from {m['architecture_source']}):",
                 "  parameters: " + ", ".join(f"{k} {n / 1e6:.1f}M" for k, n in p.items())]
-        for key in ("weights", "gradients", "ddp_buckets", "optimizer_state", "ema", "autocast_cache",
-                    "activations", "runtime_overhead", "total"):
-            out.append(f"  {key.replace('_', ' '):<17}" + ("not measured" if m[key] is None else f"{m[key]:8.2f} GiB"))
-        out.append(f"  ({m['note']})")
-        out += format_strategies(report.get("strategies"))
-    for row in report.get("per_gpu") or []:
-        free = f"{row['free_gib']:.1f} GiB free" if row["free_gib"] is not None else "free memory unknown"
-        out.append(f"  GPU {row['rank']}: batch {row['batch']}, about {row['estimate_gib']:.1f} GiB ({free})")
+        for key, value in m["parts"].items():
+            out.append(f"  {key:<28}{value:8.2f} GiB")
+        out.append(f"  {'training peak':<28}{m['training']:8.2f} GiB")
+        out.append(f"  {'while caching':<28}{m['caching']:8.2f} GiB")
+        if not m["activations_known"]:
+            out.append("  (activations not estimated for this model: leave room for them)")
     out.append("")
     out += [f"Recommendation: {a}" for a in report["recommendations"]]
     out += [f"PROBLEM: {p}" for p in report["problems"]]
     out.append("Result: " + ("all checks passed." if not report["problems"] else
                              f"{len(report['problems'])} problem(s) found."))
     return "\n".join(out)
-
-
-def fits_text(fits: bool | None, total: float) -> str:
-    """"fits, per GPU ~X GiB" - the GUI's multi-GPU frame says it the same way."""
-    verdict = {True: "fits", False: "does not fit", None: "free memory unknown"}[fits]
-    return f"{verdict}, per GPU ~{total:.1f} GiB"
-
-
-def format_strategies(s: dict | None) -> list[str]:
-    if not s:
-        return []
-    free = f" of {s['free_gib']:.1f} GiB free" if s["free_gib"] is not None else ""
-    unmeasured = "" if s["activations_measured"] else " (activations not included)"
-    f = s["fsdp"]
-    offload = f"; {f['host_offload']:.1f} GiB per GPU in CPU memory (fsdp_cpu_offload)" if f["cpu_offload"] else ""
-    return ["", f"Strategy per GPU{free}{unmeasured}:",
-            f"  DDP:  {fits_text(s['ddp']['fits'], s['ddp']['total'])} (whole model, gradients, optimizer state)",
-            f"  FSDP over {s['world_size']} GPUs: {fits_text(f['fits'], f['total'])} (sharded {f['sharded']:.1f}, "
-            f"whole frozen parts {f['replicated_weights']:.1f}, gathered blocks {f['gathered_blocks']:.1f} GiB{offload})",
-            f"  multi_gpu.strategy: {s['choice'].upper() + ', ' if s['choice'] else ''}{s['reason']}"]
 
 
 def network_findings(nodes: Nodes, backend: str) -> list[str]:
@@ -537,6 +468,24 @@ def format_node_check(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_for(config_path: str | None, cards: str, as_json: bool, overrides: list[str] = ()) -> int:
+    """`--plan-for`: the memory plan for cards this machine need not have (and a model it need not have yet:
+    paths are not checked); 0 when a plan fits, 1 when none does, 2 for bad input."""
+    from modules.config.memory_report import plan_report, report_json
+
+    if not config_path:
+        print("error: --plan-for needs --config-path", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(config_path, overrides, check_paths=False)
+        data, text, code = plan_report(cfg, cards, memory_estimate.measure, memory_estimate.builtin_folder)
+    except (ValueError, OSError) as e:  # ConfigError, the estimate's and --plan-for's errors name what to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report_json(data) if as_json else text, flush=True)
+    return code
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="check_multi_gpu.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-path", help="config JSON or preset name (e.g. '#demo') to estimate memory for")
@@ -544,6 +493,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-gloo", action="store_true", help="skip the 2-process gloo all-reduce on the CPU")
     parser.add_argument("--assume-free-gib", type=float,
                         help="compare the memory estimate with this much free GPU memory instead of the GPUs'")
+    parser.add_argument("--plan-for", metavar="CARDS",
+                        help="only the memory plan of --config-path for these GPUs, e.g. 2x24 (two of 24 GiB) or "
+                             "24,16; no GPU is used")
+    parser.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of --config-path (repeatable), e.g. training.batch_size=2")
     parser.add_argument("--nnodes", type=int, default=1, help="check the all-reduce between this many machines "
                                                               "(run it on each, with its --node-rank)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number (0 serves the rendezvous)")
@@ -556,6 +510,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Print the report; 0 when every check passed, 1 when a problem was found."""
     args = parse_args(argv)
+    if args.plan_for:
+        return plan_for(args.config_path, args.plan_for, args.json, args.config_value)
     if args.nnodes > 1:
         if not 0 <= args.node_rank < args.nnodes:
             print(f"error: --node-rank {args.node_rank} is not a node of --nnodes {args.nnodes} (0 to {args.nnodes - 1}).",
@@ -564,6 +520,6 @@ def main(argv: list[str] | None = None) -> int:
         result = run_node_check(Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port), args.size_mib)
         print(json.dumps(result, indent=2) if args.json else format_node_check(result), flush=True)
         return 0 if result.get("ok") else 1
-    report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib)
+    report = build_report(args.config_path, args.skip_gloo, args.assume_free_gib, args.config_value)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
     return 1 if report["problems"] else 0

@@ -1,8 +1,9 @@
 """The multi-process trainer: the same loop as `GenericTrainer`, with DDP or FSDP as its parallelism.
 
 What changes with N processes lives here and in the parallelism it chooses: this class joins the
-process group, chooses the strategy once (`multi_gpu.strategy`, `strategy.py`: every rank takes rank
-0's decision) and builds its parallelism - `ddp.DDPParallelism` or `fsdp.FSDPParallelism` - which the
+process group, chooses the strategy once (`multi_gpu.strategy`, `strategy.py`: with `auto` the memory
+plan for every rank's card; every rank takes rank 0's decision, and trains the config as the plan sets
+it) and builds its parallelism - `ddp.DDPParallelism` or `fsdp.FSDPParallelism` - which the
 loop asks for placement, wrapping, gradient sync, and how outputs are written (`trainer/parallelism.py`).
 The sampler, rank-0-only writing, LR scaling and the loss/command exchange use the rank/world helpers
 in `dist_utils`, which the base loop already calls and which are no-ops in one process.
@@ -15,12 +16,14 @@ import time
 
 import torch
 
+from modules.config.memory_need import GIB
+from modules.config.memory_plan import own_limit
 from modules.config.validation import fsdp_blockers
 from modules.distributed import failures
 from modules.distributed.ddp import DDPParallelism
 from modules.distributed.fsdp import FSDPParallelism
 from modules.distributed.process_group import destroy, init_worker
-from modules.distributed.strategy import choose_strategy
+from modules.distributed.strategy import StrategyChoice, choose_strategy
 from modules.distributed.watchdog import Watchdog
 from modules.trainer.base_trainer import BaseTrainer
 from modules.trainer.parallelism import Parallelism
@@ -36,12 +39,18 @@ class DistributedTrainer(BaseTrainer):
         super().__init__(cfg, callbacks, inbox, resume, run_id, launch, scan)
         self.device_type = device_type
         self.rendezvous = rendezvous
+        self.strategy: StrategyChoice | None = None
+        """The strategy and memory plan chosen at start (`choose_parallelism`)."""
+        self.measured_peaks: list[float] = []
+        """Each GPU's peak memory after the first step, GiB."""
 
     def setup_environment(self) -> None:
         m = self.cfg.multi_gpu
         parts = self.startup.parts.setdefault("set-up", {})
         arrived, started = time.time(), time.perf_counter()
-        self.device = init_worker(m.backend, self.device_type, m.timeout_minutes, cpu_collectives=m.fsdp_cpu_offload,
+        # With strategy auto the plan may turn on CPU offload, whose collectives need gloo beside NCCL.
+        self.device = init_worker(m.backend, self.device_type, m.timeout_minutes,
+                                  cpu_collectives=m.fsdp_cpu_offload or m.strategy == "auto",
                                   store_address=self.rendezvous)
         joined = time.perf_counter() - started
         # Every rank has joined: from here a rank that fails, freezes or stalls ends the job within seconds.
@@ -55,26 +64,44 @@ class DistributedTrainer(BaseTrainer):
         self.configure_backends()
         started = time.perf_counter()
         self.parallel = self.choose_parallelism()
-        parts["choosing the strategy"] = time.perf_counter() - started
+        parts.update(self.strategy.seconds)
+        parts["choosing the strategy"] = time.perf_counter() - started - sum(self.strategy.seconds.values())
 
     def choose_parallelism(self) -> Parallelism:
-        """`multi_gpu.strategy`, or what `auto` makes of it from the smallest free GPU memory of all ranks;
-        every rank takes rank 0's decision."""
-        free = None
+        """`multi_gpu.strategy`, or the memory plan `auto` makes for every rank's card (its free memory, or
+        `multi_gpu.memory_limit_gib`); every rank takes rank 0's decision, and the config becomes the plan's."""
+        cards, source = None, "free memory"
         if self.device.type == "cuda":
-            free = du.all_gather_objects(torch.cuda.mem_get_info(self.device)[0] / 1024 ** 3)
-        # Every rank sizes the model at the same time: the estimate imports diffusers and builds the model on
-        # `meta` (~10 s the first time). Made on rank 0 alone, the other ranks first waited for it, then spent
-        # that time again on their own imports while rank 0 waited for them (GPU runs: ~10 s per start).
-        mine = choose_strategy(self.cfg, du.world_size(), self.device.type, min(free) if free else None)
-        choice = du.broadcast_object(mine)
-        log.info("Multi-GPU strategy: %s (%s).", choice.strategy.upper(), choice.reason)
+            free = torch.cuda.mem_get_info(self.device)[0] / GIB
+            limit = own_limit(self.cfg, du.local_rank(), du.local_world_size())
+            cards = du.all_gather_objects(free if limit is None else min(free, limit))
+            source = "free memory" if limit is None else "multi_gpu.memory_limit_gib"
+        # Every rank sizes the model at once (milliseconds from its files; a model that must be built on
+        # `meta` is built on every rank at the same time rather than on rank 0 while the others wait).
+        mine = choose_strategy(self.cfg, du.world_size(), self.device.type, cards, source)
+        self.strategy = choice = du.broadcast_object(mine)
+        log.info(choice.describe())
+        if choice.plan is not None:
+            self.cfg = choice.plan.apply(self.cfg)
         if choice.strategy == "ddp":
             return DDPParallelism(self.cfg.multi_gpu, self.device)
         blockers = fsdp_blockers(self.cfg)
         if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
             raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
-        return FSDPParallelism(self.cfg.training, self.cfg.multi_gpu.fsdp_cpu_offload, self.device)
+        m = self.cfg.multi_gpu
+        return FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device, m.fsdp_activation_offload,
+                               choice.plan.planned_split if choice.plan is not None else None)
+
+    def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
+        """The first step's times, and each GPU's measured peak beside the plan's estimate and the card."""
+        super().report_first_step(started, loaded, workers_s)
+        if self.device.type != "cuda":
+            return
+        self.measured_peaks = du.all_gather_objects(torch.cuda.max_memory_allocated(self.device) / GIB)
+        plan, listed = self.strategy.plan, lambda values: ", ".join(f"{v:.1f}" for v in values)
+        estimated = f" (estimated {listed(plan.peaks)}; cards {listed(plan.capacities)} GiB)" if plan is not None else ""
+        log.info("Memory after the first step: peak %s GiB%s.",
+                 ", ".join(f"GPU {r} {p:.1f}" for r, p in enumerate(self.measured_peaks)), estimated)
 
     def teardown(self) -> None:
         # DDP holds the process group, and the trainer's reference cycles kept it alive until interpreter

@@ -103,7 +103,7 @@ class Failure:
     """Where the rank was when it failed ("step 24, loading a batch"), when its text does not say it."""
 
 
-PRIMARY_KINDS = ("DataLoadingError", "NonFiniteTrainingError")
+PRIMARY_KINDS = ("DataLoadingError", "NonFiniteTrainingError", "MemoryLimitExceeded")
 """Exception types about this rank's own trouble, whatever words their text holds."""
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from torch import nn
 
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
+
+log = logging.getLogger("tandem")
 
 RUN_PART = "run_part"
 """The trained module's method that runs one of its parts alone (`TrainingModel.run_part`), registered
@@ -140,12 +143,20 @@ class FSDPParallelism(Parallelism):
     holds_whole_model = False
     forward_is_collective = True
 
-    def __init__(self, training, cpu_offload: bool, device: torch.device) -> None:
+    def __init__(self, training, cpu_offload: bool, device: torch.device, activation_offload: bool = False,
+                 planned_split: list[int] | None = None) -> None:
         """`training`: the run's `TrainingConfig` (precision, gradient checkpointing, method);
-        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`."""
+        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`; `activation_offload`: `multi_gpu.fsdp_activation_offload`
+        (with checkpointing: each block's saved input in host memory); `planned_split`: the memory plan's
+        split of each global batch over unequal GPUs (`multi_gpu.batch_split = auto`)."""
         self.training = training
         self.cpu_offload = cpu_offload
         self.device = device
+        self.planned_split = planned_split
+        self.offload = None
+        if activation_offload and training.gradient_checkpointing:
+            from modules.distributed.activation_offload import ActivationOffload
+            self.offload = ActivationOffload(device)
 
     def load_device(self, device: torch.device) -> torch.device:
         """Host memory: sharding moves each rank's part of the trained module to its GPU, so no GPU ever holds
@@ -174,6 +185,10 @@ class FSDPParallelism(Parallelism):
         names = {id(p): name for name, p in model.named_parameters()}
         trained = [names[id(p)] for p in trainable]
         bundle = model.bundle
+        from modules.model.float8 import shardable
+        layers = shardable(bundle.denoiser)  # an fp8 base (`model.unet_dtype = fp8`) is sharded in float8
+        if layers:
+            log.info("fp8 base: %d Linear layers sharded in float8, gathered in bf16.", layers)
         blocks = bundle.family.repeated_blocks(bundle)
         for part in _trained_parts(model)[1:]:
             blocks += bundle.family.text_encoder_blocks(model.get_submodule(part))
@@ -182,7 +197,10 @@ class FSDPParallelism(Parallelism):
         return model, [params[name] for name in trained]
 
     def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
-        return gradient_sync(model, last_micro_batch)
+        """FSDP's gradient sync for this micro-batch, and with activation offloading the saved-tensor hooks
+        that keep what its forward saves in host memory until its backward."""
+        gradient_sync(model, last_micro_batch)
+        return self.offload.hooks() if self.offload is not None else contextlib.nullcontext()
 
     def sampling_calls(self, model: nn.Module, autocast):
         return calls_through_root(model, _trained_parts(model), autocast)

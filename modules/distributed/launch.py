@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import time
 
 from modules.config import RunPaths, TrainConfig
@@ -22,6 +23,7 @@ from modules.distributed.job import WorkerJob, job_path, write_job
 from modules.distributed.plan import (LaunchError, LaunchPlan, check_data_fits, plan_launch, run_id_for,
                                       with_restart_backups)
 from modules.distributed.processes import ABORTED, exits_file_of, launch_spawn, launch_torchrun, rendezvous_timed_out
+from modules.distributed.strategy import NoPlanFits, check_cards
 from modules.distributed.supervision import StopSignals
 from modules.preflight import PreflightError, preflight
 from modules.util import launch_clock
@@ -29,6 +31,9 @@ from modules.util.batch_slice import parse_split
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
 log = logging.getLogger("tandem")
+
+SKIP_MEMORY_CHECK = "TANDEM_SKIP_MEMORY_CHECK"
+"""Set to 1 to start a run the memory plan says fits no card (the estimate can be wrong for a model)."""
 
 
 def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None) -> int:
@@ -47,6 +52,15 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     try:
         preflight(cfg)
     except PreflightError as e:
+        raise LaunchError(str(e)) from None
+    try:
+        check_cards(cfg, plan.spec)  # a config that fits no memory plan goes no further
+    except NoPlanFits as e:
+        if os.environ.get(SKIP_MEMORY_CHECK) != "1":
+            raise LaunchError(f"multi_gpu: {e} (If the estimate is wrong for this model, {SKIP_MEMORY_CHECK}=1 "
+                              "starts it anyway.)") from None
+        log.warning("multi_gpu: %s Starting anyway (%s=1).", e, SKIP_MEMORY_CHECK)
+    except ValueError as e:  # a limit per GPU for another number of GPUs
         raise LaunchError(str(e)) from None
     dataset = check_data_fits(cfg, plan.spec) if check_data or plan.spec.nnodes > 1 else None
     paths = RunPaths(cfg)

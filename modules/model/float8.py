@@ -21,7 +21,8 @@ Choices, and why:
   otherwise keep each layer's bf16 weight until the backward, which is all of bf16's memory again.
 
 Only the frozen base is stored so: LoRA's adapters stay fp32 and train as with any other base, and the
-LoRA files are the same. Full fine-tunes train every weight and are refused (validation).
+LoRA files are the same. Full fine-tunes train every weight and are refused (validation). Under FSDP the
+bits become a float8 parameter just before sharding (`shardable`), each rank holding a shard of them.
 """
 from __future__ import annotations
 
@@ -56,8 +57,25 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weights in `dtype`: float8 -> `dtype` is exact for bf16/fp16/fp32, and so is x 2^k."""
-    return bits.view(FLOAT8).to(dtype) * scale.to(dtype)
+    """The weights in `dtype`: float8 -> `dtype` is exact for bf16/fp16/fp32, and so is x 2^k. `bits` is the
+    stored uint8, its float8 view, or - gathered by FSDP, which casts to the compute dtype - those values
+    in bf16 already."""
+    values = bits.view(FLOAT8) if bits.dtype == torch.uint8 else bits
+    return values.to(dtype) * scale.to(dtype)
+
+
+def shardable(module: nn.Module) -> int:
+    """Hand every `Float8Linear` weight of `module` to FSDP2 as a float8 parameter (a view of the same bytes);
+    returns how many. FSDP2 shards it like any weight (one byte per element on each rank) and casts each
+    gathered block to its compute dtype, bf16 - exactly the float8 values - so the forward computes what it
+    computes unsharded, and the all-gather moves bf16 as for a bf16 base. (Kept as uint8 it would be cast
+    to bf16 as a number by FSDP versions that cast every parameter, and refused by those that cannot shard
+    a parameter that is not floating point.)"""
+    layers = float8_layers(module)
+    for layer in layers:
+        if layer.weight.dtype == torch.uint8:
+            layer.weight = nn.Parameter(layer.weight.data.view(FLOAT8), requires_grad=False)
+    return len(layers)
 
 
 class _Float8Linear(torch.autograd.Function):

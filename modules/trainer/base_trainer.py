@@ -210,7 +210,11 @@ class BaseTrainer(ABC):
             self.train()
             self.end()
         except BaseException as error:
-            self.heartbeat.failed(error)  # before the clean-up below, which may wait for the other ranks
+            from modules.trainer.memory_limit import explained
+            failure = explained(error, self)  # out of memory: the figures and what to change, not CUDA's message
+            self.heartbeat.failed(failure)  # before the clean-up below, which may wait for the other ranks
+            if failure is not error:
+                raise failure from error
             raise
         finally:
             gc.unfreeze()  # start() froze the run's objects; after the run they may be collected again
@@ -249,6 +253,9 @@ class BaseTrainer(ABC):
 
     def configure_backends(self) -> None:
         configure_cuda(self.device, self.cfg.training)
+        if self.device.type == "cuda":
+            from modules.trainer.memory_limit import hold_to_memory_limit
+            hold_to_memory_limit(self.cfg, self.device)  # multi_gpu.memory_limit_gib: the card the run was planned for
 
     def decide_cudnn_autotuning(self) -> None:
         decide_cudnn_autotuning(self.device, self.cfg.training.cudnn_benchmark, self.bundle.modules().values())
@@ -341,7 +348,7 @@ class BaseTrainer(ABC):
                                     self.trainable_params(), self.device, self.cfg.optimizer.name,
                                     self.cfg.training.ema)
         return decide_split(self.cfg.multi_gpu.batch_split, self.cfg.training.batch_size, self.parallel.data_world,
-                            self.parallel.holds_whole_model, self.device_names, measure)
+                            self.parallel.holds_whole_model, self.device_names, measure, self.parallel.planned_split)
 
     def device_names(self) -> list[str]:
         """Each rank's device, for messages (`GPU 1`, `CPU process 0`)."""
@@ -411,8 +418,7 @@ class BaseTrainer(ABC):
             self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
             loss = self.optimizer_step(micro_batches)
             if first:
-                self.startup.first_step(self.device, started, loaded, workers_s)
-                self.first_step_done = True
+                self.report_first_step(started, loaded, workers_s)
             # Told after training, not when handed out: prefetching workers run ahead of the trained position.
             self.sampler.mark_consumed(accumulation)
             self.global_step += 1
@@ -433,6 +439,11 @@ class BaseTrainer(ABC):
         except Exception as error:
             from modules.data.dataset import loading_failure
             raise loading_failure(self.loader, error) from error
+
+    def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
+        """Where the first step's time went (`startup.StartupTimes.first_step`: it waits for the device)."""
+        self.startup.first_step(self.device, started, loaded, workers_s)
+        self.first_step_done = True
 
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
         if self.compile_check is not None and self.compile_check.needed(micro_batches[0]):

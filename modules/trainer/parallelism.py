@@ -15,14 +15,17 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
+| the memory plan's savers | an fp8 base whole | the same | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
 
 The collectives every strategy needs alike (barriers, the step's report, broadcasts, gathering RNG
 states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
 between strategies: DDP's gradient all-reduce, FSDP's gathers in every forward and for a save, equal
 forward calls on every rank. This class is the one-process parallelism, and its defaults are the
-whole-model behaviour one process and DDP share. What comes next fits the same seams: memory pooling chosen by a planner (FSDP over a
-LoRA's frozen base, an fp8 base, activation checkpointing or offloading, CPU offload of shards - today
-`multi_gpu.fsdp_cpu_offload`) is a parallelism's `place` and `wrap`; context parallelism for video
+whole-model behaviour one process and DDP share. Memory pooling (`modules/config/memory_plan.py`)
+chooses among them and sets what they read: FSDP over a LoRA's frozen base, an fp8 base sharded in
+float8 (`wrap`), activation checkpointing, activation offloading (saved-tensor hooks in
+`gradient_sync`'s context) and CPU offload of the shards, and for unequal GPUs under FSDP the split of
+each batch (`planned_split`); context parallelism for video
 (N GPUs = data x context groups on a device mesh) is a parallelism whose `wrap` splits each sample's
 sequence over its context group, and whose `data_rank` / `data_world` say which slice of the global
 batch the process's group trains (here they are the process's own rank and the number of processes).
@@ -52,6 +55,9 @@ class Parallelism:
     forward_is_collective = False
     """Whether each forward of the trained model is a collective (FSDP gathers its weights from every rank):
     forward calls outside a training step (samples, the validation loss) must then be as many on every rank."""
+    planned_split: list[int] | None = None
+    """Samples of each global micro-batch per rank as the memory plan split it over unequal GPUs, where the
+    start-up measurement of `multi_gpu.batch_split = auto` cannot run (it needs the whole model on each GPU)."""
 
     # ---------------------------------------------------------------- which part of the global batch
     @property

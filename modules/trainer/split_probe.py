@@ -49,13 +49,17 @@ through the unwrapped training model (nothing synchronised)."""
 
 
 def decide_split(setting: str, batch: int, world: int, holds_whole_model: bool, device_names: Callable[[], list[str]],
-                 measure: Callable[[], RankCapacity]) -> list[int]:
+                 measure: Callable[[], RankCapacity], planned_split: list[int] | None = None) -> list[int]:
     """The samples of each global micro-batch per rank: `setting` is `multi_gpu.batch_split`, `batch`
     `training.batch_size`, `world` the number of slices each global micro-batch is cut into.
     `device_names()` names every rank's device for messages and `measure()` is this rank's probe (both
     collectives, called on every rank alike). A parallelism that does not hold the whole model on each rank
-    cannot be probed with it: `auto` then gives equal batches."""
+    cannot be probed with it: `auto` then takes the memory plan's split by the cards' room (`planned_split`),
+    or gives equal batches."""
     if not holds_whole_model and setting.strip().lower() == "auto":
+        if planned_split:  # the memory plan split it by the cards' room (`modules/config/memory_plan.py`)
+            log.info("Batch split (auto, from the memory plan): %s.", describe_split(planned_split, device_names()))
+            return list(planned_split)
         # The probe trains the whole model on each GPU, which a sharded run may not fit on one.
         log.info("Batch split: equal (multi_gpu.batch_split auto measures each GPU with the whole model, "
                  "which FSDP does not hold on one GPU; give an explicit split such as 6,2 for unequal GPUs).")

@@ -80,7 +80,9 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.data_loading = form.field("multi_gpu.distributed_data_loading")
         self.launcher = form.field("multi_gpu.launcher")
         self.strategy = form.field("multi_gpu.strategy")
+        self.memory_limit = form.field("multi_gpu.memory_limit_gib", width=100)
         self.cpu_offload = form.field("multi_gpu.fsdp_cpu_offload")
+        self.activation_offload = form.field("multi_gpu.fsdp_activation_offload")
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
         self.batch_split = form.field("multi_gpu.batch_split", width=120)
         self.port = form.field("multi_gpu.master_port", width=100)
@@ -95,17 +97,17 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.memory = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=620)
         self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
         Tooltip(self.memory, lambda: binder.places.describe(
-            "Estimated memory per GPU with DDP (every GPU holds the whole model, its gradients and optimizer "
-            "state) and with FSDP (sharded over the GPUs), against the smallest chosen GPU; and the strategy that "
-            "multi_gpu.strategy gives. The same estimate as Check setup; activations are included where they "
-            "have been measured."))
+            "The memory plan for the chosen GPUs (or multi_gpu.memory_limit_gib, when set): the fastest way to "
+            "spread the model that fits every GPU - DDP, an fp8 base, FSDP, checkpointing, offloading - and its "
+            "estimated peak per GPU; or the smallest change that would fit. The same plan as Check setup and the "
+            "trainer's start."))
         self._memory_key: str | None = None
         form.row += 1
         self.check_button = Button(self, text="Check setup", width=120, command=self.check_setup)
         self.check_button.grid(row=form.row, column=0, sticky="w", padx=10, pady=6)
         Tooltip(self.check_button, "Run scripts/check_multi_gpu.py on this config: versions, the GPUs and how "
-                                   "they connect (P2P), a real all-reduce between them, and a memory estimate "
-                                   "with the largest batch that fits. Takes up to a few minutes; nothing is "
+                                   "they connect (P2P), a real all-reduce between them, and the memory plan "
+                                   "for these GPUs. Takes up to a few minutes; nothing is "
                                    "trained.")
         form.row += 1
         self.check_output = ctk.CTkTextbox(self, height=140, width=620, wrap="none")
@@ -238,8 +240,7 @@ class MultiGPUFrame(ctk.CTkFrame):
             return
         sizes = [g.memory_mib / 1024 for g in self.gpus if g.index in chosen]
         world = summarize(cfg, len(self._visible())).world_size
-        gib = min(sizes) if sizes else None
-        key = json.dumps([config_to_dict(cfg), world, gib], sort_keys=True, default=str)
+        key = json.dumps([config_to_dict(cfg), world, sizes], sort_keys=True, default=str)
         if key == self._memory_key:
             return
         self._memory_key = key
@@ -252,15 +253,15 @@ class MultiGPUFrame(ctk.CTkFrame):
                 if self._memory_key != key:
                     return  # replaced by a newer request (or the frame closed) while it waited its turn
                 try:
-                    result.append(memory_line(cfg, world, gib))
+                    result.append(memory_line(cfg, world, sizes or None))
                 except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
                     result.append(f"Memory estimate failed: {e}")
 
         def wait() -> None:
             if self._memory_key != key:
                 return  # a newer estimate replaced this one
-            if result:
-                self.memory.configure(text=result[0])
+            if result:  # the fields it names (a refusal's changes), by their tab and label
+                self.memory.configure(text=self.binder.places.describe(result[0]))
             else:
                 self.after(100, wait)
 

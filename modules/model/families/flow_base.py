@@ -198,9 +198,10 @@ class FlowFamily(ModelFamily):
     # ------------------------------------------------------------------ sharding
 
     def repeated_blocks(self, bundle):
-        """The transformer's blocks: SD3's joint blocks; Flux's double-stream, then single-stream blocks."""
+        """The transformer's blocks, from the module lists `FamilyInfo.block_groups` names: SD3's joint blocks;
+        Flux's double-stream, then single-stream blocks; Z-Image's refiners, then its layers."""
         transformer = bundle.denoiser
-        return list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", []))
+        return [block for group in self.info.block_groups for block in getattr(transformer, group, [])]
 
     # ------------------------------------------------------------------ single files
 

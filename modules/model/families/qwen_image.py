@@ -118,9 +118,6 @@ class QwenImageFamily(LLMFlowFamily):
     def objective(self, bundle, training_cfg=None):
         return QwenImageObjective(bundle, training_cfg)
 
-    def repeated_blocks(self, bundle):
-        return list(bundle.denoiser.transformer_blocks)
-
     def pipeline(self, bundle):
         from diffusers import QwenImagePipeline
 

@@ -31,8 +31,6 @@ from .flow_base import FlowMatching, shipped
 from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count
 
 IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
-BLOCK_GROUPS = ("noise_refiner", "context_refiner", "layers")
-"""The transformer's repeated blocks: refiners of the image and of the caption tokens, then the main layers."""
 
 
 class ZImageObjective(FlowMatching):
@@ -83,9 +81,6 @@ class ZImageFamily(LLMFlowFamily):
 
     def objective(self, bundle, training_cfg=None):
         return ZImageObjective(bundle, training_cfg)
-
-    def repeated_blocks(self, bundle):
-        return [block for group in BLOCK_GROUPS for block in getattr(bundle.denoiser, group)]
 
     def pipeline(self, bundle):
         from diffusers import ZImagePipeline

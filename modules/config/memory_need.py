@@ -1,0 +1,301 @@
+"""The GPU memory one process needs to train a config in a given way (a `Setup`), before anything loads.
+
+Counted from the model's sizes (`model_sizes.py`: exact for the shapes) and the training config:
+- weights: the frozen base in `model.unet_dtype` (fp8: one byte per Linear weight and one scale each, the
+  rest bf16), trained weights in fp32 (master weights), frozen text encoders and the VAE while they are
+  on the GPU (always while caching; during training only when their outputs are not cached);
+- gradients (fp32), DDP's bucket copies, the optimizer state, EMA, autocast's bf16 copies of fp32 weights;
+- with FSDP (`strategy = fsdp`) the trained module's weights (a LoRA's frozen base too), gradients,
+  optimizer state and EMA are held 1/N per GPU - or in host memory with `cpu_offload` - plus two gathered
+  blocks (the running one and the next, prefetched) with one block's gradients, and the parameters
+  outside the blocks; gradient accumulation keeps whole gradients between micro-batches;
+- activations, per sample: the UNets' measured on an H200 (`UNET_ACTIVATION_GIB`); a transformer's
+  from its geometry (tokens x hidden size x blocks) and the bytes each block keeps for its backward
+  (`BLOCK_BYTES`), which checkpointing reduces to each block's input and one block recomputed at a time,
+  and activation offloading to the recomputed block alone;
+- `RUNTIME_OVERHEAD_GIB` for the CUDA context, library workspaces and the allocator's rounding.
+
+Torch-free: the GUI, the launcher's checks and every worker compute it in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modules.config.model_families import FAMILIES
+from modules.config.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
+
+GIB = 1024 ** 3
+RUNTIME_OVERHEAD_GIB = 1.0
+"""CUDA context, cuBLAS/cuDNN workspaces and allocator slack of a training process."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+"""What `modules.model.lora` adapts in a CLIP text encoder that trains."""
+
+# GiB of activations per sample at `UNET_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA attention,
+# (without, with) gradient checkpointing. Measured on an H200 (torch 2.11+cu130, diffusers 0.42.1,
+# randomly initialised fp32 UNet, full backward) as the growth of peak allocated memory from batch 1 to
+# batch 3, divided by 2; the raw numbers are in docs/MultiGPUTraining.md. Scaled linearly with pixel
+# count (SDPA attention memory grows linearly with tokens) and x2 for fp32.
+UNET_REFERENCE_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
+UNET_ACTIVATION_GIB = {"sd1": (1.17, 0.22), "sd2": (2.63, 0.48), "sdxl": (8.28, 0.65)}
+
+# Bytes each transformer block keeps for its backward, per token and hidden channel, in bf16 autocast:
+# the saved tensors (parameters excluded, each storage once) of one forward of diffusers' block classes,
+# counted with saved-tensor hooks on CPU processes (torch 2.13, diffusers 0.42.1, SDPA), the same at
+# 720 and 2,880 tokens. The block classes: Flux's double- and single-stream, SD3's joint block,
+# Qwen-Image's and Flux.2's blocks. The GPU peak adds attention's working memory and the allocator's
+# rounding: docs/MultiGPUTraining.md compares the estimate with measured peaks.
+BLOCK_BYTES = {
+    "flux": {"transformer_blocks": 46.3, "single_transformer_blocks": 36.2},
+    "chroma": {"transformer_blocks": 46.3, "single_transformer_blocks": 36.2},
+    "sd3": {"transformer_blocks": 48.3},
+    "qwen": {"transformer_blocks": 52.6},
+    "flux2": {"transformer_blocks": 56.3, "single_transformer_blocks": 50.2},
+}
+DEFAULT_BLOCK_BYTES = 56.3
+"""A block of a family not measured above: the largest measured."""
+CHECKPOINT_INPUT_BYTES = 2
+"""What a checkpointed block keeps: its input, bf16, per token and channel (both streams of a double block)."""
+OUTSIDE_BLOCK_BYTES = 8
+"""Activations outside the blocks (embedding, final norm and projection, the loss) per token and channel."""
+TEXT_TOKENS = {"sd3": 77 + 256, "qwen": 256, "zimage": 256, "flux2": 512, "chroma": 512}
+"""Text tokens each image attends to beside its own (the pipelines' defaults; Flux.1: 512, schnell 256;
+Qwen-Image's and Z-Image's prompts take as many as they have, up to 512: 256 stands for a caption)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the model is spread over the processes and what saves memory: one plan's knobs."""
+    strategy: str = "ddp"
+    """`single`, `ddp` or `fsdp`."""
+    world: int = 1
+    fp8: bool = False
+    """The frozen base of a LoRA stored in float8 (`model.unet_dtype = fp8`)."""
+    checkpointing: bool = False
+    activation_offload: bool = False
+    """Checkpointed blocks' inputs kept in host memory (`multi_gpu.fsdp_activation_offload`)."""
+    cpu_offload: bool = False
+    """FSDP's shards, their gradients and optimizer state in host memory (`multi_gpu.fsdp_cpu_offload`)."""
+
+
+@dataclass
+class Need:
+    """GiB per GPU of one rank, by part; `total` is the most it holds at once."""
+    parts: dict[str, float]
+    training: float
+    caching: float
+    """While the latents and captions are encoded: the encoders and VAE, and the denoiser where it is placed
+    on the GPU before (everything but FSDP)."""
+    encoders: float
+    """The part of `caching` no plan changes: the text encoders and the VAE."""
+    host: float = 0.0
+    """GiB of this rank's state in host memory (CPU offload)."""
+    activations_known: bool = True
+
+    @property
+    def total(self) -> float:
+        return max(self.training, self.caching)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the estimate needs to know of a model and a training config, computed once per config."""
+    sizes: ModelSizes
+    params: dict[str, int]
+    trainable_shapes: list[Shape]
+    trained_encoders: list[str]
+    linear: tuple[int, int]
+    block_kinds: dict[str, int]
+    """A transformer's repeated blocks by kind (`unit_kinds`)."""
+    largest_unit: int
+    largest_unit_trainable: int
+    outside_units: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> int:
+        return self.params["trainable"]
+
+
+class EstimateError(ValueError):
+    """The config names something the estimate cannot size; the message names the field."""
+
+
+def optimizer_state_bytes(name: str, shapes: list[Shape], momentum: float, prodigy_slice_p: int = 1) -> int:
+    """Bytes of optimizer state for trainable tensors of these shapes."""
+    params = sum(numel(s) for s in shapes)
+    if name in ("adamw", "adamw_schedule_free"):
+        return 8 * params  # two fp32 moments (schedule-free: z and the second moment)
+    if name == "prodigy":
+        # exp_avg + exp_avg_sq, and every p-th element of each tensor twice (its start value p0 and s)
+        return 8 * params + 8 * sum(-(-numel(s) // prodigy_slice_p) for s in shapes)
+    if name == "adamw_8bit":
+        return 2 * params  # bitsandbytes: two 8-bit states (block-wise scales are negligible)
+    if name == "sgd":
+        return 4 * params if momentum > 0 else 0
+    if name == "adafactor":
+        # Factored second moment (row + column vectors) for matrices, full for vectors; no first moment.
+        return sum(4 * (numel(s[:-1]) + numel(s[:-2]) * s[-1]) if len(s) >= 2 else 4 * numel(s) for s in shapes)
+    raise EstimateError(f"optimizer.name: {name!r} is not one of adamw, adamw_8bit, adafactor, sgd, prodigy, "
+                        "adamw_schedule_free.")
+
+
+def facts(sizes: ModelSizes, cfg) -> Facts:
+    """The trained parameters (LoRA adapters or whole networks), FSDP's units and the fp8-able weights."""
+    t = cfg.training
+    lora = t.method == "lora"
+    denoiser = sizes.denoiser
+    params = {name: c.params for name, c in sizes.components.items()}
+    trained_encoders = [n for n in sizes.text_encoders() if sizes.components[n].can_train()] if t.train_text_encoder else []
+    unit_kind = sizes.denoiser_name
+    groups = FAMILIES[sizes.family].block_groups if sizes.family in FAMILIES and unit_kind == "transformer" else ()
+    denoiser_units = units(denoiser.tensors, unit_kind, groups)
+    trainable_by_unit: dict[str, int] = {}
+    if lora:
+        shapes = lora_shapes(denoiser.tensors, t.lora_target_modules, t.lora_rank)
+        if not shapes:
+            raise EstimateError(f"training.lora_target_modules: {list(t.lora_target_modules)} match no layer of the "
+                                f"{'UNet' if unit_kind == 'unet' else 'transformer'}; use names like to_q, to_k, to_v, to_out.0.")
+        for name, count in units({k + ".weight": (s,) for k, s in
+                                  _adapted(denoiser.tensors, t.lora_target_modules, t.lora_rank).items()}, unit_kind,
+                                 groups).items():
+            trainable_by_unit[name] = count
+    else:
+        shapes = list(denoiser.tensors.values())
+        trainable_by_unit = dict(denoiser_units)
+    all_units = dict(denoiser_units)
+    for name in trained_encoders:
+        tensors = sizes.components[name].tensors
+        shapes += lora_shapes(tensors, TEXT_ENCODER_LORA_TARGETS, t.lora_rank) if lora else list(tensors.values())
+        encoder_units = units(tensors, "text_encoder")
+        all_units.update({f"{name}.{u}": n for u, n in encoder_units.items()})
+    trainable = sum(numel(s) for s in shapes)
+    params["trainable"] = trainable
+    largest = max(all_units, key=all_units.get, default=None)
+    trained_params = denoiser.params + sum(params[n] for n in trained_encoders)
+    kinds = unit_kinds(denoiser.tensors, groups) if unit_kind == "transformer" else {}
+    return Facts(sizes, params, shapes, trained_encoders, linear_weights(denoiser.tensors), kinds,
+                 all_units.get(largest, 0) if largest else 0,
+                 max(trainable_by_unit.values(), default=0),
+                 trained_params - sum(all_units.values()))
+
+
+def _adapted(tensors: dict[str, Shape], targets, rank: int) -> dict[str, int]:
+    """LoRA parameters of each adapted layer, by the layer's path."""
+    from modules.config.model_sizes import layers
+    return {path: rank * (shape[0] + numel(shape[1:])) for path, shape in layers(tensors).items()
+            if any(path == t or path.endswith("." + t) for t in targets)}
+
+
+def frozen_base_bytes(f: Facts, unet_dtype: str) -> int:
+    """Bytes of the denoiser stored as `model.unet_dtype` says (a LoRA's frozen base)."""
+    params = f.sizes.denoiser.params
+    if unet_dtype != "fp8":
+        return params * DTYPE_BYTES[unet_dtype]
+    elements, count = f.linear
+    return elements + 4 * count + 2 * (params - elements)
+
+
+def text_cached(cfg) -> bool:
+    """As `modules.data.text_cache_allowed` decides it."""
+    return cfg.data.cache_text_embeddings and not cfg.training.train_text_encoder and not cfg.data.shuffle_tags
+
+
+def text_tokens(family: str, cfg, denoiser_config: dict) -> int:
+    if family == "flux":
+        return cfg.model.t5_max_length or (512 if denoiser_config.get("guidance_embeds", True) else 256)
+    if family == "sd3" and cfg.model.t5_max_length:
+        return 77 + cfg.model.t5_max_length
+    return TEXT_TOKENS.get(family, cfg.model.t5_max_length or 512)
+
+
+def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
+    """Activation bytes of one sample at the config's resolution and precision; None where unknown (a UNet
+    family not measured, or a transformer whose config does not give its width)."""
+    family, res = f.sizes.family, cfg.data.resolution
+    scale = 2.0 if cfg.training.precision == "fp32" else 1.0
+    if f.sizes.denoiser_name == "unet":
+        if family not in UNET_ACTIVATION_GIB or setup.activation_offload:
+            return None
+        without, with_ckpt = UNET_ACTIVATION_GIB[family]
+        per = with_ckpt if setup.checkpointing else without
+        return per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB
+    config = f.sizes.denoiser_config
+    width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
+    if not width:
+        return None
+    pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
+    tokens = (res // pixels) ** 2 + text_tokens(family, cfg, config)
+    kinds = f.block_kinds
+    coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
+    largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)
+    if not setup.checkpointing:
+        kept = sum(count * coefficients[kind] for kind, count in kinds.items()) + largest
+    elif setup.activation_offload:
+        kept = 2 * largest
+    else:
+        kept = CHECKPOINT_INPUT_BYTES * sum(kinds.values()) + 2 * largest
+    return (kept + OUTSIDE_BLOCK_BYTES) * tokens * width * scale
+
+
+def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
+    """GiB per GPU for `cfg` trained as `setup`, with `batch` samples per micro-batch on this rank."""
+    t, m, mg = cfg.training, cfg.model, cfg.multi_gpu
+    batch = t.batch_size if batch is None else batch
+    lora = t.method == "lora"
+    T = f.trainable
+    sizes = f.sizes
+    unet_dtype = "fp8" if setup.fp8 else m.unet_dtype
+    base = frozen_base_bytes(f, unet_dtype) if lora else 0
+    trained_encoder_base = sum(f.params[n] for n in f.trained_encoders) * (DTYPE_BYTES[m.text_encoder_dtype] if lora else 0)
+    trained = base + trained_encoder_base + 4 * T  # what trains, with its frozen base: what FSDP shards
+    optimizer = optimizer_state_bytes(cfg.optimizer.name, f.trainable_shapes, cfg.optimizer.momentum,
+                                      cfg.optimizer.prodigy_slice_p)
+    ema = 4 * T if t.ema else 0
+    frozen_encoders = [n for n in sizes.text_encoders() if n not in f.trained_encoders]
+    encoder_bytes = sum(f.params[n] for n in frozen_encoders) * DTYPE_BYTES[m.text_encoder_dtype]
+    vae_bytes = f.params.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
+    whole = (0 if text_cached(cfg) else encoder_bytes) + (0 if cfg.data.cache_latents else vae_bytes)
+    per_sample = activation_bytes_per_sample(f, cfg, setup)
+    activations = (per_sample or 0.0) * batch
+    overhead = RUNTIME_OVERHEAD_GIB * GIB
+    parts: dict[str, float] = {}
+    host = 0.0
+    if setup.strategy == "fsdp":
+        world = max(setup.world, 1)
+        compute = 2 if t.precision == "bf16" else 4
+        sharded = trained + optimizer + ema + 4 * T
+        # Gradient accumulation under FSDP keeps each rank's whole (unsharded) fp32 gradients between micro-batches.
+        whole_gradients = 4 * T if t.gradient_accumulation_steps > 1 else 0
+        parts["sharded state"] = 0.0 if setup.cpu_offload else sharded / world
+        host = sharded / world if setup.cpu_offload else 0.0
+        parts["whole gradients (accumulation)"] = whole_gradients
+        parts["gathered blocks"] = (2 * f.largest_unit + f.outside_units) * compute \
+            + f.largest_unit_trainable * (compute + 4)
+        parts["frozen encoders and VAE"] = whole
+        caching = encoder_bytes + vae_bytes + overhead
+    else:
+        fp32_denoiser = sizes.denoiser.params if (not lora or unet_dtype == "fp32") else 0
+        fp32_encoders = 0 if lora else sum(f.params[n] for n in f.trained_encoders)
+        parts["weights"] = trained + whole
+        parts["gradients"] = 4 * T
+        parts["DDP buckets"] = 4 * T if setup.strategy == "ddp" and not mg.gradient_as_bucket_view else 0
+        parts["optimizer state"] = optimizer
+        parts["EMA"] = ema
+        parts["autocast copies"] = 2 * (fp32_denoiser + fp32_encoders) if t.precision in ("bf16", "fp16") else 0
+        caching = base + trained_encoder_base + 4 * T + encoder_bytes + vae_bytes + overhead
+    parts["activations"] = activations
+    parts["runtime overhead"] = overhead
+    training = sum(parts.values())
+    return Need({k: v / GIB for k, v in parts.items()}, training / GIB, caching / GIB,
+                (encoder_bytes + vae_bytes) / GIB, host / GIB, per_sample is not None)
+
+
+def largest_batch(f: Facts, cfg, setup: Setup, gib: float) -> int:
+    """The largest batch per GPU whose training peak stays within `gib` (0 when not even one sample fits)."""
+    one = need(f, cfg, setup, 1)
+    per_sample = one.parts["activations"]
+    room = gib - (one.training - per_sample)
+    if room < per_sample:
+        return 0
+    return int(room // per_sample) if per_sample > 0 else 1_000_000

@@ -1,0 +1,450 @@
+"""The memory plan: how a run spreads its model over the GPUs so that it fits every card, chosen once.
+
+With `multi_gpu.strategy = auto` the plan is the first of these that fits every GPU - each step saves
+memory and costs some speed, so the first that fits is the fastest that fits:
+
+| plan | saves | costs |
+| --- | --- | --- |
+| DDP | nothing: every GPU holds the whole model | - |
+| DDP + fp8 base (LoRA) | half of a bf16 base | a cast per layer |
+| FSDP | the trained module (a LoRA's frozen base too) sharded 1/N per GPU | gathering every block, every step |
+| + fp8 base (LoRA) | half of the sharded base | a cast per layer |
+| + activation checkpointing | activations: each block keeps its input only | recomputing each block's forward |
+| + activation offloading (transformers) | the checkpointed inputs move to host memory | copies that overlap the compute |
+| + CPU offload of the shards | the sharded state lives in host memory | the optimizer step on the CPU, copies |
+
+DDP with an fp8 base comes before FSDP: a cast per layer costs less than gathering every block (FSDP2
+was 3-6x slower than DDP for a small-batch LoRA in SimpleTuner's measurements). A setting the config
+already turns on stays on in every plan; `ddp` or `fsdp` set explicitly is the one plan. The cards are
+`multi_gpu.memory_limit_gib` (each GPU held to it: `torch.cuda.set_per_process_memory_fraction`) or the
+GPUs' free memory; a plan fits when each rank's estimate (`memory_need.py`) stays within
+`SAFETY_FRACTION` of its card. When none does, the most frugal plan is taken if it fits the whole card
+(the log says it is tight); a config that fits no card is refused - by the launcher, before any worker
+starts - naming the smallest changes that would fit (`NoPlanFits`).
+
+Torch-free: the launcher's checks, `scripts/check_multi_gpu.py --plan-for`, the GUI's memory line and
+every worker (`DistributedTrainer`) make the same plan from the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
+from modules.config.model_families import FAMILIES
+from modules.config.model_sizes import ModelSizes
+from modules.config.validation import fsdp_blockers, parse_memory_limits
+from modules.util.batch_slice import RankCapacity, SplitDoesNotFit, choose_split, parse_split
+
+SAFETY_FRACTION = 0.9
+"""Share of a card a plan may fill: the estimate leaves out the allocator's fragmentation."""
+MOST_CARDS = 16
+"""How many cards the refusal looks at when it asks whether more cards would fit."""
+
+
+class NoPlanFits(ValueError):
+    """No plan fits the cards; the message gives the figures and the smallest changes that would fit."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    setup: Setup
+
+
+@dataclass
+class Plan:
+    """The chosen plan, with the figures it was chosen by."""
+    candidate: Candidate
+    needs: list[Need]
+    """Each rank's estimate under this plan."""
+    batches: list[int]
+    """Each rank's samples per micro-batch."""
+    capacities: list[float]
+    """Each rank's card in GiB (`memory_limit_gib` or its free memory)."""
+    capacity_source: str
+    rejected: list[str] = field(default_factory=list)
+    """Why each faster plan did not fit, one sentence each."""
+    tight: bool = False
+    """Fits the cards only beyond `SAFETY_FRACTION`."""
+    planned_split: list[int] | None = None
+    """The uneven split of each global batch this plan chose (FSDP with `multi_gpu.batch_split = auto`)."""
+    changes: dict[str, object] = field(default_factory=dict)
+    """The config fields the plan sets (`section.field` -> value), beyond what the config says."""
+    chosen_by: str = "auto"
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+    @property
+    def strategy(self) -> str:
+        return self.candidate.setup.strategy
+
+    @property
+    def peaks(self) -> list[float]:
+        """Each rank's estimated peak: training, or caching where the plan decides that (`peak`)."""
+        return [peak(n, c * SAFETY_FRACTION) for n, c in zip(self.needs, self.capacities)]
+
+    def warnings(self) -> list[str]:
+        """What no plan changes but the user should know: encoders larger than a card while caching."""
+        found = []
+        for rank, (n, c) in enumerate(zip(self.needs, self.capacities)):
+            if encoders_exceed(n, c * SAFETY_FRACTION):
+                found.append(f"The text encoders and VAE need ~{n.encoders:.1f} GiB on GPU {rank} while the cache is "
+                             f"filled, more than its {c:.1f} GiB: set model.text_encoder_dtype (and model.vae_dtype) to "
+                             "bf16, or fill the cache once on a larger GPU (it is reused).")
+                break
+        return found
+
+    def apply(self, cfg):
+        """`cfg` as this plan trains it (the fields in `changes` set)."""
+        return with_changes(cfg, self.changes)
+
+    def describe(self) -> str:
+        """The start-up log's account: the plan, each GPU's estimate and card, why faster plans did not fit."""
+        cards = _cards(self.capacities, self.capacity_source)
+        peaks = ", ".join(f"GPU {r} ~{p:.1f}" for r, p in enumerate(self.peaks))
+        text = f"Memory plan for {cards}: {self.name} ({self.chosen_by}), estimated peak per GPU {peaks} GiB"
+        if not all(n.activations_known for n in self.needs):
+            text += " before activations (not estimated for this model)"
+        over = [r for r, (p, c) in enumerate(zip(self.peaks, self.capacities)) if p > c]
+        if over:
+            text += (f"; DOES NOT FIT GPU {', '.join(map(str, over))}: expect it to run out of memory "
+                     "(scripts/check_multi_gpu.py --plan-for names what would fit)")
+        elif self.tight:
+            text += f"; TIGHT: beyond {SAFETY_FRACTION:.0%} of the card, no plan fits with room to spare"
+        if self.changes:
+            text += "; sets " + ", ".join(f"{k}={_value(v)}" for k, v in self.changes.items())
+        if self.planned_split:
+            text += f"; batch split {','.join(map(str, self.planned_split))} by the cards' room"
+        text += "."
+        if self.rejected:
+            text += " Faster plans that do not fit: " + "; ".join(self.rejected) + "."
+        return " ".join([text, *self.warnings()])
+
+
+def with_changes(cfg, changes: dict[str, object]):
+    for path, value in changes.items():
+        section, name = path.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+    return cfg
+
+
+def _value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _cards(capacities: list[float], source: str) -> str:
+    sizes = sorted(set(round(c, 1) for c in capacities))
+    if len(sizes) == 1:
+        return f"{len(capacities)} GPU(s) of {sizes[0]:g} GiB ({source})"
+    return f"GPUs of {', '.join(f'{c:.1f}' for c in capacities)} GiB ({source})"
+
+
+# ---------------------------------------------------------------------------- the cards
+def memory_limits(text: str, world: int) -> list[float] | None:
+    """Each rank's limit in GiB (one number for every GPU, or one per GPU); None when none is set."""
+    limits = parse_memory_limits(text)
+    if not limits:
+        return None
+    if len(limits) == 1:
+        return limits * world
+    if len(limits) != world:
+        raise ValueError(f"multi_gpu.memory_limit_gib: {text!r} gives {len(limits)} limits for {world} GPU(s); give "
+                         "one number for every GPU or one per GPU")
+    return limits
+
+
+def own_limit(cfg, local_rank: int, local_world: int) -> float | None:
+    """This process's `multi_gpu.memory_limit_gib` (limits are per machine, numbered as its GPUs); None: none set."""
+    limits = memory_limits(cfg.multi_gpu.memory_limit_gib, local_world)
+    return None if limits is None else limits[local_rank]
+
+
+def capacities(cfg, world: int, card_gib: list[float] | None) -> tuple[list[float] | None, str]:
+    """(each rank's GiB, where it comes from): `multi_gpu.memory_limit_gib` (never more than the card), else
+    the cards' memory; None when neither is known."""
+    limits = memory_limits(cfg.multi_gpu.memory_limit_gib, world)
+    if limits is not None:
+        if card_gib:
+            return [min(limit, card) for limit, card in zip(limits, card_gib)], "multi_gpu.memory_limit_gib"
+        return limits, "multi_gpu.memory_limit_gib"
+    if card_gib:
+        return list(card_gib), "free memory"
+    return None, "unknown"
+
+
+# ---------------------------------------------------------------------------- candidates
+def candidates(cfg, world: int, sizes: ModelSizes) -> list[Candidate]:
+    """The plans to try for `cfg` on `world` processes, fastest first (see the module's table)."""
+    t, m, mg = cfg.training, cfg.model, cfg.multi_gpu
+    lora = t.method == "lora"
+    fp8_given = m.unet_dtype == "fp8"
+    fp8_possible = lora and t.precision == "bf16" and not fp8_given
+    if world < 2:
+        return [Candidate("one process", user_setup(cfg, 1, "single"))]
+    ddp, fsdp = user_setup(cfg, world, "ddp"), user_setup(cfg, world, "fsdp")
+    if mg.strategy == "ddp":
+        return [Candidate("DDP", ddp)]
+    if mg.strategy == "fsdp":
+        return [Candidate(_fsdp_name(fsdp, fsdp), fsdp)]
+    found = [Candidate("DDP", ddp)]
+    if fp8_possible:
+        found.append(Candidate("DDP + fp8 base", dataclasses.replace(ddp, fp8=True)))
+    if fsdp_blockers(cfg):
+        return found
+    steps = [fsdp]
+    if fp8_possible:
+        steps.append(dataclasses.replace(steps[-1], fp8=True))
+    if not t.gradient_checkpointing:
+        steps.append(dataclasses.replace(steps[-1], checkpointing=True))
+    if sizes.denoiser_name == "transformer" and not steps[-1].activation_offload:
+        steps.append(dataclasses.replace(steps[-1], activation_offload=True))
+    if not mg.fsdp_cpu_offload:
+        steps.append(dataclasses.replace(steps[-1], cpu_offload=True))
+    return found + [Candidate(_fsdp_name(s, fsdp), s) for s in steps]
+
+
+def _fsdp_name(setup: Setup, given: Setup) -> str:
+    name = "FSDP"
+    for flag, words in (("fp8", "fp8 base"), ("checkpointing", "checkpointing"),
+                        ("activation_offload", "activation offloading"), ("cpu_offload", "CPU offload")):
+        if getattr(setup, flag) and not getattr(given, flag):
+            name += f" + {words}"
+    return name
+
+
+def changes_of(cfg, setup: Setup) -> dict[str, object]:
+    """The config fields a plan sets beyond the config (nothing for the config's own plan)."""
+    t, m, mg = cfg.training, cfg.model, cfg.multi_gpu
+    changes: dict[str, object] = {}
+    if setup.strategy in ("ddp", "fsdp") and mg.strategy != setup.strategy:
+        changes["multi_gpu.strategy"] = setup.strategy
+    if setup.fp8 and m.unet_dtype != "fp8":
+        changes["model.unet_dtype"] = "fp8"
+    if setup.checkpointing and not t.gradient_checkpointing:
+        changes["training.gradient_checkpointing"] = True
+    if setup.activation_offload and not mg.fsdp_activation_offload:
+        changes["multi_gpu.fsdp_activation_offload"] = True
+    if setup.cpu_offload and not mg.fsdp_cpu_offload:
+        changes["multi_gpu.fsdp_cpu_offload"] = True
+    return changes
+
+
+# ---------------------------------------------------------------------------- choosing
+def batches_of(cfg, world: int) -> list[int] | None:
+    """Each rank's micro-batch from `multi_gpu.batch_split`; None for `auto` (decided with the plan)."""
+    try:
+        split = parse_split(cfg.multi_gpu.batch_split, world, cfg.training.batch_size)
+    except ValueError:
+        split = None  # a list for another number of GPUs (validation names it): plan with equal batches
+    if split == "auto":
+        return None
+    return split or [cfg.training.batch_size] * world
+
+
+def _fit(f: Facts, cfg, setup: Setup, caps: list[float], batches: list[int] | None,
+         margin: float) -> tuple[bool, list[Need], list[int], list[int] | None]:
+    """(fits, each rank's need, each rank's batch, the planned uneven split or None)."""
+    world = len(caps)
+    planned = None
+    if batches is None:  # multi_gpu.batch_split auto: the split the cards' room allows
+        planned = _uneven_split(f, cfg, setup, caps, margin)
+        batches = planned or [cfg.training.batch_size] * world
+    needs = [need(f, cfg, setup, b) for b in batches]
+    fits = all(peak(n, c * margin) <= c * margin for n, c in zip(needs, caps))
+    # DDP measures each GPU at start (split_probe) and splits by that; FSDP cannot, so it takes this split.
+    uneven = planned is not None and len(set(planned)) > 1 and setup.strategy == "fsdp"
+    return fits, needs, batches, planned if uneven else None
+
+
+def encoders_exceed(n: Need, usable: float) -> bool:
+    """Whether the text encoders and VAE alone exceed the card while the cache is filled: no plan changes
+    that, so plans are then judged by their training peak (and the start-up log warns)."""
+    return n.encoders + RUNTIME_OVERHEAD_GIB > usable
+
+
+def peak(n: Need, usable: float) -> float:
+    """What a plan must fit: its training peak, and its caching peak where the plan decides that."""
+    return n.training if encoders_exceed(n, usable) else n.total
+
+
+def _uneven_split(f: Facts, cfg, setup: Setup, caps: list[float], margin: float) -> list[int] | None:
+    """The split of the global micro-batch that finishes soonest within each card's room (equal speeds
+    assumed: the room decides), or None when even that does not fit."""
+    one = need(f, cfg, setup, 1)
+    per_sample = one.parts["activations"]
+    if per_sample <= 0:
+        return None
+    fixed = one.training - per_sample
+    ranks = [RankCapacity(max(0.0, c * margin - fixed), per_sample, 1.0) for c in caps]
+    try:
+        return choose_split(cfg.training.batch_size * len(caps), ranks)
+    except SplitDoesNotFit:
+        return None
+
+
+def choose_plan(cfg, sizes: ModelSizes, caps: list[float], capacity_source: str = "free memory",
+                refuse: bool = True) -> Plan:
+    """The first plan that fits every card (see the module's doc); raises `NoPlanFits` when none fits - or,
+    with `refuse` off (a worker: the launcher refuses), takes the most frugal plan and says it is tight."""
+    f = facts(sizes, cfg)
+    world = len(caps)
+    batches = batches_of(cfg, world)
+    found = candidates(cfg, world, sizes)
+    explicit = cfg.multi_gpu.strategy if world > 1 and cfg.multi_gpu.strategy != "auto" else None
+    chosen_by = f"multi_gpu.strategy {explicit}" if explicit else "one process" if world < 2 else "auto"
+    rejected: list[str] = []
+    for candidate in found:
+        fits, needs, chosen, planned = _fit(f, cfg, candidate.setup, caps, batches, SAFETY_FRACTION)
+        if fits:
+            if len(found) > 1:
+                candidate, (needs, chosen, planned) = _leaner(f, cfg, candidate, caps, batches, (needs, chosen, planned))
+            return _plan(cfg, candidate, needs, chosen, caps, capacity_source, rejected, planned, False, chosen_by)
+        rejected.append(_why_not(candidate, needs, caps))
+    last = found[-1]
+    fits, needs, chosen, planned = _fit(f, cfg, last.setup, caps, batches, 1.0)
+    if fits or world < 2 or not refuse:  # the most frugal plan (or the one asked for): the log says it is tight
+        return _plan(cfg, last, needs, chosen, caps, capacity_source, rejected[:-1], planned, True, chosen_by)
+    raise NoPlanFits(refusal(cfg, f, last, caps, capacity_source))
+
+
+PRUNED = ("checkpointing", "activation_offload", "fp8")
+"""Savers a plan drops again when a later step made them unnecessary, costliest first."""
+ADDED_IN_ORDER = ("fp8", "checkpointing", "activation_offload", "cpu_offload")
+
+
+def _leaner(f: Facts, cfg, candidate: Candidate, caps: list[float], batches, figures):
+    """`candidate` without the savers it no longer needs: the step that made it fit (CPU offload, say) can
+    make an earlier one (checkpointing) unnecessary, and each costs speed. The step that made it fit stays."""
+    setup, given = candidate.setup, user_setup(cfg, len(caps), candidate.setup.strategy)
+    added = [flag for flag in ADDED_IN_ORDER if getattr(setup, flag) and not getattr(given, flag)]
+    for flag in PRUNED:
+        if flag not in added[:-1]:
+            continue
+        fewer = dataclasses.replace(setup, **{flag: False})
+        if flag == "checkpointing" and fewer.activation_offload and not given.activation_offload:
+            fewer = dataclasses.replace(fewer, activation_offload=False)  # offloading moves what checkpointing keeps
+        if fewer.activation_offload and not fewer.checkpointing:
+            continue
+        fits, *rest = _fit(f, cfg, fewer, caps, batches, SAFETY_FRACTION)
+        if fits:
+            setup, figures = fewer, tuple(rest)
+    if setup == candidate.setup:
+        return candidate, figures
+    name = _fsdp_name(setup, given) if setup.strategy == "fsdp" else candidate.name
+    return Candidate(name, setup), figures
+
+
+def user_setup(cfg, world: int, strategy: str) -> Setup:
+    """The savers the config itself turns on, under `strategy`."""
+    t, mg = cfg.training, cfg.multi_gpu
+    if strategy != "fsdp":
+        return Setup(strategy, world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing)
+    return Setup("fsdp", world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing,
+                 mg.fsdp_activation_offload and t.gradient_checkpointing, mg.fsdp_cpu_offload)
+
+
+def _plan(cfg, candidate, needs, batches, caps, source, rejected, planned, tight, chosen_by="auto") -> Plan:
+    return Plan(candidate, needs, batches, caps, source, rejected, tight, planned, changes_of(cfg, candidate.setup),
+                chosen_by)
+
+
+def _why_not(candidate: Candidate, needs: list[Need], caps: list[float]) -> str:
+    worst = max(range(len(needs)), key=lambda r: peak(needs[r], caps[r] * SAFETY_FRACTION) - caps[r])
+    n, usable = needs[worst], caps[worst] * SAFETY_FRACTION
+    caching = n.training <= usable < peak(n, usable)
+    return (f"{candidate.name} ~{n.caching if caching else n.training:.1f} GiB{' while caching' if caching else ''} "
+            f"on GPU {worst} (of {caps[worst]:.1f}, {SAFETY_FRACTION:.0%} usable)")
+
+
+# ---------------------------------------------------------------------------- refusing
+def refusal(cfg, f: Facts, last: Candidate, caps: list[float], source: str) -> str:
+    """Why nothing fits, with the smallest changes that would."""
+    world = len(caps)
+    n = max((need(f, cfg, last.setup, b) for b in (batches_of(cfg, world) or [cfg.training.batch_size])),
+            key=lambda x: peak(x, min(caps) * SAFETY_FRACTION))
+    usable = min(caps) * SAFETY_FRACTION
+    caching = n.training <= usable < peak(n, usable)
+    figure = n.caching if caching else n.training
+    which = (f"multi_gpu.strategy {cfg.multi_gpu.strategy} ({last.name})" if cfg.multi_gpu.strategy != "auto"
+             else f"the plan that saves the most memory, {last.name},")
+    text = (f"nothing fits {_cards(caps, source)}: {which} needs ~{figure:.1f} GiB per GPU"
+            + (" while caching (the model on the GPU with the text encoders)" if caching else
+               f" (weights and state {n.training - n.parts['activations']:.1f}, activations "
+               f"{n.parts['activations']:.1f})") + ".")
+    options = smallest_changes(cfg, f, caps)
+    if options:
+        text += " Any one of these fits: " + "; ".join(options) + "."
+    else:
+        text += " No single change of batch size, resolution, fp8 base or more GPUs fits: use GPUs with more memory."
+    return text
+
+
+def _quick_fit(cfg, f: Facts, caps: list[float]) -> bool:
+    """Whether some plan fits the cards with room to spare (what the refusal's changes are judged by)."""
+    batches = batches_of(cfg, len(caps))
+    return any(_fit(f, cfg, c.setup, caps, batches, SAFETY_FRACTION)[0] for c in candidates(cfg, len(caps), f.sizes))
+
+
+def smallest_changes(cfg, f: Facts, caps: list[float]) -> list[str]:
+    """The changes that would fit, each alone, least intrusive first: the automatic plan (for an explicit
+    strategy), a smaller batch per GPU (the global batch kept by accumulation), bf16 training or an fp8 base,
+    a lower resolution, more GPUs like the smallest."""
+    t = cfg.training
+    options = []
+    if cfg.multi_gpu.strategy != "auto" and len(caps) > 1:
+        auto = with_changes(cfg, {"multi_gpu.strategy": "auto"})
+        if _quick_fit(auto, f, caps):
+            options.append(f"multi_gpu.strategy auto (plan: {choose_plan(auto, f.sizes, caps).name})")
+    if t.batch_size > 1:
+        for batch in range(t.batch_size - 1, 0, -1):
+            smaller = with_changes(cfg, {"training.batch_size": batch, "multi_gpu.batch_split": "equal"})
+            if _quick_fit(smaller, f, caps):
+                keep = t.batch_size * t.gradient_accumulation_steps
+                accumulation = f" with training.gradient_accumulation_steps {keep // batch}" if keep % batch == 0 else ""
+                options.append(f"training.batch_size {batch}{accumulation} (the same global batch)"
+                               if accumulation else f"training.batch_size {batch}")
+                break
+    if t.precision != "bf16" and _quick_fit(with_changes(cfg, {"training.precision": "bf16"}), f, caps):
+        options.append("training.precision bf16")  # half the activations; FSDP and an fp8 base become possible
+    elif t.method == "lora" and cfg.model.unet_dtype != "fp8":
+        fp8 = with_changes(cfg, {"model.unet_dtype": "fp8", "training.precision": "bf16"})
+        if _quick_fit(fp8, f, caps):
+            options.append("model.unet_dtype fp8" + (" with training.precision bf16" if t.precision != "bf16" else ""))
+    step = max(64, FAMILIES[f.sizes.family].pixel_multiple if f.sizes.family in FAMILIES else 64)
+    for resolution in range(cfg.data.resolution - step, 255, -step):
+        if _quick_fit(with_changes(cfg, {"data.resolution": resolution}), f, caps):
+            options.append(f"data.resolution {resolution}")
+            break
+    if cfg.multi_gpu.strategy != "ddp":
+        for cards in range(len(caps) + 1, MOST_CARDS + 1):
+            more = [min(caps)] * cards
+            if _quick_fit(with_changes(cfg, {"multi_gpu.batch_split": "equal"}), f, more):
+                options.append(f"{cards} GPUs of {min(caps):g} GiB")
+                break
+    return options
+
+
+def plan_for_cards(cfg, sizes: ModelSizes, card_gib: list[float] | None, world: int) -> Plan | None:
+    """The plan for `world` processes on cards of `card_gib` (None: unknown, then only `memory_limit_gib`
+    says); None when the cards are unknown."""
+    caps, source = capacities(cfg, world, card_gib)
+    if caps is None:
+        return None
+    return choose_plan(cfg, sizes, caps, source)
+
+
+def parse_cards(text: str) -> list[float]:
+    """`--plan-for` cards: `2x24` -> [24, 24], `24,16` -> [24, 16], `4x24,2x16` -> 4 x 24 and 2 x 16."""
+    cards: list[float] = []
+    for part in text.replace(" ", "").split(","):
+        count, times, size = part.partition("x")
+        try:
+            cards += [float(size)] * int(count) if times else [float(part)]
+        except ValueError:
+            raise ValueError(f"--plan-for {text!r}: write the cards as 2x24 (two of 24 GiB) or 24,16 (one each)") from None
+    if not cards or any(c <= 0 for c in cards):
+        raise ValueError(f"--plan-for {text!r}: name at least one card of more than 0 GiB")
+    return cards
