@@ -132,18 +132,18 @@ def store_linear_weights_in_float8(module: nn.Module, name: str = "the denoiser"
     """Replace every `nn.Linear` inside `module` by a `Float8Linear`; returns how many were replaced.
 
     Each layer's full-precision weight is freed as soon as its float8 copy exists, so the peak is the
-    model in its loaded dtype plus one layer."""
-    replaced = 0
-    for parent_name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, Float8Linear):
-                path = f"{parent_name}.{child_name}" if parent_name else child_name
-                try:
-                    setattr(parent, child_name, Float8Linear(child))
-                except ValueError as error:
-                    raise ValueError(f"{name}'s layer {path} cannot be stored in float8: {error}") from None
-                replaced += 1
-    return replaced
+    model in its loaded dtype plus one layer. Only the layers' names are listed up front: a list of the
+    modules themselves would keep every replaced layer (and its weight) alive until the end."""
+    paths = [path for path, child in module.named_modules()
+             if path and isinstance(child, nn.Linear) and not isinstance(child, Float8Linear)]
+    for path in paths:
+        parent_name, _, child_name = path.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        try:
+            setattr(parent, child_name, Float8Linear(getattr(parent, child_name)))
+        except ValueError as error:
+            raise ValueError(f"{name}'s layer {path} cannot be stored in float8: {error}") from None
+    return len(paths)
 
 
 def float8_layers(module: nn.Module) -> list[Float8Linear]:

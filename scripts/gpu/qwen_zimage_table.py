@@ -28,10 +28,10 @@ def main(path: str, first: int) -> None:
     texts = [r for r in lines if r.get("source") == "tandem_text_encoder"]
     if texts:
         print()
-        print("| text encoder | placement | GPUs | weights GiB | build + place s | encode s | texts/s | peak GiB per GPU |")
+        print("| text encoder | placement | GPUs | weights GiB | place s | encode s | texts/s | peak GiB per GPU |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in texts:
-            print(f"| {r['family']} | {r['placement']} | {r['world']} | {r['weights_gib']} | {r['build_and_place_s']} | "
+            print(f"| {r['family']} | {r['placement']} | {r['world']} | {r['weights_gib']} | {r.get('place_s', r.get('build_and_place_s'))} | "
                   f"{r['encode_s']} ({r['texts']} texts) | {r['texts_per_s']} | {r['peak_gib']} |")
 
 
