@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 import webbrowser
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -315,29 +314,19 @@ class RemoteRunController(RunController):
                 self._apply_result(self._results.get_nowait())
             except queue.Empty:
                 break
-        items = []
-        for _ in range(limit):
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Result):
-                self._apply_run_result(item)
-            elif isinstance(item, _Exited):
-                self._finish(item.returncode)
-                self.refresh()  # the backup Continue offers, and the run's state in the list
-            else:
-                items.append(item)
-                if isinstance(item, LogLine):
-                    self._log(item.text)
-                else:
-                    self._apply(item)
-        if (self._stop_deadline is not None and self.state.status == "stopping"
-                and time.monotonic() > self._stop_deadline):
-            self._log(f"[gui] training did not stop within {self.stop_timeout_s:g}s; ending it on {self.host.label}")
-            self._stop_deadline = None
-            self.terminate()
-        return items
+        return super().poll(limit)
+
+    def _control(self, item) -> bool:
+        if isinstance(item, _Result):
+            self._apply_run_result(item)
+            return True
+        if super()._control(item):
+            self.refresh()  # after the exit: the backup Continue offers, and the run's state in the list
+            return True
+        return False
+
+    def _where(self) -> str:
+        return f" on {self.host.label}"
 
     def _apply(self, event: TrainingEvent) -> None:
         if event.type == "done":

@@ -285,8 +285,7 @@ class RunController:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Exited):
-                self._finish(item.returncode)
+            if self._control(item):
                 continue
             items.append(item)
             if isinstance(item, LogLine):
@@ -295,10 +294,22 @@ class RunController:
                 self._apply(item)
         if (self._stop_deadline is not None and self.state.status == "stopping"
                 and time.monotonic() > self._stop_deadline):
-            self._log(f"[gui] training did not stop within {self.stop_timeout_s:g}s; ending it")
+            self._log(f"[gui] training did not stop within {self.stop_timeout_s:g}s; ending it{self._where()}")
             self._stop_deadline = None
             self.terminate()
         return items
+
+    def _control(self, item) -> bool:
+        """Act on a queued message about the run rather than from it (True when `item` was one):
+        here the process's exit."""
+        if isinstance(item, _Exited):
+            self._finish(item.returncode)
+            return True
+        return False
+
+    def _where(self) -> str:
+        """Where the run is, for log lines ("" on this machine)."""
+        return ""
 
     def _apply(self, event: TrainingEvent) -> None:
         s = self.state

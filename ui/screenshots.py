@@ -119,8 +119,6 @@ def render_remote(out: Path, run_steps: int) -> None:
 
 
 def render(out: Path, example_gpus: int, run_steps: int) -> None:
-    from PIL import ImageGrab
-
     from ui.gpu_info import GpuInfo, detect_gpus
     from ui.settings import RecentConfigs
     from ui.views.app import TandemApp
@@ -130,19 +128,7 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     gpus = [GpuInfo(i, "NVIDIA H100 80GB HBM3 (example)", 81559) for i in range(example_gpus)]
     app = TandemApp(recent=RecentConfigs(home), gpu_probe=(lambda: gpus) if example_gpus else detect_gpus)
     app.geometry("1100x860+0+0")
-
-    def settle(seconds: float = 0.6) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            app.update()
-            time.sleep(0.02)
-
-    def shoot(name: str) -> None:
-        settle()
-        x, y = app.winfo_rootx(), app.winfo_rooty()
-        ImageGrab.grab(bbox=(x, y, x + app.winfo_width(), y + app.winfo_height()),
-                       xdisplay=os.environ["DISPLAY"]).save(out / f"{name}.png")
-        print("wrote", out / f"{name}.png")
+    settle, shoot = _shooter(app, out)
 
     while app.multi_gpu.detecting:
         settle(0.1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .demo_vae import COLOUR_CHANNELS, LOG_VARIANCE
+from .demo_vae import COLOUR_CHANNELS, set_by_hand, set_quant_convs
 
 VAE_CONFIG = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [],
               "temperal_downsample": [False, True, True]}
@@ -42,16 +42,7 @@ def build_demo_qwen_vae(latents_mean: list[float], latents_std: list[float]):
     from diffusers import AutoencoderKLQwenImage
 
     vae = AutoencoderKLQwenImage(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std)
-    with torch.no_grad():
-        for module in vae.modules():
-            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)):
-                module.weight.zero_()
-                if module.bias is not None:
-                    module.bias.zero_()
-        _set_encoder(vae)
-        _set_decoder(vae)
-    vae.requires_grad_(False)
-    return vae.eval()
+    return set_by_hand(vae, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear), _set_encoder, _set_decoder)
 
 
 def _set_encoder(vae) -> None:
@@ -60,16 +51,11 @@ def _set_encoder(vae) -> None:
     _pass_through(encoder.down_blocks)
     _pass_through([encoder.mid_block])
     _join_pairs(encoder.conv_out, encoder.conv_out.in_channels)
-    z = vae.config.z_dim
-    for channel in range(z):  # the mean passes through; the log-variance becomes a constant
-        vae.quant_conv.weight[channel, channel] = 1.0
-    vae.quant_conv.bias[z:] = LOG_VARIANCE
+    set_quant_convs(vae, vae.config.z_dim)
 
 
 def _set_decoder(vae) -> None:
     decoder = vae.decoder
-    for channel in range(vae.config.z_dim):
-        vae.post_quant_conv.weight[channel, channel] = 1.0
     _split_into_pairs(decoder.conv_in, COLOUR_CHANNELS)
     _pass_through([decoder.mid_block])
     _pass_through(decoder.up_blocks)

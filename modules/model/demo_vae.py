@@ -68,16 +68,31 @@ def build_demo_vae(scaling_factor: float = 1.0, latent_channels: int = 4, shift_
                 f"The demo VAE needs conv_norm_out = GroupNorm with 2 channels per group and eps {_NORM_EPS}; "
                 f"this diffusers version has {norm}. Update modules/model/demo_vae.py."
             )
+    return set_by_hand(vae, (torch.nn.Conv2d, torch.nn.Linear), _set_encoder, _set_decoder)
+
+
+def set_by_hand(vae, layer_types: tuple[type, ...], *setters):
+    """`vae` with every weight and bias of its `layer_types` layers zeroed and then `setters` applied
+    (each takes the VAE), frozen and in eval mode: the frame of every hand-set demo codec."""
     with torch.no_grad():
         for module in vae.modules():
-            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            if isinstance(module, layer_types):
                 module.weight.zero_()
                 if module.bias is not None:
                     module.bias.zero_()
-        _set_encoder(vae)
-        _set_decoder(vae)
+        for set_part in setters:
+            set_part(vae)
     vae.requires_grad_(False)
     return vae.eval()
+
+
+def set_quant_convs(vae, latent_channels: int) -> None:
+    """`quant_conv` passes the posterior mean through and replaces its log-variance with `LOG_VARIANCE`;
+    `post_quant_conv` passes the latent through."""
+    for channel in range(latent_channels):
+        vae.quant_conv.weight[channel, channel] = 1.0
+        vae.post_quant_conv.weight[channel, channel] = 1.0
+    vae.quant_conv.bias[latent_channels:] = LOG_VARIANCE
 
 
 def _set_encoder(vae) -> None:
@@ -92,16 +107,11 @@ def _set_encoder(vae) -> None:
     # conv_out gives the posterior mean (first half) and log-variance (second half); quant_conv
     # passes the mean through and replaces the log-variance with a constant.
     _join_pairs(encoder.conv_out)
-    latent = vae.config.latent_channels
-    for channel in range(latent):
-        vae.quant_conv.weight[channel, channel] = 1.0
-    vae.quant_conv.bias[latent:] = LOG_VARIANCE
+    set_quant_convs(vae, vae.config.latent_channels)
 
 
 def _set_decoder(vae) -> None:
     decoder = vae.decoder
-    for channel in range(vae.config.latent_channels):
-        vae.post_quant_conv.weight[channel, channel] = 1.0
     _split_into_pairs(decoder.conv_in)
     for block in decoder.up_blocks:
         for upsampler in block.upsamplers or ():

@@ -152,7 +152,6 @@ class FlowFamily(ModelFamily):
 
     def _assemble(self, transformer, folder: Path, model_cfg, dtypes, source_name: str, own_vae: bool):
         """The bundle around `transformer`, every other part read from the diffusers `folder`."""
-        import diffusers
         import transformers
         from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer
@@ -160,13 +159,8 @@ class FlowFamily(ModelFamily):
         from modules.model.bundle import ModelBundle
 
         self._check_files(folder, ["scheduler/scheduler_config.json"])
-        if model_cfg.prediction_type != "auto":
-            raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
-                             "trains rectified flow; set model.prediction_type to auto")
+        vae = self._load_flow_vae(folder, model_cfg, dtypes, own_vae)
         common = {"local_files_only": True}
-        vae = getattr(diffusers, self.vae_class).from_pretrained(
-            folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
-            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) if own_vae else None
         encoders, tokenizers = [], []
         for index, name in enumerate(self.component_names()):
             is_t5 = index == len(self.clip_classes)
@@ -184,6 +178,20 @@ class FlowFamily(ModelFamily):
             noise_scheduler=scheduler, prediction_type=FLOW_MATCHING, source=source_name,
             extra={"scheduler": scheduler, "text_lengths": [77] * len(self.clip_classes) + [t5_length]},
         )
+
+    def _load_flow_vae(self, folder: Path, model_cfg, dtypes, own_vae: bool):
+        """The diffusers VAE from `folder/vae` (None when the run brings its own), after refusing a
+        `model.prediction_type` other than auto: every flow family trains rectified flow only."""
+        import diffusers
+
+        if model_cfg.prediction_type != "auto":
+            raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
+                             "trains rectified flow; set model.prediction_type to auto")
+        if not own_vae:
+            return None
+        return getattr(diffusers, self.vae_class).from_pretrained(
+            folder, subfolder="vae", torch_dtype=dtypes["vae"], local_files_only=True,
+            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype))
 
     def t5_length_default(self, transformer) -> int:
         """T5 tokens per caption when `model.t5_max_length` is 0: the pipeline's default."""

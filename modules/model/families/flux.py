@@ -54,17 +54,25 @@ class FluxObjective(FlowMatching):
     def __init__(self, bundle, training_cfg=None) -> None:
         super().__init__(bundle, training_cfg)
         self.guidance = None
-        if bundle.denoiser.config.get("guidance_embeds"):
+        if self.takes_guidance(bundle.denoiser):
             self.guidance = training_cfg.flux_guidance if training_cfg is not None else 1.0
 
+    @staticmethod
+    def takes_guidance(denoiser) -> bool:
+        """The transformer has a guidance input (dev, not schnell): it gets `training.flux_guidance`."""
+        return bool(denoiser.config.get("guidance_embeds"))
+
+    def guidance_input(self, noisy: torch.Tensor) -> torch.Tensor | None:
+        """The guidance value for each sample of the batch, or None for a transformer without the input."""
+        if self.guidance is None:
+            return None
+        return torch.full((noisy.shape[0],), float(self.guidance), device=noisy.device, dtype=torch.float32)
+
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
-        batch, _, height, width = noisy.shape
+        _, _, height, width = noisy.shape
         hidden = text["encoder_hidden_states"]
-        guidance = None
-        if self.guidance is not None:
-            guidance = torch.full((batch,), float(self.guidance), device=noisy.device, dtype=torch.float32)
         out = denoiser(
-            hidden_states=pack_latents(noisy), timestep=timesteps, guidance=guidance,
+            hidden_states=pack_latents(noisy), timestep=timesteps, guidance=self.guidance_input(noisy),
             pooled_projections=text["pooled"], encoder_hidden_states=hidden,
             txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
             img_ids=image_ids(height, width, noisy.device, noisy.dtype), return_dict=False)[0]
@@ -147,44 +155,63 @@ class FluxFamily(FlowFamily):
 def flux_entries(num_layers: int, num_single_layers: int) -> list[layout.Entry]:
     """Every module of a Flux transformer, diffusers <-> Black Forest Labs names (the reverse of diffusers'
     `convert_flux_transformer_checkpoint_to_diffusers`); `keep_present` drops the guidance input of schnell."""
-    E, scale = layout.Entry, (("scale", "weight"),)
+    E = layout.Entry
     entries = [
-        E("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),
-        E("time_in.out_layer", ("time_text_embed.timestep_embedder.linear_2",)),
-        E("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
-        E("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
-        E("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
-        E("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
+        *bfl_embedder("time_in", "time_text_embed.timestep_embedder"),
+        *bfl_embedder("vector_in", "time_text_embed.text_embedder"),
+        *bfl_embedder("guidance_in", "time_text_embed.guidance_embedder"),
         E("txt_in", ("context_embedder",)),
         E("img_in", ("x_embedder",)),
-        E("final_layer.linear", ("proj_out",)),
-        E("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
+        *bfl_final_layer(),
     ]
     for i in range(num_layers):
         o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         entries += [
             E(f"{o}.img_mod.lin", (f"{d}.norm1.linear",)),
             E(f"{o}.txt_mod.lin", (f"{d}.norm1_context.linear",)),
-            E(f"{o}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")),
-            E(f"{o}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")),
-            E(f"{o}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=scale),
-            E(f"{o}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=scale),
-            E(f"{o}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=scale),
-            E(f"{o}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=scale),
-            E(f"{o}.img_attn.proj", (f"{d}.attn.to_out.0",)),
-            E(f"{o}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
-            E(f"{o}.img_mlp.0", (f"{d}.ff.net.0.proj",)),
-            E(f"{o}.img_mlp.2", (f"{d}.ff.net.2",)),
-            E(f"{o}.txt_mlp.0", (f"{d}.ff_context.net.0.proj",)),
-            E(f"{o}.txt_mlp.2", (f"{d}.ff_context.net.2",)),
+            *bfl_double_block(o, d, "net.0.proj", "net.2"),
         ]
     for i in range(num_single_layers):
         o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
         entries += [
             E(f"{o}.modulation.lin", (f"{d}.norm.linear",)),
             E(f"{o}.linear1", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")),
-            E(f"{o}.norm.query_norm", (f"{d}.attn.norm_q",), params=scale),
-            E(f"{o}.norm.key_norm", (f"{d}.attn.norm_k",), params=scale),
+            *bfl_single_norms(o, d),
             E(f"{o}.linear2", (f"{d}.proj_out",)),
         ]
     return entries
+
+
+# Black Forest Labs' names for the parts Flux and Flux.2 share (Flux.2 builds its table from these too).
+_QK_SCALE = (("scale", "weight"),)
+
+
+def bfl_embedder(original: str, embedder: str) -> list[layout.Entry]:
+    """An MLP embedder: the original `in_layer`/`out_layer`, diffusers' `linear_1`/`linear_2`."""
+    return [layout.Entry(f"{original}.in_layer", (f"{embedder}.linear_1",)),
+            layout.Entry(f"{original}.out_layer", (f"{embedder}.linear_2",))]
+
+
+def bfl_final_layer() -> list[layout.Entry]:
+    """The output projection and the final norm's modulation (stored as (shift, scale))."""
+    return [layout.Entry("final_layer.linear", ("proj_out",)),
+            layout.Entry("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True)]
+
+
+def bfl_double_block(o: str, d: str, ff_in: str, ff_out: str) -> list[layout.Entry]:
+    """A double block's joint attention and its two streams' MLPs (original `o`, diffusers `d`);
+    `ff_in`/`ff_out` name the MLP's layers under diffusers' `ff` and `ff_context`."""
+    E = layout.Entry
+    return [
+        *layout.joint_attention(f"{o}.img_attn", f"{o}.txt_attn", d, "norm.query_norm", "norm.key_norm", _QK_SCALE),
+        E(f"{o}.img_mlp.0", (f"{d}.ff.{ff_in}",)),
+        E(f"{o}.img_mlp.2", (f"{d}.ff.{ff_out}",)),
+        E(f"{o}.txt_mlp.0", (f"{d}.ff_context.{ff_in}",)),
+        E(f"{o}.txt_mlp.2", (f"{d}.ff_context.{ff_out}",)),
+    ]
+
+
+def bfl_single_norms(o: str, d: str) -> list[layout.Entry]:
+    """A single block's q/k norms."""
+    return [layout.Entry(f"{o}.norm.query_norm", (f"{d}.attn.norm_q",), params=_QK_SCALE),
+            layout.Entry(f"{o}.norm.key_norm", (f"{d}.attn.norm_k",), params=_QK_SCALE)]

@@ -38,7 +38,8 @@ from modules.model.lora_metadata import IMPLEMENTATION_FLUX2
 from modules.model.variants import component_variant
 
 from . import original_layout as layout
-from .flow_base import FLOW_MATCHING, FlowFamily, FlowMatching, _device_of, _dtype_of, shipped
+from .flow_base import FLOW_MATCHING, FlowFamily, _device_of, _dtype_of, shipped
+from .flux import FluxObjective, bfl_double_block, bfl_embedder, bfl_final_layer, bfl_single_norms
 
 TEXT_LENGTH = 512
 """Tokens per caption, as both pipelines are called (`max_sequence_length`; `model.text_max_length` sets
@@ -94,20 +95,14 @@ def is_dev(transformer) -> bool:
     return bool(transformer.config.get("guidance_embeds"))
 
 
-class Flux2Objective(FlowMatching):
-    def __init__(self, bundle, training_cfg=None) -> None:
-        super().__init__(bundle, training_cfg)
-        self.guidance = None
-        if is_dev(bundle.denoiser):
-            self.guidance = training_cfg.flux_guidance if training_cfg is not None else 1.0
+class Flux2Objective(FluxObjective):
+    """Flux's objective (dev's guidance input, `is_dev`) with Flux.2's packing and position ids."""
 
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
-        batch, _, height, width = noisy.shape
+        _, _, height, width = noisy.shape
         hidden = text["encoder_hidden_states"]
-        guidance = None
-        if self.guidance is not None:
-            guidance = torch.full((batch,), float(self.guidance), device=noisy.device, dtype=torch.float32)
-        out = denoiser(hidden_states=pack(noisy), encoder_hidden_states=hidden, timestep=timesteps, guidance=guidance,
+        out = denoiser(hidden_states=pack(noisy), encoder_hidden_states=hidden, timestep=timesteps,
+                       guidance=self.guidance_input(noisy),
                        img_ids=image_ids(height, width, noisy.device), txt_ids=text_ids(hidden.shape[1], noisy.device),
                        return_dict=False)[0]
         return unpack(out, height, width)
@@ -156,7 +151,6 @@ class Flux2Family(FlowFamily):
         return ["text_encoder"]
 
     def _assemble(self, transformer, folder, model_cfg, dtypes, source_name, own_vae):
-        import diffusers
         import transformers
         from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer
@@ -164,13 +158,8 @@ class Flux2Family(FlowFamily):
         from modules.model.bundle import ModelBundle
 
         self._check_files(folder, ["scheduler/scheduler_config.json"])
-        if model_cfg.prediction_type != "auto":
-            raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
-                             "trains rectified flow; set model.prediction_type to auto")
+        vae = self._load_flow_vae(folder, model_cfg, dtypes, own_vae)
         common = {"local_files_only": True}
-        vae = getattr(diffusers, self.vae_class).from_pretrained(
-            folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
-            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) if own_vae else None
         config = json.loads((folder / "text_encoder" / "config.json").read_text(encoding="utf-8"))
         cls = getattr(transformers, (config.get("architectures") or ["AutoModelForCausalLM"])[0])
         # The language model never trains: its storage dtype is always the configured one (dev's is 48 GB in bf16).
@@ -381,42 +370,24 @@ def flux2_entries(num_layers: int, num_single_layers: int) -> list[layout.Entry]
     `convert_flux2_transformer_checkpoint_to_diffusers`); `keep_present` drops Klein's missing guidance input.
     No Flux.2 layer has a bias; q, k and v are fused in the double blocks only (the single blocks' fused
     projections are one layer in diffusers too)."""
-    E, scale = layout.Entry, (("scale", "weight"),)
+    E = layout.Entry
     entries = [
         E("img_in", ("x_embedder",)),
         E("txt_in", ("context_embedder",)),
-        E("time_in.in_layer", ("time_guidance_embed.timestep_embedder.linear_1",)),
-        E("time_in.out_layer", ("time_guidance_embed.timestep_embedder.linear_2",)),
-        E("guidance_in.in_layer", ("time_guidance_embed.guidance_embedder.linear_1",)),
-        E("guidance_in.out_layer", ("time_guidance_embed.guidance_embedder.linear_2",)),
+        *bfl_embedder("time_in", "time_guidance_embed.timestep_embedder"),
+        *bfl_embedder("guidance_in", "time_guidance_embed.guidance_embedder"),
         E("double_stream_modulation_img.lin", ("double_stream_modulation_img.linear",)),
         E("double_stream_modulation_txt.lin", ("double_stream_modulation_txt.linear",)),
         E("single_stream_modulation.lin", ("single_stream_modulation.linear",)),
-        E("final_layer.linear", ("proj_out",)),
-        E("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
+        *bfl_final_layer(),
     ]
     for i in range(num_layers):
-        o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        entries += [
-            E(f"{o}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")),
-            E(f"{o}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")),
-            E(f"{o}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=scale),
-            E(f"{o}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=scale),
-            E(f"{o}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=scale),
-            E(f"{o}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=scale),
-            E(f"{o}.img_attn.proj", (f"{d}.attn.to_out.0",)),
-            E(f"{o}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
-            E(f"{o}.img_mlp.0", (f"{d}.ff.linear_in",)),
-            E(f"{o}.img_mlp.2", (f"{d}.ff.linear_out",)),
-            E(f"{o}.txt_mlp.0", (f"{d}.ff_context.linear_in",)),
-            E(f"{o}.txt_mlp.2", (f"{d}.ff_context.linear_out",)),
-        ]
+        entries += bfl_double_block(f"double_blocks.{i}", f"transformer_blocks.{i}", "linear_in", "linear_out")
     for i in range(num_single_layers):
         o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
         entries += [
             E(f"{o}.linear1", (f"{d}.attn.to_qkv_mlp_proj",)),
             E(f"{o}.linear2", (f"{d}.attn.to_out",)),
-            E(f"{o}.norm.query_norm", (f"{d}.attn.norm_q",), params=scale),
-            E(f"{o}.norm.key_norm", (f"{d}.attn.norm_k",), params=scale),
+            *bfl_single_norms(o, d),
         ]
     return entries

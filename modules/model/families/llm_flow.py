@@ -46,21 +46,14 @@ class LLMFlowFamily(FlowFamily):
 
     def _assemble(self, transformer, folder: Path, model_cfg, dtypes, source_name: str, own_vae: bool):
         """The bundle around `transformer`: VAE, tokenizer, scheduler and the text side from `folder`."""
-        import diffusers
         from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer
 
         from modules.model.bundle import ModelBundle
-        from modules.model.variants import component_variant
 
         self._check_files(folder, ["scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json"])
-        if model_cfg.prediction_type != "auto":
-            raise ValueError(f"model.prediction_type is {model_cfg.prediction_type!r}, but {self.info.title} "
-                             "trains rectified flow; set model.prediction_type to auto")
+        vae = self._load_flow_vae(folder, model_cfg, dtypes, own_vae)
         common = {"local_files_only": True}
-        vae = getattr(diffusers, self.vae_class).from_pretrained(
-            folder, subfolder="vae", torch_dtype=dtypes["vae"], **common,
-            variant=component_variant(folder / "vae", "vae", model_cfg.vae_dtype)) if own_vae else None
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", **common)
         side = self.text_side(folder, model_cfg.text_encoder_dtype,
                               AutoTokenizer.from_pretrained(folder, subfolder="tokenizer", **common))

@@ -45,6 +45,25 @@ class Entry:
         return f"{part}.{suffix}" if suffix else part
 
 
+def joint_attention(image: str, text: str, block: str, q_norm: str, k_norm: str,
+                    norm_params: tuple[tuple[str, str], ...]) -> list[Entry]:
+    """The attention of a block where image and text tokens attend jointly (Flux's and Flux.2's double
+    blocks, SD3's joint blocks): each stream's fused qkv, its q/k norms and its output projection.
+    `image` and `text` are the original attention paths, `block` the diffusers block; `q_norm`/`k_norm`
+    name the norms under each original path, `norm_params` their parameters."""
+    a = f"{block}.attn"
+    return [
+        Entry(f"{image}.qkv", (f"{a}.to_q", f"{a}.to_k", f"{a}.to_v")),
+        Entry(f"{text}.qkv", (f"{a}.add_q_proj", f"{a}.add_k_proj", f"{a}.add_v_proj")),
+        Entry(f"{image}.{q_norm}", (f"{a}.norm_q",), params=norm_params),
+        Entry(f"{image}.{k_norm}", (f"{a}.norm_k",), params=norm_params),
+        Entry(f"{text}.{q_norm}", (f"{a}.norm_added_q",), params=norm_params),
+        Entry(f"{text}.{k_norm}", (f"{a}.norm_added_k",), params=norm_params),
+        Entry(f"{image}.proj", (f"{a}.to_out.0",)),
+        Entry(f"{text}.proj", (f"{a}.to_add_out",)),
+    ]
+
+
 def keep_present(entries: Iterable[Entry], diffusers_keys: Iterable[str]) -> list[Entry]:
     """The entries whose every part exists in the model (candidate tables list every variant: qk norms,
     guidance input, dual attention, the last block's missing context outputs)."""

@@ -145,14 +145,7 @@ def sd3_entries(num_layers: int) -> list[layout.Entry]:
         x, c, d = f"joint_blocks.{i}.x_block", f"joint_blocks.{i}.context_block", f"transformer_blocks.{i}"
         last = i == num_layers - 1
         entries += [
-            E(f"{x}.attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")),
-            E(f"{c}.attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")),
-            E(f"{x}.attn.ln_q", (f"{d}.attn.norm_q",), params=norm),
-            E(f"{x}.attn.ln_k", (f"{d}.attn.norm_k",), params=norm),
-            E(f"{c}.attn.ln_q", (f"{d}.attn.norm_added_q",), params=norm),
-            E(f"{c}.attn.ln_k", (f"{d}.attn.norm_added_k",), params=norm),
-            E(f"{x}.attn.proj", (f"{d}.attn.to_out.0",)),
-            E(f"{c}.attn.proj", (f"{d}.attn.to_add_out",)),
+            *layout.joint_attention(f"{x}.attn", f"{c}.attn", d, "ln_q", "ln_k", norm),
             E(f"{x}.attn2.qkv", (f"{d}.attn2.to_q", f"{d}.attn2.to_k", f"{d}.attn2.to_v")),
             E(f"{x}.attn2.ln_q", (f"{d}.attn2.norm_q",), params=norm),
             E(f"{x}.attn2.ln_k", (f"{d}.attn2.norm_k",), params=norm),
