@@ -19,7 +19,6 @@ Chroma model (a Flux model there); see docs/Models.md.
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import torch
@@ -28,7 +27,7 @@ from modules.model.lora_metadata import IMPLEMENTATION_CHROMA
 
 from . import original_layout as layout
 from .flow_base import FlowFamily, FlowMatching, _device_of, _dtype_of, shipped
-from .flux import flux_entries, image_ids, pack_latents, unpack_latents
+from .flux import bfl_widths, count_blocks, flux_entries, image_ids, pack_latents, unpack_latents
 
 MASK = "attention_mask"
 """The text tensor that says which T5 tokens the transformer sees (bool [B, tokens])."""
@@ -135,17 +134,10 @@ class ChromaFamily(FlowFamily):
         config = shipped("chroma", "transformer")
         if not state:
             return config
-        count = lambda pattern: 1 + max((int(m[1]) for k in state if (m := re.match(pattern, k))), default=-1)  # noqa: E731
-        inner, in_channels = state["img_in.weight"].shape
-        head = state["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0] \
-            if "double_blocks.0.img_attn.norm.query_norm.scale" in state else config["attention_head_dim"]
         hidden, channels = state["distilled_guidance_layer.in_proj.weight"].shape
-        return {**config, "num_layers": count(r"double_blocks\.(\d+)\."),
-                "num_single_layers": count(r"single_blocks\.(\d+)\."), "in_channels": in_channels,
-                "attention_head_dim": head, "num_attention_heads": inner // head,
-                "joint_attention_dim": state["txt_in.weight"].shape[1], "approximator_num_channels": channels,
+        return {**config, **bfl_widths(state, config), "approximator_num_channels": channels,
                 "approximator_hidden_dim": hidden,
-                "approximator_layers": count(r"distilled_guidance_layer\.layers\.(\d+)\.")}
+                "approximator_layers": count_blocks(state, r"distilled_guidance_layer\.layers\.(\d+)\.")}
 
     def owns_key(self, key):
         return not key.startswith(("vae.", "first_stage_model.", "text_encoders."))

@@ -143,9 +143,8 @@ class FluxFamily(FlowFamily):
         (no `guidance_in`: schnell)."""
         if not state:
             return shipped("flux", "transformer")
-        count = lambda pattern: 1 + max((int(m[1]) for k in state if (m := re.match(pattern, k))), default=-1)  # noqa: E731
-        return {**shipped("flux", "transformer"), "num_layers": count(r"double_blocks\.(\d+)\."),
-                "num_single_layers": count(r"single_blocks\.(\d+)\."),
+        return {**shipped("flux", "transformer"), "num_layers": count_blocks(state, r"double_blocks\.(\d+)\."),
+                "num_single_layers": count_blocks(state, r"single_blocks\.(\d+)\."),
                 "guidance_embeds": any(k.startswith("guidance_in.") for k in state)}
 
     def owns_key(self, key):
@@ -180,6 +179,23 @@ def flux_entries(num_layers: int, num_single_layers: int) -> list[layout.Entry]:
             E(f"{o}.linear2", (f"{d}.proj_out",)),
         ]
     return entries
+
+
+def count_blocks(state, pattern: str) -> int:
+    """How many blocks a checkpoint's keys number: 1 + the largest index `pattern`'s group finds (0: none)."""
+    return 1 + max((int(m[1]) for k in state if (m := re.match(pattern, k))), default=-1)
+
+
+def bfl_widths(state, config: dict) -> dict:
+    """The block counts and widths of a Black Forest Labs layout checkpoint (Chroma, Flux.2), over `config`'s
+    head size where the checkpoint has no q/k norm to show it."""
+    inner, in_channels = state["img_in.weight"].shape
+    norm = "double_blocks.0.img_attn.norm.query_norm.scale"
+    head = state[norm].shape[0] if norm in state else config["attention_head_dim"]
+    return {"num_layers": count_blocks(state, r"double_blocks\.(\d+)\."),
+            "num_single_layers": count_blocks(state, r"single_blocks\.(\d+)\."), "in_channels": in_channels,
+            "attention_head_dim": head, "num_attention_heads": inner // head,
+            "joint_attention_dim": state["txt_in.weight"].shape[1]}
 
 
 # Black Forest Labs' names for the parts Flux and Flux.2 share (Flux.2 builds its table from these too).

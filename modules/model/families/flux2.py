@@ -27,7 +27,6 @@ model and diffusers reads; see docs/Models.md.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -39,7 +38,7 @@ from modules.model.variants import component_variant
 
 from . import original_layout as layout
 from .flow_base import FLOW_MATCHING, FlowFamily, _device_of, _dtype_of, shipped
-from .flux import FluxObjective, bfl_double_block, bfl_embedder, bfl_final_layer, bfl_single_norms
+from .flux import FluxObjective, bfl_double_block, bfl_widths, bfl_embedder, bfl_final_layer, bfl_single_norms
 
 TEXT_LENGTH = 512
 """Tokens per caption, as both pipelines are called (`max_sequence_length`; `model.text_max_length` sets
@@ -252,14 +251,7 @@ class Flux2Family(FlowFamily):
         config = shipped("flux2", "transformer" if _known(variant) == "dev" else f"transformer_{variant}")
         if not state:
             return config
-        count = lambda pattern: 1 + max((int(m[1]) for k in state if (m := re.match(pattern, k))), default=-1)  # noqa: E731
-        inner, in_channels = state["img_in.weight"].shape
-        head = state["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0] \
-            if "double_blocks.0.img_attn.norm.query_norm.scale" in state else config["attention_head_dim"]
-        return {**config, "num_layers": count(r"double_blocks\.(\d+)\."),
-                "num_single_layers": count(r"single_blocks\.(\d+)\."), "in_channels": in_channels,
-                "attention_head_dim": head, "num_attention_heads": inner // head,
-                "joint_attention_dim": state["txt_in.weight"].shape[1],
+        return {**config, **bfl_widths(state, config),
                 "timestep_guidance_channels": state["time_in.in_layer.weight"].shape[1],
                 "guidance_embeds": any(k.startswith("guidance_in.") for k in state)}
 
