@@ -54,6 +54,8 @@ class FamilyInfo:
     """Its text encoder is a large language model (Qwen2.5-VL 7B, Qwen3 4B) that never trains: it is loaded
     only to fill the text cache, before the denoiser loads, and freed after (`modules/trainer/text_encoding.py`);
     captions are always cached, and a run whose cache is complete never loads it."""
+    video: bool = False
+    """It trains on clips as well as images (latents [C, frames, H/8, W/8]); `data.video_frames` frames per clip."""
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -66,6 +68,10 @@ _DOUBLE_STREAM_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "a
 """The attention projections of both streams in the Flux-like double blocks (single blocks: their to_q/k/v)."""
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
+_VIDEO_FIELDS = ("data.video_frames", "data.video_fps")
+_WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+"""Every linear layer of Wan's blocks (self- and cross-attention, feed-forward), as musubi-tuner and
+diffusion-pipe train them: the layers ComfyUI's and diffusers' Wan LoRA loaders read."""
 _TEXT_APART_FIELDS = ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
                       "model.text_encoder_placement")
 
@@ -103,6 +109,11 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
                "z_image:ZImageFamily", "ZImageTransformer2DModel", _TEXT_APART_FIELDS,
                ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True),
+    # Wan: video. Its single files use diffusers' names; `condition_embedder.time_proj` is Wan's alone.
+    FamilyInfo("wan", "Wan 2.1 (T2V 1.3B, 14B)", "transformer", "WanPipeline", 16, True, "builtin:demo-wan",
+               "wan:WanFamily", "WanTransformer3DModel", _FLOW_FIELDS + _VIDEO_FIELDS,
+               ("condition_embedder.time_proj.", "model.diffusion_model.condition_embedder.time_proj."),
+               variants=("1.3b", "14b"), lora_targets=_WAN_LORA_TARGETS, video=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

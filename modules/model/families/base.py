@@ -201,6 +201,15 @@ class ModelFamily(ABC):
                 f"{self.info.title} takes images whose sides are multiples of {step} px, but the buckets include "
                 f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
 
+    def check_clips(self, clips: Sequence[Path], video_frames: int) -> None:
+        """Refuse video clips in the data of a family that trains images only (a video family: a clip length
+        it cannot take), naming the clips and the fix."""
+        if clips:
+            shown = ", ".join(str(c) for c in clips[:3]) + (f" and {len(clips) - 3} more" if len(clips) > 3 else "")
+            video = ", ".join(info.title for info in FAMILIES.values() if info.video)
+            raise ValueError(f"{self.info.title} trains images only, but the concept folders hold {len(clips)} video "
+                             f"clip(s): {shown}; move them out of the concepts, or train a video model ({video})")
+
     # ------------------------------------------------------------------ sharding
 
     @abstractmethod
@@ -225,6 +234,10 @@ class ModelFamily(ABC):
         """Keyword arguments of one pipeline call besides size, steps and generator."""
         return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,
                 "guidance_scale": guidance_scale}
+
+    def sample_image(self, result):
+        """The one image of a pipeline call's `result` (a video family's: its first frame)."""
+        return result.images[0]
 
     def sample_size_multiple(self, bundle: "ModelBundle") -> int:
         """Sample widths and heights are rounded down to a multiple of this."""
