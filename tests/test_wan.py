@@ -175,3 +175,44 @@ def test_the_demo_clips_are_moving_shapes_with_captions(tandem_home):
     assert caption.startswith("a red circle moving right on a ")
     frames = load_clip(clips[0], plan_crop(64, 64, (64, 64)), (0, FRAMES - 1))
     assert (frames[:, 0] - frames[:, 1]).abs().amax() > 1.0  # the shape moved
+
+
+@pytest.mark.parametrize("model,params", [("wan-1.3b", 1.42e9), ("wan-14b", 14.3e9)])
+def test_benchmark_models_are_the_published_sizes_and_take_video_latents(model, params):
+    """scripts/benchmark.py --model wan-1.3b|wan-14b (scripts/gpu/wan.sh): the real-size transformer (on the meta
+    device) has the published parameter count and takes the synthetic clips of `data.video_frames` frames."""
+    from modules.benchmark.cli import MODEL_ALIASES, model_variant
+    from modules.benchmark.synthetic import SyntheticCachedLatents, random_bundle
+    from modules.config.train_config import TrainingConfig
+
+    name, variant = MODEL_ALIASES[model], model_variant(model)
+    bundle = random_bundle(name, torch.device("meta"), torch.bfloat16, variant)
+    count = sum(p.numel() for p in bundle.denoiser.parameters())
+    assert abs(count - params) < 0.03 * params, count
+    item = SyntheticCachedLatents(name, 64, 2, variant=variant, frames=81)[0]
+    assert item["latents"].shape == (16, 21, 8, 8) and item["text"]["encoder_hidden_states"].shape == (512, 4096)
+    assert SyntheticCachedLatents("flux", 64, 2, frames=81)[0]["latents"].shape == (16, 8, 8)  # images: no frame axis
+    objective = bundle.family.objective(bundle, TrainingConfig())
+    meta = lambda t: torch.empty((1, *t.shape), device="meta", dtype=torch.bfloat16)  # noqa: E731
+    out = objective.predict(bundle.denoiser, meta(item["latents"]), torch.empty(1, device="meta"),
+                            {k: meta(v) for k, v in item["text"].items()})
+    assert out.shape == (1, *item["latents"].shape)
+
+
+def test_a_tiny_random_model_folder_loads_as_wan(tandem_home, tmp_path):
+    """make_random_model.py --type wan writes what the releases hold (UniPC scheduler with flow_shift, UMT5);
+    built here at a tiny size through the same code, it loads back as a Wan model whose objective shifts by 3."""
+    from modules.config.train_config import ModelConfig
+    from modules.model import load_model
+
+    tiny = {"transformer": {"num_attention_heads": 2, "attention_head_dim": 12, "ffn_dim": 32, "num_layers": 1,
+                            "text_dim": 16, "freq_dim": 16},
+            "vae": {"base_dim": 8, "num_res_blocks": 1},
+            "text_encoder": {"d_model": 16, "d_ff": 32, "d_kv": 4, "num_heads": 4, "num_layers": 1}}
+    folder = family("wan").write_random_model(tmp_path / "random-wan", torch.float32, configs=tiny)
+    bundle = load_model(ModelConfig(base_model=str(folder)))
+    assert bundle.model_type == "wan" and type(bundle.noise_scheduler).__name__ == "UniPCMultistepScheduler"
+    assert type(bundle.text_encoders[0]).__name__ == "UMT5EncoderModel"
+    assert scheduler_shift(bundle.noise_scheduler.config) == 3.0
+    text = bundle.encode_text(["a cat"])["encoder_hidden_states"]
+    assert text.shape == (1, 512, 16) and text[0, 10:].abs().max() == 0  # zero past the caption's tokens

@@ -136,6 +136,10 @@ class ModelFamily(ABC):
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return bundle.vae.encode(pixels).latent_dist
 
+    def latent_frames(self, frames: int) -> int | None:
+        """Latent frames of a clip of `frames` video frames; None: the family's latents have no frame axis."""
+        return None
+
     def build_demo(self, root: Path | None = None) -> Path:
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")

@@ -183,6 +183,9 @@ class WanFamily(FlowFamily):
         std = torch.tensor(config.latents_std, device=like.device, dtype=like.dtype).view(shape)
         return mean, std
 
+    def latent_frames(self, frames):
+        return latent_frames(frames)
+
     def check_clips(self, clips, video_frames):
         if video_frames % TEMPORAL_FACTOR != 1:
             raise ValueError(f"data.video_frames is {video_frames}, but {self.info.title} takes clips of 4k + 1 frames "
@@ -316,9 +319,11 @@ class WanFamily(FlowFamily):
                            source=f"benchmark:random-wan-{variant}",
                            extra={"scheduler": scheduler, "text_lengths": [TEXT_TOKENS]})
 
-    def write_random_model(self, folder, dtype=None, device="cpu", variant: str = "1.3b"):
+    def write_random_model(self, folder, dtype=None, device="cpu", variant: str = "1.3b", configs: dict | None = None):
         """The variant at its real size with random weights (UMT5-XXL included, 5.7 B parameters), built on
-        `device` in `dtype` (bf16 by default); the tokenizer is the demo's (its ids fit UMT5's vocabulary)."""
+        `device` in `dtype` (bf16 by default); the tokenizer is the demo's (its ids fit UMT5's vocabulary).
+        `configs`: fields per component (`transformer`, `vae`, `text_encoder`) over the shipped configs - a
+        smaller model of the same classes (the tests' tiny one)."""
         import diffusers
         from transformers import UMT5Config, UMT5EncoderModel
 
@@ -328,11 +333,14 @@ class WanFamily(FlowFamily):
         from .dit_demo import demo_t5_tokenizer
         from .llm_flow import _built
 
-        dtype = dtype or torch.bfloat16
+        dtype, configs = dtype or torch.bfloat16, configs or {}
         torch.manual_seed(0)
-        transformer = _built(diffusers.WanTransformer3DModel, self.shipped_transformer_config({}, variant), device, dtype)
-        vae = _built(diffusers.AutoencoderKLWan, shipped("wan", "vae"), device, dtype)
-        text_config = UMT5Config(**{k: v for k, v in shipped("wan", "text_encoder").items() if not k.startswith("_")})
+        transformer = _built(diffusers.WanTransformer3DModel,
+                             {**self.shipped_transformer_config({}, variant), **configs.get("transformer", {})}, device,
+                             dtype)
+        vae = _built(diffusers.AutoencoderKLWan, {**shipped("wan", "vae"), **configs.get("vae", {})}, device, dtype)
+        text_fields = {**shipped("wan", "text_encoder"), **configs.get("text_encoder", {})}
+        text_config = UMT5Config(**{k: v for k, v in text_fields.items() if not k.startswith("_")})
         encoder = _built(lambda: UMT5EncoderModel(text_config), None, device, dtype)
         scheduler = _scheduler_from(shipped("wan", "scheduler"))
         bundle = ModelBundle(model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[encoder],
