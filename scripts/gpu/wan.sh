@@ -6,6 +6,10 @@
 # of clips/s and peak memory. Parts, each within an 8-minute call:
 #   lora1     the 1.3B at 81 frames (the quick row of issue #36), and at 17 frames for scale
 #   lora14    the 14B at 81 frames (the issue's floor: 1 GPU with checkpointing); 14B in bf16 is 28 GB
+#   cp2       (nvidia-h100-x2) the evaluation of diffusers' context parallelism for training: the 1.3B on one
+#             81-frame clip at 640 px (33,600 tokens, divisible by 2) whole on each GPU, then split over the 2
+#             GPUs - Ulysses (all-to-all) and ring attention (cuDNN attention, which returns the log-sum-exp
+#             ring needs); output and summed gradients against the whole clip's, step time, peak memory
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); the table at the end
 # shows this call's.
 set -u
@@ -26,7 +30,15 @@ lora14)
     log "Wan 14B LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
     limited 470 python3 scripts/benchmark.py --model wan-14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
     ;;
-*) echo "unknown part $PART (lora1 | lora14)"; exit 2 ;;
+cp2)
+    CP=(--device cuda --size 1.3b --frames 81 --res 640 --gc)
+    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: Ulysses"
+    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --ulysses
+    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: ring (cuDNN attention)"
+    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --backend _native_cudnn
+    exit 0
+    ;;
+*) echo "unknown part $PART (lora1 | lora14 | cp2)"; exit 2 ;;
 esac
 python3 - "$RES" "$FIRST" <<'PY'
 import json, sys
