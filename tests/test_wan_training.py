@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from modules.distributed.launch import launch
@@ -27,10 +28,12 @@ def config(workspace: Path, cache: Path, *overrides: str, method: str = "lora"):
 
 def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
     """The preset's full fine-tune on the demo clips and images: the loss of the last steps is clearly below the
-    first steps'; the clips cache 3 latent frames (9 frames at 8 fps), the images 1."""
+    first steps'; the clips cache 3 latent frames (9 frames at 8 fps), the images 1; the samples render."""
     callbacks = RecordingCallbacks()
     train(config(tmp_path / "ws", tmp_path / "cache", "training.max_steps=40", "training.learning_rate=0.002",
-                 method="full"), callbacks)
+                 "sampling.every_n_steps=40", "sampling.inference_steps=2", method="full"), callbacks)
+    samples = sorted((tmp_path / "ws" / "samples").rglob("*.png"))
+    assert len(samples) == 2 and Image.open(samples[0]).size == (64, 64)  # one frame per prompt, WanPipeline's
     losses = [event["loss"] for event in callbacks.of_type("loss")]
     assert len(losses) == 40
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
@@ -84,6 +87,19 @@ def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home,
         pipe = WanPipeline.from_pretrained(demo)
         pipe.load_lora_weights(output / name)
         torch.testing.assert_close(transformer_output(pipe), expected, atol=1e-5, rtol=1e-5, msg=name)
+
+    # Tandem reads its own kohya file back (training.lora_init): the weights and alpha of the peft file.
+    from modules.config.train_config import ModelConfig
+    from modules.model import load_model
+    from modules.model.lora_reading import read_lora
+
+    bundle = load_model(ModelConfig(base_model="builtin:demo-wan"))
+    kohya, peft_read = read_lora(output / "tiny.safetensors", bundle), read_lora(output / "tiny.peft.safetensors", bundle)
+    assert kohya.layout == "kohya" and kohya.alpha == peft_read.alpha == {"transformer": 16.0}
+    assert kohya.state.keys() == peft_read.state.keys()
+    for component, weights in peft_read.state.items():
+        assert weights.keys() == kohya.state[component].keys()
+        assert all(torch.equal(weights[k], kohya.state[component][k]) for k in weights)
 
 
 def test_diffusers_ulysses_context_parallelism_trains_what_one_process_trains():

@@ -298,6 +298,12 @@ class ModelFamily(ABC):
             prefix = f"lora_te{component.removeprefix('text_encoder').removeprefix('_') or '1'}"
         return f"{prefix}_{module_path.replace('.', '_')}"
 
+    def kohya_names(self, bundle: "ModelBundle") -> dict[str, tuple[str, str]]:
+        """kohya module name -> (component, module path) of a family whose kohya layout has names of its own that
+        `modules/model/lora_reading.py` reads back (Wan's `diffusion_model.` + original names); empty for the
+        others, whose kohya files are read by their prefixes."""
+        return {}
+
     def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""
         return {"ss_base_model_version": self.name}

@@ -293,6 +293,19 @@ class WanFamily(FlowFamily):
                 tensors[f"{name}.alpha"] = torch.tensor(float(alpha))
         return tensors
 
+    def kohya_names(self, bundle):
+        """Every block linear layer's kohya name (what `kohya_lora_tensors` writes), so `training.lora_init` and
+        `scripts/convert_lora.py` read Wan's kohya files back."""
+        names = {}
+        for path, module in bundle.denoiser.named_modules():
+            path = path.removesuffix(".base_layer")
+            if isinstance(module, torch.nn.Linear) and ".lora_" not in path:
+                try:
+                    names[LORA_PREFIX + original_module_name(path)] = (bundle.denoiser_name, path)
+                except ValueError:
+                    continue  # outside the blocks' linear layers: no kohya name
+        return names
+
     # ------------------------------------------------------------------ real-size random models
 
     def random_bundle(self, device, denoiser_dtype, variant: str = "1.3b"):
