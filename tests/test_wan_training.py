@@ -1,6 +1,6 @@
 """Wan through the real trainer on the built-in tiny model and the demo's clips and images (CPU, gloo): the demo
-preset's loss falls; 2 processes x batch 4 (spawn, the launcher's path) train the LoRA weights 1 process x 8
-trains; and the saved LoRA, in both layouts, loads into diffusers' WanPipeline with the weights trained.
+preset's loss falls; 2 processes x batch 4 (spawn, the launcher's path; FSDP) train the LoRA weights 1 process
+x 8 trains; and the saved LoRA, in both layouts, loads into diffusers' WanPipeline with the weights trained.
 4 trainer runs, about two minutes on 2 cores."""
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
 
 
 def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home, tmp_path):
-    """2 processes x batch 4 (DDP, spawned as the launcher spawns them) give the LoRA weights of 1 x 8. The
+    """2 processes x batch 4 (FSDP2 with Wan's blocks as its units, spawned as the launcher spawns them) give the
+    LoRA weights of 1 x 8. The
     1-process LoRA, saved in the kohya layout (diffusion_model.* original names) and in peft's, loads into
     diffusers' WanPipeline: each makes the transformer compute what the base weights plus (alpha / rank) B A
     of the trained adapters compute."""
@@ -54,7 +55,7 @@ def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home,
     cache = tmp_path / "cache"
     train(config(tmp_path / "one", cache, *common, "training.batch_size=8"))
     assert launch(config(tmp_path / "two", cache, *common, "training.batch_size=4", "multi_gpu.enabled=true",
-                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=ddp")) == 0
+                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp")) == 0
     single = read_trained_weights(latest_backup(tmp_path / "one" / "backups").path)
     assert single and all(k.startswith("transformer.") for k in single)
     assert_weights_close(read_trained_weights(latest_backup(tmp_path / "two" / "backups").path), single,
