@@ -1,7 +1,7 @@
 """Wan through the real trainer on the built-in tiny model and the demo's clips and images (CPU, gloo): the demo
 preset's loss falls; 2 processes x batch 4 (spawn, the launcher's path; FSDP) train the LoRA weights 1 process
 x 8 trains; and the saved LoRA, in both layouts, loads into diffusers' WanPipeline with the weights trained.
-4 trainer runs, about two minutes on 2 cores."""
+3 trainer runs and the context-parallel probe: about four minutes on 2 cores."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -79,7 +79,7 @@ class ModelConfig:
 @dataclass
 class ConceptConfig:
     path: str = ""
-    """Folder of images (png, jpg, webp) with same-name `.txt` captions, or `builtin:demo-shapes`."""
+    """Folder of images (png, jpg, webp) - and, for video models (Wan), clips (mp4, webm, mov) - with same-name `.txt` captions, or a built-in dataset: `builtin:demo-shapes` (images), `builtin:demo-clips` (clips)."""
     name: str = ""
     """Display name of the concept. Empty: the folder name."""
     enabled: bool = True
