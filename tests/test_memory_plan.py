@@ -306,3 +306,17 @@ def test_a_single_file_of_a_family_with_several_sizes_is_sized_as_the_size_it_is
     assert sizes.family == "flux2" and "klein-4b" in sizes.source
     assert sizes.denoiser.params == klein.params
     assert sizes.components["text_encoder"].params < 5e9  # Klein 4B's Qwen3, not dev's Mistral (23 B)
+
+
+def test_a_clip_needs_the_activations_of_all_its_latent_frames():
+    """Wan at 81 frames: 21 latent frames (its VAE keeps one in four after the first), each as many tokens as
+    an image, so a clip's activations are ~21 times an image's (the text's 512 tokens counted once)."""
+    from modules.config.memory_need import Setup, activation_bytes_per_sample, facts
+    per_frame_count = {}
+    for frames in (1, 81):
+        cfg = config("wan", "lora", "data.resolution=512", f"data.video_frames={frames}",
+                     "training.gradient_checkpointing=true")
+        per_frame_count[frames] = activation_bytes_per_sample(facts(model_sizes(cfg), cfg), cfg, Setup("ddp", 2, True))
+    image_tokens, text_tokens = (512 // 16) ** 2, 512
+    assert per_frame_count[81] / per_frame_count[1] == pytest.approx(
+        (21 * image_tokens + text_tokens) / (image_tokens + text_tokens))

@@ -18,6 +18,8 @@ LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
 TEXT_APART_ONLY = {"model.text_encoder_placement"}
 """Qwen-Image's and Z-Image's: where their text encoder runs while it fills the text cache."""
+VIDEO_ONLY = {"data.video_frames", "data.video_fps"}
+"""Wan's: the frames of a clip's window and their rate."""
 
 
 def config(base_model: str, model_type: str = "auto") -> TrainConfig:
@@ -27,7 +29,7 @@ def config(base_model: str, model_type: str = "auto") -> TrainConfig:
 
 
 def test_hidden_fields_follow_the_family():
-    OTHERS = LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY
+    OTHERS = LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY | VIDEO_ONLY
     assert hidden_fields(config("builtin:demo")) == FLOW_ONLY | OTHERS | {"training.flux_guidance"}
     assert hidden_fields(config("builtin:demo-sd3")) == SD_ONLY | OTHERS | {"training.flux_guidance"}
     assert hidden_fields(config("builtin:demo-flux")) == SD_ONLY | OTHERS
@@ -38,15 +40,18 @@ def test_hidden_fields_follow_the_family():
     # Flux.2 has no T5 (its language model's length is model.text_max_length) but a guidance input on dev;
     # Chroma has T5 and no guidance input.
     for source in (config("builtin:demo-flux2"), load_preset("flux2_lora"), load_preset("flux2_finetune")):
-        assert hidden_fields(source) == SD_ONLY | TEXT_APART_ONLY | {"model.t5_max_length"}
+        assert hidden_fields(source) == SD_ONLY | TEXT_APART_ONLY | VIDEO_ONLY | {"model.t5_max_length"}
     for source in (config("builtin:demo-chroma"), load_preset("chroma_lora"), load_preset("chroma_finetune")):
         assert hidden_fields(source) == SD_ONLY | OTHERS | {"training.flux_guidance"}
     # Qwen-Image and Z-Image: no T5, no Flux guidance; the components folder and timestep settings stay.
     for name in ("builtin:demo-qwen", "builtin:demo-zimage"):
-        assert hidden_fields(config(name)) == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance",
-                                                                              "model.t5_max_length"}
+        assert hidden_fields(config(name)) == SD_ONLY | LANGUAGE_MODEL_ONLY | VIDEO_ONLY | {
+            "training.flux_guidance", "model.t5_max_length"}
     assert hidden_fields(load_preset("qwen_lora")) == hidden_fields(load_preset("zimage_finetune")) \
-        == SD_ONLY | LANGUAGE_MODEL_ONLY | {"training.flux_guidance", "model.t5_max_length"}
+        == SD_ONLY | LANGUAGE_MODEL_ONLY | VIDEO_ONLY | {"training.flux_guidance", "model.t5_max_length"}
+    # Wan: T5's length (UMT5), the flow settings and the clip window show; no Flux guidance.
+    for source in (config("builtin:demo-wan"), load_preset("wan_lora"), load_preset("#demo_wan")):
+        assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY | {"training.flux_guidance"}
 
 
 def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):

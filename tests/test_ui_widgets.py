@@ -607,6 +607,10 @@ def test_model_family_rows_appear_and_disappear_with_the_model_type(app_factory)
     app.binder.fields["model.model_type"].var.set("chroma")  # T5, no guidance input
     pump(app)
     assert _shown(app, "model.t5_max_length") and not _shown(app, "model.text_max_length")
+    assert not _shown(app, "training.flux_guidance") and not _shown(app, "data.video_frames")
+    app.binder.fields["model.model_type"].var.set("wan")  # video: the clip window's frames and rate
+    pump(app)
+    assert _shown(app, "data.video_frames") and _shown(app, "data.video_fps") and _shown(app, "model.t5_max_length")
     assert not _shown(app, "training.flux_guidance")
     app.binder.fields["model.base_model"].var.set("builtin:demo")
     app.binder.fields["model.model_type"].var.set("auto")

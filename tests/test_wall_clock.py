@@ -294,12 +294,13 @@ def test_ranks_load_a_model_from_disk_at_once_and_build_the_demo_in_turn(monkeyp
         turns.append("rank 0 first")
         yield
 
-    bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes: None))
+    bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes: None,
+                                                    check_clips=lambda clips, frames: None))
     monkeypatch.setattr(du, "main_first", main_first)
     monkeypatch.setattr("modules.model.loading.load_model", lambda *args: bundle)
     cfg = TrainConfig()
     cfg.model.base_model = base.format(folder=tmp_path)
-    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[]),
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[], clip_paths=list),
                               load_device=lambda: torch.device("cpu"), text_apart=None)
     assert BaseTrainer.create_model(trainer) is bundle
     assert turns == (["rank 0 first"] if in_turn else [])

@@ -103,7 +103,7 @@ class BenchmarkMixin:
         from modules.benchmark.synthetic import SyntheticCachedLatents
         c = self.case
         length = c.batch * c.world * (c.total_steps() + 1)
-        return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant)
+        return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant, frames=self.cfg.data.video_frames)
 
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle

@@ -32,13 +32,17 @@ class SyntheticCachedLatents(Dataset):
     A small pool of random tensors is reused by index, so item creation costs nothing measurable.
     """
 
-    def __init__(self, model_type: str, resolution: int, length: int, pool: int = 16, variant: str = "") -> None:
+    def __init__(self, model_type: str, resolution: int, length: int, pool: int = 16, variant: str = "",
+                 frames: int = 1) -> None:
+        """`frames`: video frames per item (`data.video_frames`), for a family whose latents have a frame axis."""
         gen = torch.Generator().manual_seed(0)
         channels, text_shapes = family(model_type).cached_shapes(**_variant(variant))
         lat = resolution // 8
+        latent_frames = family(model_type).latent_frames(frames)
         self.length = length
         self.resolution = resolution
-        self.latents = torch.randn(pool, channels, lat, lat, generator=gen)
+        shape = (channels, lat, lat) if latent_frames is None else (channels, latent_frames, lat, lat)
+        self.latents = torch.randn(pool, *shape, generator=gen)
         # A token mask (`..._mask`: the families whose captions keep their own length) is all ones: every
         # synthetic caption has the full length.
         self.text = {name: torch.ones(pool, *shape) if name.endswith("_mask") else torch.randn(pool, *shape, generator=gen)

@@ -61,6 +61,9 @@ OUTSIDE_BLOCK_BYTES = 8
 TEXT_TOKENS = {"sd3": 77 + 256, "qwen": 256, "zimage": 256, "flux2": 512, "chroma": 512}
 """Text tokens each image attends to beside its own (the pipelines' defaults; Flux.1: 512, schnell 256;
 Qwen-Image's and Z-Image's prompts take as many as they have, up to 512: 256 stands for a caption)."""
+VIDEO_FRAMES_PER_LATENT_FRAME = {"wan": 4}
+"""A video family's VAE keeps the first frame and one in this many after it: a clip of `data.video_frames`
+frames has (frames - 1) // 4 + 1 latent frames, each as many tokens as an image (a clip is the largest sample)."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,10 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     if not width:
         return None
     pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
-    tokens = (res // pixels) ** 2 + text_tokens(family, cfg, config)
+    frames = 1
+    if family in VIDEO_FRAMES_PER_LATENT_FRAME:
+        frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
+    tokens = (res // pixels) ** 2 * frames + text_tokens(family, cfg, config)
     kinds = f.block_kinds
     coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
     largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)

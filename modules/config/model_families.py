@@ -59,6 +59,8 @@ class FamilyInfo:
     lacks are skipped): the units FSDP shards and checkpoints (`ModelFamily.repeated_blocks`), which the
     memory estimate finds by these names in the weights (`model_sizes.units`). UNets: their ResNet and
     transformer blocks, by the UNet's own rule."""
+    video: bool = False
+    """It trains on clips as well as images (latents [C, frames, H/8, W/8]); `data.video_frames` frames per clip."""
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -71,6 +73,10 @@ _DOUBLE_STREAM_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "a
 """The attention projections of both streams in the Flux-like double blocks (single blocks: their to_q/k/v)."""
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
+_VIDEO_FIELDS = ("data.video_frames", "data.video_fps")
+_WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+"""Every linear layer of Wan's blocks (self- and cross-attention, feed-forward), as musubi-tuner and
+diffusion-pipe train them: the layers ComfyUI's and diffusers' Wan LoRA loaders read."""
 _TEXT_APART_FIELDS = ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
                       "model.text_encoder_placement")
 
@@ -111,6 +117,11 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                # Refiners of the image and of the caption tokens, then the main layers (`cap_embedder` is a
                # module list too, but no block).
                block_groups=("noise_refiner", "context_refiner", "layers")),
+    # Wan: video. Its single files use diffusers' names; `condition_embedder.time_proj` is Wan's alone.
+    FamilyInfo("wan", "Wan 2.1 (T2V 1.3B, 14B)", "transformer", "WanPipeline", 16, True, "builtin:demo-wan",
+               "wan:WanFamily", "WanTransformer3DModel", _FLOW_FIELDS + _VIDEO_FIELDS,
+               ("condition_embedder.time_proj.", "model.diffusion_model.condition_embedder.time_proj."),
+               variants=("1.3b", "14b"), lora_targets=_WAN_LORA_TARGETS, video=True, block_groups=("blocks",)),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

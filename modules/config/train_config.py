@@ -52,7 +52,7 @@ class ModelConfig:
     base_model: str = rule("builtin:demo", label="Base model")
     """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`, `builtin:demo-qwen`, `builtin:demo-zimage`)."""
     model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image) or `zimage` (Z-Image base and Turbo)."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image), `zimage` (Z-Image base and Turbo) or `wan` (Wan 2.1 T2V 1.3B and 14B, video)."""
     prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = rule("", label="VAE (optional)")
@@ -79,7 +79,7 @@ class ModelConfig:
 @dataclass
 class ConceptConfig:
     path: str = ""
-    """Folder of images (png, jpg, webp) with same-name `.txt` captions, or `builtin:demo-shapes`."""
+    """Folder of images (png, jpg, webp) - and, for video models (Wan), clips (mp4, webm, mov) - with same-name `.txt` captions, or a built-in dataset: `builtin:demo-shapes` (images), `builtin:demo-clips` (clips)."""
     name: str = ""
     """Display name of the concept. Empty: the folder name."""
     enabled: bool = True
@@ -114,6 +114,10 @@ class DataConfig:
     """Buckets with a side shorter than this many pixels are not used (kohya's min_bucket_reso), so no image is trained as a thin strip; its images go to the nearest bucket left. A multiple of `bucket_step`, at most the resolution. 0: no bound (sides down to half the resolution / sqrt 2, from the 2:1 limit)."""
     max_bucket_size: int = rule(0, minimum=0, label="Largest bucket side")
     """Buckets with a side longer than this many pixels are not used (kohya's max_bucket_reso), which caps the memory of wide or tall images. A multiple of `bucket_step`, at least the resolution. 0: no bound (sides up to the resolution x sqrt 2)."""
+    video_frames: int = rule(81, minimum=1, label="Frames per clip")
+    """Video models (Wan): the frames each video clip (.mp4, .webm, .mov) trains on; Wan takes 4k + 1 (17, 33, 49, 81: its VAE keeps the first frame and one in four after it). A longer clip trains on one window of this many frames, whose place in the clip is fixed by the clip's content and the seed; a shorter one is skipped with a warning naming it. Images train as one frame."""
+    video_fps: float = rule(16.0, above=0.0, label="Clip frame rate")
+    """Video models (Wan): frames per second the clip windows are taken at, whatever a clip's own rate (Wan 2.1 was trained at 16): a window spans (frames - 1) / fps seconds of its clip."""
     random_flip: bool = rule(False, label="Random horizontal flip")
     """Flip images horizontally at random (not with cached latents: both flips are cached then)."""
     random_crop: bool = rule(False, label="Random crop")

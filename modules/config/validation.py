@@ -501,6 +501,10 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
     if d.aspect_bucketing and d.bucket_step % 8 == 0 and d.bucket_step % step:
         problems.append(f"data.bucket_step: {d.bucket_step!r} is not a multiple of {step}, the image-size step of "
                         f"{info.title}; set it to {max(step, round(d.bucket_step / step) * step)} (64 is usual).")
+    if info.video and d.video_frames % 4 != 1:
+        problems.append(f"data.video_frames: {d.video_frames!r} is not 4k + 1, the clip lengths {info.title} takes "
+                        f"(its VAE keeps the first frame and one in four after it); set it to "
+                        f"{max(1, d.video_frames // 4 * 4 + 1)}, for example.")
     for i, prompt in enumerate(cfg.sampling.prompts):
         for name in ("width", "height"):
             value = getattr(prompt, name)

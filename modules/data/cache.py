@@ -42,6 +42,7 @@ from modules.util.durations import format_seconds
 
 from .buckets import CropPlan, load_pixels
 from .masks import flip_mask, load_mask
+from .video import load_clip
 
 log = logging.getLogger("tandem")
 
@@ -76,6 +77,8 @@ class CacheItem:
     mask_path: Path | None = None
     """The image's loss mask, cached at latent resolution; None without one."""
     mask_hash: str = ""
+    frames: tuple[int, ...] = ()
+    """A video clip's window: the source frames it trains on (`video.py`); () for an image."""
 
 
 def _digest(parts: dict) -> str:
@@ -83,9 +86,11 @@ def _digest(parts: dict) -> str:
 
 
 def latent_key(item: CacheItem, fingerprint: str) -> str:
-    return _digest({"format": CACHE_FORMAT, "kind": "latents", "image": item.content_hash,
-                    "model": fingerprint, "plan": replace(item.plan, flip=False).key(),
-                    "flipped": item.with_flipped})
+    parts = {"format": CACHE_FORMAT, "kind": "latents", "image": item.content_hash, "model": fingerprint,
+             "plan": replace(item.plan, flip=False).key(), "flipped": item.with_flipped}
+    if item.frames:  # a clip's window (images keep the keys they had before clips came)
+        parts["frames"] = list(item.frames)
+    return _digest(parts)
 
 
 def mask_key(item: CacheItem) -> str:
@@ -243,7 +248,8 @@ def fill_cache(items: Sequence[CacheItem], encode_images: EncodeImages | None, e
         batches = ([k for k in batch if not (folder / f"{k}.safetensors").is_file()] for batch in batches)
         return [batch for batch in batches if batch]
 
-    latent_batches = missing(_my_batches(_batches(list(latent_items), lambda k: latent_items[k].plan.target_size,
+    latent_batches = missing(_my_batches(_batches(list(latent_items), lambda k: (latent_items[k].plan.target_size,
+                                                                                 len(latent_items[k].frames)),
                                                   batch_size), rank, world_size), latent_dir)
     text_batches = missing(_my_batches(_batches(list(captions), lambda k: None, batch_size), rank, world_size),
                            text_dir)
@@ -377,7 +383,9 @@ def _encode_latents(chunks: list[list[str]], items: dict[str, CacheItem], encode
         pixels, owners = [], []
         for key in chunk:
             item = items[key]
-            image = load_pixels(item.image_path, replace(item.plan, flip=False))
+            plan = replace(item.plan, flip=False)
+            image = (load_clip(item.image_path, plan, item.frames) if item.frames
+                     else load_pixels(item.image_path, plan))
             pixels.append(image)
             owners.append((key, "latents"))
             if item.with_flipped:

@@ -21,8 +21,9 @@ from PIL import Image, UnidentifiedImageError
 
 from modules.config.train_config import ConceptConfig
 
-from .demo_dataset import resolve_concept_path
+from .builtin_datasets import resolve_concept_path
 from .masks import find_mask, is_mask_file
+from .video import VIDEO_EXTENSIONS, Window, probe_clip
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ class ImageRecord:
     """sha256 of the mask file (its cache key part)."""
     unmasked_weight: float = 0.0
     """Loss weight of the mask's black areas (its concept's `unmasked_weight`)."""
+    frame_count: int = 0
+    """A video clip's frames (`video.py`); 0 for a still image."""
+    frame_rate: float = 0.0
+    """A video clip's average frames per second; 0 for a still image."""
+
+    @property
+    def is_clip(self) -> bool:
+        return self.frame_count > 0
 
 
 @dataclass(frozen=True)
@@ -148,8 +157,10 @@ def with_prefix_and_suffix(caption: str, prefix: str, suffix: str, separator: st
 
 
 def _image_files(folder: Path, recursive: bool) -> list[Path]:
+    """The images and video clips of a concept folder."""
     entries = list(folder.rglob("*") if recursive else folder.glob("*"))
-    files = [p for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not is_mask_file(p)]
+    kinds = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
+    files = [p for p in entries if p.is_file() and p.suffix.lower() in kinds and not is_mask_file(p)]
     _report_links(folder, entries, recursive)
     # Sorted so that item indexes (and with them sampler order and RNG streams) are the same on
     # every rank and every run, whatever order the file system lists entries in.
@@ -242,13 +253,17 @@ def report_sizes(images: Sequence[ImageRecord], bucket_sizes: list[tuple[int, in
                     _some([text for _, text in shrunk]))
 
 
-def scan_concept(concept: ConceptConfig) -> list[ImageRecord]:
-    """Every usable image of one concept (repeats not applied)."""
-    return _scan_concept(concept)[0]
+DEFAULT_WINDOW = Window(frames=81, fps=16.0)
+"""The clip window of a scan not given one (the defaults of data.video_frames and data.video_fps)."""
 
 
-def _scan_concept(concept: ConceptConfig) -> tuple[list[ImageRecord], int]:
-    """(usable images, number of image files skipped as unreadable)."""
+def scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> list[ImageRecord]:
+    """Every usable image and clip of one concept (repeats not applied); clips must hold `window`."""
+    return _scan_concept(concept, window)[0]
+
+
+def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tuple[list[ImageRecord], int]:
+    """(usable images and clips, number of files skipped as unreadable or too short)."""
     folder = resolve_concept_path(concept.path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -258,19 +273,29 @@ def _scan_concept(concept: ConceptConfig) -> tuple[list[ImageRecord], int]:
     records = []
     files = _image_files(folder, concept.recursive)
     for path in files:
-        info = _read_image(path)
-        if info is None:
-            continue
-        width, height, digest = info
-        mask = find_mask(path, width, height) if concept.masks else None
+        clip = None
+        if path.suffix.lower() in VIDEO_EXTENSIONS:
+            clip = probe_clip(path, window)
+            if clip is None:
+                continue
+            width, height, digest = clip.width, clip.height, clip.content_hash
+        else:
+            info = _read_image(path)
+            if info is None:
+                continue
+            width, height, digest = info
+        mask = find_mask(path, width, height) if concept.masks and clip is None else None
         records.append(ImageRecord(path=path, caption=read_caption(path, concept.caption_extension),
                                    concept=name, width=width, height=height, content_hash=digest,
                                    role=concept.role, repeats=concept.repeats, loss_weight=concept.loss_weight,
                                    mask_path=mask[0] if mask else None, mask_hash=mask[1] if mask else "",
-                                   unmasked_weight=concept.unmasked_weight))
+                                   unmasked_weight=concept.unmasked_weight,
+                                   frame_count=clip.frame_count if clip else 0,
+                                   frame_rate=clip.frame_rate if clip else 0.0))
     skipped = len(files) - len(records)
     if skipped:
-        log.warning("Skipped %d unreadable image(s) of %d in %s (each named above).", skipped, len(files), folder)
+        what = "image(s) or clip(s)" if any(p.suffix.lower() in VIDEO_EXTENSIONS for p in files) else "image(s)"
+        log.warning("Skipped %d unreadable %s of %d in %s (each named above).", skipped, what, len(files), folder)
     unmasked = [r.path.name for r in records if r.mask_path is None]
     if concept.masks and unmasked:
         log.warning("%d of %d image(s) in %s have no mask (%s%s): they are trained whole. A mask is "
@@ -279,8 +304,10 @@ def _scan_concept(concept: ConceptConfig) -> tuple[list[ImageRecord], int]:
     return records, skipped
 
 
-def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float = 0.0) -> ScanResult:
+def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float = 0.0,
+                  window: Window = DEFAULT_WINDOW) -> ScanResult:
     """Scan all enabled concepts; raise `EmptyDatasetError` if no training concept holds a usable image.
+    Video clips must hold `window` (`data.video_frames` at `data.video_fps`).
 
     Validation images (validation concepts, and `validation_fraction` of the training concepts' images) are
     set apart; regularisation images are balanced against the training images (`roles.epoch_items`)."""
@@ -292,7 +319,7 @@ def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float 
         if concept.repeats < 1:
             raise ValueError(f"Concept {concept.path!r} has repeats={concept.repeats}; "
                              "use 1 or more, or set enabled=false to leave it out.")
-        found, unreadable = _scan_concept(concept)
+        found, unreadable = _scan_concept(concept, window)
         skipped += unreadable
         records += found
     training = [r for r in records if r.role == "train"]
@@ -302,7 +329,7 @@ def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float 
         found = f" (the {skipped} image file(s) there are unreadable, see above)" if skipped else ""
         raise EmptyDatasetError(
             f"No usable image found in the concept folders {folders}{found}. Add .png/.jpg/.jpeg/.webp "
-            "images there, fix data.concepts[].path, or enable a concept that has images.")
+            "images (or .mp4/.webm/.mov clips, for video models) there, fix data.concepts[].path, or enable a concept that has images.")
     kept, held = hold_out(training, validation_fraction)
     kept_ids = {id(r) for r in kept}
     images = [r for r in records if (r.role == "train" and id(r) in kept_ids) or r.role == "regularisation"]

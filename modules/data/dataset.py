@@ -25,6 +25,12 @@ from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buc
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
 from .concepts import ImageRecord, ScanResult, process_caption, report_sizes, scan_concepts, with_prefix_and_suffix
 from .masks import load_mask, loss_weights
+from .video import Window, load_clip
+
+
+def clip_window(data_cfg: DataConfig) -> Window:
+    """The frames a video clip trains on (`data.video_frames` at `data.video_fps`)."""
+    return Window(data_cfg.video_frames, data_cfg.video_fps)
 
 
 def _rng(*parts) -> random.Random:
@@ -77,7 +83,11 @@ class TrainDataset(Dataset):
         self.epoch = 0
         """Used for plain integer indexes; `make_dataloader` passes the sampler's epoch with each index."""
         self._image_bucket = [closest_bucket(im.width, im.height, bucket_sizes) for im in self.images]
-        self.buckets: list[int] = [self._image_bucket[j] for j in self.item_images]
+        # A clip's latents have more frames than an image's: clips of a size form buckets of their own (ids
+        # after the images'), so a batch never mixes them.
+        self.buckets: list[int] = [self._image_bucket[j] + (len(bucket_sizes) if self.images[j].is_clip else 0)
+                                   for j in self.item_images]
+        self.window = clip_window(data_cfg)
         self.validation_images: list[ImageRecord] = scan.validation
         """Images held out for the validation loss (`validation_set()` serves them)."""
         self.uses_masks = any(im.mask_path is not None for im in self.images)
@@ -135,6 +145,23 @@ class TrainDataset(Dataset):
             texts.append(DROPPED_CAPTION)
         return list(dict.fromkeys(texts))
 
+    def clip_paths(self) -> list[Path]:
+        """The video clips among the images (a family that trains images only refuses them)."""
+        return [image.path for image in [*self.images, *self.validation_images] if image.is_clip]
+
+    def _frames(self, image_index: int) -> tuple[int, ...]:
+        """A clip's window of source frames (fixed by its content and the seed); () for an image."""
+        image = self.images[image_index]
+        if not image.is_clip:
+            return ()
+        return self.window.indices(image.frame_count, image.frame_rate, _rng(self.seed, "window", image.content_hash))
+
+    def _pixels(self, image_index: int, plan: CropPlan) -> torch.Tensor:
+        image = self.images[image_index]
+        if image.is_clip:
+            return load_clip(image.path, plan, self._frames(image_index))
+        return load_pixels(image.path, plan)
+
     @property
     def latents_cached(self) -> bool:
         return self._latents_cached
@@ -159,7 +186,7 @@ class TrainDataset(Dataset):
                              "caption); pass cache_text=False (see text_cache_allowed()).")
         items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
                            with_flipped=cfg.random_flip, caption=self.full_caption(im) if cache_text else None,
-                           mask_path=im.mask_path, mask_hash=im.mask_hash)
+                           mask_path=im.mask_path, mask_hash=im.mask_hash, frames=self._frames(j))
                  for j, im in enumerate(self.images)]
         self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
                                  encode_text if cache_text else None, fingerprint, self.cache_dir,
@@ -196,7 +223,7 @@ class TrainDataset(Dataset):
             else:
                 plan = self._fixed_plan(image_index)
             plan = replace(plan, flip=cfg.random_flip and rng.random() < 0.5)
-            item["pixels"] = load_pixels(image.path, plan)
+            item["pixels"] = self._pixels(image_index, plan)
             mask = load_mask(image.mask_path, plan) if image.mask_path is not None else None
         if self.uses_masks:
             if mask is None:  # an image without a mask file is trained whole
@@ -255,7 +282,7 @@ def build_dataset(data_cfg: DataConfig, cache_dir: Path, seed: int, scan: ScanRe
     bucket_sizes = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.aspect_bucketing,
                                 min_side=data_cfg.min_bucket_size, max_side=data_cfg.max_bucket_size)
     if scan is None:
-        scan = scan_concepts(data_cfg.concepts, data_cfg.validation_fraction)
+        scan = scan_concepts(data_cfg.concepts, data_cfg.validation_fraction, clip_window(data_cfg))
         report_sizes([*scan.images, *scan.validation], bucket_sizes)
     return TrainDataset(scan, bucket_sizes, data_cfg, cache_dir, seed)
 

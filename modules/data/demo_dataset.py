@@ -86,14 +86,3 @@ def ensure_demo_dataset(root: Path | None = None) -> Path:
     if _is_complete(root):
         return root
     return build_folder_once(root, _write_dataset, _is_complete)
-
-
-def resolve_concept_path(path: str) -> Path:
-    """A concept's folder: `builtin:demo-shapes` becomes the generated demo dataset."""
-    if path == DEMO_SCHEME:
-        return ensure_demo_dataset()
-    if path.startswith("builtin:"):
-        raise ValueError(f"Unknown built-in dataset {path!r}; the only one is {DEMO_SCHEME!r}.")
-    if not path:
-        raise ValueError("A concept has an empty path; set data.concepts[].path to an image folder.")
-    return Path(path).expanduser()

@@ -1,4 +1,5 @@
-"""The Qwen-Image demo's VAE: a tiny `AutoencoderKLQwenImage` set by hand to the demo's thumbnail codec.
+"""The Qwen-Image and Wan demos' VAE: a tiny `AutoencoderKLQwenImage` (or `AutoencoderKLWan`, the same network)
+set by hand to the demo's thumbnail codec.
 
 Like `demo_vae.py` (the AutoencoderKL codec of the other demos, whose docstring says why by hand): a 64 px
 image encodes to its 8x8 thumbnail (latent channels 0-2 = the average R, G, B of each 8x8 block, the other
@@ -45,6 +46,31 @@ def build_demo_qwen_vae(latents_mean: list[float], latents_std: list[float]):
     return set_by_hand(vae, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear), _set_encoder, _set_decoder)
 
 
+def build_demo_wan_vae(latents_mean: list[float], latents_std: list[float]):
+    """The same codec as an `AutoencoderKLWan` (the Wan demo's), for clips too: its temporal convolutions,
+    which Qwen-Image's images never reach, pass the newest frame through, so every latent frame is the
+    thumbnail of one video frame (frames 0, 4, 8, ...: the VAE keeps one frame in four)."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std)
+    return set_by_hand(vae, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear), _set_encoder, _set_decoder,
+                       _pass_frames)
+
+
+def _pass_frames(vae) -> None:
+    """Each temporal resampler's causal convolution takes the newest frame it sees (its last tap); the
+    upsamplers' doubled output channels both copy it."""
+    for module in vae.modules():
+        conv = getattr(module, "time_conv", None)
+        if conv is None:
+            continue
+        width = conv.in_channels
+        for channel in range(CONSTANT + 1):
+            conv.weight[channel, channel, _LAST, 0, 0] = 1.0
+            if conv.out_channels == 2 * width:
+                conv.weight[width + channel, channel, _LAST, 0, 0] = 1.0
+
+
 def _set_encoder(vae) -> None:
     encoder = vae.encoder
     _split_into_pairs(encoder.conv_in, COLOUR_CHANNELS)
@@ -64,16 +90,17 @@ def _set_decoder(vae) -> None:
 
 def _pass_through(blocks) -> None:
     """Residual blocks copy the channels in use through their shortcut; resamplers average or copy them."""
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import (QwenImageCausalConv3d,
-                                                                        QwenImageResample,
-                                                                        QwenImageResidualBlock)
+    from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen, autoencoder_kl_wan as wan
 
+    residual = (qwen.QwenImageResidualBlock, wan.WanResidualBlock)
+    causal = (qwen.QwenImageCausalConv3d, wan.WanCausalConv3d)
+    resample = (qwen.QwenImageResample, wan.WanResample)
     for block in blocks:
         for module in block.modules():
-            if isinstance(module, QwenImageResidualBlock) and isinstance(module.conv_shortcut, QwenImageCausalConv3d):
+            if isinstance(module, residual) and isinstance(module.conv_shortcut, causal):
                 for channel in range(CONSTANT + 1):
                     module.conv_shortcut.weight[channel, channel] = 1.0
-            if isinstance(module, QwenImageResample) and module.mode != "none":
+            if isinstance(module, resample) and module.mode != "none":
                 conv = module.resample[1]
                 for channel in range(CONSTANT + 1):
                     if module.mode.startswith("down"):

@@ -62,7 +62,12 @@ def read_lora(path: str | Path, bundle) -> LoraWeights:
         raise ValueError(f"{path}: holds no tensors, so no LoRA")
     lora_type = type_of_keys(tensors)
     prescaled: set[str] = set()
-    if all(key.startswith(("lora_unet_", "lora_te", "lora_transformer_")) for key in tensors):
+    own_names = bundle.family.kohya_names(bundle)
+    if lora_type == "lora" and own_names and all(_kohya_module(key)[0] in own_names for key in tensors):
+        # The family's own kohya names (Wan's original module names under `diffusion_model.`).
+        state, alpha = _from_kohya(path, tensors, bundle, own_names)
+        layout = "kohya"
+    elif all(key.startswith(("lora_unet_", "lora_te", "lora_transformer_")) for key in tensors):
         if lora_type == "lora" and bundle.model_type in KOHYA_PREFIXES:
             state, alpha = _from_kohya(path, tensors, bundle)
         else:
@@ -96,15 +101,22 @@ def _module_paths(module: nn.Module, text_encoder: bool) -> list[str]:
     return paths
 
 
-def _from_kohya(path: Path, tensors: dict, bundle) -> tuple[dict, dict]:
-    modules = {name: m for name, m in bundle.modules().items() if name != "vae"}
-    table = kohya_name_table(bundle.model_type,
-                             {name: _module_paths(m, name.startswith("text_encoder")) for name, m in modules.items()},
-                             bundle.unet.config)
+def _kohya_module(key: str) -> tuple[str, str]:
+    """(module name, suffix) of a kohya key: `.lora_down.weight`, `.lora_up.weight` or `.alpha`; suffix '' else."""
+    return next(((key[: -len(s)], s) for s in (DOWN, UP, ALPHA) if key.endswith(s)), (key, ""))
+
+
+def _from_kohya(path: Path, tensors: dict, bundle, table: dict[str, tuple[str, str]] | None = None) -> tuple[dict, dict]:
+    """`table`: kohya module name -> (component, module path); the SD families' kohya names by default."""
+    if table is None:
+        modules = {name: m for name, m in bundle.modules().items() if name != "vae"}
+        table = kohya_name_table(bundle.model_type,
+                                 {name: _module_paths(m, name.startswith("text_encoder")) for name, m in modules.items()},
+                                 bundle.unet.config)
     state: dict[str, dict[str, torch.Tensor]] = {}
     alphas: dict[str, set[float]] = {}
     for key, value in tensors.items():
-        name, suffix = next(((key[: -len(s)], s) for s in (DOWN, UP, ALPHA) if key.endswith(s)), (key, ""))
+        name, suffix = _kohya_module(key)
         if not suffix:
             raise ValueError(f"{path}: {key!r} is not a kohya LoRA key (.lora_down.weight, .lora_up.weight, .alpha)")
         if name not in table:

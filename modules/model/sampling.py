@@ -68,7 +68,7 @@ def render_one(bundle: ModelBundle, pipeline, prompt: SamplePromptConfig, resolu
     generator = torch.Generator("cpu").manual_seed(int(prompt.seed))
     result = pipeline(width=width, height=height, num_inference_steps=inference_steps, generator=generator,
                       output_type="pil", **bundle.family.pipeline_arguments(bundle, prompt, guidance_scale))
-    return result.images[0]
+    return bundle.family.sample_image(result)
 
 
 @contextlib.contextmanager

@@ -86,7 +86,9 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.min_bucket_size",
-                "data.max_bucket_size", "data.random_flip", "data.random_crop")
+                "data.max_bucket_size", "data.random_flip", "data.random_crop",
+                # Clips' window: shown for video families only (their own fields, ui/field_visibility.py).
+                "data.video_frames", "data.video_fps")
     form.section("Validation")
     form.fields("data.validation_fraction", "training.validation_every_n_steps")
     form.section("Captions")

@@ -136,6 +136,10 @@ class ModelFamily(ABC):
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return bundle.vae.encode(pixels).latent_dist
 
+    def latent_frames(self, frames: int) -> int | None:
+        """Latent frames of a clip of `frames` video frames; None: the family's latents have no frame axis."""
+        return None
+
     def build_demo(self, root: Path | None = None) -> Path:
         """The built-in tiny model's diffusers folder, built on first use."""
         raise ValueError(f"{self.info.title} has no built-in demo model")
@@ -201,6 +205,15 @@ class ModelFamily(ABC):
                 f"{self.info.title} takes images whose sides are multiples of {step} px, but the buckets include "
                 f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
 
+    def check_clips(self, clips: Sequence[Path], video_frames: int) -> None:
+        """Refuse video clips in the data of a family that trains images only (a video family: a clip length
+        it cannot take), naming the clips and the fix."""
+        if clips:
+            shown = ", ".join(str(c) for c in clips[:3]) + (f" and {len(clips) - 3} more" if len(clips) > 3 else "")
+            video = ", ".join(info.title for info in FAMILIES.values() if info.video)
+            raise ValueError(f"{self.info.title} trains images only, but the concept folders hold {len(clips)} video "
+                             f"clip(s): {shown}; move them out of the concepts, or train a video model ({video})")
+
     # ------------------------------------------------------------------ sharding
 
     @abstractmethod
@@ -225,6 +238,10 @@ class ModelFamily(ABC):
         """Keyword arguments of one pipeline call besides size, steps and generator."""
         return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,
                 "guidance_scale": guidance_scale}
+
+    def sample_image(self, result):
+        """The one image of a pipeline call's `result` (a video family's: its first frame)."""
+        return result.images[0]
 
     def sample_size_multiple(self, bundle: "ModelBundle") -> int:
         """Sample widths and heights are rounded down to a multiple of this."""
@@ -280,6 +297,12 @@ class ModelFamily(ABC):
         else:
             prefix = f"lora_te{component.removeprefix('text_encoder').removeprefix('_') or '1'}"
         return f"{prefix}_{module_path.replace('.', '_')}"
+
+    def kohya_names(self, bundle: "ModelBundle") -> dict[str, tuple[str, str]]:
+        """kohya module name -> (component, module path) of a family whose kohya layout has names of its own that
+        `modules/model/lora_reading.py` reads back (Wan's `diffusion_model.` + original names); empty for the
+        others, whose kohya files are read by their prefixes."""
+        return {}
 
     def kohya_metadata(self, bundle: "ModelBundle") -> dict[str, str]:
         """The kohya `ss_*` header entries that describe the base model (`ss_base_model_version`, ...)."""

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Wan 2.1 T2V 1.3B (real size, random weights) LoRA on 1 GPU: clips of 81 frames (21 latent frames) at about
+# 832x480 (--res 624: a 624 px square of the same area, 78x78 latents, 31,941 tokens per clip), 1 clip per
+# step, gradient checkpointing, LoRA r16 on every linear layer of the blocks (the wan_lora preset's targets).
+# Tandem's real trainer on synthetic cached latents and UMT5 embeddings (scripts/benchmark.py); then a table
+# of clips/s and peak memory. Parts, each within an 8-minute call:
+#   lora1     the 1.3B at 81 frames (the quick row of issue #36), and at 17 frames for scale
+#   lora14    the 14B at 81 frames (the issue's floor: 1 GPU with checkpointing); 14B in bf16 is 28 GB
+#   cp2       (nvidia-h100-x2) the evaluation of diffusers' context parallelism for training: the 1.3B on one
+#             81-frame clip at 640 px (33,600 tokens, divisible by 2) whole on each GPU, then split over the 2
+#             GPUs - Ulysses (all-to-all) and ring attention (cuDNN attention, which returns the log-sum-exp
+#             ring needs); output and summed gradients against the whole clip's, step time, peak memory
+# Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); the table at the end
+# shows this call's.
+set -u
+PART="${1:-lora1}"
+source "$(dirname "$0")/common.sh"
+touch "$RES"; FIRST=$(wc -l < "$RES")
+nvidia-smi -L
+TARGETS='training.lora_target_modules=["to_q","to_k","to_v","to_out.0","ffn.net.0.proj","ffn.net.2"]'
+LORA=(--mode lora --batch 1 --res 624 --gc --steps 6 --warmup 2 --gpus 1 --config-value "$TARGETS")
+case "$PART" in
+lora1)
+    log "Wan 1.3B LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
+    limited 420 python3 scripts/benchmark.py --model wan-1.3b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    log "Wan 1.3B LoRA, 17 frames, 624 px, b1 gc, 1 GPU"
+    limited 120 python3 scripts/benchmark.py --model wan-1.3b "${LORA[@]}" --config-value data.video_frames=17 --json "$RES" | grep -v '^{'
+    ;;
+lora14)
+    log "Wan 14B LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
+    limited 470 python3 scripts/benchmark.py --model wan-14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    ;;
+cp2)
+    CP=(--device cuda --size 1.3b --frames 81 --res 640 --gc)
+    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: Ulysses"
+    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --ulysses
+    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: ring (cuDNN attention)"
+    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --backend _native_cudnn
+    exit 0
+    ;;
+*) echo "unknown part $PART (lora1 | lora14 | cp2)"; exit 2 ;;
+esac
+python3 - "$RES" "$FIRST" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]).read().splitlines()[int(sys.argv[2]):] if l.startswith("{")]
+print(f"{'case':<70} {'frames':>6} {'clips/s':>8} {'frames/s':>9} {'peak GiB':>9}")
+for r in rows:
+    frames = next((int(e.split("=")[1]) for e in r.get("extra", []) if e.startswith("data.video_frames=")), 1)
+    print(f"{r['case'][:70]:<70} {frames:>6} {r['samples_per_s']:>8} {r['samples_per_s'] * frames:>9.1f} {r['max_mem_gib']:>9}")
+PY
