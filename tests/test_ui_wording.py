@@ -106,6 +106,7 @@ def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_facto
     assert fields["general.device"].var.get() == "cpu"
 
 
+@pytest.mark.slow
 def test_labels_are_in_one_style(app_factory):
     """"Lora format", "Ema weights", "Unet dtype", "Eps" beside "LoRA rank": a label made from a field's name
     keeps the usual spelling of the words in it."""
