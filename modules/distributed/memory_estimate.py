@@ -15,7 +15,6 @@ once per model family (see `ACTIVATION_GIB_PER_SAMPLE`), scaled by resolution an
 """
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -208,16 +207,7 @@ def _transformer_architecture(family: str, base: str) -> tuple[str, str, dict]:
 
 
 def build_meta_models(components: dict) -> dict[str, torch.nn.Module]:
-    """Shape-only modules for each component config (no memory is allocated); read them, never change them.
-
-    The last few are kept: the multi-GPU frame re-estimates at every edit of the config (batch size,
-    resolution, precision), and building a real-size model's modules takes 1-2 s of CPU even on `meta`."""
-    return dict(_meta_models(json.dumps(components, sort_keys=True)))
-
-
-@functools.lru_cache(maxsize=4)
-def _meta_models(components_json: str) -> dict[str, torch.nn.Module]:
-    components = json.loads(components_json)
+    """Shape-only modules for each component config (no memory is allocated)."""
     if "unet" in components:
         models = {"unet": _build_unet(components["unet"])}
     else:
