@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -26,6 +25,7 @@ def tandem_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for the module's tests: tiny models run far faster that way on 2 busy cores."""
+    import torch  # here, not at the top: pytest-xdist's controller loads this file and runs no test
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

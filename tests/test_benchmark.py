@@ -96,6 +96,37 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
         assert os.environ.get("OMP_NUM_THREADS") == threads_before  # and its thread setting
 
 
+def test_a_finished_case_worker_leaves_without_the_interpreters_clean_up(monkeypatch, tmp_path):
+    """A finished rank left through the interpreter's exit (spawn runs it), where freeing gloo's process group,
+    still held by the trainer's reference cycles, aborted it now and then ("terminate called without an
+    active exception", SIGABRT under load). It leaves as the product's spawned workers do; a failed one raises,
+    for spawn to report."""
+    from modules.benchmark import runner
+
+    ended = []
+
+    class Trainer:
+        def __init__(self, cfg, **_):
+            pass
+
+        def run(self):
+            ended.append("ran")
+            if self.case.steps == 0:
+                raise RuntimeError("the case failed")
+
+    monkeypatch.setattr(runner, "BenchmarkGeneric", Trainer)
+    monkeypatch.setattr(runner, "setup_logging", lambda: None)  # a worker's logging, not this test process's
+    monkeypatch.setattr(runner, "exit_now", lambda code: ended.append(f"exit {code}"))
+    case = runner.Case("sd1", "lora", 1, 64, world=1, device="cpu")
+    cfg = runner.config_to_dict(runner.case_config(case, tmp_path / "ws"))
+    runner._entry(0, case, cfg, None, str(tmp_path / "result.json"), 0.0, None)
+    assert ended == ["ran", "exit 0"]
+    failing = runner.Case("sd1", "lora", 1, 64, world=1, device="cpu", steps=0)
+    with pytest.raises(RuntimeError, match="the case failed"):
+        runner._entry(0, failing, cfg, None, str(tmp_path / "result.json"), 0.0, None)
+    assert ended == ["ran", "exit 0", "ran"]
+
+
 @pytest.mark.parametrize("model, mode, expected", [("flux", "full", "fsdp"), ("flux", "lora", "ddp"),
                                                    ("sdxl", "full", "ddp"), ("qwen", "full", "fsdp"),
                                                    ("qwen", "lora", "ddp"), ("zimage", "full", "fsdp")])

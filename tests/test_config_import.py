@@ -188,6 +188,7 @@ def test_the_script_runs_as_a_program(tmp_path):
 # ------------------------------------------------------------------ the window
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("display")
 def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(tmp_path):
     from tests.test_ui_widgets import FakeDialogs, pump

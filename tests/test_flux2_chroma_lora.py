@@ -16,7 +16,7 @@ from modules.model.families import original_layout as layout
 from modules.model.families.dit_demo import ensure_dit_demo
 from modules.model.lora import lora_modules
 from modules.util.batch_slice import BatchSlice
-from tests.test_flux2_chroma import CAPTIONS, CPU, DEMOS, _same, family_of, pipeline_class
+from tests.test_flux2_chroma import CAPTIONS, CPU, DEMOS, EACH_FAMILY_QUICK, _same, family_of, pipeline_class
 
 RANK, ALPHA = 4, 8.0
 
@@ -65,7 +65,7 @@ def test_family_targets_adapt_the_fused_projections(demos):
     assert set(linear1.parts) <= chroma
 
 
-@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize("name", EACH_FAMILY_QUICK)
 def test_peft_file_loads_in_diffusers_with_the_same_output(demos, tmp_path, name):
     bundle = trained_lora(demos, name)
     path = save_lora(bundle, tmp_path / "lora.safetensors", "peft", "fp32")
@@ -86,7 +86,7 @@ def comfy_lora_keys(original_state: dict) -> dict[str, tuple[int, ...]]:
             for key, value in original_state.items() if key.endswith(".weight")}
 
 
-@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize("name", EACH_FAMILY_QUICK)
 def test_kohya_file_follows_comfyuis_rules_and_is_the_trained_model(demos, tmp_path, name):
     """Every module of the kohya file is a name ComfyUI maps to a weight of the same shape, and applying the
     file as ComfyUI does (W += alpha / rank * up @ down) gives the LoRA-merged model's weights exactly."""
@@ -137,7 +137,7 @@ def comfy_diffusers_lora_modules(double: int, single: int) -> set[str]:
             | {f"single_transformer_blocks.{i}.{m}" for i in range(single) for m in singles} | set(basic))
 
 
-@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize("name", EACH_FAMILY_QUICK)
 def test_comfyui_maps_every_module_of_the_peft_file(demos, tmp_path, name):
     """ComfyUI reads the peft file too (`transformer.<module>` names) when every adapted module of the
     family's preset targets is one it maps."""
@@ -149,7 +149,7 @@ def test_comfyui_maps_every_module_of_the_peft_file(demos, tmp_path, name):
         sorted(modules - comfy_diffusers_lora_modules(config["num_layers"], config["num_single_layers"]))[:3]
 
 
-@pytest.mark.parametrize("name", ["flux2", "flux2-klein"])
+@pytest.mark.parametrize("name", ["flux2", pytest.param("flux2-klein", marks=pytest.mark.slow)])
 def test_diffusers_reads_the_flux2_kohya_layout(demos, tmp_path, name):
     """diffusers' reader of kohya Flux.2 files gives the trained model's output from Tandem's kohya file."""
     bundle = trained_lora(demos, name)

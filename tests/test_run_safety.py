@@ -90,6 +90,7 @@ def test_a_run_whose_loss_turns_nan_stops_and_saves_nothing(tmp_path, cache_dir)
         assert all(torch.isfinite(w).all() for w in weights.values()), f"{found.path} holds non-finite weights"
 
 
+@pytest.mark.slow  # trains
 def test_a_backup_of_absurd_weights_is_not_called_good(tmp_path, cache_dir):
     """learning_rate=1e30: after step 1 the weights reach 1e29 - finite, so backed up, but absurd: the loss
     computed from them is not finite. The refusal must not name that backup as the good one."""

@@ -30,6 +30,7 @@ def test_sample_index_reads_runs_samplings_and_prompts(tmp_path):
     assert samplings(run_folder(tmp_path / "samples", EARLIER))[0].samples[0].prompt == "prompt 1"
 
 
+@pytest.mark.slow
 def test_the_gallery_browses_every_sampling_of_every_run(app_factory, tmp_path):
     workspace = tmp_path / "gallery"
     make_samples(workspace, "run-20261201-100000", [2, 4, 6], ["a red circle", "a blue square"])
@@ -69,6 +70,7 @@ def test_the_gallery_browses_every_sampling_of_every_run(app_factory, tmp_path):
     controller.terminate()
 
 
+@pytest.mark.slow
 def test_continue_from_a_backup_picked_in_the_list(app_factory, tmp_path):
     import time
 
@@ -101,6 +103,7 @@ def test_continue_from_a_backup_picked_in_the_list(app_factory, tmp_path):
     assert pump(app, lambda: not controller.state.active, timeout=20)
 
 
+@pytest.mark.slow
 def test_a_real_model_preset_starts_with_the_model_picker(app_factory, tmp_path, monkeypatch):
     """Real-model presets opened with a path to nowhere (`models/sdxl_base.safetensors`) in the model field."""
     monkeypatch.chdir(tmp_path)
@@ -128,6 +131,7 @@ def test_a_real_model_preset_starts_with_the_model_picker(app_factory, tmp_path,
     assert app.load("#demo") and app.model.cfg.model.base_model == "builtin:demo"
 
 
+@pytest.mark.slow
 def test_the_general_tab_says_what_to_do_first(app_factory, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     app, _ = app_factory()

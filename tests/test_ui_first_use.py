@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from ui.run_controller import RunController
 
 from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - a fixture
@@ -33,6 +35,7 @@ def test_three_starts_in_one_window_each_show_their_sample(app_factory, tmp_path
     assert view.gallery.showing() == ("run-0", 2, ["a red circle"])
 
 
+@pytest.mark.slow
 def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
     """Tk prints a callback's exception on the terminal and goes on; a window user saw nothing happen."""
     app, _ = app_factory()
@@ -47,6 +50,7 @@ def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
     assert app.crash_text() == ""
 
 
+@pytest.mark.slow
 def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, monkeypatch):
     """Continue kept offering "Continue from step 100" after switching to an empty workspace or another
     preset, and clicking it failed with the command line's wording (`--resume latest: ...`)."""
@@ -84,6 +88,7 @@ def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, mo
     assert pump(app, lambda: not controller.state.active, timeout=30)
 
 
+@pytest.mark.slow
 def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
     """After a finished run Continue was offered: it trained 0 images, wrote another copy of the model and
     cleared the plot. A stopped run's backup is offered; one written after its run finished and was resumed
@@ -106,6 +111,7 @@ def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
     assert view.continue_button.cget("text") == "Continue from step 130"
 
 
+@pytest.mark.slow
 def test_the_status_line_drops_a_save_once_it_is_done(app_factory):
     """After "Save now" the status said "Running - saving demo-step0000029" for the rest of the run."""
     controller = PlayedController()
@@ -131,6 +137,7 @@ def test_a_restart_note_outlasts_the_steps_after_it():
     assert controller.state.headline == "Running - " + note
 
 
+@pytest.mark.slow
 def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch):
     """"Open output folder" and "Open TensorBoard" said they had opened something when nothing had: the
     opener's exit status was not read, nor whether TensorBoard came up."""
@@ -167,6 +174,7 @@ def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch
         view.tensorboard.close()
 
 
+@pytest.mark.slow
 def test_a_concept_row_wider_than_the_window_scrolls_sideways(app_factory):
     """At 1024 px the Data tab's concept row was wider than the window and its Remove button out of reach."""
     app, _ = app_factory()
@@ -194,6 +202,7 @@ def test_a_concept_row_wider_than_the_window_scrolls_sideways(app_factory):
     assert editor.scroller.scrollbar.winfo_manager() == ""
 
 
+@pytest.mark.slow
 def test_quit_during_training_asks_first_and_never_freezes(app_factory):
     """Quit during training froze the window ~20 s (it waited on the Tk thread), then asked "Save the
     changes?" - and Cancel kept the window although training had already been stopped."""
@@ -222,6 +231,7 @@ def test_quit_during_training_asks_first_and_never_freezes(app_factory):
     assert app.closed and not controller.state.active
 
 
+@pytest.mark.slow
 def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
     """A run stopped at step 2 showed "797.55 images/s" (real rate 0.5): the last report's step rate."""
     controller = PlayedController()
@@ -238,6 +248,7 @@ def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
     assert "797" not in view.progress_text.cget("text")
 
 
+@pytest.mark.slow
 def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory, tmp_path):
     """Save wrote "batch_size": -2 without a word, and text that could not be read ("fast" as a learning
     rate) did not set the unsaved marker, so closing lost it silently."""
@@ -267,6 +278,7 @@ def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory
     assert not app.closed, "closing asks about the text that is not saved"
 
 
+@pytest.mark.slow
 def test_finished_says_where_the_model_went(app_factory, tmp_path):
     controller = PlayedController()
     app, _ = app_factory(controller=controller)

@@ -232,6 +232,7 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
     assert frame.memory.cget("text").startswith("Memory plan for 2 GPU(s) of 16, 24 GiB (limit): FSDP"), frame.memory.cget("text")
 
 
+@pytest.mark.slow
 def test_multi_gpu_frame_without_gpus_offers_cpu_processes(app_factory):
     app, _ = app_factory(gpus=[])
     frame = app.multi_gpu
@@ -273,6 +274,7 @@ def test_a_crashing_run_shows_its_error_and_the_gui_stays_usable(app_factory):
     assert app.model.cfg.training.epochs == 2
 
 
+@pytest.mark.slow
 def test_continue_button_resumes_the_newest_backup(app_factory, tmp_path):
     from modules.trainer.backup import write_backup
 
@@ -442,6 +444,7 @@ def test_per_gpu_view_shows_each_rank_and_its_gpu(app_factory, tmp_path):
     controller.terminate()
 
 
+@pytest.mark.slow
 def test_the_window_works_at_1024x600(app_factory, tmp_path):
     from PIL import ImageGrab
 
@@ -518,6 +521,7 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_fac
     assert fields["optimizer.prodigy_d_coef"].widget.cget("state") == "disabled"
 
 
+@pytest.mark.slow
 def test_open_output_folder_and_tensorboard_say_where_in_the_window(app_factory, tmp_path, monkeypatch):
     from ui import external
     from modules.config.run_paths import RunPaths

@@ -5,12 +5,15 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
+
 from tests.test_ui_widgets import app_factory, pump  # noqa: F401 - app_factory is a fixture
 from tests.ui_players import PlayedController
 
 __all__ = ["app_factory"]
 
 
+@pytest.mark.slow
 def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
     """'0 GPU visible'; 'node 0 listens on 127.0.0.1:a fixed port.' with no word that 127.0.0.1 is out of reach
     of another machine; a GUI user told to pass --master-port; 'backups every 10 minutes unless a backup
@@ -69,6 +72,7 @@ def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
     controller.terminate()
 
 
+@pytest.mark.slow
 def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_factory):
     """With Multi-GPU off, CPU processes, Launcher and the batch split stayed enabled; choosing CPU processes
     set General › Device to cpu without a word, and it stayed so after Multi-GPU was turned off."""
@@ -102,6 +106,7 @@ def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_facto
     assert fields["general.device"].var.get() == "cpu"
 
 
+@pytest.mark.slow
 def test_labels_are_in_one_style(app_factory):
     """"Lora format", "Ema weights", "Unet dtype", "Eps" beside "LoRA rank": a label made from a field's name
     keeps the usual spelling of the words in it."""
@@ -120,6 +125,7 @@ def _every_tooltip(app) -> list[str]:
     return sorted({t.text for t in Tooltip._by_widget().values()})
 
 
+@pytest.mark.slow
 def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
     """Tooltips and errors showed config paths and names (`nnodes`, `timeout_minutes`), command-line flags
     (`--assume-free-gib`, `--node-rank 1`) and the history of development (a session number with a docs path)."""
@@ -142,6 +148,7 @@ def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
     assert found == [], "\n".join(found)
 
 
+@pytest.mark.slow
 def test_the_log_shows_each_line_once_in_words(app_factory):
     """The log repeated each human line as a raw event dump: `[backup] path=..., paused_s=0.077`."""
     controller = PlayedController()
@@ -161,6 +168,7 @@ def test_the_log_shows_each_line_once_in_words(app_factory):
     assert controller.state.backups == ["ws/backups/run-a/step-00000002"]  # the events still count
 
 
+@pytest.mark.slow
 def test_disabled_buttons_look_disabled(app_factory):
     """Disabled buttons kept their colour: a disabled red Stop looked ready to click."""
     from ui.views.buttons import DISABLED_COLOR
@@ -179,6 +187,7 @@ def test_disabled_buttons_look_disabled(app_factory):
     assert view.start_button.cget("fg_color") == "#2f8f46"
 
 
+@pytest.mark.slow
 def test_disabled_menus_look_disabled_too(app_factory):
     from ui.views.buttons import DISABLED_COLOR
     app, _ = app_factory()
@@ -191,6 +200,7 @@ def test_disabled_menus_look_disabled_too(app_factory):
     assert launcher.cget("fg_color") != DISABLED_COLOR and app.multi_gpu.cpu_menu.cget("fg_color") != DISABLED_COLOR
 
 
+@pytest.mark.slow
 def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_factory):
     """The mouse wheel over the log scrolled only the box: with the pointer there, the page did not move."""
     app, _ = app_factory()
@@ -218,6 +228,7 @@ def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_
     assert page.yview()[0] < before
 
 
+@pytest.mark.slow
 def test_ctrl_a_selects_a_whole_field(app_factory):
     app, _ = app_factory()
     app.tabs.set("Training")
@@ -237,6 +248,7 @@ def test_ctrl_a_selects_a_whole_field(app_factory):
     assert log._textbox.get("sel.first", "sel.last") == "one\ntwo"
 
 
+@pytest.mark.slow
 def test_file_dialogs_open_where_the_field_points_and_cancel_is_final(app_factory, tmp_path, monkeypatch):
     """File dialogs opened in the program's folder, and Browse > Cancel on the base model opened a second
     (folder) dialog."""

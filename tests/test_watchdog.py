@@ -173,6 +173,7 @@ def cache_dir(tandem_home, tmp_path_factory):
     return tmp_path_factory.mktemp("latent_cache")
 
 
+@pytest.mark.slow  # trains three epochs
 def test_each_epochs_loader_start_is_told_as_loading_the_next_batch(tmp_path, cache_dir, monkeypatch):
     """A later epoch's `iter(loader)` waits for every persistent worker: a stuck one must be named while
     loading a batch, not at the previous epoch's last step ("after the step")."""

@@ -32,6 +32,7 @@ from modules.distributed.processes import spawn_environment, worker_variables
 from modules.util.logs import setup_logging
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
+from modules.util.exit import exit_now
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -261,6 +262,11 @@ def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None,
         trainer = BenchmarkDistributed(cfg, device_type=case.device, rendezvous=rendezvous_at)
     trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
     trainer.run()
+    # Finished, result written: leave as the product's spawned workers do. Under spawn the interpreter's
+    # own exit runs, and there the trainer's reference cycles (DistributedTrainer.teardown) still held
+    # gloo's process group; freeing it then aborted a finished rank now and then ("terminate called
+    # without an active exception", SIGABRT) and failed the case. Errors raised above keep spawn's report.
+    exit_now(0)
 
 
 def run_case(case: Case) -> dict:

@@ -102,9 +102,10 @@ class WorkspaceLock:
         os.pwrite(fd, details, 0) if hasattr(os, "pwrite") else os.write(fd, details)
         return self
 
-    def _wait_for_earlier_workers(self, grace_s: float = WORKERS_GRACE_S) -> None:
-        """Until no worker of an earlier run holds its lock; WorkspaceBusy naming them after `grace_s`."""
-        deadline = time.monotonic() + grace_s
+    def _wait_for_earlier_workers(self) -> None:
+        """Until no worker of an earlier run holds its lock; WorkspaceBusy naming them after `WORKERS_GRACE_S`
+        (read at each call, not bound once at import, so that a caller or test can change it)."""
+        deadline = time.monotonic() + WORKERS_GRACE_S
         while True:
             living = workers_alive(self.workspace)
             if not living:

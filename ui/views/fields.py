@@ -38,6 +38,8 @@ class BoundField:
         """Everything on the field's row (label, widget, Browse button), hidden together."""
         self.visible = True
         self.message = ""
+        self._shown = ("", False, True)
+        """(message, marked bad, visible) as the widgets show them now: as built, no message, not marked."""
         self.unused_reason: str | None = None
         """Why the current config ignores this field (the widget is disabled then), or None."""
         self._refreshing = False
@@ -69,6 +71,12 @@ class BoundField:
 
     def mark(self, messages: list[str]) -> None:
         self.message = "\n".join(self.binder.places.without_field(m, self.path) for m in messages)
+        # Every edit revalidates every field; redrawing the ~250 unchanged ones (customtkinter redraws a
+        # widget's rounded outline on each configure) made the window's start and each edit slow.
+        shown = (self.message, bool(messages), self.visible)
+        if shown == self._shown:
+            return
+        self._shown = shown
         self.show_mark(bool(messages))
         if self.error_label is not None:
             self.error_label.configure(text=self.message)

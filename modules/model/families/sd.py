@@ -326,9 +326,16 @@ class SDFamily(ModelFamily):
         from modules.model.single_file import shipped_config
 
         torch.manual_seed(0)
-        with torch.device(device):
-            unet = UNet2DConditionModel.from_config(shipped_config(self.name, "unet"))
-        unet.requires_grad_(False).to(denoiser_dtype)
+        # Built in its storage dtype, as the transformer families' are: built in fp32 and cast, a bf16 base first
+        # held twice its size and spent the CPU time of initialising it in fp32 (per rank).
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(denoiser_dtype)
+        try:
+            with torch.device(device):
+                unet = UNet2DConditionModel.from_config(shipped_config(self.name, "unet"))
+        finally:
+            torch.set_default_dtype(default)
+        unet.requires_grad_(False)
         vae = uninitialised(lambda: AutoencoderKL.from_config(shipped_config(self.name, "vae")))
         encoders, tokenizers = self._random_parts(lambda cls, config: uninitialised(lambda: cls(config)))
         return ModelBundle(model_type=self.name, denoiser=unet, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
