@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 from modules.util.atomic import build_folder_once
 
-from .demo_dataset import COLOURS, SHAPES
+from .demo_dataset import COLOURS, SHAPES, draw_shape
 
 DEMO_CLIPS_SCHEME = "builtin:demo-clips"
 DEMO_CLIPS_VERSION = "1"
@@ -34,14 +34,7 @@ def default_clips_root() -> Path:
 
 def _frame(shape: str, colour: tuple, background: tuple, left: int, top: int, side: int) -> np.ndarray:
     img = Image.new("RGB", (SIDE, SIDE), background)
-    draw = ImageDraw.Draw(img)
-    box = (left, top, left + side - 1, top + side - 1)
-    if shape == "circle":
-        draw.ellipse(box, fill=colour)
-    elif shape == "square":
-        draw.rectangle(box, fill=colour)
-    else:
-        draw.polygon([(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)], fill=colour)
+    draw_shape(ImageDraw.Draw(img), shape, colour, left, top, side)
     return np.asarray(img, dtype=np.uint8)
 
 

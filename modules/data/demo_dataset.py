@@ -37,10 +37,15 @@ def default_demo_root() -> Path:
 def _draw(shape: str, colour: tuple, background: tuple, width: int, height: int,
           rng: random.Random) -> Image.Image:
     img = Image.new("RGB", (width, height), background)
-    draw = ImageDraw.Draw(img)
     side = rng.randint(min(width, height) // 3, min(width, height) * 3 // 4)
     left = rng.randint(0, width - side)
     top = rng.randint(0, height - side)
+    draw_shape(ImageDraw.Draw(img), shape, colour, left, top, side)
+    return img
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, colour: tuple, left: int, top: int, side: int) -> None:
+    """A circle, square or triangle filling the `side` x `side` square at (`left`, `top`)."""
     box = (left, top, left + side - 1, top + side - 1)
     if shape == "circle":
         draw.ellipse(box, fill=colour)
@@ -49,7 +54,6 @@ def _draw(shape: str, colour: tuple, background: tuple, width: int, height: int,
     else:
         draw.polygon([(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)],
                      fill=colour)
-    return img
 
 
 def _write_dataset(folder: Path) -> None:

@@ -424,3 +424,26 @@ def _device_of(module) -> torch.device:
 
 def _dtype_of(module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+class ChannelNormalizedLatents:
+    """Latents normalised per channel by the VAE's `latents_mean` and `latents_std` (Qwen-Image's and Wan's
+    pipelines): mixed in before the family's base class."""
+
+    def normalize_latents(self, bundle, latents, spread=False):
+        """Per channel, as the pipeline: (latents - latents_mean) / latents_std."""
+        mean, std = _channel_statistics(bundle, latents)
+        return latents / std if spread else (latents - mean) / std
+
+    def denormalize_latents(self, bundle, latents):
+        mean, std = _channel_statistics(bundle, latents)
+        return latents * std + mean
+
+
+def _channel_statistics(bundle, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's per-channel latent mean and std, shaped [1, C, 1, ...] to broadcast over `like`."""
+    config = bundle.vae.config
+    shape = (1, config.z_dim) + (1,) * (like.ndim - 2)
+    mean = torch.tensor(config.latents_mean, device=like.device, dtype=like.dtype).view(shape)
+    std = torch.tensor(config.latents_std, device=like.device, dtype=like.dtype).view(shape)
+    return mean, std

@@ -26,7 +26,7 @@ import torch
 
 from modules.model.text_apart import HIDDEN, MASK, masked_rows, padded, trimmed
 
-from .flow_base import FlowMatching, shipped
+from .flow_base import ChannelNormalizedLatents, FlowMatching, shipped
 from .flux import pack_latents, unpack_latents
 from .llm_demo import QWEN_IMAGE_DROP, QWEN_IMAGE_TEMPLATE
 from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count, identity_entries
@@ -44,7 +44,7 @@ class QwenImageObjective(FlowMatching):
         return unpack_latents(out, height, width)
 
 
-class QwenImageFamily(LLMFlowFamily):
+class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
     transformer_class = "QwenImageTransformer2DModel"
     vae_class = "AutoencoderKLQwenImage"
     file_prefix = ""
@@ -64,28 +64,10 @@ class QwenImageFamily(LLMFlowFamily):
         posterior = bundle.vae.encode(pixels.to(device=vae_param.device, dtype=vae_param.dtype).unsqueeze(2)).latent_dist
         return DiagonalGaussianDistribution(torch.cat([posterior.mean, posterior.logvar], dim=1).squeeze(2))
 
-    def normalize_latents(self, bundle, latents, spread=False):
-        """Per channel, as the pipeline: (latents - latents_mean) / latents_std."""
-        mean, std = self._statistics(bundle, latents)
-        return latents / std if spread else (latents - mean) / std
-
-    def denormalize_latents(self, bundle, latents):
-        mean, std = self._statistics(bundle, latents)
-        return latents * std + mean
-
     def decode_latents(self, bundle, latents):
         vae_param = next(bundle.vae.parameters())
         latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
         return bundle.vae.decode(latents.unsqueeze(2)).sample[:, :, 0].clamp(-1, 1)
-
-    @staticmethod
-    def _statistics(bundle, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's per-channel latent mean and std, shaped [1, C, 1, 1] (the pipeline's normalisation)."""
-        config = bundle.vae.config
-        shape = (1, config.z_dim, 1, 1)
-        mean = torch.tensor(config.latents_mean, device=like.device, dtype=like.dtype).view(shape)
-        std = torch.tensor(config.latents_std, device=like.device, dtype=like.dtype).view(shape)
-        return mean, std
 
     def load_vae(self, path, dtype, config=None):
         raise ValueError(f"model.vae_path {str(path)!r} is a single file; a Qwen-Image VAE is read from a diffusers "

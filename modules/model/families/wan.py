@@ -30,7 +30,7 @@ import torch
 
 from modules.model.objective import NoiseDraw, draw_flow_noise, flow_per_sample, flow_shift, shift_times
 
-from .flow_base import FLOW_MATCHING, FlowFamily, FlowMatching, _device_of, shipped
+from .flow_base import FLOW_MATCHING, ChannelNormalizedLatents, FlowFamily, FlowMatching, _device_of, shipped
 from .llm_flow import block_count, identity_entries
 
 IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
@@ -90,7 +90,7 @@ def scheduler_shift(config) -> float:
     return float(config["flow_shift"]) if config.get("flow_shift") else flow_shift(config, 0)
 
 
-class WanFamily(FlowFamily):
+class WanFamily(ChannelNormalizedLatents, FlowFamily):
     transformer_class = "WanTransformer3DModel"
     vae_class = "AutoencoderKLWan"
     clip_classes = ()
@@ -159,29 +159,12 @@ class WanFamily(FlowFamily):
         vae_param = next(bundle.vae.parameters())
         return bundle.vae.encode(pixels.to(device=vae_param.device, dtype=vae_param.dtype)).latent_dist
 
-    def normalize_latents(self, bundle, latents, spread=False):
-        """Per channel, as the pipeline: (latents - latents_mean) / latents_std."""
-        mean, std = self._statistics(bundle, latents)
-        return latents / std if spread else (latents - mean) / std
-
-    def denormalize_latents(self, bundle, latents):
-        mean, std = self._statistics(bundle, latents)
-        return latents * std + mean
-
     def decode_latents(self, bundle, latents):
         """Latents [B, C, F, H, W] -> pixels: [B, 3, H, W] for one latent frame, else [B, 3, frames, H, W]."""
         vae_param = next(bundle.vae.parameters())
         latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
         pixels = bundle.vae.decode(latents).sample.clamp(-1, 1)
         return pixels[:, :, 0] if latents.shape[2] == 1 else pixels
-
-    @staticmethod
-    def _statistics(bundle, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        config = bundle.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean, device=like.device, dtype=like.dtype).view(shape)
-        std = torch.tensor(config.latents_std, device=like.device, dtype=like.dtype).view(shape)
-        return mean, std
 
     def latent_frames(self, frames):
         return latent_frames(frames)
