@@ -184,9 +184,9 @@ def test_sizes_come_from_a_folders_files_without_torch(tandem_home, tmp_path):
     assert seconds < 10  # milliseconds on an idle machine; the bound leaves room for a busy one
 
 
-def test_plan_for_cards_this_machine_does_not_have(tmp_path):
+def test_plan_for_cards_this_machine_does_not_have(tmp_path, capsys):
     """scripts/check_multi_gpu.py --plan-for: the plan, each GPU's estimate by part, no GPU touched; exit 1 and
-    the refusal when nothing fits."""
+    the refusal when nothing fits (the script in its own process once; the plans in this one)."""
     weights = tmp_path / "flux.safetensors"
     weights.write_bytes(b"")
     cfg = tmp_path / "flux.json"
@@ -197,12 +197,15 @@ def test_plan_for_cards_this_machine_does_not_have(tmp_path):
                                "multi_gpu": {"enabled": True}}))
     from modules.distributed.diagnostics import main
 
-    for cards, code, words in (("2x24", 0, "DDP + fp8 base"), ("24,16", 0, "GPU 1"), ("2x2", 1, "REFUSED: nothing fits")):
-        out = subprocess.run([sys.executable, str(REPO / "scripts" / "check_multi_gpu.py"), "--config-path", str(cfg),
-                              "--plan-for", cards], capture_output=True, text=True, cwd=REPO, timeout=300,
-                             env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
-        assert out.returncode == code and words in out.stdout, out.stdout + out.stderr
-        assert "nothing ran on a GPU" in out.stdout
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "check_multi_gpu.py"), "--config-path", str(cfg),
+                          "--plan-for", "2x2"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 1 and "REFUSED: nothing fits" in out.stdout, out.stdout + out.stderr
+    assert "nothing ran on a GPU" in out.stdout
+    for cards, words in (("2x24", "DDP + fp8 base"), ("24,16", "GPU 1")):
+        assert main(["--config-path", str(cfg), "--plan-for", cards]) == 0
+        printed = capsys.readouterr().out
+        assert words in printed and "nothing ran on a GPU" in printed, printed
     assert main(["--plan-for", "2x24"]) == 2  # needs a config
 
 
