@@ -76,7 +76,8 @@ def test_only_unreadable_images_one_warning_each_then_one_error(tmp_path, cache_
         f"Skipping unreadable image {bad / 'nothing.jpg'}: the file is empty",
         f"Skipped 2 unreadable image(s) of 2 in {bad} (each named above).",
         f"error: No usable image found in the concept folders '{bad}' (the 2 image file(s) there are unreadable, "
-        "see above). Add .png/.jpg/.jpeg/.webp images there, fix data.concepts[].path, or enable a concept that "
+        "see above). Add .png/.jpg/.jpeg/.webp images (or .mp4/.webm/.mov clips, for video models) there, fix "
+        "data.concepts[].path, or enable a concept that "
         "has images."]
 
 
