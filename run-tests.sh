@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: ~3,000 CPU-s, about 27 minutes on 2 idle cores; README.md too)
+#   ./run-tests.sh           everything (what CI runs: ~2,700 CPU-s, about 26 minutes on 2 idle cores; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (58 s on 2 idle cores, 105 CPU-s, measured 2026-11-28 with this command)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default 2; 1 runs them in this process, e.g. for -x
