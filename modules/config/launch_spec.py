@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from .backends import resolve_backend
 from .train_config import TrainConfig
-from .validation import parse_device_indexes
+from .validation import context_parallel_problems, parse_device_indexes
 
 SINGLE = "single"
 """One process, no process group."""
@@ -64,8 +64,11 @@ class LaunchSpec:
     """How often torchrun's agent restarts every worker after a failure (`multi_gpu.max_restarts`)."""
     min_nodes: int = 0
     """The fewest machines the run continues on after losing some (`multi_gpu.min_gpus`); 0: all of them."""
+    context_parallel: int = 1
+    """Processes that run each sample together (`multi_gpu.context_parallel`); the batch is cut into world size /
+    this many slices."""
     global_batch: int = 0
-    """Samples per optimizer step over all processes: per-GPU batch x accumulation x world size of the launch
+    """Samples per optimizer step over all processes: per-GPU batch x accumulation x data slices of the launch
     (0 when made: computed). A round on fewer processes (a lost machine) keeps it by accumulating more."""
     lr: float | None = None
     """The trainer's learning rate: the base LR scaled for the launch's world size (None when made:
@@ -76,9 +79,14 @@ class LaunchSpec:
         # The one place the global batch and the scaled LR are computed; every later copy (a smaller round,
         # the job file) carries them as they were.
         if not self.global_batch:
-            object.__setattr__(self, "global_batch", self.per_gpu_batch * self.accumulation * self.world_size)
+            object.__setattr__(self, "global_batch", self.per_gpu_batch * self.accumulation * self.data_world)
         if self.lr is None:
-            object.__setattr__(self, "lr", scaled_lr(self.base_lr, self.lr_scaling, self.world_size))
+            object.__setattr__(self, "lr", scaled_lr(self.base_lr, self.lr_scaling, self.data_world))
+
+    @property
+    def data_world(self) -> int:
+        """Slices of each global batch: the processes, or their context-parallel groups."""
+        return max(1, self.world_size // max(1, self.context_parallel))
 
     @property
     def processes_here(self) -> int:
@@ -150,6 +158,9 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
     nodes = m.nnodes if launcher in (SPAWN, TORCHRUN) else 1
     if nodes > 1:
         world = local_world * nodes  # every machine runs the same config, so the same number of processes
+    context = m.context_parallel if launcher != SINGLE else 1
+    if context > 1 and not problem:
+        problem = " ".join(context_parallel_problems(cfg, world)) or None
     backend = ""
     if launcher != SINGLE:
         try:
@@ -163,7 +174,8 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
                       lr_scaling=m.lr_scaling if launcher != SINGLE else "none", problem=problem,
                       nnodes=nodes, node_rank=m.node_rank if nodes > 1 else 0, local_world_size=local_world,
                       max_restarts=m.max_restarts if launcher == TORCHRUN else 0,
-                      min_nodes=min_nodes(m.min_gpus, local_world, nodes) if launcher == TORCHRUN else 0)
+                      min_nodes=min_nodes(m.min_gpus, local_world, nodes) if launcher == TORCHRUN else 0,
+                      context_parallel=context if world % context == 0 else 1)
 
 
 def chosen_launcher(cfg: TrainConfig) -> str:

@@ -12,7 +12,8 @@ Counted from the model's sizes (`model_sizes.py`: exact for the shapes) and the 
 - activations, per sample: the UNets' measured on an H200 (`UNET_ACTIVATION_GIB`); a transformer's
   from its geometry (tokens x hidden size x blocks) and the bytes each block keeps for its backward
   (`BLOCK_BYTES`), which checkpointing reduces to each block's input and one block recomputed at a time,
-  and activation offloading to the recomputed block alone;
+  and activation offloading to the recomputed block alone; context parallelism splits the image or
+  clip tokens over its group;
 - `RUNTIME_OVERHEAD_GIB` for the CUDA context, library workspaces and the allocator's rounding.
 
 Torch-free: the GUI, the launcher's checks and every worker compute it in milliseconds.
@@ -231,7 +232,10 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     frames = 1
     if family in VIDEO_FRAMES_PER_LATENT_FRAME:
         frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
-    tokens = (res // pixels) ** 2 * frames + text_tokens(family, cfg, config)
+    # Context parallelism: each process of a group holds its part of the sequence (the text stays whole).
+    degree = cfg.multi_gpu.context_parallel
+    context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
+    tokens = (res // pixels) ** 2 * frames / context + text_tokens(family, cfg, config)
     kinds = f.block_kinds
     coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
     largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)

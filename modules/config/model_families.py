@@ -54,6 +54,11 @@ class FamilyInfo:
     """Its text encoder is a large language model (Qwen2.5-VL 7B, Qwen3 4B) that never trains: it is loaded
     only to fill the text cache, before the denoiser loads, and freed after (`modules/trainer/text_encoding.py`);
     captions are always cached, and a run whose cache is complete never loads it."""
+    context_parallel: bool = False
+    """Its denoiser can split a sample's token sequence over several GPUs (`multi_gpu.context_parallel`): the
+    diffusers class has a context-parallel plan (`_cp_plan`: where the sequence is split and gathered) and
+    Tandem's tests train it so. Flux.1, Flux.2 and Qwen-Image have plans too, but they split the text tokens
+    as well, whose count varies with the caption (Qwen-Image) - not tried yet."""
     block_groups: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     """A transformer's module lists whose elements are its repeated blocks, in the order they run (those it
     lacks are skipped): the units FSDP shards and checkpoints (`ModelFamily.repeated_blocks`), which the
@@ -121,7 +126,8 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("wan", "Wan 2.1 (T2V 1.3B, 14B)", "transformer", "WanPipeline", 16, True, "builtin:demo-wan",
                "wan:WanFamily", "WanTransformer3DModel", _FLOW_FIELDS + _VIDEO_FIELDS,
                ("condition_embedder.time_proj.", "model.diffusion_model.condition_embedder.time_proj."),
-               variants=("1.3b", "14b"), lora_targets=_WAN_LORA_TARGETS, video=True, block_groups=("blocks",)),
+               variants=("1.3b", "14b"), lora_targets=_WAN_LORA_TARGETS, video=True, block_groups=("blocks",),
+               context_parallel=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

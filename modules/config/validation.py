@@ -326,6 +326,7 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         except ValueError as reason:
             problems.append(f"multi_gpu.batch_split: {reason}; or set it to equal or auto.")
     problems += _memory_limit_checks(cfg, indexes)
+    problems += context_parallel_problems(cfg, m.num_gpus or len(indexes) or None)
     if indexes and m.num_gpus > 0 and m.num_gpus != len(indexes):
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
                         f"{m.device_indexes!r} ({len(indexes)} GPU(s)); set num_gpus to 0 or "
@@ -365,6 +366,36 @@ def parse_memory_limits(text: str) -> list[float]:
             raise ValueError(f"{part.strip()!r}: a GPU needs more than 0 GiB")
         limits.append(value)
     return limits
+
+
+def context_parallel_problems(cfg: TrainConfig, gpus: int | None, family: str | None = None) -> list[str]:
+    """What stops `multi_gpu.context_parallel` on `gpus` processes (None: not known yet) for the family `family`
+    (None: the config's model type, where it names one), each with its fix."""
+    from modules.config.model_families import FAMILIES
+
+    m = cfg.multi_gpu
+    degree = m.context_parallel
+    if degree <= 1:
+        return []
+    field = f"multi_gpu.context_parallel: {degree}"
+    problems = []
+    info = FAMILIES.get(family or cfg.model.model_type)
+    if info is not None and not info.context_parallel:
+        able = ", ".join(f.title for f in FAMILIES.values() if f.context_parallel)
+        problems.append(f"{field} splits a sample's sequence over GPUs, which {info.title} cannot (its transformer has "
+                        f"no context-parallel plan in diffusers); models that can: {able}. Set it to 1.")
+    if gpus is not None and gpus % degree:
+        problems.append(f"{field} must divide the number of GPUs ({gpus}): each group of {degree} GPUs trains one "
+                        f"share of the batch; use {' or '.join(str(d) for d in range(2, gpus + 1) if gpus % d == 0) or 1}, "
+                        f"or {degree * max(1, gpus // degree)} GPUs.")
+    if cfg.training.compile:
+        problems.append(f"{field} with training.compile: the compiled denoiser is checked against eager mode on the "
+                        "whole sequence; turn training.compile off (or set context_parallel to 1).")
+    split = m.batch_split.strip().lower()
+    if split not in ("", "equal"):
+        problems.append(f"{field} with multi_gpu.batch_split {m.batch_split!r}: the GPUs of a group run one sample "
+                        "together, so every group takes an equal share; set multi_gpu.batch_split to equal.")
+    return problems
 
 
 def _memory_limit_checks(cfg: TrainConfig, indexes: list[int]) -> list[str]:

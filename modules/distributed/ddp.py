@@ -14,6 +14,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from modules.distributed.context_parallel import ContextGroups
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
 
@@ -37,7 +38,7 @@ def _no_buffer_sync_per_forward() -> dict:
     return {"broadcast_buffers": False}
 
 
-class DDPParallelism(Parallelism):
+class DDPParallelism(ContextGroups, Parallelism):
     name = "ddp"
 
     def __init__(self, multi_gpu, device: torch.device) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from modules.config.memory_need import GIB
 from modules.config.memory_plan import own_limit
-from modules.config.validation import fsdp_blockers
+from modules.config.validation import context_parallel_problems, fsdp_blockers
 from modules.distributed import failures
 from modules.distributed.ddp import DDPParallelism
 from modules.distributed.fsdp import FSDPParallelism
@@ -83,14 +83,20 @@ class DistributedTrainer(BaseTrainer):
         log.info(choice.describe())
         if choice.plan is not None:
             self.cfg = choice.plan.apply(self.cfg)
-        if choice.strategy == "ddp":
-            return DDPParallelism(self.cfg.multi_gpu, self.device)
-        blockers = fsdp_blockers(self.cfg)
-        if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
-            raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
+        problems = context_parallel_problems(self.cfg, du.world_size())
+        if problems:  # validation could not know the number of processes (torchrun, all visible GPUs)
+            raise ValueError(" ".join(problems))
         m = self.cfg.multi_gpu
-        return FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device, m.fsdp_activation_offload,
-                               choice.plan.planned_split if choice.plan is not None else None)
+        if choice.strategy == "ddp":
+            parallel = DDPParallelism(m, self.device)
+        else:
+            blockers = fsdp_blockers(self.cfg)
+            if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
+                raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
+            parallel = FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device, m.fsdp_activation_offload,
+                                       choice.plan.planned_split if choice.plan is not None else None)
+        parallel.use_context_parallel(m.context_parallel)
+        return parallel
 
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """The first step's times, and each GPU's measured peak beside the plan's estimate and the card."""

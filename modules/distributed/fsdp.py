@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from modules.distributed.context_parallel import ContextGroups
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
 
@@ -137,7 +138,7 @@ def _trained_parts(model: nn.Module) -> list[str]:
     return ["unet"] + [f"text_encoders.{i}" for i in range(len(encoders) if encoders is not None else 0)]
 
 
-class FSDPParallelism(Parallelism):
+class FSDPParallelism(ContextGroups, Parallelism):
     """Every process holds 1/N of the trained module (`multi_gpu.strategy = fsdp`): see the module's doc."""
     name = "fsdp"
     holds_whole_model = False

@@ -98,9 +98,9 @@ def check_data_fits(cfg: TrainConfig, spec: LaunchSpec):
     except (EmptyDatasetError, MaskError, FileNotFoundError) as e:
         raise LaunchError(str(e)) from None
     try:
-        sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=spec.world_size, rank=0,
+        sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=spec.data_world, rank=0,
                                      seed=cfg.general.seed)
-        derive_run_numbers(cfg, spec.world_size, len(sampler), launch=spec)
+        derive_run_numbers(cfg, spec.data_world, len(sampler), launch=spec)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return dataset

@@ -122,6 +122,7 @@ class BaseTrainer(ABC):
             # the demo model): every rank and every world size starts alike.
             seed_everything(self.cfg.general.seed)
             self.trainable = self.prepare_trainable()
+            self.parallel.split_sequences(self.bundle, self.device, self.bucket_sizes())  # multi_gpu.context_parallel
             self.objective = self.bundle.family.objective(self.bundle, self.cfg.training)
         with phase("cache"):
             self.fill_cache()
@@ -249,7 +250,8 @@ class BaseTrainer(ABC):
         # Only what is not keyed elsewhere uses this stream (LoRA dropout, VAE sampling without a cache):
         # noise/timesteps are keyed per global batch (objective.draw_noise), augmentation and cached
         # latents' samples per item (data.dataset), so none of them depends on the number of ranks.
-        seed_everything(self.cfg.general.seed * du.world_size() + du.rank())
+        # The processes of a context-parallel group run one sample together: they share one stream.
+        seed_everything(self.cfg.general.seed * self.parallel.data_world + self.parallel.data_rank)
 
     def configure_backends(self) -> None:
         configure_cuda(self.device, self.cfg.training)
@@ -326,6 +328,12 @@ class BaseTrainer(ABC):
                             self.startup.seconds.get("model", 0.0), self.emit)
         if parts:
             self.startup.parts["cache"] = parts
+
+    def bucket_sizes(self) -> list[tuple[int, int]]:
+        """(width, height) of every bucket the run trains or scores, and of its samples."""
+        sets = [d for d in (self.dataset, self.validation_set) if d is not None]
+        sizes = [d.bucket_sizes[b % len(d.bucket_sizes)] for d in sets for b in set(d.buckets)]
+        return sizes + ([(self.cfg.data.resolution,) * 2] if self.cfg.sampling.prompts else [])
 
     def sampling_calls(self):
         """Inside the block the sampling pipeline calls the trained parts (sharded training routes the
@@ -452,7 +460,8 @@ class BaseTrainer(ABC):
         total = torch.zeros((), device=self.device)
         # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
         # ranks is the mean over the global batch (1.0 with equal GPUs).
-        weight = self.batch_part.loss_weight(self.parallel.data_world) / len(micro_batches)
+        # Context parallelism scales it by the group size (`Parallelism.loss_scale`).
+        weight = self.batch_part.loss_weight(self.parallel.data_world) * self.parallel.loss_scale / len(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self.gradient_sync(i == len(micro_batches) - 1):
                 loss = self.compute_loss(batch, micro=i)

@@ -119,9 +119,11 @@ class OutputWriter:
         self.last_sample_step = self.run.global_step
         if not prompts:
             return
-        mine = [i for i in range(len(prompts)) if i % du.world_size() == du.rank()]
+        parallel = parts.parallelism
+        # The processes of a context-parallel group render their group's prompts together; the first keeps them.
+        mine = [i for i in range(len(prompts)) if i % parallel.data_world == parallel.data_rank]
         # As many renders on every rank where each denoiser call is collective; the extra ones are dropped.
-        renders = mine + [(mine or [0])[0]] * parts.parallelism.extra_calls(len(mine), len(prompts))
+        renders = mine + [(mine or [0])[0]] * parallel.extra_calls(len(mine), len(prompts))
         images = []
         started = time.monotonic()
         if renders:
@@ -130,7 +132,8 @@ class OutputWriter:
             with self._weights_for_samples(), self._encoders_on_device(), self.run.sampling_calls():
                 images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                         samp.inference_steps, samp.guidance_scale, parts.device)[:len(mine)]
-        gathered = du.gather_objects([(i, du.rank(), image) for i, image in zip(mine, images)])
+        kept = zip(mine, images) if parallel.context_rank == 0 else ()
+        gathered = du.gather_objects([(i, du.rank(), image) for i, image in kept])
         du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
         # What a sampling costs the run (it stops training on every rank), for the log and the benchmarks.
         shared = f" ({du.world_size()} processes, each rendered its share)" if du.world_size() > 1 else ""

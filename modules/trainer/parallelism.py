@@ -25,10 +25,12 @@ whole-model behaviour one process and DDP share. Memory pooling (`modules/config
 chooses among them and sets what they read: FSDP over a LoRA's frozen base, an fp8 base sharded in
 float8 (`wrap`), activation checkpointing, activation offloading (saved-tensor hooks in
 `gradient_sync`'s context) and CPU offload of the shards, and for unequal GPUs under FSDP the split of
-each batch (`planned_split`); context parallelism for video
-(N GPUs = data x context groups on a device mesh) is a parallelism whose `wrap` splits each sample's
-sequence over its context group, and whose `data_rank` / `data_world` say which slice of the global
-batch the process's group trains (here they are the process's own rank and the number of processes).
+each batch (`planned_split`). Context parallelism (`multi_gpu.context_parallel`: N processes = N / C
+groups of C, `modules/distributed/context_parallel.py`) is mixed into DDP and FSDP: `split_sequences`
+splits each sample's sequence over its group, `data_rank` / `data_world` say which slice of the global
+batch the process's group trains, `loss_scale` makes the gradient exchange's average the groups' average,
+and only a group's first process (`context_rank` 0) keeps what the group computed together (samples,
+validation losses). Here they are the process's own rank, the number of processes, 1 and 0.
 """
 from __future__ import annotations
 
@@ -70,6 +72,20 @@ class Parallelism:
         """Into how many slices each global micro-batch is cut."""
         return du.world_size()
 
+    @property
+    def context_rank(self) -> int:
+        """This process's place in its context-parallel group (0: the one whose results are kept)."""
+        return 0
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor on each process's loss so that the gradient exchange's average over all processes is the
+        average over the data slices (context parallelism: a process's gradient covers its part of a sequence)."""
+        return 1.0
+
+    def split_sequences(self, bundle, device: torch.device, sizes: list[tuple[int, int]]) -> None:
+        """Split each sample's sequence over the processes of a group (context parallelism); here: nothing."""
+
     # ---------------------------------------------------------------- before wrapping
     def load_device(self, device: torch.device) -> torch.device:
         """Where the model is loaded (`device`: the training device); `place` then puts each part where it
@@ -110,7 +126,7 @@ class Parallelism:
         out over the ranks in turn (their results dropped): none, unless each forward is a collective."""
         if not self.forward_is_collective:
             return 0
-        return math.ceil(total / du.world_size()) - mine
+        return math.ceil(total / self.data_world) - mine
 
     def sampling_calls(self, model: nn.Module, autocast: ContextManager) -> ContextManager:
         """Inside the block the sampling pipeline calls the trained parts (`model` is the wrapped module)."""

@@ -68,8 +68,11 @@ class ValidationLoss:
         self.seed = seed
         self.scoring = scoring
         batches = evaluation_batches(dataset.buckets, EVALUATION_BATCH)
-        self.my_batches = batches[du.rank()::du.world_size()]
-        extra = (parallelism or SingleProcess()).extra_calls(len(self.my_batches), len(batches))
+        parallelism = parallelism or SingleProcess()
+        # A context-parallel group scores its batches together; only its first process's losses count.
+        self.my_batches = batches[parallelism.data_rank::parallelism.data_world]
+        self.keeps_losses = parallelism.context_rank == 0
+        extra = parallelism.extra_calls(len(self.my_batches), len(batches))
         self.extra_batches = [batches[0]] * extra if batches else []
         self.last_step: int | None = None
 
@@ -83,7 +86,9 @@ class ValidationLoss:
         losses = torch.zeros(len(self.dataset), dtype=torch.float64, device=device)
         for batch_items in self.my_batches:
             batch = collate([self.dataset[(0, index)] for index in batch_items])
-            losses[batch["indices"].to(device)] = self.batch_losses(model, batch).double()
+            scored = self.batch_losses(model, batch).double()
+            if self.keeps_losses:
+                losses[batch["indices"].to(device)] = scored
         for batch_items in self.extra_batches:  # only for the collectives of a sharded forward; dropped
             self.batch_losses(model, collate([self.dataset[(0, index)] for index in batch_items]))
         return losses
