@@ -65,7 +65,7 @@ def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
 
 def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home, tmp_path):
     """2 processes x batch 4 (FSDP2 with Wan's blocks as its units, spawned as the launcher spawns them) give the
-    LoRA weights of 1 x 8. The
+    LoRA weights of 1 x 8, and render their samples as clips, one prompt each. The
     1-process LoRA, saved in the kohya layout (diffusion_model.* original names) and in peft's, loads into
     diffusers' WanPipeline: each makes the transformer compute what the base weights plus (alpha / rank) B A
     of the trained adapters compute."""
@@ -75,8 +75,13 @@ def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home,
               "optimizer.name=sgd", "training.learning_rate=0.05", LORA_TARGETS)
     cache = tmp_path / "cache"
     train(config(tmp_path / "one", cache, *common, "training.batch_size=8"))
+    # The 2 processes also sample at the end, each rendering one prompt's clip (rank 1's reaches rank 0 pickled).
     assert launch(config(tmp_path / "two", cache, *common, "training.batch_size=4", "multi_gpu.enabled=true",
-                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp")) == 0
+                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp",
+                         "sampling.every_n_steps=2", "sampling.inference_steps=1", "sampling.video_frames=5")) == 0
+    clips = sorted((tmp_path / "two" / "samples").rglob("step-*"))
+    assert [p.name for p in clips] == ["step-0000002-0.webp", "step-0000002-1.webp"]
+    assert all(sum(ms for _, ms in read_frames(p)) == 5 * 125 for p in clips)  # 5 frames at 8 fps
     single = read_trained_weights(latest_backup(tmp_path / "one" / "backups").path)
     assert single and all(k.startswith("transformer.") for k in single)
     assert_weights_close(read_trained_weights(latest_backup(tmp_path / "two" / "backups").path), single,
