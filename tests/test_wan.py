@@ -101,6 +101,17 @@ def test_clip_lengths_wan_cannot_take_are_refused_and_image_families_refuse_clip
     family("flux").check_clips([], 17)
 
 
+def test_video_sample_lengths_wan_cannot_render_are_refused_and_image_families_ignore_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"sampling.video_frames: 10 is not 4k \+ 1.*set it to 9"):
+        load_config("#demo_wan", ["sampling.video_frames=10", f"general.workspace_dir={tmp_path}"])
+    for frames in (1, 5, 17):  # 1: a still image
+        assert load_config("#demo_wan", [f"sampling.video_frames={frames}",
+                                         f"general.workspace_dir={tmp_path}"]).sampling.video_frames == frames
+    assert load_config("#demo_wan", [f"general.workspace_dir={tmp_path}"]).sampling.video_frames == 9
+    # An image family renders images whatever the field says.
+    assert load_config("#demo", ["sampling.video_frames=10", f"general.workspace_dir={tmp_path}"])
+
+
 # ---------------------------------------------------------------------------------------------- video data
 
 def test_a_clip_window_is_taken_at_the_configured_rate_and_fixed_by_its_seed(tmp_path):

@@ -4,6 +4,7 @@ x 8 trains; and the saved LoRA, in both layouts, loads into diffusers' WanPipeli
 3 trainer runs and the context-parallel probe: about four minutes on 2 cores."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.sharded_backup import read_trained_weights
+from modules.util.animation import read_frames
 from tests.trainer_helpers import assert_weights_close, demo_config, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
@@ -28,12 +30,31 @@ def config(workspace: Path, cache: Path, *overrides: str, method: str = "lora"):
 
 def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
     """The preset's full fine-tune on the demo clips and images: the loss of the last steps is clearly below the
-    first steps'; the clips cache 3 latent frames (9 frames at 8 fps), the images 1; the samples render."""
+    first steps'; the clips cache 3 latent frames (9 frames at 8 fps), the images 1; the samples render as clips
+    of the preset's 9 frames (sampling.video_frames), written as animated WebPs played at data.video_fps and
+    logged to TensorBoard as animated GIFs."""
     callbacks = RecordingCallbacks()
-    train(config(tmp_path / "ws", tmp_path / "cache", "training.max_steps=40", "training.learning_rate=0.002",
-                 "sampling.every_n_steps=40", "sampling.inference_steps=2", method="full"), callbacks)
-    samples = sorted((tmp_path / "ws" / "samples").rglob("*.png"))
-    assert len(samples) == 2 and Image.open(samples[0]).size == (64, 64)  # one frame per prompt, WanPipeline's
+    trainer = train(config(tmp_path / "ws", tmp_path / "cache", "training.max_steps=40",
+                           "training.learning_rate=0.002", "sampling.every_n_steps=40", "sampling.inference_steps=2",
+                           "general.tensorboard=true", method="full"), callbacks)
+    samples = sorted((tmp_path / "ws" / "samples").rglob("step-*"))
+    assert [p.name for p in samples] == ["step-0000040-0.webp", "step-0000040-1.webp"]
+    assert [e["path"] for e in callbacks.of_type("sample")] == [str(p) for p in samples]
+    for path in samples:
+        with Image.open(path) as clip:
+            assert (clip.format, clip.is_animated, clip.size, clip.info["loop"]) == ("WEBP", True, (64, 64), 0)
+        # 9 frames of 125 ms (8 fps); equal neighbours (the demo VAE's frames between its latent frames may be)
+        # are stored once for their summed time.
+        assert sum(ms for _, ms in read_frames(path)) == 9 * 125
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logs = EventAccumulator(str(trainer.paths.tensorboard), size_guidance={"images": 0}).Reload()
+    for tag in ("sample/0", "sample/1"):
+        (event,) = logs.Images(tag)
+        with Image.open(io.BytesIO(event.encoded_image_string)) as gif:
+            assert (event.step, gif.format, gif.is_animated, gif.size) == (40, "GIF", True, (64, 64))
+        frames = read_frames(io.BytesIO(event.encoded_image_string))
+        # GIF counts hundredths of a second: each stored frame's time is rounded down to 10 ms.
+        assert 9 * 125 - 10 * len(frames) <= sum(ms for _, ms in frames) <= 9 * 125
     losses = [event["loss"] for event in callbacks.of_type("loss")]
     assert len(losses) == 40
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
@@ -44,7 +65,7 @@ def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
 
 def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home, tmp_path):
     """2 processes x batch 4 (FSDP2 with Wan's blocks as its units, spawned as the launcher spawns them) give the
-    LoRA weights of 1 x 8. The
+    LoRA weights of 1 x 8, and render their samples as clips, one prompt each. The
     1-process LoRA, saved in the kohya layout (diffusion_model.* original names) and in peft's, loads into
     diffusers' WanPipeline: each makes the transformer compute what the base weights plus (alpha / rank) B A
     of the trained adapters compute."""
@@ -54,8 +75,13 @@ def test_two_processes_equal_one_and_the_lora_loads_in_wan_pipeline(tandem_home,
               "optimizer.name=sgd", "training.learning_rate=0.05", LORA_TARGETS)
     cache = tmp_path / "cache"
     train(config(tmp_path / "one", cache, *common, "training.batch_size=8"))
+    # The 2 processes also sample at the end, each rendering one prompt's clip (rank 1's reaches rank 0 pickled).
     assert launch(config(tmp_path / "two", cache, *common, "training.batch_size=4", "multi_gpu.enabled=true",
-                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp")) == 0
+                         "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", "multi_gpu.strategy=fsdp",
+                         "sampling.every_n_steps=2", "sampling.inference_steps=1", "sampling.video_frames=5")) == 0
+    clips = sorted((tmp_path / "two" / "samples").rglob("step-*"))
+    assert [p.name for p in clips] == ["step-0000002-0.webp", "step-0000002-1.webp"]
+    assert all(sum(ms for _, ms in read_frames(p)) == 5 * 125 for p in clips)  # 5 frames at 8 fps
     single = read_trained_weights(latest_backup(tmp_path / "one" / "backups").path)
     assert single and all(k.startswith("transformer.") for k in single)
     assert_weights_close(read_trained_weights(latest_backup(tmp_path / "two" / "backups").path), single,

@@ -1,7 +1,7 @@
 """The samples of a workspace as the Run tab's gallery shows them: per run, every sampling, every prompt.
 
-The trainer writes each sampling's images to `samples/<run id>/step-<step>-<prompt>.png` (files directly in
-`samples/` are from before run folders). The prompts' text comes from the run's own events while it runs,
+The trainer writes each sampling's images to `samples/<run id>/step-<step>-<prompt>.png`, a video family's clips
+to `.webp` files of the same names (files directly in `samples/` are from before run folders). The prompts' text comes from the run's own events while it runs,
 else from the config the run wrote at its start (`config/<run id>*.json`). No Tk in here.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-SAMPLE_FILE = re.compile(r"^step-(\d+)-(\d+)\.png$")
+SAMPLE_FILE = re.compile(r"^step-(\d+)-(\d+)\.(?:png|webp)$")
 EARLIER = "(earlier runs)"
 """The run name of samples written directly into `samples/`, before each run had a folder."""
 

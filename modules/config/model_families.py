@@ -78,7 +78,7 @@ _DOUBLE_STREAM_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "a
 """The attention projections of both streams in the Flux-like double blocks (single blocks: their to_q/k/v)."""
 _FLOW_FIELDS = ("model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
                 "training.timestep_logit_std")
-_VIDEO_FIELDS = ("data.video_frames", "data.video_fps")
+_VIDEO_FIELDS = ("data.video_frames", "data.video_fps", "sampling.video_frames")
 _WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 """Every linear layer of Wan's blocks (self- and cross-attention, feed-forward), as musubi-tuner and
 diffusion-pipe train them: the layers ComfyUI's and diffusers' Wan LoRA loaders read."""

@@ -288,6 +288,8 @@ class SamplingConfig:
     """Denoising steps per sample."""
     guidance_scale: float = rule(7.0, minimum=0)
     """Classifier-free guidance scale for samples."""
+    video_frames: int = rule(17, minimum=1, label="Frames per video sample")
+    """Video models (Wan): the frames of each sample, written as an animated WebP played at data.video_fps (17 frames at 16 fps: about a second); Wan takes 4k + 1 (1 gives a still image, a PNG). Each frame more costs render time at every sampling: the whole clip is denoised at once."""
 
 
 @dataclass

@@ -536,6 +536,10 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
         problems.append(f"data.video_frames: {d.video_frames!r} is not 4k + 1, the clip lengths {info.title} takes "
                         f"(its VAE keeps the first frame and one in four after it); set it to "
                         f"{max(1, d.video_frames // 4 * 4 + 1)}, for example.")
+    frames = cfg.sampling.video_frames
+    if info.video and frames % 4 != 1:
+        problems.append(f"sampling.video_frames: {frames!r} is not 4k + 1, the clip lengths {info.title} renders "
+                        f"(1 is a still image); set it to {max(1, frames // 4 * 4 + 1)}, for example.")
     for i, prompt in enumerate(cfg.sampling.prompts):
         for name in ("width", "height"):
             value = getattr(prompt, name)

@@ -4,7 +4,8 @@ Using the diffusers pipeline (`StableDiffusionPipeline`, `StableDiffusionXLPipel
 `StableDiffusion3Pipeline`, `FluxPipeline`) on the bundle's own modules means a sample shows exactly
 what users will get when they load the result in diffusers (LoRA adapters included, since peft
 layers sit inside the denoiser). Which pipeline and which arguments is the family's business
-(`family.pipeline`, `family.pipeline_arguments`).
+(`family.pipeline`, `family.pipeline_arguments`). A video family renders `frames` frames per prompt (a
+`Clip`); an image family, and a video family asked for one frame, one image.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Sequence
 import torch
 
 from modules.config.train_config import SamplePromptConfig
+from modules.util.animation import Clip
 
 from .bundle import ModelBundle
 
@@ -25,8 +27,11 @@ def render_samples(
     inference_steps: int = 20,
     guidance_scale: float = 7.0,
     device: torch.device | str | None = None,
+    frames: int = 1,
+    fps: float = 16.0,
 ) -> list:
-    """One PIL image per prompt, each from its own seed, so samples are comparable over training.
+    """One PIL image per prompt, each from its own seed, so samples are comparable over training; a video
+    family's `Clip` of `frames` frames at `fps` where `frames` > 1.
 
     Modules are switched to eval mode (and, with `device`, moved there) for the render and restored
     afterwards, so this can be called in the middle of training.
@@ -43,7 +48,7 @@ def render_samples(
             module.to(target)
         pipeline = sampling_pipeline(bundle)
         with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning():
-            return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale)
+            return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale, frames, fps)
                     for prompt in prompts]
     finally:
         for name, module in modules.items():
@@ -59,16 +64,18 @@ def sampling_pipeline(bundle: ModelBundle):
 
 
 def render_one(bundle: ModelBundle, pipeline, prompt: SamplePromptConfig, resolution: int, inference_steps: int,
-               guidance_scale: float):
-    """One prompt's image: its size rounded down to what the model accepts, its noise from its own seed."""
+               guidance_scale: float, frames: int = 1, fps: float = 16.0):
+    """One prompt's image (or clip): its size rounded down to what the model accepts, its noise from its own seed."""
     multiple = bundle.family.sample_size_multiple(bundle)
     width = _round_to(prompt.width or resolution, multiple)
     height = _round_to(prompt.height or resolution, multiple)
     # A CPU generator gives the same starting noise on every device.
     generator = torch.Generator("cpu").manual_seed(int(prompt.seed))
     result = pipeline(width=width, height=height, num_inference_steps=inference_steps, generator=generator,
-                      output_type="pil", **bundle.family.pipeline_arguments(bundle, prompt, guidance_scale))
-    return bundle.family.sample_image(result)
+                      output_type="pil", **bundle.family.pipeline_arguments(bundle, prompt, guidance_scale),
+                      **bundle.family.video_arguments(frames))
+    rendered = bundle.family.sample_frames(result)
+    return rendered[0] if len(rendered) == 1 else Clip(tuple(rendered), fps)
 
 
 @contextlib.contextmanager

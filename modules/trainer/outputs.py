@@ -31,6 +31,7 @@ from modules.trainer.optim import evaluation_weights
 from modules.trainer.parallelism import Parallelism, SingleProcess
 from modules.trainer.run_numbers import RunNumbers
 from modules.util import dist_utils as du
+from modules.util.animation import SUFFIX as CLIP_SUFFIX, Clip
 from modules.util.atomic import unique_path
 
 log = logging.getLogger("tandem")
@@ -74,13 +75,25 @@ class RunParts:
     emit: Callable[..., None]
     """`emit(type, **fields)`: an event (`sample`, `backup`, `saved`, `status`)."""
     log_image: Callable[[str, Any, int], None]
-    """`log_image(tag, image, step)`: a sample to TensorBoard."""
+    """`log_image(tag, image, step)`: a sample (an image or a `Clip`) to TensorBoard."""
     optimizer: Any = None
     """The optimizer: schedule-free AdamW's averaged weights are the ones sampled and saved
     (`optim.evaluation_weights`); None where none is needed (a backup alone)."""
     parallelism: Parallelism = field(default_factory=SingleProcess)
     """How the trained model is spread over the processes: who takes part in writing it, how its weights are
     read, what writes the backups."""
+
+
+def sample_suffix(sample) -> str:
+    """A clip is an animated WebP, an image a PNG."""
+    return CLIP_SUFFIX if isinstance(sample, Clip) else ".png"
+
+
+def write_sample(sample, path: Path) -> None:
+    if isinstance(sample, Clip):
+        sample.save_webp(path)
+    else:
+        sample.save(path)
 
 
 class OutputWriter:
@@ -111,7 +124,8 @@ class OutputWriter:
 
     # -- samples
     def sample(self) -> None:
-        """Every rank renders its share of the prompts (prompt i on rank i mod N); rank 0 writes them all.
+        """Every rank renders its share of the prompts (prompt i on rank i mod N; a context-parallel group's
+        ranks together, prompt i on group i mod N / C); rank 0 writes them all.
 
         Each prompt is rendered alone from its own seed, so its pixels do not depend on which rank renders it."""
         parts = self.parts
@@ -131,29 +145,30 @@ class OutputWriter:
             samp = parts.cfg.sampling
             with self._weights_for_samples(), self._encoders_on_device(), self.run.sampling_calls():
                 images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
-                                        samp.inference_steps, samp.guidance_scale, parts.device)[:len(mine)]
+                                        samp.inference_steps, samp.guidance_scale, parts.device,
+                                        frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
         kept = zip(mine, images) if parallel.context_rank == 0 else ()
         gathered = du.gather_objects([(i, du.rank(), image) for i, image in kept])
         du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
         # What a sampling costs the run (it stops training on every rank), for the log and the benchmarks.
         shared = f" ({du.world_size()} processes, each rendered its share)" if du.world_size() > 1 else ""
-        log.info("Samples at step %d: %d image(s) in %.1f s%s.", self.run.global_step, len(prompts),
+        log.info("Samples at step %d: %d sample(s) in %.1f s%s.", self.run.global_step, len(prompts),
                  time.monotonic() - started, shared)
 
     def _write_samples(self, rendered: dict) -> None:
-        """Every image to its PNG and to TensorBoard, each on its own thread, then one event per image in
-        prompt order. Written one after another, a sampling's 4 images took ~1 s of every rank's waiting on
-        H100 hosts (0.25 s each: two PNG encodings); Pillow's encoder lets the threads run at once."""
+        """Every image to its PNG (a video family's clip to its animated WebP) and to TensorBoard, each on its
+        own thread, then one event per sample in prompt order. Written one after another, a sampling's 4 images
+        took ~1 s of every rank's waiting on H100 hosts (0.25 s each: two PNG encodings); Pillow's encoder lets
+        the threads run at once."""
         parts, step = self.parts, self.run.global_step
         folder = Path(parts.paths.samples) / self.run_id  # each run its own folder: a new run overwrote the last's
         folder.mkdir(parents=True, exist_ok=True)
         prompts = parts.cfg.sampling.prompts
-        paths = [folder / f"step-{step:07d}-{i}.png" for i in range(len(prompts))]
+        paths = [folder / f"step-{step:07d}-{i}{sample_suffix(rendered[i][1])}" for i in range(len(prompts))]
 
         def write(i: int) -> None:
-            image = rendered[i][1]
-            image.save(paths[i])
-            parts.log_image(f"sample/{i}", image, step)
+            write_sample(rendered[i][1], paths[i])
+            parts.log_image(f"sample/{i}", rendered[i][1], step)
 
         with ThreadPoolExecutor(min(len(prompts), 8), thread_name_prefix="sample-writer") as pool:
             list(pool.map(write, range(len(prompts))))  # raises the first failed write here

@@ -148,7 +148,14 @@ class ProgressReporter:
             self.writer.add_scalar("validation_loss", loss, step)
 
     def log_image(self, tag: str, image, step: int) -> None:
-        if self.writer is not None:
+        """An image sample, or a clip (`Clip`) as an animated GIF."""
+        if self.writer is None:
+            return
+        from modules.util.animation import Clip
+        if isinstance(image, Clip):
+            # The writer has no public call for a ready-made summary; this is the route its add_* calls take.
+            self.writer._get_file_writer().add_summary(animated_summary(tag, image), step)
+        else:
             import numpy as np
             self.writer.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
 
@@ -157,3 +164,13 @@ class ProgressReporter:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def animated_summary(tag: str, clip):
+    """An image summary holding `clip` as GIF bytes: what `SummaryWriter.add_video` writes, without the moviepy it
+    needs to encode them (TensorBoard's image dashboard plays it)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    width, height = clip.size
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=clip.gif_bytes())
+    return Summary(value=[Summary.Value(tag=tag, image=image)])

@@ -2,7 +2,8 @@
 
 While a run renders samples the gallery follows it (the newest sampling), unless the user has gone back
 to an earlier sampling or another run; a new run never replaces what an earlier one wrote (each run's
-samples have their own folder, ui/sample_gallery.py reads them).
+samples have their own folder, ui/sample_gallery.py reads them). A video family's samples (animated WebPs)
+play in their cells, looping, while their sampling is shown.
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from typing import Callable
 import customtkinter as ctk
 from PIL import Image, ImageOps
 
+from modules.util.animation import read_frames
+
 from ..sample_gallery import SAMPLE_FILE, Sample, Sampling, run_folder, run_of_sample, run_prompts, sample_runs, \
     samplings
 from .buttons import Button, OptionMenu
+from .frame_player import FramePlayer
 from .tooltip import Tooltip
 
 THUMB_PX = 180
@@ -38,6 +42,8 @@ class SampleGallery(ctk.CTkFrame):
         self._live: dict[str, dict[Path, Sample]] = {}
         """Samples the live runs announced, by run: shown even before (or without) a look at the folder."""
         self._images: list[ctk.CTkImage] = []
+        self.players: list[FramePlayer] = []
+        """The video samples playing now (tests read them)."""
 
         head = ctk.CTkFrame(self, fg_color="transparent")
         head.grid(row=0, column=0, sticky="w", padx=8, pady=(6, 2))
@@ -152,7 +158,17 @@ class SampleGallery(ctk.CTkFrame):
         self.index = (steps.index(step) if step in steps else len(steps) - 1) if steps else None
         self._show()
 
+    def destroy(self) -> None:
+        self._stop_players()  # their next frame would go to a label that is gone
+        super().destroy()
+
+    def _stop_players(self) -> None:
+        for player in self.players:
+            player.stop()
+        self.players = []
+
     def _show(self) -> None:
+        self._stop_players()
         if self.run is not None:
             self.run_menu.set(self.run)
         sampling = self.samplings[self.index] if self.index is not None and self.samplings else None
@@ -177,13 +193,19 @@ class SampleGallery(ctk.CTkFrame):
                 caption.grid_remove()
                 continue
             sample = shown[i]
-            picture = _thumbnail(sample.path)
-            if picture is None:
+            frames = _thumbnails(sample.path)
+            if frames is None:
                 image_label.configure(image="", text=f"{sample.path.name}\ncould not be read")
             else:
-                thumb = ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size)
-                image_label.configure(image=thumb, text="")
-                images.append(thumb)
+                thumbs = [(ctk.CTkImage(light_image=picture, dark_image=picture, size=picture.size), ms)
+                          for picture, ms in frames]
+                images += [thumb for thumb, _ in thumbs]
+                if len(thumbs) == 1:
+                    image_label.configure(image=thumbs[0][0], text="")
+                else:
+                    player = FramePlayer(image_label, thumbs)
+                    player.start()
+                    self.players.append(player)
             caption.configure(text=sample.prompt)
             row, col = divmod(i, PER_ROW)
             image_label.grid(row=2 * row, column=col, padx=(0, 10), pady=(4, 0))
@@ -195,14 +217,13 @@ class SampleGallery(ctk.CTkFrame):
             self.empty.grid(row=0, column=0)
 
 
-def _thumbnail(path: Path) -> Image.Image | None:
-    """The image fitted into THUMB_PX both ways: small samples (the demo's 64 px) enlarged, large ones shrunk."""
+def _thumbnails(path: Path) -> list[tuple[Image.Image, int]] | None:
+    """Each frame of the sample (one for an image) fitted into THUMB_PX both ways, small samples (the demo's
+    64 px) enlarged, large ones shrunk, with how long it shows in ms; None where the file cannot be read."""
     try:
-        with Image.open(path) as img:
-            img.load()
-            picture = img.convert("RGB")
+        frames = read_frames(path)
     except OSError:
         return None
     size = (THUMB_PX, THUMB_PX)
-    return ImageOps.contain(picture, size, Image.Resampling.NEAREST if max(picture.size) < THUMB_PX
-                            else Image.Resampling.LANCZOS)
+    resample = Image.Resampling.NEAREST if max(frames[0][0].size) < THUMB_PX else Image.Resampling.LANCZOS
+    return [(ImageOps.contain(picture, size, resample), ms) for picture, ms in frames]

@@ -239,9 +239,14 @@ class ModelFamily(ABC):
         return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,
                 "guidance_scale": guidance_scale}
 
-    def sample_image(self, result):
-        """The one image of a pipeline call's `result` (a video family's: its first frame)."""
-        return result.images[0]
+    def video_arguments(self, frames: int) -> dict[str, Any]:
+        """Pipeline arguments of a sample `frames` video frames long (`sampling.video_frames`, a video family's
+        field): none for an image family, which renders one image whatever `frames`."""
+        return {}
+
+    def sample_frames(self, result) -> list:
+        """The frames of a pipeline call's `result`: an image family's one image, a video family's clip."""
+        return [result.images[0]]
 
     def sample_size_multiple(self, bundle: "ModelBundle") -> int:
         """Sample widths and heights are rounded down to a multiple of this."""

@@ -12,7 +12,8 @@ Everything follows diffusers' `WanPipeline`:
 - **Transformer**: 1x2x2 patches (so image sides are multiples of 16 px), the timestep as t x 1000.
 - **Timesteps**: logit-normal t shifted by the scheduler's fixed shift (`flow_shift`, 3.0 in the 480p
   releases' UniPC scheduler; `shift` of a flow-match Euler scheduler, the demo's), as sampling shifts it.
-- **Sampling**: the stock `WanPipeline`, one frame per sample prompt (a still image).
+- **Sampling**: the stock `WanPipeline`, `sampling.video_frames` frames per sample prompt (a clip; 1: a still
+  image).
 
 Wan 2.2's two experts (`transformer_2`, `boundary_ratio`) and the image-to-video pipelines are refused when
 loading, with the reason. Single files use diffusers' names (the identity layout, as Qwen-Image's);
@@ -212,10 +213,13 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
 
     def pipeline_arguments(self, bundle, prompt, guidance_scale):
         return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,
-                "guidance_scale": guidance_scale, "num_frames": 1, "max_sequence_length": bundle.text_lengths()[0]}
+                "guidance_scale": guidance_scale, "max_sequence_length": bundle.text_lengths()[0]}
 
-    def sample_image(self, result):
-        return result.frames[0][0]
+    def video_arguments(self, frames):
+        return {"num_frames": frames}
+
+    def sample_frames(self, result):
+        return list(result.frames[0])
 
     def model_index_extras(self, bundle):
         return {"transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
