@@ -3,12 +3,14 @@ the launcher spawns them). 2 processes in one group of 2 train the weights 1 pro
 (DDP and FSDP; LoRA, fp32); the config's rules refuse what cannot work, naming the field and the fix."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from modules.config import ConfigError
 from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.sharded_backup import read_trained_weights
+from modules.util.animation import read_frames
 from tests.trainer_helpers import assert_weights_close, demo_config, train
 
 LORA_TARGETS = 'training.lora_target_modules=["to_q","to_k","to_v","to_out.0","ffn.net.0.proj","ffn.net.2"]'
@@ -25,15 +27,25 @@ def wan(workspace, cache, *overrides):
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_group_of_two_processes_trains_what_one_process_trains(tandem_home, tmp_path, strategy):
+    """With DDP the run also samples at its end: the group renders each clip together (the transformer's calls
+    split over both processes) and the clips are those one process renders."""
     cache = tmp_path / "cache"
-    train(wan(tmp_path / "one", cache, "training.batch_size=2"))
+    samples = ("sampling.every_n_steps=2", "sampling.inference_steps=2", "sampling.video_frames=5") \
+        if strategy == "ddp" else ()
+    train(wan(tmp_path / "one", cache, "training.batch_size=2", *samples))
     assert launch(wan(tmp_path / "two", cache, "training.batch_size=2", "multi_gpu.enabled=true",
                       "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", f"multi_gpu.strategy={strategy}",
-                      "multi_gpu.context_parallel=2")) == 0
+                      "multi_gpu.context_parallel=2", *samples)) == 0
     single = read_trained_weights(latest_backup(tmp_path / "one" / "backups").path)
     assert single
     assert_weights_close(read_trained_weights(latest_backup(tmp_path / "two" / "backups").path), single,
                          atol=2e-5, rtol=1e-4)
+    if samples:
+        ours, theirs = (sorted((tmp_path / run / "samples").rglob("*.webp")) for run in ("two", "one"))
+        assert [p.name for p in ours] == [p.name for p in theirs] == ["step-0000002-0.webp", "step-0000002-1.webp"]
+        for mine, reference in zip(ours, theirs):
+            a, b = (np.stack([np.asarray(frame, dtype=np.int16) for frame, _ in read_frames(p)]) for p in (mine, reference))
+            assert a.shape == b.shape and np.abs(a - b).max() <= 2
 
 
 @pytest.mark.slow

@@ -166,6 +166,9 @@ def test_summary_line_follows_batch_accumulation_gpus_and_scaling():
     cfg.multi_gpu.enabled = False
     assert summarize(cfg, 8).line() == "World size 1 · global batch 24 (8 x 3 x 1) · LR 1e-4"
     assert format_lr(3.16e-5) == "3.16e-5" and format_lr(0.5) == "0.5"
+    cfg.multi_gpu.enabled, cfg.multi_gpu.context_parallel, cfg.multi_gpu.lr_scaling = True, 2, "linear"
+    assert summarize(cfg, 8).line() == ("World size 4 · global batch 48 (8 x 3 x 2 group(s) of 2, each sample split "
+                                        "over its group) · LR 1e-4 -> 2e-4 (linear)")
 
 
 def test_gpu_selection_writes_indexes_or_all():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from modules.config import TrainConfig
+from modules.config.model_families import FAMILIES
 
 Rule = Callable[[TrainConfig], "str | None"]
 
@@ -113,6 +114,9 @@ RULES: dict[str, Rule] = {
     "multi_gpu.fsdp_cpu_offload": _fsdp,
     "multi_gpu.fsdp_activation_offload": _fsdp,
     "multi_gpu.memory_limit_gib": _multi_gpu,
+    "multi_gpu.context_parallel": lambda c: _multi_gpu(c) or (
+        None if FAMILIES.get(c.model.model_type) is None or FAMILIES[c.model.model_type].context_parallel
+        else f"{FAMILIES[c.model.model_type].title} cannot split a sample over GPUs (Wan can)"),
     "multi_gpu.backend": _multi_gpu,
     "multi_gpu.distributed_data_loading": _multi_gpu,
     "multi_gpu.lr_scaling": _multi_gpu,

@@ -85,6 +85,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.activation_offload = form.field("multi_gpu.fsdp_activation_offload")
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
         self.batch_split = form.field("multi_gpu.batch_split", width=120)
+        self.context_parallel = form.field("multi_gpu.context_parallel", width=100)
         self.port = form.field("multi_gpu.master_port", width=100)
 
         self.summary = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(weight="bold"))
