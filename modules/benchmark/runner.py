@@ -210,11 +210,13 @@ class BenchmarkMixin:
                           **plan_figures(getattr(self, "strategy", None), self.cfg),
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
-                          samples_per_s=round(c.batch * du.world_size() / step_s, 2),
+                          # A context-parallel group trains one slice of the batch: samples are per slice.
+                          context_parallel=self.cfg.multi_gpu.context_parallel if du.world_size() > 1 else 1,
+                          samples_per_s=round(c.batch * self.parallel.data_world / step_s, 2),
                           mean_step_s=round(mean_step_s, 4),
                           host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
                                          for k, v in self.phase_times.items()},
-                          samples_per_s_mean=round(c.batch * du.world_size() / mean_step_s, 2),
+                          samples_per_s_mean=round(c.batch * self.parallel.data_world / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           setup_peak_gib=getattr(self, "setup_peak_gib", None),  # sharded: before the reset
                           denoiser_gib=round(sum(t.numel() * t.element_size() for t in

@@ -48,6 +48,7 @@ class SyntheticCachedLatents(Dataset):
         self.text = {name: torch.ones(pool, *shape) if name.endswith("_mask") else torch.randn(pool, *shape, generator=gen)
                      for name, shape in text_shapes.items()}
         self.buckets = [0] * length
+        self.bucket_sizes = [(resolution, resolution)]
 
     def validation_set(self):
         """No held-out images: benchmarks time training steps only."""

@@ -6,10 +6,11 @@
 # of clips/s and peak memory. Parts, each within an 8-minute call:
 #   lora1     the 1.3B at 81 frames (the quick row of issue #36), and at 17 frames for scale
 #   lora14    the 14B at 81 frames (the issue's floor: 1 GPU with checkpointing); 14B in bf16 is 28 GB
-#   cp2       (nvidia-h100-x2) the evaluation of diffusers' context parallelism for training: the 1.3B on one
-#             81-frame clip at 640 px (33,600 tokens, divisible by 2) whole on each GPU, then split over the 2
-#             GPUs - Ulysses (all-to-all) and ring attention (cuDNN attention, which returns the log-sum-exp
-#             ring needs); output and summed gradients against the whole clip's, step time, peak memory
+#   cp        the 14B at 81 frames, 512 px (21 latent frames of 32 x 32 tokens: 21,504 per clip, the raw
+#             reference's case), one clip per step: 1 GPU (the floor), then multi_gpu.context_parallel = 2 on 2 GPUs
+#             and 4 on 4 (one clip split over all of them: scaling = clips/s against 1 GPU x the GPUs), DDP
+#             (each GPU holds the 14B in bf16); the raw reference (--model wan14, 1 GPU) beside them. Run on
+#             nvidia-h100-x4 (or h200-x4).
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); the table at the end
 # shows this call's.
 set -u
@@ -30,21 +31,32 @@ lora14)
     log "Wan 14B LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
     limited 470 python3 scripts/benchmark.py --model wan-14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
     ;;
-cp2)
-    CP=(--device cuda --size 1.3b --frames 81 --res 640 --gc)
-    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: Ulysses"
-    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --ulysses
-    log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: ring (cuDNN attention)"
-    limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --backend _native_cudnn
-    exit 0
+cp)
+    CP=(--model wan-14b --mode lora --batch 1 --res 512 --gc --steps 4 --warmup 2 --config-value "$TARGETS"
+        --config-value data.video_frames=81)
+    log "Wan 14B LoRA, 81 frames, 512 px, b1 gc: 1 GPU"
+    limited 170 python3 scripts/benchmark.py "${CP[@]}" --gpus 1 --json "$RES" | grep -v '^{'
+    for n in 2 4; do
+        log "Wan 14B LoRA, 81 frames, 512 px, b1 gc: context parallel over $n GPUs"
+        limited 150 python3 scripts/benchmark.py "${CP[@]}" --gpus "$n" --config-value multi_gpu.strategy=ddp \
+            --config-value "multi_gpu.context_parallel=$n" --json "$RES" | grep -v '^{'
+    done
+    log "raw reference: Wan 14B, 81 frames, 512 px, 1 GPU"
+    limited 100 python3 "$REF" --model wan14 --mode lora --frames 81 --res 512 --batch 1 --gc --steps 4 --warmup 2 \
+        | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
     ;;
-*) echo "unknown part $PART (lora1 | lora14 | cp2)"; exit 2 ;;
+*) echo "unknown part $PART (lora1 | lora14 | cp)"; exit 2 ;;
 esac
 python3 - "$RES" "$FIRST" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]).read().splitlines()[int(sys.argv[2]):] if l.startswith("{")]
-print(f"{'case':<70} {'frames':>6} {'clips/s':>8} {'frames/s':>9} {'peak GiB':>9}")
+print(f"{'case':<70} {'GPUs':>4} {'CP':>3} {'frames':>6} {'clips/s':>8} {'frames/s':>9} {'step s':>7} {'peak GiB':>9}")
 for r in rows:
+    if r.get("source") == "raw_reference":
+        print(f"{'raw reference ' + r.get('model', ''):<70} {r.get('world', 1):>4} {'-':>3} {r.get('frames', '-'):>6} "
+              f"{r['samples_per_s']:>8} {'':>9} {r['step_s']:>7} {r['max_mem_gib']:>9}")
+        continue
     frames = next((int(e.split("=")[1]) for e in r.get("extra", []) if e.startswith("data.video_frames=")), 1)
-    print(f"{r['case'][:70]:<70} {frames:>6} {r['samples_per_s']:>8} {r['samples_per_s'] * frames:>9.1f} {r['max_mem_gib']:>9}")
+    print(f"{r['case'][:70]:<70} {r['world']:>4} {r.get('context_parallel', 1):>3} {frames:>6} {r['samples_per_s']:>8} "
+          f"{r['samples_per_s'] * frames:>9.1f} {r['step_s']:>7} {r['max_mem_gib']:>9}")
 PY
