@@ -253,3 +253,16 @@ def test_the_pooling_table_puts_each_capped_row_beside_one_gpu_and_the_reference
     assert line == ("| qwen | qwen lora 1024px b1 gc | 2 x 24 | FSDP + fp8 base | 19.5, 19.5 | 18.4, 18.2 | 1.45 | 0.80 | "
                     "1.50 (23.0) | NVIDIA H200 |")
     assert main([str(tmp_path / "missing.jsonl")]) == 1
+
+
+def test_a_published_size_other_than_the_default_is_planned_as_that_size(tmp_path):
+    """The benchmark's placeholder model file tells the memory estimate which size it stands for: Wan 14B is
+    sized as the 14B (an empty file would be the family's default, the 1.3B)."""
+    from modules.benchmark.runner import Case, case_config
+    from modules.config.model_sizes import model_sizes
+    params = {}
+    for variant in ("14b", ""):
+        cfg = case_config(Case(model="wan", variant=variant, mode="lora", batch=1, resolution=512, world=2,
+                               device="cpu"), tmp_path / (variant or "default"))
+        params[variant] = model_sizes(cfg).denoiser.params
+    assert 14.0e9 < params["14b"] < 14.5e9 and 1.3e9 < params[""] < 1.5e9

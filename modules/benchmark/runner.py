@@ -66,6 +66,20 @@ class Case:
         return self.warmup + self.steps + (self.profile_steps if self.profile_dir else 0)
 
 
+def write_placeholder(path: Path, family: str, variant: str) -> None:
+    """The case's `model.base_model`: empty for a family's default size (sized as that); for another published
+    size a .safetensors header without data, of one tensor with that size's parameter count, which the memory
+    estimate reads as that size (`model_sizes._file_variant`) - so Wan 14B is planned as the 14B."""
+    if not variant:
+        path.write_bytes(b"")
+        return
+    from modules.config.model_sizes import shipped_configs, stored_component
+    configs = shipped_configs(family, variant)
+    params = stored_component(configs.get("transformer") or configs["unet"]).params
+    header = json.dumps({"denoiser": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
 def case_config(case: Case, workspace: Path) -> TrainConfig:
     """The config a user would write for this case (bf16 autocast, fused AdamW, caching on).
 
@@ -75,7 +89,7 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     architecture (Tandem's shipped configs), not the built-in demo model a default config names."""
     placeholder = Path(workspace) / f"random-{case.model}.safetensors"
     placeholder.parent.mkdir(parents=True, exist_ok=True)
-    placeholder.touch()
+    write_placeholder(placeholder, case.model, case.variant)
     overrides = [
         f"model.base_model={placeholder}", f"model.model_type={case.model}",
         f"general.workspace_dir={workspace}", "general.tensorboard=false", f"general.device={case.device}",
