@@ -18,8 +18,8 @@ LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
 TEXT_APART_ONLY = {"model.text_encoder_placement"}
 """Qwen-Image's and Z-Image's: where their text encoder runs while it fills the text cache."""
-VIDEO_ONLY = {"data.video_frames", "data.video_fps"}
-"""Wan's: the frames of a clip's window and their rate."""
+VIDEO_ONLY = {"data.video_frames", "data.video_fps", "model.wan_expert"}
+"""Wan's: the frames of a clip's window and their rate, and which Wan 2.2 A14B expert trains."""
 
 
 def config(base_model: str, model_type: str = "auto") -> TrainConfig:

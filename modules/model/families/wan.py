@@ -126,6 +126,7 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
     def load_folder(self, folder, model_cfg, dtypes, source_name, own_vae):
         import diffusers
 
+        from modules.model.files import SAVE_DTYPES
         from modules.model.variants import component_variant
 
         folder = Path(folder)
@@ -136,15 +137,18 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         else:
             self._check_files(folder, [f"{plan.trained_folder}/config.json", f"{plan.frozen_folder}/config.json"])
 
-            def expert(subfolder):
+            def expert(subfolder, dtype):
                 return diffusers.WanTransformer3DModel.from_pretrained(
-                    folder, subfolder=subfolder, torch_dtype=dtypes["unet"], local_files_only=True,
+                    folder, subfolder=subfolder, torch_dtype=dtype, local_files_only=True,
                     variant=component_variant(folder / subfolder, subfolder, model_cfg.unet_dtype))
 
-            bundle = self._assemble(expert(plan.trained_folder), folder, model_cfg, dtypes, source_name, own_vae)
+            bundle = self._assemble(expert(plan.trained_folder, dtypes["unet"]), folder, model_cfg, dtypes, source_name,
+                                    own_vae)
             # The other expert never trains: outside the bundle's modules, so it stays in host memory (no device
-            # move, no optimizer, no FSDP) until samples need it (`ModelBundle.sampling_modules`).
-            frozen = expert(plan.frozen_folder).requires_grad_(False).eval()
+            # move, no optimizer, no FSDP) until samples need it (`ModelBundle.sampling_modules`), stored in
+            # model.unet_dtype even for a full fine-tune (fp8: the bf16 it computes in).
+            frozen_dtype = SAVE_DTYPES.get(model_cfg.unet_dtype, torch.bfloat16)
+            frozen = expert(plan.frozen_folder, frozen_dtype).requires_grad_(False).eval()
             bundle.extra.update(wan_experts=plan, frozen_modules={plan.frozen_folder: frozen})
         bundle.extra["pipeline_config"] = {"boundary_ratio": index.get("boundary_ratio"),
                                            "expand_timesteps": bool(index.get("expand_timesteps"))}
