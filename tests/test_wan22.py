@@ -204,3 +204,56 @@ def test_the_memory_plan_counts_the_frozen_expert_and_ti2v_tokens(folders):
         tokens[name] = activation_bytes_per_sample(f, cfg, Setup("single", 1, False, True)) / f.sizes.denoiser_config[
             "num_attention_heads"] / f.sizes.denoiser_config["attention_head_dim"]
     assert tokens["ti2v"] / tokens["2.1"] == pytest.approx((21 * 16 * 16 + 512) / (21 * 32 * 32 + 512))
+
+
+# ---------------------------------------------------------------------------------------------- training (slow)
+
+def wan_config(workspace, folder, *overrides, method="lora"):
+    from tests.trainer_helpers import demo_config
+
+    return demo_config(workspace, workspace / "cache", "training.precision=fp32", f"model.base_model={folder}",
+                       "sampling.inference_steps=2", "save.output_name=tiny", *overrides, method=method,
+                       preset="#demo_wan")
+
+
+@pytest.mark.slow
+def test_the_low_noise_expert_trains_below_the_boundary_and_samples_with_both(folders, tmp_path, monkeypatch):
+    """Through the trainer: every timestep drawn is below 0.875, the samples render, and the LoRA names its expert."""
+    from safetensors import safe_open
+
+    from tests.trainer_helpers import train
+
+    drawn = []
+    original = WanObjective.draw
+
+    def recording(self, *args, **kwargs):
+        draw = original(self, *args, **kwargs)
+        drawn.append(draw.timesteps.clone())
+        return draw
+
+    monkeypatch.setattr(WanObjective, "draw", recording)
+    train(wan_config(tmp_path, folders["a14b"], "model.wan_expert=low_noise", "training.max_steps=3",
+                     "sampling.every_n_steps=3"))
+    times = torch.cat(drawn)
+    assert len(drawn) >= 3 and float(times.max()) < 0.875 and float(times.min()) > 0
+    assert len(list((tmp_path / "samples").rglob("*.png"))) == 2
+    with safe_open(tmp_path / "output" / "tiny.safetensors", "pt") as lora:
+        assert lora.metadata()["modelspec.architecture"] == "wan2.2-t2v-a14b-low-noise/lora"
+
+
+@pytest.mark.slow
+def test_ti2v_trains_a_full_fine_tune_on_48_channel_latents(folders, tmp_path):
+    from safetensors.torch import load_file
+
+    from modules.trainer.callbacks import RecordingCallbacks
+    from tests.trainer_helpers import train
+
+    callbacks = RecordingCallbacks()
+    train(wan_config(tmp_path, folders["ti2v"], "training.max_steps=12", "training.learning_rate=0.002",
+                     "sampling.every_n_steps=12", method="full"), callbacks)
+    losses = [event["loss"] for event in callbacks.of_type("loss")]
+    assert len(losses) == 12 and all(loss == loss for loss in losses)
+    assert sum(losses[-4:]) < sum(losses[:4]), losses
+    shapes = {tuple(load_file(path)["mean"].shape) for path in (tmp_path / "cache" / "latents").glob("*.safetensors")}
+    assert shapes == {(48, 1, 4, 4), (48, 3, 4, 4)}  # images and 9-frame clips at 64 px: 1/16 of each side
+    assert len(list((tmp_path / "samples").rglob("*.png"))) == 2

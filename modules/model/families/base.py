@@ -136,6 +136,11 @@ class ModelFamily(ABC):
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return bundle.vae.encode(pixels).latent_dist
 
+    def latent_scale(self, variant: str = "") -> int:
+        """How many pixels of each side one latent pixel stands for in the published size `variant` (8; the Wan 2.2
+        VAE's 16): what the benchmark's synthetic latents are sized by."""
+        return 8
+
     def latent_frames(self, frames: int) -> int | None:
         """Latent frames of a clip of `frames` video frames; None: the family's latents have no frame axis."""
         return None

@@ -316,6 +316,9 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
                 "boundary_ratio": config.get("boundary_ratio") if two else None,
                 "expand_timesteps": bool(config.get("expand_timesteps"))}
 
+    def latent_scale(self, variant: str = ""):
+        return 16 if variant == "ti2v-5b" else 8
+
     def cached_shapes(self, variant: str = "1.3b"):
         """512 UMT5-XXL tokens of 4096 features; 16 latent channels (TI2V 5B: 48)."""
         return 48 if variant == "ti2v-5b" else 16, {"encoder_hidden_states": (TEXT_TOKENS, 4096)}
