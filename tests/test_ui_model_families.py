@@ -50,7 +50,8 @@ def test_hidden_fields_follow_the_family():
     assert hidden_fields(load_preset("qwen_lora")) == hidden_fields(load_preset("zimage_finetune")) \
         == SD_ONLY | LANGUAGE_MODEL_ONLY | VIDEO_ONLY | {"training.flux_guidance", "model.t5_max_length"}
     # Wan: T5's length (UMT5), the flow settings and the clip window show; no Flux guidance.
-    for source in (config("builtin:demo-wan"), load_preset("wan_lora"), load_preset("#demo_wan")):
+    for source in (config("builtin:demo-wan"), load_preset("wan_lora"), load_preset("#demo_wan"),
+                   load_preset("wan22_lora")):
         assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY | {"training.flux_guidance"}
 
 
