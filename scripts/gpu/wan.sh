@@ -6,6 +6,9 @@
 # of clips/s and peak memory. Parts, each within an 8-minute call:
 #   lora1     the 1.3B at 81 frames (the quick row of issue #36), and at 17 frames for scale
 #   lora14    the 14B at 81 frames (the issue's floor: 1 GPU with checkpointing); 14B in bf16 is 28 GB
+#   wan22     Wan 2.2: TI2V 5B LoRA at 81 frames, --res 960 (about 1280x704, its 720p: 60x60 latents of its 16x
+#             VAE, 18,900 tokens per clip), and one T2V A14B expert (the trained one; the frozen expert waits in
+#             host memory and is not part of a step) at 81 frames, 624 px
 #   cp2       (nvidia-h100-x2) the evaluation of diffusers' context parallelism for training: the 1.3B on one
 #             81-frame clip at 640 px (33,600 tokens, divisible by 2) whole on each GPU, then split over the 2
 #             GPUs - Ulysses (all-to-all) and ring attention (cuDNN attention, which returns the log-sum-exp
@@ -30,6 +33,12 @@ lora14)
     log "Wan 14B LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
     limited 470 python3 scripts/benchmark.py --model wan-14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
     ;;
+wan22)
+    log "Wan 2.2 TI2V 5B LoRA, 81 frames, 960 px, b1 gc, 1 GPU"
+    limited 300 python3 scripts/benchmark.py --model wan-ti2v-5b --mode lora --batch 1 --res 960 --gc --steps 6 --warmup 2 --gpus 1 --config-value "$TARGETS" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    log "Wan 2.2 T2V A14B expert LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
+    limited 170 python3 scripts/benchmark.py --model wan-a14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    ;;
 cp2)
     CP=(--device cuda --size 1.3b --frames 81 --res 640 --gc)
     log "diffusers context parallelism, Wan 1.3B, 81 frames, 640 px, 2 GPUs: Ulysses"
@@ -38,7 +47,7 @@ cp2)
     limited 240 python3 scripts/probe_context_parallel.py "${CP[@]}" --backend _native_cudnn
     exit 0
     ;;
-*) echo "unknown part $PART (lora1 | lora14 | cp2)"; exit 2 ;;
+*) echo "unknown part $PART (lora1 | lora14 | wan22 | cp2)"; exit 2 ;;
 esac
 python3 - "$RES" "$FIRST" <<'PY'
 import json, sys
