@@ -18,8 +18,9 @@ Everything follows diffusers' `WanPipeline`:
   own timestep range, the other kept frozen in host memory and used for samples; TI2V 5B trains text-to-video
   on the Wan 2.2 VAE's 48-channel latents (sides a multiple of 32 px).
 
-The image-to-video pipelines are not recognised (their folders name other pipeline classes). Single files use diffusers' names (the identity layout, as Qwen-Image's);
-original-layout files (`blocks.N.self_attn.q`) are not read. LoRAs in the kohya layout use the original
+The image-to-video pipelines are not recognised (their folders name other pipeline classes). Single files use
+diffusers' names (the identity layout, as Qwen-Image's); original-layout files (`blocks.N.self_attn.q`) are not
+read. LoRAs in the kohya layout use the original
 names under `diffusion_model.` with `lora_down` / `lora_up` / `alpha` (diffusion-pipe's; ComfyUI and
 diffusers' `WanPipeline.load_lora_weights` read it).
 """
@@ -33,7 +34,8 @@ import torch
 
 from modules.model.objective import NoiseDraw, draw_flow_noise, flow_per_sample, flow_shift, shift_times
 
-from .flow_base import CONFIG_DIR, FLOW_MATCHING, ChannelNormalizedLatents, FlowFamily, FlowMatching, _device_of, shipped
+from .flow_base import (CONFIG_DIR, FLOW_MATCHING, ChannelNormalizedLatents, FlowFamily, FlowMatching, _device_of,
+                        shipped)
 from .llm_flow import block_count, identity_entries
 from .wan_experts import BOUNDARY_RATIO, ExpertPlan, expert_plan, release, truncated_times
 
@@ -273,7 +275,8 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         return plan.trained_folder if plan is not None else "transformer"
 
     def write_extra_components(self, bundle, folder):
-        """A Wan 2.2 A14B expert's full save holds the frozen expert too, so the folder loads in WanPipeline."""
+        """A Wan 2.2 A14B expert's full save holds the frozen expert too (unchanged, in the dtype it was loaded in:
+        `model.unet_dtype`), so the folder loads as a complete WanPipeline."""
         plan = bundle.extra.get("wan_experts")
         if plan is None:
             return {}
@@ -408,7 +411,8 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         transformer = _built(diffusers.WanTransformer3DModel, self.shipped_transformer_config({}, variant), device,
                              denoiser_dtype)
         transformer.requires_grad_(False)
-        vae = uninitialised(lambda: diffusers.AutoencoderKLWan.from_config(shipped("wan", _variant_part("vae", variant))))
+        vae_config = shipped("wan", _variant_part("vae", variant))
+        vae = uninitialised(lambda: diffusers.AutoencoderKLWan.from_config(vae_config))
         tokenizer = demo_t5_tokenizer()
         scheduler = _scheduler_from(shipped("wan", _variant_part("scheduler", variant)))
         # A14B's trained expert is one 14B transformer; the frozen one is never on the GPU while training.
@@ -441,10 +445,11 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         if variant == "a14b":
             torch.manual_seed(1)
             low_noise = _built(diffusers.WanTransformer3DModel, dict(transformer.config), device, dtype)
-            extra = {"wan_experts": ExpertPlan("high_noise", BOUNDARY_RATIO), "frozen_modules": {"transformer_2": low_noise},
+            extra = {"wan_experts": ExpertPlan("high_noise", BOUNDARY_RATIO),
+                     "frozen_modules": {"transformer_2": low_noise},
                      "pipeline_config": {"boundary_ratio": BOUNDARY_RATIO, "expand_timesteps": False}}
-        vae = _built(diffusers.AutoencoderKLWan, {**shipped("wan", _variant_part("vae", variant)), **configs.get("vae", {})},
-                     device, dtype)
+        vae_config = {**shipped("wan", _variant_part("vae", variant)), **configs.get("vae", {})}
+        vae = _built(diffusers.AutoencoderKLWan, vae_config, device, dtype)
         text_fields = {**shipped("wan", "text_encoder"), **configs.get("text_encoder", {})}
         text_config = UMT5Config(**{k: v for k, v in text_fields.items() if not k.startswith("_")})
         encoder = _built(lambda: UMT5EncoderModel(text_config), None, device, dtype)
