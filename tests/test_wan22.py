@@ -113,15 +113,17 @@ def test_the_trained_expert_trains_and_the_frozen_one_joins_the_samples(folders)
     assert bundle.family.modelspec_architecture(bundle) == "wan2.2-t2v-a14b-low-noise"
 
 
-def test_a_low_noise_lora_loads_into_transformer_2_of_wan_pipeline(folders, tmp_path):
-    """The saved LoRA (kohya and peft layouts) loaded with `load_lora_weights(..., load_into_transformer_2=True)`
-    makes diffusers' transformer_2 compute what the trained expert computes; transformer stays as it was."""
+@pytest.mark.parametrize("expert", ["low_noise", "high_noise"])
+def test_an_experts_lora_loads_into_its_expert_of_wan_pipeline(folders, tmp_path, expert):
+    """The saved LoRA (kohya and peft layouts) loaded as diffusers documents it - `load_lora_weights(...,
+    load_into_transformer_2=True)` for the low-noise expert, plainly for the high-noise one - makes that expert of
+    WanPipeline compute what the trained expert computes; the other expert stays as it was."""
     from diffusers import WanPipeline
 
     from modules.config.train_config import TrainingConfig
     from modules.model.lora import add_lora, save_lora
 
-    bundle = load(folders["a14b"], "low_noise")
+    bundle = load(folders["a14b"], expert)
     torch.manual_seed(3)
     for parameter in add_lora(bundle, TrainingConfig(lora_rank=4, lora_alpha=4.0,
                                                       lora_target_modules=["to_q", "to_k", "to_v", "ffn.net.2"])):
@@ -133,14 +135,16 @@ def test_a_low_noise_lora_loads_into_transformer_2_of_wan_pipeline(folders, tmp_
             return transformer(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
 
     trained = output(bundle.denoiser)
+    low = expert == "low_noise"
     base = WanPipeline.from_pretrained(folders["a14b"])
-    assert (output(base.transformer_2) - trained).abs().max() > 1e-3  # the adapters change the expert
+    mine, other = ("transformer_2", "transformer") if low else ("transformer", "transformer_2")
+    assert (output(getattr(base, mine)) - trained).abs().max() > 1e-3  # the adapters change the expert
     for fmt in ("kohya", "peft"):
-        path = save_lora(bundle, tmp_path / f"low-{fmt}.safetensors", fmt, torch.float32)
+        path = save_lora(bundle, tmp_path / f"{expert}-{fmt}.safetensors", fmt, torch.float32)
         pipe = WanPipeline.from_pretrained(folders["a14b"])
-        pipe.load_lora_weights(path, load_into_transformer_2=True)
-        torch.testing.assert_close(output(pipe.transformer_2), trained, atol=1e-5, rtol=1e-5, msg=fmt)
-        torch.testing.assert_close(output(pipe.transformer), output(base.transformer), msg=fmt)
+        pipe.load_lora_weights(path, **({"load_into_transformer_2": True} if low else {}))
+        torch.testing.assert_close(output(getattr(pipe, mine)), trained, atol=1e-5, rtol=1e-5, msg=fmt)
+        torch.testing.assert_close(output(getattr(pipe, other)), output(getattr(base, other)), msg=fmt)
 
 
 def test_a_full_save_of_the_low_noise_expert_puts_each_expert_in_its_place(folders, tmp_path):
