@@ -314,8 +314,9 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
         caching = base + trained_encoder_base + 4 * T + encoder_bytes + vae_bytes + overhead
     parts["activations"] = activations
     expert = frozen_expert_bytes(f, cfg)
-    host += expert  # the frozen expert waits in host memory while training
-    parts["frozen expert (samples)"] = expert if renders_samples(cfg) else 0
+    if expert:  # Wan 2.2 A14B only: the other families' reports keep their rows
+        host += expert  # the frozen expert waits in host memory while training
+        parts["frozen expert (samples)"] = expert if renders_samples(cfg) else 0
     parts["runtime overhead"] = overhead
     training = sum(parts.values())
     return Need({k: v / GIB for k, v in parts.items()}, training / GIB, caching / GIB,
