@@ -9,6 +9,8 @@
     python scripts/make_random_model.py --type zimage --out /tmp/random-zimage --device cuda   # 6.2 B + Qwen3 4B: ~21 GB
     python scripts/make_random_model.py --type wan --out /tmp/random-wan --device cuda   # 1.3B + UMT5-XXL 5.7 B: ~14 GB
     python scripts/make_random_model.py --type wan --variant 14b --out /tmp/random-wan14b --device cuda   # 14 B + 5.7 B: ~41 GB
+    python scripts/make_random_model.py --type wan --variant a14b --out /tmp/random-wan22 --device cuda   # 2 x 14 B + 5.7 B: ~69 GB
+    python scripts/make_random_model.py --type wan --variant ti2v-5b --out /tmp/random-ti2v --device cuda   # 5 B + 5.7 B: ~23 GB
 """
 import argparse
 import os
@@ -20,7 +22,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from modules.config.model_families import MODEL_TYPES
     p.add_argument("--type", choices=MODEL_TYPES, default="sd1")
-    p.add_argument("--variant", default="", help="a published size of the family (flux2: dev, klein-4b, klein-9b; wan: 1.3b, 14b)")
+    p.add_argument("--variant", default="", help="a published size of the family (flux2: dev, klein-4b, klein-9b; wan: 1.3b, 14b, a14b, ti2v-5b)")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="saved dtype (default: fp16; sd3/flux bf16)")
     p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for flux)")

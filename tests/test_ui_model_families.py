@@ -18,8 +18,9 @@ LANGUAGE_MODEL_ONLY = {"model.text_max_length"}
 SD_ONLY = {"model.prediction_type", "training.min_snr_gamma", "training.clip_skip"}
 TEXT_APART_ONLY = {"model.text_encoder_placement"}
 """Qwen-Image's and Z-Image's: where their text encoder runs while it fills the text cache."""
-VIDEO_ONLY = {"data.video_frames", "data.video_fps", "sampling.video_frames"}
-"""Wan's: the frames of a clip's window and their rate, the frames of a video sample."""
+VIDEO_ONLY = {"data.video_frames", "data.video_fps", "sampling.video_frames", "model.wan_expert"}
+"""Wan's: the frames of a clip's window and their rate, the frames of a video sample, and which Wan 2.2 A14B
+expert trains."""
 
 
 def config(base_model: str, model_type: str = "auto") -> TrainConfig:
@@ -50,7 +51,8 @@ def test_hidden_fields_follow_the_family():
     assert hidden_fields(load_preset("qwen_lora")) == hidden_fields(load_preset("zimage_finetune")) \
         == SD_ONLY | LANGUAGE_MODEL_ONLY | VIDEO_ONLY | {"training.flux_guidance", "model.t5_max_length"}
     # Wan: T5's length (UMT5), the flow settings and the clip window show; no Flux guidance.
-    for source in (config("builtin:demo-wan"), load_preset("wan_lora"), load_preset("#demo_wan")):
+    for source in (config("builtin:demo-wan"), load_preset("wan_lora"), load_preset("#demo_wan"),
+                   load_preset("wan22_lora")):
         assert hidden_fields(source) == SD_ONLY | LANGUAGE_MODEL_ONLY | TEXT_APART_ONLY | {"training.flux_guidance"}
 
 

@@ -294,7 +294,7 @@ def test_ranks_load_a_model_from_disk_at_once_and_build_the_demo_in_turn(monkeyp
         turns.append("rank 0 first")
         yield
 
-    bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes: None,
+    bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes, bundle=None: None,
                                                     check_clips=lambda clips, frames: None))
     monkeypatch.setattr(du, "main_first", main_first)
     monkeypatch.setattr("modules.model.loading.load_model", lambda *args: bundle)

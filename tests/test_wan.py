@@ -188,10 +188,12 @@ def test_the_demo_clips_are_moving_shapes_with_captions(tandem_home):
     assert (frames[:, 0] - frames[:, 1]).abs().amax() > 1.0  # the shape moved
 
 
-@pytest.mark.parametrize("model,params", [("wan-1.3b", 1.42e9), ("wan-14b", 14.3e9)])
-def test_benchmark_models_are_the_published_sizes_and_take_video_latents(model, params):
-    """scripts/benchmark.py --model wan-1.3b|wan-14b (scripts/gpu/wan.sh): the real-size transformer (on the meta
-    device) has the published parameter count and takes the synthetic clips of `data.video_frames` frames."""
+@pytest.mark.parametrize("model,params,channels,side", [("wan-1.3b", 1.42e9, 16, 8), ("wan-14b", 14.3e9, 16, 8),
+                                                        ("wan-a14b", 14.3e9, 16, 8), ("wan-ti2v-5b", 5.0e9, 48, 4)])
+def test_benchmark_models_are_the_published_sizes_and_take_video_latents(model, params, channels, side):
+    """scripts/benchmark.py --model wan-1.3b|wan-14b|wan-a14b|wan-ti2v-5b (scripts/gpu/wan.sh): the real-size
+    transformer (on the meta device; A14B's trained expert) has the published parameter count and takes the
+    synthetic clips of `data.video_frames` frames (TI2V 5B: 48 channels at 1/16 of each side)."""
     from modules.benchmark.cli import MODEL_ALIASES, model_variant
     from modules.benchmark.synthetic import SyntheticCachedLatents, random_bundle
     from modules.config.train_config import TrainingConfig
@@ -201,7 +203,8 @@ def test_benchmark_models_are_the_published_sizes_and_take_video_latents(model, 
     count = sum(p.numel() for p in bundle.denoiser.parameters())
     assert abs(count - params) < 0.03 * params, count
     item = SyntheticCachedLatents(name, 64, 2, variant=variant, frames=81)[0]
-    assert item["latents"].shape == (16, 21, 8, 8) and item["text"]["encoder_hidden_states"].shape == (512, 4096)
+    assert item["latents"].shape == (channels, 21, side, side)
+    assert item["text"]["encoder_hidden_states"].shape == (512, 4096)
     assert SyntheticCachedLatents("flux", 64, 2, frames=81)[0]["latents"].shape == (16, 8, 8)  # images: no frame axis
     objective = bundle.family.objective(bundle, TrainingConfig())
     meta = lambda t: torch.empty((1, *t.shape), device="meta", dtype=torch.bfloat16)  # noqa: E731

@@ -37,7 +37,7 @@ class SyntheticCachedLatents(Dataset):
         """`frames`: video frames per item (`data.video_frames`), for a family whose latents have a frame axis."""
         gen = torch.Generator().manual_seed(0)
         channels, text_shapes = family(model_type).cached_shapes(**_variant(variant))
-        lat = resolution // 8
+        lat = resolution // family(model_type).latent_scale(**_variant(variant))
         latent_frames = family(model_type).latent_frames(frames)
         self.length = length
         self.resolution = resolution

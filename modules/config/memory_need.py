@@ -14,7 +14,10 @@ Counted from the model's sizes (`model_sizes.py`: exact for the shapes) and the 
   (`BLOCK_BYTES`), which checkpointing reduces to each block's input and one block recomputed at a time,
   and activation offloading to the recomputed block alone; context parallelism splits the image or
   clip tokens over its group;
-- `RUNTIME_OVERHEAD_GIB` for the CUDA context, library workspaces and the allocator's rounding.
+- `RUNTIME_OVERHEAD_GIB` for the CUDA context, library workspaces and the allocator's rounding;
+- Wan 2.2 A14B's frozen expert (`model.wan_expert` trains the other): in host memory while training, on the
+  GPU while samples render (when the config renders any); counted on top of the training peak, an upper
+  bound, since samples render between steps, when the activations are freed.
 
 Torch-free: the GUI, the launcher's checks and every worker compute it in milliseconds.
 """
@@ -62,6 +65,8 @@ OUTSIDE_BLOCK_BYTES = 8
 TEXT_TOKENS = {"sd3": 77 + 256, "qwen": 256, "zimage": 256, "flux2": 512, "chroma": 512}
 """Text tokens each image attends to beside its own (the pipelines' defaults; Flux.1: 512, schnell 256;
 Qwen-Image's and Z-Image's prompts take as many as they have, up to 512: 256 stands for a caption)."""
+WAN22_VAE_CHANNELS = 48
+"""Latent channels of the Wan 2.2 VAE (TI2V 5B), which shrinks each side 16x instead of 8x."""
 VIDEO_FRAMES_PER_LATENT_FRAME = {"wan": 4}
 """A video family's VAE keeps the first frame and one in this many after it: a clip of `data.video_frames`
 frames has (frames - 1) // 4 + 1 latent frames, each as many tokens as an image (a clip is the largest sample)."""
@@ -200,6 +205,21 @@ def frozen_base_bytes(f: Facts, unet_dtype: str) -> int:
     return elements + 4 * count + 2 * (params - elements)
 
 
+def frozen_expert_bytes(f: Facts, cfg) -> int:
+    """Bytes of the expert a Wan 2.2 A14B run does not train, loaded in the frozen base's dtype
+    (`model.unet_dtype`; fp8 counts 2 bytes, the bf16 it loads in): 0 for a model of one transformer."""
+    if "transformer_2" not in f.params or not cfg.model.wan_expert:
+        return 0
+    frozen = "transformer" if cfg.model.wan_expert == "low_noise" else "transformer_2"
+    return f.params[frozen] * DTYPE_BYTES.get(cfg.model.unet_dtype, 2)
+
+
+def renders_samples(cfg) -> bool:
+    """Whether the run renders samples (prompts and a step or epoch interval)."""
+    s = cfg.sampling
+    return bool(s.prompts) and (s.every_n_steps > 0 or s.every_n_epochs > 0)
+
+
 def text_cached(cfg) -> bool:
     """As `modules.data.text_cache_allowed` decides it."""
     return cfg.data.cache_text_embeddings and not cfg.training.train_text_encoder and not cfg.data.shuffle_tags
@@ -229,6 +249,8 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     if not width:
         return None
     pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
+    if family == "wan" and config.get("in_channels") == WAN22_VAE_CHANNELS:
+        pixels = 32  # Wan 2.2 TI2V 5B: 2x2 patches of its 16x VAE
     frames = 1
     if family in VIDEO_FRAMES_PER_LATENT_FRAME:
         frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
@@ -295,6 +317,10 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
         parts["autocast copies"] = 2 * (fp32_denoiser + fp32_encoders) if t.precision in ("bf16", "fp16") else 0
         caching = base + trained_encoder_base + 4 * T + encoder_bytes + vae_bytes + overhead
     parts["activations"] = activations
+    expert = frozen_expert_bytes(f, cfg)
+    if expert:  # Wan 2.2 A14B only: the other families' reports keep their rows
+        host += expert  # the frozen expert waits in host memory while training
+        parts["frozen expert (samples)"] = expert if renders_samples(cfg) else 0
     parts["runtime overhead"] = overhead
     training = sum(parts.values())
     return Need({k: v / GIB for k, v in parts.items()}, training / GIB, caching / GIB,

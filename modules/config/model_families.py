@@ -123,11 +123,13 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                # module list too, but no block).
                block_groups=("noise_refiner", "context_refiner", "layers")),
     # Wan: video. Its single files use diffusers' names; `condition_embedder.time_proj` is Wan's alone.
-    FamilyInfo("wan", "Wan 2.1 (T2V 1.3B, 14B)", "transformer", "WanPipeline", 16, True, "builtin:demo-wan",
-               "wan:WanFamily", "WanTransformer3DModel", _FLOW_FIELDS + _VIDEO_FIELDS,
+    # Wan 2.2 TI2V 5B packs 2x2 latent pixels of a 16x VAE (32 px); `check_image_sizes` asks the loaded model.
+    FamilyInfo("wan", "Wan 2.1 / 2.2 (T2V 1.3B, 14B, A14B; TI2V 5B)", "transformer", "WanPipeline", 16, True,
+               "builtin:demo-wan", "wan:WanFamily", "WanTransformer3DModel",
+               _FLOW_FIELDS + _VIDEO_FIELDS + ("model.wan_expert",),
                ("condition_embedder.time_proj.", "model.diffusion_model.condition_embedder.time_proj."),
-               variants=("1.3b", "14b"), lora_targets=_WAN_LORA_TARGETS, video=True, block_groups=("blocks",),
-               context_parallel=True),
+               variants=("1.3b", "14b", "a14b", "ti2v-5b"), lora_targets=_WAN_LORA_TARGETS, video=True,
+               block_groups=("blocks",), context_parallel=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

@@ -32,7 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "modules" / "model" / "configs"
 """The real-size configs Tandem ships, one folder per family (what single files are built from)."""
 SHIPPED_SIZES_DIR = CONFIGS_DIR / "sizes"
-COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+COMPONENTS = ("unet", "transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+"""The parts a folder's sizes are read from; `transformer_2` is Wan 2.2 A14B's second expert (one of the two
+trains, `model.wan_expert`; the other is frozen, see `memory_need.frozen_expert_bytes`)."""
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 # Integer tensors in a file are buffers (CLIP's position ids), never trained parameters.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}

@@ -52,7 +52,7 @@ class ModelConfig:
     base_model: str = rule("builtin:demo", label="Base model")
     """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`, `builtin:demo-qwen`, `builtin:demo-zimage`)."""
     model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image), `zimage` (Z-Image base and Turbo) or `wan` (Wan 2.1 T2V 1.3B and 14B, video)."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image), `zimage` (Z-Image base and Turbo) or `wan` (Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V A14B and TI2V 5B, video)."""
     prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = rule("", label="VAE (optional)")
@@ -74,6 +74,8 @@ class ModelConfig:
     """Families whose text encoder is a language model (Flux.2): tokens per caption, the chat template's own tokens included (longer captions are cut; samples use the same length). 0: the pipeline's default (Flux.2 512)."""
     t5_max_length: int = rule(0, minimum=0, label="T5 tokens (0: default)")
     """SD3, Flux and Chroma: T5 tokens per caption (longer captions are cut; samples use the same length). 0: the pipeline's default (SD3 256, Flux.1-dev 512, Flux.1-schnell 256, Chroma 512)."""
+    wan_expert: str = rule("", choices=("", "high_noise", "low_noise"), label="Wan 2.2 expert")
+    """Wan 2.2 A14B (two experts, `transformer` for high noise and `transformer_2` for low noise): which expert trains, `high_noise` or `low_noise` (one per run, as musubi-tuner trains them); its timesteps are drawn only from its own range (t >= the folder's `boundary_ratio`, 0.875, for high noise; below it for low noise), and the other expert stays frozen in host memory, brought to the GPU only to render samples with both. Empty for a model of one transformer (Wan 2.1, Wan 2.2 TI2V 5B); a Wan 2.2 A14B folder refuses to train without it."""
 
 
 @dataclass

@@ -523,6 +523,9 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
             problems.append(f"{path}: {value!r} does not apply to {info.title} (model.model_type {family}), "
                             f"which trains rectified flow; set it to {inert!r}.")
     problems += _text_apart_checks(cfg, info)
+    if cfg.model.wan_expert and not field_applies("model.wan_expert", family):
+        problems.append(f"model.wan_expert: {cfg.model.wan_expert!r} picks an expert of Wan 2.2 A14B, but the model is "
+                        f"{info.title} (model.model_type {family}); leave it empty.")
     # Sizes that are not even multiples of 8 (the VAE's step) are reported by the general checks.
     step = info.pixel_multiple
     d = cfg.data

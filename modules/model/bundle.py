@@ -96,6 +96,12 @@ class ModelBundle:
             found[text_encoder_name(index)] = encoder
         return found
 
+    def sampling_modules(self) -> dict[str, nn.Module]:
+        """What sampling runs: the bundle's modules and those loaded for samples alone (`extra["frozen_modules"]`:
+        the frozen expert of a Wan 2.2 A14B run, kept in host memory while training)."""
+        frozen = {f"frozen {name}": module for name, module in self.extra.get("frozen_modules", {}).items()}
+        return {**self.modules(), **frozen}
+
     def trainable_modules(self) -> dict[str, nn.Module]:
         """The modules that hold at least one parameter with `requires_grad` (what an optimizer sees)."""
         return {

@@ -38,7 +38,7 @@ def render_samples(
     """
     if inference_steps < 1:
         raise ValueError(f"sampling.inference_steps is {inference_steps}; it must be at least 1")
-    modules = bundle.modules()
+    modules = bundle.sampling_modules()
     was_training = {name: module.training for name, module in modules.items()}
     home = {name: next(module.parameters()).device for name, module in modules.items()}
     target = torch.device(device) if device is not None else bundle.device

@@ -57,7 +57,7 @@ def diffusers_weight_files(bundle: ModelBundle, unet_state_override: dict | None
     """(path in the folder, what it holds) of every weight file of the bundle's diffusers folder."""
     denoiser = bundle.denoiser
     denoiser_state = (lambda: dict(unet_state_override)) if unet_state_override is not None else denoiser.state_dict
-    files = [(f"{bundle.denoiser_name}/{DIFFUSERS_WEIGHTS}",
+    files = [(f"{bundle.family.denoiser_folder(bundle)}/{DIFFUSERS_WEIGHTS}",
               FilePart(denoiser, denoiser_state, dict, tuple(bundle.family.repeated_blocks(bundle)))),
              (f"vae/{DIFFUSERS_WEIGHTS}", FilePart(bundle.vae, bundle.vae.state_dict, dict))]
     for index, encoder in enumerate(bundle.text_encoders):
@@ -72,9 +72,10 @@ def diffusers_weight_files(bundle: ModelBundle, unet_state_override: dict | None
 
 def _write_configs(bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
     """Everything of the folder but the weights: configs, tokenizers, scheduler, model_index.json."""
-    bundle.denoiser.save_config(folder / bundle.denoiser_name)
+    denoiser_folder = bundle.family.denoiser_folder(bundle)
+    bundle.denoiser.save_config(folder / denoiser_folder)
     bundle.vae.save_config(folder / "vae")
-    components = {bundle.denoiser_name: bundle.denoiser, "vae": bundle.vae}
+    components = {denoiser_folder: bundle.denoiser, "vae": bundle.vae}
     for index, (encoder, tokenizer) in enumerate(zip(bundle.text_encoders, bundle.tokenizers)):
         name = text_encoder_name(index)
         config = encoder.config.to_dict()

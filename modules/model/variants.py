@@ -15,6 +15,7 @@ from pathlib import Path
 log = logging.getLogger("tandem")
 
 WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "transformer": "diffusion_pytorch_model",
+                "transformer_2": "diffusion_pytorch_model",
                 "vae": "diffusion_pytorch_model", "text_encoder": "model", "text_encoder_2": "model",
                 "text_encoder_3": "model"}
 _FORMATS = ("safetensors", "bin")

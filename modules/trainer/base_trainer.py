@@ -277,7 +277,7 @@ class BaseTrainer(ABC):
         with du.main_first() if builds_files else contextlib.nullcontext():
             bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training)
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
-        bundle.family.check_image_sizes(self.dataset.bucket_sizes)
+        bundle.family.check_image_sizes(self.dataset.bucket_sizes, bundle)
         bundle.family.check_clips(self.dataset.clip_paths(), self.cfg.data.video_frames)
         if self.text_apart is not None:  # samples read their prompts' embeddings from the text cache
             bundle.extra["text_side"].cached.update(self.text_apart.samples)

@@ -11,6 +11,9 @@
 #             and 4 on 4 (one clip split over all of them: scaling = clips/s against 1 GPU x the GPUs), DDP
 #             (each GPU holds the 14B in bf16); the raw reference (--model wan14, 1 GPU) beside them. Run on
 #             nvidia-h100-x4 (or h200-x4).
+#   wan22     Wan 2.2: TI2V 5B LoRA at 81 frames, --res 960 (about 1280x704, its 720p: 60x60 latents of its 16x
+#             VAE, 18,900 tokens per clip), and one T2V A14B expert (the trained one; the frozen expert waits in
+#             host memory and is not part of a step) at 81 frames, 624 px
 # Every measurement is one JSON line in $OUT/results.jsonl (or ./gpu-results.jsonl); the table at the end
 # shows this call's.
 set -u
@@ -45,7 +48,13 @@ cp)
     limited 100 python3 "$REF" --model wan14 --mode lora --frames 81 --res 512 --batch 1 --gc --steps 4 --warmup 2 \
         | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a "$RES"
     ;;
-*) echo "unknown part $PART (lora1 | lora14 | cp)"; exit 2 ;;
+wan22)
+    log "Wan 2.2 TI2V 5B LoRA, 81 frames, 960 px, b1 gc, 1 GPU"
+    limited 300 python3 scripts/benchmark.py --model wan-ti2v-5b --mode lora --batch 1 --res 960 --gc --steps 6 --warmup 2 --gpus 1 --config-value "$TARGETS" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    log "Wan 2.2 T2V A14B expert LoRA, 81 frames, 624 px, b1 gc, 1 GPU"
+    limited 170 python3 scripts/benchmark.py --model wan-a14b "${LORA[@]}" --config-value data.video_frames=81 --json "$RES" | grep -v '^{'
+    ;;
+*) echo "unknown part $PART (lora1 | lora14 | wan22 | cp)"; exit 2 ;;
 esac
 python3 - "$RES" "$FIRST" <<'PY'
 import json, sys

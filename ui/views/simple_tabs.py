@@ -53,6 +53,7 @@ def build_model_tab(parent, binder: Binder) -> ModelPicker:
     # The transformer families' own (hidden for the other families, see ui/field_visibility.py).
     form.field("model.components_folder", browse_kind="folder", width=380)
     form.fields("model.t5_max_length", "model.text_max_length")
+    form.field("model.wan_expert")  # Wan 2.2 A14B: which of its two experts trains
     form.section("Weight storage (frozen parts)")
     form.fields("model.unet_dtype", "model.text_encoder_dtype", "model.vae_dtype")
     # Qwen-Image and Z-Image: where their text encoder runs while it fills the text cache.

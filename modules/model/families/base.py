@@ -136,6 +136,11 @@ class ModelFamily(ABC):
         pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
         return bundle.vae.encode(pixels).latent_dist
 
+    def latent_scale(self, variant: str = "") -> int:
+        """How many pixels of each side one latent pixel stands for in the published size `variant` (8; the Wan 2.2
+        VAE's 16): what the benchmark's synthetic latents are sized by."""
+        return 8
+
     def latent_frames(self, frames: int) -> int | None:
         """Latent frames of a clip of `frames` video frames; None: the family's latents have no frame axis."""
         return None
@@ -194,10 +199,11 @@ class ModelFamily(ABC):
     def objective(self, bundle: "ModelBundle", training_cfg: "TrainingConfig | None" = None) -> Objective:
         """The training objective for this bundle and training config."""
 
-    def check_image_sizes(self, sizes: Sequence[tuple[int, int]]) -> None:
+    def check_image_sizes(self, sizes: Sequence[tuple[int, int]], bundle: "ModelBundle | None" = None) -> None:
         """Refuse bucket sizes (width, height) the model cannot take (Flux packs 2x2 latent patches: 16 px),
         naming the settings to change. Validation does this when the config names the family; a model
-        found by `auto` is checked here, once it is loaded."""
+        found by `auto` is checked here, once it is loaded (`bundle`: for a family whose step differs between
+        its models, Wan 2.2 TI2V 5B's 32 px)."""
         step = self.info.pixel_multiple
         bad = [f"{w}x{h}" for w, h in sizes if w % step or h % step]
         if bad:
@@ -253,6 +259,11 @@ class ModelFamily(ABC):
         return self.info.pixel_multiple
 
     # ------------------------------------------------------------------ saving
+
+    def denoiser_folder(self, bundle: "ModelBundle") -> str:
+        """The subfolder of a full diffusers save that holds the trained denoiser: its component name, except for
+        a Wan 2.2 low-noise expert (`transformer_2`)."""
+        return bundle.denoiser_name
 
     def model_index_extras(self, bundle: "ModelBundle") -> dict[str, Any]:
         """`model_index.json` entries besides the components (unused components, pipeline flags; a family

@@ -1,4 +1,5 @@
-"""Wan 2.1 text-to-video (T2V 1.3B, 14B): a 3-D transformer on video latents, UMT5-XXL as text encoder, rectified flow.
+"""Wan 2.1 and 2.2 text-to-video (T2V 1.3B, 14B, A14B; TI2V 5B): a 3-D transformer on video latents, UMT5-XXL
+as text encoder, rectified flow.
 
 Everything follows diffusers' `WanPipeline`:
 
@@ -14,10 +15,13 @@ Everything follows diffusers' `WanPipeline`:
   releases' UniPC scheduler; `shift` of a flow-match Euler scheduler, the demo's), as sampling shifts it.
 - **Sampling**: the stock `WanPipeline`, `sampling.video_frames` frames per sample prompt (a clip; 1: a still
   image).
+- **Wan 2.2** (`wan_experts.py`): T2V A14B's two experts train one per run (`model.wan_expert`), each on its
+  own timestep range, the other kept frozen in host memory and used for samples; TI2V 5B trains text-to-video
+  on the Wan 2.2 VAE's 48-channel latents (sides a multiple of 32 px).
 
-Wan 2.2's two experts (`transformer_2`, `boundary_ratio`) and the image-to-video pipelines are refused when
-loading, with the reason. Single files use diffusers' names (the identity layout, as Qwen-Image's);
-original-layout files (`blocks.N.self_attn.q`) are not read. LoRAs in the kohya layout use the original
+The image-to-video pipelines are not recognised (their folders name other pipeline classes). Single files use
+diffusers' names (the identity layout, as Qwen-Image's); original-layout files (`blocks.N.self_attn.q`) are not
+read. LoRAs in the kohya layout use the original
 names under `diffusion_model.` with `lora_down` / `lora_up` / `alpha` (diffusion-pipe's; ComfyUI and
 diffusers' `WanPipeline.load_lora_weights` read it).
 """
@@ -31,8 +35,10 @@ import torch
 
 from modules.model.objective import NoiseDraw, draw_flow_noise, flow_per_sample, flow_shift, shift_times
 
-from .flow_base import FLOW_MATCHING, ChannelNormalizedLatents, FlowFamily, FlowMatching, _device_of, shipped
+from .flow_base import (CONFIG_DIR, FLOW_MATCHING, ChannelNormalizedLatents, FlowFamily, FlowMatching, _device_of,
+                        shipped)
 from .llm_flow import block_count, identity_entries
+from .wan_experts import BOUNDARY_RATIO, ExpertPlan, expert_plan, release, truncated_times
 
 IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
 TEXT_TOKENS = 512
@@ -66,20 +72,33 @@ def original_module_name(module_path: str) -> str:
 
 
 class WanObjective(FlowMatching):
+    def __init__(self, bundle, training_cfg=None) -> None:
+        super().__init__(bundle, training_cfg)
+        plan = getattr(bundle, "extra", {}).get("wan_experts")
+        self.time_range: tuple[float, float] | None = plan.time_range if plan is not None else None
+        """A Wan 2.2 expert's flow-time range (`wan_experts.ExpertPlan`); None: every t."""
+
     def draw(self, latent_shape, seed, step, micro, part, device, offset_noise=0.0) -> NoiseDraw:
         # Drawn as [B, C, frames * H, W]: the same numbers, and the offset noise ([B, C, 1, 1]) is one value
         # per channel over every frame, as for an image.
         batch, channels, frames, height, width = latent_shape
         draw = draw_flow_noise((batch, channels, frames * height, width), seed, step, micro, part, device,
                                offset_noise, self.logit_mean, self.logit_std)
-        return NoiseDraw(draw.noise.view(draw.noise.shape[0], channels, frames, height, width),
-                         shift_times(draw.timesteps, scheduler_shift(self.scheduler_config)))
+        shift = scheduler_shift(self.scheduler_config)
+        if self.time_range is None:
+            timesteps = shift_times(draw.timesteps, shift)
+        else:
+            timesteps = truncated_times(draw.timesteps, shift, *self.time_range, self.logit_mean, self.logit_std)
+        return NoiseDraw(draw.noise.view(draw.noise.shape[0], channels, frames, height, width), timesteps)
 
     def per_sample_loss(self, prediction, target, draw, mask=None):
         # A mask [B, 1, H, W] weighs every frame alike.
         return flow_per_sample(prediction, target, mask.unsqueeze(2) if mask is not None else None)
 
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
+        # TI2V 5B's pipeline (`expand_timesteps`) gives each latent token its own timestep, all the same t in
+        # text-to-video: the transformer computes the same from the one t, without a [B, tokens, 6 x width]
+        # modulation tensor per sample (tests/test_wan22.py compares the two).
         return denoiser(hidden_states=noisy, timestep=timesteps * 1000,
                         encoder_hidden_states=text["encoder_hidden_states"], return_dict=False)[0]
 
@@ -104,15 +123,46 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
 
     def recognise_folder(self, folder, index):
         if index.get("_class_name") in self.info.pipelines:
-            return f"its model_index.json names {index['_class_name']}"
+            return f"its model_index.json names {index['_class_name']} ({release(folder, index)})"
         return None  # other Wan pipelines (image-to-video, VACE) share the transformer class but are not trained
 
     def load_folder(self, folder, model_cfg, dtypes, source_name, own_vae):
-        index = json.loads((Path(folder) / "model_index.json").read_text())
-        if (index.get("transformer_2") or [None])[0] is not None:
-            raise ValueError(f"{folder} is a Wan 2.2 model with two experts (transformer and transformer_2, for high "
-                             "and low noise), which Tandem does not train yet; use a Wan 2.1 T2V folder")
-        return super().load_folder(folder, model_cfg, dtypes, source_name, own_vae)
+        import diffusers
+
+        from modules.model.files import SAVE_DTYPES
+        from modules.model.variants import component_variant
+
+        folder = Path(folder)
+        index = json.loads((folder / "model_index.json").read_text())
+        plan = expert_plan(folder, index, model_cfg.wan_expert)
+        if plan is None:
+            bundle = super().load_folder(folder, model_cfg, dtypes, source_name, own_vae)
+        else:
+            self._check_files(folder, [f"{plan.trained_folder}/config.json", f"{plan.frozen_folder}/config.json"])
+
+            def expert(subfolder, dtype):
+                return diffusers.WanTransformer3DModel.from_pretrained(
+                    folder, subfolder=subfolder, torch_dtype=dtype, local_files_only=True,
+                    variant=component_variant(folder / subfolder, subfolder, model_cfg.unet_dtype))
+
+            bundle = self._assemble(expert(plan.trained_folder, dtypes["unet"]), folder, model_cfg, dtypes, source_name,
+                                    own_vae)
+            # The other expert never trains: outside the bundle's modules, so it stays in host memory (no device
+            # move, no optimizer, no FSDP) until samples need it (`ModelBundle.sampling_modules`), stored in
+            # model.unet_dtype even for a full fine-tune (fp8: the bf16 it computes in).
+            frozen_dtype = SAVE_DTYPES.get(model_cfg.unet_dtype, torch.bfloat16)
+            frozen = expert(plan.frozen_folder, frozen_dtype).requires_grad_(False).eval()
+            bundle.extra.update(wan_experts=plan, frozen_modules={plan.frozen_folder: frozen})
+        bundle.extra["pipeline_config"] = {"boundary_ratio": index.get("boundary_ratio"),
+                                           "expand_timesteps": bool(index.get("expand_timesteps"))}
+        return bundle
+
+    def load_single_file(self, path, model_cfg, dtypes, own_vae):
+        if model_cfg.wan_expert:
+            raise ValueError(f"model.wan_expert is {model_cfg.wan_expert!r}, but {path} is a single file, which holds "
+                             "one transformer; train a Wan 2.2 A14B expert from its diffusers folder (both experts and "
+                             "boundary_ratio), or leave model.wan_expert empty")
+        return super().load_single_file(path, model_cfg, dtypes, own_vae)
 
     def _assemble(self, transformer, folder: Path, model_cfg, dtypes, source_name: str, own_vae: bool):
         """The bundle around `transformer`: VAE, UMT5, tokenizer and the folder's own scheduler class (the
@@ -202,10 +252,55 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         return list(encoder.encoder.block)
 
     def pipeline(self, bundle):
+        """`WanPipeline` as the folder's model_index.json sets it up: with a Wan 2.2 A14B expert, the trained one
+        and the frozen one in their places, switching at `boundary_ratio`; TI2V 5B with `expand_timesteps`."""
         from diffusers import WanPipeline
 
+        experts = self.experts(bundle)
+        config = bundle.extra.get("pipeline_config", {})
         return WanPipeline(tokenizer=bundle.tokenizers[0], text_encoder=bundle.text_encoders[0],
-                           transformer=bundle.denoiser, vae=bundle.vae, scheduler=self.sampling_scheduler(bundle))
+                           transformer=experts["transformer"], transformer_2=experts.get("transformer_2"),
+                           vae=bundle.vae, scheduler=self.sampling_scheduler(bundle),
+                           boundary_ratio=config.get("boundary_ratio") if "transformer_2" in experts else None,
+                           expand_timesteps=bool(config.get("expand_timesteps")))
+
+    def experts(self, bundle) -> dict:
+        """The transformers by their folder name: `transformer` alone, or a Wan 2.2 A14B expert's pair."""
+        plan: ExpertPlan | None = bundle.extra.get("wan_experts")
+        if plan is None:
+            return {"transformer": bundle.denoiser}
+        return {plan.trained_folder: bundle.denoiser, **bundle.extra["frozen_modules"]}
+
+    def denoiser_folder(self, bundle):
+        plan = bundle.extra.get("wan_experts")
+        return plan.trained_folder if plan is not None else "transformer"
+
+    def write_extra_components(self, bundle, folder):
+        """A Wan 2.2 A14B expert's full save holds the frozen expert too (unchanged, in the dtype it was loaded in:
+        `model.unet_dtype`), so the folder loads as a complete WanPipeline."""
+        plan = bundle.extra.get("wan_experts")
+        if plan is None:
+            return {}
+        frozen = bundle.extra["frozen_modules"][plan.frozen_folder]
+        frozen.save_pretrained(Path(folder) / plan.frozen_folder, safe_serialization=True)
+        return {plan.frozen_folder: ["diffusers", type(frozen).__name__]}
+
+    def sample_size_multiple(self, bundle):
+        return self.size_multiple(bundle)
+
+    def size_multiple(self, bundle) -> int:
+        """Pixels per patch side: the VAE's spatial factor (8; the Wan 2.2 VAE's 16) x the 2x2 patches."""
+        if bundle is None or bundle.vae is None:
+            return self.info.pixel_multiple
+        return int(getattr(bundle.vae.config, "scale_factor_spatial", None) or 8) * 2
+
+    def check_image_sizes(self, sizes, bundle=None):
+        step = self.size_multiple(bundle)
+        bad = [f"{w}x{h}" for w, h in sizes if w % step or h % step]
+        if bad:
+            raise ValueError(
+                f"this Wan model takes images whose sides are multiples of {step} px, but the buckets include "
+                f"{', '.join(bad[:4])}; set data.resolution and data.bucket_step to multiples of {step}")
 
     def sampling_scheduler(self, bundle):
         base = bundle.extra.get("scheduler", bundle.noise_scheduler)
@@ -222,11 +317,18 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         return list(result.frames[0])
 
     def model_index_extras(self, bundle):
-        return {"transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
+        config = bundle.extra.get("pipeline_config", {})
+        two = bundle.extra.get("wan_experts") is not None
+        return {**({} if two else {"transformer_2": [None, None]}),
+                "boundary_ratio": config.get("boundary_ratio") if two else None,
+                "expand_timesteps": bool(config.get("expand_timesteps"))}
+
+    def latent_scale(self, variant: str = ""):
+        return 16 if variant == "ti2v-5b" else 8
 
     def cached_shapes(self, variant: str = "1.3b"):
-        """512 UMT5-XXL tokens of 4096 features; 16 latent channels."""
-        return 16, {"encoder_hidden_states": (TEXT_TOKENS, 4096)}
+        """512 UMT5-XXL tokens of 4096 features; 16 latent channels (TI2V 5B: 48)."""
+        return 48 if variant == "ti2v-5b" else 16, {"encoder_hidden_states": (TEXT_TOKENS, 4096)}
 
     def build_demo(self, root=None):
         from .wan_demo import ensure_wan_demo
@@ -258,6 +360,11 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
     # ------------------------------------------------------------------ LoRA
 
     def modelspec_architecture(self, bundle) -> str:
+        plan = bundle.extra.get("wan_experts")
+        if plan is not None:  # the expert in the name: a LoRA of one loads into that one (transformer_2: low noise)
+            return f"wan2.2-t2v-a14b-{plan.trained.replace('_', '-')}"
+        if bundle.denoiser.config.in_channels == 48:
+            return "wan2.2-ti2v-5b"
         return "wan2.1-t2v-14b" if bundle.denoiser.config.num_layers >= 40 else "wan2.1-t2v-1.3b"
 
     def lora_modelspec(self, bundle, fmt):
@@ -308,9 +415,11 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         transformer = _built(diffusers.WanTransformer3DModel, self.shipped_transformer_config({}, variant), device,
                              denoiser_dtype)
         transformer.requires_grad_(False)
-        vae = uninitialised(lambda: diffusers.AutoencoderKLWan.from_config(shipped("wan", "vae")))
+        vae_config = shipped("wan", _variant_part("vae", variant))
+        vae = uninitialised(lambda: diffusers.AutoencoderKLWan.from_config(vae_config))
         tokenizer = demo_t5_tokenizer()
-        scheduler = _scheduler_from(shipped("wan", "scheduler"))
+        scheduler = _scheduler_from(shipped("wan", _variant_part("scheduler", variant)))
+        # A14B's trained expert is one 14B transformer; the frozen one is never on the GPU while training.
         return ModelBundle(model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[tiny_umt5(tokenizer, 0)],
                            tokenizers=[tokenizer], noise_scheduler=scheduler, prediction_type=FLOW_MATCHING,
                            source=f"benchmark:random-wan-{variant}",
@@ -320,7 +429,8 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         """The variant at its real size with random weights (UMT5-XXL included, 5.7 B parameters), built on
         `device` in `dtype` (bf16 by default); the tokenizer is the demo's (its ids fit UMT5's vocabulary).
         `configs`: fields per component (`transformer`, `vae`, `text_encoder`) over the shipped configs - a
-        smaller model of the same classes (the tests' tiny one)."""
+        smaller model of the same classes (the tests' tiny one). `a14b`: two experts (`transformer_2` from its own
+        seed) and `boundary_ratio` 0.875, as Wan 2.2 T2V A14B; `ti2v-5b`: the Wan 2.2 VAE and `expand_timesteps`."""
         import diffusers
         from transformers import UMT5Config, UMT5EncoderModel
 
@@ -335,22 +445,36 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
         transformer = _built(diffusers.WanTransformer3DModel,
                              {**self.shipped_transformer_config({}, variant), **configs.get("transformer", {})}, device,
                              dtype)
-        vae = _built(diffusers.AutoencoderKLWan, {**shipped("wan", "vae"), **configs.get("vae", {})}, device, dtype)
+        extra = {"pipeline_config": {"boundary_ratio": None, "expand_timesteps": variant == "ti2v-5b"}}
+        if variant == "a14b":
+            torch.manual_seed(1)
+            low_noise = _built(diffusers.WanTransformer3DModel, dict(transformer.config), device, dtype)
+            extra = {"wan_experts": ExpertPlan("high_noise", BOUNDARY_RATIO),
+                     "frozen_modules": {"transformer_2": low_noise},
+                     "pipeline_config": {"boundary_ratio": BOUNDARY_RATIO, "expand_timesteps": False}}
+        vae_config = {**shipped("wan", _variant_part("vae", variant)), **configs.get("vae", {})}
+        vae = _built(diffusers.AutoencoderKLWan, vae_config, device, dtype)
         text_fields = {**shipped("wan", "text_encoder"), **configs.get("text_encoder", {})}
         text_config = UMT5Config(**{k: v for k, v in text_fields.items() if not k.startswith("_")})
         encoder = _built(lambda: UMT5EncoderModel(text_config), None, device, dtype)
-        scheduler = _scheduler_from(shipped("wan", "scheduler"))
+        scheduler = _scheduler_from(shipped("wan", _variant_part("scheduler", variant)))
         bundle = ModelBundle(model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[encoder],
                              tokenizers=[demo_t5_tokenizer()], noise_scheduler=scheduler, prediction_type=FLOW_MATCHING,
-                             source=f"random-wan-{variant}", extra={"scheduler": scheduler})
+                             source=f"random-wan-{variant}", extra={"scheduler": scheduler, **extra})
         return save_full_diffusers(bundle, Path(folder), dtype)
 
 
 def _variant_file(variant: str) -> str:
-    variants = {"1.3b": "transformer", "14b": "transformer_14b"}
+    variants = {"1.3b": "transformer", "14b": "transformer_14b", "a14b": "transformer_a14b",
+                "ti2v-5b": "transformer_ti2v-5b"}
     if variant not in variants:
         raise ValueError(f"Wan has no variant {variant!r}; use one of {', '.join(variants)}")
     return variants[variant]
+
+
+def _variant_part(part: str, variant: str) -> str:
+    """The shipped config of `part` for `variant`: its own (`vae_ti2v-5b`) where it has one."""
+    return f"{part}_{variant}" if (CONFIG_DIR / "wan" / f"{part}_{variant}.json").is_file() else part
 
 
 def _scheduler(folder: Path):
