@@ -240,7 +240,7 @@ def test_the_low_noise_expert_trains_below_the_boundary_and_samples_with_both(fo
                      "sampling.every_n_steps=3"))
     times = torch.cat(drawn)
     assert len(drawn) >= 3 and float(times.max()) < 0.875 and float(times.min()) > 0
-    assert len(list((tmp_path / "samples").rglob("*.png"))) == 2
+    assert len(list((tmp_path / "samples").rglob("*.webp"))) == 2
     with safe_open(tmp_path / "output" / "tiny.safetensors", "pt") as lora:
         assert lora.metadata()["modelspec.architecture"] == "wan2.2-t2v-a14b-low-noise/lora"
 
@@ -260,4 +260,4 @@ def test_ti2v_trains_a_full_fine_tune_on_48_channel_latents(folders, tmp_path):
     assert sum(losses[-4:]) < sum(losses[:4]), losses
     shapes = {tuple(load_file(path)["mean"].shape) for path in (tmp_path / "cache" / "latents").glob("*.safetensors")}
     assert shapes == {(48, 1, 4, 4), (48, 3, 4, 4)}  # images and 9-frame clips at 64 px: 1/16 of each side
-    assert len(list((tmp_path / "samples").rglob("*.png"))) == 2
+    assert len(list((tmp_path / "samples").rglob("*.webp"))) == 2
