@@ -55,6 +55,9 @@ BLOCK_BYTES = {
     "sd3": {"transformer_blocks": 48.3},
     "qwen": {"transformer_blocks": 52.6},
     "flux2": {"transformer_blocks": 56.3, "single_transformer_blocks": 50.2},
+    # Wan's: fitted to the GPU peaks of its 14B (81 frames, 512 px, checkpointing) on 1 GPU and context-parallel
+    # over 2 and 4 (docs/MultiGPUTraining.md, "the estimate against the peaks"); its 1.3B is not measured.
+    "wan": {"blocks": 28.0},
 }
 DEFAULT_BLOCK_BYTES = 56.3
 """A block of a family not measured above: the largest measured."""
@@ -115,11 +118,15 @@ class Facts:
     trained_encoders: list[str]
     linear: tuple[int, int]
     block_kinds: dict[str, int]
-    """A transformer's repeated blocks by kind (`unit_kinds`)."""
+    """A transformer's repeated blocks by kind (`unit_kinds`), in the order they run."""
     largest_unit: int
     largest_unit_trainable: int
     outside_units: int
     notes: list[str] = field(default_factory=list)
+    kind_params: dict[str, int] = field(default_factory=dict)
+    """Parameters of a transformer block of each kind (the largest of the kind)."""
+    kind_trainable: dict[str, int] = field(default_factory=dict)
+    """Trained parameters of a block of each kind (LoRA adapters, or the whole block)."""
 
     @property
     def trainable(self) -> int:
@@ -183,10 +190,15 @@ def facts(sizes: ModelSizes, cfg) -> Facts:
     largest = max(all_units, key=all_units.get, default=None)
     trained_params = denoiser.params + sum(params[n] for n in trained_encoders)
     kinds = unit_kinds(denoiser.tensors, groups) if unit_kind == "transformer" else {}
+    running = [g for g in groups if g in kinds] + [k for k in kinds if k not in groups]
+    kinds = {k: kinds[k] for k in running}
+    of_kind = lambda by_unit, kind: max((n for u, n in by_unit.items() if u.rsplit(".", 1)[0] == kind), default=0)  # noqa: E731
     return Facts(sizes, params, shapes, trained_encoders, linear_weights(denoiser.tensors), kinds,
                  all_units.get(largest, 0) if largest else 0,
                  max(trainable_by_unit.values(), default=0),
-                 trained_params - sum(all_units.values()))
+                 trained_params - sum(all_units.values()),
+                 kind_params={k: of_kind(denoiser_units, k) for k in kinds},
+                 kind_trainable={k: of_kind(trainable_by_unit, k) for k in kinds})
 
 
 def _adapted(tensors: dict[str, Shape], targets, rank: int) -> dict[str, int]:
@@ -234,8 +246,22 @@ def text_tokens(family: str, cfg, denoiser_config: dict) -> int:
 
 
 def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
-    """Activation bytes of one sample at the config's resolution and precision; None where unknown (a UNet
-    family not measured, or a transformer whose config does not give its width)."""
+    """Activation bytes of one sample at the config's resolution and precision, at the point of the backward
+    that holds the most; None where unknown (a UNet family not measured, or a transformer whose config does
+    not give its width)."""
+    profile = backward_activations(f, cfg, setup)
+    return None if profile is None else max(bytes_ for bytes_, _, _ in profile)
+
+
+def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str, str]] | None:
+    """Activation bytes of one sample at each block's backward, with that block's kind and the kind of the one
+    before it (which FSDP gathers meanwhile): `(bytes, kind, previous kind)`; one entry (kinds empty) where the
+    position does not matter (UNets, no checkpointing). None where unknown.
+
+    With checkpointing the backward of block j holds the inputs of blocks 0..j (the later ones are freed as
+    their backward ends; none with activation offloading, they wait in host memory) and block j's recomputed
+    activations with their gradients; so the most is held at the last block, unless an earlier kind keeps far
+    more - and under FSDP the blocks gathered meanwhile differ in size by position too (`need`)."""
     family, res = f.sizes.family, cfg.data.resolution
     scale = 2.0 if cfg.training.precision == "fp32" else 1.0
     if f.sizes.denoiser_name == "unet":
@@ -243,7 +269,7 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
             return None
         without, with_ckpt = UNET_ACTIVATION_GIB[family]
         per = with_ckpt if setup.checkpointing else without
-        return per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB
+        return [(per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB, "", "")]
     config = f.sizes.denoiser_config
     width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
     if not width:
@@ -258,16 +284,20 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     degree = cfg.multi_gpu.context_parallel
     context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
     tokens = (res // pixels) ** 2 * frames / context + text_tokens(family, cfg, config)
+    per_byte = tokens * width * scale  # bytes for one byte per token and channel
     kinds = f.block_kinds
     coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
     largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)
     if not setup.checkpointing:
         kept = sum(count * coefficients[kind] for kind, count in kinds.items()) + largest
-    elif setup.activation_offload:
-        kept = 2 * largest
-    else:
-        kept = CHECKPOINT_INPUT_BYTES * sum(kinds.values()) + 2 * largest
-    return (kept + OUTSIDE_BLOCK_BYTES) * tokens * width * scale
+        return [((kept + OUTSIDE_BLOCK_BYTES) * per_byte, "", "")]
+    order = [kind for kind, count in kinds.items() for _ in range(count)]
+    profile = []
+    for j, kind in enumerate(order):
+        inputs = 0 if setup.activation_offload else CHECKPOINT_INPUT_BYTES * (j + 1)
+        kept = inputs + 2 * coefficients[kind] + OUTSIDE_BLOCK_BYTES
+        profile.append((kept * per_byte, kind, order[j - 1] if j else kind))
+    return profile or [((2 * largest + OUTSIDE_BLOCK_BYTES) * per_byte, "", "")]
 
 
 def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
@@ -288,7 +318,8 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
     encoder_bytes = sum(f.params[n] for n in frozen_encoders) * DTYPE_BYTES[m.text_encoder_dtype]
     vae_bytes = f.params.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
     whole = (0 if text_cached(cfg) else encoder_bytes) + (0 if cfg.data.cache_latents else vae_bytes)
-    per_sample = activation_bytes_per_sample(f, cfg, setup)
+    profile = backward_activations(f, cfg, setup)
+    per_sample = None if profile is None else max(bytes_ for bytes_, _, _ in profile)
     activations = (per_sample or 0.0) * batch
     overhead = RUNTIME_OVERHEAD_GIB * GIB
     parts: dict[str, float] = {}
@@ -302,8 +333,20 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
         parts["sharded state"] = 0.0 if setup.cpu_offload else sharded / world
         host = sharded / world if setup.cpu_offload else 0.0
         parts["whole gradients (accumulation)"] = whole_gradients
-        parts["gathered blocks"] = (2 * f.largest_unit + f.outside_units) * compute \
-            + f.largest_unit_trainable * (compute + 4)
+
+        def gathered(kind: str, previous: str) -> float:
+            """The block whose backward runs and the one before it (prefetched), gathered, with the first's
+            gradients; the largest unit where the position is not known or a text encoder's layers train."""
+            if not kind or f.trained_encoders:
+                return (2 * f.largest_unit + f.outside_units) * compute + f.largest_unit_trainable * (compute + 4)
+            return ((f.kind_params[kind] + f.kind_params[previous] + f.outside_units) * compute
+                    + f.kind_trainable[kind] * (compute + 4))
+
+        # The moment of the backward that holds the most: Flux's last single block holds every block's input
+        # but gathers a small block, its double blocks gather twice as much while few inputs are left.
+        activations, parts["gathered blocks"] = max(
+            ((bytes_ * batch, gathered(kind, previous)) for bytes_, kind, previous in profile or [(0.0, "", "")]),
+            key=sum)
         parts["frozen encoders and VAE"] = whole
         caching = encoder_bytes + vae_bytes + overhead
     else:
