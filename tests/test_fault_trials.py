@@ -34,3 +34,30 @@ def test_a_killed_loader_worker_and_a_killed_torchrun_agent_end_the_job_naming_w
     assert result.stdout.rstrip().splitlines()[-1].startswith("| agent | torchrun | ")  # the table comes last
     assert "Traceback" not in result.stdout + result.stderr
     assert result.returncode == 0
+
+
+def test_a_process_of_the_job_alive_after_the_grace_time_is_an_orphan_and_none_ends_the_wait_early():
+    """The trials look for orphans until the grace time ends or nothing of the job is left: one that lives on is
+    reported after the whole grace time (what a single look at its end saw), an ended job costs no waiting."""
+    import subprocess
+    import time
+
+    from modules.benchmark.fault_trials import Job, _orphans_after
+
+    job = Job(["sleep", "30"])
+    left_behind = subprocess.Popen(["sleep", "30"])
+    try:
+        job.family.add(left_behind.pid)
+        job.proc.kill()
+        job.proc.wait()
+        started = time.monotonic()
+        assert _orphans_after(job, "rank", 1.0) == [left_behind.pid]
+        assert time.monotonic() - started >= 1.0
+        left_behind.kill()
+        left_behind.wait()
+        started = time.monotonic()
+        assert _orphans_after(job, "rank", 30.0) == []
+        assert time.monotonic() - started < 5
+    finally:
+        left_behind.kill()
+        job.end()

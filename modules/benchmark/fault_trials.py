@@ -360,11 +360,7 @@ def run_trial(kind: str, launcher: str, rng: random.Random, root: Path, cache: P
             except subprocess.TimeoutExpired:
                 outcome.hung = True
             outcome.seconds_to_end = round(time.monotonic() - faulted, 1)
-        time.sleep(2)  # the system reaps what the job left; anything still alive after that is an orphan
-        job.family.update(_descendants(job.proc.pid))
-        outcome.orphans = [pid for pid in _alive(sorted(job.family)) if pid != job.proc.pid or kind != "launcher"]
-        if kind == "stuck":  # the stopped process is the trial's doing; its end is the launcher's to make
-            outcome.orphans = [pid for pid in outcome.orphans if not _stopped(pid)]
+        outcome.orphans = _orphans_after(job, kind, ORPHAN_GRACE_S)
     finally:
         job.end()
     _check_backups(workspace, outcome)
@@ -372,6 +368,24 @@ def run_trial(kind: str, launcher: str, rng: random.Random, root: Path, cache: P
     if outcome.backups and not outcome.restarted:  # a restart showed already whether it resumed
         _resume(workspace, cache, launcher, setup, outcome)
     return outcome
+
+
+ORPHAN_GRACE_S = 2.0
+"""The system reaps what the job left within this time; anything of it still alive after that is an orphan."""
+
+
+def _orphans_after(job: Job, kind: str, grace_s: float) -> list[int]:
+    """The job's processes still alive `grace_s` after its end: the same verdict as looking once at the end of
+    the grace time, found sooner where nothing is left (the usual case: trials do not wait the whole time)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        job.family.update(_descendants(job.proc.pid))
+        left = [pid for pid in _alive(sorted(job.family)) if pid != job.proc.pid or kind != "launcher"]
+        if kind == "stuck":  # the stopped process is the trial's doing; its end is the launcher's to make
+            left = [pid for pid in left if not _stopped(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _stopped(pid: int) -> bool:
