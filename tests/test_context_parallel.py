@@ -3,6 +3,9 @@ the launcher spawns them). 2 processes in one group of 2 train the weights 1 pro
 (DDP and FSDP; LoRA, fp32); the config's rules refuse what cannot work, naming the field and the fix."""
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import pytest
 
@@ -26,12 +29,14 @@ def wan(workspace, cache, *overrides):
 @pytest.mark.timeout(1200)
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_one_group_of_two_processes_trains_what_one_process_trains(tandem_home, tmp_path, strategy):
-    """With DDP the run also samples at its end: the group renders each clip together (the transformer's calls
-    split over both processes) and the clips are those one process renders."""
+def test_one_group_of_two_processes_trains_what_one_process_trains(tandem_home, tmp_path, strategy, capfd, caplog):
+    """With DDP the run also samples at its end and scores held-out items: the group renders each clip and scores
+    each batch together (the transformer's calls split over both processes); the clips are those one process
+    renders, the validation losses those it computes."""
+    caplog.set_level(logging.INFO, logger="tandem")
     cache = tmp_path / "cache"
-    samples = ("sampling.every_n_steps=2", "sampling.inference_steps=2", "sampling.video_frames=5") \
-        if strategy == "ddp" else ()
+    samples = ("sampling.every_n_steps=2", "sampling.inference_steps=2", "sampling.video_frames=5",
+               "data.validation_fraction=0.1", "training.validation_every_n_steps=2") if strategy == "ddp" else ()
     train(wan(tmp_path / "one", cache, "training.batch_size=2", *samples))
     assert launch(wan(tmp_path / "two", cache, "training.batch_size=2", "multi_gpu.enabled=true",
                       "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", f"multi_gpu.strategy={strategy}",
@@ -41,6 +46,13 @@ def test_one_group_of_two_processes_trains_what_one_process_trains(tandem_home, 
     assert_weights_close(read_trained_weights(latest_backup(tmp_path / "two" / "backups").path), single,
                          atol=2e-5, rtol=1e-4)
     if samples:
+        out = "\n".join(capfd.readouterr())
+        found = re.findall(r"Validation loss at step (\d+): ([0-9.]+)", caplog.text + out)
+        by_step: dict[str, list[float]] = {}
+        for step, loss in found:
+            by_step.setdefault(step, []).append(float(loss))
+        assert set(by_step) == {"0", "2"} and all(len(v) == 2 for v in by_step.values()), found  # 1 process, then 2
+        assert all(v[0] == pytest.approx(v[1], rel=1e-4) for v in by_step.values()), by_step
         ours, theirs = (sorted((tmp_path / run / "samples").rglob("*.webp")) for run in ("two", "one"))
         assert [p.name for p in ours] == [p.name for p in theirs] == ["step-0000002-0.webp", "step-0000002-1.webp"]
         for mine, reference in zip(ours, theirs):
