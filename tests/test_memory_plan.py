@@ -328,21 +328,21 @@ def test_a_clip_needs_the_activations_of_all_its_latent_frames():
 def test_the_checkpointed_peak_is_taken_where_the_backward_holds_the_most():
     """Flux.2-dev LoRA under FSDP with checkpointing: its 8 double blocks run first and are twice the size of its
     48 single blocks, so the backward's largest moment is the last single block - every block's input kept,
-    two single blocks gathered - not the sum of the largest of each (two double blocks gathered while every
-    input is kept), which overstated the measured peak by a quarter (docs/MultiGPUTraining.md)."""
+    a single block gathered - not the sum of the largest of each (a double block gathered while every input is
+    kept), which overstated the measured peak by a quarter (docs/MultiGPUTraining.md)."""
     from modules.config.memory_need import Setup, backward_activations, facts, need
     cfg = config("flux2", "lora", "model.unet_dtype=fp8", "training.gradient_checkpointing=true", "training.batch_size=1")
     f = facts(model_sizes(cfg), cfg)
     assert list(f.block_kinds) == ["transformer_blocks", "single_transformer_blocks"]  # the order they run
     assert f.kind_params["transformer_blocks"] > 1.8 * f.kind_params["single_transformer_blocks"]
     profile = backward_activations(f, cfg, Setup("fsdp", 4, True, True))
-    assert len(profile) == 56 and profile[-1][1:] == ("single_transformer_blocks", "single_transformer_blocks")
+    assert len(profile) == 56 and profile[-1][1] == "single_transformer_blocks"
     assert max(profile)[0] == profile[-1][0]  # the most inputs are kept at the last block
     n = need(f, cfg, Setup("fsdp", 4, True, True))
     gib = 1024 ** 3
     assert n.parts["gathered blocks"] == pytest.approx(
-        ((2 * f.kind_params["single_transformer_blocks"] + f.outside_units) * 2
+        ((f.kind_params["single_transformer_blocks"] + f.outside_units) * 2
          + f.kind_trainable["single_transformer_blocks"] * 6) / gib)
     assert n.parts["activations"] == pytest.approx(profile[-1][0] / gib)
     # Measured on 4 H200s held to 24 GiB (FSDP + fp8 base): 15.9 GiB; the estimate without its runtime overhead.
-    assert n.training - n.parts["runtime overhead"] == pytest.approx(15.9, rel=0.10)
+    assert n.training - n.parts["runtime overhead"] == pytest.approx(15.9, rel=0.05)

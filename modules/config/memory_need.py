@@ -6,8 +6,8 @@ Counted from the model's sizes (`model_sizes.py`: exact for the shapes) and the 
   on the GPU (always while caching; during training only when their outputs are not cached);
 - gradients (fp32), DDP's bucket copies, the optimizer state, EMA, autocast's bf16 copies of fp32 weights;
 - with FSDP (`strategy = fsdp`) the trained module's weights (a LoRA's frozen base too), gradients,
-  optimizer state and EMA are held 1/N per GPU - or in host memory with `cpu_offload` - plus two gathered
-  blocks (the running one and the next, prefetched) with one block's gradients, and the parameters
+  optimizer state and EMA are held 1/N per GPU - or in host memory with `cpu_offload` - plus the gathered
+  block whose backward runs, with its gradients (a transformer's; a UNet's largest two), and the parameters
   outside the blocks; gradient accumulation keeps whole gradients between micro-batches;
 - activations, per sample: the UNets' measured on an H200 (`UNET_ACTIVATION_GIB`); a transformer's
   from its geometry (tokens x hidden size x blocks) and the bytes each block keeps for its backward
@@ -250,18 +250,18 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     that holds the most; None where unknown (a UNet family not measured, or a transformer whose config does
     not give its width)."""
     profile = backward_activations(f, cfg, setup)
-    return None if profile is None else max(bytes_ for bytes_, _, _ in profile)
+    return None if profile is None else max(bytes_ for bytes_, _ in profile)
 
 
-def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str, str]] | None:
-    """Activation bytes of one sample at each block's backward, with that block's kind and the kind of the one
-    before it (which FSDP gathers meanwhile): `(bytes, kind, previous kind)`; one entry (kinds empty) where the
-    position does not matter (UNets, no checkpointing). None where unknown.
+def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str]] | None:
+    """Activation bytes of one sample at each block's backward, in the order the blocks run, with the block's
+    kind (which FSDP gathers meanwhile): `(bytes, kind)`; one entry (kind empty) where the position does not
+    matter (UNets, no checkpointing). None where unknown.
 
     With checkpointing the backward of block j holds the inputs of blocks 0..j (the later ones are freed as
     their backward ends; none with activation offloading, they wait in host memory) and block j's recomputed
     activations with their gradients; so the most is held at the last block, unless an earlier kind keeps far
-    more - and under FSDP the blocks gathered meanwhile differ in size by position too (`need`)."""
+    more - and under FSDP the block gathered meanwhile differs in size by position too (`need`)."""
     family, res = f.sizes.family, cfg.data.resolution
     scale = 2.0 if cfg.training.precision == "fp32" else 1.0
     if f.sizes.denoiser_name == "unet":
@@ -269,7 +269,7 @@ def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str, 
             return None
         without, with_ckpt = UNET_ACTIVATION_GIB[family]
         per = with_ckpt if setup.checkpointing else without
-        return [(per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB, "", "")]
+        return [(per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB, "")]
     config = f.sizes.denoiser_config
     width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
     if not width:
@@ -290,14 +290,14 @@ def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str, 
     largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)
     if not setup.checkpointing:
         kept = sum(count * coefficients[kind] for kind, count in kinds.items()) + largest
-        return [((kept + OUTSIDE_BLOCK_BYTES) * per_byte, "", "")]
+        return [((kept + OUTSIDE_BLOCK_BYTES) * per_byte, "")]
     order = [kind for kind, count in kinds.items() for _ in range(count)]
     profile = []
     for j, kind in enumerate(order):
         inputs = 0 if setup.activation_offload else CHECKPOINT_INPUT_BYTES * (j + 1)
         kept = inputs + 2 * coefficients[kind] + OUTSIDE_BLOCK_BYTES
-        profile.append((kept * per_byte, kind, order[j - 1] if j else kind))
-    return profile or [((2 * largest + OUTSIDE_BLOCK_BYTES) * per_byte, "", "")]
+        profile.append((kept * per_byte, kind))
+    return profile or [((2 * largest + OUTSIDE_BLOCK_BYTES) * per_byte, "")]
 
 
 def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
@@ -319,7 +319,7 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
     vae_bytes = f.params.get("vae", 0) * DTYPE_BYTES[m.vae_dtype]
     whole = (0 if text_cached(cfg) else encoder_bytes) + (0 if cfg.data.cache_latents else vae_bytes)
     profile = backward_activations(f, cfg, setup)
-    per_sample = None if profile is None else max(bytes_ for bytes_, _, _ in profile)
+    per_sample = None if profile is None else max(bytes_ for bytes_, _ in profile)
     activations = (per_sample or 0.0) * batch
     overhead = RUNTIME_OVERHEAD_GIB * GIB
     parts: dict[str, float] = {}
@@ -334,19 +334,18 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
         host = sharded / world if setup.cpu_offload else 0.0
         parts["whole gradients (accumulation)"] = whole_gradients
 
-        def gathered(kind: str, previous: str) -> float:
-            """The block whose backward runs and the one before it (prefetched), gathered, with the first's
-            gradients; the largest unit where the position is not known or a text encoder's layers train."""
+        def gathered(kind: str) -> float:
+            """The block whose backward runs, gathered, with its gradients; the largest unit where the position
+            is not known or a text encoder's layers train. One block: the peaks measured under FSDP2 match the
+            running block's weights, not the running and the prefetched one's (docs/MultiGPUTraining.md)."""
             if not kind or f.trained_encoders:
                 return (2 * f.largest_unit + f.outside_units) * compute + f.largest_unit_trainable * (compute + 4)
-            return ((f.kind_params[kind] + f.kind_params[previous] + f.outside_units) * compute
-                    + f.kind_trainable[kind] * (compute + 4))
+            return (f.kind_params[kind] + f.outside_units) * compute + f.kind_trainable[kind] * (compute + 4)
 
-        # The moment of the backward that holds the most: Flux's last single block holds every block's input
-        # but gathers a small block, its double blocks gather twice as much while few inputs are left.
+        # The moment of the backward that holds the most: Flux's last single block holds every block's input,
+        # its double blocks gather twice the weights when few inputs are left.
         activations, parts["gathered blocks"] = max(
-            ((bytes_ * batch, gathered(kind, previous)) for bytes_, kind, previous in profile or [(0.0, "", "")]),
-            key=sum)
+            ((bytes_ * batch, gathered(kind)) for bytes_, kind in profile or [(0.0, "")]), key=sum)
         parts["frozen encoders and VAE"] = whole
         caching = encoder_bytes + vae_bytes + overhead
     else:
