@@ -675,6 +675,32 @@ def test_a_dead_loader_worker_is_named_with_how_it_died():
     loader._iterator._shutdown_workers()
 
 
+@pytest.mark.slow  # waits for the loader's 5 s status check
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills a forked worker")
+def test_a_loader_worker_dead_between_epochs_is_named_when_the_next_epoch_starts():
+    """A persistent worker that dies between epochs ends the next epoch's `iter` (it waits for every worker to
+    take its new order: "DataLoader worker (pid(s) N) exited unexpectedly"), before any batch is taken; the
+    rank's error must name it as a dead batch's does."""
+    import signal
+    from modules.data.dataset import DataLoadingError, loader_worker_context, start_iteration
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True,
+                                         multiprocessing_context=loader_worker_context())
+    list(start_iteration(loader))  # the first epoch
+    (worker,) = loader._iterator._workers
+    # As when the loader's SIGCHLD handler has not run yet (it raises wherever the rank is when it does).
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=60)
+        with pytest.raises(DataLoadingError) as raised:
+            start_iteration(loader)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert str(raised.value) == f"a data loading worker (pid {worker.pid}) of this rank died (SIGKILL)"
+    assert "exited unexpectedly" in str(raised.value.__cause__)
+    loader._iterator._shutdown_workers()
+
+
 def test_a_pipe_reset_read_before_the_dead_worker_can_be_reaped_still_names_it():
     """The killed worker's pipe closes while the kernel is still ending it: the rank can read the reset before the
     worker's exit code exists. The reset waits (up to 2 s) for the exit code instead of blaming the pipe."""

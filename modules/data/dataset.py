@@ -307,6 +307,18 @@ class DataLoadingError(RuntimeError):
     """Loading a batch failed in this rank: one of its loader's worker processes died, or reading an item failed."""
 
 
+def start_iteration(loader: DataLoader):
+    """`iter(loader)`, a failure named as `loading_failure` names it. A later epoch's `iter` waits for every
+    persistent worker to take its new order, so a worker that died between epochs ends it - as PyTorch's
+    "DataLoader worker (pid(s) N) exited unexpectedly" - before any batch is taken."""
+    try:
+        return iter(loader)
+    except (StopIteration, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise loading_failure(loader, error) from error
+
+
 def loading_failure(loader: DataLoader, error: BaseException) -> DataLoadingError:
     """What went wrong with `loader` when taking a batch raised `error`, in words that name the dead worker.
 

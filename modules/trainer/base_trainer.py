@@ -416,7 +416,8 @@ class BaseTrainer(ABC):
         # Said before `iter`: for a later epoch it waits for every (persistent) worker to restart its order, so a
         # stuck worker is named while loading, not after the epoch's last step.
         self.heartbeat.at("loading a batch", self.global_step + 1, long=not self.first_step_done)
-        batches = iter(self.loader)  # the first call starts the loader's (persistent) worker processes
+        from modules.data.dataset import start_iteration
+        batches = start_iteration(self.loader)  # the first call starts the loader's (persistent) worker processes
         workers_s = time.perf_counter() - iterating
         while self.sampler.batches_remaining() >= accumulation:
             first = not self.first_step_done
