@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from modules.config import ConfigError
 from modules.distributed.launch import launch
@@ -131,3 +132,24 @@ def test_each_process_of_a_group_is_planned_for_its_part_of_the_clip():
         per[degree] = activation_bytes_per_sample(facts(model_sizes(cfg), cfg), cfg, Setup("fsdp", 2))
     clip, text = 21 * (640 // 16) ** 2, 512
     assert per[2] / per[1] == pytest.approx((clip / 2 + text) / (clip + text))
+
+
+def test_a_family_split_is_checked_with_the_loaded_models_pixels_per_token():
+    """Before anything is split: a model found by `auto` that cannot split is refused, and tokens are counted with
+    the loaded model's patch size - Wan 2.2 TI2V 5B's 32 px (its 16x VAE), where a 544 px side is 17 tokens (289
+    per frame, which 2 does not divide) though 16 px would make it 34."""
+    from types import SimpleNamespace
+
+    from modules.distributed.context_parallel import ContextGroups
+    from modules.model.families import family
+
+    groups = ContextGroups()
+    groups.use_context_parallel(2)
+    denoiser = SimpleNamespace(config={"num_attention_heads": 24})
+    ti2v = SimpleNamespace(family=family("wan"), denoiser=denoiser,
+                           vae=SimpleNamespace(config=SimpleNamespace(scale_factor_spatial=16)))
+    with pytest.raises(ValueError, match=r"544x544 bucket has 289 per frame \(17 x 17: a token per 32 px\)"):
+        groups.split_sequences(ti2v, torch.device("cpu"), [(544, 544)])
+    flux = SimpleNamespace(family=family("flux"), denoiser=denoiser, vae=None)
+    with pytest.raises(ValueError, match=r"which Flux.1 \(dev, schnell\) cannot.*Set it to 1"):
+        groups.split_sequences(flux, torch.device("cpu"), [(512, 512)])

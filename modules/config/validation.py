@@ -368,22 +368,30 @@ def parse_memory_limits(text: str) -> list[float]:
     return limits
 
 
+def context_parallel_family_problem(degree: int, family: str) -> str | None:
+    """Why `family` cannot split a sample over `degree` GPUs (None: it can, or the family is not known yet)."""
+    from modules.config.model_families import FAMILIES
+
+    info = FAMILIES.get(family)
+    if degree <= 1 or info is None or info.context_parallel:
+        return None
+    able = ", ".join(f.title for f in FAMILIES.values() if f.context_parallel)
+    return (f"multi_gpu.context_parallel: {degree} splits a sample's sequence over GPUs, which {info.title} cannot "
+            f"(its transformer has no context-parallel plan Tandem trains with); models that can: {able}. Set it to 1.")
+
+
 def context_parallel_problems(cfg: TrainConfig, gpus: int | None, family: str | None = None) -> list[str]:
     """What stops `multi_gpu.context_parallel` on `gpus` processes (None: not known yet) for the family `family`
     (None: the config's model type, where it names one), each with its fix."""
-    from modules.config.model_families import FAMILIES
-
     m = cfg.multi_gpu
     degree = m.context_parallel
     if degree <= 1:
         return []
     field = f"multi_gpu.context_parallel: {degree}"
     problems = []
-    info = FAMILIES.get(family or cfg.model.model_type)
-    if info is not None and not info.context_parallel:
-        able = ", ".join(f.title for f in FAMILIES.values() if f.context_parallel)
-        problems.append(f"{field} splits a sample's sequence over GPUs, which {info.title} cannot (its transformer has "
-                        f"no context-parallel plan in diffusers); models that can: {able}. Set it to 1.")
+    unable = context_parallel_family_problem(degree, family or cfg.model.model_type)
+    if unable:
+        problems.append(unable)
     if gpus is not None and gpus % degree:
         problems.append(f"{field} must divide the number of GPUs ({gpus}): each group of {degree} GPUs trains one "
                         f"share of the batch; use {' or '.join(str(d) for d in range(2, gpus + 1) if gpus % d == 0) or 1}, "

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from modules.config.validation import context_parallel_family_problem
 from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")
@@ -39,9 +40,8 @@ class ContextGroups:
     """Processes per sample (`multi_gpu.context_parallel`)."""
 
     def use_context_parallel(self, degree: int) -> None:
-        world = du.world_size()
-        if degree > 1 and world % degree:
-            raise ValueError(f"multi_gpu.context_parallel: {degree} must divide the number of processes ({world}).")
+        """`degree` processes per sample; the caller has checked it against the number of processes
+        (`validation.context_parallel_problems`)."""
         self.context = degree
 
     @property
@@ -65,12 +65,11 @@ class ContextGroups:
         `sizes`: the (width, height) of every bucket the run trains or scores."""
         if self.context <= 1:
             return
-        info = bundle.family.info
-        if not info.context_parallel:
-            raise ValueError(f"multi_gpu.context_parallel: {self.context} splits a sample's sequence over GPUs, which "
-                             f"{info.title} cannot; set it to 1.")
-        problem = indivisible(self.context, bundle.denoiser.config.get("num_attention_heads", 0), sizes,
-                              info.pixel_multiple)
+        family = bundle.family
+        # A model found by `auto`: validation could not know its family.
+        problem = context_parallel_family_problem(self.context, family.name) or indivisible(
+            self.context, bundle.denoiser.config.get("num_attention_heads", 0), sizes,
+            family.sample_size_multiple(bundle))  # pixels per token side (Wan 2.2 TI2V 5B: 32)
         if problem:
             raise ValueError(problem)
         split_over_groups(bundle.denoiser, self.context, device)
