@@ -4,6 +4,7 @@
 # beside the raw reference (.bench/raw_ddp_reference.py, a copy of ../shared/bench/raw_ddp_reference.py)
 # in the same call, 1024 px, batch 1 per GPU, gradient checkpointing, bf16 autocast. Parts, each one call
 # of under 8 minutes:
+#   flux2dev1   Flux.2-dev (32.2 B) LoRA r16 on 1 GPU (the bf16 base, 64 GB, whole on it: an 80 GB card or more)
 #   flux2dev2   Flux.2-dev (32.2 B) LoRA r16 on the attention and the fused single-block projections,
 #               FSDP2 on 2 GPUs (the base in bf16, sharded; DDP cannot hold it next to activations)
 #   flux2dev4   the same on 4 GPUs
@@ -16,7 +17,7 @@
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 #   run on a 4-GPU machine, e.g.:  bash scripts/gpu/families.sh flux2dev2   (carry .bench)
 set -u
-PART="${1:?usage: families.sh flux2dev2|flux2dev4|klein2|chroma|smoke}"
+PART="${1:?usage: families.sh flux2dev1|flux2dev2|flux2dev4|klein2|chroma|smoke}"
 source "$(dirname "$0")/common.sh"
 touch "$RES"; START=$(wc -l < "$RES")
 COMMON="--res 1024 --batch 1 --gc --steps 8 --warmup 3"
@@ -43,6 +44,11 @@ tandem() { # SECONDS -- benchmark arguments: Tandem's trainer
 }
 [ "$PART" = smoke ] || nvidia-smi -L
 case "$PART" in
+flux2dev1)
+    log "Flux.2-dev LoRA r16 1024 b1 gc on 1 GPU: reference, Tandem"
+    reference 200 1 -- --model flux2 --mode lora $COMMON
+    tandem 250 -- --model flux2-dev --mode lora --gpus 1 $COMMON --config-value "$FLUX2_TARGETS"
+    ;;
 flux2dev2|flux2dev4)
     n=${PART#flux2dev}
     log "Flux.2-dev LoRA r16 1024 b1 gc, FSDP2 on $n GPUs: reference, Tandem"
