@@ -85,13 +85,14 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
 
     seen = []
 
-    def fake_spawn(fn, args, nprocs, join):
+    def fake_start(fn, args, nprocs, join, start_method):
         seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        Path(args[3]).write_text(json.dumps({"world": nprocs}))
+        entry, entry_args = args
+        Path(entry_args[3]).write_text(json.dumps({"world": nprocs}))
 
     plan = lambda cfg: LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)  # noqa: E731
     monkeypatch.setattr(runner, "plan_launch", plan)
-    monkeypatch.setattr(mp, "spawn", fake_spawn)
+    monkeypatch.setattr(mp, "start_processes", fake_start)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads_before = None
     for before in (None, "0,1,2,3"):

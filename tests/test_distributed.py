@@ -262,7 +262,10 @@ def _worker_pids(parent: int) -> list[int]:
         for child in children.get(stack.pop(), []):
             stack.append(child)
             agent = "torch.distributed.run" in args[child] or "modules.distributed.agent" in args[child]
-            if "python" in args.get(child, "") and not agent:  # torchrun's agent is no worker
+            # torchrun's agent is no worker, nor is the spawn launcher's forkserver (the launcher's child that
+            # the workers are forked from: they show its command line)
+            server = "multiprocessing.forkserver" in args[child] and child in children.get(parent, [])
+            if "python" in args.get(child, "") and not agent and not server:
                 found.append(child)
     # spawn also starts a resource tracker; workers are the processes that run the training.
     return sorted(p for p in found if "resource_tracker" not in args[p] and "semaphore_tracker" not in args[p])

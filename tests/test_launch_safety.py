@@ -232,20 +232,28 @@ def _ignore(*signums: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, signum", [("spawn", signal.SIGINT), ("torchrun", signal.SIGTERM)],
-                         ids=["SIGINT-spawn", "SIGTERM-torchrun"])
-def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tmp_path, cache_dir, launcher, signum):
+@pytest.mark.parametrize("launcher, signum, group", [("spawn", signal.SIGINT, False), ("torchrun", signal.SIGTERM, False),
+                                                     ("spawn", signal.SIGTERM, True)],
+                         ids=["SIGINT-spawn", "SIGTERM-torchrun", "SIGTERM-to-the-group-spawn"])
+def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tmp_path, cache_dir, launcher, signum,
+                                                                               group):
     """`nohup train_multi_gpu.py &` starts the launcher with SIGINT (and here SIGTERM) ignored: `kill -INT`
     or a scheduler's SIGTERM to the launcher must still stop every rank at one step, with one backup.
     Each signal once and each launcher once: the launcher takes both signals with one handler
     (supervision.StopSignals) and the stop reaches the ranks the same way whichever signal it was (the
-    commands file), so the other two pairs ran the same code again (two launches of CI time)."""
+    commands file), so the other two pairs ran the same code again (two launches of CI time).
+    `group`: SIGTERM to every process of the launch at once (a scheduler's, the GUI's terminate), the
+    forkserver the spawn launcher's workers are forked from included: still one clean stop - the forkserver
+    must not end and take the workers with it mid-step."""
     ws = tmp_path / "ws"
     proc = start_training(ws, cache_dir, launcher, preexec_fn=_ignore(signal.SIGINT, signal.SIGTERM))
     lines: list[str] = []
     try:
         lines += read_until_step(proc, 2)
-        os.kill(proc.pid, signum)  # the launcher only, as `kill -INT <pid>` does
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)  # the launcher only, as `kill -INT <pid>` does
     finally:
         code, output = finish(proc, lines)
     assert code == 0, output[-3000:]

@@ -117,12 +117,18 @@ def _agent(launcher: int) -> int | None:
 
 
 def _ranks(launcher: int) -> list[int]:
-    """The training ranks under `launcher`, in rank order: the children of torchrun's agent, or of the launcher
-    itself under spawn (not multiprocessing's resource tracker, not the ranks' own DataLoader workers)."""
+    """The training ranks under `launcher`, in rank order: the children of torchrun's agent, or under spawn of
+    the launcher's forkserver (Linux) or the launcher itself - not multiprocessing's resource tracker, not the
+    ranks' own DataLoader workers."""
     children = _children()
-    parents = [launcher] + [p for p in children.get(launcher, []) if _is_torchrun(p)]
-    return sorted(c for parent in parents for c in children.get(parent, [])
-                  if not _is_torchrun(c) and b"resource_tracker" not in _cmdline(c) and _cmdline(c))
+    starters = [p for p in children.get(launcher, []) if _is_torchrun(p) or _is_forkserver(p)]
+    return sorted(c for parent in [launcher, *starters] for c in children.get(parent, [])
+                  if c not in starters and b"resource_tracker" not in _cmdline(c) and _cmdline(c))
+
+
+def _is_forkserver(pid: int) -> bool:
+    """The spawn launcher's forkserver (its workers are forked from it and show the same command line)."""
+    return b"multiprocessing.forkserver" in _cmdline(pid)
 
 
 def _is_torchrun(pid: int) -> bool:

@@ -28,7 +28,7 @@ from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
 from modules.distributed.plan import LaunchPlan, plan_launch
-from modules.distributed.processes import spawn_environment, worker_variables
+from modules.distributed.processes import start_workers, stop_forkserver, worker_variables
 from modules.util.logs import setup_logging
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.atomic import unique_path
@@ -286,17 +286,18 @@ def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None,
 
 
 def run_case(case: Case) -> dict:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         cfg = case_config(case, Path(tmp) / "ws")
         plan = plan_launch(cfg) if case.world > 1 else None
         result_file = Path(tmp) / "result.json"
-        # The workers get the users' spawn environment, and their rendezvous served as the launcher serves it.
-        with spawn_environment(plan), (rendezvous.serve(plan.master_addr, plan.master_port, RENDEZVOUS_TIMEOUT)
-                                       if plan else contextlib.nullcontext()) as rendezvous_at:
-            mp.spawn(_entry, args=(case, config_to_dict(cfg), plan, str(result_file), time.time(), rendezvous_at),
-                     nprocs=case.world, join=True)
+        # The workers start as the launcher starts them, and their rendezvous is served as the launcher serves it.
+        with (rendezvous.serve(plan.master_addr, plan.master_port, RENDEZVOUS_TIMEOUT)
+              if plan else contextlib.nullcontext()) as rendezvous_at:
+            try:
+                start_workers(_entry, (case, config_to_dict(cfg), plan, str(result_file), time.time(), rendezvous_at),
+                              case.world, plan, join=True)
+            finally:
+                stop_forkserver()
         result = json.loads(result_file.read_text())
     return result
 

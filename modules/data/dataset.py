@@ -366,10 +366,10 @@ def _signal_name(number: int) -> str:
 def loader_worker_context():
     """How the loader's worker processes start: forked on Linux, whatever launched this process.
 
-    A rank started by `torch.multiprocessing.spawn` (`multi_gpu.launcher = spawn`) inherits "spawn" as
-    its default start method, and spawned workers import torch and the model libraries again before
-    their first batch: spawned ranks would wait ~10 s more before step 1 than torchrun's on H100 hosts,
-    3.4 s on 2 CPU processes. Forked workers are what a torchrun rank gets.
+    A rank of the spawn launcher inherits its start method as the default ("forkserver" on Linux, "spawn"
+    elsewhere), and workers started that way import torch and the model libraries again before their
+    first batch (spawned ranks waited ~10 s more before step 1 than torchrun's on H100 hosts, 3.4 s on 2
+    CPU processes). Forked workers are what a torchrun rank gets.
     Elsewhere (Windows, macOS) spawning is the only safe way, as it is for the ranks."""
     return multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
 

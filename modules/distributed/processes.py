@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -64,18 +65,93 @@ def _worker_env(plan: LaunchPlan) -> dict:
     return env
 
 
-@contextlib.contextmanager
-def spawn_environment(plan: LaunchPlan | None):
-    """The workers' variables (their GPUs, threads) set in this process while it spawns them, then restored.
+# What every worker imports before its first step (the trainer, torch, diffusers' and transformers' model
+# machinery, peft: ~6 CPU-s on a 2-core host): the forkserver imports it once and each worker starts as a copy of it. The first
+# module prepares the server for that (forkserver_setup.py: no CUDA at import, SIGTERM ignored).
+PRELOADED = ("modules.distributed.forkserver_setup", "modules.distributed.worker",
+             "modules.distributed.distributed_trainer", "modules.model.loading", "diffusers.models.modeling_utils",
+             "transformers.modeling_utils", "peft")
 
-    Spawned children inherit this process's environment; restoring it afterwards keeps the parent
-    seeing every GPU, e.g. for a larger next run (`scripts/benchmark.py --gpus 1,2,4`)."""
-    if plan is None:
-        yield
+
+def start_method() -> str:
+    """How torch.multiprocessing starts the workers: from a forkserver on Linux, spawned elsewhere.
+
+    Spawned workers each import torch and the model libraries anew, all at the same time: on a 2-core host
+    that doubled a 2-process start's CPU time, on GPU hosts it is ~8-15 s per rank and the ranks contend
+    for the cores. A forkserver (Python's `multiprocessing` start method) imports them once and forks each
+    worker from itself. Windows has no fork; macOS's system libraries are not safe to fork."""
+    return "forkserver" if platform.system() == "Linux" else "spawn"
+
+
+def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join: bool):
+    """torch.multiprocessing's `start_processes` of `nprocs` workers running `entry(rank, *args)` with the
+    workers' variables of `plan` (their GPUs, threads; None: this process's own). Returns its process
+    context; `stop_forkserver()` once they have ended.
+
+    Each start gets a forkserver of its own, started here inside the workers' environment: its workers get
+    this start's environment and output, as spawned ones would - one server for several starts would hand
+    a later start's workers the first one's (the benchmark's next GPU count, a test's captured output)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    method = start_method()
+    if method == "forkserver":
+        stop_forkserver()
+        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOADED, entry.__module__])
+    with environment(start_variables(plan)):
+        return mp.start_processes(_forked_entry, args=(entry, args), nprocs=nprocs, join=join, start_method=method)
+
+
+def stop_forkserver() -> None:
+    """End this process's forkserver, if it started one (its workers have ended)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+
+
+def _forked_entry(rank: int, entry, args: tuple) -> None:
+    _undo_the_forkserver_settings()
+    entry(rank, *args)
+
+
+def _undo_the_forkserver_settings() -> None:
+    """What a worker forked from the server must not keep (`forkserver_setup.py`); nothing under spawn."""
+    setup = sys.modules.get("modules.distributed.forkserver_setup")
+    if setup is None:
         return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if setup.users_nvml_check is None:
+        os.environ.pop(setup.NVML_CHECK, None)
+    else:
+        os.environ[setup.NVML_CHECK] = setup.users_nvml_check
+    _let_the_forkserver_end_with_the_launcher()
+
+
+def _let_the_forkserver_end_with_the_launcher() -> None:
+    """multiprocessing hands each forkserver child the write end of the pipe whose closing tells the server
+    that its launcher is gone (so that a child could start processes through the same server). Held by the
+    workers, it kept the server - the workers' parent, with which they die - alive after a killed launcher,
+    and so the workers too. A worker that starts processes of its own gets a server of its own."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def start_variables(plan: LaunchPlan | None) -> dict[str, str]:
+    """The variables the workers of `plan` need before any of Tandem's code runs (their GPUs, threads, the
+    store's settings; none without a plan), set only while they start: the parent keeps seeing every GPU,
+    e.g. for a larger next run (`benchmark.py --gpus 1,2,4`)."""
+    if plan is None:
+        return {}
     env = _worker_env(plan)
-    with environment({k: env[k] for k in _SPAWN_VARIABLES if k in env}):
-        yield
+    return {k: env[k] for k in _SPAWN_VARIABLES if k in env}
 
 
 @contextlib.contextmanager
@@ -102,15 +178,14 @@ def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
     # during their start-up (a terminal sends it to every process) must not kill them half-built.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with spawn_environment(plan):
-            context = mp.start_processes(_spawn_entry, args=(str(job_file), plan, os.getpid()),
-                                         nprocs=plan.world_size, join=False, start_method="spawn")
+        context = start_workers(_spawn_entry, (str(job_file), plan, os.getpid()), plan.world_size, plan, join=False)
     finally:
         signal.signal(signal.SIGINT, previous)
     processes = context.processes
     signals.attach(lambda signum: signal_processes(processes, signum))
     try:
         exits = watch(processes)
+        stop_forkserver()
     finally:
         for error_file in context.error_files:  # spawn's per-child traceback files
             with contextlib.suppress(OSError):

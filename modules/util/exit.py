@@ -19,8 +19,18 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         return
-    if parent_pid is not None and os.getppid() != parent_pid:
+    if parent_pid is not None and os.getppid() != parent_pid and not _alive(parent_pid):
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def exit_now(code: int) -> NoReturn:
