@@ -27,3 +27,20 @@ ref 1 $C
 ref 2 $C
 mkdir -p "$OUTDIR/prof"
 timeout -k 5 -s KILL 300 python3 scripts/benchmark.py $C --gpus 1,2 --profile "$OUTDIR/prof" --profile-steps 5 --json "$RES" 2>&1 | grep -v '^{' | tail -20
+
+# ---- later calls: the spawn launcher's forkserver (commit 5689210; the last with stop_forkserver killing the server)
+# call forkserver-1gpu-check (1x H200): scripts/benchmark.py --model sd15 --mode lora --batch 8 --res 512 --steps 20 --warmup 5 --gpus 1 --repeat 2
+# call forkserver-benchmark-2-then-1: scripts/benchmark.py --model sd15 --mode lora --batch 8 --res 512 --steps 10 --warmup 3 --gpus 2,1
+# call forkserver-launch (.bench/baseline = git archive 6badf99, spawned workers):
+E2E=.bench/e2e
+e2e() { python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 --json "$OUTDIR/e2e.jsonl" "$@"; }
+rm -rf /tmp/tandem-e2e/shared-cache
+S=(--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0 --config-value multi_gpu.launcher=spawn)
+e2e "${S[@]}" --run "fill@.:1:0" --run "spawned@.bench/baseline:2:0,1" --run "forkserver@.:2:0,1" \
+   --run "spawned@.bench/baseline:2:0,1" --run "forkserver@.:2:0,1" 2>&1 | tail -12
+nvidia-smi --query-gpu=index,memory.used --format=csv
+# call forkserver-killed-at-end:
+E2E=.bench/e2e
+S=(--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0 --config-value multi_gpu.launcher=spawn)
+python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 --json "$OUTDIR/e2e.jsonl" "${S[@]}" \
+  --run "fill@.:1:0" --run "forkserver@.:2:0,1" --run "spawned@.bench/baseline:2:0,1" --run "forkserver@.:2:0,1" 2>&1 | tail -5
