@@ -195,7 +195,7 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
                '@tandem {"type": "sample", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
                "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
-               "Samples at step 10: 4 image(s) in 2.3 s.",
+               "Samples at step 10: 4 sample(s) in 2.3 s.",  # the current wording (samples may be clips)
                '@tandem {"type": "done", "images_per_s": 12.5}']
 
     def command_for(spec, args, workspace):

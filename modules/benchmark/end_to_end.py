@@ -185,7 +185,7 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
         marks["first_step_s"] = float(line.split()[2])
         if gap := re.search(r"; ([\d.]+) s before it since the start-up summary \(starting the loader's workers ([\d.]+) s\)", line):
             marks["summary_to_step1_s"], marks["loader_workers_s"] = float(gap.group(1)), float(gap.group(2))
-    elif match := re.match(r"Samples at step \d+: \d+ image\(s\) in ([\d.]+) s", line):
+    elif match := re.match(r"Samples at step \d+: \d+ (?:sample|image)\(s\) in ([\d.]+) s", line):  # older trees: image(s)
         samplings.append(float(match.group(1)))
 
 
