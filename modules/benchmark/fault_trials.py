@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modules.util.exit import pid_exists
 from modules.util.run_protocol import parse_event_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,9 +140,7 @@ def _is_torchrun(pid: int) -> bool:
 def _alive(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_exists(pid):
             continue
         stat = Path(f"/proc/{pid}/stat")
         if stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"):

@@ -1,6 +1,6 @@
 """Imported first by the spawn launcher's forkserver (`processes.PRELOADED`), and by nothing else.
 
-Two settings of the server process that its workers must not keep (`processes._with_variables` undoes both):
+Two settings of the server process that its workers must not keep (`processes._undo_the_forkserver_settings`):
 
 - SIGTERM ignored. The forkserver is the parent of every worker, and each worker dies with its parent
   (`end_with_parent`). A SIGTERM to the launch's process group - what a job scheduler or the GUI's

@@ -66,8 +66,8 @@ def _worker_env(plan: LaunchPlan) -> dict:
 
 
 # What every worker imports before its first step (the trainer, torch, diffusers' and transformers' model
-# machinery, peft: ~6 CPU-s on a 2-core host): the forkserver imports it once and each worker starts as a copy of it. The first
-# module prepares the server for that (forkserver_setup.py: no CUDA at import, SIGTERM ignored).
+# machinery, peft: ~6 CPU-s on a 2-core host): the forkserver imports it once and each worker starts as a
+# copy of it. The first module prepares the server for that (forkserver_setup.py: no CUDA, SIGTERM ignored).
 PRELOADED = ("modules.distributed.forkserver_setup", "modules.distributed.worker",
              "modules.distributed.distributed_trainer", "modules.model.loading", "diffusers.models.modeling_utils",
              "transformers.modeling_utils", "peft")
@@ -76,9 +76,10 @@ PRELOADED = ("modules.distributed.forkserver_setup", "modules.distributed.worker
 def start_method() -> str:
     """How torch.multiprocessing starts the workers: from a forkserver on Linux, spawned elsewhere.
 
-    Spawned workers each import torch and the model libraries anew, all at the same time: on a 2-core host
-    that doubled a 2-process start's CPU time, on GPU hosts it is ~8-15 s per rank and the ranks contend
-    for the cores. A forkserver (Python's `multiprocessing` start method) imports them once and forks each
+    Spawned workers each import torch and the model libraries anew, all at the same time, contending for the
+    cores: 3 steps of the demo on 2 CPU processes took 21.6-22.7 CPU-s spawned and 14.6-15.6 forked (2 cores);
+    on 2x H200 the imports moved from 7.8-8.3 s of each rank's start into the server (docs/Performance.md,
+    "Spawned workers against workers forked from one forkserver"). A forkserver (Python's `multiprocessing` start method) imports them once and forks each
     worker from itself. Windows has no fork; macOS's system libraries are not safe to fork."""
     return "forkserver" if platform.system() == "Linux" else "spawn"
 
@@ -178,9 +179,7 @@ def environment(values: dict[str, str]):
 
 def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
                  signals: StopSignals) -> tuple[int, list[failures.WorkerExit]]:
-    """(exit code, the failures seen first) of N spawned workers."""
-    import torch.multiprocessing as mp
-
+    """(exit code, the failures seen first) of N workers started by torch.multiprocessing."""
     # The children inherit SIGINT ignored until run_worker installs their stop handler: a Ctrl-C
     # during their start-up (a terminal sends it to every process) must not kill them half-built.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -19,11 +19,12 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         return
-    if parent_pid is not None and os.getppid() != parent_pid and not _alive(parent_pid):
+    if parent_pid is not None and os.getppid() != parent_pid and not pid_exists(parent_pid):
         os._exit(1)
 
 
-def _alive(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie too; one of another user too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
