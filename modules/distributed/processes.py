@@ -79,8 +79,9 @@ def start_method() -> str:
     Spawned workers each import torch and the model libraries anew, all at the same time, contending for the
     cores: 3 steps of the demo on 2 CPU processes took 21.6-22.7 CPU-s spawned and 14.6-15.6 forked (2 cores);
     on 2x H200 the imports moved from 7.8-8.3 s of each rank's start into the server (docs/Performance.md,
-    "Spawned workers against workers forked from one forkserver"). A forkserver (Python's `multiprocessing` start method) imports them once and forks each
-    worker from itself. Windows has no fork; macOS's system libraries are not safe to fork."""
+    "Spawned workers against workers forked from one forkserver"). A forkserver (Python's `multiprocessing`
+    start method) imports them once and forks each worker from itself. Windows has no fork; macOS's system
+    libraries are not safe to fork."""
     return "forkserver" if platform.system() == "Linux" else "spawn"
 
 
