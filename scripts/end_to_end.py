@@ -1,7 +1,9 @@
 """Launch-to-exit timing of a whole training job on 1..N GPUs, for one or more source trees.
 
-    python scripts/end_to_end.py --base-model /tmp/sd15 --make-model sd1 --data /tmp/e2e-data --make-data 512 \
+    python scripts/end_to_end.py --job sd15 --base-model /tmp/sd15 --make-model --data /tmp/e2e-data --make-data \
         --run new@.:1 --run new@.:2 --run new@.:4
+    python scripts/end_to_end.py --job sdxl --base-model /tmp/sdxl --make-model --data /tmp/e2e-sdxl --make-data \
+        --run new@.:1 --run new@.:2
 
 See modules/benchmark/end_to_end.py and scripts/gpu/end_to_end.sh.
 """

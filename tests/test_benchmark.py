@@ -203,8 +203,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         return [sys.executable, "-c", f"print({printed!r}[0], flush=True)\n{wait}print('\\n'.join({printed!r}[1:]))"]
 
     monkeypatch.setattr(end_to_end, "command_for", command_for)
-    args = SimpleNamespace(json=tmp_path / "results.jsonl", images=8, resolution=64, batch=2, epochs=1, prompts=4,
-                           sample_every=1, config_value=[], label_config=[])
+    args = SimpleNamespace(json=tmp_path / "results.jsonl", job="sd15", preset="sd15_lora", images=8, resolution=64,
+                           batch=2, epochs=1, prompts=4, sample_every=1, config_value=[], label_config=[])
     specs = [end_to_end.RunSpec("quick", tmp_path, 1, None), end_to_end.RunSpec("slow", tmp_path, 2, None)]
     group = threading.Thread(target=end_to_end.run_group, args=(specs, args, tmp_path))
     group.start()
@@ -228,6 +228,54 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         release.touch()
         group.join(60)
     assert [json.loads(line)["label"] for line in args.json.read_text().splitlines()] == ["quick", "slow"]
+
+
+def test_each_end_to_end_job_starts_from_its_preset_on_a_model_of_that_presets_type(tmp_path):
+    """scripts/end_to_end.py --job: the jobs of docs/Performance.md's end-to-end table, each on the model type
+    its preset trains, with the job's numbers unless an option changes one."""
+    from modules.benchmark.end_to_end import JOBS, RunSpec, command_for, parse_args
+    from modules.config.presets import load_preset
+
+    for name, job in JOBS.items():
+        assert load_preset(job.preset).model.model_type == job.make_model, name
+    args = parse_args(["--job", "sdxl", "--base-model", str(tmp_path / "sdxl"), "--make-model", "--data",
+                       str(tmp_path / "images"), "--make-data", "--epochs", "1", "--run", "new@.:2"])
+    assert (args.preset, args.make_model, args.make_data, args.image_size) == ("sdxl_lora", "sdxl", 1000, 1024)
+    assert (args.resolution, args.batch, args.epochs, args.sample_every) == (1024, 4, 1, 2)
+    command = command_for(RunSpec.parse("new@.:2"), args, tmp_path / "ws")
+    assert command[command.index("--config-path") + 1] == "sdxl_lora" and command[command.index("--num-gpus") + 1] == "2"
+    assert {"data.resolution=1024", "training.batch_size=4", "training.epochs=1"} <= set(command)
+    flux = parse_args(["--job", "flux", "--base-model", "f", "--make-model", "sd1", "--data", "d", "--run", "x@.:1"])
+    assert (flux.make_model, flux.make_data, flux.batch, flux.epochs) == ("sd1", 0, 1, 2)
+
+
+def test_the_end_to_end_harness_records_what_the_run_s_gpus_clocks_did(tmp_path, monkeypatch):
+    """A run slower per GPU than another may be the card lowering its clock: the harness samples nvidia-smi
+    during each run and keeps, for the run's GPUs only, the clock at the start and the end, power and heat."""
+    import time
+
+    from modules.benchmark.gpu_monitor import GpuMonitor, summarize
+
+    lines = [f"{gpu}, {clock}, 650.5, {60 + i}, 100" for i, clock in enumerate([1980, 1980, 1900, 1755]) for gpu in (0, 1, 2)]
+    lines += ["1, [N/A], 600.0, 70, 99", "garbage"]
+    summary = summarize(lines, {0, 2})
+    assert sorted(summary) == ["0", "2"]
+    assert summary["0"]["sm_mhz_first_quarter"] == 1980 and summary["0"]["sm_mhz_last_quarter"] == 1755
+    assert summary["0"]["sm_mhz_min"] == 1755 and summary["0"]["temperature_c_max"] == 63
+    assert summary["2"]["power_w_median"] == 650.5 and summary["2"]["samples"] == 4
+    # The real sampler, with an nvidia-smi that prints what a two-GPU host prints each interval.
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nwhile true; do echo '0, 1980, 700.0, 55, 100'; echo '1, 1500, 300.0, 40, 0'; sleep 0.05; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monitor = GpuMonitor("1", interval_ms=50).start()
+    time.sleep(0.5)
+    monitor.stop()
+    (gpu,) = monitor.summary().items()
+    assert gpu[0] == "1" and gpu[1]["sm_mhz_median"] == 1500 and gpu[1]["samples"] >= 2
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert GpuMonitor().start().summary() == {}  # no nvidia-smi: nothing sampled, the run goes on
 
 
 def test_the_rounding_check_compares_runs_of_one_global_batch_on_one_thread_but_its_control(tmp_path):

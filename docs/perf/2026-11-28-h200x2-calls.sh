@@ -44,3 +44,10 @@ E2E=.bench/e2e
 S=(--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0 --config-value multi_gpu.launcher=spawn)
 python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 --json "$OUTDIR/e2e.jsonl" "${S[@]}" \
   --run "fill@.:1:0" --run "forkserver@.:2:0,1" --run "spawned@.bench/baseline:2:0,1" --run "forkserver@.:2:0,1" 2>&1 | tail -5
+
+# ---- call sdxljob (a later session, 13:08-13:36; tree e732655 + the end-to-end jobs of scripts/end_to_end.py)
+# #38 the SDXL LoRA job on 1 GPU then 2 GPUs, each alone on the host; the 1-GPU run (965 s) outlasts a 10-minute
+# call, so each run is detached and the next call collects it
+JOB=sdxl bash scripts/gpu/end_to_end.sh detach new@.:1:0; WAIT=555 JOB=sdxl bash scripts/gpu/end_to_end.sh collect
+WAIT=500 JOB=sdxl bash scripts/gpu/end_to_end.sh collect && JOB=sdxl bash scripts/gpu/end_to_end.sh detach new@.:2:0,1
+WAIT=520 JOB=sdxl bash scripts/gpu/end_to_end.sh collect

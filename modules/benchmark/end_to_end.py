@@ -7,11 +7,14 @@ same call), each with a fresh workspace and cache. Every output line is time-sta
 each run splits into: before step 1 (launch to the `config` event, which the trainer emits when its
 start-up is done), training (`config` to `done`: every step, sample, backup and the final save) and
 done to exit; the training splits further, from the steps' `progress` events, into the steps, what the
-epoch ends added, the samplings and the final save (`split_training`). One JSON line per run; a table at
-the end.
+epoch ends added, the samplings and the final save (`split_training`); the run's GPUs' clocks, power and
+temperature are sampled meanwhile (`gpu_clocks`). One JSON line per run; a table at the end.
 
-    python scripts/end_to_end.py --base-model /tmp/sd15 --data /tmp/e2e-data --make-data 512 \\
+    python scripts/end_to_end.py --job sd15 --base-model /tmp/sd15 --make-model --data /tmp/e2e-data --make-data \\
         --run new@.:1 --run baseline@.bench/baseline:1 --run new@.:2 ...
+
+`--job` picks one of the jobs people run (`JOBS`: the preset, the model to build, the images, resolution,
+batch, epochs and samplings); each of its values can still be changed by its own option.
 
 A run spec is `LABEL@TREE:GPUS[:DEVICES]`; specs joined with `+` in one `--run` run at the same time on
 different GPUs (DEVICES, e.g. `0` and `1`), which halves a before/after comparison's time on a
@@ -31,8 +34,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from modules.benchmark.gpu_monitor import GpuMonitor
+from modules.config.model_families import MODEL_TYPES
+
 PROMPTS = ("a red circle on a blue background", "a green square in a field", "a yellow triangle at night",
            "two shapes on a white table")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job as a user starts it from a preset: on `images` pictures of `image_size` px, trained
+    at `resolution` with `batch` per GPU for `epochs`, sampling `prompts` prompts every `sample_every` epochs."""
+    preset: str
+    make_model: str
+    images: int
+    image_size: int
+    resolution: int
+    batch: int
+    epochs: int
+    prompts: int = 4
+    sample_every: int = 5
+    sample_steps: int = 20
+
+
+# The jobs of the end-to-end table in docs/Performance.md, each on a real-size random model.
+JOBS = {
+    "sd15": Job("sd15_lora", "sd1", images=512, image_size=512, resolution=512, batch=8, epochs=10),
+    "sdxl": Job("sdxl_lora", "sdxl", images=1000, image_size=1024, resolution=1024, batch=4, epochs=4,
+                sample_every=2),
+    "flux": Job("flux_lora", "flux", images=512, image_size=1024, resolution=1024, batch=1, epochs=2,
+                sample_every=2),
+}
 
 
 @dataclass(frozen=True)
@@ -117,6 +149,7 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
     marks: dict[str, float] = {}
     phases: dict[str, float] = {}
     samplings: list[float] = []
+    monitor = GpuMonitor(spec.devices).start()
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=spec.tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace")
@@ -129,6 +162,7 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
             _read_line(line, at, marks, phases, samplings)
     code = proc.wait()
     wall = time.monotonic() - started
+    monitor.stop()
     done = marks.get("done")
     result = {"label": spec.label, "tree": str(spec.tree), "gpus": spec.gpus, "devices": spec.devices,
               "exit_code": code, "wall_s": round(wall, 1),
@@ -139,11 +173,12 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
               "loader_workers_s": marks.get("loader_workers_s"), "startup_phases_s": phases,
               "startup_parts_s": marks.get("startup_parts", {}), "sampling_s": samplings,
               "log": f"{workspace.name}.log",
-              "job": {"images": args.images, "resolution": args.resolution, "batch_per_gpu": args.batch,
-                      "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
+              "job": {"name": args.job, "preset": args.preset, "images": args.images, "resolution": args.resolution,
+                      "batch_per_gpu": args.batch, "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
                                                           if v.split(":", 1)[0] == spec.label]}}
     spans = list(marks.get("sample_spans", {}).values())
+    result["gpu_clocks"] = monitor.summary()
     result["sampling_from_events_s"] = [round(end - start, 2) for start, end in spans]
     result["training_split_s"] = split_training(marks.get("steps_reported", []), spans, result["first_step_s"],
                                                 result["train_s"])
@@ -256,20 +291,28 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the job's values where no option gave one."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", choices=sorted(JOBS), default="sd15",
+                   help="the job's defaults (preset, model type, images, resolution, batch, epochs, samplings)")
     p.add_argument("--base-model", required=True, help="diffusers folder or file (built with --make-model if missing)")
-    p.add_argument("--make-model", choices=["sd1", "sd2", "sdxl"], help="write a random real-size model there first")
+    p.add_argument("--make-model", nargs="?", const="", choices=["", *MODEL_TYPES], metavar="TYPE",
+                   help="write a random real-size model of TYPE (default: the job's) at --base-model first if it "
+                        "is missing")
+    p.add_argument("--make-device", help="where to initialise the random model's weights (default: cuda where there "
+                                         "is one: much faster for the big models)")
     p.add_argument("--data", required=True, type=Path, help="image folder (built with --make-data if short)")
-    p.add_argument("--make-data", type=int, default=0, metavar="N", help="make N JPEGs with captions there")
-    p.add_argument("--image-size", type=int, default=512)
-    p.add_argument("--preset", default="sd15_lora")
-    p.add_argument("--resolution", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--sample-every", type=int, default=5, help="sampling.every_n_epochs")
-    p.add_argument("--sample-steps", type=int, default=20)
+    p.add_argument("--make-data", type=int, nargs="?", const=-1, default=0, metavar="N",
+                   help="make N JPEGs with captions there (without N: the job's number of images)")
+    p.add_argument("--image-size", type=int)
+    p.add_argument("--preset")
+    p.add_argument("--resolution", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--prompts", type=int)
+    p.add_argument("--sample-every", type=int, help="sampling.every_n_epochs")
+    p.add_argument("--sample-steps", type=int)
     p.add_argument("--config-value", action="append", default=[], help="extra override for every run")
     p.add_argument("--label-config", action="append", default=[], metavar="LABEL:KEY=VALUE",
                    help="extra override for the runs labelled LABEL")
@@ -280,13 +323,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="append one JSON line per run")
     p.add_argument("--cpu", action="store_true", help="CPU processes (for testing the harness)")
     args = p.parse_args(argv)
+    job = JOBS[args.job]
+    for name in ("image_size", "preset", "resolution", "batch", "epochs", "prompts", "sample_every", "sample_steps"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(job, name))
+    if args.make_model == "":
+        args.make_model = job.make_model
+    if args.make_data == -1:
+        args.make_data = job.images
     args.images = args.make_data or len(list(Path(args.data).glob("*.jpg")))
     args.data = Path(args.data).resolve()  # each tree's runs start in that tree
     if not args.base_model.startswith("builtin:"):
         args.base_model = str(Path(args.base_model).resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.make_model and not Path(args.base_model).exists():
+        import torch
+
         from modules.benchmark.synthetic import write_random_model
-        write_random_model(args.make_model, args.base_model)
+        device = args.make_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        write_random_model(args.make_model, args.base_model, device=device)
     if args.make_data:
         make_images(args.data, args.make_data, args.image_size)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Launch to exit, as a user waits: the 5,120-image SD1.5 LoRA job of docs/Performance.md (real-size random
-# SD1.5 folder, 512 JPEGs at 512 px with captions, batch 8 per GPU, 10 epochs, 4 sample prompts every 5
-# epochs, backups every epoch, fresh cache) on 1, 2 and 4 GPUs, for this tree and a baseline tree (an
+# Launch to exit, as a user waits: the jobs of docs/Performance.md's end-to-end table (JOB=sd15, the default:
+# the 5,120-image SD1.5 LoRA job - real-size random SD1.5 folder, 512 JPEGs at 512 px with captions, batch 8 per
+# GPU, 10 epochs, 4 sample prompts every 5 epochs, backups every epoch, fresh cache; JOB=sdxl and JOB=flux: the
+# SDXL and Flux.1-size LoRA jobs of scripts/end_to_end.py's JOBS) on 1, 2 and 4 GPUs, for this tree and a
+# baseline tree (an
 # earlier commit exported to .bench/baseline: `git archive <commit> modules scripts training_presets
 # pyproject.toml | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
 #   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
+#   job      this tree on each GPU count in GPUS (default "1 2 4"), one after the other
+#   detach RUN...  runs (LABEL@TREE:GPUS[:DEVICES]) in a process session of their own that outlives this call,
+#            for a job longer than one 10-minute call (the SDXL and Flux jobs on 1 GPU): the next call runs
+#   collect  which waits (up to WAIT s, default 580) for them to end and adds their lines to the results
 #   compiled the same with training.compile=true; run it twice on a fresh machine (the first run of each
 #            GPU count fills the compile cache; the second is the warm figure)
 #   coldexit `done` to exit after a cold compile: 2 GPUs, 1 epoch, a fresh compile cache
@@ -28,15 +34,37 @@
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e
 # (each line of the table in docs/Performance.md: `scripts/end_to_end.py` prints it, `training_split_s`).
 set -u
-PART="${1:?usage: end_to_end.sh alone|compiled|coldexit|bytecode|imports|before|baseline|after|backups|sampling|launchers|launch4|startup}"
+PART="${1:?usage: end_to_end.sh alone|job|detach|collect|compiled|coldexit|bytecode|imports|before|baseline|after|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
-E2E=.bench/e2e; BASE=.bench/baseline
+E2E=.bench/e2e; BASE=.bench/baseline; JOB="${JOB:-sd15}"
+DETACHED=/tmp/tandem-e2e/detached  # .log, .jsonl and .done of the runs started by `detach`
+[ -z "${E2E_RESULTS:-}" ] || RES="$E2E_RESULTS"
 COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
-e2e() { python3 scripts/end_to_end.py --base-model "$E2E/sd15" --make-model sd1 --data "$E2E/images" --make-data 512 \
-        --json "$RES" "$@"; }
+e2e() { python3 scripts/end_to_end.py --job "$JOB" --base-model "$E2E/$JOB" --make-model --data "$E2E/images-$JOB" \
+        --make-data --json "$RES" "$@"; }
+runs() { local args=() r; for r in "$@"; do args+=(--run "$r"); done; e2e "${args[@]}"; }
 nvidia-smi -L
 case "$PART" in
+job)
+    log "JOB=$JOB, this tree on ${GPUS:-1 2 4} GPU(s), one at a time"
+    for n in ${GPUS:-1 2 4}; do runs "new@.:$n:$(seq -s, 0 $((n - 1)))"; done
+    ;;
+runs)  # what `detach` starts: the runs named after it
+    shift; runs "$@"
+    ;;
+detach)
+    shift; mkdir -p /tmp/tandem-e2e; rm -f "$DETACHED".{log,jsonl,done}
+    log "JOB=$JOB detached: $*"
+    E2E_RESULTS="$DETACHED.jsonl" setsid nohup bash -c 'bash "$0" runs "$@"; touch '"$DETACHED.done" "$0" "$@" \
+        > "$DETACHED.log" 2>&1 < /dev/null &
+    ;;
+collect)
+    log "waiting up to ${WAIT:-580} s for the detached runs"
+    for _ in $(seq "${WAIT:-580}"); do [ -e "$DETACHED.done" ] && break; sleep 1; done
+    tail -n 30 "$DETACHED.log"
+    if [ -e "$DETACHED.done" ]; then cat "$DETACHED.jsonl" >> "$RES"; else log "the detached runs are still going"; fi
+    ;;
 before)
     log "prepare; 1 GPU both trees, 2 GPUs both trees, baseline on 4 GPUs"
     e2e --run "baseline@$BASE:1:0+new@.:1:1" --run "baseline@$BASE:2:0,1+new@.:2:2,3" --run "baseline@$BASE:4"
