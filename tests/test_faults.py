@@ -82,7 +82,7 @@ class Run:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["spawn"])  # torchrun's: tests/test_fault_trials.py and test_elastic.py
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])  # with restarts: tests/test_elastic.py
 def test_a_killed_loader_worker_ends_the_job_at_once_naming_its_rank(tmp_path, cache_dir, launcher):
     """kill -9 of a DataLoader worker of rank 1 (what the OOM killer does): on GPUs the job sat out
     timeout_minutes and then named rank 0. It must end within seconds, one headline naming rank 1, no tracebacks."""

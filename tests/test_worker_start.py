@@ -1,7 +1,8 @@
 """How the spawn launcher starts its workers: from a forkserver that imported the libraries once (Linux).
 
-Forked workers inherit the server's environment and output, so each start gets a server of its own; the
-server must never have initialised CUDA (a forked child of such a process cannot use it).
+Forked workers would inherit the server's environment, folder and output: each start hands its own over,
+and a start under other variables read at import gets a server of its own; the server must never have
+initialised CUDA (a forked child of such a process cannot use it).
 """
 from __future__ import annotations
 
@@ -27,17 +28,19 @@ def report_environment(rank: int, out_dir: str) -> None:
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
         "start_method": multiprocessing.get_start_method(), "diffusers_loaded": "diffusers.models.modeling_utils"
-        in sys.modules, "parent": os.getppid(), "events": os.environ.get("TANDEM_EVENTS")}))
+        in sys.modules, "parent": os.getppid(), "events": os.environ.get("TANDEM_EVENTS"), "cwd": os.getcwd(),
+        "umask": os.umask(0o22)}))
     print(f"rank {rank} reporting", flush=True)
 
 
-def _start(out_dir: Path, plan, nprocs: int) -> list[dict]:
+def _start(out_dir: Path, plan, nprocs: int, stop: bool = True) -> list[dict]:
     out_dir.mkdir()
     before = dict(os.environ)
     try:
         processes.start_workers(report_environment, (str(out_dir),), nprocs, plan, join=True)
     finally:
-        processes.stop_forkserver()
+        if stop:
+            processes.stop_forkserver()
     assert dict(os.environ) == before  # the parent's own are left as they were
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
@@ -63,6 +66,74 @@ def test_each_start_gives_its_workers_its_own_gpus_threads_and_output(tmp_path, 
     assert second[0]["CUDA_VISIBLE_DEVICES"] is None and second[0]["threads"] == 2 and second[0]["events"] == "1"
     assert second[0]["parent"] != first[0]["parent"]
     assert "rank 0 reporting" in capfd.readouterr().out  # the workers write where this start's output goes
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is Linux's start method here")
+def test_a_kept_forkserver_gives_each_start_its_own_environment_folder_umask_and_output(tmp_path, monkeypatch, capfd):
+    """Starts one after another in one process (a test session's launches) keep the server, whose imports
+    are what a start costs, and still give each start's workers that start's variables, working folder,
+    umask and output, as spawned workers would have them. Killed meanwhile, it is started again."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("TANDEM_EVENTS", "first")
+    processes.stop_forkserver()
+    try:
+        first = _start(tmp_path / "first", None, 1, stop=False)
+        assert "rank 0 reporting" in capfd.readouterr().out
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        monkeypatch.setenv("TANDEM_EVENTS", "second")
+        previous_umask = os.umask(0o077)
+        try:
+            second = _start(tmp_path / "second", None, 2, stop=False)
+        finally:
+            os.umask(previous_umask)
+        assert {r["parent"] for r in second} == {first[0]["parent"]}  # the same server, not imported again
+        assert {r["events"] for r in second} == {"second"} and first[0]["events"] == "first"
+        assert {r["cwd"] for r in second} == {str(tmp_path / "elsewhere")} and {r["umask"] for r in second} == {0o077}
+        assert capfd.readouterr().out.count("reporting") == 2  # where this start's output goes
+        os.kill(first[0]["parent"], 9)
+        _until_dead(first[0]["parent"])
+        third = _start(tmp_path / "third", None, 1, stop=False)
+        assert third[0]["parent"] != first[0]["parent"] and third[0]["events"] == "second"
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by torch while the server imported it: a new server
+        fourth = _start(tmp_path / "fourth", None, 1, stop=False)
+        assert fourth[0]["parent"] != third[0]["parent"] and fourth[0]["threads"] == 2
+    finally:
+        processes.stop_forkserver()
+
+
+def _until_dead(pid: int, timeout: float = 30) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    status = Path(f"/proc/{pid}/status")
+    while status.exists() and "\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_finished_launcher_ends_its_forkserver_at_once(tmp_path):
+    """`exit_now` kills the kept server, which holds the launcher's output open: a harness reading that output
+    to its end would otherwise wait for the server's own orderly exit (1.3-1.8 s on a GPU host). Gone the
+    moment the launcher is, not a while after."""
+    script = (
+        "from multiprocessing import forkserver\n"
+        "from modules.distributed import processes\n"
+        "from modules.util.exit import exit_now\n"
+        "from tests.test_worker_start import report_environment\n"
+        f"processes.start_workers(report_environment, ({str(tmp_path)!r},), 1, None, join=True)\n"
+        "print('server', forkserver._forkserver._forkserver_pid, flush=True)\n"
+        "exit_now(0)\n")
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+    status = None
+    server = int((tmp_path / "out.txt").read_text().split("server ")[1].split()[0])
+    try:
+        status = Path(f"/proc/{server}/status").read_text()
+    except OSError:
+        pass
+    assert done.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    assert status is None or "\tZ" in status, f"the forkserver {server} outlived its launcher:\n{status}"
+    assert (tmp_path / "rank0.json").exists()
 
 
 PROBE = """

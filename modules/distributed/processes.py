@@ -24,7 +24,7 @@ from modules.distributed.agent import EXITS_VARIABLE
 from modules.distributed.plan import LaunchPlan
 from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, end_with_parent, signal_processes, watch
-from modules.util.exit import exit_now
+from modules.util.exit import exit_now, stop_multiprocessing_forkserver
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,40 +88,98 @@ def start_method() -> str:
 def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join: bool):
     """torch.multiprocessing's `start_processes` of `nprocs` workers running `entry(rank, *args)` with the
     workers' variables of `plan` (their GPUs, threads; None: this process's own). Returns its process
-    context; `stop_forkserver()` once they have ended.
+    context. The forkserver stays for the next start of this process (a test session's launches) and ends
+    with the process (`exit_now`) or `stop_forkserver()` (the benchmark ends it after each case).
 
-    Each start gets a forkserver of its own, started here inside the workers' environment: its workers get
-    this start's environment and output, as spawned ones would - one server for several starts would hand
-    a later start's workers the first one's (the benchmark's next GPU count, a test's captured output)."""
-    import multiprocessing
-
+    A forked worker takes from this start, not from the server it is forked from, what a spawned worker
+    would: the environment, working folder, umask and output (`_StartState`). Only what libraries read while
+    the server imported them cannot be handed over: a start under other such variables (another GPU set,
+    thread count, torch or CUDA setting: `READ_AT_IMPORT`) or another `sys.path` gets a new server."""
     import torch.multiprocessing as mp
 
     method = start_method()
+    variables = start_variables(plan)
+    state = None
     if method == "forkserver":
-        stop_forkserver()
-        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOADED, entry.__module__])
-    with environment(start_variables(plan)):
-        return mp.start_processes(_forked_entry, args=(entry, args), nprocs=nprocs, join=join, start_method=method)
+        environ = {**os.environ, **variables}
+        _forkserver_for([*PRELOADED, entry.__module__], environ)
+        state = _StartState(environ)
+    with environment(variables):
+        return mp.start_processes(_forked_entry, args=(entry, args, state), nprocs=nprocs, join=join,
+                                  start_method=method)
+
+
+# Variables read while torch, CUDA, OpenMP, Python or the Hugging Face libraries import or initialise: the
+# forkserver's values are its workers' whatever their own environment says.
+READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "NVIDIA_", "TORCH", "PYTORCH", "PYTHON", "HF_",
+                  "TRANSFORMERS_", "DIFFUSERS_", "USE_LIBUV", "LD_")
+_server_started_with: tuple | None = None
+"""What this process's forkserver was started with (`_forkserver_for`)."""
+
+
+def _forkserver_for(preload: list[str], environ: dict[str, str]) -> None:
+    """Keep this process's forkserver if it was started with `preload`, this `sys.path` and `environ`'s
+    `READ_AT_IMPORT` variables; else end it and prepare the next one (started by the next worker's start).
+    A kept server that died meanwhile is started again by multiprocessing, under these same values."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    global _server_started_with
+    wanted = (tuple(preload), tuple(sys.path),
+              tuple(sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))))
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None and _server_started_with == wanted:
+        return
+    stop_forkserver()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    _server_started_with = wanted
+
+
+class _StartState:
+    """What a worker forked from the server takes from the start that asked for it: the launcher's environment
+    then, working folder, umask, and its standard output and error (passed as descriptors: a test's captured
+    output, a log file the launcher's output goes to)."""
+
+    def __init__(self, environ: dict[str, str]):
+        self.environ = environ
+        self.cwd = os.getcwd()
+        self.umask = os.umask(0)
+        os.umask(self.umask)
+
+    def __getstate__(self) -> dict:
+        from multiprocessing import reduction
+
+        # Pickled while multiprocessing starts the worker: DupFd hands the descriptor over with the request.
+        outputs = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return {**self.__dict__, "outputs": outputs}
+
+    def apply(self) -> None:
+        for target, handed in zip((1, 2), self.__dict__.pop("outputs", ())):
+            if handed is not None:
+                fd = handed.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+        os.chdir(self.cwd)
+        os.umask(self.umask)
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def stop_forkserver() -> None:
-    """End this process's forkserver, if it started one (its workers have ended).
-
-    Killed, not asked to leave: it holds nothing, and its interpreter's orderly exit after all those imports
-    kept a finished run waiting 1.3-1.8 s more on a GPU host (2x H200, `done` to exit)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, HARD_KILL)
-    server._stop()  # closes its pipe, reaps it, removes its socket
+    """End this process's forkserver, if it started one (its workers have ended)."""
+    stop_multiprocessing_forkserver()
 
 
-def _forked_entry(rank: int, entry, args: tuple) -> None:
+def _forked_entry(rank: int, entry, args: tuple, state: _StartState | None) -> None:
+    if state is not None:
+        state.apply()
     _undo_the_forkserver_settings()
     entry(rank, *args)
 
@@ -192,7 +250,6 @@ def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,
     signals.attach(lambda signum: signal_processes(processes, signum))
     try:
         exits = watch(processes)
-        stop_forkserver()
     finally:
         for error_file in context.error_files:  # spawn's per-child traceback files
             with contextlib.suppress(OSError):
