@@ -4,8 +4,9 @@
 #                            cores, 2026-11-28 - the same in-process tests took 20-28% longer in the later run; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (61 s on 2 cores with other work running, 2026-11-28, with this command)
-# Tests run in TANDEM_TEST_WORKERS pytest processes (default 2; 1 runs them in this process, e.g. for -x
-# or pdb); an explicit -n wins.
+# Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
+# tests wait on the processes they launch, and with one worker a core the cores idled a quarter of the run;
+# 1 runs them in this process, e.g. for -x or pdb); an explicit -n wins.
 set -euo pipefail
 cd "$(dirname "$0")"
 ./install.sh dev
@@ -25,7 +26,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     [ "$no_services" = 0 ] || rm -f /usr/sbin/policy-rc.d
 fi
 args=()
-workers="${TANDEM_TEST_WORKERS:-2}"
+cores="$(nproc 2>/dev/null || echo 2)"
+workers="${TANDEM_TEST_WORKERS:-$(( cores + 1 < 6 ? cores + 1 : 6 ))}"
 for arg in "$@"; do
     if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
     case "$arg" in -n|-n*|--numprocesses*) workers=1 ;; esac

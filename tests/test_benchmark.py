@@ -87,7 +87,7 @@ def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
 
     def fake_start(fn, args, nprocs, join, start_method):
         seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        entry, entry_args = args
+        entry, entry_args, start_state = args
         Path(entry_args[3]).write_text(json.dumps({"world": nprocs}))
 
     plan = lambda cfg: LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)  # noqa: E731
