@@ -9,22 +9,26 @@
 # 1 runs them in this process, e.g. for -x or pdb); an explicit -n wins.
 set -euo pipefail
 cd "$(dirname "$0")"
-./install.sh dev
 # System tools some tests need: Xvfb (GUI tests), OpenSSH (remote-training tests start their own sshd on
-# 127.0.0.1; the package's own sshd service is kept from starting while it installs).
+# 127.0.0.1; the package's own sshd service is kept from starting while it installs). Installed while
+# install.sh installs the Python packages: both mostly wait on downloads.
 missing=()
 command -v Xvfb >/dev/null 2>&1 || missing+=(xvfb)
 { [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null 2>&1; } || missing+=(openssh-server openssh-client)
-if [ ${#missing[@]} -gt 0 ]; then
+system_tools() {
     echo "Installing ${missing[*]} for the GUI and remote-training tests"
-    no_services=0
+    local no_services=0
     if [ ! -e /usr/sbin/policy-rc.d ] && [ -w /usr/sbin ]; then
         printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && no_services=1
     fi
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
         || echo "warning: could not install ${missing[*]}; the GUI or remote-training tests will fail"
     [ "$no_services" = 0 ] || rm -f /usr/sbin/policy-rc.d
-fi
+}
+tools=""
+if [ ${#missing[@]} -gt 0 ]; then system_tools & tools=$!; fi
+./install.sh dev
+[ -z "$tools" ] || wait "$tools"
 args=()
 cores="$(nproc 2>/dev/null || echo 2)"
 workers="${TANDEM_TEST_WORKERS:-$(( cores + 1 < 6 ? cores + 1 : 6 ))}"
