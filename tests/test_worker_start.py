@@ -124,7 +124,8 @@ def test_a_finished_launcher_ends_its_forkserver_at_once(tmp_path):
         "print('server', forkserver._forkserver._forkserver_pid, flush=True)\n"
         "exit_now(0)\n")
     with open(tmp_path / "out.txt", "w") as out:
-        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=300)
     status = None
     server = int((tmp_path / "out.txt").read_text().split("server ")[1].split()[0])
     try:

@@ -174,7 +174,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
               "startup_parts_s": marks.get("startup_parts", {}), "sampling_s": samplings,
               "log": f"{workspace.name}.log",
               "job": {"name": args.job, "preset": args.preset, "images": args.images, "resolution": args.resolution,
-                      "batch_per_gpu": args.batch, "epochs": args.epochs, "prompts": args.prompts, "sample_every": args.sample_every,
+                      "batch_per_gpu": args.batch, "epochs": args.epochs, "prompts": args.prompts,
+                      "sample_every": args.sample_every,
                       "extra": list(args.config_value) + [v for v in args.label_config
                                                           if v.split(":", 1)[0] == spec.label]}}
     spans = list(marks.get("sample_spans", {}).values())
