@@ -335,6 +335,63 @@ def test_samples_render_through_the_pipeline_and_are_seeded(demos, name):
     bundle.denoiser.eval()
 
 
+def _text_encoders_refused(bundle, monkeypatch) -> None:
+    """Any use of the bundle's text encoders (a forward, a move) fails the test from here on."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the sampling used a text encoder")
+
+    for encoder in bundle.text_encoders:
+        monkeypatch.setattr(encoder, "forward", refused)
+        monkeypatch.setattr(encoder, "to", refused)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_samples_from_texts_kept_at_the_start_are_the_pipelines_and_leave_the_encoders(demos, name, monkeypatch):
+    """Texts encoded once at the start (as the trainer does after the cache) render the pixels the pipeline
+    renders from the prompts, without the text encoders: with the text cached they wait in host memory, and
+    T5-XXL is 9.5 GB each way."""
+    from modules.config.train_config import SamplingConfig
+    from modules.model.sample_texts import KEY, encode_sample_texts, texts_ready
+
+    bundle = demos[name]
+    prompts = [SamplePromptConfig(prompt="a red circle", seed=3),
+               SamplePromptConfig(prompt="a blue square", negative_prompt="blurry", seed=4)]
+    bundle.extra.pop(KEY, None)
+    assert not texts_ready(bundle, prompts, 3.0)
+    from_prompts = render_samples(bundle, prompts, 64, 2, 3.0)
+    # SD3 guides with the negative prompts ("" where none, as its pipeline); Flux.1's guidance is a model input.
+    expected = 4 if name == "sd3" else 2
+    try:
+        assert encode_sample_texts(bundle, SamplingConfig(prompts=prompts, guidance_scale=3.0)) == expected
+        assert texts_ready(bundle, prompts, 3.0)
+        assert not texts_ready(bundle, [SamplePromptConfig(prompt="not encoded at the start")], 3.0)
+        with monkeypatch.context() as patched:
+            _text_encoders_refused(bundle, patched)
+            from_kept = render_samples(bundle, prompts, 64, 2, 3.0)
+    finally:
+        bundle.extra.pop(KEY, None)
+    for a, b in zip(from_prompts, from_kept):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    if name == "sd3":  # without guidance no negative prompt is encoded
+        assert encode_sample_texts(bundle, SamplingConfig(prompts=prompts, guidance_scale=1.0)) == 2
+        bundle.extra.pop(KEY, None)
+
+
+def test_trained_text_encoders_are_not_kept_encoded(demos):
+    from modules.config.train_config import SamplingConfig
+    from modules.model.sample_texts import KEY, encode_sample_texts
+
+    bundle = demos["sd3"]
+    clip = bundle.text_encoders[0]
+    first = next(clip.parameters())
+    first.requires_grad_(True)
+    try:
+        assert encode_sample_texts(bundle, SamplingConfig(prompts=[SamplePromptConfig(prompt="a")])) == 0
+        assert KEY not in bundle.extra
+    finally:
+        first.requires_grad_(False)
+
+
 # ------------------------------------------------------------------ benchmark models
 
 @pytest.mark.slow

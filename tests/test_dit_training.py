@@ -122,3 +122,28 @@ def test_flux_guidance_reaches_the_transformer(tandem_home):
             text = bundle.encode_text(["a red circle"])
             outputs.append(objective.predict(bundle.denoiser, objective.noisy(latents, draw), draw.timesteps, text))
     assert not torch.allclose(outputs[0], outputs[1])
+
+
+def test_samples_run_without_the_text_encoders_once_the_cache_is_filled(tmp_path, cache_dir, monkeypatch, caplog):
+    """With the text cached, the sample prompts are encoded with the cache and the samplings (at the start and
+    at the end) neither run nor move the text encoders: from then on any use of them fails the run."""
+    from modules.trainer.base_trainer import BaseTrainer
+
+    encode = BaseTrainer.encode_sample_texts
+
+    def encode_then_refuse_the_encoders(trainer):
+        encode(trainer)
+        for encoder in trainer.bundle.text_encoders:
+            for name in ("forward", "to"):
+                monkeypatch.setattr(encoder, name, lambda *a, **k: pytest.fail("a sampling used a text encoder"))
+
+    monkeypatch.setattr(BaseTrainer, "encode_sample_texts", encode_then_refuse_the_encoders)
+    cfg = dit_config(tmp_path / "ws", cache_dir, "flux", "training.max_steps=1", "sampling.sample_at_start=true",
+                     "sampling.inference_steps=1", "sampling.every_n_epochs=5", "data.cache_text_embeddings=true",
+                     method="lora")
+    cfg.sampling.prompts = cfg.sampling.prompts[:2]
+    with caplog.at_level("INFO", logger="tandem"):
+        trainer = run(cfg)
+    samples = trainer.events.of_type("sample")
+    assert [s["step"] for s in samples] == [0, 0, 1, 1] and all(Path(s["path"]).is_file() for s in samples)
+    assert "Sample prompts: 2 text(s) encoded" in caplog.text

@@ -342,6 +342,31 @@ def test_samples_render_through_the_pipeline_and_are_seeded(demos, name):
     assert np.array_equal(np.asarray(images[0]), np.asarray(again[0]))
 
 
+def test_chroma_samples_from_texts_kept_at_the_start_leave_the_encoder(demos, monkeypatch):
+    """Chroma's samples from the prompts' and negative prompts' embeddings kept at the start are the ones
+    its encoder gives, and the T5 (9.5 GB at real size) is neither run nor moved for them."""
+    from modules.config.train_config import SamplingConfig
+    from modules.model.sample_texts import KEY, encode_sample_texts, texts_ready
+
+    bundle = demos["chroma"]
+    prompts = [SamplePromptConfig(prompt="a red circle", negative_prompt="a blue square", seed=1),
+               SamplePromptConfig(prompt="a white triangle", seed=2)]
+    encoded = render_samples(bundle, prompts, 64, 2, 3.0)
+    try:
+        # Both prompts and both negative prompts ("" where none), whatever the scale.
+        assert encode_sample_texts(bundle, SamplingConfig(prompts=prompts, guidance_scale=1.0)) == 4
+        assert texts_ready(bundle, prompts, 3.0)
+        with monkeypatch.context() as patched:
+            for encoder in bundle.text_encoders:
+                for name in ("forward", "to"):
+                    patched.setattr(encoder, name, lambda *a, **k: pytest.fail("the sampling used the text encoder"))
+            kept = render_samples(bundle, prompts, 64, 2, 3.0)
+    finally:
+        bundle.extra.pop(KEY, None)
+    for a, b in zip(encoded, kept):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("model,params,text", [  # real-size builds: slow, but for one that keeps the path quick
     pytest.param("chroma", 8.9e9, (512, 4096), marks=pytest.mark.slow),
     pytest.param("flux2-dev", 32.2e9, (512, 15360), marks=pytest.mark.slow), ("flux2-klein-4b", 3.9e9, (512, 7680)),

@@ -18,6 +18,7 @@ from modules.config.train_config import SamplePromptConfig
 from modules.util.animation import Clip
 
 from .bundle import ModelBundle
+from .sample_texts import texts_ready
 
 
 def render_samples(
@@ -34,11 +35,15 @@ def render_samples(
     family's `Clip` of `frames` frames at `fps` where `frames` > 1.
 
     Modules are switched to eval mode (and, with `device`, moved there) for the render and restored
-    afterwards, so this can be called in the middle of training.
+    afterwards, so this can be called in the middle of training. Text encoders are left where they are when
+    every text is kept encoded (`modules/model/sample_texts.py`).
     """
     if inference_steps < 1:
         raise ValueError(f"sampling.inference_steps is {inference_steps}; it must be at least 1")
     modules = bundle.sampling_modules()
+    if texts_ready(bundle, prompts, guidance_scale):
+        modules = {name: module for name, module in modules.items()
+                   if not any(module is encoder for encoder in bundle.text_encoders)}
     was_training = {name: module.training for name, module in modules.items()}
     home = {name: next(module.parameters()).device for name, module in modules.items()}
     target = torch.device(device) if device is not None else bundle.device

@@ -126,6 +126,7 @@ class BaseTrainer(ABC):
             self.objective = self.bundle.family.objective(self.bundle, self.cfg.training)
         with phase("cache"):
             self.fill_cache()
+            self.encode_sample_texts()
             offload_cached_encoders(self.bundle, self.device, self.cfg.data.cache_latents, self.cache_text())
         with phase("wrap"):
             self.decide_cudnn_autotuning()
@@ -328,6 +329,19 @@ class BaseTrainer(ABC):
                             self.startup.seconds.get("model", 0.0), self.emit)
         if parts:
             self.startup.parts["cache"] = parts
+
+    def encode_sample_texts(self) -> None:
+        """With the text cached, frozen text encoders leave the GPU after the cache: the sample prompts are
+        encoded now, while they are still there, so that no sampling brings them back
+        (`modules/model/sample_texts.py`)."""
+        if not self.cache_text():
+            return
+        from modules.model.sample_texts import encode_sample_texts
+        started = time.perf_counter()
+        count = encode_sample_texts(self.bundle, self.cfg.sampling)
+        if count:
+            log.info("Sample prompts: %d text(s) encoded in %.1f s; samples run without the text encoders.",
+                     count, time.perf_counter() - started)
 
     def bucket_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of every bucket the run trains or scores, and of its samples."""

@@ -141,9 +141,11 @@ class OutputWriter:
         images = []
         started = time.monotonic()
         if renders:
+            from modules.model.sample_texts import texts_ready
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
-            with self._weights_for_samples(), self._encoders_on_device(), self.run.sampling_calls():
+            move_text = not texts_ready(parts.bundle, [prompts[i] for i in renders], samp.guidance_scale)
+            with self._weights_for_samples(), self._encoders_on_device(move_text), self.run.sampling_calls():
                 images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                         samp.inference_steps, samp.guidance_scale, parts.device,
                                         frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
@@ -278,10 +280,11 @@ class OutputWriter:
         parts.emit("saved", path=str(path), step=step)
 
     @contextlib.contextmanager
-    def _encoders_on_device(self):
-        """The VAE and text encoders on the training device for the block: with a cache they wait elsewhere."""
+    def _encoders_on_device(self, text: bool = True):
+        """The VAE and (`text`) the text encoders on the training device for the block: with a cache they wait
+        elsewhere. Without `text` the pipeline gets the texts' embeddings kept from the start."""
         bundle = self.parts.bundle
-        parts = [bundle.vae, *bundle.text_encoders]
+        parts = [bundle.vae, *(bundle.text_encoders if text else [])]
         homes = [next(m.parameters()).device for m in parts]
         for m in parts:
             m.to(self.parts.device)

@@ -240,6 +240,14 @@ class ModelFamily(ABC):
     def pipeline(self, bundle: "ModelBundle"):
         """The stock diffusers pipeline around the bundle's own modules."""
 
+    samples_from_embeddings = False
+    """Whether `pipeline_arguments` hands the pipeline the texts' embeddings kept from the start
+    (`modules/model/sample_texts.py`) where they are there, so a sampling leaves frozen text encoders in host memory."""
+
+    def texts_for_samples(self, prompts, guidance_scale: float) -> list[str]:
+        """Every text a sampling of `prompts` encodes (a family that samples from embeddings)."""
+        return list(dict.fromkeys(prompt.prompt for prompt in prompts))
+
     def pipeline_arguments(self, bundle: "ModelBundle", prompt, guidance_scale: float) -> dict[str, Any]:
         """Keyword arguments of one pipeline call besides size, steps and generator."""
         return {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None,

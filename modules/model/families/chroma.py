@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from modules.model.lora_metadata import IMPLEMENTATION_CHROMA
+from modules.model.sample_texts import sample_text
 
 from . import original_layout as layout
 from .flow_base import FlowFamily, FlowMatching, _device_of, _dtype_of, shipped
@@ -102,10 +103,17 @@ class ChromaFamily(FlowFamily):
                               text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0],
                               transformer=bundle.denoiser)
 
+    samples_from_embeddings = True
+
+    def texts_for_samples(self, prompts, guidance_scale):
+        """The prompts and their negative prompts ("" where none): the pipeline gets both's embeddings."""
+        return list(dict.fromkeys([prompt.prompt for prompt in prompts] +
+                                  [prompt.negative_prompt or "" for prompt in prompts]))
+
     def pipeline_arguments(self, bundle, prompt, guidance_scale):
         """The prompt's and the negative prompt's embeddings with boolean masks (see the module's note)."""
-        positive = self.encode_text(bundle, [prompt.prompt])
-        negative = self.encode_text(bundle, [prompt.negative_prompt or ""])
+        positive = sample_text(bundle, prompt.prompt)
+        negative = sample_text(bundle, prompt.negative_prompt or "")
         return {"prompt_embeds": positive["encoder_hidden_states"], "prompt_attention_mask": positive[MASK],
                 "negative_prompt_embeds": negative["encoder_hidden_states"],
                 "negative_prompt_attention_mask": negative[MASK], "guidance_scale": guidance_scale,

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from modules.model.lora_metadata import IMPLEMENTATION_FLUX
+from modules.model.sample_texts import sample_text, texts_ready
 
 from . import original_layout as layout
 from .flow_base import FlowFamily, FlowMatching, _device_of, _dtype_of, shipped
@@ -116,10 +117,15 @@ class FluxFamily(FlowFamily):
             tokenizer=bundle.tokenizers[0], text_encoder_2=bundle.text_encoders[1],
             tokenizer_2=bundle.tokenizers[1], transformer=bundle.denoiser)
 
+    samples_from_embeddings = True
+
     def pipeline_arguments(self, bundle, prompt, guidance_scale):
         # Flux.1-dev's guidance is an input of the model, not classifier-free guidance: no negative prompt.
-        return {"prompt": prompt.prompt, "guidance_scale": guidance_scale,
-                "max_sequence_length": bundle.text_lengths()[-1]}
+        arguments = {"guidance_scale": guidance_scale, "max_sequence_length": bundle.text_lengths()[-1]}
+        if not texts_ready(bundle, [prompt], guidance_scale):
+            return {"prompt": prompt.prompt, **arguments}
+        text = sample_text(bundle, prompt.prompt)
+        return {"prompt_embeds": text["encoder_hidden_states"], "pooled_prompt_embeds": text["pooled"], **arguments}
 
     def model_index_extras(self, bundle):
         return {"image_encoder": [None, None], "feature_extractor": [None, None]}

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from modules.model.sample_texts import sample_text, texts_ready
+
 from . import original_layout as layout
 from .flow_base import META_CONFIGS, FlowFamily, FlowMatching, _device_of, _dtype_of, plain_config, shipped
 
@@ -75,6 +77,27 @@ class SD3Family(FlowFamily):
             transformer=bundle.denoiser, scheduler=self.sampling_scheduler(bundle), vae=bundle.vae,
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
+
+    samples_from_embeddings = True
+
+    def texts_for_samples(self, prompts, guidance_scale):
+        """The prompts, and their negative prompts ("" where none: the pipeline's) where the scale guides."""
+        texts = [prompt.prompt for prompt in prompts]
+        if guidance_scale > 1:  # StableDiffusion3Pipeline's do_classifier_free_guidance
+            texts += [prompt.negative_prompt or "" for prompt in prompts]
+        return list(dict.fromkeys(texts))
+
+    def pipeline_arguments(self, bundle, prompt, guidance_scale):
+        if not texts_ready(bundle, [prompt], guidance_scale):
+            return super().pipeline_arguments(bundle, prompt, guidance_scale)
+        text = sample_text(bundle, prompt.prompt)
+        arguments = {"prompt_embeds": text["encoder_hidden_states"], "pooled_prompt_embeds": text["pooled"],
+                     "guidance_scale": guidance_scale, "max_sequence_length": bundle.text_lengths()[-1]}
+        if guidance_scale > 1:
+            negative = sample_text(bundle, prompt.negative_prompt or "")
+            arguments.update(negative_prompt_embeds=negative["encoder_hidden_states"],
+                             negative_pooled_prompt_embeds=negative["pooled"])
+        return arguments
 
     def model_index_extras(self, bundle):
         return {"image_encoder": [None, None], "feature_extractor": [None, None]}
