@@ -1,7 +1,8 @@
 """Load a base model (a built-in demo, a diffusers folder or a single file) into a `ModelBundle`.
 
 Every weight is read once, on the CPU, directly in its storage dtype, then moved to the target
-device; nothing keeps a second copy. All modules come back frozen (`requires_grad=False`) and in
+device; nothing keeps a second copy, except of the frozen parts that will wait in host memory after the
+cache (`keep_on_host`, `host_copies.py`), which go back onto the host tensors they came from. All modules come back frozen (`requires_grad=False`) and in
 eval mode: the trainer unfreezes what it trains (see `lora.add_lora`, or the UNet for full training).
 """
 from __future__ import annotations
@@ -63,8 +64,12 @@ def load_model(
     model_cfg: ModelConfig,
     device: torch.device | str = "cpu",
     training_cfg: TrainingConfig | None = None,
+    keep_on_host: frozenset[str] = frozenset(),
 ) -> ModelBundle:
     """Load `model_cfg.base_model` (and `model_cfg.vae_path`) into a frozen `ModelBundle` on `device`.
+
+    `keep_on_host` ("vae", "text_encoders"): parts that will wait in host memory after the cache, whose host
+    tensors are kept to go back onto (`host_copies.py`) when `device` is a GPU.
 
     The family is detected from the folder or the file (`modules.model.families`), checked against an
     explicit `model.model_type`, and does the loading itself.
@@ -95,6 +100,9 @@ def load_model(
     for module in bundle.modules().values():
         module.requires_grad_(False).eval()
     store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights
+    if torch.device(device).type == "cuda":
+        from .host_copies import keep_host_copies
+        keep_host_copies(bundle, keep_on_host)
     return bundle.to(device)
 
 

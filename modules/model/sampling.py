@@ -18,6 +18,7 @@ from modules.config.train_config import SamplePromptConfig
 from modules.util.animation import Clip
 
 from .bundle import ModelBundle
+from .host_copies import move_to_host
 from .sample_texts import texts_ready
 
 
@@ -57,7 +58,10 @@ def render_samples(
                     for prompt in prompts]
     finally:
         for name, module in modules.items():
-            module.to(home[name])
+            if home[name].type == "cpu":
+                move_to_host(bundle, module)  # onto the host tensors it came from where kept (no copy back)
+            else:
+                module.to(home[name])
             module.train(was_training[name])
 
 

@@ -127,7 +127,9 @@ class BaseTrainer(ABC):
         with phase("cache"):
             self.fill_cache()
             self.encode_sample_texts()
-            offload_cached_encoders(self.bundle, self.device, self.cfg.data.cache_latents, self.cache_text())
+            moved = offload_cached_encoders(self.bundle, self.device, self.cfg.data.cache_latents, self.cache_text())
+            if moved is not None:
+                self.startup.parts.setdefault("cache", {})["the VAE and text encoders to host memory"] = moved
         with phase("wrap"):
             self.decide_cudnn_autotuning()
             self.split = self.decide_split()
@@ -276,13 +278,19 @@ class BaseTrainer(ABC):
         # time: ~10 s more per start on 4 GPUs with an SD1.5 folder).
         builds_files = self.cfg.model.base_model.strip().startswith(BUILTIN_PREFIX)
         with du.main_first() if builds_files else contextlib.nullcontext():
-            bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training)
+            bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host())
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
         bundle.family.check_image_sizes(self.dataset.bucket_sizes, bundle)
         bundle.family.check_clips(self.dataset.clip_paths(), self.cfg.data.video_frames)
         if self.text_apart is not None:  # samples read their prompts' embeddings from the text cache
             bundle.extra["text_side"].cached.update(self.text_apart.samples)
         return bundle
+
+    def parts_waiting_on_host(self) -> frozenset[str]:
+        """What `offload_cached_encoders` will send to host memory after the cache (the loader keeps their host
+        tensors to go back onto)."""
+        return frozenset((["vae"] if self.cfg.data.cache_latents else []) +
+                         (["text_encoders"] if self.cache_text() else []))
 
     def encode_text_first(self) -> None:
         """A family whose text encoder is loaded apart (Qwen-Image, Z-Image) fills the text cache now, before

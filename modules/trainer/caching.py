@@ -59,12 +59,17 @@ def fill_caches(datasets: list, bundle, cache_text: bool, share_work: bool, mode
     return {"waiting for the slowest rank's model": started - waiting, "encoding": seconds}
 
 
-def offload_cached_encoders(bundle, device: torch.device, latents_cached: bool, text_cached: bool) -> None:
-    """With latents (text) cached, the VAE (frozen text encoders) only serve samples: keep them off the GPU."""
+def offload_cached_encoders(bundle, device: torch.device, latents_cached: bool, text_cached: bool) -> float | None:
+    """With latents (text) cached, the VAE (frozen text encoders) only serve samples: keep them off the GPU,
+    on the host tensors they were loaded from where the loader kept them (`model/host_copies.py`). Returns
+    how long that took on a GPU (a start-up part of the cache phase), None elsewhere."""
     if device.type != "cuda":
-        return
+        return None
+    from modules.model.host_copies import move_to_host
+    started = time.perf_counter()
     if latents_cached:
-        bundle.vae.to("cpu")
+        move_to_host(bundle, bundle.vae)
     if text_cached:
         for te in bundle.text_encoders:
-            te.to("cpu")
+            move_to_host(bundle, te)
+    return time.perf_counter() - started
