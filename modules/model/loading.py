@@ -1,9 +1,10 @@
 """Load a base model (a built-in demo, a diffusers folder or a single file) into a `ModelBundle`.
 
 Every weight is read once, on the CPU, directly in its storage dtype, then moved to the target
-device; nothing keeps a second copy, except of the frozen parts that will wait in host memory after the
-cache (`keep_on_host`, `host_copies.py`), which go back onto the host tensors they came from. All modules come back frozen (`requires_grad=False`) and in
-eval mode: the trainer unfreezes what it trains (see `lora.add_lora`, or the UNet for full training).
+device; nothing keeps a second copy but the host tensors of the frozen parts that will wait in host memory
+after the cache (`keep_on_host`, `host_copies.py`): they go back onto them instead of copying. All modules
+come back frozen (`requires_grad=False`) and in eval mode: the trainer unfreezes what it trains (see
+`lora.add_lora`, or the UNet for full training).
 """
 from __future__ import annotations
 
