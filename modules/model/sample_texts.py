@@ -5,7 +5,7 @@ and a sampling used to move them to the GPU and back: Flux.1's and SD3's T5-XXL 
 a Flux.1 sampling on one H200 and ~18 s with four ranks moving theirs at once (docs/Performance.md). For a
 family whose pipeline takes embeddings instead of prompts (`ModelFamily.samples_from_embeddings`) the trainer
 encodes every sample text - the prompts, and the negative prompts where the family guides with them - at the
-end of the cache phase (`encode_sample_texts`) and keeps them (a few MB) on the training device. A sampling
+end of the cache phase (`encode_sample_texts`) and keeps them (a few MB) in host memory. A sampling
 whose texts are all there moves the VAE only; a text that is not (no text cache, or a family that does not
 take embeddings) is encoded by the pipeline as before, with the encoders brought to the GPU for it.
 """
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 KEY = "sample_texts"
-"""`bundle.extra[KEY]`: sample text -> the family's `encode_text` of it ([1, ...] tensors)."""
+"""`bundle.extra[KEY]`: sample text -> the family's `encode_text` of it ([1, ...] tensors in host memory)."""
 
 
 def encode_sample_texts(bundle, sampling_cfg) -> int:
@@ -29,7 +29,9 @@ def encode_sample_texts(bundle, sampling_cfg) -> int:
         return 0  # a trained encoder's embeddings change with every step: samples encode with it as it is then
     texts = family.texts_for_samples(sampling_cfg.prompts, sampling_cfg.guidance_scale)
     with torch.no_grad():
-        bundle.extra[KEY] = {text: family.encode_text(bundle, [text]) for text in texts}
+        # Kept in host memory (4 MB a text for T5-XXL's 512 tokens): a run with many prompts holds no GPU memory.
+        bundle.extra[KEY] = {text: {key: value.cpu() for key, value in family.encode_text(bundle, [text]).items()}
+                             for text in texts}
     return len(texts)
 
 
@@ -47,4 +49,6 @@ def sample_text(bundle, text: str) -> dict[str, torch.Tensor]:
     """The family's `encode_text` of `text`: kept from the start where it was encoded then, else encoded now
     (which needs the text encoders where they can run)."""
     kept = bundle.extra.get(KEY, {}).get(text)
-    return kept if kept is not None else bundle.family.encode_text(bundle, [text])
+    if kept is None:
+        return bundle.family.encode_text(bundle, [text])
+    return {key: value.to(bundle.device) for key, value in kept.items()}
