@@ -2,9 +2,9 @@
 
 With the latents and the text cached, the VAE and the frozen text encoders wait in host memory
 (`trainer/caching.offload_cached_encoders`) and come to the GPU only for samples. Moving a module to the
-CPU copies every weight into freshly allocated pageable memory: for T5-XXL (9.5 GB) that took 6-9 s of
-every rank's start-up on H200 hosts (the cache phase of the Flux.1-size job, docs/Performance.md), and
-again after each sampling that used it. Their weights never change, and every weight was read into host
+CPU copies every weight into freshly allocated pageable memory: for T5-XXL (9.5 GB) and the VAE, the 6.7 s
+of the four-GPU Flux.1-size job's cache phase after its encoding on H200s (docs/Performance.md), and again
+after each sampling that used them. Their weights never change, and every weight was read into host
 memory before it moved to the GPU (`loading.load_model`). So the loader keeps those host tensors for the
 modules that will wait there (`keep_host_copies`), and `move_to_host` points the module's parameters and
 buffers back at them and lets the GPU's copies go: no copy at all. A module without a kept copy, or whose

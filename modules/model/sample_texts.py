@@ -1,8 +1,8 @@
 """The sample prompts' text embeddings, encoded once while the text encoders are on the GPU for the cache.
 
-With the text cached, frozen text encoders wait in host memory (`trainer/caching.offload_cached_encoders`),
-and a sampling used to move them to the GPU and back: Flux.1's and SD3's T5-XXL is 9.5 GB each way, ~11 s of
-a Flux.1 sampling on one H200 and ~18 s with four ranks moving theirs at once (docs/Performance.md). For a
+With the text cached, frozen text encoders wait in host memory (`trainer/caching.offload_cached_encoders`).
+Bringing them to the GPU and back for a sampling is costly: Flux.1's and SD3's T5-XXL is 9.5 GB each way, part
+of the 11-18 s a Flux.1 sampling spent besides rendering on H200s (docs/Performance.md). For a
 family whose pipeline takes embeddings instead of prompts (`ModelFamily.samples_from_embeddings`) the trainer
 encodes every sample text - the prompts, and the negative prompts where the family guides with them - at the
 end of the cache phase (`encode_sample_texts`) and keeps them (a few MB) in host memory. A sampling
