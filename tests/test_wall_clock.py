@@ -301,7 +301,7 @@ def test_ranks_load_a_model_from_disk_at_once_and_build_the_demo_in_turn(monkeyp
     cfg = TrainConfig()
     cfg.model.base_model = base.format(folder=tmp_path)
     trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[], clip_paths=list),
-                              load_device=lambda: torch.device("cpu"), text_apart=None)
+                              load_device=lambda: torch.device("cpu"), text_apart=None, parts_waiting_on_host=frozenset)
     assert BaseTrainer.create_model(trainer) is bundle
     assert turns == (["rank 0 first"] if in_turn else [])
 
