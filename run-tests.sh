@@ -3,7 +3,7 @@
 #   ./run-tests.sh           everything (what CI runs: 18.5-23 minutes with the install on 2 idle cores, pytest
 #                            17.5-21.5 of them, 2026-11-28, runs of the day's trees; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
-#                            window tests (61 s on 2 cores with other work running, 2026-11-28, with this command)
+#                            window tests (63 s on 2 idle cores, 2026-11-28, with this command)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
 # tests wait on the processes they launch, and with one worker a core the cores idled a quarter of the run;
 # 1 runs them in this process, e.g. for -x or pdb); an explicit -n wins.

@@ -20,6 +20,10 @@ from modules.distributed.process_group import threads_per_worker
 from tests.trainer_helpers import REPO, launch_spec
 
 
+# Every test here starts processes (a forkserver importing torch, workers): the slow set.
+pytestmark = pytest.mark.slow
+
+
 def report_environment(rank: int, out_dir: str) -> None:
     import multiprocessing
 
