@@ -40,7 +40,7 @@ def keep_host_copies(bundle, parts: Iterable[str]) -> None:
 
 
 def _matches(module: nn.Module, kept: dict[str, torch.Tensor]) -> bool:
-    now = {name: t for name, t in _tensors(module).items()}
+    now = _tensors(module)
     if now.keys() != kept.keys():
         return False
     if any(p.requires_grad for p in module.parameters()):
