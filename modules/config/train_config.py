@@ -139,7 +139,7 @@ class DataConfig:
     cache_latents: bool = True
     """Encode every image with the VAE once and train from the cached latents."""
     cache_text_embeddings: bool = True
-    """Encode captions once (only when the text encoder is frozen and tags are not shuffled: otherwise they are encoded every step, and the log says why). With caption dropout the empty caption is cached too, so the text encoder never runs in a step."""
+    """Encode captions once (only when the text encoder is frozen and tags are not shuffled: otherwise they are encoded every step, and the log says why). With caption dropout the empty caption is cached too, so the text encoder never runs in a step. The frozen text encoders then wait in host memory, and samples (SD3, Flux.1, Chroma) use the sample prompts' embeddings, encoded with the cache."""
     validation_fraction: float = rule(0.0, label="Hold out for validation")
     """Hold out this fraction (0 to 0.5) of the training concepts' images for the validation loss; which images is fixed by their content, not by the seed or the order. 0: only `validation` concepts are held out."""
     num_workers: int = rule(2, minimum=0, label="Loader workers")
