@@ -65,3 +65,11 @@ def move_to_host(bundle, module: nn.Module) -> bool:
         owner = module.get_submodule(owner_name) if owner_name else module
         owner._buffers[leaf] = tensors[f"buffer {name}"]
     return True
+
+
+def move_home(bundle, module: nn.Module, home: torch.device) -> None:
+    """Send `module` back to `home` after a sampling: onto its kept host copy when home is the CPU."""
+    if home.type == "cpu":
+        move_to_host(bundle, module)
+    else:
+        module.to(home)

@@ -18,7 +18,7 @@ from modules.config.train_config import SamplePromptConfig
 from modules.util.animation import Clip
 
 from .bundle import ModelBundle
-from .host_copies import move_to_host
+from .host_copies import move_home
 from .sample_texts import texts_ready
 
 
@@ -58,10 +58,7 @@ def render_samples(
                     for prompt in prompts]
     finally:
         for name, module in modules.items():
-            if home[name].type == "cpu":
-                move_to_host(bundle, module)  # onto the host tensors it came from where kept (no copy back)
-            else:
-                module.to(home[name])
+            move_home(bundle, module, home[name])
             module.train(was_training[name])
 
 

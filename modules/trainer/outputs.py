@@ -283,7 +283,7 @@ class OutputWriter:
     def _encoders_on_device(self, text: bool = True):
         """The VAE and (`text`) the text encoders on the training device for the block: with a cache they wait
         elsewhere. Without `text` the pipeline gets the texts' embeddings kept from the start."""
-        from modules.model.host_copies import move_to_host
+        from modules.model.host_copies import move_home
         bundle = self.parts.bundle
         parts = [bundle.vae, *(bundle.text_encoders if text else [])]
         homes = [next(m.parameters()).device for m in parts]
@@ -293,10 +293,7 @@ class OutputWriter:
             yield
         finally:
             for m, home in zip(parts, homes):
-                if home.type == "cpu":
-                    move_to_host(bundle, m)  # onto the host copy it came from, where kept: no copy back
-                else:
-                    m.to(home)
+                move_home(bundle, m, home)
 
     @contextlib.contextmanager
     def _weights_for_samples(self):
