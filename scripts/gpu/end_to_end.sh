@@ -38,7 +38,9 @@ PART="${1:?usage: end_to_end.sh alone|job|detach|collect|compiled|coldexit|bytec
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
 E2E=.bench/e2e; BASE=.bench/baseline; JOB="${JOB:-sd15}"
-DETACHED=/tmp/tandem-e2e/detached  # .log, .jsonl and .done of the runs started by `detach`
+# .log, .jsonl and .done of the runs started by `detach`; a DETACHED of its own for each set of runs that is
+# started while another is still going (two jobs at once on different GPUs)
+DETACHED="${DETACHED:-/tmp/tandem-e2e/detached}"
 [ -z "${E2E_RESULTS:-}" ] || RES="$E2E_RESULTS"
 COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
 e2e() { python3 scripts/end_to_end.py --job "$JOB" --base-model "$E2E/$JOB" --make-model --data "$E2E/images-$JOB" \
@@ -54,7 +56,7 @@ runs)  # what `detach` starts: the runs named after it
     shift; runs "$@"
     ;;
 detach)
-    shift; mkdir -p /tmp/tandem-e2e; rm -f "$DETACHED".{log,jsonl,done}
+    shift; mkdir -p "$(dirname "$DETACHED")"; rm -f "$DETACHED".{log,jsonl,done}
     log "JOB=$JOB detached: $*"
     E2E_RESULTS="$DETACHED.jsonl" setsid nohup bash -c 'bash "$0" runs "$@"; touch '"$DETACHED.done" "$0" "$@" \
         > "$DETACHED.log" 2>&1 < /dev/null &
