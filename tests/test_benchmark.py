@@ -324,3 +324,37 @@ def test_a_published_size_other_than_the_default_is_planned_as_that_size(tmp_pat
                                device="cpu"), tmp_path / (variant or "default"))
         params[variant] = model_sizes(cfg).denoiser.params
     assert 14.0e9 < params["14b"] < 14.5e9 and 1.3e9 < params[""] < 1.5e9
+
+
+@pytest.mark.slow
+def test_detached_runs_start_from_a_snapshot_and_survive_the_working_tree_being_replaced(tmp_path):
+    """scripts/gpu/end_to_end.sh detach: the runs of a job longer than one device call start from a copy of
+    the tree, because the device tool replaces the working tree at the start of the next call; the models and
+    images live outside it. Here the tree is deleted right after `detach`, and `collect` still gets the line."""
+    import shutil
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    tree = tmp_path / "tree"
+    for name in ("modules", "scripts", "training_presets"):
+        shutil.copytree(repo / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(repo / "pyproject.toml", tree)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), E2E=str(tmp_path / "models"), JOB="sd15",
+               DETACHED=str(tmp_path / "detached" / "runs"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               E2E_ARGS="--cpu --base-model builtin:demo --preset #demo --make-data 4 --image-size 64 --resolution 64 "
+                        "--batch 2 --epochs 1 --prompts 0 --sample-every 0")
+    (tmp_path / "out").mkdir()
+    started = subprocess.run(["bash", "scripts/gpu/end_to_end.sh", "detach", "new@.:1"], cwd=tree, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    shutil.rmtree(tree)  # what the next device call does to the working tree
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "detached" / "runs.done").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    collected = subprocess.run(["bash", "scripts/gpu/end_to_end.sh", "collect"], cwd=repo, env=dict(env, WAIT="5"),
+                               capture_output=True, text=True, timeout=60)
+    lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines() if (tmp_path / "out" / "results.jsonl").exists() else []
+    assert len(lines) == 1, collected.stdout + (tmp_path / "detached" / "runs.log").read_text()
+    (result,) = map(json.loads, lines)
+    assert result["exit_code"] == 0 and result["tree"] == str(tmp_path / "detached" / "runs.tree")
+    assert (tmp_path / "models" / "images-sd15").is_dir()

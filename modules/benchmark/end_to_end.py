@@ -341,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.make_model and not Path(args.base_model).exists():
+    if args.make_model and not args.base_model.startswith("builtin:") and not Path(args.base_model).exists():
         import torch
 
         from modules.benchmark.synthetic import write_random_model

@@ -8,7 +8,8 @@
 # pyproject.toml | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
 #   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
 #   job      this tree on each GPU count in GPUS (default "1 2 4"), one after the other
-#   detach RUN...  runs (LABEL@TREE:GPUS[:DEVICES]) in a process session of their own that outlives this call,
+#   detach RUN...  runs (LABEL@TREE:GPUS[:DEVICES]) from a snapshot of the tree, in a process session of their
+#            own that outlives this call,
 #            for a job longer than one 10-minute call (the SDXL and Flux jobs on 1 GPU): the next call runs
 #   collect  which waits (up to WAIT s, default 580) for them to end and adds their lines to the results
 #   compiled the same with training.compile=true; run it twice on a fresh machine (the first run of each
@@ -37,14 +38,16 @@ set -u
 PART="${1:?usage: end_to_end.sh alone|job|detach|collect|compiled|coldexit|bytecode|imports|before|baseline|after|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"
 source "$(dirname "$0")/common.sh"
-E2E=.bench/e2e; BASE=.bench/baseline; JOB="${JOB:-sd15}"
+# The random models and images live outside the working tree: the device tool replaces the tree (and each
+# carried folder) at the start of every call, which would delete them under a detached run.
+E2E="$(realpath -m "${E2E:-/tmp/tandem-e2e/models}")"; BASE="$(realpath -m .bench/baseline)"; JOB="${JOB:-sd15}"
 # .log, .jsonl and .done of the runs started by `detach`; a DETACHED of its own for each set of runs that is
 # started while another is still going (two jobs at once on different GPUs)
 DETACHED="${DETACHED:-/tmp/tandem-e2e/detached}"
 [ -z "${E2E_RESULTS:-}" ] || RES="$E2E_RESULTS"
 COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
 e2e() { python3 scripts/end_to_end.py --job "$JOB" --base-model "$E2E/$JOB" --make-model --data "$E2E/images-$JOB" \
-        --make-data --json "$RES" "$@"; }
+        --make-data --json "$RES" ${E2E_ARGS:-} "$@"; }  # E2E_ARGS: more options, e.g. for a trial on CPU
 runs() { local args=() r; for r in "$@"; do args+=(--run "$r"); done; e2e "${args[@]}"; }
 nvidia-smi -L
 case "$PART" in
@@ -57,9 +60,14 @@ runs)  # what `detach` starts: the runs named after it
     ;;
 detach)
     shift; mkdir -p "$(dirname "$DETACHED")"; rm -f "$DETACHED".{log,jsonl,done}
-    log "JOB=$JOB detached: $*"
-    E2E_RESULTS="$DETACHED.jsonl" setsid nohup bash -c 'bash "$0" runs "$@"; touch '"$DETACHED.done" "$0" "$@" \
-        > "$DETACHED.log" 2>&1 < /dev/null &
+    # A snapshot of the tree to start from: a run's processes start after this call has ended, when the next
+    # call may be replacing the working tree ("." in a run spec is the snapshot).
+    rm -rf "$DETACHED.tree"; mkdir -p "$DETACHED.tree"
+    cp -a modules scripts training_presets pyproject.toml "$DETACHED.tree/"
+    log "JOB=$JOB detached: $* (from the snapshot $DETACHED.tree)"
+    (cd "$DETACHED.tree" && E2E="$E2E" E2E_RESULTS="$DETACHED.jsonl" setsid nohup bash -c \
+        'bash scripts/gpu/end_to_end.sh runs "$@"; touch '"$DETACHED.done" detached "$@" \
+        > "$DETACHED.log" 2>&1 < /dev/null &)
     ;;
 collect)
     log "waiting up to ${WAIT:-580} s for the detached runs"
