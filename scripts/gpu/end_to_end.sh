@@ -9,8 +9,8 @@
 #   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
 #   job      this tree on each GPU count in GPUS (default "1 2 4"), one after the other
 #   detach RUN...  runs (LABEL@TREE:GPUS[:DEVICES]) from a snapshot of the tree, in a process session of their
-#            own that outlives this call,
-#            for a job longer than one 10-minute call (the SDXL and Flux jobs on 1 GPU): the next call runs
+#            own that outlives this call, for a job longer than one 10-minute call (the SDXL and Flux jobs on
+#            1 GPU): the next call runs
 #   collect  which waits (up to WAIT s, default 580) for them to end and adds their lines to the results
 #   compiled the same with training.compile=true; run it twice on a fresh machine (the first run of each
 #            GPU count fills the compile cache; the second is the warm figure)
