@@ -25,3 +25,39 @@ JOB=sd15 GPUS=4 bash scripts/gpu/end_to_end.sh job
 # ---- call flux4
 # the Flux job on 4 GPUs, alone on the host
 JOB=flux GPUS=4 bash scripts/gpu/end_to_end.sh job
+
+# ==== the night session (18:29-18:58), another lease of nvidia-h200-x4, at commit 862af73 (the code of 036d6a7:
+# samples from the kept prompt embeddings, the encoders back onto their host copies). `log` and the install
+# come from scripts/gpu/common.sh; T=/tmp/tandem-e2e.
+
+# ---- call nightA
+# the Flux job on 1 GPU (GPU 0) and the SDXL job on 1 GPU (GPU 1), detached; once both train, the SD1.5 job on
+# 1 GPU (GPU 2) and on 2 GPUs (2,3) beside them; then the SDXL job on 2 GPUs (2,3), detached - that run ended
+# after 13 s: its workers started while the next call was replacing the working tree (end_to_end.sh's detach
+# now starts runs from a snapshot of the tree, cbda7cc)
+DETACHED=$T/d-flux1 JOB=flux bash scripts/gpu/end_to_end.sh detach new@.:1:0
+DETACHED=$T/d-sdxl1 JOB=sdxl bash scripts/gpu/end_to_end.sh detach new@.:1:1
+for i in $(seq 330); do   # until both have made their first step
+  [ "$(grep -l '^ *[0-9.]* First step: ' $T/new-1gpu-*.log 2>/dev/null | wc -l)" -ge 2 ] && break; sleep 1
+done
+JOB=sd15 bash scripts/gpu/end_to_end.sh runs "new@.:1:2"
+JOB=sd15 bash scripts/gpu/end_to_end.sh runs "new@.:2:2,3"
+DETACHED=$T/d-sdxl2 JOB=sdxl bash scripts/gpu/end_to_end.sh detach new@.:2:2,3
+
+# ---- call nightB
+WAIT=575 DETACHED=$T/d-flux1 JOB=flux bash scripts/gpu/end_to_end.sh collect
+
+# ---- call nightC
+# the SDXL 1-GPU run was still going after 150 s (its line came in call nightD); the Flux job on 4 GPUs started
+# after it had ended (no training process left), alone on the host
+WAIT=150 DETACHED=$T/d-sdxl1 JOB=sdxl bash scripts/gpu/end_to_end.sh collect
+WAIT=150 DETACHED=$T/d-sdxl2 JOB=sdxl bash scripts/gpu/end_to_end.sh collect
+pgrep -af '[t]rain(_multi_gpu)?\.py' && exit 1
+JOB=flux GPUS=4 bash scripts/gpu/end_to_end.sh job
+
+# ---- call nightD
+cp $T/d-*.jsonl $T/d-*.log $OUT/
+
+# ---- call nightE
+# the SD1.5 job on 4 GPUs, alone on the host (the session's device time was then spent)
+JOB=sd15 GPUS=4 bash scripts/gpu/end_to_end.sh job
