@@ -8,8 +8,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from modules.util.bytecode import keep_bytecode  # noqa: E402
+from modules.util.package_map import remember_package_map  # noqa: E402
 
 keep_bytecode()  # before torch is imported: see modules/util/bytecode.py
+remember_package_map()  # before diffusers and transformers: see modules/util/package_map.py
 
 from modules.cli import train_multi_gpu_main  # noqa: E402
 from modules.util.exit import exit_now  # noqa: E402

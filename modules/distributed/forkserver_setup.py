@@ -10,9 +10,14 @@ Two settings of the server process that its workers must not keep (`processes._u
 - CUDA asked about through NVML only. diffusers asks at import whether a GPU is there
   (`torch.accelerator.is_available()`); PyTorch's default answer initialises the CUDA driver, after which no
   forked child can use CUDA ("Cannot re-initialize CUDA in forked subprocess"). NVML answers without it.
+
+It also keeps the installed packages' map (`modules/util/package_map.py`) before the server imports diffusers
+and transformers, which the workers inherit as they are.
 """
 import os
 import signal
+
+from modules.util.package_map import remember_package_map
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 users_nvml_check = os.environ.get(NVML_CHECK)
@@ -20,3 +25,4 @@ users_nvml_check = os.environ.get(NVML_CHECK)
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 os.environ[NVML_CHECK] = "1"
+remember_package_map()
