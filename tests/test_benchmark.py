@@ -196,6 +196,7 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
                '@tandem {"type": "sample", "step": 5}',
                "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
                "Samples at step 10: 4 sample(s) in 2.3 s.",  # the current wording (samples may be clips)
+               '@tandem {"type": "profile", "first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}',
                '@tandem {"type": "done", "images_per_s": 12.5}']
 
     def command_for(spec, args, workspace):
@@ -204,7 +205,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
 
     monkeypatch.setattr(end_to_end, "command_for", command_for)
     args = SimpleNamespace(json=tmp_path / "results.jsonl", job="sd15", preset="sd15_lora", images=8, resolution=64,
-                           batch=2, epochs=1, prompts=4, sample_every=1, config_value=[], label_config=[])
+                           batch=2, epochs=1, prompts=4, sample_every=1, config_value=[], label_config=[],
+                           keep=tmp_path / "kept")
     specs = [end_to_end.RunSpec("quick", tmp_path, 1, None), end_to_end.RunSpec("slow", tmp_path, 2, None)]
     group = threading.Thread(target=end_to_end.run_group, args=(specs, args, tmp_path))
     group.start()
@@ -223,6 +225,9 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         assert quick["sampling_s"] == [6.1, 2.3] and quick["run_images_per_s"] == 12.5
         assert len(quick["sampling_from_events_s"]) == 1 and 0 <= quick["sampling_from_events_s"][0] < 5
         assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None
+        assert quick["profile"] == {"first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}
+        (kept,) = (tmp_path / "kept").glob("quick-1gpu-*/quick-1gpu-*.log")  # what a device call brings back
+        assert "First step: 2.5 s" in kept.read_text()
         assert group.is_alive(), "the slow run is still going"
     finally:
         release.touch()
@@ -357,4 +362,5 @@ def test_detached_runs_start_from_a_snapshot_and_survive_the_working_tree_being_
     assert len(lines) == 1, collected.stdout + (tmp_path / "detached" / "runs.log").read_text()
     (result,) = map(json.loads, lines)
     assert result["exit_code"] == 0 and result["tree"] == str(tmp_path / "detached" / "runs.tree")
+    assert list((tmp_path / "out" / "runs").glob("new-1gpu-*/new-1gpu-*.log")), "the run's log comes back with collect"
     assert (tmp_path / "models" / "images-sd15").is_dir()

@@ -1,10 +1,11 @@
 """The profiler summary's arithmetic: busy time is the union of GPU activity, counted once."""
+import os
 from types import SimpleNamespace
 
 import pytest
 from torch.autograd import DeviceType
 
-from modules.benchmark.profiling import busy_seconds, device_activity
+from modules.trainer.step_profile import busy_seconds, device_activity
 
 
 def test_busy_time_counts_overlaps_once_and_gaps_not_at_all():
@@ -32,3 +33,67 @@ def test_gpu_activity_leaves_out_host_operators_and_annotations():
     compute, nccl = device_activity(events)
     assert compute == [(10, 40), (60, 80)] and nccl == [(30, 120)]
     assert busy_seconds(compute + nccl) == pytest.approx(110e-6)
+
+
+@pytest.mark.parametrize("text, steps", [("100:5", (100, 5)), ("40", (40, 5)), (" 2:1 ", (2, 1))])
+def test_the_steps_to_profile_are_first_and_count(text, steps):
+    from modules.trainer.step_profile import profile_steps
+    assert profile_steps(text) == steps
+
+
+@pytest.mark.parametrize("text", ["1", "0:5", "100:0", "abc", "100:x", "100-105"])
+def test_steps_that_cannot_be_profiled_name_the_variable_and_the_form(text):
+    from modules.trainer.step_profile import profile_steps
+    with pytest.raises(ValueError, match=r"TANDEM_PROFILE_STEPS=.*FIRST\[:COUNT\].*100:5"):
+        profile_steps(text)
+
+
+def test_a_run_profiles_the_steps_asked_for_and_reports_them(tmp_path, tandem_home):
+    """TANDEM_PROFILE_STEPS on a real run (one process): steps 2-3 profiled, a report written, one line logged
+    and a `profile` event emitted at step 3."""
+    from modules.trainer.callbacks import RecordingCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+    from tests.trainer_helpers import demo_config
+
+    callbacks = RecordingCallbacks()
+    cfg = demo_config(tmp_path / "ws", tmp_path / "cache", "training.max_steps=4")
+    os.environ["TANDEM_PROFILE_STEPS"] = "2:2"
+    try:
+        GenericTrainer(cfg, callbacks).run()
+    finally:
+        del os.environ["TANDEM_PROFILE_STEPS"]
+    (event,) = callbacks.of_type("profile")
+    assert (event["first"], event["last"]) == (2, 3) and len(event["ranks"]) == 1
+    assert event["ranks"][0]["steps"] == 2 and event["ranks"][0]["wall_s"] > 0
+    (report,) = (tmp_path / "ws" / "profiles").glob("*-steps-2-3-rank0.txt")
+    assert "Top operators by host (CPU) time" in report.read_text()
+
+
+@pytest.mark.slow
+def test_every_rank_profiles_the_same_steps_and_the_lead_reports_all_of_them(tmp_path, tandem_home):
+    from modules.util.run_protocol import parse_event_line
+    from tests.trainer_helpers import overrides_for, run_script
+
+    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
+                        *overrides_for(tmp_path / "ws", tmp_path / "cache", "training.max_steps=4"),
+                        env_extra={"TANDEM_PROFILE_STEPS": "2:2"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (event,) = [e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "profile"]
+    assert len(event["ranks"]) == 2 and all(r["steps"] == 2 for r in event["ranks"])
+    assert "Profile of steps 2-3: rank 0: " in result.stdout + result.stderr
+    assert "; rank 1: " in result.stdout + result.stderr
+    reports = sorted(p.name[-9:] for p in (tmp_path / "ws" / "profiles").glob("*-steps-2-3-rank*.txt"))
+    assert reports == ["rank0.txt", "rank1.txt"]
+
+
+def test_a_wrong_value_stops_the_run_before_training_with_the_fix(tmp_path, tandem_home):
+    from modules.trainer.generic_trainer import GenericTrainer
+    from tests.trainer_helpers import demo_config
+
+    os.environ["TANDEM_PROFILE_STEPS"] = "1"
+    try:
+        with pytest.raises(ValueError, match="FIRST at least 2"):
+            GenericTrainer(demo_config(tmp_path / "ws", tmp_path / "cache", "training.max_steps=2")).run()
+    finally:
+        del os.environ["TANDEM_PROFILE_STEPS"]
+    assert not list((tmp_path / "ws").glob("output/*"))

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -186,7 +187,20 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
     done_event = marks.get("done_event") or {}
     if "images_per_s" in done_event:
         result["run_images_per_s"] = done_event["images_per_s"]
+    if "profile" in marks:
+        result["profile"] = marks["profile"]
+    if args.keep is not None:
+        keep_run_files(workspace, work / f"{workspace.name}.log", args.keep)
     return result
+
+
+def keep_run_files(workspace: Path, log_file: Path, keep: Path) -> None:
+    """A run's log and its profile reports (`TANDEM_PROFILE_STEPS`) into `keep`, e.g. what a device call brings back."""
+    target = keep / workspace.name
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(log_file, target / log_file.name)
+    if (workspace / "profiles").is_dir():
+        shutil.copytree(workspace / "profiles", target / "profiles", dirs_exist_ok=True)
 
 
 def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list) -> None:
@@ -200,6 +214,8 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
         marks.setdefault(kind, at)
         if kind == "done":
             marks["done_event"] = event
+        elif kind == "profile":  # TANDEM_PROFILE_STEPS: each rank's summary of the profiled steps
+            marks["profile"] = {key: event.get(key) for key in ("first", "last", "ranks")}
         elif kind == "progress":
             marks["last_progress"] = at
             marks.setdefault("steps_reported", []).append((at, event.get("epoch")))
@@ -322,6 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-cache", type=Path, help="one latent/text cache for every run (complete after the first "
                                                          "run: start-up with a complete cache); default: a fresh one each")
     p.add_argument("--json", type=Path, help="append one JSON line per run")
+    p.add_argument("--keep", type=Path, help="copy each run's log and profile reports into a folder of its own here")
     p.add_argument("--cpu", action="store_true", help="CPU processes (for testing the harness)")
     args = p.parse_args(argv)
     job = JOBS[args.job]

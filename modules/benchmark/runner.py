@@ -194,7 +194,7 @@ class BenchmarkMixin:
         if step <= c.warmup + c.steps:
             self.step_times.append(now - self.last_step_end)
         if c.profile_dir and measured_end:
-            from modules.benchmark.profiling import StepProfiler
+            from modules.trainer.step_profile import StepProfiler
             self.profiler = StepProfiler(self.device)
             self.profiler.start()
         if c.profile_dir and step == c.total_steps():

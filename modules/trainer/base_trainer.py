@@ -49,6 +49,7 @@ from modules.trainer.run_numbers import RunNumbers, derive_run_numbers
 from modules.trainer.split_probe import decide_split, measure_capacity
 from modules.trainer.startup import StartupTimes
 from modules.trainer.step_exchange import StepExchange, StepReport
+from modules.trainer.step_profile import RunProfiler
 from modules.trainer.trainable import configure_cuda, decide_cudnn_autotuning, prepare_trainable, trained_weights
 from modules.trainer.training_model import TrainingModel
 from modules.trainer.validation_loss import Scoring, ValidationLoss
@@ -64,6 +65,9 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class BaseTrainer(ABC):
+    step_profile: RunProfiler | None = None
+    """Set in `setup` where TANDEM_PROFILE_STEPS asks for a profile of some steps."""
+
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
                  launch: LaunchSpec | None = None, scan=None) -> None:
@@ -154,6 +158,9 @@ class BaseTrainer(ABC):
         self.progress = ProgressReporter(self.numbers, self.emit, self.global_step,
                                          self.paths.tensorboard if self.cfg.general.tensorboard else None,
                                          reports=self.duties.leads)
+        # TANDEM_PROFILE_STEPS: where a real run's steps wait (modules/trainer/step_profile.py)
+        self.step_profile = RunProfiler.from_environment(self.device, self.paths.workspace / "profiles", self.run_id,
+                                                         self.emit)
         # Keep the model's many long-lived Python objects out of later full garbage collections, which
         # would otherwise rescan all of them at random steps (a pause the other ranks wait for).
         gc.collect()
@@ -573,6 +580,8 @@ class BaseTrainer(ABC):
                            save="save" in requested or due(s.save_every_n_steps))
         if self.validation is not None and due(self.cfg.training.validation_every_n_steps):
             self.validate()
+        if self.step_profile is not None:
+            self.step_profile.after_step(self.global_step)
 
     def take_commands(self) -> set[str]:
         """Commands this rank saw since the last step: from the commands file if its inbox reads one (rank 0;

@@ -47,6 +47,7 @@ EVENTS: dict[str, EventType] = {
     "error": EventType(("text",), ("rank", "failed_rank")),
     "restart": EventType(("text", "restart", "max_restarts", "step", "resumed_step")),
     "done": EventType(("output", "step", "completed", "images", "train_s", "images_per_s")),
+    "profile": EventType(("first", "last", "ranks")),
 }
 """Every event type and its fields: `config` is the run's `RunNumbers`, `validation` the held-out images'
 mean loss (`loss`) over `images` images at `step`, `error` names the rank that failed (`rank`: the rank
@@ -54,7 +55,8 @@ reporting its own failure; `failed_rank`: the launcher naming the first); `resta
 round's first word (`step`: where the failed round was, `resumed_step`: the backup it continues from;
 either None when unknown / none); `backup`'s `paused_s` is what taking it cost the training loop (rank 0's
 seconds: the snapshot and hand-over to the writer thread, or the whole write when sharded), `pinned_alloc_s`
-the part of it spent growing PyTorch's pinned host memory pool (the first backup's snapshot; later ones reuse it)."""
+the part of it spent growing PyTorch's pinned host memory pool (the first backup's snapshot; later ones reuse it);
+`profile` is each rank's profile summary of steps `first`-`last` (`TANDEM_PROFILE_STEPS`, `modules/trainer/step_profile.py`)."""
 
 COMMANDS = ("stop", "sample", "backup", "save")
 """What a watcher may ask a running training to do (one word per line in the commands file)."""

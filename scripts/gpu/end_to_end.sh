@@ -46,8 +46,11 @@ E2E="$(realpath -m "${E2E:-/tmp/tandem-e2e/models}")"; BASE="$(realpath -m .benc
 DETACHED="${DETACHED:-/tmp/tandem-e2e/detached}"
 [ -z "${E2E_RESULTS:-}" ] || RES="$E2E_RESULTS"
 COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
+# Each run's log and profile reports (TANDEM_PROFILE_STEPS) are kept in $OUT/runs on a device machine, so that
+# they come back with the call; detached runs keep theirs beside their results until `collect`.
+KEEP="${E2E_KEEP:-${OUT:+$OUT/runs}}"
 e2e() { python3 scripts/end_to_end.py --job "$JOB" --base-model "$E2E/$JOB" --make-model --data "$E2E/images-$JOB" \
-        --make-data --json "$RES" ${E2E_ARGS:-} "$@"; }  # E2E_ARGS: more options, e.g. for a trial on CPU
+        --make-data --json "$RES" ${KEEP:+--keep "$KEEP"} ${E2E_ARGS:-} "$@"; }  # E2E_ARGS: more options, e.g. for a trial on CPU
 runs() { local args=() r; for r in "$@"; do args+=(--run "$r"); done; e2e "${args[@]}"; }
 nvidia-smi -L
 case "$PART" in
@@ -65,7 +68,8 @@ detach)
     rm -rf "$DETACHED.tree"; mkdir -p "$DETACHED.tree"
     cp -a modules scripts training_presets pyproject.toml "$DETACHED.tree/"
     log "JOB=$JOB detached: $* (from the snapshot $DETACHED.tree)"
-    (cd "$DETACHED.tree" && E2E="$E2E" E2E_RESULTS="$DETACHED.jsonl" setsid nohup bash -c \
+    rm -rf "$DETACHED.runs"
+    (cd "$DETACHED.tree" && E2E="$E2E" E2E_RESULTS="$DETACHED.jsonl" E2E_KEEP="$DETACHED.runs" setsid nohup bash -c \
         'bash scripts/gpu/end_to_end.sh runs "$@"; touch '"$DETACHED.done" detached "$@" \
         > "$DETACHED.log" 2>&1 < /dev/null &)
     ;;
@@ -73,7 +77,12 @@ collect)
     log "waiting up to ${WAIT:-580} s for the detached runs"
     for _ in $(seq "${WAIT:-580}"); do [ -e "$DETACHED.done" ] && break; sleep 1; done
     tail -n 30 "$DETACHED.log"
-    if [ -e "$DETACHED.done" ]; then cat "$DETACHED.jsonl" >> "$RES"; else log "the detached runs are still going"; fi
+    if [ -e "$DETACHED.done" ]; then
+        cat "$DETACHED.jsonl" >> "$RES"
+        [ -z "$KEEP" ] || [ ! -d "$DETACHED.runs" ] || { mkdir -p "$KEEP"; cp -r "$DETACHED.runs"/. "$KEEP"/; }
+    else
+        log "the detached runs are still going"
+    fi
     ;;
 before)
     log "prepare; 1 GPU both trees, 2 GPUs both trees, baseline on 4 GPUs"

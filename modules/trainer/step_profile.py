@@ -14,13 +14,26 @@ NCCL time.
 The profiler slows the host (it records every operator), so in a loop near the line between the two
 the busy fractions read low: compare them between cases profiled alike, and read the kernel count
 per step, which the profiler does not change, as the host's share of the work.
+
+`scripts/benchmark.py --profile DIR` profiles the benchmark's steps; `TANDEM_PROFILE_STEPS=FIRST[:COUNT]`
+profiles COUNT (default 5) steps of a real run from step FIRST, on every rank (`RunProfiler`).
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from modules.util import dist_utils as du
+
+log = logging.getLogger("tandem")
+
+PROFILE_VARIABLE = "TANDEM_PROFILE_STEPS"
+DEFAULT_COUNT = 5
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -99,3 +112,56 @@ class StepProfiler:
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text("\n".join(lines), encoding="utf-8")
         return summary
+
+
+def profile_steps(text: str) -> tuple[int, int]:
+    """`FIRST[:COUNT]` as (first, count); a clear error for anything else."""
+    first, _, count = text.strip().partition(":")
+    try:
+        steps = int(first), int(count) if count else DEFAULT_COUNT
+    except ValueError:
+        steps = (0, 0)
+    if steps[0] < 2 or steps[1] < 1:
+        raise ValueError(f"{PROFILE_VARIABLE}={text!r}: expected FIRST[:COUNT] with FIRST at least 2 (the first "
+                         f"step warms up) and COUNT at least 1, e.g. {PROFILE_VARIABLE}=100:5")
+    return steps
+
+
+class RunProfiler:
+    """Profiles steps `first` .. `first + count - 1` of a run on every rank: each rank writes its report to
+    `folder`, and the run's lead logs one line with every rank's GPU busy, compute and NCCL fractions (a rank
+    whose NCCL time is large while its compute is short waited for another) and emits a `profile` event."""
+
+    def __init__(self, first: int, count: int, device: torch.device, folder: Path, run_id: str,
+                 emit: Callable[..., None]) -> None:
+        self.first, self.count, self.device, self.folder, self.run_id, self.emit = first, count, device, folder, run_id, emit
+        self.profiler: StepProfiler | None = None
+
+    @classmethod
+    def from_environment(cls, device: torch.device, folder: Path, run_id: str,
+                         emit: Callable[..., None]) -> RunProfiler | None:
+        text = os.environ.get(PROFILE_VARIABLE, "").strip()
+        return cls(*profile_steps(text), device, folder, run_id, emit) if text else None
+
+    def after_step(self, step: int) -> None:
+        """Called by every rank after each step's work is queued (the same steps everywhere)."""
+        if step == self.first - 1:
+            self.profiler = StepProfiler(self.device)
+            self.profiler.start()
+        elif self.profiler is not None and step == self.first + self.count - 1:
+            last = self.first + self.count - 1
+            report = self.folder / f"{self.run_id}-steps-{self.first}-{last}-rank{du.rank()}.txt"
+            summary = self.profiler.stop(self.count, report)
+            self.profiler = None
+            ranks = du.gather_objects(summary)
+            if du.is_main():
+                self._report(ranks, last)
+
+    def _report(self, ranks: list[dict], last: int) -> None:
+        def percent(value):
+            return "-" if value is None else f"{100 * value:.0f}%"
+        parts = [f"rank {rank}: {r['wall_s'] / r['steps']:.3f} s a step, GPU busy {percent(r['gpu_busy_fraction'])} "
+                 f"(compute {percent(r['compute_busy_fraction'])}, NCCL {percent(r['nccl_fraction'])}), "
+                 f"{r['gpu_activities_per_step'] or '-'} kernels a step" for rank, r in enumerate(ranks)]
+        log.info("Profile of steps %d-%d: %s; reports in %s", self.first, last, "; ".join(parts), self.folder)
+        self.emit("profile", first=self.first, last=last, ranks=ranks)
