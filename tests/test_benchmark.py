@@ -195,7 +195,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
                '@tandem {"type": "sample", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
                "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
-               "Samples at step 10: 4 sample(s) in 2.3 s.",  # the current wording (samples may be clips)
+               "Samples at step 10: 4 sample(s) in 2.3 s (2 processes, each rendered its share); parts: models to "
+               "the device 0.1 s, rendering 1.6 s, models back 0.1 s, gathering 0.2 s, writing 0.3 s.",
                '@tandem {"type": "profile", "first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}',
                '@tandem {"type": "done", "images_per_s": 12.5}']
 
@@ -223,6 +224,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         assert quick["startup_phases_s"]["model"] == 3.0 and quick["first_step_s"] == 2.5
         assert quick["summary_to_step1_s"] == 10.2 and quick["loader_workers_s"] == 9.8
         assert quick["sampling_s"] == [6.1, 2.3] and quick["run_images_per_s"] == 12.5
+        assert quick["sampling_parts_s"] == [{"models to the device": 0.1, "rendering": 1.6, "models back": 0.1,
+                                              "gathering": 0.2, "writing": 0.3}]
         assert len(quick["sampling_from_events_s"]) == 1 and 0 <= quick["sampling_from_events_s"][0] < 5
         assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None
         assert quick["profile"] == {"first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}

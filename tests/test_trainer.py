@@ -219,6 +219,30 @@ def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_a_samplings_log_line_says_where_its_time_went(tmp_path, cache_dir, monkeypatch, caplog):
+    """The parts the end-to-end harness reads: moving the models, rendering, moving them back, gathering, writing.
+    A write made 0.5 s slower shows in `writing`, and the parts add up to the sampling's time."""
+    import time
+    from modules.benchmark.end_to_end import _read_line
+    from modules.trainer import outputs
+
+    real_write = outputs.write_sample
+    monkeypatch.setattr(outputs, "write_sample", lambda image, path: (time.sleep(0.5), real_write(image, path)))
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
+                      "sampling.every_n_epochs=0", "sampling.inference_steps=1")
+    cfg.sampling.prompts = cfg.sampling.prompts[:1]
+    with caplog.at_level("INFO", logger="tandem"):
+        train(cfg, RecordingCallbacks())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Samples at step 0:")]
+    marks, samplings = {}, []
+    _read_line(line, 0.0, marks, {}, samplings)
+    (parts,) = marks["sampling_parts"]
+    assert list(parts) == ["models to the device", "rendering", "models back", "gathering", "writing"]
+    assert parts["writing"] >= 0.5 and min(parts.values()) >= 0
+    assert sum(parts.values()) == pytest.approx(samplings[0], abs=0.05 * (len(parts) + 1) + 0.05)
+
+
+@pytest.mark.slow
 def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tmp_path, cache_dir, monkeypatch):
     """Written one after another, a sampling's 4 images kept every rank waiting ~1 s on H100 hosts. Each
     write here waits until every image's write has begun: written one at a time, the first would time out."""

@@ -108,6 +108,7 @@ def test_samples_rendered_by_two_ranks_equal_those_of_one(tmp_path, cache_dir):
     events = [e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "sample"]
     assert [(e["step"], e["rank"]) for e in events] == [(0, i % 2) for i in range(prompts)]
     assert f"Samples at step 0: {prompts} sample(s) in " in result.stdout  # what a sampling cost the run
+    assert "each rendered its share); parts: models to the device " in result.stdout  # the slowest rank's parts
     assert {e["rank"] for e in one_run.of_type("sample")} == {0}
     one = sorted((tmp_path / "one" / "samples").glob("*/step-0000000-*.png"))
     two = sorted((tmp_path / "two" / "samples").glob("*/step-0000000-*.png"))

@@ -189,6 +189,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
         result["run_images_per_s"] = done_event["images_per_s"]
     if "profile" in marks:
         result["profile"] = marks["profile"]
+    if "sampling_parts" in marks:
+        result["sampling_parts_s"] = marks["sampling_parts"]
     if args.keep is not None:
         keep_run_files(workspace, work / f"{workspace.name}.log", args.keep)
     return result
@@ -239,6 +241,10 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             marks["summary_to_step1_s"], marks["loader_workers_s"] = float(gap.group(1)), float(gap.group(2))
     elif match := re.match(r"Samples at step \d+: \d+ (?:sample|image)\(s\) in ([\d.]+) s", line):  # older trees: image(s)
         samplings.append(float(match.group(1)))
+        if "; parts: " in line:  # where the sampling's time went (the slowest rank's moves and rendering)
+            listed = line.split("; parts: ", 1)[1].strip().rstrip(".")
+            marks.setdefault("sampling_parts", []).append(
+                {name.strip(): float(sec) for name, sec in re.findall(r"([^,]+?) ([\d.]+) s(?:, |$)", listed)})
 
 
 def split_training(progress: list[tuple[float, int | None]], sample_spans: list[tuple[float, float]],

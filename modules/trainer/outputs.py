@@ -84,6 +84,19 @@ class RunParts:
     read, what writes the backups."""
 
 
+class SplitClock:
+    """Seconds between laps, by name."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.parts[name] = now - self.last
+        self.last = now
+
+
 def sample_suffix(sample) -> str:
     """A clip is an animated WebP, an image a PNG."""
     return CLIP_SUFFIX if isinstance(sample, Clip) else ".png"
@@ -140,22 +153,39 @@ class OutputWriter:
         renders = mine + [(mine or [0])[0]] * parallel.extra_calls(len(mine), len(prompts))
         images = []
         started = time.monotonic()
+        clock = SplitClock()  # where a sampling's time goes: each rank's own parts, the slowest rank's logged
         if renders:
             from modules.model.sample_texts import texts_ready
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
             move_text = not texts_ready(parts.bundle, [prompts[i] for i in renders], samp.guidance_scale)
-            with self._weights_for_samples(), self._encoders_on_device(move_text), self.run.sampling_calls():
+            with contextlib.ExitStack() as stack:
+                for context in (self._weights_for_samples(), self._encoders_on_device(move_text),
+                                self.run.sampling_calls()):
+                    stack.enter_context(context)
+                clock.lap("models to the device")
                 images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                         samp.inference_steps, samp.guidance_scale, parts.device,
                                         frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
+                clock.lap("rendering")
+            clock.lap("models back")
         kept = zip(mine, images) if parallel.context_rank == 0 else ()
-        gathered = du.gather_objects([(i, du.rank(), image) for i, image in kept])
-        du.on_main(lambda: self._write_samples({i: (rank, image) for part in gathered for i, rank, image in part}))
-        # What a sampling costs the run (it stops training on every rank), for the log and the benchmarks.
+        gathered = du.gather_objects(([(i, du.rank(), image) for i, image in kept], clock.parts))
+        clock.lap("gathering")  # on rank 0: waiting for the slowest rank, then its images
+        du.on_main(lambda: self._write_and_report(gathered, clock, started))
+
+    def _write_and_report(self, gathered: list, clock: SplitClock, started: float) -> None:
+        """Rank 0: write every rank's samples, then log what the sampling cost the run (it stops training on every
+        rank) and where that went - the slowest rank's moves and rendering - for the log and the benchmarks."""
+        self._write_samples({i: (rank, image) for part, _ in gathered for i, rank, image in part})
+        clock.lap("writing")
+        parts = {name: max(p.get(name, 0.0) for _, p in gathered)
+                 for name in ("models to the device", "rendering", "models back")}
+        parts.update(gathering=clock.parts["gathering"], writing=clock.parts["writing"])
         shared = f" ({du.world_size()} processes, each rendered its share)" if du.world_size() > 1 else ""
-        log.info("Samples at step %d: %d sample(s) in %.1f s%s.", self.run.global_step, len(prompts),
-                 time.monotonic() - started, shared)
+        log.info("Samples at step %d: %d sample(s) in %.1f s%s; parts: %s.", self.run.global_step,
+                 len(self.parts.cfg.sampling.prompts), time.monotonic() - started, shared,
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items()))
 
     def _write_samples(self, rendered: dict) -> None:
         """Every image to its PNG (a video family's clip to its animated WebP) and to TensorBoard, each on its
