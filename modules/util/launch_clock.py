@@ -5,7 +5,8 @@ and when it had imported what it needs and began reading the config and checking
 (`note_checks_start`); a multi-process launcher adds when it began starting the workers and hands all three
 to its workers in their job (`marks` -> `adopt`); a worker knows when its own process started. From them,
 the time before a worker's trainer begins splits into the launcher's imports, the launcher's checks,
-starting the worker processes, and the worker's imports; in one process into the imports and the config
+starting the worker processes (with the spawn launcher's forkserver: starting the server and its imports,
+which every worker inherits), and the worker's imports; in one process into the imports and the config
 and checks. The marks live in this process only: nothing travels in the environment.
 """
 from __future__ import annotations
@@ -26,10 +27,11 @@ on a 2-core machine) splits into its imports and its checks."""
 _marks: dict[str, float] = {}
 
 
-def process_start_time() -> float | None:
-    """When this process started (seconds since the epoch), to 10 ms; None where /proc does not tell (not Linux)."""
+def process_start_time(pid: str = "self") -> float | None:
+    """When process `pid` (default: this one) started (seconds since the epoch), to 10 ms; None where /proc does
+    not tell (not Linux, or the process is gone)."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as f:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             # The command name (in parentheses) may hold spaces: the fields counted from after it.
             after_name = f.read().rsplit(")", 1)[1].split()
         with open("/proc/uptime", encoding="ascii") as f:
@@ -84,5 +86,23 @@ def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
     mine = max(mine, workers_at)  # clocks read to 10 ms: never a negative part
     launcher = ({"launcher's imports and checks": max(0.0, workers_at - launched_at)} if checks_at is None else
                 {"launcher's imports": checks_at - launched_at, "launcher's checks": max(0.0, workers_at - checks_at)})
-    return total, {**launcher, "starting the worker processes": mine - workers_at,
-                   "worker's imports": max(0.0, now - mine)}
+    server = forkserver_start_time()
+    if server is not None and workers_at <= server <= mine:
+        # The spawn launcher's workers are forked from a server started for this launch, once it has imported
+        # what every worker needs (`processes.PRELOADED`): its imports are the workers' imports, paid once.
+        starting = {"starting the forkserver": server - workers_at, "the forkserver's imports": mine - server}
+    else:
+        starting = {"starting the worker processes": mine - workers_at}
+    return total, {**launcher, **starting, "worker's imports": max(0.0, now - mine)}
+
+
+def forkserver_start_time() -> float | None:
+    """When this process's parent started, where that parent is multiprocessing's forkserver; else None."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            if b"multiprocessing.forkserver" not in f.read():
+                return None
+    except OSError:
+        return None
+    return process_start_time(str(parent))
