@@ -29,6 +29,7 @@ from modules.config import RunPaths, TrainConfig
 from modules.trainer.ema import EMA
 from modules.trainer.optim import evaluation_weights
 from modules.trainer.parallelism import Parallelism, SingleProcess
+from modules.trainer.progress import PhaseTimes
 from modules.trainer.run_numbers import RunNumbers
 from modules.util import dist_utils as du
 from modules.util.animation import SUFFIX as CLIP_SUFFIX, Clip
@@ -82,19 +83,6 @@ class RunParts:
     parallelism: Parallelism = field(default_factory=SingleProcess)
     """How the trained model is spread over the processes: who takes part in writing it, how its weights are
     read, what writes the backups."""
-
-
-class SplitClock:
-    """Seconds between laps, by name."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, float] = {}
-        self.last = time.monotonic()
-
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.parts[name] = now - self.last
-        self.last = now
 
 
 def sample_suffix(sample) -> str:
@@ -153,39 +141,38 @@ class OutputWriter:
         renders = mine + [(mine or [0])[0]] * parallel.extra_calls(len(mine), len(prompts))
         images = []
         started = time.monotonic()
-        clock = SplitClock()  # where a sampling's time goes: each rank's own parts, the slowest rank's logged
+        times = PhaseTimes()  # where a sampling's time goes: each rank's own parts, the slowest rank's logged
         if renders:
             from modules.model.sample_texts import texts_ready
             from modules.model.sampling import render_samples
             samp = parts.cfg.sampling
             move_text = not texts_ready(parts.bundle, [prompts[i] for i in renders], samp.guidance_scale)
             with contextlib.ExitStack() as stack:
-                for context in (self._weights_for_samples(), self._encoders_on_device(move_text),
-                                self.run.sampling_calls()):
-                    stack.enter_context(context)
-                clock.lap("models to the device")
-                images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
-                                        samp.inference_steps, samp.guidance_scale, parts.device,
-                                        frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
-                clock.lap("rendering")
-            clock.lap("models back")
+                with times.time("models to the device"):
+                    for context in (self._weights_for_samples(), self._encoders_on_device(move_text),
+                                    self.run.sampling_calls()):
+                        stack.enter_context(context)
+                with times.time("rendering"):
+                    images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
+                                            samp.inference_steps, samp.guidance_scale, parts.device,
+                                            frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
+                with times.time("models back"):
+                    stack.close()
         kept = zip(mine, images) if parallel.context_rank == 0 else ()
-        gathered = du.gather_objects(([(i, du.rank(), image) for i, image in kept], clock.parts))
-        clock.lap("gathering")  # on rank 0: waiting for the slowest rank, then its images
-        du.on_main(lambda: self._write_and_report(gathered, clock, started))
+        with times.time("gathering"):  # on rank 0: waiting for the slowest rank, then its images
+            gathered = du.gather_objects(([(i, du.rank(), image) for i, image in kept], times.seconds))
+        du.on_main(lambda: self._write_and_report(gathered, times, started))
 
-    def _write_and_report(self, gathered: list, clock: SplitClock, started: float) -> None:
+    def _write_and_report(self, gathered: list, times: PhaseTimes, started: float) -> None:
         """Rank 0: write every rank's samples, then log what the sampling cost the run (it stops training on every
         rank) and where that went - the slowest rank's moves and rendering - for the log and the benchmarks."""
-        self._write_samples({i: (rank, image) for part, _ in gathered for i, rank, image in part})
-        clock.lap("writing")
-        parts = {name: max(p.get(name, 0.0) for _, p in gathered)
-                 for name in ("models to the device", "rendering", "models back")}
-        parts.update(gathering=clock.parts["gathering"], writing=clock.parts["writing"])
+        with times.time("writing"):
+            self._write_samples({i: (rank, image) for part, _ in gathered for i, rank, image in part})
+        for name in ("models to the device", "rendering", "models back"):
+            times.seconds[name] = max(seconds.get(name, 0.0) for _, seconds in gathered)
         shared = f" ({du.world_size()} processes, each rendered its share)" if du.world_size() > 1 else ""
         log.info("Samples at step %d: %d sample(s) in %.1f s%s; parts: %s.", self.run.global_step,
-                 len(self.parts.cfg.sampling.prompts), time.monotonic() - started, shared,
-                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items()))
+                 len(self.parts.cfg.sampling.prompts), time.monotonic() - started, shared, times.describe())
 
     def _write_samples(self, rendered: dict) -> None:
         """Every image to its PNG (a video family's clip to its animated WebP) and to TensorBoard, each on its
