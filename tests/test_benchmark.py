@@ -342,15 +342,14 @@ def test_detached_runs_start_from_a_snapshot_and_survive_the_working_tree_being_
     import shutil
     import time
 
-    repo = Path(__file__).resolve().parents[1]
     tree = tmp_path / "tree"
     for name in ("modules", "scripts", "training_presets"):
-        shutil.copytree(repo / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(repo / "pyproject.toml", tree)
+        shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tree)
     env = dict(os.environ, OUT=str(tmp_path / "out"), E2E=str(tmp_path / "models"), JOB="sd15",
                DETACHED=str(tmp_path / "detached" / "runs"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               E2E_ARGS="--cpu --base-model builtin:demo --preset #demo --make-data 4 --image-size 64 --resolution 64 "
-                        "--batch 2 --epochs 1 --prompts 0 --sample-every 0")
+               E2E_ARGS=f"--cpu --base-model builtin:demo --preset #demo --make-data 4 --image-size 64 --resolution 64 "
+                        f"--batch 2 --epochs 1 --prompts 0 --sample-every 0 --work {tmp_path / 'work'}")
     (tmp_path / "out").mkdir()
     started = subprocess.run(["bash", "scripts/gpu/end_to_end.sh", "detach", "new@.:1"], cwd=tree, env=env,
                              capture_output=True, text=True, timeout=60)
@@ -359,7 +358,7 @@ def test_detached_runs_start_from_a_snapshot_and_survive_the_working_tree_being_
     deadline = time.monotonic() + 300
     while not (tmp_path / "detached" / "runs.done").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
-    collected = subprocess.run(["bash", "scripts/gpu/end_to_end.sh", "collect"], cwd=repo, env=dict(env, WAIT="5"),
+    collected = subprocess.run(["bash", "scripts/gpu/end_to_end.sh", "collect"], cwd=REPO, env=dict(env, WAIT="5"),
                                capture_output=True, text=True, timeout=60)
     lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines() if (tmp_path / "out" / "results.jsonl").exists() else []
     assert len(lines) == 1, collected.stdout + (tmp_path / "detached" / "runs.log").read_text()
