@@ -45,3 +45,22 @@ def test_the_launch_splits_into_the_launcher_starting_the_workers_and_their_impo
     launch_clock.forget()
     assert launch_clock.launch_split(mine + 2.0) == (None, {})
     assert launch_clock.CHECKS_STARTED not in os.environ
+
+
+@pytest.mark.parametrize("server_after_workers, expected", [
+    (0.5, {"starting the forkserver": 0.5, "the forkserver's imports": 0.5}),
+    # Started right after the launcher noted the time, yet read 20 ms before it (start times are read to 10 ms).
+    (-0.02, {"starting the forkserver": 0.0, "the forkserver's imports": 1.0}),
+    (-30.0, {"starting the worker processes": 1.0}),  # a server kept from an earlier launch
+])
+def test_workers_forked_from_a_server_started_for_this_launch_count_its_imports_apart(monkeypatch, server_after_workers,
+                                                                                     expected):
+    mine = launch_clock.process_start_time()
+    monkeypatch.setattr(launch_clock, "_marks", {})
+    monkeypatch.setattr(launch_clock, "forkserver_start_time", lambda: mine - 1.0 + server_after_workers)
+    launch_clock.adopt({launch_clock.LAUNCH_TIME: mine - 5.0, launch_clock.CHECKS_STARTED: mine - 3.5,
+                        launch_clock.WORKERS_STARTED: mine - 1.0})
+    total, parts = launch_clock.launch_split(mine + 2.0)
+    assert parts == pytest.approx({"launcher's imports": 1.5, "launcher's checks": 2.5, **expected,
+                                   "worker's imports": 2.0}, abs=0.02)
+    assert list(parts)[2:-1] == list(expected)

@@ -24,6 +24,9 @@ CHECKS_STARTED = "checks"
 (seconds since the epoch): the launcher's own time before it starts workers (6-9 s on H100 hosts, 1.6 s
 on a 2-core machine) splits into its imports and its checks."""
 
+PROCESS_CLOCK_SLACK = 0.05
+"""Seconds two process start times may be off from each other and from `time.time()` (each read to 10 ms)."""
+
 _marks: dict[str, float] = {}
 
 
@@ -87,9 +90,12 @@ def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
     launcher = ({"launcher's imports and checks": max(0.0, workers_at - launched_at)} if checks_at is None else
                 {"launcher's imports": checks_at - launched_at, "launcher's checks": max(0.0, workers_at - checks_at)})
     server = forkserver_start_time()
-    if server is not None and workers_at <= server <= mine:
+    # Process start times are read to 10 ms and computed from the uptime: a server started right after the
+    # launcher noted `workers_at` may read a little before it. One kept from an earlier launch started seconds before.
+    if server is not None and workers_at - PROCESS_CLOCK_SLACK <= server <= mine + PROCESS_CLOCK_SLACK:
         # The spawn launcher's workers are forked from a server started for this launch, once it has imported
         # what every worker needs (`processes.PRELOADED`): its imports are the workers' imports, paid once.
+        server = min(max(server, workers_at), mine)
         starting = {"starting the forkserver": server - workers_at, "the forkserver's imports": mine - server}
     else:
         starting = {"starting the worker processes": mine - workers_at}
