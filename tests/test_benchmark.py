@@ -201,6 +201,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
                '@tandem {"type": "done", "images_per_s": 12.5}']
 
     def command_for(spec, args, workspace):
+        (workspace / "profiles").mkdir(parents=True, exist_ok=True)  # as TANDEM_PROFILE_STEPS leaves them
+        (workspace / "profiles" / "run-1-steps-3-4-rank0.txt").write_text("steps: 2")
         wait = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)\n" if spec.label == "slow" else ""
         return [sys.executable, "-c", f"print({printed!r}[0], flush=True)\n{wait}print('\\n'.join({printed!r}[1:]))"]
 
@@ -231,6 +233,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         assert quick["profile"] == {"first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}
         (kept,) = (tmp_path / "kept").glob("quick-1gpu-*/quick-1gpu-*.log")  # what a device call brings back
         assert "First step: 2.5 s" in kept.read_text()
+        # The profile reports beside it, no folder deeper (the device tool leaves those out).
+        assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name, "run-1-steps-3-4-rank0.txt"]
         assert group.is_alive(), "the slow run is still going"
     finally:
         release.touch()

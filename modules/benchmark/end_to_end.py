@@ -197,12 +197,14 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
 
 
 def keep_run_files(workspace: Path, log_file: Path, keep: Path) -> None:
-    """A run's log and its profile reports (`TANDEM_PROFILE_STEPS`) into `keep`, e.g. what a device call brings back."""
+    """A run's log and its profile reports (`TANDEM_PROFILE_STEPS`) into `keep/<run>/`, e.g. what a device call
+    brings back. The reports lie beside the log, not in a folder of their own: the device tool leaves out
+    folders nested deeper than that (a run's reports did not come back from `$OUT/runs/<run>/profiles/`)."""
     target = keep / workspace.name
     target.mkdir(parents=True, exist_ok=True)
     shutil.copy2(log_file, target / log_file.name)
-    if (workspace / "profiles").is_dir():
-        shutil.copytree(workspace / "profiles", target / "profiles", dirs_exist_ok=True)
+    for report in sorted((workspace / "profiles").glob("*.txt")):
+        shutil.copy2(report, target / report.name)
 
 
 def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list) -> None:
