@@ -61,3 +61,24 @@ cp $T/d-*.jsonl $T/d-*.log $OUT/
 # ---- call nightE
 # the SD1.5 job on 4 GPUs, alone on the host (the session's device time was then spent)
 JOB=sd15 GPUS=4 bash scripts/gpu/end_to_end.sh job
+
+# ==== the day session (2026-11-28, 20:58-21:22), another lease of nvidia-h200-x4, at commit 8e4413d. The
+# random models and images are made by the first run of each job on the machine (scripts/end_to_end.py
+# --make-model --make-data), outside the timed runs.
+
+# ---- call dayA
+# the Flux.1-size job on 4 GPUs for 60 steps with steps 40-44 profiled on every rank; the SD1.5 job on 1, then
+# 2 GPUs, each alone on the host; then the SDXL job on 2 GPUs (0,1), detached. The call reached its 600-s limit
+# while the SDXL run was making its model; the run went on and dayB collected it.
+source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site; T=/tmp/tandem-e2e
+TANDEM_PROFILE_STEPS=40:5 E2E_ARGS="--config-value training.max_steps=60" JOB=flux GPUS=4 limited 250 bash scripts/gpu/end_to_end.sh job
+JOB=sd15 GPUS="1 2" limited 290 bash scripts/gpu/end_to_end.sh job
+DETACHED=$T/d-sdxl2 JOB=sdxl bash scripts/gpu/end_to_end.sh detach new@.:2:0,1
+
+# ---- call dayB
+WAIT=575 DETACHED=$T/d-sdxl2 JOB=sdxl bash scripts/gpu/end_to_end.sh collect
+
+# ---- call dayC
+# the SDXL job on 4 GPUs, alone on the host (no training process left from dayB)
+pgrep -af '[t]rain(_multi_gpu)?\.py' && exit 1
+JOB=sdxl GPUS=4 limited 480 bash scripts/gpu/end_to_end.sh job
