@@ -448,6 +448,15 @@ def test_random_model_folders_load_like_downloaded_ones(tmp_path, monkeypatch, n
             return {**config, **tiny[config["architectures"][0]]}
         return config
 
+    # Every family module imported first: one imported while the patch is on would bind `shrunk` as its own
+    # `shipped` for good (`from .flow_base import shipped`), and a later test in this process would build
+    # that family with this test's sizes (seen: Qwen-Image's random folder test failing with KeyError 'qwen').
+    import importlib
+    import pkgutil
+
+    from modules.model import families
+    for found in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{found.name}")
     for module in (flow_base, chroma, flux2):
         monkeypatch.setattr(module, "shipped", shrunk)
     folder = write_random_model(name, tmp_path / "random", torch.float32, variant=variant)
