@@ -160,6 +160,41 @@ def test_corrupt_image_skipped_with_one_warning_naming_it(folder, caplog):
     assert len(warnings) == 4
 
 
+def test_the_scan_reads_images_on_several_threads_and_reports_them_in_file_order(tmp_path, monkeypatch, caplog):
+    """The scan is on the path to every start: it reads images on `scan_threads()` threads, and what it finds
+    (records, warnings) comes in the folder's sorted order whichever thread read which image."""
+    import threading
+    import time
+
+    from modules.data import concepts
+
+    names = [f"{i:02d}.png" for i in range(12)]
+    for i, name in enumerate(names):
+        write_image(tmp_path / "many" / name, size=(32 + 8 * i, 32), caption=f"image {i}")
+    for name in ("03.png", "08.png"):
+        (tmp_path / "many" / name).write_bytes(b"not an image")
+    readers = set()
+    real_image_info = concepts._image_info
+
+    def slow_image_info(path):
+        readers.add(threading.current_thread().name)
+        time.sleep(0.02 if int(path.stem) % 2 else 0.1)  # later files often finish first
+        return real_image_info(path)
+
+    monkeypatch.setattr(concepts, "_image_info", slow_image_info)
+    monkeypatch.setattr(concepts, "scan_threads", lambda: 4)
+    with caplog.at_level(logging.WARNING):
+        scan = scan_concepts([ConceptConfig(path=str(tmp_path / "many"))])
+    assert len(readers) > 1 and threading.current_thread().name not in readers
+    kept = [n for n in names if n not in ("03.png", "08.png")]
+    assert [im.path.name for im in scan.images] == kept
+    assert [im.width for im in scan.images] == [32 + 8 * int(n[:2]) for n in kept]
+    assert [im.caption for im in scan.images] == [f"image {int(n[:2])}" for n in kept]
+    per_file = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping unreadable image")]
+    assert [w.split(": ")[0].rsplit("/", 1)[-1] for w in per_file] == ["03.png", "08.png"]
+    assert 1 <= concepts.scan_threads() <= concepts.MAX_SCAN_THREADS
+
+
 def test_only_unreadable_images_is_an_empty_dataset_that_says_so(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -1,7 +1,10 @@
 """Concept folders -> a flat list of training images with their captions.
 
-The scan needs no model: it reads every image once (hash + PIL `verify()`), so a broken file is
-reported and skipped here, and an empty dataset fails here, before anything slow is loaded.
+The scan needs no model: it reads every image once (hash + PIL `verify()` + decode), so a broken file is
+reported and skipped here, and an empty dataset fails here, before anything slow is loaded. Images are read
+on several threads (`scan_threads`): reading, hashing and decoding release the GIL, and the scan is on the
+path to every start (1,000 JPEGs at 1024 px took 2.7 s of a one-GPU start and 3.5-4.3 s of the launcher's
+checks on the H200 hosts, one image at a time).
 Warnings go to the `modules.data` logger, from the one process that scans for the run: a multi-process
 launcher scans once and hands the scan to its workers; where every rank scans (a user's own torchrun),
 `util/logs.setup_logging` keeps them to rank 0.
@@ -12,7 +15,9 @@ import dataclasses
 import hashlib
 import io
 import logging
+import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -190,8 +195,19 @@ def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
 
 
-def _read_image(path: Path) -> tuple[int, int, str] | None:
-    """(width, height, sha256) of a readable image, else None after one warning naming it and why."""
+MAX_SCAN_THREADS = 8
+"""At most this many images are read at once: each holds its file and its decoded pixels (a 24-megapixel
+photo: ~70 MB) while it is checked."""
+
+
+def scan_threads() -> int:
+    """Threads the scan reads images on: the cores this process may use, at most `MAX_SCAN_THREADS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_SCAN_THREADS, cores))
+
+
+def _image_info(path: Path) -> tuple[tuple[int, int, str] | None, str]:
+    """((width, height, sha256), "") of a readable image, else (None, why it cannot be read)."""
     try:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as img:
@@ -202,9 +218,23 @@ def _read_image(path: Path) -> tuple[int, int, str] | None:
             width, height = img.size
             img.load()
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
-        log.warning("Skipping unreadable image %s: %s", path, _unreadable_reason(err, path))
-        return None
-    return width, height, hashlib.sha256(data).hexdigest()
+        return None, _unreadable_reason(err, path)
+    return (width, height, hashlib.sha256(data).hexdigest()), ""
+
+
+def _read_images(paths: Sequence[Path]) -> list[tuple[int, int, str] | None]:
+    """(width, height, sha256) of each image in `paths`, in order; None for an unreadable one, after one
+    warning naming it and why (the warnings in the order of `paths`, whichever thread read them)."""
+    threads = min(scan_threads(), len(paths))
+    if threads <= 1:
+        results = [_image_info(path) for path in paths]
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-scan") as pool:
+            results = list(pool.map(_image_info, paths))
+    for path, (_, reason) in zip(paths, results):
+        if reason:
+            log.warning("Skipping unreadable image %s: %s", path, reason)
+    return [info for info, _ in results]
 
 
 def _unreadable_reason(err: Exception, path: Path) -> str:
@@ -272,6 +302,8 @@ def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tu
     name = concept.name or folder.name
     records = []
     files = _image_files(folder, concept.recursive)
+    images = [path for path in files if path.suffix.lower() not in VIDEO_EXTENSIONS]
+    image_info = dict(zip(images, _read_images(images)))
     for path in files:
         clip = None
         if path.suffix.lower() in VIDEO_EXTENSIONS:
@@ -280,7 +312,7 @@ def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tu
                 continue
             width, height, digest = clip.width, clip.height, clip.content_hash
         else:
-            info = _read_image(path)
+            info = image_info[path]
             if info is None:
                 continue
             width, height, digest = info
