@@ -107,6 +107,16 @@ def load_model(
     return bundle.to(device)
 
 
+def ensure_builtin_files(model_cfg: ModelConfig) -> None:
+    """Build a built-in model's files if they are not there yet; nothing for a model on disk.
+
+    In a process group, call it under `dist_utils.main_first()` before loading: only rank 0 can write the files
+    (transformers saves a model on rank 0 alone), and the other ranks then find them complete - so every rank
+    can load at the same time, where loading in turn took N loads' time."""
+    if model_cfg.base_model.strip().startswith("builtin:"):
+        resolve_family(model_cfg)
+
+
 def resolve_family(model_cfg: ModelConfig):
     """(family, where, kind) of `model.base_model` without reading any weight: kind `builtin` (where: its
     folder, built on first use), `folder` or `file`. Refuses what the family cannot take (a type other than

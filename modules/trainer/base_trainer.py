@@ -279,13 +279,14 @@ class BaseTrainer(ABC):
         return dataset
 
     def create_model(self):
-        from modules.model.loading import load_model
-        # A built-in model is built into shared files on first use: rank 0 builds them, the others then read
-        # them. A model on disk is only read, so every rank loads it at once (in turn, N ranks took N loads'
-        # time: ~10 s more per start on 4 GPUs with an SD1.5 folder).
-        builds_files = self.cfg.model.base_model.strip().startswith(BUILTIN_PREFIX)
-        with du.main_first() if builds_files else contextlib.nullcontext():
-            bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host())
+        from modules.model.loading import ensure_builtin_files, load_model
+        # Every rank loads at once (in turn, N ranks took N loads' time: ~10 s more per start on 4 GPUs with an
+        # SD1.5 folder, 4-5 s of a 2-process demo start on 2 CPU cores). A built-in model's files are built on
+        # first use by rank 0 alone, before the others look.
+        if self.cfg.model.base_model.strip().startswith(BUILTIN_PREFIX):
+            with du.main_first():
+                ensure_builtin_files(self.cfg.model)
+        bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host())
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
         bundle.family.check_image_sizes(self.dataset.bucket_sizes, bundle)
         bundle.family.check_clips(self.dataset.clip_paths(), self.cfg.data.video_frames)

@@ -23,7 +23,6 @@ The start-up log says which, the encoder's size, and how long loading and encodi
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,10 +64,12 @@ def encode_text_apart(cfg, datasets, device: torch.device, cache_dir: Path) -> T
     None for the other families (their text is cached with the latents, `BaseTrainer.fill_cache`)."""
     from modules.data.cache import fill_text_cache, text_entry
     from modules.data.dataset import text_cache_allowed
-    from modules.model.loading import load_text_side
+    from modules.model.loading import ensure_builtin_files, load_text_side
 
-    with du.main_first() if cfg.model.base_model.strip().startswith("builtin:") else contextlib.nullcontext():
-        light = load_text_side(cfg.model, cfg.training)  # a built-in model is built by rank 0 alone
+    if cfg.model.base_model.strip().startswith("builtin:"):
+        with du.main_first():  # a built-in model is built by rank 0 alone; then every rank loads at once
+            ensure_builtin_files(cfg.model)
+    light = load_text_side(cfg.model, cfg.training)
     if light is None:
         return None
     title = light.family.info.title
