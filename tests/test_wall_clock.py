@@ -302,7 +302,7 @@ def test_ranks_load_the_model_at_once_after_rank_0_built_a_builtin_ones_files(mo
     bundle = SimpleNamespace(family=SimpleNamespace(check_image_sizes=lambda sizes, bundle=None: None,
                                                     check_clips=lambda clips, frames: None))
     monkeypatch.setattr(du, "main_first", main_first)
-    monkeypatch.setattr("modules.model.loading.ensure_builtin_files", lambda model_cfg: turns.append("build"))
+    monkeypatch.setattr("modules.model.loading.resolve_family", lambda model_cfg: turns.append("build"))
     monkeypatch.setattr("modules.model.loading.load_model", lambda *args: turns.append("load") or bundle)
     cfg = TrainConfig()
     cfg.model.base_model = base.format(folder=tmp_path)

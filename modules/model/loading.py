@@ -17,6 +17,7 @@ from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES,
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.config.validation import parse_config_overrides
+from modules.util import dist_utils as du
 
 from .bundle import ModelBundle
 from .families import detect_checkpoint, detect_folder
@@ -107,14 +108,15 @@ def load_model(
     return bundle.to(device)
 
 
-def ensure_builtin_files(model_cfg: ModelConfig) -> None:
-    """Build a built-in model's files if they are not there yet; nothing for a model on disk.
+def build_builtin_first(model_cfg: ModelConfig) -> None:
+    """Make sure a built-in model's files exist before any rank loads it; nothing for a model on disk.
 
-    In a process group, call it under `dist_utils.main_first()` before loading: only rank 0 can write the files
-    (transformers saves a model on rank 0 alone), and the other ranks then find them complete - so every rank
-    can load at the same time, where loading in turn took N loads' time."""
+    Only rank 0 of a process group can write them (transformers saves a model on rank 0 alone): rank 0 builds
+    what is missing first, the other ranks then find them complete, and every rank can load at the same time,
+    where loading in turn took N loads' time."""
     if model_cfg.base_model.strip().startswith("builtin:"):
-        resolve_family(model_cfg)
+        with du.main_first():
+            resolve_family(model_cfg)
 
 
 def resolve_family(model_cfg: ModelConfig):

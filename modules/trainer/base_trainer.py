@@ -31,7 +31,6 @@ import torch
 
 from modules.config import RunPaths, TrainConfig, save_config
 from modules.config.launch_spec import LaunchSpec
-from modules.config.validation import BUILTIN_PREFIX
 from modules.trainer import backup as backups
 from modules.trainer import resume as resuming
 from modules.trainer.caching import fill_caches, offload_cached_encoders
@@ -279,13 +278,10 @@ class BaseTrainer(ABC):
         return dataset
 
     def create_model(self):
-        from modules.model.loading import ensure_builtin_files, load_model
+        from modules.model.loading import build_builtin_first, load_model
         # Every rank loads at once (in turn, N ranks took N loads' time: ~10 s more per start on 4 GPUs with an
-        # SD1.5 folder, 4-5 s of a 2-process demo start on 2 CPU cores). A built-in model's files are built on
-        # first use by rank 0 alone, before the others look.
-        if self.cfg.model.base_model.strip().startswith(BUILTIN_PREFIX):
-            with du.main_first():
-                ensure_builtin_files(self.cfg.model)
+        # SD1.5 folder, 4-5 s of a 2-process demo start on 2 CPU cores).
+        build_builtin_first(self.cfg.model)
         bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host())
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
         bundle.family.check_image_sizes(self.dataset.bucket_sizes, bundle)

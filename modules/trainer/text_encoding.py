@@ -64,11 +64,9 @@ def encode_text_apart(cfg, datasets, device: torch.device, cache_dir: Path) -> T
     None for the other families (their text is cached with the latents, `BaseTrainer.fill_cache`)."""
     from modules.data.cache import fill_text_cache, text_entry
     from modules.data.dataset import text_cache_allowed
-    from modules.model.loading import ensure_builtin_files, load_text_side
+    from modules.model.loading import build_builtin_first, load_text_side
 
-    if cfg.model.base_model.strip().startswith("builtin:"):
-        with du.main_first():  # a built-in model is built by rank 0 alone; then every rank loads at once
-            ensure_builtin_files(cfg.model)
+    build_builtin_first(cfg.model)  # then every rank loads at once
     light = load_text_side(cfg.model, cfg.training)
     if light is None:
         return None
