@@ -53,9 +53,8 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
             "torch). Set training.compile to false.")
 
     # The compiled kernels are cached on disk and reused by the next run of the same model and shapes
-    # (PyTorch's FX-graph and autograd caches, on by default). PyTorch keeps them under the temporary
-    # folder, which many systems empty at every boot; the user's cache folder keeps them across boots.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tandem" / "torchinductor"))
+    # (PyTorch's FX-graph and autograd caches, on by default), in the folder the scripts chose at their
+    # start (modules/util/compile_cache.py): by now diffusers' import has fixed it for this process.
     log_compile_workers_to_a_file(inductor_config)
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
@@ -116,8 +115,8 @@ def log_compile_workers_to_a_file(inductor_config) -> None:
             or not hasattr(inductor_config, "torchinductor_worker_logpath")
             or inductor_config.torchinductor_worker_logpath):
         return
-    folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    folder.mkdir(parents=True, exist_ok=True)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    folder = Path(cache_dir())  # creates it
     inductor_config.torchinductor_worker_logpath = str(folder / f"compile-workers-rank{os.environ.get('RANK', '0')}.log")
 
 
