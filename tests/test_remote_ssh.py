@@ -280,10 +280,12 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     def configure(app, max_steps: int) -> None:
         assert app.load("#demo")
         for path, value in (("general.workspace_dir", str(tmp_path / "ws")), ("training.max_steps", str(max_steps)),
-                            ("training.batch_size", "2"), ("sampling.every_n_epochs", "0"),
+                            ("training.batch_size", "8"), ("sampling.every_n_epochs", "0"),
                             ("sampling.every_n_steps", "3"), ("sampling.inference_steps", "2"),
                             ("save.backup_every_n_epochs", "0")):
             app.binder.fields[path].var.set(value)
+    # 200 steps of 8 images: the stop below, sent through a new ssh login after the window reopened, arrives
+    # well before the last step also on a busy machine (at 2 images a step a run once finished first).
     app, dialogs = display_app()
     configure(app, 200)
     app.tabs.set("Run")
@@ -328,7 +330,7 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert pump(app, lambda: view.continue_button.cget("text") == f"Continue from step {stopped_at}", timeout=60), \
         view.continue_button.cget("text")
     app.binder.fields["training.max_steps"].var.set(str(stopped_at + 2))
-    view.continue_button.invoke()
+    assert view.continue_button.invoke(), view.error_text()
     assert pump(app, lambda: not controller.state.active and controller.state.step > stopped_at, timeout=300), \
         "\n".join(controller.log)
     assert controller.state.status == "finished", controller.state.error
