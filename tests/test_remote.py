@@ -529,3 +529,42 @@ def test_show_switches_to_another_run_and_the_first_goes_on(tmp_path):
     assert "short one" in controller.log and "long one" not in controller.log
     assert side(tmp_path / "remote", "status", "long")["state"] == "running"  # not watched, still going
     side(tmp_path / "remote", "kill", "long")
+
+
+
+def test_a_slow_earlier_look_up_of_the_backups_does_not_replace_a_later_one(tmp_path, monkeypatch):
+    """Two look-ups of the remote runs and backups in flight (one at a reattach, one after the run ended): the
+    earlier one answering last must not bring back the list from before the run's last backup."""
+    import threading
+
+    import ui.remote_controller as remote_controller
+    from ui.remote_controller import RemoteRunController
+    first_asked, first_may_answer = threading.Event(), threading.Event()
+    backup = {"step": 51, "run_id": "r1", "path": "work/ws/backups/r1/step-51", "written": 1.0}
+
+    def backups(machine, workspace):
+        if not first_asked.is_set():  # the first look-up: before the backup, and slow
+            first_asked.set()
+            assert first_may_answer.wait(30)
+            return []
+        return [backup]
+    monkeypatch.setattr(remote_controller, "list_runs", lambda machine: [])
+    monkeypatch.setattr(remote_controller, "remote_backups", backups)
+    controller = RemoteRunController(RemoteHost("box", folder=str(tmp_path / "remote")),
+                                     KnownHosts((tmp_path / "k",), tmp_path / "k"))
+    controller._cfg_workspace = "work/ws"
+
+    def poll_until(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            controller.poll()
+            time.sleep(0.01)
+        assert condition()
+    controller.refresh()
+    assert first_asked.wait(30)
+    controller.refresh()  # the later look-up answers first
+    poll_until(lambda: controller.listed == 1)
+    assert [b.info.step for b in controller.backups] == [51]
+    first_may_answer.set()
+    poll_until(lambda: controller.changes == 2)  # the earlier answer arrived and was applied - or dropped
+    assert [b.info.step for b in controller.backups] == [51]

@@ -327,8 +327,8 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert any("lost the connection" in line for line in controller.log)
     stopped_at = controller.state.step
     assert stopped_at < 200
-    assert pump(app, lambda: view.continue_button.cget("text") == f"Continue from step {stopped_at}", timeout=60), \
-        view.continue_button.cget("text")
+    assert pump(app, lambda: view.continue_button.cget("text") == f"Continue from step {stopped_at}", timeout=120), \
+        (view.continue_button.cget("text"), frame.notice_text(), controller.busy, controller.backups)
     app.binder.fields["training.max_steps"].var.set(str(stopped_at + 2))
     assert view.continue_button.invoke(), view.error_text()
     assert pump(app, lambda: not controller.state.active and controller.state.step > stopped_at, timeout=300), \

@@ -97,6 +97,10 @@ class RemoteRunController(RunController):
         self._results: queue.Queue = queue.Queue()
         self._follower: Follower | None = None
         self._cfg_workspace: str | None = None
+        self._listings_asked = 0
+        self._listing_shown = 0
+        """Which look-ups of runs and backups were asked for and which one is shown: a slower earlier one that
+        answers last is dropped."""
         self._fetched_samples: set[str] = set()
         self._completed: bool | None = None
         self.tunnel = Tunnel(self.machine)
@@ -174,11 +178,13 @@ class RemoteRunController(RunController):
     def refresh(self) -> None:
         """Look up the runs there and the newest backup of the current workspace."""
         workspace = self._cfg_workspace
+        self._listings_asked += 1
+        number = self._listings_asked
 
         def work():
             runs = list_runs(self.machine)
             backups = remote_backups(self.machine, workspace) if workspace else []
-            return runs, backups
+            return number, runs, backups
         self._background("listing runs", work, "runs")
 
     def _apply_result(self, result: _Result) -> None:
@@ -192,8 +198,12 @@ class RemoteRunController(RunController):
             self.unknown_keys = result.value
             self.notice = f"{self.host.label} is not known yet: accept its host key to connect"
         elif result.kind == "runs":
+            number, runs, found = result.value
+            if number < self._listing_shown:
+                return  # an earlier look that answered after a later one: its backups may be gone or miss new ones
+            self._listing_shown = number
             self.listed += 1
-            self.runs, found = result.value
+            self.runs = runs
             self.backups = [BackupChoice(RemoteBackup(b["step"], b["run_id"], PurePosixPath(b["path"]), b["written"]),
                                          b.get("finished_step")) for b in found]
         elif result.kind == "error":
