@@ -1,6 +1,6 @@
 """torch.compile's kernel cache lives in Tandem's cache folder, not the temporary one (modules/util/compile_cache.py).
 
-Each case runs in a fresh interpreter: importing diffusers fixes the folder for the process."""
+Importing diffusers settles the folder for the process, so the real sequence runs in a fresh interpreter."""
 import ast
 import os
 import subprocess
@@ -14,33 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY_SCRIPTS = ["train.py", "train_multi_gpu.py", "train_ui.py", "benchmark.py", "check_multi_gpu.py"]
 
 
-def folder_after_importing_diffusers(home: Path, first: str, **env_changes) -> str:
+@pytest.mark.slow
+def test_the_cache_folder_is_tandems_when_chosen_before_diffusers_is_imported(tmp_path):
+    """A fresh interpreter as the scripts start: the choice, then diffusers, whose import settles PyTorch's folder."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT), **env_changes)
-    code = textwrap.dedent(f"""
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))
+    code = textwrap.dedent("""
         import os
-        {first}
-        import diffusers.models  # imports torch._dynamo, which settles the folder
         from modules.util.compile_cache import keep_compile_cache
         keep_compile_cache()
-        print(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        import diffusers.models
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        print(cache_dir())
     """)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
+    assert result.stdout.strip().splitlines()[-1] == str(tmp_path / ".cache" / "tandem" / "torchinductor")
 
 
-def test_the_cache_folder_is_tandems_when_chosen_before_diffusers_is_imported(tmp_path):
-    chosen_first = "from modules.util.compile_cache import keep_compile_cache; keep_compile_cache()"
-    assert folder_after_importing_diffusers(tmp_path, chosen_first) == str(tmp_path / ".cache" / "tandem" / "torchinductor")
-    # Why the scripts choose it first: afterwards PyTorch's temporary folder is already settled.
-    assert folder_after_importing_diffusers(tmp_path, "pass") != str(tmp_path / ".cache" / "tandem" / "torchinductor")
-
-
-def test_a_users_own_cache_folder_is_kept(tmp_path):
-    chosen_first = "from modules.util.compile_cache import keep_compile_cache; keep_compile_cache()"
-    own = str(tmp_path / "mine")
-    assert folder_after_importing_diffusers(tmp_path, chosen_first, TORCHINDUCTOR_CACHE_DIR=own) == own
+def test_a_users_own_cache_folder_is_kept(tmp_path, monkeypatch):
+    from modules.util.compile_cache import keep_compile_cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert keep_compile_cache() == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize("script", ENTRY_SCRIPTS)
