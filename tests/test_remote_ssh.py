@@ -330,6 +330,10 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert pump(app, lambda: view.continue_button.cget("text") == f"Continue from step {stopped_at}", timeout=120), \
         (view.continue_button.cget("text"), frame.notice_text(), controller.busy, controller.backups)
     app.binder.fields["training.max_steps"].var.set(str(stopped_at + 2))
+    # The reopened window checks the machine again in the background; on a busy machine that can outlast the
+    # run's stop, and Start and Continue then say to wait for it. A user waits for its answer, as here.
+    assert pump(app, lambda: controller.report is not None or controller.notice_error, timeout=300), frame.notice_text()
+    assert controller.report is not None, frame.notice_text()
     assert view.continue_button.invoke(), view.error_text()
     assert pump(app, lambda: not controller.state.active and controller.state.step > stopped_at, timeout=300), \
         "\n".join(controller.log)
