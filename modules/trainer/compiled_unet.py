@@ -56,6 +56,7 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # (PyTorch's FX-graph and autograd caches, on by default), in the folder the scripts chose at their
     # start (modules/util/compile_cache.py): by now diffusers' import has fixed it for this process.
     log_compile_workers_to_a_file(inductor_config)
+    keep_checkpointed_randomness_cacheable()
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)
@@ -69,6 +70,26 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # its C++ compiles take minutes per image size. CPU training is for trying things, not for speed.
     backend = "aot_eager" if device.type == "cpu" else "inductor"
     return torch.compile(unet, backend=backend, dynamic=False)
+
+
+def keep_checkpointed_randomness_cacheable() -> None:
+    """Let the compile cache serve a denoiser trained with gradient checkpointing on a GPU.
+
+    A random op inside a checkpointed block must draw the same numbers when the backward recomputes it,
+    so AOTAutograd wraps it in an operator that carries the random state. On CUDA its default form is
+    the one CUDA graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch before 2.13 refuses
+    to cache ("Can't cache HigherOrderOperator"): every start compiled afresh - 6.2 min for the SDXL
+    LoRA on an H200 (docs/Performance.md). Tandem captures no CUDA graphs, and the plain form
+    (`run_with_rng_state`) replays the same random numbers and is cached."""
+    try:
+        import torch._functorch.config as functorch_config
+        from torch._prims import rng_prims
+    except ImportError:
+        return
+    operator = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    cacheable = getattr(operator, "cacheable", None)
+    if cacheable is not None and not cacheable() and getattr(functorch_config, "graphsafe_rng_functionalization", False):
+        functorch_config.graphsafe_rng_functionalization = False
 
 
 # torch.compile's own clocks and counters (torch._dynamo.utils): where a compile's seconds go, and whether
