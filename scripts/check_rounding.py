@@ -8,6 +8,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from modules.util.compile_cache import keep_compile_cache  # noqa: E402
+
+keep_compile_cache()  # before diffusers is imported; the training processes inherit it
+
 from modules.benchmark.rounding import main  # noqa: E402
 
 if __name__ == "__main__":
