@@ -1,4 +1,4 @@
-# The device calls of 2026-11-29 (night) on 1x NVIDIA H200 (nvidia-h200, the only kind lent), in order, at
+# The device calls of 2026-11-29 (night and morning) on 1x NVIDIA H200 (nvidia-h200, the only kind lent), in order, at
 # commit e1ca410 (nightC: e1ca410 with the compile-cache folder chosen at the scripts' start); result lines in
 # docs/perf/2026-11-29-h200.jsonl (field "call"). Carried: .bench (these scripts), .whl (the diffusers 0.42.1 wheel).
 
@@ -53,3 +53,82 @@ for gc in true false; do for run in cold warm; do
   echo "exit $?"; grep -E "compiled and checked|Error|error" $OUT/demo-$gc-$run.log | head -5 | cut -c1-400
 done; done
 ls $HOME/.cache/tandem/ $HOME/.cache/tandem/torchinductor | head; ls -d /tmp/torchinductor_* 2>&1
+
+# ==== 2026-11-29 morning: the same card (the only kind lent), calls mornI-mornL; result lines in the same
+# .jsonl. mornI, mornI2 at a219fb8; mornJ at a219fb8; mornK, mornL at 4ffe1ef (the compile cache's fix for checkpointed
+# randomness) before 70e0c45 (the end-to-end script choosing the cache folder)
+
+# ---- call mornI
+# #38, call I1 (1x H200): (a) why the compile cache misses a checkpointed denoiser on CUDA: the demo with
+# gradient checkpointing, compiled, twice with a fresh HOME, the autograd cache's key details logged (debug);
+# (b) the SDXL job without gradient checkpointing, compiled, 120 steps, a cold compile cache, detached
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+T=/tmp/tandem-e2e
+( export HOME=/tmp/h-cc; rm -rf $HOME /tmp/torchinductor_*; mkdir -p $HOME
+  for run in cold warm; do
+    log "demo gc=true $run"
+    TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache,+torch._inductor.codecache timeout -s KILL 150 \
+      python3 scripts/train.py --config-path "#demo" --config-value training.compile=true \
+      --config-value training.max_steps=2 --config-value training.gradient_checkpointing=true \
+      --config-value sampling.every_n_epochs=0 --config-value general.workspace_dir=/tmp/ws-$run > /tmp/demo-$run.log 2>&1
+    echo "exit $?"; grep -a -E "compiled and checked|cache hit|cache miss|Bypass" /tmp/demo-$run.log | cut -c1-300 | head -8
+    gzip -c /tmp/demo-$run.log > $OUT/demo-$run.log.gz
+  done )
+log "SDXL job, 1 GPU, 120 steps, compiled, no gradient checkpointing, cold cache, detached"
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache DETACHED=$T/d-sdxlng E2E_ARGS="--config-value training.max_steps=120 --config-value training.compile=true --config-value training.gradient_checkpointing=false" JOB=sdxl bash scripts/gpu/end_to_end.sh detach cold@.:1:0
+sleep 5; cat $T/d-sdxlng.log
+while [ $SECONDS -lt 560 ] && [ ! -e $T/d-sdxlng.done ]; do sleep 5; done
+tail -n 5 $T/d-sdxlng.log; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv; log "call ends"
+
+# ---- call mornI2: collect the cold run (line mornI2-collect), then the same with the cache filled: killed by
+# `limited 240` before its first step ended; its cache had gone to /tmp (see mornK)
+source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site; T=/tmp/tandem-e2e
+DETACHED=$T/d-sdxlng JOB=sdxl WAIT=330 bash scripts/gpu/end_to_end.sh collect
+TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache E2E_ARGS="--config-value training.max_steps=120 --config-value training.compile=true --config-value training.gradient_checkpointing=false" JOB=sdxl GPUS=1 limited 240 bash scripts/gpu/end_to_end.sh job
+
+# ---- call mornJ: call mornI's first part again (its logs had been cut at the first binary byte), reading
+# "Bypassing FX Graph Cache because 'Can't cache HigherOrderOperator: graphsafe_run_with_rng_state'"
+( export HOME=/tmp/h-cc; rm -rf $HOME /tmp/torchinductor_*; mkdir -p $HOME
+  for run in cold warm; do
+    log "demo gc=true $run"
+    TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache,+torch._inductor.codecache timeout -s KILL 150 \
+      python3 scripts/train.py --config-path "#demo" --config-value training.compile=true \
+      --config-value training.max_steps=2 --config-value training.gradient_checkpointing=true \
+      --config-value sampling.every_n_epochs=0 --config-value general.workspace_dir=/tmp/ws-$run > /tmp/demo-$run.log 2>&1
+    echo "exit $?"; grep -a -E "compiled and checked|cache hit|cache miss|Bypass" /tmp/demo-$run.log | cut -c1-300 | head -8
+    gzip -c /tmp/demo-$run.log > $OUT/demo-$run.log.gz
+  done )
+
+# ---- call mornK
+# #38, call K (1x H200): with compile_unet turning off the CUDA-graph-safe form of checkpointed randomness
+# (torch 2.11 cannot cache it): (a) the demo with gradient checkpointing, compiled, twice with a fresh HOME;
+# (b) the SD1.5 job with gradient checkpointing, compiled, 40 steps, cold then warm compile cache
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache,torch._inductor.codecache
+( export HOME=/tmp/h-cc; rm -rf $HOME /tmp/torchinductor_*; mkdir -p $HOME
+  for run in cold warm; do
+    log "demo gc=true $run"
+    timeout -s KILL 150 python3 scripts/train.py --config-path "#demo" --config-value training.compile=true \
+      --config-value training.max_steps=2 --config-value training.gradient_checkpointing=true \
+      --config-value sampling.every_n_epochs=0 --config-value general.workspace_dir=/tmp/ws-$run > /tmp/demo-$run.log 2>&1
+    echo "exit $?"; grep -a -E "compiled and checked|cache hit|cache miss|Bypass|Error" /tmp/demo-$run.log | cut -c1-300 | head -8
+    gzip -c /tmp/demo-$run.log > $OUT/demo-$run.log.gz
+  done )
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+for run in cold warm; do
+  left=$((585 - SECONDS)); [ $left -gt 60 ] || break
+  log "SD1.5 job, gc, compiled, 40 steps, $run (limit $left s)"
+  E2E_ARGS="--config-value training.max_steps=40 --config-value training.compile=true --config-value training.gradient_checkpointing=true" \
+    JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job > $OUT/sd15gc-$run.txt 2>&1
+  grep -E "^\| new|^\{" $OUT/sd15gc-$run.txt | cut -c1-300
+  grep -a -h -E "compiled and checked|Bypass" -r $OUT/runs 2>/dev/null | cut -c1-300 | tail -3
+done
+log "call ends"
+
+# ---- call mornL: the SD1.5 job with checkpointing once more, the cache filled by mornK's second run (line mornL)
+source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+E2E_ARGS="--config-value training.max_steps=40 --config-value training.compile=true --config-value training.gradient_checkpointing=true" JOB=sd15 GPUS=1 limited 105 bash scripts/gpu/end_to_end.sh job

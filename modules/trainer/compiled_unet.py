@@ -77,8 +77,8 @@ def keep_checkpointed_randomness_cacheable() -> None:
 
     A random op inside a checkpointed block must draw the same numbers when the backward recomputes it,
     so AOTAutograd wraps it in an operator that carries the random state. On CUDA its default form is
-    the one CUDA graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch before 2.13 refuses
-    to cache ("Can't cache HigherOrderOperator"): every start compiled afresh - 6.2 min for the SDXL
+    the one CUDA graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch 2.11 refuses to cache
+    ("Can't cache HigherOrderOperator"; 2.13 caches it): every start compiled afresh - 6.2 min for the SDXL
     LoRA on an H200 (docs/Performance.md). Tandem captures no CUDA graphs, and the plain form
     (`run_with_rng_state`) replays the same random numbers and is cached."""
     try:
