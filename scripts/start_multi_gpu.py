@@ -7,10 +7,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modules.util.compile_cache import keep_compile_cache  # noqa: E402
-
-keep_compile_cache()  # before diffusers is imported; the training processes inherit it
-
 if __name__ == "__main__":
     from modules.start_multi_gpu import main
     sys.exit(main())
