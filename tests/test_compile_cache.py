@@ -56,7 +56,7 @@ def test_a_users_own_cache_folder_is_kept(tmp_path, monkeypatch):
 def test_every_script_chooses_the_folder_before_importing_anything_that_imports_torch(script):
     """The scripts' top level: only os, sys, pathlib and modules.util's start-up helpers may come first."""
     tree = ast.parse((ROOT / "scripts" / script).read_text())
-    harmless = {"os", "sys", "pathlib", "modules.util.bytecode", "modules.util.package_map",
+    harmless = {"os", "sys", "pathlib", "modules.util.bytecode", "modules.util.package_map", "modules.util.import_structure",
                 "modules.util.compile_cache", "__future__"}
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \

@@ -11,12 +11,14 @@ Two settings of the server process that its workers must not keep (`processes._u
   (`torch.accelerator.is_available()`); PyTorch's default answer initialises the CUDA driver, after which no
   forked child can use CUDA ("Cannot re-initialize CUDA in forked subprocess"). NVML answers without it.
 
-It also keeps the installed packages' map (`modules/util/package_map.py`) before the server imports diffusers
-and transformers, which the workers inherit as they are.
+It also keeps the installed packages' map (`modules/util/package_map.py`) and transformers' scan of its model
+folders (`modules/util/import_structure.py`) before the server imports diffusers and transformers, which the
+workers inherit as they are.
 """
 import os
 import signal
 
+from modules.util.import_structure import remember_import_structure
 from modules.util.package_map import remember_package_map
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -26,3 +28,4 @@ users_nvml_check = os.environ.get(NVML_CHECK)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 os.environ[NVML_CHECK] = "1"
 remember_package_map()
+remember_import_structure()

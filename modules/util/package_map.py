@@ -76,21 +76,26 @@ class KeptPackageMap:
         return mapping
 
     def _write(self, key: str, mapping: Mapping) -> None:
-        """Best effort: a read-only home or a full disk only costs the next start its scan."""
-        target = self.folder / f"{key}.json"
-        temporary = self.folder / f".{key}.{os.getpid()}.tmp"
+        write_kept(self.folder, key, mapping)
+
+
+def write_kept(folder: Path, name: str, data) -> None:
+    """`data` as `folder/name.json`, keeping the KEPT_FILES most recently written files there. Best effort: a
+    read-only home or a full disk only costs the next start its scan."""
+    target = folder / f"{name}.json"
+    temporary = folder / f".{name}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(temporary, target)  # whole or not at all: ranks starting at once may write the same key
+        kept = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in kept[KEPT_FILES:]:
+            old.unlink(missing_ok=True)
+    except OSError:
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps(mapping), encoding="utf-8")
-            os.replace(temporary, target)  # whole or not at all: ranks starting at once may write the same key
-            kept = sorted(self.folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-            for old in kept[KEPT_FILES:]:
-                old.unlink(missing_ok=True)
+            temporary.unlink(missing_ok=True)
         except OSError:
-            try:
-                temporary.unlink(missing_ok=True)
-            except OSError:
-                pass  # the folder itself could not be made
+            pass  # the folder itself could not be made
 
 
 def remember_package_map(folder: Path | None = None) -> KeptPackageMap | None:
