@@ -76,7 +76,8 @@ def test_a_damaged_file_is_scanned_again_and_rewritten(tmp_path):
     folder = tmp_path / "kept"
     folder.mkdir()
     name = json.dumps([str(package / "models"), "models"])
-    for damage in ("not json", json.dumps({name: [[["torch"], {"x": [1, 2]}]]}), json.dumps([1, 2])):
+    for damage in ("not json", json.dumps({name: [[["torch"], {"x": [1, 2]}]]}), json.dumps([1, 2]),
+                   json.dumps({name: [["torch", {"x": ["X"]}]]}), json.dumps({name: {"torch": {"x": ["X"]}}})):
         (folder / f"{installation_key(package)}.json").write_text(damage)
         scan = CountedScan()
         kept = KeptStructure(scan, package, folder)

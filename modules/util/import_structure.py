@@ -54,10 +54,14 @@ def encode(structure: Structure) -> list:
 
 def decode(entries) -> Structure | None:
     """The structure back from `encode`'s form; None for anything this module did not write."""
+    if not isinstance(entries, list) or not all(
+            isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)
+            and all(isinstance(names, list) for names in entry[1].values()) for entry in entries):
+        return None
     try:
         structure = {frozenset(backends): {module: set(names) for module, names in modules.items()}
                      for backends, modules in entries}
-    except (TypeError, ValueError, AttributeError):
+    except TypeError:  # an unhashable name
         return None
     if not all(isinstance(b, str) for backends in structure for b in backends) or not all(
             isinstance(module, str) and all(isinstance(name, str) for name in names)
