@@ -2,9 +2,10 @@
 
 transformers 5 finds what its ~450 model folders export by reading every one of their files (2,600 in 5.24)
 for `__all__`: once when it is imported and once more when a model class is first asked for
-(`define_import_structure` on the `models` package, by two paths). That took ~0.7 s of CPU in every process
-that loads a text encoder or imports peft (which imports transformers' auto classes), measured on the 2-core
-development machine. Tandem answers both from a small file in `~/.cache/tandem/transformers-structure`
+(`define_import_structure` on the `models` package, by two paths): 0.7-0.9 s of CPU for the imports alone in
+every process that loads a text encoder or imports peft (which imports transformers' auto classes), and a
+one-step demo training run took 1.3-1.5 s of CPU less with the answer kept (2-core development machine,
+2026-11-29; docs/Performance.md). Tandem answers both from a small file in `~/.cache/tandem/transformers-structure`
 (`$TANDEM_HOME/transformers-structure` where set) named after the installed transformers: its folder and the
 modification times of its `__init__.py`, `models` folder and `utils/import_utils.py`, which installing,
 upgrading or removing transformers changes. The per-model scans that follow (a few files each) stay as they are.
