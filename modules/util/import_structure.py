@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from modules.util.package_map import CACHE_VARIABLE, write_kept
+from modules.util.package_map import CACHE_VARIABLE, kept_folder, write_kept
 
 MODULE = "transformers.utils.import_utils"
 
@@ -33,8 +33,7 @@ Structure = dict  # transformers' IMPORT_STRUCTURE_T: {frozenset(backends): {mod
 
 
 def default_folder() -> Path:
-    home = os.environ.get("TANDEM_HOME")  # tests, a portable install
-    return Path(home) / "transformers-structure" if home else Path.home() / ".cache" / "tandem" / "transformers-structure"
+    return kept_folder("transformers-structure")
 
 
 def installation_key(package: Path) -> str:
@@ -76,8 +75,9 @@ class KeptStructure:
     installation. `scanned` and `served` name the calls answered each way (for the tests and curiosity)."""
 
     def __init__(self, scan: Callable[..., Structure], package: Path, folder: Path) -> None:
-        self.scan, self.package, self.folder = scan, package, folder
+        self.scan, self.folder = scan, folder
         self.models = package / "models"
+        self.key = installation_key(package)
         self.answers: dict[str, Structure] = {}
         self.kept: dict[str, list] | None = None
         self.scanned: list[str] = []
@@ -104,21 +104,23 @@ class KeptStructure:
     def _kept(self) -> dict[str, list]:
         if self.kept is None:
             try:
-                kept = json.loads((self.folder / f"{installation_key(self.package)}.json").read_text(encoding="utf-8"))
+                kept = json.loads((self.folder / f"{self.key}.json").read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 kept = {}
             self.kept = kept if isinstance(kept, dict) else {}
         return self.kept
 
     def _write(self, kept: dict[str, list]) -> None:
-        write_kept(self.folder, installation_key(self.package), kept)
+        write_kept(self.folder, self.key, kept)
 
 
 def keep(module, folder: Path) -> KeptStructure | None:
     """Wrap `define_import_structure` of an executed `transformers.utils.import_utils`; None where it has none."""
     scan = getattr(module, "define_import_structure", None)
-    if scan is None or isinstance(scan, KeptStructure) or not getattr(module, "__file__", None):
-        return scan if isinstance(scan, KeptStructure) else None
+    if isinstance(scan, KeptStructure):
+        return scan
+    if scan is None or not getattr(module, "__file__", None):
+        return None
     kept = KeptStructure(scan, Path(module.__file__).parents[1], folder)
     module.define_import_structure = kept
     return kept

@@ -29,9 +29,14 @@ KEPT_FILES = 8
 Mapping = dict[str, list[str]]
 
 
-def default_folder() -> Path:
+def kept_folder(name: str) -> Path:
+    """Where a start-up answer kept between starts lives: `~/.cache/tandem/<name>`, `$TANDEM_HOME/<name>` where set."""
     home = os.environ.get("TANDEM_HOME")  # tests, a portable install
-    return Path(home) / "package-map" if home else Path.home() / ".cache" / "tandem" / "package-map"
+    return Path(home) / name if home else Path.home() / ".cache" / "tandem" / name
+
+
+def default_folder() -> Path:
+    return kept_folder("package-map")
 
 
 def installation_key(path_entries: list[str]) -> str:
