@@ -123,3 +123,29 @@ log "call ends"
 # ---- call mornL: the SD1.5 job with checkpointing once more, the cache filled by mornK's second run (line mornL)
 source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
 E2E_ARGS="--config-value training.max_steps=40 --config-value training.compile=true --config-value training.gradient_checkpointing=true" JOB=sd15 GPUS=1 limited 105 bash scripts/gpu/end_to_end.sh job
+
+# ---- call aftA (afternoon session, commit 08d4ccf; line aftA): the compile cache for the SDXL job filled; the
+# checkpointed run beside it was killed at 575 s before its compile ended (two cold compiles at once on 16 cores)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+log "SDXL job, compiled, 4 steps: no checkpointing | checkpointing, both on GPU 0, cold cache"
+E2E_ARGS="--config-value training.max_steps=4 --config-value training.compile=true --label-config fillng:training.gradient_checkpointing=false --label-config fillgc:training.gradient_checkpointing=true --prompts 0 --sample-every 0" \
+  JOB=sdxl limited 575 bash scripts/gpu/end_to_end.sh runs "fillng@.:1:0+fillgc@.:1:0"
+grep -a -h -E "compiled and checked|Bypass|autograd cache" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -8
+du -sh ~/.cache/tandem/torchinductor; log "call ends"
+
+# ---- call aftB (line aftB): the warm run; the checkpointed cold compile after it, alone, was killed at 394 s
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+log "SDXL job, compiled, no checkpointing, 120 steps, warm cache"
+E2E_ARGS="--config-value training.max_steps=120 --config-value training.compile=true --config-value training.gradient_checkpointing=false" \
+  JOB=sdxl GPUS=1 limited 330 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1500
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
+left=$((590 - SECONDS)); log "SDXL job, compiled, checkpointing, 4 steps, cold (limit $left s)"
+E2E_ARGS="--config-value training.max_steps=4 --config-value training.compile=true --config-value training.gradient_checkpointing=true --prompts 0 --sample-every 0" \
+  JOB=sdxl GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1500
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
+du -sh ~/.cache/tandem/torchinductor; log "call ends"
