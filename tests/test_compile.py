@@ -59,8 +59,10 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     assert not any("_orig_mod" in k for k in latest_backup_weights(tmp_path))
 
 
-def demo_images_without_the_wide_ones(folder: Path) -> Path:
-    """The demo images less the 4 wide (80x48 px) ones: 56 square and 4 tall images, two aspect buckets."""
+def demo_images_subset(folder: Path, square: int, tall: int) -> Path:
+    """`square` of the demo's 64x64 px images and `tall` of its 48x80 px ones (width x height), with their
+    captions: two aspect buckets at data.bucket_step=16, as many steps as the batches they fill. The 4 wide
+    (80x48 px) ones are left out: each bucket costs a compile (~10 s on a free core)."""
     import shutil
 
     from PIL import Image
@@ -68,12 +70,15 @@ def demo_images_without_the_wide_ones(folder: Path) -> Path:
     from modules.data.demo_dataset import ensure_demo_dataset
     root = ensure_demo_dataset()
     folder.mkdir(parents=True)
+    wanted = {"square": square, "tall": tall}
     for image in sorted(root.glob("*.png")):
         with Image.open(image) as opened:
-            wide = opened.width > opened.height
-        if not wide:
+            shape = "square" if opened.width == opened.height else "tall" if opened.width < opened.height else "wide"
+        if wanted.get(shape, 0) > 0:
+            wanted[shape] -= 1
             shutil.copy(image, folder)
             shutil.copy(image.with_suffix(".txt"), folder)
+    assert wanted == {"square": 0, "tall": 0}, f"the demo dataset lacks {wanted}"
     return folder
 
 
@@ -81,19 +86,20 @@ def demo_images_without_the_wide_ones(folder: Path) -> Path:
 def test_every_batch_shape_is_checked_once_also_with_dropout(tandem_home, tmp_path, caplog):
     """Each aspect bucket compiles its own kernels, so each is checked; dropout draws random masks, and
     the check compares like with like only if both passes draw the same ones. Two buckets (the first
-    batch's shape and a later one) are enough to tell 'every shape once' from 'the first only' or 'every
-    step'; each bucket costs a compile (~10 s on a free core), so the wide one is left out."""
+    batch's shape and a later one) over three steps (one shape twice) are enough to tell 'every shape once'
+    from 'the first only' or 'every step'; each bucket costs a compile (~10 s on a free core), so the wide
+    one is left out, and 8 square images fill the square bucket's two batches."""
     caplog.set_level("INFO")
-    images = demo_images_without_the_wide_ones(tmp_path / "images")
+    images = demo_images_subset(tmp_path / "images", square=8, tall=4)
     cfg = demo_config(tmp_path / "ws", tmp_path / "cache", COMPILE, "training.lora_dropout=0.3",
                       f'data.concepts=[{{"path": "{images}"}}]', "data.bucket_step=16", "training.batch_size=4",
                       "training.epochs=1")
     trainer = GenericTrainer(cfg, RecordingCallbacks())
     trainer.run()
-    assert trainer.completed and trainer.global_step == 15
-    # 56 images in the 64x64 px bucket and 4 in the 48x80 px one (width x height).
-    assert set(trainer.compile_check.checked) == {(4, 4, 8, 8), (4, 4, 10, 6)}
-    assert caplog.text.count("checked against the uncompiled one") == 2
+    assert trainer.completed and trainer.global_step == 3
+    # 8 images in the 64x64 px bucket and 4 in the 48x80 px one (width x height): 2 + 1 batches of 4.
+    assert set(trainer.compile_check.checked) == {(4, 4, 8, 8), (4, 4, 10, 6)}, "every batch shape checked"
+    assert caplog.text.count("checked against the uncompiled one") == 2, "each shape checked once, not each step"
 
 
 @pytest.mark.slow
@@ -115,38 +121,33 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
     assert up and all(v.abs().max() > 0 for v in up)
 
 
-# 48x80, 64x64 and 80x48 px buckets of 4, 56 and 4 images: one epoch at a global batch of 4 is 16 steps.
-BUCKETS = ("data.bucket_step=16", "training.max_steps=16", "save.backup_every_n_steps=16", *EXACT)
-
-
-@pytest.fixture(scope="module")
-def bucket_cache(tandem_home, tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("bucket_cache_ddp")
-
-
-@pytest.fixture(scope="module")
-def one_process_bucket_weights(bucket_cache, tmp_path_factory) -> dict[str, torch.Tensor]:
-    return one_process_weights(tmp_path_factory, bucket_cache, *BUCKETS, "training.batch_size=4")
+# 64x64 and 48x80 px buckets of 8 and 4 images (`demo_images_subset`): one epoch at a global batch of 4 is
+# 3 steps, two of the first bucket and one of the other, in the order the sampler draws them.
+BUCKETS = ("data.bucket_step=16", "training.max_steps=3", "save.backup_every_n_steps=3", *EXACT)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("buckets_mb,graphs", [(1, "one graph per DDP gradient bucket"),
-                                               (100, "the denoiser compiles as one graph")])
-def test_checks_of_later_shapes_leave_ddp_training_unchanged(tmp_path, bucket_cache, one_process_bucket_weights,
-                                                             capfd, buckets_mb, graphs):
+def test_checks_of_later_shapes_leave_ddp_training_unchanged(tandem_home, tmp_path, tmp_path_factory, capfd):
     """The compiled UNet inside DDP gives N x B == 1 x NB, split at DDP's buckets by the compiler (the
     demo UNet's 3 MiB of gradients in 1 MiB buckets) or as one graph (the gradients fit in one bucket,
     like a LoRA's on GPUs), and a new aspect bucket mid-run is checked (an unsynchronised backward beside
-    DDP, after synchronised steps): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends,
-    over three aspect buckets (a full fine-tune: every UNet weight is compared)."""
+    DDP, after a synchronised step): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends,
+    over two aspect buckets (a full fine-tune: every UNet weight is compared). Both bucket sizes in one
+    test: they compare with one uncompiled run."""
     from modules.distributed.launch import launch
 
-    assert launch(demo_config(tmp_path, bucket_cache, *BUCKETS, COMPILE, "training.batch_size=2",
-                              "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
-                              f"multi_gpu.bucket_cap_mb={buckets_mb}", method="full")) == 0
-    assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
-                     capfd.readouterr().out)
-    assert_weights_close(latest_backup_weights(tmp_path), one_process_bucket_weights, atol=2e-5, rtol=1e-4)
+    images = demo_images_subset(tmp_path / "images", square=8, tall=4)
+    data = (f'data.concepts=[{{"path": "{images}"}}]', *BUCKETS)
+    cache = tmp_path / "cache"
+    one_process = one_process_weights(tmp_path_factory, cache, *data, "training.batch_size=4")
+    for buckets_mb, graphs in ((1, "one graph per DDP gradient bucket"), (100, "the denoiser compiles as one graph")):
+        workspace = tmp_path / f"ddp-{buckets_mb}mb"
+        assert launch(demo_config(workspace, cache, *data, COMPILE, "training.batch_size=2",
+                                  "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
+                                  f"multi_gpu.bucket_cap_mb={buckets_mb}", method="full")) == 0, buckets_mb
+        assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
+                         capfd.readouterr().out), f"bucket_cap_mb={buckets_mb}: {graphs}"
+        assert_weights_close(latest_backup_weights(workspace), one_process, atol=2e-5, rtol=1e-4)
 
 
 class _HalfGradient(torch.autograd.Function):

@@ -90,31 +90,52 @@ def test_encoding_round_trips():
     assert decode(json.loads(json.dumps(encode(structure)))) == structure
 
 
+REAL_IMPORTS = textwrap.dedent("""
+    import importlib.metadata, json, sys
+    from pathlib import Path
+    package_scans = []
+    scan = importlib.metadata.packages_distributions
+    importlib.metadata.packages_distributions = lambda: package_scans.append(1) or scan()
+    from modules.util.import_structure import decode, remember_import_structure
+    from modules.util.package_map import remember_package_map
+    remember_package_map(Path(sys.argv[1]))  # as the scripts and the forkserver start: the map, then the scan
+    remember_import_structure()
+    import diffusers.utils.import_utils as diffusers_imports
+    from transformers import CLIPTextModel
+    import transformers.utils.import_utils as iu
+    package_scans = len(package_scans)  # before the comparisons below, which may scan again
+    kept = iu.define_import_structure
+    # What was kept against transformers' own scan now (what it was served, transformers has since
+    # added its top-level names to, as it does to its own scan's answer).
+    same = all(decode(kept.kept[name]) == kept.scan(*json.loads(name)) for name in kept.served)
+    print(json.dumps({"scanned": len(kept.scanned), "served": len(kept.served), "same": same,
+                      "package_scans": package_scans, "diffusers_map": diffusers_imports._package_map == scan()}))
+""")
+
+
 @pytest.mark.slow
-def test_transformers_gets_its_own_answer_from_the_kept_file(tmp_path):
-    """The real transformers in fresh interpreters: the first start scans and keeps, the second is served, and
-    what it is served is what transformers' own scan finds; a model class imports on top of it."""
-    code = textwrap.dedent("""
-        import json, sys
-        from modules.util.import_structure import decode, remember_import_structure
-        remember_import_structure()
-        from transformers import CLIPTextModel
-        import transformers.utils.import_utils as iu
-        kept = iu.define_import_structure
-        # What was kept against transformers' own scan now (what it was served, transformers has since
-        # added its top-level names to, as it does to its own scan's answer).
-        same = all(decode(kept.kept[name]) == kept.scan(*json.loads(name)) for name in kept.served)
-        print(json.dumps({"scanned": len(kept.scanned), "served": len(kept.served), "same": same}))
-    """)
+def test_real_imports_scan_on_the_first_start_only_and_get_their_own_answers(tmp_path):
+    """The real diffusers and transformers in two fresh interpreters, started as the scripts start (the
+    package map, then transformers' models scan, both kept: modules/util/package_map.py and this module).
+    The first start scans the models folders and keeps them, and every package-map scan the imports ask for
+    comes from one scan; the second start is served both, with no scan at all, and what transformers is
+    served is what its own scan finds; a model class imports on top of it, and diffusers gets the
+    installation's map. (Also the real-imports test of tests/test_package_map.py: one pair of interpreter
+    starts for both caches, each start importing the libraries that cost ~5 s of CPU.)"""
     env = {**os.environ, "TANDEM_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     env.pop("TANDEM_PACKAGE_MAP_CACHE", None)
     runs = []
     for _ in range(2):
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run([sys.executable, "-c", REAL_IMPORTS, str(tmp_path / "maps")], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    assert runs[0]["scanned"] == 2 and runs[0]["served"] == 0
-    assert runs[1] == {"scanned": 0, "served": 2, "same": True}
+    assert runs[0]["scanned"] == 2 and runs[0]["served"] == 0, f"the first start scans the models folders: {runs[0]}"
+    assert runs[0]["package_scans"] == 1, f"the first start's package-map scans come from one scan: {runs[0]}"
+    assert runs[1]["scanned"] == 0 and runs[1]["served"] == 2, f"the second start is served the models scan: {runs[1]}"
+    assert runs[1]["same"], "what transformers is served is what its own scan finds"
+    assert runs[1]["package_scans"] == 0, f"the second start reads the kept package map without scanning: {runs[1]}"
+    assert runs[0]["diffusers_map"] and runs[1]["diffusers_map"], "diffusers got the installation's map"
 
 
 def test_off_leaves_transformers_alone(monkeypatch, tmp_path):

@@ -54,24 +54,20 @@ def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
     return exited_at - done_at, output
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", ["single", "torchrun", "spawn"])
-def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
-    """With DataLoader workers (2 per rank) alive until the end; they used to be joined one by one. A sampling
-    at the start creates tqdm's multiprocessing lock (diffusers' progress bar), whose semaphore the spawn
-    launcher's resource tracker reported as leaked when the workers skipped their clean-up."""
-    common = ["--config-path", "#demo", "--device", "cpu",
-              *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=6", "data.num_workers=2",
-                             "sampling.sample_at_start=true", "sampling.inference_steps=2")]
-    if launch == "single":
-        took, output = seconds_from_done_to_exit("train.py", *common)
-    else:
-        took, output = seconds_from_done_to_exit("train_multi_gpu.py", *common, "--num-gpus", "2",
-                                                 *launcher_flag(launch))
+def exit_run_arguments(workspace: Path, cache_dir: Path, *extra: str) -> list[str]:
+    """With DataLoader workers (2 per rank) alive until the end and a sampling at the start."""
+    return ["--config-path", "#demo", "--device", "cpu",
+            *overrides_for(workspace, cache_dir, "training.max_steps=6", "data.num_workers=2",
+                           "sampling.sample_at_start=true", "sampling.inference_steps=2", *extra)]
+
+
+def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
+    """The process exited within seconds of `done`, and the start-up's parts add up as the end-to-end
+    harness reads them from the log."""
     # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
     # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
     assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
-    assert "leaked semaphore" not in output  # the spawn launcher's resource tracker found nothing to clean up
+    assert "leaked semaphore" not in output, "the spawn launcher's resource tracker found something to clean up"
     # Where the start went, as the end-to-end harness reads it from the log.
     from modules.benchmark.end_to_end import _read_line
     marks, phases = {}, {}
@@ -95,28 +91,68 @@ def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
 
 
 @pytest.mark.slow
-def test_samples_rendered_by_two_ranks_equal_those_of_one(tmp_path, cache_dir):
-    """Each rank renders its share of the prompts (rank r: prompts r, r+2, ...); rank 0 writes them all.
-    Same seeds, same weights (at the start) -> the same pixels as one process rendering every prompt."""
-    common = ("training.max_steps=1", "sampling.sample_at_start=true", "sampling.inference_steps=2",
-              "sampling.every_n_epochs=0")
+@pytest.mark.parametrize("launch", ["single", "torchrun"])
+def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
+    """DataLoader workers used to be joined one by one at the end. A sampling at the start creates tqdm's
+    multiprocessing lock (diffusers' progress bar). The spawn launcher's case (whose resource tracker
+    reported that lock's semaphore as leaked when the workers skipped their clean-up) is one of the checks
+    of test_a_two_rank_spawn_run_samples_backs_up_profiles_and_exits_at_once, on the same arguments."""
+    common = exit_run_arguments(tmp_path / "ws", cache_dir)
+    if launch == "single":
+        took, output = seconds_from_done_to_exit("train.py", *common)
+    else:
+        took, output = seconds_from_done_to_exit("train_multi_gpu.py", *common, "--num-gpus", "2",
+                                                 *launcher_flag(launch))
+    check_exit_and_startup_parts(launch, took, output)
+
+
+@pytest.mark.slow
+def test_a_two_rank_spawn_run_samples_backs_up_profiles_and_exits_at_once(tmp_path, cache_dir, monkeypatch):
+    """One 2-rank spawn launch (each costs a launcher, a forkserver and two workers) checked for four things:
+
+    - it exits within seconds of `done` with nothing leaked (see test_the_process_exits_within_seconds_of_done);
+    - samples: each rank renders its share of the prompts (rank r: prompts r, r+2, ...); rank 0 writes them
+      all. Same seeds, same weights (at the start) -> the same pixels as one process rendering every prompt;
+    - time-based backups: rank 0's clock decides and the step exchange carries the decision, so both ranks
+      back up together (were each rank to decide by its own clock, the backup's collective would hang);
+    - TANDEM_PROFILE_STEPS: every rank profiles the same steps and the lead reports all of them (one process:
+      tests/test_profiling.py)."""
+    sampling = ("sampling.sample_at_start=true", "sampling.inference_steps=2", "sampling.every_n_epochs=0")
     one_run = RecordingCallbacks()
-    GenericTrainer(demo_config(tmp_path / "one", cache_dir, *common), one_run).run()
+    GenericTrainer(demo_config(tmp_path / "one", cache_dir, "training.max_steps=1", *sampling), one_run).run()
     prompts = len(demo_config(tmp_path, cache_dir).sampling.prompts)
     assert prompts >= 3  # so that both ranks render, and one of them more than one
-    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
-                        *overrides_for(tmp_path / "two", cache_dir, *common))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    events = [e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "sample"]
-    assert [(e["step"], e["rank"]) for e in events] == [(0, i % 2) for i in range(prompts)]
-    assert f"Samples at step 0: {prompts} sample(s) in " in result.stdout  # what a sampling cost the run
-    assert "each rendered its share); parts: models to the device " in result.stdout  # the slowest rank's parts
+
+    monkeypatch.setenv("TANDEM_PROFILE_STEPS", "2:2")
+    args = exit_run_arguments(tmp_path / "two", cache_dir, "save.backup_every_n_minutes=0.001",
+                              "save.rolling_backup_count=100", "multi_gpu.timeout_minutes=2")
+    took, output = seconds_from_done_to_exit("train_multi_gpu.py", *args, "--num-gpus", "2", *launcher_flag("spawn"))
+    check_exit_and_startup_parts("spawn", took, output)
+    events = [e for e in map(parse_event_line, output.splitlines()) if e]
+
+    # Samples rendered by two ranks equal those of one.
+    samples = [e for e in events if e["type"] == "sample"]
+    assert [(e["step"], e["rank"]) for e in samples] == [(0, i % 2) for i in range(prompts)], "each rank its share"
+    assert f"Samples at step 0: {prompts} sample(s) in " in output, "what a sampling cost the run"
+    assert "each rendered its share); parts: models to the device " in output, "the slowest rank's parts"
     assert {e["rank"] for e in one_run.of_type("sample")} == {0}
     one = sorted((tmp_path / "one" / "samples").glob("*/step-0000000-*.png"))
     two = sorted((tmp_path / "two" / "samples").glob("*/step-0000000-*.png"))
-    assert [p.name for p in one] == [p.name for p in two] and len(one) == prompts
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == prompts, "rank 0 writes every sample"
     for a, b in zip(one, two):
-        assert Image.open(a).tobytes() == Image.open(b).tobytes(), a.name
+        assert Image.open(a).tobytes() == Image.open(b).tobytes(), f"two ranks' pixels differ from one's: {a.name}"
+
+    # Time-based backups on two ranks happen at the same step.
+    steps = [e["step"] for e in events if e["type"] == "backup"]
+    assert len(steps) >= 3 and steps == sorted(set(steps)), f"time-based backups, once per step: {steps}"
+    assert [b.step for b in backups.list_backups(tmp_path / "two" / "backups")] == steps, "every backup announced"
+
+    # Every rank profiles the same steps and the lead reports all of them.
+    (profile,) = [e for e in events if e["type"] == "profile"]
+    assert len(profile["ranks"]) == 2 and all(r["steps"] == 2 for r in profile["ranks"]), profile
+    assert "Profile of steps 2-3: rank 0: " in output and "; rank 1: " in output, "the lead's line names each rank"
+    reports = sorted(p.name[-9:] for p in (tmp_path / "two" / "profiles").glob("*-steps-2-3-rank*.txt"))
+    assert reports == ["rank0.txt", "rank1.txt"], "one profile report per rank"
 
 
 def test_a_snapshot_keeps_the_values_of_its_step():
@@ -145,17 +181,35 @@ def test_a_gpu_snapshot_holds_its_steps_values_while_the_next_steps_change_them(
 
 
 @pytest.mark.slow
-def test_backups_are_written_while_training_goes_on(tmp_path, cache_dir, monkeypatch):
-    """The write of step 2's backup is held until the loop has reported step 2, which it does while
-    running step 3: training went on while the backup was being written. The run still ends with every
-    backup complete and announced (the end of the run waits for the write in flight)."""
+def test_backups_go_on_beside_training_report_their_pinning_free_it_and_the_first_step_line(tmp_path, cache_dir,
+                                                                                            monkeypatch, caplog):
+    """One in-process run (4 steps, a backup every 2, a loader worker) checked for four things, each a run
+    of its own before:
+
+    - backups are written while training goes on: the write of step 2's backup is held until the loop has
+      reported step 2, which it does while running step 3. The run still ends with every backup complete
+      and announced (the end of the run waits for the write in flight);
+    - a backup says how much of its pause went to pinning host memory: on GPUs the first snapshot grows
+      PyTorch's pinned host memory pool (an SD1.5 full fine-tune paused 8.1 s for its first backup, 0.8 s
+      for the second: session 11); the log and the event say so;
+    - a finished run frees the backups' pinned memory once the last is written: a full SD1.5 fine-tune's
+      backups leave 10 GB of it; freed at the exit it cost 1.3-1.9 s between `done` and the exit (session
+      13). The writer frees it after the last backup, once, in the run;
+    - the first step's line says what ran before it in words the harness reads: under spawn on H100s 10 s
+      passed between the start-up summary and step 1 (session 11): the line splits that wait, and the
+      end-to-end harness (modules/benchmark/end_to_end.py) reads it from the real log."""
+    from modules.benchmark.end_to_end import _read_line
+    from modules.trainer import backup_writer
+
     release = threading.Event()
     real_write = backups.write_backup
-    waited = []
+    waited, order = [], []
 
     def held_write(*args, **kwargs):
         waited.append(release.wait(timeout=60))
-        return real_write(*args, **kwargs)
+        path = real_write(*args, **kwargs)
+        order.append("backup")
+        return path
 
     class ReleaseAtStep2(RecordingCallbacks):
         def on_event(self, type_, **fields):
@@ -165,71 +219,41 @@ def test_backups_are_written_while_training_goes_on(tmp_path, cache_dir, monkeyp
                 release.set()
 
     monkeypatch.setattr(backups, "write_backup", held_write)
-    cb = ReleaseAtStep2()
-    GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
-                   cb).run()
-    assert waited == [True, True]
-    assert cb.steps_before_release == []  # step 2's backup was not yet written when step 3 ran
-    assert [e["step"] for e in cb.of_type("backup")] == [2, 4]
-    assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == [2, 4]
-    # What each backup cost the loop is reported; the write held for a step did not count.
-    assert all(0 <= e["paused_s"] < 5 for e in cb.of_type("backup"))
-
-
-@pytest.mark.slow
-def test_a_backup_says_how_much_of_its_pause_went_to_pinning_host_memory(tmp_path, cache_dir, monkeypatch, caplog):
-    """On GPUs the first snapshot grows PyTorch's pinned host memory pool (an SD1.5 full fine-tune paused
-    8.1 s for its first backup, 0.8 s for the second: session 11); the log and the event say so."""
-    from modules.trainer import backup_writer
     pool_growth = iter([0.0, 2.5, 2.5, 2.5])  # seconds spent pinning so far: before/after each of two backups
     monkeypatch.setattr(backup_writer, "pinned_alloc_seconds", lambda: next(pool_growth))
-    cb = RecordingCallbacks()
-    with caplog.at_level("INFO"):
-        GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
-                       cb).run()
-    assert [e["pinned_alloc_s"] for e in cb.of_type("backup")] == [2.5, 0.0]
-    written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Backup written")]
-    assert len(written) == 2
-    assert "2.50 s of it allocating pinned host memory" in written[0] and "pinned" not in written[1]
-
-
-@pytest.mark.slow
-def test_a_finished_run_frees_the_backups_pinned_memory_once_the_last_is_written(tmp_path, cache_dir, monkeypatch, caplog):
-    """A full SD1.5 fine-tune's backups leave 10 GB of pinned host memory; freed at the exit it cost 1.3-1.9 s
-    between `done` and the exit (session 13). The writer frees it after the last backup, once, in the run."""
-    from modules.trainer import backup_writer
-    order = []
-    real_write = backups.write_backup
-
-    def write(*args, **kwargs):
-        path = real_write(*args, **kwargs)
-        order.append("backup")
-        return path
-
-    monkeypatch.setattr(backups, "write_backup", write)
     monkeypatch.setattr(backup_writer, "release_pinned_pool", lambda: order.append("release") or 10_000_000_000)
+    cb = ReleaseAtStep2()
     with caplog.at_level("INFO"):
-        GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2"),
-                       RecordingCallbacks()).run()
-    assert order == ["backup", "backup", "release"]
-    assert any(r.getMessage().startswith("Released the backups' 10.0 GB of pinned host memory") for r in caplog.records)
+        GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2",
+                                   "data.num_workers=1"), cb).run()
+    messages = [r.getMessage() for r in caplog.records]
 
+    # Backups are written while training goes on.
+    assert waited == [True, True], "both writes were held, then released"
+    assert cb.steps_before_release == [], "step 2's backup was not yet written when step 3 ran"
+    assert [e["step"] for e in cb.of_type("backup")] == [2, 4], "every backup announced by the run's end"
+    assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == [2, 4], "every backup complete"
+    # What each backup cost the loop is reported; the write held for a step did not count.
+    assert all(0 <= e["paused_s"] < 5 for e in cb.of_type("backup")), cb.of_type("backup")
 
-@pytest.mark.slow
-def test_the_first_step_line_says_what_ran_before_it_in_words_the_harness_reads(tmp_path, cache_dir, caplog):
-    """Under spawn on H100s 10 s passed between the start-up summary and step 1 (session 11): the line
-    splits that wait, and the end-to-end harness (modules/benchmark/end_to_end.py) reads it from the real log."""
-    from modules.benchmark.end_to_end import _read_line
-    with caplog.at_level("INFO"):
-        GenericTrainer(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "data.num_workers=1"),
-                       RecordingCallbacks()).run()
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("First step: ")]
-    (cached,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Cache ready in ")]
+    # A backup says how much of its pause went to pinning host memory.
+    assert [e["pinned_alloc_s"] for e in cb.of_type("backup")] == [2.5, 0.0], "the event's pinning seconds"
+    written = [m for m in messages if m.startswith("Backup written")]
+    assert len(written) == 2
+    assert "2.50 s of it allocating pinned host memory" in written[0] and "pinned" not in written[1], written
+
+    # A finished run frees the backups' pinned memory once the last is written.
+    assert order == ["backup", "backup", "release"], "the pinned pool is freed once, after the last backup"
+    assert any(m.startswith("Released the backups' 10.0 GB of pinned host memory") for m in messages)
+
+    # The first step's line says what ran before it, in words the harness reads.
+    (line,) = [m for m in messages if m.startswith("First step: ")]
+    (cached,) = [m for m in messages if m.startswith("Cache ready in ")]
     assert re.fullmatch(r"Cache ready in [\d.]+ s", cached), cached  # one process: no "(1 processes, ...)"
     marks: dict = {}
     _read_line(line, 0.0, marks, {}, [])
-    assert marks["first_step_s"] >= 0 and marks["summary_to_step1_s"] >= 0
-    assert 0 <= marks["loader_workers_s"] <= marks["summary_to_step1_s"] + 0.05
+    assert marks["first_step_s"] >= 0 and marks["summary_to_step1_s"] >= 0, line
+    assert 0 <= marks["loader_workers_s"] <= marks["summary_to_step1_s"] + 0.05, line
 
 
 KILL_DURING_WRITE = r"""
@@ -263,20 +287,6 @@ def test_a_kill_during_a_background_write_leaves_the_previous_backup(tmp_path):
     assert [b.step for b in found] == [1]
     weights, state, _ = backups.read_backup(found[0].path)
     assert torch.equal(weights["w"], torch.ones(4)) and state["global_step"] == 1
-
-
-@pytest.mark.slow
-def test_time_based_backups_on_two_ranks_happen_at_the_same_step(tmp_path, cache_dir):
-    """Rank 0's clock decides and the step exchange carries the decision, so both ranks back up together
-    (were each rank to decide by its own clock, the backup's collective would hang)."""
-    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
-                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=8",
-                                       "save.backup_every_n_minutes=0.001", "save.rolling_backup_count=100",
-                                       "multi_gpu.timeout_minutes=2"), timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    steps = [e["step"] for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "backup"]
-    assert len(steps) >= 3 and steps == sorted(set(steps))
-    assert [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")] == steps
 
 
 @pytest.mark.parametrize("base, builtin", [("builtin:demo", True), ("{folder}", False)])

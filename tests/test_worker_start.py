@@ -50,59 +50,57 @@ def _start(out_dir: Path, plan, nprocs: int, stop: bool = True) -> list[dict]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is Linux's start method here")
-def test_each_start_gives_its_workers_its_own_gpus_threads_and_output(tmp_path, monkeypatch, capfd):
-    """Two starts from one process (the benchmark's GPU counts one after another): each start's workers get
-    that start's variables and output - a forkserver kept from the first start would give them its own."""
+def test_each_start_gives_its_workers_its_own_gpus_threads_environment_folder_umask_and_output(tmp_path, monkeypatch,
+                                                                                               capfd):
+    """Starts one after another in one process (the benchmark's GPU counts, a test session's launches) keep
+    the server, whose imports are what a start costs, and still give each start's workers that start's
+    GPUs, threads, variables, working folder, umask and output, as spawned workers would have them. Killed
+    meanwhile, the server is started again; a start under other variables read at import (another GPU set,
+    thread count) gets a server of its own, whose workers get that start's values - a server kept from an
+    earlier start would give them its own. (Three servers for what two tests checked with five.)"""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    two = LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)
-    first = _start(tmp_path / "first", two, 2)
-    assert [r["CUDA_VISIBLE_DEVICES"] for r in first] == ["0,1", "0,1"]
-    assert {r["OMP_NUM_THREADS"] for r in first} == {str(threads_per_worker(2))}
-    assert {r["threads"] for r in first} == {threads_per_worker(2)}
-    assert {r["start_method"] for r in first} == {"forkserver"}
-    assert all(r["diffusers_loaded"] for r in first)  # imported by the server, before the fork
-    assert first[0]["parent"] == first[1]["parent"] != os.getpid()  # forked from one server
-    capfd.readouterr()
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    monkeypatch.setenv("TANDEM_EVENTS", "1")
-    second = _start(tmp_path / "second", None, 1)
-    assert second[0]["CUDA_VISIBLE_DEVICES"] is None and second[0]["threads"] == 2 and second[0]["events"] == "1"
-    assert second[0]["parent"] != first[0]["parent"]
-    assert "rank 0 reporting" in capfd.readouterr().out  # the workers write where this start's output goes
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is Linux's start method here")
-def test_a_kept_forkserver_gives_each_start_its_own_environment_folder_umask_and_output(tmp_path, monkeypatch, capfd):
-    """Starts one after another in one process (a test session's launches) keep the server, whose imports
-    are what a start costs, and still give each start's workers that start's variables, working folder,
-    umask and output, as spawned workers would have them. Killed meanwhile, it is started again."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("TANDEM_EVENTS", "first")
+    two = LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)
     processes.stop_forkserver()
     try:
-        first = _start(tmp_path / "first", None, 1, stop=False)
-        assert "rank 0 reporting" in capfd.readouterr().out
+        first = _start(tmp_path / "first", two, 2, stop=False)
+        assert [r["CUDA_VISIBLE_DEVICES"] for r in first] == ["0,1", "0,1"], "the plan's GPUs"
+        assert {r["OMP_NUM_THREADS"] for r in first} == {str(threads_per_worker(2))}, "the plan's threads"
+        assert {r["threads"] for r in first} == {threads_per_worker(2)}, "torch reads the plan's threads"
+        assert {r["start_method"] for r in first} == {"forkserver"}
+        assert all(r["diffusers_loaded"] for r in first), "imported by the server, before the fork"
+        assert first[0]["parent"] == first[1]["parent"] != os.getpid(), "forked from one server"
+        assert {r["events"] for r in first} == {"first"}
+        assert "rank 0 reporting" in capfd.readouterr().out, "the workers write where this start's output goes"
+
         (tmp_path / "elsewhere").mkdir()
         monkeypatch.chdir(tmp_path / "elsewhere")
         monkeypatch.setenv("TANDEM_EVENTS", "second")
         previous_umask = os.umask(0o077)
         try:
-            second = _start(tmp_path / "second", None, 2, stop=False)
+            second = _start(tmp_path / "second", two, 2, stop=False)
         finally:
             os.umask(previous_umask)
-        assert {r["parent"] for r in second} == {first[0]["parent"]}  # the same server, not imported again
-        assert {r["events"] for r in second} == {"second"} and first[0]["events"] == "first"
-        assert {r["cwd"] for r in second} == {str(tmp_path / "elsewhere")} and {r["umask"] for r in second} == {0o077}
-        assert capfd.readouterr().out.count("reporting") == 2  # where this start's output goes
+        assert {r["parent"] for r in second} == {first[0]["parent"]}, "the same server, not imported again"
+        assert {r["events"] for r in second} == {"second"}, "this start's variables"
+        assert {r["cwd"] for r in second} == {str(tmp_path / "elsewhere")}, "this start's working folder"
+        assert {r["umask"] for r in second} == {0o077}, "this start's umask"
+        assert capfd.readouterr().out.count("reporting") == 2, "where this start's output goes"
+
         os.kill(first[0]["parent"], 9)
         _until_dead(first[0]["parent"])
-        third = _start(tmp_path / "third", None, 1, stop=False)
-        assert third[0]["parent"] != first[0]["parent"] and third[0]["events"] == "second"
+        third = _start(tmp_path / "third", two, 1, stop=False)
+        assert third[0]["parent"] != first[0]["parent"], "a killed server is started again"
+        assert third[0]["events"] == "second" and third[0]["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+        capfd.readouterr()
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by torch while the server imported it: a new server
         fourth = _start(tmp_path / "fourth", None, 1, stop=False)
-        assert fourth[0]["parent"] != third[0]["parent"] and fourth[0]["threads"] == 2
+        assert fourth[0]["parent"] != third[0]["parent"], "other variables read at import: a server of its own"
+        assert fourth[0]["threads"] == 2 and fourth[0]["CUDA_VISIBLE_DEVICES"] is None, "this start's, not the server's"
+        assert fourth[0]["events"] == "second"
+        assert "rank 0 reporting" in capfd.readouterr().out, "the workers write where this start's output goes"
     finally:
         processes.stop_forkserver()
 
