@@ -145,9 +145,16 @@ def test_resume_flag_of_the_script(tmp_path, cache_dir):
     assert old_field.returncode == 2 and "no longer a config field" in old_field.stderr
     assert "--resume" in old_field.stderr
 
-    first = run_script("train.py", *common, "--config-value", "training.max_steps=2",
-                       "--config-value", "save.backup_every_n_steps=2")
-    assert first.returncode == 0, first.stdout + first.stderr
+    # The run to continue is trained here, in this process (the script's plain start is tested everywhere; a
+    # process of its own cost ~5 s of imports): the same config as the script's `common` makes.
+    from modules.config import load_config
+    first = GenericTrainer(load_config("#demo", [f"general.workspace_dir={ws}", f"general.cache_dir={cache_dir}",
+                                                 "general.tensorboard=false", "sampling.every_n_epochs=0",
+                                                 "data.num_workers=0", "save.backup_every_n_epochs=0",
+                                                 "general.device=cpu", "training.max_steps=2",
+                                                 "save.backup_every_n_steps=2"]), RecordingCallbacks())
+    first.run()
+    assert first.completed and backups.latest_backup(ws / "backups").step == 2, "the run to continue did not back up"
     second = run_script("train.py", *common, "--config-value", "training.max_steps=3", "--resume")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "Continuing run run-" in second.stdout and "step 2" in second.stdout

@@ -14,11 +14,15 @@ def test_a_kill_during_a_backup_loses_nothing_and_a_killed_torchrun_agent_ends_t
     The GPU check runs every kind (scripts/gpu/faults.sh); a killed rank and a killed loader worker, the
     other kinds, end the job as tests/test_faults.py and tests/test_distributed.py check (and restart it,
     tests/test_elastic.py), through the same helpers that find and kill them here."""
+    # --launcher spawn: the backup trial under spawn (its workers are forked from one process that imported the
+    # libraries once: cheaper than torchrun's, whose workers each import them); the agent trial is torchrun's
+    # whatever is asked. A kill during a backup is the workers' writing, whichever launcher started them.
     result = run_script("fault_trials.py", "--trials", "1", "--kind", "backup", "--kind", "agent", "--table",
-                        "--work", str(tmp_path), timeout=1200)
+                        "--launcher", "spawn", "--work", str(tmp_path), timeout=1200)
     trials = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [t["kind"] for t in trials] == ["backup", "agent"], result.stdout + result.stderr
     backup, agent = trials
+    assert backup["launcher"] == "spawn", backup
     assert agent["launcher"] == "torchrun" and agent["named"] == "agent" and agent["seconds_to_end"] < 60, agent
     for trial in trials:
         assert trial["ok"] and trial["resumed"], trial

@@ -96,28 +96,8 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
 
 
 # -- item 8: the rendezvous listens on the configured address only --------------------------------
-
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_rendezvous_listens_on_loopback_only(tmp_path, cache_dir, launcher):
-    """torchrun's agent store and spawn's rank-0 store listened on every interface (*:port)."""
-    ws = tmp_path / "ws"
-    proc = start_training(ws, cache_dir, launcher)
-    lines: list[str] = []
-    try:
-        lines += read_until_step(proc, 2)
-        sockets = listening_sockets(process_tree(proc.pid))
-        with open(ws / ".tandem" / "commands", "a") as commands:
-            commands.write("stop\n")
-    finally:
-        code, output = finish(proc, lines)
-    port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", output).group(1))
-    assert ("127.0.0.1", port) in sockets, sockets
-    wildcard = [s for s in sockets if s[0] in ("0.0.0.0", "::")]
-    assert not wildcard, f"listening on every interface: {wildcard} (all: {sockets})"
-    assert code == 0, output[-3000:]
-
+# Through the launchers: test_signal_to_the_launcher_stops_with_a_backup_... below looks at the sockets of the
+# running job (torchrun's agent store and spawn's rank-0 store) before it stops it.
 
 def test_rendezvous_store_binds_the_named_address_only():
     import datetime
@@ -235,8 +215,8 @@ def _ignore(*signums: int):
 @pytest.mark.parametrize("launcher, signum, group", [("spawn", signal.SIGINT, False), ("torchrun", signal.SIGTERM, False),
                                                      ("spawn", signal.SIGTERM, True)],
                          ids=["SIGINT-spawn", "SIGTERM-torchrun", "SIGTERM-to-the-group-spawn"])
-def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tmp_path, cache_dir, launcher, signum,
-                                                                               group):
+def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored_and_the_rendezvous_listens_on_loopback(
+        tmp_path, cache_dir, launcher, signum, group):
     """`nohup train_multi_gpu.py &` starts the launcher with SIGINT (and here SIGTERM) ignored: `kill -INT`
     or a scheduler's SIGTERM to the launcher must still stop every rank at one step, with one backup.
     Each signal once and each launcher once: the launcher takes both signals with one handler
@@ -244,12 +224,17 @@ def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tm
     commands file), so the other two pairs ran the same code again (two launches of CI time).
     `group`: SIGTERM to every process of the launch at once (a scheduler's, the GUI's terminate), the
     forkserver the spawn launcher's workers are forked from included: still one clean stop - the forkserver
-    must not end and take the workers with it mid-step."""
+    must not end and take the workers with it mid-step.
+    Item 8, on the same launches (each launcher's store is looked at while its job runs): torchrun's agent
+    store and spawn's rank-0 store listened on every interface (*:port); they must listen on 127.0.0.1 only."""
     ws = tmp_path / "ws"
     proc = start_training(ws, cache_dir, launcher, preexec_fn=_ignore(signal.SIGINT, signal.SIGTERM))
     lines: list[str] = []
+    sockets: list[tuple[str, int]] = []
     try:
         lines += read_until_step(proc, 2)
+        if Path("/proc/net/tcp").exists():  # listening sockets are read from Linux's /proc
+            sockets = listening_sockets(process_tree(proc.pid))
         if group:
             os.killpg(proc.pid, signum)
         else:
@@ -260,9 +245,15 @@ def test_signal_to_the_launcher_stops_with_a_backup_even_if_inherited_ignored(tm
     found = events(output)
     done = next(e for e in found if e["type"] == "done")
     backups = [e for e in found if e["type"] == "backup"]
-    assert not done["completed"] and len(backups) == 1 and backups[0]["step"] == done["step"]
+    assert not done["completed"] and len(backups) == 1 and backups[0]["step"] == done["step"], \
+        "the signal did not stop every rank at one step with one backup"
     assert [p.name for p in (ws / "backups").rglob("step-*")] == [f"step-{done['step']:08d}"]  # backups/<run>/
     assert not _worker_pids(proc.pid), "worker processes left behind"
+    if Path("/proc/net/tcp").exists():
+        port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", output).group(1))
+        assert ("127.0.0.1", port) in sockets, f"the rendezvous store does not listen on 127.0.0.1:{port}: {sockets}"
+        wildcard = [s for s in sockets if s[0] in ("0.0.0.0", "::")]
+        assert not wildcard, f"listening on every interface: {wildcard} (all: {sockets})"
 
 
 @pytest.mark.slow

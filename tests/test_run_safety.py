@@ -71,34 +71,27 @@ def test_a_users_config_json_in_the_workspace_is_left_alone(tmp_path, cache_dir)
     assert json.loads((ws / "config" / f"{trainer.run_id}.json").read_text())["training"]["max_steps"] == 1
 
 
-@pytest.mark.slow
-def test_a_run_whose_loss_turns_nan_stops_and_saves_nothing(tmp_path, cache_dir):
+@pytest.mark.slow  # trains
+def test_a_run_whose_loss_turns_nan_stops_saves_nothing_and_calls_no_absurd_backup_good(tmp_path, cache_dir):
     """A huge learning rate (finite, so validation passes) sends the weights to inf within a few steps:
-    the run must fail naming the step, write no final model, and keep its earlier good backup."""
+    the run must fail naming the step, write no final model, and keep its earlier good backup.
+    learning_rate=1e30: after step 1 the weights reach 1e29 - finite, so backed up, but absurd: the loss
+    computed from them is not finite. The refusal must not name that backup as the good one.
+    (One run for both: they trained the same config twice.)"""
     cb = RecordingCallbacks()
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=12", "save.backup_every_n_steps=1",
                       "training.learning_rate=1e30", "optimizer.name=sgd", "training.max_grad_norm=0",
                       "training.precision=fp32", method="full")
     trainer = GenericTrainer(cfg, cb)
     with pytest.raises(NonFiniteTrainingError, match=r"(loss of step \d+ is (nan|inf)|weights hold NaN).*"
-                                                     r"Nothing was saved as the final model"):
+                                                     r"Nothing was saved as the final model") as error:
         trainer.run()
-    assert not trainer.completed and not cb.of_type("done")
-    assert not (tmp_path / "ws" / "output").exists()
+    assert not trainer.completed and not cb.of_type("done"), "a run gone NaN reported itself done"
+    assert not (tmp_path / "ws" / "output").exists(), "a run gone NaN saved a final model"
     for found in backups.list_backups(tmp_path / "ws" / "backups"):
         weights, _, _ = backups.read_backup(found.path)
         assert all(torch.isfinite(w).all() for w in weights.values()), f"{found.path} holds non-finite weights"
-
-
-@pytest.mark.slow  # trains
-def test_a_backup_of_absurd_weights_is_not_called_good(tmp_path, cache_dir):
-    """learning_rate=1e30: after step 1 the weights reach 1e29 - finite, so backed up, but absurd: the loss
-    computed from them is not finite. The refusal must not name that backup as the good one."""
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=12", "save.backup_every_n_steps=1",
-                      "training.learning_rate=1e30", "optimizer.name=sgd", "training.max_grad_norm=0",
-                      "training.precision=fp32", method="full")
-    with pytest.raises(NonFiniteTrainingError) as error:
-        GenericTrainer(cfg, RecordingCallbacks()).run()
+    # the backup of absurd (finite) weights is not called good
     text = str(error.value)
     written = [b.step for b in backups.list_backups(tmp_path / "ws" / "backups")]
     assert written and "good backup" not in text and "sound weights is" not in text, (written, text)

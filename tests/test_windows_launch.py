@@ -213,11 +213,16 @@ def test_the_bat_only_installs_and_hands_over_to_the_helper():
 
 @pytest.mark.slow
 def test_the_helper_runs_the_command_it_prints(tmp_path):
-    result = run_helper("--yes", "--device", "cpu", "--num-gpus", "2", "--config", "#demo",
-                        "--config-value", "training.max_steps=1",
+    """What is checked is that the helper runs the multi-GPU launcher's command it printed, not what that
+    launch does: one CPU process (the launcher and one worker, not two) and no samples are enough. Two
+    processes through the same launcher: tests/test_launch_safety.py and tests/test_faults.py."""
+    result = run_helper("--yes", "--device", "cpu", "--num-gpus", "1", "--config", "#demo",
+                        "--config-value", "training.max_steps=1", "--config-value", "sampling.every_n_epochs=0",
+                        "--config-value", "general.tensorboard=false",
                         "--config-value", f"general.workspace_dir={Path(tmp_path) / 'run'}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scripts/train_multi_gpu.py" in result.stdout and (tmp_path / "run").is_dir()
+    assert (tmp_path / "run" / "output" / "demo").exists(), "the printed command did not train: no model saved"
 
 
 def test_several_machines_and_restarts_are_asked_and_passed_on():
