@@ -40,22 +40,56 @@ def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2
     assert launch(cfg) == 0
 
 
-@pytest.mark.parametrize("method,accumulation,checkpointing", [("lora", 1, False), ("full", 1, False),
-                                                               ("lora", 2, False), ("full", 1, True)])
+@pytest.mark.parametrize("method,accumulation,checkpointing,split_caching", [("lora", 2, False, True),
+                                                                              ("full", 1, True, False)],
+                         ids=["lora-accumulation-split_caching", "full-checkpointing-rank0_caching"])
 @pytest.mark.slow
-def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, accumulation, checkpointing):
-    """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with gradient accumulation and checkpointing."""
+def test_two_processes_equal_one_with_double_batch(tmp_path, tandem_home, method, accumulation, checkpointing,
+                                                   split_caching):
+    """2 x batch 4 == 1 x batch 8 after a few steps (fp32), with gradient accumulation and checkpointing, each
+    run building its own cache: split caching (distributed data loading, the default: each rank caches its
+    share) fills the whole cache bitwise as one process does; rank-0 caching (distributed data loading off)
+    fills it whole too.
+
+    One launch per case serves what were separate tests (CI time). LoRA without accumulation and a full
+    fine-tune without checkpointing take the same DDP paths as these two cases, and are held to 1 process
+    elsewhere: test_two_processes_equal_one_with_masks_regularisation_and_validation and
+    test_resume_with_other_world_size_equals_uninterrupted (LoRA, accumulation 1),
+    tests/test_dit_training.py's full cases (a full fine-tune without checkpointing)."""
     common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
               f"training.gradient_checkpointing={str(checkpointing).lower()}",
               f"training.gradient_accumulation_steps={accumulation}", "training.precision=fp32",
               # Adam turns gradients that are pure rounding noise (e.g. biases before a GroupNorm) into
               # full-size steps, so summation order alone would move those weights by ~lr. SGD keeps the
               # comparison tight; the optimizer is the same code either way.
-              "optimizer.name=sgd", "training.learning_rate=0.05")
-    single(tmp_path / "one", cache_dir, *common, "training.batch_size=8", method=method)
-    multi(tmp_path / "two", cache_dir, *common, "training.batch_size=4", method=method)
+              "optimizer.name=sgd", "training.learning_rate=0.05",
+              # every demo caption cached as it is (the whole-cache count below)
+              "data.caption_dropout=0")
+    cache_one, cache_two = tmp_path / "cache-one", tmp_path / "cache-two"
+    single(tmp_path / "one", cache_one, *common, "training.batch_size=8", method=method)
+    multi(tmp_path / "two", cache_two, *common, "training.batch_size=4",
+          f"multi_gpu.distributed_data_loading={str(split_caching).lower()}", method=method)
+
+    # The cache the 2 processes built: whole, and (split caching) bitwise the one process's. Latents were
+    # sampled in encode order, so 2 processes cached other values than 1 (9 of 10 entries); now an entry
+    # holds the VAE's distribution, encoded in batches cut from the data.
+    _assert_the_whole_demo_is_cached(cache_two)
+    names = files_under(cache_one)
+    assert names == files_under(cache_two), "1 and 2 processes cached other entries"
+    assert len([n for n in names if n.startswith("latents/")]) == 64 and any(n.startswith("text/") for n in names)
+    if split_caching:
+        different = [n for n in names if (cache_one / n).read_bytes() != (cache_two / n).read_bytes()]
+        assert not different, f"split caching: {len(different)} of {len(names)} entries differ, e.g. {different[:3]}"
+
     one, two = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
+    if method == "lora":
+        # Guards the comparison: after STEPS steps the LoRA up-weights are no longer zero.
+        ups = [v for k, v in one.items() if "lora_B" in k or "lora_up" in k]
+        assert ups and all(v.abs().max() > 0 for v in ups), "the LoRA up-weights did not train"
     assert_weights_close(two, one, atol=2e-5, rtol=1e-4)
+    # Each run with its own cache: the same weights (rel L2 was 1.4e-3 when the caches differed).
+    error = relative_l2(two, one)
+    assert error <= 1e-6, f"relative L2 {error:.2e} between 2 processes and 1, each with its own cache"
     # Only rank 0 writes: the run folders of 1 and 2 processes hold exactly the same files.
     # backups/ and config/ hold the same files, named by the run id (a start time); .tandem/ holds the
     # launcher's own files (workspace lock, commands), which a trainer started directly has no use for.
@@ -66,15 +100,6 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, cache_dir, method, 
         # the one backup, and the marker of a finished run (which Continue does not offer)
         assert sorted(p.name for p in run_dir.iterdir()) == ["finished.json", f"step-{STEPS:08d}"]
         assert [p.name for p in (tmp_path / run / "config").iterdir()] == [f"{run_dir.name}.json"]
-
-
-@pytest.mark.slow
-def test_weights_change_during_training(tmp_path, cache_dir):
-    """Guards the equivalence test: after STEPS steps the LoRA up-weights are no longer zero."""
-    single(tmp_path / "one", cache_dir, f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}")
-    weights = latest_backup_weights(tmp_path / "one")
-    ups = [v for k, v in weights.items() if "lora_B" in k or "lora_up" in k]
-    assert ups and all(v.abs().max() > 0 for v in ups)
 
 
 @pytest.mark.slow
@@ -150,47 +175,13 @@ def _events(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_torchrun_launcher_end_to_end(tmp_path, cache_dir):
-    """scripts/train_multi_gpu.py --torchrun goes through torchrun and finishes the demo."""
-    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
-                        "--torchrun",
-                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    events = _events(result.stdout)
-    config = next(e for e in events if e["type"] == "config")
-    assert config["world_size"] == 2 and config["global_batch"] == 16
-    done = [e for e in events if e["type"] == "done"]
-    assert len(done) == 1 and done[0]["completed"], "exactly one rank reports"
-    assert Path(done[0]["output"]).is_file()
-    assert "torch.distributed.run" in result.stdout
-    # Rank 0 reports every rank's own loss and images/s (the GUI's per-GPU view).
-    losses = [e for e in events if e["type"] == "loss"]
-    assert [len(e["rank_losses"]) for e in losses] == [2, 2]
-    assert all(e["loss"] == pytest.approx(sum(e["rank_losses"]) / 2) for e in losses)
-    assert losses[0]["rank_losses"][0] != losses[0]["rank_losses"][1]  # each rank's own data
-    last = [e for e in events if e["type"] == "progress"][-1]
-    assert len(last["rank_images_per_s"]) == 2 and all(rate > 0 for rate in last["rank_images_per_s"])
-
-
-@pytest.mark.slow
-def test_users_own_torchrun_command(tmp_path, cache_dir):
-    """`torchrun --nproc_per_node=2 scripts/train.py --config-path X` works as documented."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO / "scripts" / "train.py"), "--config-path", "#demo", "--device", "cpu",
-           *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                            env=dict(os.environ, TANDEM_EVENTS="1", OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    config = next(e for e in _events(result.stdout) if e["type"] == "config")
-    assert config["world_size"] == 2
-
-
-@pytest.mark.slow
-def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
-    """`stop` in the commands file: all ranks stop together and one backup is written."""
+def test_torchrun_launcher_and_the_stop_command(tmp_path, cache_dir):
+    """scripts/train_multi_gpu.py --torchrun goes through torchrun and trains; `stop` in the commands file:
+    all ranks stop together and one backup is written. (One launch checks both; that a torchrun run
+    finishes and writes its model is test_users_own_torchrun_command's.)"""
     ws = tmp_path / "ws"
     proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
-                        "--spawn", *overrides_for(ws, cache_dir, "training.max_steps=500"))
+                        "--torchrun", *overrides_for(ws, cache_dir, "training.max_steps=500"))
     try:
         lines = read_until_step(proc, 2)
         (ws / ".tandem").mkdir(parents=True, exist_ok=True)
@@ -200,12 +191,44 @@ def test_stop_command_stops_every_rank_at_the_same_step(tmp_path, cache_dir):
         code = proc.wait(timeout=300)
     finally:
         proc.kill()
-    events = _events("".join(lines))
-    assert code == 0, "".join(lines)[-3000:]
-    done = next(e for e in events if e["type"] == "done")
-    assert not done["completed"] and done["step"] < 20
+    output = "".join(lines)
+    events = _events(output)
+    assert code == 0, output[-3000:]
+    assert "torch.distributed.run" in output, "the run did not go through torchrun"
+    config = next(e for e in events if e["type"] == "config")
+    assert config["world_size"] == 2 and config["global_batch"] == 16
+    # Rank 0 reports every rank's own loss and images/s (the GUI's per-GPU view).
+    losses = [e for e in events if e["type"] == "loss"]
+    assert len(losses) >= 2 and all(len(e["rank_losses"]) == 2 for e in losses), "a loss without each rank's own"
+    assert all(e["loss"] == pytest.approx(sum(e["rank_losses"]) / 2) for e in losses)
+    assert losses[0]["rank_losses"][0] != losses[0]["rank_losses"][1], "the ranks trained on the same data"
+    last = [e for e in events if e["type"] == "progress"][-1]
+    assert len(last["rank_images_per_s"]) == 2 and all(rate > 0 for rate in last["rank_images_per_s"])
+    # The stop command.
+    done = [e for e in events if e["type"] == "done"]
+    assert len(done) == 1, "exactly one rank reports"
+    assert not done[0]["completed"] and done[0]["step"] < 20, "the stop command did not stop the run"
     backups_written = [e for e in events if e["type"] == "backup"]
-    assert len(backups_written) == 1 and backups_written[0]["step"] == done["step"]
+    assert len(backups_written) == 1 and backups_written[0]["step"] == done[0]["step"], \
+        "the ranks did not stop at one step with one backup"
+
+
+@pytest.mark.slow
+def test_users_own_torchrun_command(tmp_path, cache_dir):
+    """`torchrun --nproc_per_node=2 scripts/train.py --config-path X` works as documented and finishes the demo."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(REPO / "scripts" / "train.py"), "--config-path", "#demo", "--device", "cpu",
+           *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=dict(os.environ, TANDEM_EVENTS="1", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = _events(result.stdout)
+    config = next(e for e in events if e["type"] == "config")
+    assert config["world_size"] == 2
+    done = [e for e in events if e["type"] == "done"]
+    assert len(done) == 1 and done[0]["completed"], "exactly one rank reports a finished run"
+    assert Path(done[0]["output"]).is_file(), "the finished run wrote no model"
+    assert [len(e["rank_losses"]) for e in events if e["type"] == "loss"] == [2, 2]
 
 
 @pytest.mark.slow
@@ -365,52 +388,11 @@ def _assert_the_whole_demo_is_cached(cache: Path) -> None:
     assert len(list((cache / "text").glob("*.safetensors"))) == 64
 
 
-@pytest.mark.slow
-def test_caching_without_distributed_data_loading(tmp_path, tandem_home):
-    """Rank-0 caching fills the whole cache and trains (split caching, the default: the test below)."""
-    cache = tmp_path / "fresh_cache"
-    multi(tmp_path / "ws", cache, "training.max_steps=1", "data.caption_dropout=0",
-          "multi_gpu.distributed_data_loading=false")
-    _assert_the_whole_demo_is_cached(cache)
-
-
 def relative_l2(a: dict, b: dict) -> float:
     """||a - b|| / ||b|| over all tensors (as scripts/check_equivalence.py measures it)."""
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
     den = sum(float(b[k].double().pow(2).sum()) for k in b)
     return (num / den) ** 0.5
-
-
-@pytest.mark.slow
-def test_split_caching_fills_the_whole_cache_bitwise_as_one_process_does(tmp_path, tandem_home):
-    """Split caching (distributed data loading, the default: each rank caches its share) fills the whole
-    cache and trains. Latents were sampled in encode order, so 2 processes cached other values than 1 (9 of
-    10 entries). Now an entry holds the VAE's distribution, encoded in batches cut from the data: bitwise the
-    same. (One launch checks both.)"""
-    from tests.trainer_helpers import files_under
-    one, two = tmp_path / "cache-one", tmp_path / "cache-two"
-    single(tmp_path / "ws1", one, "training.max_steps=1", "data.caption_dropout=0")
-    multi(tmp_path / "ws2", two, "training.max_steps=1", "data.caption_dropout=0",
-          "multi_gpu.distributed_data_loading=true")
-    _assert_the_whole_demo_is_cached(two)
-    names = files_under(one)
-    assert names == files_under(two)
-    assert len([n for n in names if n.startswith("latents/")]) == 64 and any(n.startswith("text/") for n in names)
-    different = [n for n in names if (one / n).read_bytes() != (two / n).read_bytes()]
-    assert not different, f"{len(different)} of {len(names)} entries differ, e.g. {different[:3]}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_two_processes_equal_one_with_separate_caches(tmp_path, tandem_home, method):
-    """1 x batch 8 and 2 x batch 4, each building its own cache: the same weights (rel L2 was 1.4e-3)."""
-    common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}", "training.precision=fp32",
-              "optimizer.name=sgd", "training.learning_rate=0.05")
-    single(tmp_path / "one", tmp_path / "cache-one", *common, "training.batch_size=8", method=method)
-    multi(tmp_path / "two", tmp_path / "cache-two", *common, "training.batch_size=4", method=method)
-    one, two = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
-    error = relative_l2(two, one)
-    assert error <= 1e-6, f"relative L2 {error:.2e}"
 
 
 def test_workers_share_the_cores(monkeypatch):

@@ -89,11 +89,9 @@ def output(workspace: Path, name: str) -> dict[str, torch.Tensor]:
             for k, v in load_file(path / file).items()}
 
 
-@pytest.fixture(scope="module")
-def sd_runs(tmp_path_factory, cache_dir):
+def sd_runs(root: Path, cache_dir: Path) -> Path:
     """The SD demo, full fine-tune, 6 steps of 8: 1 process (backups at 3 and 6), and FSDP 2 processes x 4
     with CPU offload continuing the 1-process backup of step 3 (sharded backups at 4, 5 and 6)."""
-    root = tmp_path_factory.mktemp("fsdp_sd")
     one_process(root / "one", cache_dir, *AROUND)
     sharded(root / "fsdp", cache_dir, *AROUND, OFFLOAD, "save.backup_every_n_steps=1",
             resume=str(backup_path(root / "one", 3)))
@@ -101,7 +99,22 @@ def sd_runs(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-def test_fsdp_full_fine_tune_equals_one_process(sd_runs):
+def test_fsdp_full_fine_tune_equals_one_process_saves_streamed_and_resumes(tmp_path, cache_dir):
+    """One test over the runs of sd_runs (a module fixture was re-run by every pytest-xdist worker that took
+    one of its tests: CI time):
+    - whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 3 steps
+      under FSDP: as the 1 process trains them - the UNet and the text encoder, raw and EMA, and the samples;
+    - the file FSDP's ranks wrote together (gathering one block at a time) is the file one process writes
+      from the same weights;
+    - from the step-4 sharded backup, FSDP on 2 processes continues exactly as the uninterrupted run, and
+      1 process (DCP reshards every tensor into a whole one) as the 1-process run."""
+    runs = sd_runs(tmp_path / "runs", cache_dir)
+    _check_fsdp_full_fine_tune_equals_one_process(runs)
+    _check_streamed_save_of_a_sharded_run_equals_the_whole_model_save(runs, tmp_path)
+    _check_resume_from_a_sharded_backup_on_two_and_on_one_process(runs, tmp_path / "resume", cache_dir)
+
+
+def _check_fsdp_full_fine_tune_equals_one_process(sd_runs):
     """Whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 3 steps
     under FSDP: as the 1 process trains them - the UNet and the text encoder, raw and EMA, and the samples."""
     one, fsdp = backup_weights(sd_runs / "one"), backup_weights(sd_runs / "fsdp")
@@ -126,8 +139,7 @@ def test_fsdp_full_fine_tune_equals_one_process(sd_runs):
         assert difference.abs().mean() < 1.0, mine.name  # of 255: the same weights render the same image
 
 
-@pytest.mark.slow
-def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp_path):
+def _check_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp_path):
     """The file FSDP's ranks wrote together (gathering one block at a time) is the file one process
     writes from the same weights: same names, order, metadata, bytes."""
     from modules.config import load_config
@@ -150,8 +162,7 @@ def test_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, tmp
     assert streamed.read_bytes() == reference.read_bytes()
 
 
-@pytest.mark.slow
-def test_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_path, cache_dir):
+def _check_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_path, cache_dir):
     """From the step-4 sharded backup (weights, optimizer state, EMA): FSDP on 2 processes continues exactly
     as the uninterrupted run; 1 process (DCP reshards every tensor into a whole one) as the 1-process run."""
     step4 = str(backup_path(sd_runs / "fsdp", 4))

@@ -60,26 +60,6 @@ def test_derived_numbers_event(tmp_path, cache_dir):
     assert config_event["steps_per_epoch"] == 64 // 4 // 2  # 16 micro-batches of 4, two per step
 
 
-@pytest.mark.slow
-def test_items_left_out_per_epoch_are_in_the_start_up_line(tmp_path, cache_dir):
-    """10 images at global batch 8: 2 are left out each epoch, and the start-up line says so."""
-    from PIL import Image
-
-    from tests.trainer_helpers import overrides_for, run_script
-    data = tmp_path / "ten"
-    data.mkdir()
-    for i in range(10):
-        Image.new("RGB", (64, 64), (25 * i, 40, 90)).save(data / f"{i}.png")
-    result = run_script("train.py", "--config-path", "#demo", *overrides_for(
-        tmp_path / "ws", cache_dir, f'data.concepts=[{{"path": "{data}"}}]', "training.max_steps=1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    (line,) = [x for x in result.stdout.splitlines() if x.startswith("Tandem: ")]
-    assert "global batch 8 | 1 steps/epoch" in line and "| 10 items/epoch, 2 left out per epoch |" in line
-    from modules.util.run_protocol import parse_event_line
-    config = next(e for e in map(parse_event_line, result.stdout.splitlines()) if e and e["type"] == "config")
-    assert config["items_per_epoch"] == 10 and config["items_left_out"] == 2
-
-
 def test_items_left_out_count_bucket_remainders_and_short_accumulation():
     from modules.trainer.run_numbers import derive_run_numbers
     cfg = demo_config(Path("ws"), Path("cache"), "training.batch_size=4", "training.gradient_accumulation_steps=2")
@@ -154,12 +134,25 @@ def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_rolling_backups_keep_newest(tmp_path, cache_dir):
+def test_rolling_backups_keep_newest_an_existing_output_stays_and_the_text_encoder_lora_trains(tmp_path, cache_dir):
+    """One run of 5 steps checks three things (each was a run of its own): rolling backups keep the newest 2;
+    an earlier run's model in output/ is not overwritten (the new one gets a name of its own); the text
+    encoder's LoRA trains (its up-weights leave zero)."""
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=5", "save.backup_every_n_steps=1",
-                      "save.rolling_backup_count=2")
-    train(cfg)
+                      "save.rolling_backup_count=2", "training.train_text_encoder=true")
+    out = tmp_path / "ws" / "output" / "demo.safetensors"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"an earlier run's model")
+    cb = RecordingCallbacks()
+    train(cfg, cb)
     names = [b.path.name for b in backups.list_backups(tmp_path / "ws" / "backups")]
-    assert names == ["step-00000004", "step-00000005"]
+    assert names == ["step-00000004", "step-00000005"], "rolling backups did not keep the newest 2"
+    assert out.read_bytes() == b"an earlier run's model", "an existing output was overwritten"
+    new = Path(cb.of_type("done")[-1]["output"])
+    assert new != out and new.name.startswith("demo-") and new.is_file(), "the new output has no name of its own"
+    weights = latest_backup_weights(tmp_path / "ws")
+    te_ups = [v for k, v in weights.items() if k.startswith("text_encoder_0.") and "lora_B" in k]
+    assert te_ups and any(v.abs().max() > 0 for v in te_ups), "the text encoder's LoRA did not train"
 
 
 @pytest.mark.slow
@@ -191,19 +184,6 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     assert Path(samples[0]["path"]).parent == RunPaths(cfg).samples / trainer.run_id
     saved = [Path(s["path"]).name for s in cb.of_type("saved")]
     assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
-
-
-@pytest.mark.slow
-def test_existing_output_is_not_overwritten(tmp_path, cache_dir):
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1")
-    out = tmp_path / "ws" / "output" / "demo.safetensors"
-    out.parent.mkdir(parents=True)
-    out.write_bytes(b"an earlier run's model")
-    cb = RecordingCallbacks()
-    train(cfg, cb)
-    assert out.read_bytes() == b"an earlier run's model"
-    new = Path(cb.of_type("done")[-1]["output"])
-    assert new != out and new.name.startswith("demo-") and new.is_file()
 
 
 @pytest.mark.slow
@@ -268,16 +248,27 @@ def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tm
 
 
 @pytest.mark.slow
-def test_train_script_runs_the_demo(tmp_path, cache_dir):
-    """scripts/train.py with the demo preset, as the README shows it, in a subprocess."""
+def test_train_script_runs_the_demo_and_names_the_items_left_out(tmp_path, cache_dir):
+    """scripts/train.py with the demo preset, as the README shows it, in a subprocess; on 10 images at global
+    batch 8, 2 are left out each epoch, and the start-up line says so. (One script run checks both.)"""
+    from PIL import Image
+
     from modules.util.run_protocol import parse_event_line
     from tests.trainer_helpers import overrides_for, run_script
-    result = run_script("train.py", "--config-path", "#demo",
-                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=3"))
+    data = tmp_path / "ten"
+    data.mkdir()
+    for i in range(10):
+        Image.new("RGB", (64, 64), (25 * i, 40, 90)).save(data / f"{i}.png")
+    result = run_script("train.py", "--config-path", "#demo", *overrides_for(
+        tmp_path / "ws", cache_dir, f'data.concepts=[{{"path": "{data}"}}]', "training.max_steps=3"))
     assert result.returncode == 0, result.stderr[-3000:]
     events = [e for e in map(parse_event_line, result.stdout.splitlines()) if e]
     assert [e["step"] for e in events if e["type"] == "loss"] == [1, 2, 3]
     assert events[-1]["type"] == "done" and Path(events[-1]["output"]).is_file()
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("Tandem: ")]
+    assert "global batch 8 | 1 steps/epoch" in line and "| 10 items/epoch, 2 left out per epoch |" in line, line
+    config = next(e for e in events if e["type"] == "config")
+    assert config["items_per_epoch"] == 10 and config["items_left_out"] == 2
 
 
 @pytest.mark.slow
@@ -293,16 +284,6 @@ def test_bad_config_is_reported_by_the_script(tmp_path):
     result = run_script("train.py", "--config-path", str(bad))
     assert result.returncode == 2
     assert "training.batch_size" in result.stderr and "training.learning_rate" in result.stderr
-
-
-@pytest.mark.slow
-def test_text_encoder_lora_trains(tmp_path, cache_dir):
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.train_text_encoder=true",
-                      "save.backup_every_n_steps=2")
-    train(cfg)
-    weights = latest_backup_weights(tmp_path / "ws")
-    te_ups = [v for k, v in weights.items() if k.startswith("text_encoder_0.") and "lora_B" in k]
-    assert te_ups and any(v.abs().max() > 0 for v in te_ups)
 
 
 @pytest.mark.slow
