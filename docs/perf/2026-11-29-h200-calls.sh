@@ -149,3 +149,19 @@ E2E_ARGS="--config-value training.max_steps=4 --config-value training.compile=tr
   JOB=sdxl GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1500
 grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
 du -sh ~/.cache/tandem/torchinductor; log "call ends"
+
+# ---- call aftC (commit c2aba8d; lines aftC-fill, aftC-warm): its first run (uncompiled) was killed by its 170-s
+# limit while the random SD1.5 model and images were being made on the fresh machine, and left no line
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+log "SD1.5 job, 1 GPU, uncompiled"
+JOB=sd15 GPUS=1 limited 170 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1200
+log "SD1.5 job, compiled, 4 steps, cold cache (fills it)"
+E2E_ARGS="--config-value training.max_steps=4 --config-value training.compile=true --prompts 0 --sample-every 0" \
+  JOB=sd15 GPUS=1 limited 230 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-600
+left=$((545 - SECONDS)); log "SD1.5 job, 1 GPU, compiled, cache filled (limit $left s)"
+E2E_ARGS="--config-value training.compile=true" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1200
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250
+log "call ends"
