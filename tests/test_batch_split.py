@@ -12,7 +12,7 @@ from modules.data import BucketBatchSampler
 from modules.model.objective import draw_noise
 from modules.util.batch_slice import (BatchSlice, RankCapacity, SplitDoesNotFit, choose_split, describe_split,
                                       parse_split)
-from tests.trainer_helpers import demo_config, latest_backup_weights, run_script, overrides_for
+from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, relative_l2, run_script
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +78,6 @@ def test_uneven_parts_draw_the_noise_of_the_whole_batch():
 EXACT = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05")
 
 
-def rel_l2(a: dict, b: dict) -> float:
-    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in a)
-    den = sum((b[k].double() ** 2).sum() for k in b)
-    return float((num / den).sqrt())
-
-
 def single(workspace, cache, *overrides, resume=None):
     from modules.trainer.generic_trainer import GenericTrainer
     GenericTrainer(demo_config(workspace, cache, *overrides), resume=resume).run()
@@ -106,7 +100,7 @@ def test_ranks_with_3_and_1_train_what_one_process_with_4_trains(tmp_path, cache
     single(tmp_path / "one", cache_dir, *common, "training.batch_size=4")
     two(tmp_path / "two", cache_dir, "3,1", *common)
     one, uneven = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
-    assert rel_l2(uneven, one) <= 1e-6
+    assert relative_l2(uneven, one) <= 1e-6
     assert any(v.abs().max() > 0 for k, v in one.items() if "lora_B" in k)  # the comparison is not of zeros
 
 
@@ -116,7 +110,7 @@ def test_resume_with_another_split_continues_exactly(tmp_path, cache_dir):
     single(tmp_path / "ref", cache_dir, *common, "training.batch_size=4")
     two(tmp_path / "run", cache_dir, "3,1", *common, "training.max_steps=2")
     two(tmp_path / "run", cache_dir, "1,3", *common, resume="latest")
-    assert rel_l2(latest_backup_weights(tmp_path / "run"), latest_backup_weights(tmp_path / "ref")) <= 1e-6
+    assert relative_l2(latest_backup_weights(tmp_path / "run"), latest_backup_weights(tmp_path / "ref")) <= 1e-6
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
-                                   launch_spec, launcher_flag, overrides_for, run_script, start_script)
+                                   launch_spec, launcher_flag, overrides_for, relative_l2, run_script,
+                                   start_script)
 
 STEPS = 3
 
@@ -386,13 +387,6 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
 def _assert_the_whole_demo_is_cached(cache: Path) -> None:
     assert len(list((cache / "latents").glob("*.safetensors"))) == 64  # one entry per demo image
     assert len(list((cache / "text").glob("*.safetensors"))) == 64
-
-
-def relative_l2(a: dict, b: dict) -> float:
-    """||a - b|| / ||b|| over all tensors (as scripts/check_equivalence.py measures it)."""
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return (num / den) ** 0.5
 
 
 def test_workers_share_the_cores(monkeypatch):

@@ -22,7 +22,7 @@ from modules.distributed.plan import LaunchPlan
 from modules.distributed.processes import agent_arguments
 from modules.distributed.worker import reads_commands, restart_point
 from modules.util.ports import find_free_port
-from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, start_script
+from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, relative_l2, start_script
 from ui.events import parse_line
 
 
@@ -348,8 +348,7 @@ def test_two_machines_of_two_processes_train_like_one_of_four_and_ctrl_c_on_eith
           launcher="spawn", world=4)
     two, one = latest_backup_weights(tmp_path / "machine0" / "ws"), latest_backup_weights(tmp_path / "one")
     assert two.keys() == one.keys()
-    from tests.test_batch_split import rel_l2
-    assert rel_l2(two, one) <= 1e-6  # the bound, over the weights (an uneven split rounds differently)
+    assert relative_l2(two, one) <= 1e-6  # the bound, over the weights (an uneven split rounds differently)
     ups = [v for k, v in one.items() if "lora_up" in k or "lora_B" in k]  # the LoRA halves that start at 0
     assert ups and any(v.abs().max() > 0 for v in ups), "not a comparison of zeros"
 

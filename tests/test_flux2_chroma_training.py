@@ -15,8 +15,8 @@ from modules.distributed.launch import launch
 from modules.model import load_model
 from tests.test_flux2_chroma import pipeline_class
 from tests.test_flux2_chroma_lora import prediction
-from tests.test_fsdp import backup_path, backup_weights, relative_l2
-from tests.trainer_helpers import demo_config, train
+from tests.test_fsdp import backup_path, backup_weights
+from tests.trainer_helpers import demo_config, relative_l2, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -13,7 +13,6 @@ That sharded backups leave buffers out (SD3's position embedding) is tests/test_
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy
@@ -27,7 +26,7 @@ from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.sharded_backup import SHARDS, read_trained_weights
 from modules.util.run_protocol import parse_event_line
-from tests.trainer_helpers import demo_config, train
+from tests.trainer_helpers import demo_config, relative_l2, train
 
 # Adam turns gradients that are pure rounding noise (biases before a GroupNorm) into full-size steps, so
 # the order of a sum alone moves those weights by ~lr (measured: rel. L2 7e-5 after 10 steps, all of it
@@ -70,13 +69,6 @@ def backup_weights(workspace: Path, step: int | None = None) -> dict[str, torch.
 def backup_path(workspace: Path, step: int | None = None) -> Path:
     newest = latest_backup(Path(workspace) / "backups").path
     return newest if step is None else newest.parent / f"step-{step:08d}"
-
-
-def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    norm = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return math.sqrt(diff / norm)
 
 
 def output(workspace: Path, name: str) -> dict[str, torch.Tensor]:
