@@ -44,11 +44,18 @@ def eager_weights(cache_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weights, caplog):
+    """With training.cuda_graphs too: on CPU no graph is captured, but the gradients live in the buffers that
+    CUDA graphs need (zeroed after each step, not freed); three steps of SGD tell a buffer that kept the last
+    step's gradients from one that was zeroed. The plain compile is the DDP and dropout tests' below."""
     caplog.set_level("INFO")
-    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, method="full"), RecordingCallbacks())
+    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, "training.cuda_graphs=true",
+                                         method="full"), RecordingCallbacks())
     trainer.run()
     assert trainer.completed
     assert trainer.model.unet_call is not trainer.bundle.unet  # it really predicted through the compiled UNet
+    assert "CUDA graphs are captured on GPUs only" in caplog.text
+    assert all(p.grad is not None and not p.grad.any() for p in trainer.trainable_params()), \
+        "with cuda_graphs every trained weight keeps a zeroed gradient buffer between steps"
     assert list(trainer.compile_check.checked) == [(8, 4, 8, 8)]
     assert "checked against the uncompiled one" in caplog.text
     # Where the compile's seconds went (the 2-GPU warm compile is diagnosed from this line).

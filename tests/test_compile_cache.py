@@ -84,3 +84,25 @@ def test_checkpointed_randomness_takes_the_cacheable_form_where_the_graph_safe_o
     with functorch_config.patch(graphsafe_rng_functionalization=True):
         compile_unet(torch.nn.Linear(2, 2), torch.device("cpu"), image_sizes=1, dropout=False)
         assert functorch_config.graphsafe_rng_functionalization is cacheable
+
+
+@pytest.mark.parametrize("cacheable", [False, True])
+def test_with_cuda_graphs_checkpointed_randomness_keeps_the_graph_safe_form(cacheable, monkeypatch, caplog):
+    """A CUDA graph cannot capture the plain form (it reads the random state on the host), so with
+    training.cuda_graphs the graph-safe form stays; where this PyTorch cannot cache it, the run says that every
+    start compiles afresh. torch.compile only wraps here (nothing runs), so a GPU-less machine can ask for CUDA."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch.utils._triton
+    from torch._prims import rng_prims
+
+    from modules.trainer.compiled_unet import compile_unet
+
+    caplog.set_level("INFO")
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    monkeypatch.setattr(rng_prims.graphsafe_run_with_rng_state, "_cacheable", cacheable)
+    with functorch_config.patch(graphsafe_rng_functionalization=True):
+        compile_unet(torch.nn.Linear(2, 2), torch.device("cuda"), image_sizes=1, dropout=False,
+                     cuda_graphs=True, checkpointing=True)
+        assert functorch_config.graphsafe_rng_functionalization is True
+    assert ("compiles afresh at every start" in caplog.text) is (not cacheable)

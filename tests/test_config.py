@@ -327,6 +327,17 @@ def test_static_graph_with_an_unsynchronised_first_backward_is_refused(field, va
     assert validate(cfg) == []
 
 
+def test_cuda_graphs_need_compile():
+    """CUDA graphs replay the compiled kernels: without compile there are none, which would be a silent no-op."""
+    cfg = valid_config()
+    cfg.training.cuda_graphs = True
+    (problem,) = validate(cfg)
+    assert problem.startswith("training.cuda_graphs: true replays the compiled denoiser's kernels")
+    assert "set training.compile to true, or training.cuda_graphs to false" in problem
+    cfg.training.compile = True
+    assert validate(cfg) == []
+
+
 def test_check_raises_with_every_problem_at_once():
     cfg = valid_config()
     cfg.training.batch_size = 0

@@ -190,6 +190,9 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
                         "set epochs to 1 or more, or set max_steps.")
     problems += _between("training.ema_decay", t.ema_decay, 0, 1, open_ends=True)
     problems += _between("training.lora_dropout", t.lora_dropout, 0.0, 1.0)
+    if t.cuda_graphs and not t.compile:
+        problems.append("training.cuda_graphs: true replays the compiled denoiser's kernels, and training.compile is "
+                        "false; set training.compile to true, or training.cuda_graphs to false.")
     if t.method == "lora" and not t.lora_target_modules:
         problems.append("training.lora_target_modules: [] leaves LoRA nothing to train; "
                         'list module names such as ["to_q", "to_k", "to_v", "to_out.0"].')

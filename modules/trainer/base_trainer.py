@@ -36,7 +36,7 @@ from modules.trainer import resume as resuming
 from modules.trainer.caching import fill_caches, offload_cached_encoders
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox
-from modules.trainer.compiled_unet import CompileCheck
+from modules.trainer.compiled_unet import CompileCheck, keep_gradient_buffers
 from modules.trainer.ema import EMA
 from modules.trainer.finite import FiniteGuard
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr
@@ -106,6 +106,7 @@ class BaseTrainer(ABC):
         self.heartbeat = Heartbeat()
         """Where this rank is (step, phase): a distributed run's watchdog reads it (`util/heartbeat.py`)."""
         self.compile_check: CompileCheck | None = None
+        self.gradient_buffers = False
         """training.compile: each new batch shape compiles new kernels, so each is checked once (`start`)."""
 
     # ------------------------------------------------------------------ lifecycle
@@ -141,6 +142,8 @@ class BaseTrainer(ABC):
             self.numbers = self.compute_numbers()
             self.model = self.wrap_model(self.training_model())
             self.compile_check = CompileCheck(self.device) if self.cfg.training.compile else None
+            # CUDA graphs reuse the memory their gradients come out in (`keep_gradient_buffers`).
+            self.gradient_buffers = self.cfg.training.compile and self.cfg.training.cuda_graphs
             self.seed_this_process()
             self.optimizer, self.lr_schedule = self.create_optimizer()
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
@@ -398,7 +401,8 @@ class BaseTrainer(ABC):
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
             model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)),
-                                                 dropout, self.parallel.compile_splits_at_buckets(self.trainable_params())))
+                                                 dropout, self.parallel.compile_splits_at_buckets(self.trainable_params()),
+                                                 cuda_graphs=t.cuda_graphs, checkpointing=t.gradient_checkpointing))
         return model
 
     def compute_numbers(self) -> RunNumbers:
@@ -484,6 +488,8 @@ class BaseTrainer(ABC):
     def optimizer_step(self, micro_batches: list[dict]) -> torch.Tensor:
         if self.compile_check is not None and self.compile_check.needed(micro_batches[0]):
             self.check_compiled_unet(micro_batches[0])
+        if self.gradient_buffers:
+            keep_gradient_buffers(self.trainable_params())
         total = torch.zeros((), device=self.device)
         # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
         # ranks is the mean over the global batch (1.0 with equal GPUs).
@@ -559,7 +565,7 @@ class BaseTrainer(ABC):
             torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.gradient_buffers)
         self.lr_schedule.step()
         if self.ema is not None:
             self.ema.update()

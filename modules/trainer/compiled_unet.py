@@ -37,11 +37,13 @@ class CompileUnavailable(RuntimeError):
 
 
 def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, dropout: bool,
-                 split_at_ddp_buckets: bool = True):
+                 split_at_ddp_buckets: bool = True, cuda_graphs: bool = False, checkpointing: bool = False):
     """The compiled callable for `unet`; its parameters stay the module's own (nothing is copied).
 
     `split_at_ddp_buckets`: under DDP, compile one graph per gradient bucket so each bucket's all-reduce
-    overlaps the rest of the backward (PyTorch's default), or one graph for the whole denoiser."""
+    overlaps the rest of the backward (PyTorch's default), or one graph for the whole denoiser.
+    `cuda_graphs`: on a GPU, replay the compiled kernels as CUDA graphs (`training.cuda_graphs`); the
+    trainer then keeps the gradients in buffers of their own (`GradientBuffers`)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     from torch.utils._triton import has_triton
@@ -56,7 +58,16 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # (PyTorch's FX-graph and autograd caches, on by default), in the folder the scripts chose at their
     # start (modules/util/compile_cache.py): by now diffusers' import has fixed it for this process.
     log_compile_workers_to_a_file(inductor_config)
-    keep_checkpointed_randomness_cacheable()
+    graphs = cuda_graphs and device.type == "cuda"
+    if cuda_graphs and not graphs:
+        log.info("training.cuda_graphs: CUDA graphs are captured on GPUs only; on %s the denoiser runs without them.",
+                 device.type.upper())
+    if not graphs:
+        keep_checkpointed_randomness_cacheable()
+    elif checkpointing and not graph_safe_randomness_cacheable():
+        log.info("training.cuda_graphs with gradient checkpointing: PyTorch %s cannot keep a denoiser whose "
+                 "checkpointed blocks draw random numbers in its compile cache when CUDA graphs replay it, so "
+                 "such a run compiles afresh at every start (minutes; PyTorch 2.13 keeps it).", torch.__version__)
     # Each aspect bucket is one more static shape; without room for all of them dynamo would fall back
     # to eager for the later buckets and the run would change speed half-way.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * image_sizes + 4)
@@ -68,8 +79,33 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # On CPU the graph is captured and differentiated as on a GPU, but run by eager kernels: torch 2.13's
     # CPU inductor fuses the UNet's backward into kernels with wrong gradients (see the module doc), and
     # its C++ compiles take minutes per image size. CPU training is for trying things, not for speed.
-    backend = "aot_eager" if device.type == "cpu" else "inductor"
-    return torch.compile(unet, backend=backend, dynamic=False)
+    if device.type == "cpu":
+        return torch.compile(unet, backend="aot_eager", dynamic=False)
+    return torch.compile(unet, backend="inductor", dynamic=False, mode="reduce-overhead" if graphs else None)
+
+
+def keep_gradient_buffers(params: list[torch.nn.Parameter]) -> None:
+    """Give every trained weight without a gradient a zeroed one, before a step's first backward.
+
+    With CUDA graphs (`training.cuda_graphs`) the backward's gradients come out in memory that the graph
+    reuses at its next replay, and autograd keeps a fresh gradient as `.grad` without copying it: under
+    gradient accumulation the next micro-batch's replay would overwrite the gradients gathered so far
+    (PyTorch raises when they are read). A gradient that exists is added to in place, so the weights
+    keep buffers of their own, which the step zeroes instead of freeing them."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def graph_safe_randomness_cacheable() -> bool:
+    """Whether this PyTorch's compile cache keeps the random operator that CUDA graphs can capture
+    (`keep_checkpointed_randomness_cacheable`)."""
+    try:
+        from torch._prims import rng_prims
+    except ImportError:
+        return True
+    cacheable = getattr(getattr(rng_prims, "graphsafe_run_with_rng_state", None), "cacheable", None)
+    return cacheable is None or bool(cacheable())
 
 
 def keep_checkpointed_randomness_cacheable() -> None:
@@ -79,16 +115,14 @@ def keep_checkpointed_randomness_cacheable() -> None:
     so AOTAutograd wraps it in an operator that carries the random state. On CUDA its default form is
     the one CUDA graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch 2.11 refuses to cache
     ("Can't cache HigherOrderOperator"; 2.13 caches it): every start compiled afresh - 6.2 min for the SDXL
-    LoRA on an H200 (docs/Performance.md). Tandem captures no CUDA graphs, and the plain form
-    (`run_with_rng_state`) replays the same random numbers and is cached."""
+    LoRA on an H200 (docs/Performance.md). Without CUDA graphs (`training.cuda_graphs`) the plain form
+    (`run_with_rng_state`) replays the same random numbers and is cached; with them the graph-safe form
+    stays, because the plain one reads the random state on the host, which a captured graph cannot."""
     try:
         import torch._functorch.config as functorch_config
-        from torch._prims import rng_prims
     except ImportError:
         return
-    operator = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
-    cacheable = getattr(operator, "cacheable", None)
-    if cacheable is not None and not cacheable() and getattr(functorch_config, "graphsafe_rng_functionalization", False):
+    if not graph_safe_randomness_cacheable() and getattr(functorch_config, "graphsafe_rng_functionalization", False):
         functorch_config.graphsafe_rng_functionalization = False
 
 
@@ -100,7 +134,8 @@ _COUNTERS = {"graphs": ("stats", "unique_graphs"),
              "autograd cache hits": ("aot_autograd", "autograd_cache_hit"),
              "autograd cache misses": ("aot_autograd", "autograd_cache_miss"),
              "kernel cache hits": ("inductor", "fxgraph_cache_hit"),
-             "kernel cache misses": ("inductor", "fxgraph_cache_miss")}
+             "kernel cache misses": ("inductor", "fxgraph_cache_miss"),
+             "CUDA graphs skipped": ("inductor", "cudagraph_skips")}
 
 
 def compile_readings() -> dict[str, float]:
@@ -123,7 +158,9 @@ def describe_compile(before: dict[str, float], after: dict[str, float]) -> str:
     return (f"tracing {d['tracing']:.1f} s, compiling {d['compiling']:.1f} s (loading kernels "
             f"{d['loading kernels']:.1f} s), backward {d['backward']:.1f} s; {d['graphs']:.0f} graphs; cache: "
             f"autograd {d['autograd cache hits']:.0f} hits {d['autograd cache misses']:.0f} misses, kernels "
-            f"{d['kernel cache hits']:.0f} hits {d['kernel cache misses']:.0f} misses")
+            f"{d['kernel cache hits']:.0f} hits {d['kernel cache misses']:.0f} misses"
+            + (f"; CUDA graphs skipped for {d['CUDA graphs skipped']:.0f} graphs (their kernels run one by one; "
+               "TORCH_LOGS=perf_hints says why)" if d.get("CUDA graphs skipped", 0) else ""))
 
 
 def log_compile_workers_to_a_file(inductor_config) -> None:

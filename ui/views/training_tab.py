@@ -33,7 +33,7 @@ def build_training_tab(parent, binder: Binder, python: str = sys.executable) -> 
     form.section("Batch and precision")
     form.fields("training.batch_size", "training.gradient_accumulation_steps", "training.precision",
                 "training.gradient_checkpointing", "training.tf32", "training.cudnn_benchmark",
-                "training.channels_last", "training.compile")
+                "training.channels_last", "training.compile", "training.cuda_graphs")
     form.section("Objective and stability")
     form.fields("training.max_grad_norm", "training.ema", "training.ema_decay", "training.min_snr_gamma",
                 "training.offset_noise", "training.timestep_logit_mean", "training.timestep_logit_std",
