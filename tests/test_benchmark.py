@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 FP32 = ("--config-value", "training.precision=fp32", "--config-value", "model.unet_dtype=fp32")
-CASE = "sd1 lora 64px b1 training.precision=fp32 model.unet_dtype=fp32"
+ACCUMULATE = ("--config-value", "training.gradient_accumulation_steps=2")
+CASE = "sd1 lora 64px b1 training.precision=fp32 model.unet_dtype=fp32 training.gradient_accumulation_steps=2"
 
 
 @pytest.mark.slow
@@ -29,13 +30,16 @@ def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--model", "sd15", "--mode", "lora",
          "--res", "64", "--batch", "1", "--steps", "1", "--warmup", "1", "--gpus", "2",
-         "--profile", str(tmp_path / "profile"), "--profile-steps", "1", "--json", str(out), *FP32],
+         "--profile", str(tmp_path / "profile"), "--profile-steps", "1", "--json", str(out), *FP32, *ACCUMULATE],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["world"] == 2 and result["trainable"] == 3188736  # rank 16 on SD1.5's attention projections
-    assert result["extra"] == ["training.precision=fp32", "model.unet_dtype=fp32"] and result["case"] == CASE
-    assert result["samples_per_s"] > 0 and result["samples_per_s_mean"] > 0
+    assert result["extra"] == ["training.precision=fp32", "model.unet_dtype=fp32",
+                               "training.gradient_accumulation_steps=2"] and result["case"] == CASE
+    # A step is 1 image x 2 accumulated on each of 2 ranks.
+    assert result["samples_per_s"] == pytest.approx(4 / result["step_s"], rel=0.01)
+    assert result["samples_per_s_mean"] == pytest.approx(4 / result["mean_step_s"], rel=0.01)
     assert set(result["host_median_s"]) == {"data", "launch", "after"}
     assert [r["rank"] for r in result["per_rank"]] == [0, 1]
     assert {"model", "cache", "wrap"} <= set(result["start_phases_s"])

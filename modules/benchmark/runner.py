@@ -218,6 +218,8 @@ class BenchmarkMixin:
         profiles = du.gather_objects(self.profile_summary if c.profile_dir else None)
         if du.is_main():
             trainable = sum(p.numel() for p in self.trainable_params())
+            # A step trains batch x accumulation images on each data-parallel rank.
+            images_per_step = c.batch * self.cfg.training.gradient_accumulation_steps * self.parallel.data_world
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
                           strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
@@ -226,11 +228,11 @@ class BenchmarkMixin:
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           # A context-parallel group trains one slice of the batch: samples are per slice.
                           context_parallel=self.cfg.multi_gpu.context_parallel if du.world_size() > 1 else 1,
-                          samples_per_s=round(c.batch * self.parallel.data_world / step_s, 2),
+                          samples_per_s=round(images_per_step / step_s, 2),
                           mean_step_s=round(mean_step_s, 4),
                           host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
                                          for k, v in self.phase_times.items()},
-                          samples_per_s_mean=round(c.batch * self.parallel.data_world / mean_step_s, 2),
+                          samples_per_s_mean=round(images_per_step / mean_step_s, 2),
                           max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
                           setup_peak_gib=getattr(self, "setup_peak_gib", None),  # sharded: before the reset
                           denoiser_gib=round(sum(t.numel() * t.element_size() for t in
