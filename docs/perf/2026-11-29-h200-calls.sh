@@ -165,3 +165,54 @@ left=$((545 - SECONDS)); log "SD1.5 job, 1 GPU, compiled, cache filled (limit $l
 E2E_ARGS="--config-value training.compile=true" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1200
 grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250
 log "call ends"
+
+# ---- call lateA (commit a641d84; line lateA): the fill ended inside the call (collect saw it done)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+export DETACHED=/tmp/tandem-e2e/d-fillgc JOB=sdxl
+E2E_ARGS="--config-value training.max_steps=4 --config-value training.compile=true --config-value training.gradient_checkpointing=true --prompts 0 --sample-every 0" \
+  bash scripts/gpu/end_to_end.sh detach fillgc@.:1:0
+WAIT=$((585 - SECONDS)) bash scripts/gpu/end_to_end.sh collect 2>&1 | cut -c1-700 | tail -40
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
+du -sh ~/.cache/tandem/torchinductor; log "call ends"
+
+# ---- call lateB (commit a641d84; line lateB)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+export DETACHED=/tmp/tandem-e2e/d-fillgc JOB=sdxl
+WAIT=420 bash scripts/gpu/end_to_end.sh collect 2>&1 | cut -c1-700 | tail -12
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
+left=$((590 - SECONDS)); log "SDXL job, compiled, checkpointing, 120 steps, cache filled (limit $left s)"
+E2E_ARGS="--config-value training.max_steps=120 --config-value training.compile=true --config-value training.gradient_checkpointing=true" \
+  JOB=sdxl GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1500
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
+du -sh ~/.cache/tandem/torchinductor; log "call ends"
+
+# ---- call lateC (commit a641d84; lines lateC): does CUDA graphs' replay shorten the SD1.5 LoRA's host-paced
+# steps? Uncompiled, compiled, compiled with inductor's CUDA graphs (the setting training.cuda_graphs, added
+# after this call, turns on through mode="reduce-overhead"); a cold compile each
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+B="--model sd15 --mode lora --batch 8 --res 512 --gpus 1 --steps 30 --warmup 5"
+log "uncompiled"; limited 150 python3 scripts/benchmark.py $B --json $RES 2>&1 | grep -a -v "^{" | tail -4
+log "compiled"; limited 260 python3 scripts/benchmark.py $B --config-value training.compile=true --json $RES 2>&1 | grep -a -v "^{" | tail -6
+left=$((590 - SECONDS)); log "compiled, CUDA graphs (limit $left s)"
+TORCH_LOGS=perf_hints TORCHINDUCTOR_CUDAGRAPHS=1 limited $left python3 scripts/benchmark.py $B --config-value training.compile=true --json $RES 2>&1 \
+  | grep -a -v "^{" | cut -c1-400 | tail -30
+log "call ends"
+
+# ---- call lateD (the tree of f5486f7 before its compile-cache log line; lines lateD): training.cuda_graphs with
+# gradient accumulation 2 and gradient checkpointing (what the SDXL preset uses), against uncompiled
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+B="--model sd15 --mode lora --batch 8 --res 512 --gpus 1 --steps 20 --warmup 3 --gc --config-value training.gradient_accumulation_steps=2"
+log "uncompiled"; limited 110 python3 scripts/benchmark.py $B --json $RES 2>&1 | grep -a -v "^{" | tail -5
+left=$((SECONDS < 300 ? 420 - SECONDS : 100)); log "compiled, CUDA graphs (limit $left s)"
+TORCH_LOGS=perf_hints limited $left python3 scripts/benchmark.py $B --config-value training.compile=true --config-value training.cuda_graphs=true \
+  --json $RES 2>&1 | grep -a -v "^{" | grep -a -v "possibly bad tiling" | cut -c1-400 | tail -25
+log "call ends"
