@@ -140,18 +140,22 @@ def test_checks_of_later_shapes_leave_ddp_training_unchanged(tandem_home, tmp_pa
     like a LoRA's on GPUs), and a new aspect bucket mid-run is checked (an unsynchronised backward beside
     DDP, after a synchronised step): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends,
     over two aspect buckets (a full fine-tune: every UNet weight is compared). Both bucket sizes in one
-    test: they compare with one uncompiled run."""
+    test: they compare with one uncompiled run. The one-graph run (a LoRA's case on GPUs) also sets
+    training.cuda_graphs: no graph on CPU, but DDP's gradient buckets then meet the gradient buffers kept
+    between steps (zeroed in place), through the later shape's check that sets them aside."""
     from modules.distributed.launch import launch
 
     images = demo_images_subset(tmp_path / "images", square=8, tall=4)
     data = (f'data.concepts=[{{"path": "{images}"}}]', *BUCKETS)
     cache = tmp_path / "cache"
     one_process = one_process_weights(tmp_path_factory, cache, *data, "training.batch_size=4")
-    for buckets_mb, graphs in ((1, "one graph per DDP gradient bucket"), (100, "the denoiser compiles as one graph")):
+    for buckets_mb, graphs, cuda_graphs in ((1, "one graph per DDP gradient bucket", "false"),
+                                            (100, "the denoiser compiles as one graph", "true")):
         workspace = tmp_path / f"ddp-{buckets_mb}mb"
         assert launch(demo_config(workspace, cache, *data, COMPILE, "training.batch_size=2",
                                   "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
-                                  f"multi_gpu.bucket_cap_mb={buckets_mb}", method="full")) == 0, buckets_mb
+                                  f"multi_gpu.bucket_cap_mb={buckets_mb}", f"training.cuda_graphs={cuda_graphs}",
+                                  method="full")) == 0, buckets_mb
         assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
                          capfd.readouterr().out), f"bucket_cap_mb={buckets_mb}: {graphs}"
         assert_weights_close(latest_backup_weights(workspace), one_process, atol=2e-5, rtol=1e-4)
@@ -171,7 +175,7 @@ class _HalfGradient(torch.autograd.Function):
 
 @pytest.mark.slow
 def test_a_miscompiled_unet_stops_the_run_before_any_weight_changes(tmp_path, cache_dir, monkeypatch):
-    def miscompile(unet, device, image_sizes, dropout, split_at_ddp_buckets):
+    def miscompile(unet, device, image_sizes, dropout, split_at_ddp_buckets, **options):
         def call(*args, **kwargs):
             out = unet(*args, **kwargs)
             out.sample = _HalfGradient.apply(out.sample)
