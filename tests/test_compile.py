@@ -255,6 +255,25 @@ def test_compile_readings_count_a_compile_and_describe_the_difference():
                         r"1 graphs; cache: autograd 0 hits 0 misses, kernels 0 hits 0 misses", text), text
 
 
+def test_the_compile_line_says_when_cuda_graphs_record_and_when_they_were_skipped(monkeypatch, caplog):
+    """With training.cuda_graphs a shape's graphs are recorded after its check, and a graph inductor would not
+    capture runs kernel by kernel: the compile line says both (no GPU needed: the comparison is stubbed)."""
+    caplog.set_level("INFO")
+    monkeypatch.setattr(compiled_unet, "compare_with_eager", lambda *args, **kwargs: 0.0)
+    batch = {"latents": torch.zeros(2, 4, 8, 8)}
+    for device, graphs in ((torch.device("cuda"), True), (torch.device("cpu"), False)):
+        caplog.clear()
+        compiled_unet.CompileCheck(device, cuda_graphs=True).check(batch, None, None, [])
+        recorded = re.search(r"batch shape \[2, 4, 8, 8\] in [\d.]+ s \(its CUDA graphs are recorded at its next "
+                             r"steps\): tracing", caplog.text)
+        assert bool(recorded) is graphs, caplog.text
+    readings = compiled_unet.compile_readings()
+    skipped = compiled_unet.describe_compile(readings, dict(readings, **{"CUDA graphs skipped": readings.get(
+        "CUDA graphs skipped", 0) + 2}))
+    assert skipped.endswith("; CUDA graphs skipped for 2 graphs (their kernels run one by one; TORCH_LOGS=perf_hints "
+                            "says why)"), skipped
+
+
 COMPILE_POOL_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {root!r})

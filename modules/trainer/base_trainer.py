@@ -141,7 +141,8 @@ class BaseTrainer(ABC):
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
             self.model = self.wrap_model(self.training_model())
-            self.compile_check = CompileCheck(self.device) if self.cfg.training.compile else None
+            self.compile_check = CompileCheck(self.device, self.cfg.training.cuda_graphs) if self.cfg.training.compile \
+                else None
             # CUDA graphs reuse the memory their gradients come out in (`keep_gradient_buffers`).
             self.gradient_buffers = self.cfg.training.compile and self.cfg.training.cuda_graphs
             self.seed_this_process()

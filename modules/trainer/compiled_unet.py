@@ -235,8 +235,9 @@ class CompileCheck:
     through the uncompiled and the compiled denoiser, and the gradients compared, before the step trains
     on it. `checked`: each shape checked so far, with the relative difference found."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda_graphs: bool = False) -> None:
         self.device = device
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.checked: dict[tuple[int, ...], float] = {}
 
     @staticmethod
@@ -255,6 +256,7 @@ class CompileCheck:
         self.checked[shape] = compare_with_eager(eager_pass, compiled_pass, params, self.device,
                                                  what=f"batch shape {list(shape)}")
         # On the run's log (the trainer's logger): how long the first step of each shape waits for the compiler.
-        logging.getLogger("tandem").info("Denoiser compiled and checked for batch shape %s in %.1f s: %s.",
+        logging.getLogger("tandem").info("Denoiser compiled and checked for batch shape %s in %.1f s%s: %s.",
                                          list(shape), time.perf_counter() - started,
+                                         " (its CUDA graphs are recorded at its next steps)" if self.cuda_graphs else "",
                                          describe_compile(readings, compile_readings()))
