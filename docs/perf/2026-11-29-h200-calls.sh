@@ -178,18 +178,12 @@ WAIT=$((585 - SECONDS)) bash scripts/gpu/end_to_end.sh collect 2>&1 | cut -c1-70
 grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
 du -sh ~/.cache/tandem/torchinductor; log "call ends"
 
-# ---- call lateB (commit a641d84; line lateB)
-set -u
-source scripts/gpu/common.sh
-export PYTHONPATH=/tmp/site TORCH_LOGS=torch._functorch._aot_autograd.autograd_cache
+# ---- call lateB (commit a641d84; line lateB): lateA's fill collected, then the job from the filled cache; the
+# preamble (set -u, common.sh, PYTHONPATH, TORCH_LOGS) and the greps of the output as in aftB
 export DETACHED=/tmp/tandem-e2e/d-fillgc JOB=sdxl
-WAIT=420 bash scripts/gpu/end_to_end.sh collect 2>&1 | cut -c1-700 | tail -12
-grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
-left=$((590 - SECONDS)); log "SDXL job, compiled, checkpointing, 120 steps, cache filled (limit $left s)"
+WAIT=420 bash scripts/gpu/end_to_end.sh collect
 E2E_ARGS="--config-value training.max_steps=120 --config-value training.compile=true --config-value training.gradient_checkpointing=true" \
-  JOB=sdxl GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==" | cut -c1-1500
-grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-250 | tail -3
-du -sh ~/.cache/tandem/torchinductor; log "call ends"
+  JOB=sdxl GPUS=1 limited $((590 - SECONDS)) bash scripts/gpu/end_to_end.sh job
 
 # ---- call lateC (commit a641d84; lines lateC): does CUDA graphs' replay shorten the SD1.5 LoRA's host-paced
 # steps? Uncompiled, compiled, compiled with inductor's CUDA graphs (the setting training.cuda_graphs, added
