@@ -106,8 +106,9 @@ class BaseTrainer(ABC):
         self.heartbeat = Heartbeat()
         """Where this rank is (step, phase): a distributed run's watchdog reads it (`util/heartbeat.py`)."""
         self.compile_check: CompileCheck | None = None
-        self.gradient_buffers = False
         """training.compile: each new batch shape compiles new kernels, so each is checked once (`start`)."""
+        self.gradient_buffers = False
+        """training.cuda_graphs: the gradients keep buffers of their own between steps (`keep_gradient_buffers`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -143,7 +144,6 @@ class BaseTrainer(ABC):
             self.model = self.wrap_model(self.training_model())
             self.compile_check = CompileCheck(self.device, self.cfg.training.cuda_graphs) if self.cfg.training.compile \
                 else None
-            # CUDA graphs reuse the memory their gradients come out in (`keep_gradient_buffers`).
             self.gradient_buffers = self.cfg.training.compile and self.cfg.training.cuda_graphs
             self.seed_this_process()
             self.optimizer, self.lr_schedule = self.create_optimizer()

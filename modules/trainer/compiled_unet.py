@@ -43,7 +43,7 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     `split_at_ddp_buckets`: under DDP, compile one graph per gradient bucket so each bucket's all-reduce
     overlaps the rest of the backward (PyTorch's default), or one graph for the whole denoiser.
     `cuda_graphs`: on a GPU, replay the compiled kernels as CUDA graphs (`training.cuda_graphs`); the
-    trainer then keeps the gradients in buffers of their own (`GradientBuffers`)."""
+    trainer then keeps the gradients in buffers of their own (`keep_gradient_buffers`)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     from torch.utils._triton import has_triton
@@ -58,7 +58,7 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     # (PyTorch's FX-graph and autograd caches, on by default), in the folder the scripts chose at their
     # start (modules/util/compile_cache.py): by now diffusers' import has fixed it for this process.
     log_compile_workers_to_a_file(inductor_config)
-    graphs = cuda_graphs and device.type == "cuda"
+    graphs = replays_cuda_graphs(cuda_graphs, device)
     if cuda_graphs and not graphs:
         log.info("training.cuda_graphs: CUDA graphs are captured on GPUs only; on %s the denoiser runs without them.",
                  device.type.upper())
@@ -82,6 +82,11 @@ def compile_unet(unet: torch.nn.Module, device: torch.device, image_sizes: int, 
     if device.type == "cpu":
         return torch.compile(unet, backend="aot_eager", dynamic=False)
     return torch.compile(unet, backend="inductor", dynamic=False, mode="reduce-overhead" if graphs else None)
+
+
+def replays_cuda_graphs(cuda_graphs: bool, device: torch.device) -> bool:
+    """Whether `training.cuda_graphs` captures graphs on `device` (a GPU's only)."""
+    return cuda_graphs and device.type == "cuda"
 
 
 def keep_gradient_buffers(params: list[torch.nn.Parameter]) -> None:
@@ -237,7 +242,7 @@ class CompileCheck:
 
     def __init__(self, device: torch.device, cuda_graphs: bool = False) -> None:
         self.device = device
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.cuda_graphs = replays_cuda_graphs(cuda_graphs, device)
         self.checked: dict[tuple[int, ...], float] = {}
 
     @staticmethod
