@@ -12,6 +12,8 @@
 #   sd35m   SD3.5-Medium-size transformer, LoRA r16, 1024 px, gradient checkpointing, 2 images per GPU
 #   sd35mc  the `sd35m` case with training.compile=true (the reference uncompiled); a cold compile takes
 #           ~4 minutes per world size: run WORLDS="1" and WORLDS="2" in separate calls
+#   graphs  SD1.5-size LoRA at 8 per GPU with training.compile and training.cuda_graphs, the reference
+#           (uncompiled) beside; the first world size fills the compile cache (~3 minutes), the others read it
 #   autotune  cuDNN autotuning on | off at the same time on GPUs 0 | 1, 1 GPU each: SD1.5 full and LoRA
 #           at 8 per GPU, SDXL LoRA at 4 per GPU (1024 px)
 #   fp8     the `flux` case with its base in float8 (model.unet_dtype=fp8) beside the bf16 base and the raw
@@ -22,7 +24,7 @@
 # FULL_WORLDS="4" with `lora`: re-run the trainer's full fine-tune cases at those world sizes instead
 # of the cuDNN lever (to fill in cases an earlier call lost).
 set -u
-PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m|sd35mc|autotune|fp8}"
+PART="${1:?usage: scaling.sh full|lora|sdxl|flux|flux2|sd35m|sd35mc|graphs|autotune|fp8}"
 source "$(dirname "$0")/common.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 if [ -z "${WORLDS:-}" ]; then WORLDS=""; n=1; while [ $n -le "$GPUS" ]; do WORLDS="$WORLDS $n"; n=$((n * 2)); done; fi
@@ -70,6 +72,12 @@ sd35mc)
     log "$SD35, the trainer compiled"
     for n in $WORLDS; do ref "$n" $SD35; done
     bench $SD35 --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=true
+    ;;
+graphs)
+    G="--model sd15 --mode lora --batch 8"
+    log "$G, the trainer compiled with CUDA graphs"
+    for n in $WORLDS; do ref "$n" $G; done
+    bench $G --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=true --config-value training.cuda_graphs=true
     ;;
 autotune)
     for case in "--model sd15 --mode full --batch 8" "--model sd15 --mode lora --batch 8" \
