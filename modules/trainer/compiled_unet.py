@@ -94,9 +94,9 @@ def keep_gradient_buffers(params: list[torch.nn.Parameter]) -> None:
 
     With CUDA graphs (`training.cuda_graphs`) the backward's gradients come out in memory that the graph
     reuses at its next replay, and autograd keeps a fresh gradient as `.grad` without copying it: under
-    gradient accumulation the next micro-batch's replay would overwrite the gradients gathered so far. A
-    gradient that exists is added to in place, so the weights keep buffers of their own, which the step
-    zeroes instead of freeing them."""
+    gradient accumulation the next micro-batch's replay would overwrite the gradients gathered so far
+    (pytorch/pytorch#96693: silently wrong sums; #169545: an error). A gradient that exists is added to in
+    place, so the weights keep buffers of their own, which the step zeroes instead of freeing them."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
