@@ -198,6 +198,9 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
                '@tandem {"type": "progress", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
                '@tandem {"type": "sample", "step": 5}',
+               "Denoiser compiled and checked for batch shape [4, 4, 128, 128] in 59.1 s (its CUDA graphs are recorded "
+               "at its next steps): tracing 33.3 s, compiling 11.5 s (loading kernels 2.5 s), backward 0.0 s; 1 graphs; "
+               "cache: autograd 1 hits 0 misses, kernels 2 hits 0 misses.",
                "Samples at step 5: 4 image(s) in 6.1 s (2 processes, each rendered its share).",
                "Samples at step 10: 4 sample(s) in 2.3 s (2 processes, each rendered its share); parts: models to "
                "the device 0.1 s, rendering 1.6 s, models back 0.1 s, gathering 0.2 s, writing 0.3 s.",
@@ -235,6 +238,9 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
         assert len(quick["sampling_from_events_s"]) == 1 and 0 <= quick["sampling_from_events_s"][0] < 5
         assert quick["train_s"] is not None and quick["done_to_exit_s"] is not None
         assert quick["profile"] == {"first": 3, "last": 4, "ranks": [{"steps": 2, "gpu_busy_fraction": 0.9}]}
+        assert quick["compiles"] == [{"shape": [4, 4, 128, 128], "s": 59.1, "cuda_graphs": True, "tracing": 33.3,
+                                      "compiling": 11.5, "loading kernels": 2.5, "backward": 0.0,
+                                      "autograd cache hits": 1, "kernels cache hits": 2}]
         (kept,) = (tmp_path / "kept").glob("quick-1gpu-*/quick-1gpu-*.log")  # what a device call brings back
         assert "First step: 2.5 s" in kept.read_text()
         # The profile reports beside it, no folder deeper (the device tool leaves those out).

@@ -191,6 +191,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
         result["profile"] = marks["profile"]
     if "sampling_parts" in marks:
         result["sampling_parts_s"] = marks["sampling_parts"]
+    if "compiles" in marks:
+        result["compiles"] = marks["compiles"]
     if args.keep is not None:
         keep_run_files(workspace, work / f"{workspace.name}.log", args.keep)
     return result
@@ -205,6 +207,11 @@ def keep_run_files(workspace: Path, log_file: Path, keep: Path) -> None:
     shutil.copy2(log_file, target / log_file.name)
     for report in sorted((workspace / "profiles").glob("*.txt")):
         shutil.copy2(report, target / report.name)
+
+
+COMPILE_LINE = re.compile(r"Denoiser compiled and checked for batch shape \[(?P<shape>[\d, ]+)\] in (?P<s>[\d.]+) s"
+                          r"(?P<graphs> \(its CUDA graphs are recorded at its next steps\))?: (?P<parts>.*)")
+"""The trainer's line for each compiled batch shape (`compiled_unet.CompileCheck`)."""
 
 
 def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list) -> None:
@@ -237,6 +244,14 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             phase, _, listed = phase_parts.partition(" = ")
             marks.setdefault("startup_parts", {})[phase] = {name.strip(): float(sec)
                                                            for name, sec in re.findall(r"(.+?) ([\d.]+) s(?: \+ |$)", listed)}
+    elif compiled := COMPILE_LINE.search(line):  # training.compile: each batch shape's compile and check
+        marks.setdefault("compiles", []).append({
+            "shape": [int(n) for n in compiled["shape"].split(",")], "s": float(compiled["s"]),
+            "cuda_graphs": compiled["graphs"] is not None,
+            **{name: float(sec) for name, sec in re.findall(r"(tracing|compiling|loading kernels|backward) ([\d.]+) s",
+                                                           compiled["parts"])},
+            **{f"{cache} cache {what}": int(n) for cache, n, what in
+               re.findall(r"(autograd|kernels) (\d+) (hits)", compiled["parts"])}})
     elif line.startswith("First step: "):
         marks["first_step_s"] = float(line.split()[2])
         if gap := re.search(r"; ([\d.]+) s before it since the start-up summary \(starting the loader's workers ([\d.]+) s\)", line):
