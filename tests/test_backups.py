@@ -44,6 +44,34 @@ def test_rotation_keeps_the_newest_of_each_run_and_never_touches_other_runs(tmp_
     assert backups.latest_backup(bdir, "run-old").step == 400
 
 
+def test_a_kill_while_rotation_deletes_a_backup_leaves_no_backup_with_missing_files(tmp_path, monkeypatch):
+    """A process killed while rotation deletes an old backup (seen in a fault trial: torchrun's agent killed)
+    must not leave that folder under its own name with some files gone - its manifest still there, it would be
+    listed, offered and fail to load. The kill is simulated inside the delete, after the state file went."""
+    import shutil
+
+    bdir = tmp_path / "backups"
+    for step in (10, 20):
+        fake_backup(bdir, "run", step, written=100.0 + step, keep=2)
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_delete(path, *args, **kwargs):
+        (Path(path) / backups.STATE).unlink()
+        raise KeyboardInterrupt("killed while deleting (simulated)")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_mid_delete)
+    with pytest.raises(KeyboardInterrupt):
+        fake_backup(bdir, "run", 30, written=130.0, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    listed = backups.list_backups(bdir)
+    assert [b.step for b in listed] == [20, 30]
+    for info in listed:
+        weights, state, _ = backups.read_backup(info.path)
+        assert state["global_step"] == info.step
+    backups.remove_interrupted(bdir)  # the next start: the hidden leftover of the delete goes
+    assert sorted(p.name for p in (bdir / "run").iterdir()) == ["step-00000020", "step-00000030"]
+
+
 def test_backups_written_before_run_ids_are_still_found_and_resumed(tmp_path):
     bdir = tmp_path / "backups"
     legacy = backups.write_backup(tmp_path / "x", "r", 7, {"w": torch.ones(1)}, {"global_step": 7}, {}, keep=3)

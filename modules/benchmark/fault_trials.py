@@ -325,7 +325,8 @@ def _resume(workspace: Path, cache: Path, launcher: str, setup: Setup, outcome: 
     command = _command(workspace, cache, launcher, setup, [f"training.max_steps={newest + 2}"]) + ["--resume"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=setup.timeout,
                             env=dict(os.environ, TANDEM_EVENTS="1", PYTHONUNBUFFERED="1"))
-    leftovers = [str(p) for p in (workspace / "backups").rglob(".step-*.tmp")]  # removed by the resumed run
+    # A backup's interrupted write (.tmp) or delete (.old), removed by the resumed run.
+    leftovers = [str(p) for p in (workspace / "backups").rglob(".step-*") if p.name.endswith((".tmp", ".old"))]
     outcome.resumed = (result.returncode == 0 and f'"step": {newest + 2}, "completed": true' in result.stdout
                        and not leftovers)
     if leftovers:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from modules.util.atomic import atomic_directory, write_text_atomically
+from modules.util.atomic import atomic_directory, delete_directory, write_text_atomically
 
 WEIGHTS = "weights.safetensors"
 STATE = "state.pt"
@@ -89,9 +89,9 @@ def write_state_and_manifest(folder: Path, run_id: str, step: int, state: dict, 
 
 
 def rotate(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete backups of one run."""
+    """Delete all but the newest `keep` complete backups of one run (each set aside first: `delete_directory`)."""
     for old in _complete_in(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        delete_directory(old)
 
 
 def _complete_in(folder: Path) -> list[Path]:
@@ -243,14 +243,15 @@ def check_optimizer(state: dict, optimizer_name: str) -> None:
 
 
 def remove_interrupted(backups_dir: Path) -> None:
-    """Delete temporary folders left by a backup that was interrupted mid-write (in any run's folder)."""
+    """Delete the hidden folders an interrupted write (`.step-N.XXXX.tmp`) or delete (`.old`) left, in any
+    run's folder."""
     backups_dir = Path(backups_dir)
     if not backups_dir.is_dir():
         return
     folders = [backups_dir] + [p for p in backups_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
     for folder in folders:
         for p in folder.iterdir():
-            if p.name.startswith(".step-") and p.name.endswith(".tmp"):
+            if p.name.startswith(".step-") and p.name.endswith((".tmp", ".old")):
                 shutil.rmtree(p, ignore_errors=True)
 
 

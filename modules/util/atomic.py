@@ -106,14 +106,25 @@ def commit_directory(tmp: Path, target: str | os.PathLike) -> None:
     its contents given the umask's permissions first."""
     target = Path(target)
     _follow_umask(tmp)
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        old.rmdir()
-        os.replace(target, old)
+    old = _set_aside(target) if target.exists() else None
     os.replace(tmp, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def delete_directory(folder: str | os.PathLike) -> None:
+    """Delete `folder` so that it is either whole or gone: renamed out of sight first (`.NAME.XXXX.old`
+    beside it), then deleted. A process killed mid-delete leaves that hidden leftover, never a folder that
+    has lost some of its files under its own name (a backup without its state, still looking complete)."""
+    shutil.rmtree(_set_aside(Path(folder)), ignore_errors=True)
+
+
+def _set_aside(folder: Path) -> Path:
+    """Rename `folder` to a new hidden name beside it (`.NAME.XXXX.old`) in one step; returns that name."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".old", dir=folder.parent))
+    aside.rmdir()
+    os.replace(folder, aside)
+    return aside
 
 
 def discard_directory(tmp: Path) -> None:
