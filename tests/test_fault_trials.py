@@ -57,3 +57,41 @@ def test_a_process_of_the_job_alive_after_the_grace_time_is_an_orphan_and_none_e
     finally:
         left_behind.kill()
         job.end()
+
+
+def test_the_headline_is_read_even_when_the_reading_thread_lags_behind_the_launchers_exit(monkeypatch, tmp_path):
+    """A trial reads the job's output on a thread; on a busy machine the launcher can exit before its last line
+    (the headline naming the failed rank) has been read. The verdict waits for the output's end, and no longer
+    than a bound when something of the job keeps the pipe open (seen in CI: a killed agent named nobody)."""
+    import sys
+    import time
+
+    from modules.benchmark import fault_trials
+    from modules.benchmark.fault_trials import Job, Outcome, _watch_the_end
+
+    real_parse = fault_trials.parse_event_line
+
+    def slow_parse(line):
+        time.sleep(0.3)  # a reading thread that falls behind
+        return real_parse(line)
+
+    monkeypatch.setattr(fault_trials, "parse_event_line", slow_parse)
+    headline = '@tandem {"type": "error", "text": "rank 1 failed first (killed)", "failed_rank": 1}'
+    job = Job([sys.executable, "-c", f"print('a\\nb\\nc\\nd'); print({headline!r})"])
+    outcome = Outcome("rank", "spawn")
+    try:
+        _watch_the_end("rank", job, outcome, [], time.monotonic(), 30.0, tmp_path)
+    finally:
+        job.end()
+    assert outcome.named == "rank 1" and outcome.headline == "rank 1 failed first (killed)", outcome
+
+    monkeypatch.setattr(fault_trials, "parse_event_line", real_parse)
+    holder = Job(["bash", "-c", "sleep 30 & echo started"])  # a child that keeps the pipe open
+    try:
+        holder.proc.wait(timeout=30)
+        started = time.monotonic()
+        holder.wait_until_read(1.0)
+        assert 1.0 <= time.monotonic() - started < 5
+    finally:
+        holder.family.update(fault_trials._descendants(holder.proc.pid))
+        holder.end()

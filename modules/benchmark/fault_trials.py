@@ -71,6 +71,8 @@ class Outcome:
     """The rank the killed or stopped process belonged to (None for the agent, the launcher, the whole job)."""
     named: str = ""
     """Whom the job's last line (or its restart line) named: "rank 1", "agent", or empty."""
+    headline: str = ""
+    """That line itself (what a wrong or empty `named` was read from)."""
     restarted: bool = False
 
     @property
@@ -183,6 +185,7 @@ class Job:
         self.events: list[tuple[float, dict]] = []
         self.changed = threading.Condition()
         self.family: set[int] = set()
+        self.read_to_the_end = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -194,7 +197,17 @@ class Job:
                     self.events.append((time.monotonic(), event))
                 self.changed.notify_all()
         with self.changed:
+            self.read_to_the_end = True
             self.changed.notify_all()
+
+    def wait_until_read(self, timeout: float) -> None:
+        """After the launcher ended: until its last lines are read (the reading thread lags behind on a busy
+        machine: a headline not yet read named nobody), or `timeout` - a process of the job that outlived the
+        launcher keeps the pipe open, and is an orphan the trial reports."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not self.read_to_the_end and time.monotonic() < deadline:
+                self.changed.wait(max(0.0, deadline - time.monotonic()))
 
     def wait_for(self, predicate, timeout: float) -> dict | None:
         """The first event (after those seen so far, if `predicate` says so) that matches; None when the job ended."""
@@ -269,7 +282,8 @@ def _watch_the_end(kind: str, job: Job, outcome: Outcome, ranks: list[int], faul
         outcome.restarted, outcome.seconds_to_restart_line = True, round(when - faulted, 1)
         ended = _failed_round_ended(workspace)
         outcome.seconds_to_end = round(ended - faulted_wall, 1) if ended else None
-        outcome.named = _named(restarted["text"])
+        outcome.headline = restarted["text"]
+        outcome.named = _named(outcome.headline)
         outcome.resumed = restarted.get("resumed_step") is not None  # its line says where it resumed
         job.family.update(_descendants(job.proc.pid))
         job.end()  # the restarted round would train on: the trial has seen what it came for
@@ -280,9 +294,11 @@ def _watch_the_end(kind: str, job: Job, outcome: Outcome, ranks: list[int], faul
         outcome.hung = True
         return
     outcome.seconds_to_end = round(time.monotonic() - faulted, 1)
+    job.wait_until_read(10.0)
     error = next((e for _, e in reversed(job.events) if e["type"] == "error" and "failed_rank" in e), None)
     if error is not None:
-        outcome.named = _named(error["text"])
+        outcome.headline = error["text"]
+        outcome.named = _named(outcome.headline)
 
 
 def _failed_round_ended(workspace: Path) -> float | None:
