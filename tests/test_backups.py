@@ -71,6 +71,15 @@ def test_a_kill_while_rotation_deletes_a_backup_leaves_no_backup_with_missing_fi
     backups.remove_interrupted(bdir)  # the next start: the hidden leftover of the delete goes
     assert sorted(p.name for p in (bdir / "run").iterdir()) == ["step-00000020", "step-00000030"]
 
+    from modules.util import atomic
+
+    def refused(folder):
+        raise PermissionError(f"{folder}: held open (simulated)")
+
+    monkeypatch.setattr(atomic, "_set_aside", refused)  # a folder that cannot be renamed stays whole; the backup is written
+    fake_backup(bdir, "run", 40, written=140.0, keep=2)
+    assert sorted(b.step for b in backups.list_backups(bdir)) == [20, 30, 40]
+
 
 def test_backups_written_before_run_ids_are_still_found_and_resumed(tmp_path):
     bdir = tmp_path / "backups"

@@ -89,9 +89,14 @@ def write_state_and_manifest(folder: Path, run_id: str, step: int, state: dict, 
 
 
 def rotate(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete backups of one run (each set aside first: `delete_directory`)."""
+    """Delete all but the newest `keep` complete backups of one run (each set aside first: `delete_directory`).
+    One that cannot be renamed (a file of it held open, on Windows) stays whole for the next rotation: a rotation
+    never fails the backup that triggered it."""
     for old in _complete_in(run_dir)[:-keep]:
-        delete_directory(old)
+        try:
+            delete_directory(old)
+        except OSError:
+            pass
 
 
 def _complete_in(folder: Path) -> list[Path]:
