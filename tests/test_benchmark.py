@@ -37,9 +37,9 @@ def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     assert result["world"] == 2 and result["trainable"] == 3188736  # rank 16 on SD1.5's attention projections
     assert result["extra"] == ["training.precision=fp32", "model.unet_dtype=fp32",
                                "training.gradient_accumulation_steps=2"] and result["case"] == CASE
-    # A step is 1 image x 2 accumulated on each of 2 ranks.
-    assert result["samples_per_s"] == pytest.approx(4 / result["step_s"], rel=0.01)
-    assert result["samples_per_s_mean"] == pytest.approx(4 / result["mean_step_s"], rel=0.01)
+    # A step is 1 image x 2 accumulated on each of 2 ranks (the rates are rounded to 0.01: a slow step's is ~0.3).
+    assert result["samples_per_s"] == pytest.approx(4 / result["step_s"], rel=0.01, abs=0.006)
+    assert result["samples_per_s_mean"] == pytest.approx(4 / result["mean_step_s"], rel=0.01, abs=0.006)
     assert set(result["host_median_s"]) == {"data", "launch", "after"}
     assert [r["rank"] for r in result["per_rank"]] == [0, 1]
     assert {"model", "cache", "wrap"} <= set(result["start_phases_s"])
