@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: 20:19-20:36 with the install on 2 cores, pytest
-#                            19:37-19:56 of it, 2026-11-29 at a7b9b8f and a71551e; README.md too)
+#   ./run-tests.sh           everything (what CI runs: 20:19-23:35 with the install on 2 cores, pytest
+#                            19:37-22:46 of it, 2026-11-29, four runs from a7b9b8f to 2d6cc1f; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (63 s on 2 idle cores, 2026-11-28, with this command)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
