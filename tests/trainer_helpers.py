@@ -75,12 +75,12 @@ def start_script(script: str, *args: str, **popen_kwargs) -> subprocess.Popen:
 
 
 def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over all tensors of two state dicts with the same keys (as scripts/check_equivalence.py
-    measures it)."""
+    """||a - b|| / ||b|| over all tensors of two state dicts with the same keys: scripts/check_equivalence.py's
+    measure (`equivalence.compare`)."""
+    from modules.benchmark.equivalence import compare
+
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    norm = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return (diff / norm) ** 0.5
+    return compare(a, b)["relative_l2"]
 
 
 def latest_backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
