@@ -1,4 +1,4 @@
-# The device calls of 2026-11-29 (night and morning) on 1x NVIDIA H200 (nvidia-h200, the only kind lent), in order, at
+# The device calls of 2026-11-29 (night, morning, afternoon) on 1x NVIDIA H200 (nvidia-h200, the only kind lent), in order, at
 # commit e1ca410 (nightC: e1ca410 with the compile-cache folder chosen at the scripts' start); result lines in
 # docs/perf/2026-11-29-h200.jsonl (field "call"). Carried: .bench (these scripts), .whl (the diffusers 0.42.1 wheel).
 
@@ -209,4 +209,57 @@ log "uncompiled"; limited 110 python3 scripts/benchmark.py $B --json $RES 2>&1 |
 left=$((SECONDS < 300 ? 420 - SECONDS : 100)); log "compiled, CUDA graphs (limit $left s)"
 TORCH_LOGS=perf_hints limited $left python3 scripts/benchmark.py $B --config-value training.compile=true --config-value training.cuda_graphs=true \
   --json $RES 2>&1 | grep -a -v "^{" | grep -a -v "possibly bad tiling" | cut -c1-400 | tail -25
+log "call ends"
+
+# ==== 2026-11-29 afternoon: the same card, calls eveA-eveC (commit 0ecdfd6); result lines in the same file
+
+# ---- call eveA (lines eveA: the raw reference, eveA-fill, eveA-job)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+log "raw reference, SD1.5 LoRA 8 per GPU, 512 px"
+limited 90 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+G="--config-value training.compile=true --config-value training.cuda_graphs=true"
+log "fill: the job's first 4 steps, compiled with graphs, cold cache"
+E2E_ARGS="$G --config-value training.max_steps=4 --prompts 0 --sample-every 0" \
+  JOB=sd15 GPUS=1 limited 380 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+grep -a -h -E "compiled and checked" -r $OUT/runs 2>/dev/null | cut -c1-300 | tail -3
+left=$((590 - SECONDS)); log "the SD1.5 job, compiled with graphs, cache filled (limit $left s)"
+E2E_ARGS="$G" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+grep -a -h -E "compiled and checked|CUDA graph" -r $OUT/runs 2>/dev/null | cut -c1-300 | tail -4
+du -sh ~/.cache/tandem/torchinductor; log "call ends"
+
+# ---- call eveB (a fresh machine; lines eveB): the folder test for the fill saw the folder the uncompiled run had
+# created, so the fill was skipped and the job compiled cold; the uncompiled run was killed by its 200-s limit
+# and left no line (making the random model and images and the run itself take longer on a fresh machine: eveC)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+log "raw reference, SD1.5 LoRA 8 per GPU, 512 px"
+limited 90 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+log "the SD1.5 job, uncompiled"
+JOB=sd15 GPUS=1 limited 200 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+G="--config-value training.compile=true --config-value training.cuda_graphs=true"
+if [ ! -d ~/.cache/tandem/torchinductor ]; then
+  log "fill: the job's first 4 steps, compiled with graphs, cold cache"
+  E2E_ARGS="$G --config-value training.max_steps=4 --prompts 0 --sample-every 0" \
+    JOB=sd15 GPUS=1 limited 250 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-600
+fi
+left=$((590 - SECONDS)); log "the SD1.5 job, compiled with graphs, cache filled (limit $left s)"
+E2E_ARGS="$G" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+grep -a -h -E "compiled and checked|CUDA graph" -r $OUT/runs 2>/dev/null | cut -c1-300 | tail -4
+log "call ends"
+
+# ---- call eveC (a fresh machine; lines eveC)
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+log "raw reference, SD1.5 LoRA 8 per GPU, 512 px"
+limited 80 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+log "the SD1.5 job, uncompiled"
+JOB=sd15 GPUS=1 limited 300 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+left=$((590 - SECONDS)); log "launch to first step, complete cache, 8 steps, 1 GPU: fill, then twice from it (limit $left s)"
+E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0" \
+  JOB=sd15 limited $left bash scripts/gpu/end_to_end.sh runs "fill@.:1:0" "warm@.:1:0" "warm2@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-900
 log "call ends"
