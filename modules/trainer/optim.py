@@ -44,7 +44,7 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig, device: torc
     name = cfg.name
     if name == "adamw":
         kwargs = dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-        if cfg.fused and device.type == "cuda":
+        if cfg.fused and device.type in ("cuda", "cpu"):
             kwargs["fused"] = True
         return torch.optim.AdamW(param_groups, **kwargs)
     if name == "adamw_8bit":
