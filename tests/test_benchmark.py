@@ -78,6 +78,18 @@ def test_benchmark_refuses_zero_warmup():
     assert proc.returncode == 2 and "--warmup" in proc.stderr
 
 
+def test_a_case_the_config_checks_refuse_stops_before_any_worker_starts():
+    """A --config-value combination a run would refuse is named at once, not after every rank has built a
+    real-size model and failed at its first step with a traceback."""
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--device", "cpu", "--mode", "lora", "--res", "64",
+                           "--gpus", "2", "--config-value", "training.precision=fp32", "--config-value", "model.unet_dtype=fp8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: the sd1 lora 64px b8 training.precision=fp32 model.unet_dtype=fp8 case's config" in proc.stderr
+    assert "model.unet_dtype: 'fp8' weights are computed in bf16, and training.precision is 'fp32'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Start-up" not in proc.stdout
+
+
 def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
     """`--gpus 1,2,4` runs its cases one after another in one parent: a 2-GPU case must not leave
     CUDA_VISIBLE_DEVICES narrowed to its GPUs, or the 4-GPU case finds only 2 (seen on 4x H100)."""

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 1 or args.steps < 1 or args.profile_steps < 1:
         p.error("--warmup, --steps and --profile-steps must be at least 1 (the first step includes one-off set-up work)")
     import torch
-    from modules.benchmark.runner import Case, run_case, scaling_table
+    from modules.benchmark.runner import Case, case_problems, run_case, scaling_table
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: the benchmark needs CUDA GPUs; torch sees none (--device cpu smoke-tests it).", file=sys.stderr)
@@ -56,11 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     if too_many:
         print(f"error: --gpus asks for {too_many} GPUs but {torch.cuda.device_count()} are visible.", file=sys.stderr)
         return 2
+    cases = [Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
+                  args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps,
+                  model_variant(args.model)) for world in worlds]
+    for case in cases:
+        problems = case_problems(case)
+        if problems:
+            print(f"error: the {case.name()} case's config (the benchmark's settings with --config-value):\n"
+                  + "\n".join(f"  - {problem}" for problem in problems), file=sys.stderr)
+            return 2
     results = []
-    for world in worlds:
-        case = Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
-                    args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps,
-                    model_variant(args.model))
+    for case in cases:
         runs = [run_case(case) for _ in range(args.repeat)]
         result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
         result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]

@@ -287,6 +287,15 @@ def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None,
     exit_now(0)
 
 
+def case_problems(case: Case) -> list[str]:
+    """What the config checks find wrong with a case's config (its --config-value settings), before any
+    worker builds a real-size model only to fail at its first step."""
+    from modules.config.validation import validate
+
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        return validate(case_config(case, Path(tmp) / "ws"), check_paths=False)
+
+
 def run_case(case: Case) -> dict:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         cfg = case_config(case, Path(tmp) / "ws")
