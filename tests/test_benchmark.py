@@ -2,11 +2,12 @@
 
 The numbers mean nothing on a CPU; what is checked is that the real trainers run the case through
 the spawn launcher, that the result carries every figure the docs report, and that --profile writes
-its report. It builds a real-size SD1.5 UNet, so it takes about a minute.
+its report. The two-process case trains the built-in tiny model (`--model demo`: the same path, in
+seconds); the one-process fp8 case builds a real-size SD1.5 UNet (about half a minute), which also
+checks what the LoRA targets at real size.
 
-The two-process case computes in fp32 (`training.precision`, `model.unet_dtype`): CPUs without bf16
-instructions (like CI's) run bf16 matrix products 2.5x slower per step on this UNet, and the case's
-default bf16 base is what the fp8 case still computes in (its float8 layers compute in bf16).
+The two-process case computes in fp32 (`training.precision`, `model.unet_dtype`), the fp8 case in bf16
+(its float8 layers compute in bf16; CPUs without bf16 instructions, like CI's, run that 2.5x slower).
 """
 import json
 import os
@@ -21,20 +22,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 FP32 = ("--config-value", "training.precision=fp32", "--config-value", "model.unet_dtype=fp32")
 ACCUMULATE = ("--config-value", "training.gradient_accumulation_steps=2")
-CASE = "sd1 lora 64px b1 training.precision=fp32 model.unet_dtype=fp32 training.gradient_accumulation_steps=2"
+CASE = "sd1-demo lora 64px b1 training.precision=fp32 model.unet_dtype=fp32 training.gradient_accumulation_steps=2"
 
 
 @pytest.mark.slow
 def test_benchmark_runs_two_cpu_processes_and_profiles(tmp_path):
     out = tmp_path / "results.jsonl"
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--model", "sd15", "--mode", "lora",
+        [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--model", "demo", "--mode", "lora",
          "--res", "64", "--batch", "1", "--steps", "1", "--warmup", "1", "--gpus", "2",
          "--profile", str(tmp_path / "profile"), "--profile-steps", "1", "--json", str(out), *FP32, *ACCUMULATE],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
-    assert result["world"] == 2 and result["trainable"] == 3188736  # rank 16 on SD1.5's attention projections
+    assert result["world"] == 2 and result["trainable"] == 44032  # rank 16 on the tiny UNet's attention projections
+    assert result["denoiser_gib"] == pytest.approx(0.003, abs=0.001)  # the built-in model was trained, not a real-size one
     assert result["extra"] == ["training.precision=fp32", "model.unet_dtype=fp32",
                                "training.gradient_accumulation_steps=2"] and result["case"] == CASE
     # A step is 1 image x 2 accumulated on each of 2 ranks (the rates are rounded to 0.01: a slow step's is ~0.3).
@@ -67,6 +69,7 @@ def test_benchmark_with_an_fp8_base(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["extra"] == ["model.unet_dtype=fp8"] and result["samples_per_s"] > 0
+    assert result["trainable"] == 3188736  # rank 16 on SD1.5's attention projections
     # SD1.5's UNet: 270.0 M Linear weights in float8 (1 byte), 589.5 M other weights in bf16 (2 bytes), the
     # 3.19 M LoRA weights in fp32: 1.361 GiB (1.613 GiB with a bf16 base).
     assert result["denoiser_gib"] == pytest.approx(1.361, abs=0.002)

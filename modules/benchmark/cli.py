@@ -6,24 +6,29 @@ import json
 import sys
 from pathlib import Path
 
+from modules.benchmark import DEMO
 from modules.config.model_families import FAMILIES, MODEL_TYPES
 
-MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3",
+MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3", DEMO: "sd1",
                  **{f"{name}-{variant}": name for name, info in FAMILIES.items() for variant in info.variants}}
 """--model names (those of `shared/bench/raw_ddp_reference.py` among them) -> the model family; sd35m
 and sd3 mean SD3.5 Medium's transformer, flux Flux.1-dev's, each other family its published size (its
-first variant), `<family>-<variant>` another of its sizes (flux2-klein-4b)."""
+first variant), `<family>-<variant>` another of its sizes (flux2-klein-4b); demo the built-in tiny SD 1.x
+model (`builtin:demo`), a quick check of the benchmark itself."""
 
 
 def model_variant(name: str) -> str:
     """The variant a --model name picks ('' for the family's default size)."""
+    if name == DEMO:
+        return DEMO
     family = MODEL_ALIASES[name]
     return name.removeprefix(f"{family}-") if name.startswith(f"{family}-") else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Benchmark the Tandem trainer on synthetic cached latents.")
-    p.add_argument("--model", default="sd15", choices=sorted(MODEL_ALIASES), help="model size (random weights): sd15, sd2, sdxl UNets; sd35m, flux and the newer families' transformers")
+    p.add_argument("--model", default="sd15", choices=sorted(MODEL_ALIASES), help="model size (random weights): sd15, sd2, sdxl UNets; sd35m, flux and the newer families' transformers; "
+                        "demo: the built-in tiny SD 1.x model, a check of the benchmark itself in seconds (also with --device cpu)")
     p.add_argument("--mode", default="full", choices=["full", "lora"])
     p.add_argument("--batch", type=int, default=8, help="images per GPU")
     p.add_argument("--res", type=int, default=512, help="resolution in pixels")

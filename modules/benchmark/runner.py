@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from modules.benchmark import DEMO
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
 from modules.util import dist_utils as du
 from modules.distributed import rendezvous
@@ -87,11 +88,14 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     family: the model itself is built in memory (`BenchmarkMixin.create_model`), but whatever sizes the
     model from the config - `multi_gpu.strategy = auto`'s memory estimate - must see the real-size
     architecture (Tandem's shipped configs), not the built-in demo model a default config names."""
-    placeholder = Path(workspace) / f"random-{case.model}.safetensors"
-    placeholder.parent.mkdir(parents=True, exist_ok=True)
-    write_placeholder(placeholder, case.model, case.variant)
+    if case.variant == DEMO:
+        base_model = "builtin:demo"  # loaded as a user's run loads it (`create_model`)
+    else:
+        base_model = Path(workspace) / f"random-{case.model}.safetensors"
+        base_model.parent.mkdir(parents=True, exist_ok=True)
+        write_placeholder(base_model, case.model, case.variant)
     overrides = [
-        f"model.base_model={placeholder}", f"model.model_type={case.model}",
+        f"model.base_model={base_model}", f"model.model_type={case.model}",
         f"general.workspace_dir={workspace}", "general.tensorboard=false", f"general.device={case.device}",
         f"training.method={case.mode}", f"training.batch_size={case.batch}", "training.precision=bf16",
         f"training.max_steps={case.total_steps()}", "training.max_grad_norm=0",
@@ -123,6 +127,8 @@ class BenchmarkMixin:
     def create_model(self):
         from modules.benchmark.synthetic import random_bundle
         from modules.model.loading import frozen_dtypes, store_base_in_float8
+        if self.case.variant == DEMO:
+            return super().create_model()
         if self.device.type == "cuda" and self.cfg.multi_gpu.memory_limit_gib.strip():
             # Built whole on the GPU (a user's run loads on the CPU): the GPU's limit holds from the sharded
             # state on (`start`), as it would for the user.

@@ -10,12 +10,25 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from modules.benchmark import DEMO
 from modules.model.families import family
 
 
 def _variant(variant: str) -> dict:
     """The keyword a family with several published sizes takes (families of one size take none)."""
     return {"variant": variant} if variant else {}
+
+
+def _demo_shapes(model_type: str) -> tuple[int, dict[str, tuple[int, ...]], int]:
+    """(latent channels, {text tensor: shape per item}, pixels per latent pixel) of the family's built-in
+    tiny model, read from its folder's configs."""
+    import json
+
+    folder = family(model_type).build_demo()
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    return unet["in_channels"], {"encoder_hidden_states": (77, unet["cross_attention_dim"])}, \
+        2 ** (len(vae["block_out_channels"]) - 1)
 
 
 def random_bundle(model_type: str, device: torch.device, unet_dtype: torch.dtype = torch.float32, variant: str = ""):
@@ -36,8 +49,12 @@ class SyntheticCachedLatents(Dataset):
                  frames: int = 1) -> None:
         """`frames`: video frames per item (`data.video_frames`), for a family whose latents have a frame axis."""
         gen = torch.Generator().manual_seed(0)
-        channels, text_shapes = family(model_type).cached_shapes(**_variant(variant))
-        lat = resolution // family(model_type).latent_scale(**_variant(variant))
+        if variant == DEMO:
+            channels, text_shapes, scale = _demo_shapes(model_type)
+        else:
+            channels, text_shapes = family(model_type).cached_shapes(**_variant(variant))
+            scale = family(model_type).latent_scale(**_variant(variant))
+        lat = resolution // scale
         latent_frames = family(model_type).latent_frames(frames)
         self.length = length
         self.resolution = resolution
@@ -57,6 +74,10 @@ class SyntheticCachedLatents(Dataset):
     def item_groups(self):
         """No regularisation items."""
         return None
+
+    def clip_paths(self) -> list:
+        """No video files to check against the model (the items are latents already)."""
+        return []
 
     def __len__(self) -> int:
         return self.length
