@@ -9,6 +9,7 @@ come back frozen (`requires_grad=False`) and in eval mode: the trainer unfreezes
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -67,11 +68,14 @@ def load_model(
     device: torch.device | str = "cpu",
     training_cfg: TrainingConfig | None = None,
     keep_on_host: frozenset[str] = frozenset(),
+    parts: dict[str, float] | None = None,
 ) -> ModelBundle:
     """Load `model_cfg.base_model` (and `model_cfg.vae_path`) into a frozen `ModelBundle` on `device`.
 
     `keep_on_host` ("vae", "text_encoders"): parts that will wait in host memory after the cache, whose host
-    tensors are kept to go back onto (`host_copies.py`) when `device` is a GPU.
+    tensors are kept to go back onto (`host_copies.py`) when `device` is a GPU. `parts`, when given, gets
+    where the load's time went (seconds): importing diffusers, reading the weights (with the model classes'
+    own imports), moving them to the device - the start-up's `model` phase in parts.
 
     The family is detected from the folder or the file (`modules.model.families`), checked against an
     explicit `model.model_type`, and does the loading itself.
@@ -86,6 +90,9 @@ def load_model(
     overrides = parse_config_overrides(model_cfg.config_overrides)  # validated: the message names the field
     # With a separate VAE the model's own is never read (no wasted time or memory).
     own_vae = not model_cfg.vae_path.strip()
+    started = time.perf_counter()
+    import diffusers  # noqa: F401 - every family's models are diffusers'; its import is a part of its own
+    imported = time.perf_counter()
     family, where, kind = resolve_family(model_cfg)
     if kind == "file":
         bundle = family.load_single_file(where, model_cfg, dtypes, own_vae)
@@ -102,10 +109,16 @@ def load_model(
     for module in bundle.modules().values():
         module.requires_grad_(False).eval()
     store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights
+    read = time.perf_counter()
     if torch.device(device).type == "cuda":
         from .host_copies import keep_host_copies
         keep_host_copies(bundle, keep_on_host)
-    return bundle.to(device)
+    bundle = bundle.to(device)
+    if parts is not None:
+        kind = torch.device(device).type
+        parts.update({"importing diffusers": imported - started, "reading the weights": read - imported,
+                      f"to the {'GPU' if kind == 'cuda' else kind.upper()}": time.perf_counter() - read})
+    return bundle
 
 
 def build_builtin_first(model_cfg: ModelConfig) -> None:

@@ -286,7 +286,9 @@ class BaseTrainer(ABC):
         # Every rank loads at once (in turn, N ranks took N loads' time: ~10 s more per start on 4 GPUs with an
         # SD1.5 folder, 4-5 s of a 2-process demo start on 2 CPU cores).
         build_builtin_first(self.cfg.model)
-        bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host())
+        loading: dict[str, float] = {}
+        bundle = load_model(self.cfg.model, self.load_device(), self.cfg.training, self.parts_waiting_on_host(), loading)
+        self.startup.parts["model"] = loading
         # Validation checks the image sizes of a family the config names; one found by `auto` is checked here.
         bundle.family.check_image_sizes(self.dataset.bucket_sizes, bundle)
         bundle.family.check_clips(self.dataset.clip_paths(), self.cfg.data.video_frames)
