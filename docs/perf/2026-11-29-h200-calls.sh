@@ -263,3 +263,13 @@ left=$((590 - SECONDS)); log "launch to first step, complete cache, 8 steps, 1 G
 E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0" \
   JOB=sd15 limited $left bash scripts/gpu/end_to_end.sh runs "fill@.:1:0" "warm@.:1:0" "warm2@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-900
 log "call ends"
+
+# ---- call eveD (commit 85d97ca, a fresh machine; lines eveD): the start-up's model phase in parts
+set -u
+source scripts/gpu/common.sh
+export PYTHONPATH=/tmp/site
+log "launch to first step, complete cache, 8 steps, 1 GPU: fill, then three from it"
+E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0" \
+  JOB=sd15 limited 400 bash scripts/gpu/end_to_end.sh runs "fill@.:1:0" "warm@.:1:0" "warm2@.:1:0" "warm3@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-700
+grep -a -h "Start-up" -r $OUT/runs | cut -c1-300
+log "call ends"
