@@ -251,14 +251,8 @@ E2E_ARGS="$G" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2
 grep -a -h -E "compiled and checked|CUDA graph" -r $OUT/runs 2>/dev/null | cut -c1-300 | tail -4
 log "call ends"
 
-# ---- call eveC (a fresh machine; lines eveC)
-set -u
-source scripts/gpu/common.sh
-export PYTHONPATH=/tmp/site
-log "raw reference, SD1.5 LoRA 8 per GPU, 512 px"
-limited 80 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
-log "the SD1.5 job, uncompiled"
-JOB=sd15 GPUS=1 limited 300 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-1500
+# ---- call eveC (a fresh machine; lines eveC): the preamble, the raw reference (limit 80 s) and the uncompiled
+# job as in eveB, the job's limit 300 s; then
 left=$((590 - SECONDS)); log "launch to first step, complete cache, 8 steps, 1 GPU: fill, then twice from it (limit $left s)"
 E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.max_steps=8 --prompts 0 --sample-every 0" \
   JOB=sd15 limited $left bash scripts/gpu/end_to_end.sh runs "fill@.:1:0" "warm@.:1:0" "warm2@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-900
