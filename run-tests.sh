@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: 20:19-23:35 with the install on 2 cores, pytest
-#                            19:37-22:46 of it, 2026-11-29, four runs from a7b9b8f to 2d6cc1f; README.md too)
+#   ./run-tests.sh           everything (what CI runs: 21:33 with the install on 2 cores, pytest 20:50 of it,
+#                            2026-11-29, commit 751f3f3; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (63 s on 2 idle cores, 2026-11-28, with this command)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
 # tests wait on the processes they launch, and with one worker a core the cores idled a quarter of the run;
+# with two more than the cores they were 96% busy and the run took 23:31 instead of 21:33, 2026-11-29;
 # 1 runs them in this process, e.g. for -x or pdb); an explicit -n wins.
 set -euo pipefail
 cd "$(dirname "$0")"
