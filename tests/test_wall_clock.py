@@ -74,7 +74,7 @@ def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
     for line in output.splitlines():
         _read_line(line + "\n", 0.0, marks, phases, [])
     parts = marks.get("startup_parts", {})
-    # The model's load: diffusers' import, reading the weights, moving them (the GPUs' 7.8 s here, 2026-11-29).
+    # The model's load in parts: diffusers' import, reading the weights, moving them (docs/Performance.md).
     assert list(parts["model"]) == ["importing diffusers", "reading the weights", "to the CPU"], parts
     assert sum(parts["model"].values()) <= phases["model"] + rounding_slack(3), (parts, phases)
     if launch == "single":
