@@ -110,14 +110,14 @@ def load_model(
         module.requires_grad_(False).eval()
     store_base_in_float8(bundle, model_cfg)  # on the CPU: the device never holds the bf16 weights
     read = time.perf_counter()
-    if torch.device(device).type == "cuda":
+    device_type = torch.device(device).type
+    if device_type == "cuda":
         from .host_copies import keep_host_copies
         keep_host_copies(bundle, keep_on_host)
     bundle = bundle.to(device)
     if parts is not None:
-        kind = torch.device(device).type
         parts.update({"importing diffusers": imported - started, "reading the weights": read - imported,
-                      f"to the {'GPU' if kind == 'cuda' else kind.upper()}": time.perf_counter() - read})
+                      f"to the {'GPU' if device_type == 'cuda' else device_type.upper()}": time.perf_counter() - read})
     return bundle
 
 
