@@ -60,6 +60,11 @@ class ContextGroups:
     def loss_scale(self) -> float:
         return float(self.context)
 
+    @property
+    def sampling_replays_graphs(self) -> bool:
+        """Not in a group: its processes' attention exchanges sequence parts inside every denoiser call."""
+        return self.context == 1 and super().sampling_replays_graphs
+
     def split_sequences(self, bundle, device: torch.device, sizes: list[tuple[int, int]]) -> None:
         """Turn on the denoiser's context parallelism over this process's group (collective: every rank);
         `sizes`: the (width, height) of every bucket the run trains or scores."""

@@ -19,6 +19,7 @@ from modules.util.animation import Clip
 
 from .bundle import ModelBundle
 from .host_copies import move_home
+from .sample_graphs import replayed_from_graphs
 from .sample_texts import texts_ready
 
 
@@ -31,9 +32,11 @@ def render_samples(
     device: torch.device | str | None = None,
     frames: int = 1,
     fps: float = 16.0,
+    graphs: bool = True,
 ) -> list:
     """One PIL image per prompt, each from its own seed, so samples are comparable over training; a video
-    family's `Clip` of `frames` frames at `fps` where `frames` > 1.
+    family's `Clip` of `frames` frames at `fps` where `frames` > 1. With `graphs`, on a GPU, the denoiser's
+    repeated calls replay from CUDA graphs (`sample_graphs.py`: the same pixels, less host time).
 
     Modules are switched to eval mode (and, with `device`, moved there) for the render and restored
     afterwards, so this can be called in the middle of training. Text encoders are left where they are when
@@ -53,7 +56,9 @@ def render_samples(
             module.eval()
             module.to(target)
         pipeline = sampling_pipeline(bundle)
-        with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning():
+        # The graphs inside autocast: a capture uses the weights' casts autocast keeps while it is on.
+        with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning(), \
+                replayed_from_graphs(bundle.denoiser, target, graphs):
             return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale, frames, fps)
                     for prompt in prompts]
     finally:

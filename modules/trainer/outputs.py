@@ -155,7 +155,8 @@ class OutputWriter:
                 with times.time("rendering"):
                     images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                             samp.inference_steps, samp.guidance_scale, parts.device,
-                                            frames=samp.video_frames, fps=parts.cfg.data.video_fps)[:len(mine)]
+                                            frames=samp.video_frames, fps=parts.cfg.data.video_fps,
+                                            graphs=samp.cuda_graphs and parallel.sampling_replays_graphs)[:len(mine)]
                 with times.time("models back"):
                     stack.close()
         kept = zip(mine, images) if parallel.context_rank == 0 else ()

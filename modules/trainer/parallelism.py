@@ -11,7 +11,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | activation checkpointing | diffusers' own | the same | PyTorch's composable checkpoint on each block, before sharding it |
 | wrapping (`wrap`, `unwrap`) | none | DDP around the trained module, rank 0's weights broadcast first | `fully_shard` per block and the root: trained parameters become sharded ones |
 | gradient sync and accumulation | nothing to sync | `no_sync` on all micro-batches but the last | gradient sync off until the last |
-| forward calls outside a step | as they come | the same | collective: every rank calls as often (`extra_calls`), through the root (`sampling_calls`) |
+| forward calls outside a step | as they come; a sampling's replayed from CUDA graphs (`sampling_replays_graphs`) | the same | collective: every rank calls as often (`extra_calls`), through the root (`sampling_calls`), no graphs |
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
@@ -131,6 +131,12 @@ class Parallelism:
     def sampling_calls(self, model: nn.Module, autocast: ContextManager) -> ContextManager:
         """Inside the block the sampling pipeline calls the trained parts (`model` is the wrapped module)."""
         return contextlib.nullcontext()
+
+    @property
+    def sampling_replays_graphs(self) -> bool:
+        """Whether a sampling's denoiser calls may replay from CUDA graphs (`modules/model/sample_graphs.py`):
+        where each call is this process's alone, not a collective."""
+        return not self.forward_is_collective
 
     # ---------------------------------------------------------------- outputs
     def write_model(self, work: Callable[[], T]) -> T | None:
