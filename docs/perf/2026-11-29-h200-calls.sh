@@ -267,3 +267,43 @@ E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --config-value training.ma
   JOB=sd15 limited 400 bash scripts/gpu/end_to_end.sh runs "fill@.:1:0" "warm@.:1:0" "warm2@.:1:0" "warm3@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-700
 grep -a -h "Start-up" -r $OUT/runs | cut -c1-300
 log "call ends"
+
+# ==== 2026-11-29 night session: the same card (nvidia-h200, the only kind lent), calls ngtA-ngtD; lines ngt* in the same
+# file. ngtA and ngtB ran the working tree that became commit fa84f28 (ngtB before its hook-registry check, which SD1.5's
+# pipeline never meets); ngtC and ngtD that commit's code.
+
+# ---- call ngtA (lines ngtA): diffusers' loading straight onto the GPU, and prompts in one batch
+set -u; source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site
+python3 scripts/make_random_model.py --type sd1 --out /tmp/tandem-e2e/models/sd15 --device cuda
+limited 400 python3 scripts/gpu/pipeline_ab.py all /tmp/tandem-e2e/models/sd15
+limited 90 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+
+# ---- call ngtB (lines ngtB): the GPU tests of sample graphs, then the job's samplings without | with graphs
+# (pytest and its wheels carried in .whl/ beside diffusers')
+set -u; source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site
+limited 240 python3 -m pytest -q -p no:cacheprovider tests/test_sample_graphs.py 2>&1 | tail -25
+E2E_ARGS="--shared-cache /tmp/tandem-e2e/shared-cache --epochs 2 --sample-every 1 --prompts 4 --label-config plain:sampling.cuda_graphs=false --label-config plain2:sampling.cuda_graphs=false" \
+  JOB=sd15 limited 330 bash scripts/gpu/end_to_end.sh runs "plain@.:1:0" "graphs@.:1:0" "plain2@.:1:0" "graphs2@.:1:0" 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-600
+grep -a -h -E "Samples at step|replay the denoiser|without CUDA graphs" -r $OUT/runs | cut -c1-400
+limited 90 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+
+# ---- call ngtC (lines ngtC: the raw reference, ngtC-fill, ngtC-job): the GPU tests again, then the SD1.5 job compiled
+# with training graphs and sample graphs (the default), compile cache filled first
+set -u; source scripts/gpu/common.sh; export PYTHONPATH=/tmp/site
+rm -rf ~/.cache/tandem/torchinductor /tmp/torchinductor_*
+limited 150 python3 -m pytest -q -p no:cacheprovider tests/test_sample_graphs.py 2>&1 | tail -6
+limited 90 bash -c "source scripts/gpu/common.sh; ref 1 --model sd15 --mode lora --batch 8" | cut -c1-600
+G="--config-value training.compile=true --config-value training.cuda_graphs=true"
+E2E_ARGS="$G --config-value training.max_steps=4 --prompts 0 --sample-every 0" \
+  JOB=sd15 GPUS=1 limited 330 bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-300
+left=$((590 - SECONDS))
+E2E_ARGS="$G" JOB=sd15 GPUS=1 limited $left bash scripts/gpu/end_to_end.sh job 2>&1 | grep -a -E "^\{|^==|rror" | cut -c1-2500
+grep -a -h -E "compiled and checked|Samples at step|replay the denoiser|without CUDA graphs" -r $OUT/runs | cut -c1-300 | tail -8
+
+# ---- call ngtD (the same lease): why Chroma's demo sampled without graphs in ngtC's tests (the test now expects it)
+source scripts/gpu/common.sh >/dev/null; export PYTHONPATH=/tmp/site
+python3 -m pytest -q -p no:cacheprovider "tests/test_sample_graphs.py::test_samples_with_graphs_are_the_samples_without[builtin:demo-chroma]"
+
+# ---- call ngtE (commit fa84f28 with the test's Chroma expectation; a fresh machine): 11 passed, all 8 demo families
+source scripts/gpu/common.sh >/dev/null; export PYTHONPATH=/tmp/site
+python3 -m pytest -q -p no:cacheprovider tests/test_sample_graphs.py 2>&1 | tail -3
