@@ -309,7 +309,8 @@ def test_the_text_encoder_benchmark_runs_the_trainers_placement(tandem_home, cap
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (result["placement"], result["texts"], result["encoded_by_rank0"]) == ("offload", 8, 8)
     assert result["encode_s"] > 0 and result["texts_per_s"] > 0
-    assert result["build_s"] > 0 and result["place_s"] >= 0  # the random build is timed (and measured) apart
+    # The random build is timed apart from the placement (the tiny encoder's can take under a millisecond).
+    assert all(isinstance(result[k], float) and result[k] >= 0 for k in ("build_s", "place_s")), result
 
 
 def test_auto_placement_puts_the_encoder_where_it_fits(monkeypatch):

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"source": "tandem_text_encoder", "family": args.family, "placement": args.placement,
               "world": du.world_size(), "texts": len(texts), "encoded_by_rank0": encoded,
               "weights_gib": round(gib * (du.world_size() if placement == "sharded" else 1), 2),
-              "build_s": round(build_s, 2), "place_s": round(placed_s, 2), "encode_s": round(encode_s, 2),
+              "build_s": round(build_s, 3), "place_s": round(placed_s, 3), "encode_s": round(encode_s, 2),
               "texts_per_s": round(len(texts) / encode_s, 1),
               "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if device.type == "cuda" else None,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}

@@ -1,9 +1,10 @@
 """A sampling's denoiser calls replayed from CUDA graphs: the same kernels, so the same pixels, without the host.
 
 A sampling calls the denoiser once or twice per inference step and prompt, always with the same shapes. Run as
-they come, those calls are paced by the host: on an H200 host an SD1.5 UNet call for one prompt with guidance
-(batch 2, 64x64 latents) took ~45 ms of Python and kernel launches for a few milliseconds of GPU work, so 4
-prompts x 20 steps took 3.6 s (docs/Performance.md, "Sampling"). Here the first call of each shape runs as
+they come, those calls are paced by the host: on an H200 host a LoRA-carrying SD1.5 UNet call for one prompt with
+guidance (batch 2, 64x64 latents) took ~70 ms of Python and kernel launches for a few milliseconds of GPU work,
+so 4 prompts x 20 steps took 5.0-6.4 s to render, and 1.7-2.5 s replayed (docs/Performance.md, "Samples from
+CUDA graphs"). Here the first call of each shape runs as
 usual, the second is captured into a CUDA graph, and every later one copies its inputs into the graph's and
 replays it. A replay launches exactly the kernels the captured call launched, so a prompt's image is the one
 the uncaptured calls give; and since each prompt is still rendered alone from its own seed, it does not depend
@@ -34,9 +35,11 @@ _told: set[str] = set()
 """What the log said already: each reason once per process, not at every sampling."""
 
 
-def tell_once(message: str) -> None:
-    if message not in _told:
-        _told.add(message)
+def tell_once(message: str, key: str | None = None) -> None:
+    """Log `message` unless this process logged it (or another message under the same `key`) before."""
+    key = key or message
+    if key not in _told:
+        _told.add(key)
         log.info(message)
 
 
@@ -165,5 +168,5 @@ def replayed_from_graphs(module: nn.Module, device: torch.device, wanted: bool =
         del module.forward
         if calls.replays:
             tell_once(f"Samples replay the denoiser's calls from CUDA graphs ({calls.replays} of this sampling's "
-                      f"calls, {len(calls.graphs)} graph(s)).")
+                      f"calls, {len(calls.graphs)} graph(s)).", key="replaying")
         calls.graphs.clear()

@@ -114,7 +114,7 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
     form.section("When")
     form.fields("sampling.every_n_steps", "sampling.every_n_epochs", "sampling.sample_at_start")
     form.section("How")
-    form.fields("sampling.inference_steps", "sampling.guidance_scale", "sampling.video_frames")
+    form.fields("sampling.inference_steps", "sampling.guidance_scale", "sampling.video_frames", "sampling.cuda_graphs")
     return prompts
 
 
