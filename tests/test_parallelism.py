@@ -65,6 +65,18 @@ def test_where_each_forward_is_collective_every_rank_calls_the_model_as_often(mo
     assert SingleProcess().extra_calls(mine, total) == 0
 
 
+def test_samples_replay_graphs_only_where_each_call_is_one_processs_own(monkeypatch):
+    """`sampling.cuda_graphs` applies in one process and under DDP; not where a forward gathers weights from every
+    rank (FSDP) or a context-parallel group splits each call's sequence over its processes."""
+    monkeypatch.setattr(du, "world_size", lambda: 4)
+    monkeypatch.setattr(du, "rank", lambda: 1)
+    ddp = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"))
+    assert SingleProcess().sampling_replays_graphs and ddp.sampling_replays_graphs
+    ddp.use_context_parallel(2)
+    assert not ddp.sampling_replays_graphs
+    assert not FSDPParallelism(TrainConfig().training, cpu_offload=False, device=torch.device("cpu")).sampling_replays_graphs
+
+
 def test_fsdp_places_only_the_frozen_parts_and_checkpoints_when_it_shards():
     frozen, trained = nn.Linear(2, 2), nn.Linear(2, 2)
     moved = []

@@ -248,6 +248,25 @@ def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("setting", ["true", "false"])
+def test_samples_ask_for_graphs_as_sampling_cuda_graphs_says(tmp_path, cache_dir, monkeypatch, setting):
+    """The trainer's samplings hand `sampling.cuda_graphs` to the sampling (on a CPU nothing is captured either way)."""
+    import modules.model.sampling as sampling
+    asked = []
+    real = sampling.replayed_from_graphs
+
+    def recorded(module, device, wanted=True):
+        asked.append(wanted)
+        return real(module, device, wanted)
+
+    monkeypatch.setattr(sampling, "replayed_from_graphs", recorded)
+    train(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
+                      "sampling.every_n_epochs=0", "sampling.inference_steps=1", f"sampling.cuda_graphs={setting}"),
+          RecordingCallbacks())
+    assert asked == [setting == "true"]
+
+
+@pytest.mark.slow
 def test_train_script_runs_the_demo_and_names_the_items_left_out(tmp_path, cache_dir):
     """scripts/train.py with the demo preset, as the README shows it, in a subprocess; on 10 images at global
     batch 8, 2 are left out each epoch, and the start-up line says so. (One script run checks both.)"""
