@@ -5,48 +5,70 @@ rendering 4 sample prompts in one batch give against one by one, in time and in 
 
     python3 scripts/gpu/pipeline_ab.py all /tmp/tandem-e2e/models/sd15    # a folder from make_random_model.py
 """
-import json, os, subprocess, sys, time
-FOLDER = sys.argv[2] if len(sys.argv) > 2 else "/tmp/tandem-e2e/models/sd15"
 
-def load(mode):
-    t0 = time.perf_counter()
-    import torch, diffusers, transformers  # noqa
+import json
+import subprocess
+import sys
+import time
+
+FOLDER = sys.argv[2] if len(sys.argv) > 2 else "/tmp/tandem-e2e/models/sd15"
+PROMPTS = ["a red circle", "a blue square on grass", "a portrait of a cat", "a city at night"]
+
+
+def load(mode: str) -> None:
+    """One process's load: `moved` (into host memory, then to the GPU) or `direct` (device_map)."""
+    started = time.perf_counter()
+    import torch
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel
-    t1 = time.perf_counter()
-    kw = {"device_map": "cuda"} if mode == "direct" else {}
-    unet = UNet2DConditionModel.from_pretrained(FOLDER, subfolder="unet", torch_dtype=torch.bfloat16, **kw)
-    te = CLIPTextModel.from_pretrained(FOLDER, subfolder="text_encoder", dtype=torch.bfloat16, **kw)
-    t2 = time.perf_counter()
-    unet.to("cuda"); te.to("cuda"); torch.cuda.synchronize()
-    t3 = time.perf_counter()
-    print(json.dumps({"case": "load", "mode": mode, "imports": round(t1 - t0, 3), "read": round(t2 - t1, 3),
-                      "to_gpu": round(t3 - t2, 3), "total": round(t3 - t1, 3),
-                      "unet_device": str(next(unet.parameters()).device)}), flush=True)
+    imported = time.perf_counter()
+    where = {"device_map": "cuda"} if mode == "direct" else {}
+    unet = UNet2DConditionModel.from_pretrained(FOLDER, subfolder="unet", torch_dtype=torch.bfloat16, **where)
+    encoder = CLIPTextModel.from_pretrained(FOLDER, subfolder="text_encoder", dtype=torch.bfloat16, **where)
+    read = time.perf_counter()
+    unet.to("cuda")
+    encoder.to("cuda")
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    print(json.dumps({"case": "load", "mode": mode, "imports": round(imported - started, 3),
+                      "read": round(read - imported, 3), "to_gpu": round(done - read, 3),
+                      "total": round(done - imported, 3), "unet_device": str(next(unet.parameters()).device)}),
+          flush=True)
 
-def sample():
-    import numpy as np, torch
+
+def sample() -> None:
+    """The 4 prompts one by one and as one batch, each from its own seed, three times each after a warm-up."""
+    import numpy as np
+    import torch
     from diffusers import StableDiffusionPipeline
     pipe = StableDiffusionPipeline.from_pretrained(FOLDER, torch_dtype=torch.bfloat16, safety_checker=None,
                                                    requires_safety_checker=False).to("cuda")
     pipe.set_progress_bar_config(disable=True)
-    prompts = ["a red circle", "a blue square on grass", "a portrait of a cat", "a city at night"]
+    common = {"width": 512, "height": 512, "num_inference_steps": 20, "guidance_scale": 7.0}
+
     def one_by_one():
-        return [pipe(prompt=p, width=512, height=512, num_inference_steps=20, guidance_scale=7.0,
-                     generator=torch.Generator("cpu").manual_seed(i)).images[0] for i, p in enumerate(prompts)]
+        return [pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(i), **common).images[0]
+                for i, prompt in enumerate(PROMPTS)]
+
     def batched():
-        return pipe(prompt=prompts, width=512, height=512, num_inference_steps=20, guidance_scale=7.0,
-                    generator=[torch.Generator("cpu").manual_seed(i) for i in range(4)]).images
+        return pipe(prompt=PROMPTS, generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(PROMPTS))],
+                    **common).images
+
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        one_by_one(); batched()  # warm-up
+        one_by_one(), batched()
         for rep in range(3):
-            for name, fn in (("one_by_one", one_by_one), ("batched", batched)):
-                torch.cuda.synchronize(); t = time.perf_counter(); images = fn(); torch.cuda.synchronize()
-                print(json.dumps({"case": "sampling", "mode": name, "rep": rep, "s": round(time.perf_counter() - t, 3)}), flush=True)
-                if name == "one_by_one": single = images
-                else:
-                    diff = max(int(np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max()) for a, b in zip(single, images))
-                    print(json.dumps({"case": "sampling", "max_pixel_difference_batched_vs_single": diff}), flush=True)
+            rendered = {}
+            for name, render in (("one_by_one", one_by_one), ("batched", batched)):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                rendered[name] = render()
+                torch.cuda.synchronize()
+                print(json.dumps({"case": "sampling", "mode": name, "rep": rep,
+                                  "s": round(time.perf_counter() - started, 3)}), flush=True)
+            difference = max(int(np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max())
+                             for a, b in zip(rendered["one_by_one"], rendered["batched"]))
+            print(json.dumps({"case": "sampling", "max_pixel_difference_batched_vs_single": difference}), flush=True)
+
 
 if __name__ == "__main__":
     if sys.argv[1] == "all":
