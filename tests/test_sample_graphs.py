@@ -106,3 +106,47 @@ def test_samples_with_graphs_are_the_samples_without(source, tandem_home, told):
     (message,) = replays
     # Each shape's first call runs as it comes: 6 steps x 3 prompts, two sizes, are at least 10 replays.
     assert int(message.split("(")[1].split()[0]) >= 10, message
+
+
+def test_a_prompt_that_runs_out_of_memory_with_graphs_held_is_rendered_again_without_them(monkeypatch, told):
+    """A sampling's graphs hold their calls' memory until it ends, the VAE's decoding included: where that
+    leaves too little, the prompt is rendered again without graphs (the same image) and the rest follow as they
+    come. Here the stand-in holds one graph, and the first render of the second prompt runs out of memory."""
+    import modules.model.sampling as sampling
+
+    calls = GraphedCalls(Twice().forward, torch.device("cpu"))
+    calls.graphs["a shape"] = ("a graph", [], None)
+
+    class Holding:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return calls
+
+        def __exit__(self, *exc):
+            return False
+
+    rendered = []
+
+    def render_one(bundle, pipeline, prompt, *args):
+        rendered.append((prompt.prompt, bool(calls.graphs)))
+        if (prompt.prompt == "second" and calls.graphs) or prompt.prompt == "too large":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return f"image of {prompt.prompt}"
+
+    bundle = load_model(ModelConfig())
+    monkeypatch.setattr(sampling, "replayed_from_graphs", Holding)
+    monkeypatch.setattr(sampling, "render_one", render_one)
+    monkeypatch.setattr(sampling, "sampling_pipeline", lambda bundle: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    prompts = [SamplePromptConfig(prompt=text) for text in ("first", "second", "third")]
+    assert render_samples(bundle, prompts, 64, 2) == ["image of first", "image of second", "image of third"]
+    assert rendered == [("first", True), ("second", True), ("second", False), ("third", False)]
+    assert calls.off_reason == "the GPU ran out of memory with the graphs held"
+    assert told == ["Sampling without CUDA graphs: the GPU ran out of memory with the graphs held; the denoiser's "
+                    "calls run as they come."]
+    # Without graphs held, running out of memory is the sampling's own failure, as before.
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        render_samples(bundle, [SamplePromptConfig(prompt="too large")], 64, 2)
+    assert [r for r in rendered if r[0] == "too large"] == [("too large", False)], "not rendered again"

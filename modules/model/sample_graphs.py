@@ -14,7 +14,9 @@ that move or cast weights around a call (offloading, layer-wise casting, FSDP's 
 call (the parallelism says: `Parallelism.sampling_replays_graphs`). Anything the capture cannot take (a host
 sync inside the model, an input on the CPU, an output that is not tensors) leaves that sampling's calls as
 they come, said once in the log. The graphs live for one sampling: their memory goes back before training
-goes on.
+goes on. Held through a sampling, that memory is the one new need graphs bring (a call's activations, which
+plain calls free between calls): a prompt that runs out of GPU memory with graphs held is rendered again
+without them (`sampling.render_samples`), and the rest of the sampling follows as it comes.
 
     sampling.cuda_graphs = false    every call as it comes
 """
@@ -139,6 +141,11 @@ class GraphedCalls:
         self.replays += 1
         # A copy: the next replay overwrites the graph's output, and a scheduler may keep past outputs.
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
+
+    def release(self, reason: str) -> None:
+        """Free the graphs and run every later call as it comes (`reason` goes to the log once)."""
+        self.graphs.clear()
+        self._off(reason)
 
     def _off(self, reason: str) -> None:
         if self.off_reason is None:

@@ -58,9 +58,21 @@ def render_samples(
         pipeline = sampling_pipeline(bundle)
         # The graphs inside autocast: a capture uses the weights' casts autocast keeps while it is on.
         with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning(), \
-                replayed_from_graphs(bundle.denoiser, target, graphs):
-            return [render_one(bundle, pipeline, prompt, resolution, inference_steps, guidance_scale, frames, fps)
-                    for prompt in prompts]
+                replayed_from_graphs(bundle.denoiser, target, graphs) as calls:
+            images = []
+            for prompt in prompts:
+                arguments = (bundle, pipeline, prompt, resolution, inference_steps, guidance_scale, frames, fps)
+                try:
+                    images.append(render_one(*arguments))
+                except torch.cuda.OutOfMemoryError:
+                    # The graphs hold a call's activations through the whole sampling, the VAE's decoding
+                    # included: on a full GPU the prompt is rendered again without them (the same image).
+                    if calls is None or not calls.graphs:
+                        raise
+                    calls.release("the GPU ran out of memory with the graphs held")
+                    torch.cuda.empty_cache()
+                    images.append(render_one(*arguments))
+            return images
     finally:
         for name, module in modules.items():
             move_home(bundle, module, home[name])
