@@ -135,7 +135,7 @@ class GraphedCalls:
     def _replay(self, key, leaves: list):
         graph, static, output = self.graphs[key]
         for target, leaf in zip(static, leaves):
-            if isinstance(target, torch.Tensor) and target is not leaf:
+            if isinstance(target, torch.Tensor):  # the graph's own copies, never the caller's tensors
                 target.copy_(leaf)
         graph.replay()
         self.replays += 1
