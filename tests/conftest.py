@@ -40,6 +40,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+_INTERPRETERS: list = []
+"""Every Tk interpreter a test process creates, kept to the process's end as the app keeps its one. A
+closed window left in a reference cycle was otherwise freed by whichever thread the cyclic collector
+happened to run on next (a GUI test's TensorBoard starter, a memory estimate), and an interpreter freed on
+another thread than its own aborts the whole process ("Tcl_AsyncDelete: async handler deleted by the wrong
+thread"; CI: an xdist worker "crashed while running" a later GUI test). The app itself has one window and
+one interpreter for the life of its process, so it never frees one."""
+
+
+def _keep_every_interpreter() -> None:
+    import tkinter
+    create = tkinter.Tk.__init__
+    if getattr(create, "keeps_interpreters", False):
+        return
+
+    def create_and_keep(self, *args, **kwargs):
+        create(self, *args, **kwargs)
+        _INTERPRETERS.append(self.tk)
+    create_and_keep.keeps_interpreters = True
+    tkinter.Tk.__init__ = create_and_keep
+
+
 @pytest.fixture(scope="session")
 def display():
     """One X server for the whole test process, never one per stretch of this module's tests: a worker
@@ -49,6 +71,7 @@ def display():
     by running a test of another module between two of these)."""
     if shutil.which("Xvfb") is None:
         pytest.fail("Xvfb is not installed; run-tests.sh installs it (apt-get install xvfb)")
+    _keep_every_interpreter()
     # Xvfb picks a free display itself and writes its number to the pipe (test processes run side by side).
     read_end, write_end = os.pipe()
     server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],

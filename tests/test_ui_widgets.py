@@ -103,6 +103,23 @@ def app_factory(display, tmp_path):
     gc.collect()
 
 
+def test_a_closed_window_collected_on_another_thread_leaves_the_process_running(display):
+    """The cyclic collector runs on whichever thread allocates when it is due: a closed window left in a
+    reference cycle was freed on a worker thread, and Tk aborted the test process there (the `display`
+    fixture keeps every interpreter for that reason). Here the process survives or the worker crashes."""
+    import threading
+    import tkinter
+
+    def open_and_close() -> None:
+        window = tkinter.Tk()
+        window.itself = window  # a cycle: only the collector frees it
+        window.destroy()
+    open_and_close()
+    collector = threading.Thread(target=gc.collect, name="not-the-tk-thread")
+    collector.start()
+    collector.join()
+
+
 @pytest.mark.slow
 def test_preset_edit_save_and_reload(app_factory, tmp_path):
     app, dialogs = app_factory()
