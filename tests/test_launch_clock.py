@@ -64,3 +64,21 @@ def test_workers_forked_from_a_server_started_for_this_launch_count_its_imports_
     assert parts == pytest.approx({"launcher's imports": 1.5, "launcher's checks": 2.5, **expected,
                                    "worker's imports": 2.0}, abs=0.02)
     assert list(parts)[2:-1] == list(expected)
+
+
+def test_a_server_started_during_the_checks_leaves_the_wait_for_the_rest_of_its_imports(monkeypatch):
+    """The spawn launcher starts the server before its checks (processes.start_forkserver_now): only what
+    was left of its imports when the checks ended is part of the launch; a server started otherwise (another
+    one, restarted when the workers started) is counted as before."""
+    mine = launch_clock.process_start_time()
+    monkeypatch.setattr(launch_clock, "_marks", {})
+    launch_clock.adopt({launch_clock.LAUNCH_TIME: mine - 5.0, launch_clock.CHECKS_STARTED: mine - 3.5,
+                        launch_clock.WORKERS_STARTED: mine - 1.0, launch_clock.FORKSERVER_STARTED: mine - 3.4})
+    monkeypatch.setattr(launch_clock, "forkserver_start_time", lambda: mine - 3.4 + 0.01)
+    total, parts = launch_clock.launch_split(mine + 2.0)
+    assert parts == pytest.approx({"launcher's imports": 1.5, "launcher's checks": 2.5,
+                                   "the forkserver's imports left": 1.0, "worker's imports": 2.0}, abs=0.02)
+    monkeypatch.setattr(launch_clock, "forkserver_start_time", lambda: mine - 0.5)  # the early one had died
+    total, parts = launch_clock.launch_split(mine + 2.0)
+    assert parts == pytest.approx({"launcher's imports": 1.5, "launcher's checks": 2.5, "starting the forkserver": 0.5,
+                                   "the forkserver's imports": 0.5, "worker's imports": 2.0}, abs=0.02)

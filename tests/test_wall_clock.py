@@ -81,8 +81,9 @@ def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
         assert list(parts["launch"]) == ["imports", "config and checks"] and phases["launch"] > 0
         assert abs(sum(parts["launch"].values()) - phases["launch"]) <= rounding_slack(2), (parts, phases)
         return
-    # Under spawn the workers are forked from a server that imported what they need once (Linux: forkserver).
-    starting = (["starting the forkserver", "the forkserver's imports"] if launch == "spawn" and sys.platform == "linux"
+    # Under spawn the workers are forked from a server that imported what they need once (Linux: forkserver),
+    # started before the launcher's checks so that its imports ran beside them.
+    starting = (["the forkserver's imports left"] if launch == "spawn" and sys.platform == "linux"
                 else ["starting the worker processes"])
     assert list(parts["launch"]) == ["launcher's imports", "launcher's checks", *starting, "worker's imports"]
     assert abs(sum(parts["launch"].values()) - phases["launch"]) <= rounding_slack(len(parts["launch"])), (parts, phases)

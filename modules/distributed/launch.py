@@ -22,7 +22,8 @@ from modules.distributed import failures, nodes, rendezvous
 from modules.distributed.job import WorkerJob, job_path, write_job
 from modules.distributed.plan import (LaunchError, LaunchPlan, check_data_fits, plan_launch, run_id_for,
                                       with_restart_backups)
-from modules.distributed.processes import ABORTED, exits_file_of, launch_spawn, launch_torchrun, rendezvous_timed_out
+from modules.distributed.processes import (ABORTED, exits_file_of, launch_spawn, launch_torchrun, rendezvous_timed_out,
+                                          start_forkserver_now)
 from modules.distributed.strategy import NoPlanFits, check_cards
 from modules.distributed.supervision import StopSignals
 from modules.preflight import PreflightError, preflight
@@ -44,6 +45,9 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     from modules.trainer.callbacks import default_callbacks
 
     plan = plan_launch(cfg)
+    # The workers' imports start now, beside the checks below; a job the checks refuse ends the server with
+    # the launcher (`exit_now`).
+    start_forkserver_now(plan)
     cfg = with_restart_backups(cfg, plan.spec)
     try:
         parse_split(cfg.multi_gpu.batch_split, plan.spec.processes_here, cfg.training.batch_size)

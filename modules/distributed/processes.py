@@ -17,6 +17,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from modules.distributed import failures
@@ -24,6 +25,7 @@ from modules.distributed.agent import EXITS_VARIABLE
 from modules.distributed.plan import LaunchPlan
 from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, end_with_parent, signal_processes, watch
+from modules.util import launch_clock
 from modules.util.exit import exit_now, stop_multiprocessing_forkserver
 
 log = logging.getLogger("tandem")
@@ -73,6 +75,10 @@ PRELOADED = ("modules.distributed.forkserver_setup", "modules.distributed.worker
              "transformers.modeling_utils", "peft")
 
 
+def _preload(entry) -> list[str]:
+    return [*PRELOADED, entry.__module__]
+
+
 def start_method() -> str:
     """How torch.multiprocessing starts the workers: from a forkserver on Linux, spawned elsewhere.
 
@@ -102,11 +108,32 @@ def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join
     state = None
     if method == "forkserver":
         environ = {**os.environ, **variables}
-        _forkserver_for([*PRELOADED, entry.__module__], environ)
+        _forkserver_for(_preload(entry), environ)
         state = _StartState(environ)
     with environment(variables):
         return mp.start_processes(_forked_entry, args=(entry, args, state), nprocs=nprocs, join=join,
                                   start_method=method)
+
+
+def start_forkserver_now(plan: LaunchPlan, entry=None) -> bool:
+    """Start the spawn launcher's forkserver for `plan`'s workers (running `entry`, by default the launcher's)
+    now, while the launcher still checks the job (the memory plan, the data, the rendezvous): the server's
+    imports (7-9 s on GPU hosts) then run beside those checks instead of after them, and the workers' start
+    (`start_workers`) finds a server started with its values and keeps it. Whether a server was started
+    (none for torchrun, none where this system has no forkserver, none where a suitable one runs already)."""
+    from multiprocessing import forkserver
+
+    if plan.launcher != "spawn" or start_method() != "forkserver":
+        return False
+    variables = start_variables(plan)
+    _forkserver_for(_preload(entry or _spawn_entry), {**os.environ, **variables})
+    running, starting_at = forkserver._forkserver._forkserver_pid, time.time()
+    with environment(variables):
+        forkserver.ensure_running()  # returns at once: the server imports on its own
+    if forkserver._forkserver._forkserver_pid == running:
+        return False
+    launch_clock.note_forkserver_started(starting_at)  # the start-up report counts its imports as overlapped
+    return True
 
 
 # Variables read while torch, CUDA, OpenMP, Python or the Hugging Face libraries import or initialise: the

@@ -6,7 +6,8 @@ and when it had imported what it needs and began reading the config and checking
 to its workers in their job (`marks` -> `adopt`); a worker knows when its own process started. From them,
 the time before a worker's trainer begins splits into the launcher's imports, the launcher's checks,
 starting the worker processes (with the spawn launcher's forkserver: starting the server and its imports,
-which every worker inherits), and the worker's imports; in one process into the imports and the config
+which every worker inherits; or, with the server started during the checks, what was left of its imports
+when they ended), and the worker's imports; in one process into the imports and the config
 and checks. The marks live in this process only: nothing travels in the environment.
 """
 from __future__ import annotations
@@ -23,6 +24,10 @@ CHECKS_STARTED = "checks"
 """When the user's command had imported what it needs and began reading the config and checking the job
 (seconds since the epoch): the launcher's own time before it starts workers (6-9 s on H100 hosts, 1.6 s
 on a 2-core machine) splits into its imports and its checks."""
+
+FORKSERVER_STARTED = "forkserver"
+"""When the spawn launcher started its workers' forkserver during its checks (seconds since the epoch), so its
+imports ran beside them (`processes.start_forkserver_now`)."""
 
 PROCESS_CLOCK_SLACK = 0.05
 """Seconds two process start times may be off from each other and from `time.time()` (each read to 10 ms)."""
@@ -55,6 +60,11 @@ def note_checks_start() -> None:
     _marks.setdefault(CHECKS_STARTED, time.time())
 
 
+def note_forkserver_started(at: float) -> None:
+    """The launcher started its workers' forkserver at `at` (just before its fork), before checking the job."""
+    _marks[FORKSERVER_STARTED] = at
+
+
 def marks(workers_started: float | None = None) -> dict[str, float]:
     """This process's marks, for its workers' job; `workers_started`: when the launcher starts them."""
     found = dict(_marks)
@@ -65,7 +75,8 @@ def marks(workers_started: float | None = None) -> dict[str, float]:
 
 def adopt(given: dict[str, float]) -> None:
     """A worker takes its launcher's marks (from its job)."""
-    _marks.update({k: float(v) for k, v in given.items() if k in (LAUNCH_TIME, WORKERS_STARTED, CHECKS_STARTED)})
+    _marks.update({k: float(v) for k, v in given.items() if k in (LAUNCH_TIME, WORKERS_STARTED, CHECKS_STARTED,
+                                                                        FORKSERVER_STARTED)})
 
 
 def forget() -> None:
@@ -90,9 +101,14 @@ def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
     launcher = ({"launcher's imports and checks": max(0.0, workers_at - launched_at)} if checks_at is None else
                 {"launcher's imports": checks_at - launched_at, "launcher's checks": max(0.0, workers_at - checks_at)})
     server = forkserver_start_time()
+    started_early = _marks.get(FORKSERVER_STARTED)
     # Process start times are read to 10 ms and computed from the uptime: a server started right after the
     # launcher noted `workers_at` may read a little before it. One kept from an earlier launch started seconds before.
-    if server is not None and workers_at - PROCESS_CLOCK_SLACK <= server <= mine + PROCESS_CLOCK_SLACK:
+    if server is not None and started_early is not None and started_early - PROCESS_CLOCK_SLACK <= server <= started_early + 1:
+        # Started during the launcher's checks: its imports ran beside them, and what was left of them when the
+        # checks ended is this wait.
+        starting = {"the forkserver's imports left": mine - workers_at}
+    elif server is not None and workers_at - PROCESS_CLOCK_SLACK <= server <= mine + PROCESS_CLOCK_SLACK:
         # The spawn launcher's workers are forked from a server started for this launch, once it has imported
         # what every worker needs (`processes.PRELOADED`): its imports are the workers' imports, paid once.
         server = min(max(server, workers_at), mine)
