@@ -143,10 +143,8 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
                    help="each rank caches and loads only its share of the data")
     p.add_argument("--device", choices=["cuda", "cpu"], help="cpu = N CPU processes over gloo, for trying things")
     args = p.parse_args(argv)
-    from modules.distributed.launch import LaunchError, launch
     from modules.util.logs import setup_logging
 
-    note_checks_start()
     setup_logging()
     flags = ["multi_gpu.enabled=true"]
     if args.num_gpus is not None:
@@ -169,10 +167,19 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
         cfg = _load(args, flags)
     except ConfigError as e:
         return _fail(str(e))
+    forced_single = os.environ.get("TANDEM_FORCE_SINGLE_GPU") == "1"
+    if not forced_single:
+        # The workers' forkserver imports PyTorch and the model libraries while this process does the same
+        # and checks the job (modules/distributed/forkserver.py); nothing here has imported PyTorch yet.
+        from modules.distributed.forkserver import start_before_imports
+        start_before_imports(cfg)
+    from modules.distributed.launch import LaunchError, launch
+
+    note_checks_start()
     problem = _check_resume(cfg, args.resume)
     if problem:
         return _fail(problem)
-    if os.environ.get("TANDEM_FORCE_SINGLE_GPU") == "1":
+    if forced_single:
         log.info("TANDEM_FORCE_SINGLE_GPU=1: training in a single process.")
         return _run_single(cfg, args.resume)
     try:

@@ -24,7 +24,8 @@ NAME = "start-multi-gpu"
 PRESET_DIR = Path("training_presets")
 SHOWN_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
                      "TANDEM_FORCE_SINGLE_GPU")
-# The same as modules.distributed.process_group.STORE_ENVIRONMENT_WINDOWS (not imported: that needs torch).
+# The same as modules.distributed.worker_environment.STORE_ENVIRONMENT_WINDOWS (not imported: this file uses the
+# standard library only, see above).
 WINDOWS_STORE_ENVIRONMENT = {"USE_LIBUV": "0"}
 
 HELP_EPILOG = """\

@@ -16,7 +16,7 @@ import pytest
 
 from modules.distributed import processes
 from modules.distributed.plan import LaunchPlan
-from modules.distributed.process_group import threads_per_worker
+from modules.distributed.worker_environment import threads_per_worker
 from tests.trainer_helpers import REPO, launch_spec
 
 
@@ -140,6 +140,47 @@ def test_a_server_started_during_the_checks_is_the_one_the_workers_come_from(tmp
         processes.stop_forkserver()
 
 
+BEFORE_IMPORTS = """
+import json, sys
+from multiprocessing import forkserver as server
+from modules.config import load_config
+from modules.distributed import forkserver
+
+def config(*values):
+    return load_config("#demo", ["multi_gpu.enabled=true", *values])
+
+result = {"torchrun": forkserver.start_before_imports(config("general.device=cpu", "multi_gpu.launcher=torchrun")),
+          "nvml": forkserver.gpus_visible_without_torch()}
+result["cuda"] = forkserver.start_before_imports(config("general.device=cuda"))
+result["cpu"] = forkserver.start_before_imports(config("general.device=cpu", "multi_gpu.num_gpus=2"))
+result["torch imported"] = "torch" in sys.modules
+pid = server._forkserver._forkserver_pid
+result["server OMP_NUM_THREADS"] = dict(line.split("=", 1) for line in open(f"/proc/{pid}/environ").read().split("\\0")
+                                        if "=" in line).get("OMP_NUM_THREADS")
+forkserver.stop()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is Linux's start method here")
+def test_the_launcher_starts_the_server_before_it_imports_pytorch(tmp_path):
+    """train_multi_gpu.py starts the spawn launcher's server from the config alone (the GPU count from NVML),
+    before it imports PyTorch itself: the two import side by side. Torchrun's launches get none, and neither
+    do GPU launches where NVML cannot count the GPUs (this machine, unless it has NVIDIA's driver)."""
+    from modules.distributed import forkserver
+
+    assert forkserver.LAUNCHER_ENTRY_MODULE == processes._spawn_entry.__module__
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
+    done = subprocess.run([sys.executable, "-c", BEFORE_IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": str(REPO), "TANDEM_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["torchrun"] is False
+    assert result["cuda"] is bool(result["nvml"]), result
+    assert result["cpu"] is True and result["torch imported"] is False, result
+    assert result["server OMP_NUM_THREADS"] == str(threads_per_worker(2)), "the workers' share of the cores"
+
+
 def _until_dead(pid: int, timeout: float = 30) -> None:
     import time
     deadline = time.monotonic() + timeout
@@ -185,7 +226,7 @@ def record(name):
 for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device', 'get_device_properties',
              'get_device_capability', 'is_bf16_supported', 'mem_get_info'):
     setattr(torch.cuda, name, record(name))
-from modules.distributed.processes import PRELOADED
+from modules.distributed.forkserver import PRELOADED
 import importlib
 for module in PRELOADED:
     importlib.import_module(module)

@@ -45,9 +45,12 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     from modules.trainer.callbacks import default_callbacks
 
     plan = plan_launch(cfg)
-    # The workers' imports start now, beside the checks below; a job the checks refuse ends the server with
-    # the launcher (`exit_now`).
-    start_forkserver_now(plan)
+    # The workers' imports start now if they have not yet (`forkserver.start_before_imports`), beside the
+    # checks below; a job the checks refuse ends the server with the launcher (`exit_now`).
+    started_early = launch_clock.marks().get(launch_clock.FORKSERVER_STARTED) is not None
+    if start_forkserver_now(plan) and started_early:
+        log.info("The workers' forkserver started before PyTorch was imported was for other values than this "
+                 "launch's (%s): started again.", plan.describe())
     cfg = with_restart_backups(cfg, plan.spec)
     try:
         parse_split(cfg.multi_gpu.batch_split, plan.spec.processes_here, cfg.training.batch_size)

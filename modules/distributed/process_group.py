@@ -4,41 +4,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import platform
 
 import torch
 import torch.distributed as dist
 
 from modules.config.backends import resolve_backend
 from modules.distributed.rendezvous import connect
+from modules.distributed.worker_environment import store_environment, threads_per_worker
 from modules.util.dist_utils import GPU_NUMBER
 
 log = logging.getLogger("tandem")
-
-
-def on_windows() -> bool:
-    return platform.system() == "Windows"
-
-
-STORE_ENVIRONMENT_WINDOWS = {"USE_LIBUV": "0"}
-"""PyTorch >= 2.4 makes the rendezvous store (TCPStore) use libuv unless USE_LIBUV=0, but its Windows
-wheels are built without libuv: without this, torchrun and `init_process_group` fail there with
-"use_libuv was requested but PyTorch was built without libuv support"."""
-
-
-def store_environment() -> dict[str, str]:
-    """The variables every process that creates or joins the rendezvous store needs on this OS."""
-    return dict(STORE_ENVIRONMENT_WINDOWS) if on_windows() else {}
-
-
-def threads_per_worker(local_world: int) -> int:
-    """Each of the host's `local_world` workers gets this share of the cores it may run on.
-
-    By default every process starts one thread per core; N workers would then oversubscribe the host
-    N times, and the busy threads delay the launch thread that keeps each GPU fed.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world))
 
 
 def share_cpu_threads(local_world: int) -> None:

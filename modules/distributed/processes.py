@@ -13,27 +13,23 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from modules.distributed import failures
+from modules.distributed import failures, forkserver
 from modules.distributed.agent import EXITS_VARIABLE
 from modules.distributed.plan import LaunchPlan
-from modules.distributed.process_group import store_environment, threads_per_worker
 from modules.distributed.supervision import HARD_KILL, StopSignals, end_with_parent, signal_processes, watch
-from modules.util import launch_clock
-from modules.util.exit import exit_now, stop_multiprocessing_forkserver
+from modules.distributed.worker_environment import environment, worker_environment
+from modules.distributed.worker_environment import start_variables as spec_start_variables
+from modules.util.exit import exit_now
 
 log = logging.getLogger("tandem")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ABORTED = 130
 """Exit code when the user aborted a run (a second Ctrl-C), as a shell reports SIGINT."""
-CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
-_SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", CPP_LOG_LEVEL)
 
 
 def worker_variables(plan: LaunchPlan, rank: int) -> dict[str, str]:
@@ -53,42 +49,7 @@ def _spawn_entry(local_rank: int, job_file: str, plan: LaunchPlan, launcher_pid:
 
 
 def _worker_env(plan: LaunchPlan) -> dict:
-    env = dict(os.environ)
-    if plan.visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
-    # Forced, not defaulted: torchrun's own store and each worker's fail on Windows with USE_LIBUV=1.
-    env.update(store_environment())
-    # Each worker gets a share of the cores instead of all of them fighting over every core (and
-    # torchrun's own default of 1 thread, which starves CPU workers).
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(plan.spec.processes_here)))
-    # PyTorch's C++ warnings about sockets closing and stores timing out follow from a failure the launcher's
-    # headline names; a user who wants them sets the variable.
-    env.setdefault(CPP_LOG_LEVEL, "ERROR")
-    return env
-
-
-# What every worker imports before its first step (the trainer, torch, diffusers' and transformers' model
-# machinery, peft: ~6 CPU-s on a 2-core host): the forkserver imports it once and each worker starts as a
-# copy of it. The first module prepares the server for that (forkserver_setup.py: no CUDA, SIGTERM ignored).
-PRELOADED = ("modules.distributed.forkserver_setup", "modules.distributed.worker",
-             "modules.distributed.distributed_trainer", "modules.model.loading", "diffusers.models.modeling_utils",
-             "transformers.modeling_utils", "peft")
-
-
-def _preload(entry) -> list[str]:
-    return [*PRELOADED, entry.__module__]
-
-
-def start_method() -> str:
-    """How torch.multiprocessing starts the workers: from a forkserver on Linux, spawned elsewhere.
-
-    Spawned workers each import torch and the model libraries anew, all at the same time, contending for the
-    cores: 3 steps of the demo on 2 CPU processes took 21.6-22.7 CPU-s spawned and 14.6-15.6 forked (2 cores);
-    on 2x H200 the imports moved from 7.8-8.3 s of each rank's start into the server (docs/Performance.md,
-    "Spawned workers against workers forked from one forkserver"). A forkserver (Python's `multiprocessing`
-    start method) imports them once and forks each worker from itself. Windows has no fork; macOS's system
-    libraries are not safe to fork."""
-    return "forkserver" if platform.system() == "Linux" else "spawn"
+    return worker_environment(plan.spec)
 
 
 def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join: bool):
@@ -100,15 +61,15 @@ def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join
     A forked worker takes from this start, not from the server it is forked from, what a spawned worker
     would: the environment, working folder, umask and output (`_StartState`). Only what libraries read while
     the server imported them cannot be handed over: a start under other such variables (another GPU set,
-    thread count, torch or CUDA setting: `READ_AT_IMPORT`) or another `sys.path` gets a new server."""
+    thread count, torch or CUDA setting: `forkserver.READ_AT_IMPORT`) or another `sys.path` gets a new server."""
     import torch.multiprocessing as mp
 
-    method = start_method()
+    method = forkserver.start_method()
     variables = start_variables(plan)
     state = None
     if method == "forkserver":
         environ = {**os.environ, **variables}
-        _forkserver_for(_preload(entry), environ)
+        forkserver.keep_or_replace(forkserver.preload_for(entry.__module__), environ)
         state = _StartState(environ)
     with environment(variables):
         return mp.start_processes(_forked_entry, args=(entry, args, state), nprocs=nprocs, join=join,
@@ -118,47 +79,13 @@ def start_workers(entry, args: tuple, nprocs: int, plan: LaunchPlan | None, join
 def start_forkserver_now(plan: LaunchPlan, entry=None) -> bool:
     """Start the spawn launcher's forkserver for `plan`'s workers (running `entry`, by default the launcher's)
     now, while the launcher still checks the job (the memory plan, the data, the rendezvous): the server's
-    imports (7-9 s on GPU hosts) then run beside those checks instead of after them, and the workers' start
-    (`start_workers`) finds a server started with its values and keeps it. Whether a server was started
-    (none for torchrun, none where this system has no forkserver, none where a suitable one runs already)."""
-    from multiprocessing import forkserver
-
-    if plan.launcher != "spawn" or start_method() != "forkserver":
+    imports then run beside those checks instead of after them, and the workers' start (`start_workers`)
+    keeps it. Whether a server was started (none for torchrun, none where this system has no forkserver,
+    none where one started with these values runs already: `forkserver.start_before_imports`'s)."""
+    if plan.launcher != "spawn" or forkserver.start_method() != "forkserver":
         return False
-    variables = start_variables(plan)
-    _forkserver_for(_preload(entry or _spawn_entry), {**os.environ, **variables})
-    running, starting_at = forkserver._forkserver._forkserver_pid, time.time()
-    with environment(variables):
-        forkserver.ensure_running()  # returns at once: the server imports on its own
-    if forkserver._forkserver._forkserver_pid == running:
-        return False
-    launch_clock.note_forkserver_started(starting_at)  # the start-up report counts its imports as overlapped
-    return True
-
-
-# Variables read while torch, CUDA, OpenMP, Python or the Hugging Face libraries import or initialise: the
-# forkserver's values are its workers' whatever their own environment says.
-READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "NVIDIA_", "TORCH", "PYTORCH", "PYTHON", "HF_",
-                  "TRANSFORMERS_", "DIFFUSERS_", "USE_LIBUV", "LD_")
-_server_started_with: tuple | None = None
-"""What this process's forkserver was started with (`_forkserver_for`)."""
-
-
-def _forkserver_for(preload: list[str], environ: dict[str, str]) -> None:
-    """Keep this process's forkserver if it was started with `preload`, this `sys.path` and `environ`'s
-    `READ_AT_IMPORT` variables; else end it and prepare the next one (started by the next worker's start).
-    A kept server that died meanwhile is started again by multiprocessing, under these same values."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    global _server_started_with
-    wanted = (tuple(preload), tuple(sys.path),
-              tuple(sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))))
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None and _server_started_with == wanted:
-        return
-    stop_forkserver()
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    _server_started_with = wanted
+    return forkserver.start_now(forkserver.preload_for(entry.__module__ if entry else forkserver.LAUNCHER_ENTRY_MODULE),
+                                start_variables(plan))
 
 
 class _StartState:
@@ -199,9 +126,8 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def stop_forkserver() -> None:
-    """End this process's forkserver, if it started one (its workers have ended)."""
-    stop_multiprocessing_forkserver()
+stop_forkserver = forkserver.stop
+start_method = forkserver.start_method
 
 
 def _forked_entry(rank: int, entry, args: tuple, state: _StartState | None) -> None:
@@ -239,28 +165,8 @@ def _let_the_forkserver_end_with_the_launcher() -> None:
 
 
 def start_variables(plan: LaunchPlan | None) -> dict[str, str]:
-    """The variables the workers of `plan` need before any of Tandem's code runs (their GPUs, threads, the
-    store's settings; none without a plan), set only while they start: the parent keeps seeing every GPU,
-    e.g. for a larger next run (`benchmark.py --gpus 1,2,4`)."""
-    if plan is None:
-        return {}
-    env = _worker_env(plan)
-    return {k: env[k] for k in _SPAWN_VARIABLES if k in env}
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]):
-    """`values` set in this process's environment (children started meanwhile inherit them), then restored."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, value in before.items():
-            if value is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = value
+    """`worker_environment.start_variables` of `plan`'s launch."""
+    return spec_start_variables(plan.spec if plan is not None else None)
 
 
 def launch_spawn(job_file: Path, plan: LaunchPlan, rendezvous_at: str,

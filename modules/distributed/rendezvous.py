@@ -69,7 +69,7 @@ def serve(host: str, port: int, timeout: datetime.timedelta) -> Iterator[str]:
         store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach())
     else:
         # PyTorch's Windows store cannot adopt a socket; there it listens as it always does (and without
-        # libuv, which its Windows wheels lack: process_group.store_environment).
+        # libuv, which its Windows wheels lack: worker_environment.store_environment).
         sock.close()
         store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, use_libuv=False)
     try:
