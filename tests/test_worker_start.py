@@ -24,6 +24,18 @@ from tests.trainer_helpers import REPO, launch_spec
 pytestmark = pytest.mark.slow
 
 
+def environment_of_server(pid: int) -> dict[str, str]:
+    """The environment a forkserver was started with. Read once it runs the server: between the fork and the
+    exec /proc shows its parent's start-up environment, without what the launcher set for the server (a busy
+    machine's CI read it there)."""
+    import time
+    deadline = time.monotonic() + 60
+    while b"multiprocessing.forkserver" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} never became the forkserver"
+        time.sleep(0.01)
+    return dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in line)
+
+
 def report_environment(rank: int, out_dir: str) -> None:
     import multiprocessing
 
@@ -128,8 +140,7 @@ def test_a_server_started_during_the_checks_is_the_one_the_workers_come_from(tmp
         started = launch_clock.process_start_time(str(early))
         assert abs(started - launch_clock.marks()[launch_clock.FORKSERVER_STARTED]) <= 0.5, "noted for the report"
         assert processes.start_forkserver_now(two, report_environment) is False, "the running one is kept"
-        server_environment = dict(line.split("=", 1) for line in
-                                  Path(f"/proc/{early}/environ").read_text().split("\0") if "=" in line)
+        server_environment = environment_of_server(early)
         assert server_environment["CUDA_VISIBLE_DEVICES"] == "0,1", "the plan's GPUs, read at import"
         assert server_environment["OMP_NUM_THREADS"] == str(threads_per_worker(2)), "the plan's threads"
         assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the launcher's own are left as they were"
@@ -154,9 +165,8 @@ result = {"torchrun": forkserver.start_before_imports(config("general.device=cpu
 result["cuda"] = forkserver.start_before_imports(config("general.device=cuda"))
 result["cpu"] = forkserver.start_before_imports(config("general.device=cpu", "multi_gpu.num_gpus=2"))
 result["torch imported"] = "torch" in sys.modules
-pid = server._forkserver._forkserver_pid
-result["server OMP_NUM_THREADS"] = dict(line.split("=", 1) for line in open(f"/proc/{pid}/environ").read().split("\\0")
-                                        if "=" in line).get("OMP_NUM_THREADS")
+from tests.test_worker_start import environment_of_server
+result["server OMP_NUM_THREADS"] = environment_of_server(server._forkserver._forkserver_pid).get("OMP_NUM_THREADS")
 forkserver.stop()
 print(json.dumps(result))
 """
