@@ -63,12 +63,13 @@ def keep_or_replace(preload: list[str], environ: dict[str, str]) -> None:
     `READ_AT_IMPORT` variables; else end it and prepare the next one (started by the next worker's start).
     A kept server that died meanwhile is started again by multiprocessing, under these same values."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver as multiprocessing_forkserver
 
     global _server_started_with
     wanted = (tuple(preload), tuple(sys.path),
               tuple(sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))))
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None and _server_started_with == wanted:
+    running = getattr(multiprocessing_forkserver._forkserver, "_forkserver_pid", None) is not None
+    if running and _server_started_with == wanted:
         return
     stop()
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
@@ -79,13 +80,13 @@ def start_now(preload: list[str], variables: dict[str, str]) -> bool:
     """Start a server importing `preload` under `variables` (the workers' GPUs, threads) now, unless one
     started with those values runs already; returns at once, the server imports on its own. Whether one was
     started: the start-up report then counts its imports as running beside the launcher's."""
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver as multiprocessing_forkserver
 
     keep_or_replace(preload, {**os.environ, **variables})
-    running, starting_at = forkserver._forkserver._forkserver_pid, time.time()
+    running, starting_at = multiprocessing_forkserver._forkserver._forkserver_pid, time.time()
     with environment(variables):
-        forkserver.ensure_running()
-    if forkserver._forkserver._forkserver_pid == running:
+        multiprocessing_forkserver.ensure_running()
+    if multiprocessing_forkserver._forkserver._forkserver_pid == running:
         return False
     launch_clock.note_forkserver_started(starting_at)
     return True

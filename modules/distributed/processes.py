@@ -155,9 +155,9 @@ def _let_the_forkserver_end_with_the_launcher() -> None:
     that its launcher is gone (so that a child could start processes through the same server). Held by the
     workers, it kept the server - the workers' parent, with which they die - alive after a killed launcher,
     and so the workers too. A worker that starts processes of its own gets a server of its own."""
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver as multiprocessing_forkserver
 
-    server = forkserver._forkserver
+    server = multiprocessing_forkserver._forkserver
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         with contextlib.suppress(OSError):
             os.close(server._forkserver_alive_fd)
