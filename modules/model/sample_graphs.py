@@ -5,9 +5,9 @@ they come, those calls are paced by the host: on an H200 host a LoRA-carrying SD
 guidance (batch 2, 64x64 latents) took ~70 ms of Python and kernel launches for a few milliseconds of GPU work,
 so 4 prompts x 20 steps took 5.0-6.4 s to render, and 1.7-2.5 s replayed (docs/Performance.md, "Samples from
 CUDA graphs"). Here the first call of each shape runs as usual, the second is captured into a CUDA graph, and
-every later one copies its inputs into the graph's and replays it. A replay launches exactly the kernels the captured call launched, so a prompt's image is the one
-the uncaptured calls give; and since each prompt is still rendered alone from its own seed, it does not depend
-on which rank renders it or how many GPUs the run has.
+every later one copies its inputs into the graph's and replays it. A replay launches exactly the kernels the
+captured call launched, so a prompt's image is the one the uncaptured calls give; and since each prompt is still
+rendered alone from its own seed, it does not depend on which rank renders it or how many GPUs the run has.
 
 Only where each call is the process's own business: all the denoiser's weights on one CUDA device, no hooks
 that move or cast weights around a call (offloading, layer-wise casting, FSDP's gathers), no collective in the
