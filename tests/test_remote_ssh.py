@@ -320,7 +320,8 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert pump(app, lambda: controller.state.active and controller.state.step >= 5, timeout=300), (
         f"{frame.notice_text()}\nlook-ups answered: {controller.listed}, waiting to attach after: "
         f"{frame._attach_after}, runs listed: {[r.describe() for r in controller.runs]}, busy: {controller.busy}, "
-        f"state: {controller.state.status}\n" + "\n".join(controller.log))
+        f"state: {controller.state.status}, errors shown: {view.error_text()!r} {app.crash_text()!r}\n"
+        + "\n".join(controller.log))
     assert controller.run.id == run_id and controller.state.losses[0][0] == 1
     for pid in server.sessions():  # the connection drops while it follows
         os.kill(pid, signal.SIGKILL)
