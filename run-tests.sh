@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: 16:18 with the install on 2 cores, pytest 15:56 of it,
-#                            2026-11-29, commit 39bc3e7; 13:52 to 25:04 over six runs that day; README.md too)
+#   ./run-tests.sh           everything (what CI runs: 15:14 with the install on 2 cores, pytest 14:52 of it,
+#                            2026-11-29, commit 0713da1; 13:52 to 25:04 over nine runs that day; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (63 s on 2 idle cores, 2026-11-28, with this command)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
