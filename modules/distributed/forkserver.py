@@ -3,7 +3,7 @@ which each worker is forked (`processes.start_workers`).
 
 Its imports are the largest part of a multi-GPU launch (7.0-8.8 s on H200 hosts, docs/Performance.md), so
 the launcher starts it as early as it can: before importing PyTorch itself (`start_before_imports`, from the
-config and the GPUs NVML reports), so that the server imports while the launcher imports and checks the job.
+config and the GPUs NVML counts), so that the server imports while the launcher imports and checks the job.
 A server is kept only where it was started with the values the workers' start asks for (`keep_or_replace`);
 a guess that turns out wrong costs a second server, never a worker with the wrong GPUs or threads.
 
@@ -11,7 +11,6 @@ No torch here, for that reason.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import sys
@@ -115,21 +114,20 @@ def start_before_imports(cfg: TrainConfig) -> bool:
 
 
 def gpus_visible_without_torch() -> int | None:
-    """The CUDA GPUs this process may use, as NVML (the driver's library) counts them and CUDA_VISIBLE_DEVICES
-    narrows them; None where NVML cannot tell (no NVIDIA driver, another vendor's GPUs). Only a forecast of
-    what PyTorch will count: a wrong one costs a second server, not a wrong launch (`keep_or_replace`)."""
+    """The CUDA GPUs this process may use, as NVML (nvidia-ml-py, as the GUI's `ui/gpu_info.py` uses it) counts
+    them and CUDA_VISIBLE_DEVICES narrows them; None where NVML cannot tell (not installed, no NVIDIA driver).
+    Only a forecast of what PyTorch will count: a wrong one costs a second server, not a wrong launch
+    (`keep_or_replace`)."""
     try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        if nvml.nvmlInit_v2() != 0:
-            return None
-        count = ctypes.c_uint(0)
-        found = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
-        nvml.nvmlShutdown()
-    except (OSError, AttributeError):
-        return None
-    if not found:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - not installed, no driver or no GPU: the launch starts the server later
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return count.value
-    return min(count.value, len([entry for entry in visible.split(",") if entry.strip()]))
+        return count
+    return min(count, len([entry for entry in visible.split(",") if entry.strip()]))

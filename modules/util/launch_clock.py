@@ -105,8 +105,9 @@ def launch_split(now: float) -> tuple[float | None, dict[str, float]]:
     # Process start times are read to 10 ms and computed from the uptime: a server started right after the
     # launcher noted `workers_at` may read a little before it. One kept from an earlier launch started seconds before.
     # Its fork comes right after the launcher notes the time; a second allows for a busy machine.
-    early = started_early is not None and started_early - PROCESS_CLOCK_SLACK <= (server or 0) <= started_early + 1
-    if server is not None and early:
+    early = (server is not None and started_early is not None
+             and started_early - PROCESS_CLOCK_SLACK <= server <= started_early + 1)
+    if early:
         # Started during the launcher's checks: its imports ran beside them, and what was left of them when the
         # checks ended is this wait.
         starting = {"the forkserver's imports left": mine - workers_at}
