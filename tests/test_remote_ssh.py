@@ -284,11 +284,14 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
                             ("sampling.every_n_steps", "3"), ("sampling.inference_steps", "2"),
                             ("save.backup_every_n_epochs", "0")):
             app.binder.fields[path].var.set(value)
-    # 1,000 steps of 8 images: the stop below, sent through a new ssh login after the window reopened, arrives
-    # well before the last step on any machine (a run of 200 could end first on an idle one), and a run a
-    # failed test leaves behind still ends by itself within minutes.
+    STEPS = 5000
+    # 5,000 steps of 8 images: the run must outlast the window's closing and reopening and the stop sent after
+    # it through a new ssh login. 1,000 did not on a busy 2-core machine: the demo trained them in 106 s
+    # (75 images/s) while the first window waited for its sample and the second for its look-ups, and the
+    # reopened window found the run finished. 5,000 take 9 minutes at that pace, and a run a failed test leaves
+    # behind still ends by itself.
     app, dialogs = display_app()
-    configure(app, 1000)
+    configure(app, STEPS)
     app.tabs.set("Run")
     frame = app.remote
     frame.choose(NEW_REMOTE)
@@ -311,7 +314,7 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     run_id = controller.run.id
     app.close()  # the window closes: the run goes on there
     app, dialogs = display_app()
-    configure(app, 1000)
+    configure(app, STEPS)
     frame, view = app.remote, app.run_view
     controller = frame.current
     assert controller is not None and controller.host.port == server.port  # "Run on" remembered the machine
@@ -331,7 +334,7 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert controller.state.status == "stopped", controller.state.error
     assert any("lost the connection" in line for line in controller.log)
     stopped_at = controller.state.step
-    assert stopped_at < 1000
+    assert stopped_at < STEPS
     assert pump(app, lambda: view.continue_button.cget("text") == f"Continue from step {stopped_at}", timeout=120), \
         (view.continue_button.cget("text"), frame.notice_text(), controller.busy, controller.backups)
     app.binder.fields["training.max_steps"].var.set(str(stopped_at + 2))
