@@ -370,6 +370,27 @@ def test_a_follower_reconnects_after_the_connection_drops(tmp_path):
     assert len(notes) == 1 and "the run goes on there" in notes[0]
 
 
+def test_the_reconnect_back_off_starts_again_once_a_connection_held():
+    """After a long outage (every wait up to the longest), a connection that then held for a while and a later
+    short outage: the first retry waits the first delay again, not the longest."""
+    from modules.remote.runs import HELD_S, RECONNECT_DELAYS_S, Backoff
+    now = [0.0]
+    backoff = Backoff(clock=lambda: now[0])
+
+    def attempt(up_for: float, lines: int = 0) -> float:
+        backoff.connecting()
+        now[0] += up_for
+        for _ in range(lines):
+            backoff.delivered()
+        return backoff.next_delay()
+    long_outage = [attempt(up_for=15) for _ in range(9)]  # each attempt times out connecting
+    assert long_outage == [*RECONNECT_DELAYS_S, RECONNECT_DELAYS_S[-1], RECONNECT_DELAYS_S[-1], RECONNECT_DELAYS_S[-1]]
+    assert attempt(up_for=HELD_S + 3600) == RECONNECT_DELAYS_S[0]  # held an hour (a quiet run: no line), then dropped
+    assert attempt(up_for=1) == RECONNECT_DELAYS_S[1]  # the short outage grows from the start again
+    assert attempt(up_for=1, lines=1) == RECONNECT_DELAYS_S[0]  # a connection that brought data held too
+    assert attempt(up_for=HELD_S - 1) == RECONNECT_DELAYS_S[1]  # up, silent, shorter than HELD_S: not held
+
+
 def test_the_remote_newest_backup_is_the_one_continue_resumes(tmp_path):
     """remote_side reads the backups without torch; it must pick what modules.trainer.backup.latest_backup picks."""
     import torch

@@ -22,6 +22,41 @@ from .ssh import SshError, last_lines
 
 RECONNECT_DELAYS_S = (1, 2, 5, 10, 20, 30)
 """Waits between attempts to follow a run again after its connection dropped (the last one repeats)."""
+HELD_S = 120
+"""A connection up this long counts as one that held, data or not (a quiet run prints nothing for minutes).
+Longer than ssh takes to notice a dead link (ServerAlive: 4 x 15 s), so a connection that froze and died
+silently does not count."""
+
+
+class Backoff:
+    """The wait before each reconnect: growing along RECONNECT_DELAYS_S while attempts fail, back to the first
+    once a connection held - it delivered a line, or stayed up HELD_S - so that a short outage after a long
+    one is retried in a second, not in 30 s. `clock` is a parameter for the tests."""
+
+    def __init__(self, delays: tuple[float, ...] = RECONNECT_DELAYS_S, held_s: float = HELD_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.delays, self.held_s, self.clock = delays, held_s, clock
+        self.failures = 0
+        self._since: float | None = None
+        self._delivered = False
+
+    def connecting(self) -> None:
+        """A new attempt starts now."""
+        self._since, self._delivered = self.clock(), False
+
+    def delivered(self) -> None:
+        """The current connection brought data."""
+        self._delivered = True
+
+    def next_delay(self) -> float:
+        """The current connection ended: how long to wait before the next attempt."""
+        held = self._delivered or (self._since is not None and self.clock() - self._since >= self.held_s)
+        if held:
+            self.failures = 0
+        delay = self.delays[min(self.failures, len(self.delays) - 1)]
+        self.failures += 1
+        self._since, self._delivered = None, False
+        return delay
 
 
 @dataclass(frozen=True)
@@ -167,10 +202,15 @@ class Follower:
         return self._closed.is_set()
 
     def follow(self, on_line: Callable[[str], None], on_notice: Callable[[str], None] = lambda text: None) -> RunEnd | None:
-        attempt = 0
+        backoff = Backoff()
+
+        def deliver(line: str) -> None:
+            backoff.delivered()
+            on_line(line)
         while not self.closed:
+            backoff.connecting()
             try:
-                end = self._stream(on_line)
+                end = self._stream(deliver)
             except SshError as e:
                 if e.kind in ("host_key_changed", "host_key_unknown", "auth", "missing"):
                     raise
@@ -181,10 +221,9 @@ class Follower:
                 reason = "the connection ended"
             if self.closed:
                 return None
-            delay = RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)]
+            delay = backoff.next_delay()
             on_notice(f"lost the connection to {self.machine.label} ({reason}); the run goes on there. "
                       f"Reconnecting in {delay} s.")
-            attempt += 1
             if self._closed.wait(delay):
                 return None
         return None
