@@ -44,7 +44,11 @@ def parser() -> argparse.ArgumentParser:
                             "once per --host")
     where.add_argument("--remote-python", help="an existing Python on the remote with Tandem's packages (default: "
                                                "Tandem installs its own environment there)")
-    where.add_argument("--torch-spec", help="TANDEM_TORCH_SPEC for that install, e.g. torch==2.11.0")
+    where.add_argument("--torch-spec", metavar="SPEC",
+                       help="the torch build of Tandem's install there, '[REQUIREMENT] [--index-url URL]': "
+                            "e.g. 'torch==2.11.0' or 'torch==2.11.0 "
+                            "--index-url https://download.pytorch.org/whl/cu126' (default: PyPI's, or the CPU build "
+                            "from https://download.pytorch.org/whl/cpu on a machine without an NVIDIA driver)")
     where.add_argument("--remote-model", help="the base model already on the remote (a path there); not uploaded")
     where.add_argument("--remote-env", action="append", default=[], metavar="KEY=VALUE",
                        help="a variable for the run on the remote, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable)")

@@ -7,6 +7,8 @@ import shlex
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from .torch_build import spec_problems
+
 DEFAULT_FOLDER = "~/tandem-remote"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -26,7 +28,8 @@ class RemoteHost:
     """An existing Python on the remote with Tandem's packages (e.g. a conda environment); empty: Tandem
     installs its own environment there with the README's install.sh."""
     torch_spec: str = ""
-    """TANDEM_TORCH_SPEC for that install (e.g. `torch==2.11.0`); empty: install.sh's default."""
+    """The torch build of that install: `[REQUIREMENT] [--index-url URL]` (e.g. `torch==2.11.0`; see
+    `torch_build.py`); empty: install.sh's default, the CPU build on a machine without NVIDIA's driver."""
     base_model: str = ""
     """A base model already on the remote (a path there): used instead of uploading the config's."""
     environment: str = ""
@@ -63,6 +66,7 @@ class RemoteHost:
                          "~/.ssh/id_ed25519) or leave it empty to use ssh's own keys and agent")
         if not self.folder.strip():
             found.append(f"remote folder: empty; give a folder on the remote, e.g. {DEFAULT_FOLDER}")
+        found += spec_problems(self.torch_spec)
         try:
             environment_pairs(self.environment)
         except ValueError as e:

@@ -9,20 +9,26 @@ needs: check, install when this version is missing, and refuse with the report w
 """
 from __future__ import annotations
 
+import queue
 import shlex
 import subprocess
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from .machine import CURRENT, RemoteMachine
 from .source import Source, archive
 from .ssh import last_lines
+from .torch_build import TorchBuild, choose
 
 MIN_PYTHON = (3, 10)
 MIN_FREE_GIB = 10.0
 """Less free space than this in the remote folder is named in the report (torch alone takes ~5 GB)."""
 PACKAGES = ("torch", "diffusers", "transformers", "safetensors", "peft", "yaml", "tensorboard")
 INSTALLED_MARK = ".installed"
+QUIET_S = 20.0
+"""While an install prints nothing for this long (pip downloading gigabytes), a line says it is still going."""
 
 
 class SetupError(RuntimeError):
@@ -82,6 +88,7 @@ mkdir -p {folder} 2>/dev/null && [ -w {folder} ] && echo folder=writable || echo
 echo "folder_abs=$(cd {folder} 2>/dev/null && pwd)"
 df -Pk {folder} 2>/dev/null | awk 'NR==2 {{print "free_kib=" $4}}'
 [ -f {folder}/source/{version}/{INSTALLED_MARK} ] && [ -e {folder}/source/{CURRENT} ] && echo installed=yes
+for d in {folder}/venv/lib/python3*/site-packages/torch-*.dist-info; do [ -d "$d" ] && echo "venv_torch=${{d##*/torch-}}"; done
 GIVEN={given or '""'}
 if [ -n "$GIVEN" ]; then
   if [ -x "$GIVEN" ] || command -v "$GIVEN" >/dev/null 2>&1; then
@@ -146,15 +153,60 @@ def _judge(report: Report, machine: RemoteMachine) -> None:
     elif not report.gpus or any("failed" in g.lower() or "error" in g.lower() for g in report.gpus):
         report.notes.append("nvidia-smi found no working GPU: " + "; ".join(report.gpus or ["no GPU listed"]))
         report.gpus = []
+    if not host.python and not report.installed and not report.problems:
+        report.notes.append(_install_note(host.torch_spec, v))
     free = v.get("free_kib")
     if free and free.isdigit() and int(free) / 2**20 < MIN_FREE_GIB and not report.installed:
         report.notes.append(f"only {int(free) / 2**20:.1f} GiB free in {host.folder}: Tandem's environment "
                             "(PyTorch) takes about 5-10 GiB, plus models and data")
 
 
-def install(machine: RemoteMachine, source: Source, progress: Callable[[str], None] = lambda line: None) -> None:
-    """Ship this desktop's source and install it (`install.sh` into `<folder>/venv`); its output goes to
-    `progress` line by line. Raises SetupError with the install's last lines when it fails."""
+def _install_note(torch_spec: str, values: dict[str, str]) -> str:
+    """What a start will install in Tandem's environment there, and roughly how much it downloads."""
+    try:
+        build = choose(torch_spec, values)
+    except ValueError as e:
+        return str(e)
+    have = values.get("venv_torch", "").removesuffix(".dist-info")
+    if have:
+        return (f"a start updates Tandem there; its environment has torch {have}, kept unless it does not "
+                f"satisfy {build.requirement}")
+    return "a start installs Tandem's environment there with " + build.describe()
+
+
+def _lines(stream, quiet_s: float, on_quiet: Callable[[float], None]) -> Iterator[str]:
+    """The stream's lines as they come; `on_quiet(seconds since the last line)` every `quiet_s` without one, so
+    that pip's silent minutes (a 3 GB download, unpacking) do not look like a hang."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for raw in stream:
+            lines.put(raw.decode("utf-8", errors="replace").rstrip())
+        lines.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    last = time.monotonic()
+    while True:
+        try:
+            line = lines.get(timeout=quiet_s)
+        except queue.Empty:
+            on_quiet(time.monotonic() - last)
+            continue
+        if line is None:
+            return
+        last = time.monotonic()
+        yield line
+
+
+def install(machine: RemoteMachine, source: Source, progress: Callable[[str], None] = lambda line: None,
+            build: TorchBuild | None = None) -> None:
+    """Ship this desktop's source and install it (`install.sh` into `<folder>/venv`, torch as `build` says:
+    default `choose(torch_spec, {})`); its output goes to `progress` line by line. Raises SetupError with the
+    install's last lines when it fails, before anything runs there when the PyTorch setting is not valid."""
+    if build is None and not machine.host.python:
+        try:
+            build = choose(machine.host.torch_spec, {})
+        except ValueError as e:
+            raise SetupError(str(e)) from None
     folder, version = machine.path(), shlex.quote(source.version)
     staging = machine.path("source", f".{source.version}.tmp")
     target = machine.path("source", source.version)
@@ -164,7 +216,8 @@ def install(machine: RemoteMachine, source: Source, progress: Callable[[str], No
     if machine.host.python:
         environment = ": the given Python is used as it is"
     else:
-        spec = f"TANDEM_TORCH_SPEC={shlex.quote(machine.host.torch_spec)} " if machine.host.torch_spec else ""
+        assert build is not None
+        progress(f"{machine.label}: installing " + build.describe())
         environment = f"""
 if [ ! -x {folder}/venv/bin/python ]; then
   echo "creating Tandem's environment {machine.host.folder}/venv"
@@ -172,8 +225,10 @@ if [ ! -x {folder}/venv/bin/python ]; then
   "$PY" -m venv {folder}/venv
 fi
 ln -sfn ../../venv .venv
-echo "installing Tandem's packages (the first time downloads PyTorch: several minutes)"
-{spec}./install.sh"""
+echo "installing PyTorch (pip's own lines follow; the first time takes minutes)"
+{folder}/venv/bin/python -m pip install --no-compile --progress-bar off {build.shell_words()}
+echo "installing Tandem's other packages"
+TANDEM_TORCH_SPEC={shlex.quote(build.requirement)} ./install.sh"""
     script = f"""set -e
 cd {target}
 {environment}
@@ -184,8 +239,8 @@ echo "Tandem {source.version} is installed"
     process = machine.ssh.popen(script, stderr=subprocess.STDOUT)
     lines = []
     assert process.stdout is not None
-    for raw in process.stdout:
-        line = raw.decode("utf-8", errors="replace").rstrip()
+    for line in _lines(process.stdout, QUIET_S,
+                       lambda quiet: progress(f"still installing on {machine.label} ({quiet:.0f} s since the last line)")):
         if line.startswith("WARNING: Location"):  # pip's noise about unreachable extra indexes
             continue
         lines.append(line)
@@ -208,6 +263,10 @@ def ensure_ready(machine: RemoteMachine, source: Source,
     if report.problems:
         raise SetupError(f"{machine.label} cannot run Tandem yet.\n" + report.message())
     if not report.installed:
-        install(machine, source, progress)
+        try:
+            build = None if machine.host.python else choose(machine.host.torch_spec, report.values)
+        except ValueError as e:
+            raise SetupError(str(e)) from None
+        install(machine, source, progress, build)
         report.values["installed"] = "yes"
     return report
