@@ -14,6 +14,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's pytest-timeout limit (the ini default or its own mark) scaled to the machine's load as the
+    test starts: the limit is there to end a hang, and a busy laptop must pass the suite too. Runs before
+    pytest-timeout's own wrapper (tryfirst), which reads the mark put first here."""
+    from tests.patience import patience
+    marker = item.get_closest_marker("timeout")
+    seconds = (marker.kwargs.get("timeout", marker.args[0] if marker.args else None) if marker
+               else item.config.getini("timeout"))
+    if seconds:
+        item.add_marker(pytest.mark.timeout(patience(float(seconds))), append=False)
+    yield
+
+
 @pytest.fixture(scope="session")
 def tandem_home(tmp_path_factory) -> Path:
     """Demo model and dataset built once per test session, outside the repository."""

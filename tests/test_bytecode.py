@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def run(code: str, packages: Path, home: Path, **env_changes) -> str:
     env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(ROOT), str(packages)]))
     env.update({k: v for k, v in env_changes.items() if v is not None})
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=patience(120))
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -117,7 +118,7 @@ def test_a_spawned_worker_adds_what_only_it_imports(place):
             queue = ctx.Queue()
             child = ctx.Process(target=work, args=(queue,))
             child.start()
-            print(queue.get(timeout=60))
+            print(queue.get(timeout=patience(60)))
             child.join()
     """)
     call = 'keep_bytecode(probes=("probe_pkg",))'

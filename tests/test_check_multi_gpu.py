@@ -14,6 +14,7 @@ from modules.config import TrainConfig
 from modules.config.memory_need import EstimateError, facts, frozen_base_bytes, optimizer_state_bytes
 from modules.config.model_sizes import lora_shapes, numel, shipped_configs
 from modules.distributed import diagnostics, memory_estimate
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "check_multi_gpu.py"
@@ -23,7 +24,7 @@ GIB = 1024 ** 3
 def run_check(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
+                          cwd=REPO, env=env, timeout=patience(300))
 
 
 def write_config(tmp_path: Path, **sections) -> Path:

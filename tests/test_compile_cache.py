@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 ROOT = Path(__file__).resolve().parents[1]
 # Scripts that need not choose: they start no training process here, or import nothing that imports
@@ -40,7 +41,7 @@ def test_the_cache_folder_is_tandems_when_chosen_before_diffusers_is_imported(tm
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         print(cache_dir())
     """)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(180))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == str(tmp_path / ".cache" / "tandem" / "torchinductor")
 

@@ -16,6 +16,7 @@ import pytest
 from modules.config import ConfigError, load_config, validate
 from modules.config.config_import import import_config
 from modules.config.import_cli import main as import_main
+from tests.patience import patience
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imports"
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +180,7 @@ def test_the_script_runs_as_a_program(tmp_path):
     out = tmp_path / "from-toml.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_config.py"),
                            str(FIXTURES / "kohya_sdxl_lokr.toml"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0, done.stderr
     assert "Imported kohya_sdxl_lokr.toml (kohya sd-scripts)" in done.stdout
     assert json.loads(out.read_text())["training"]["lora_type"] == "lokr"

@@ -17,6 +17,7 @@ from modules.data import (BucketBatchSampler, EmptyDatasetError, build_dataset, 
                           ensure_demo_dataset, load_pixels, make_buckets, make_dataloader, plan_crop,
                           process_caption, read_caption, resolve_concept_path, scan_concepts,
                           text_cache_allowed)
+from tests.patience import patience
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -726,7 +727,7 @@ def test_a_loader_worker_dead_between_epochs_is_named_when_the_next_epoch_starts
     previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=60)
+        worker.join(timeout=patience(60))
         with pytest.raises(DataLoadingError) as raised:
             start_iteration(loader)
     finally:

@@ -20,6 +20,7 @@ from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
                                    launch_spec, launcher_flag, overrides_for, relative_l2, run_script,
                                    start_script)
+from tests.patience import patience
 
 STEPS = 3
 
@@ -189,7 +190,7 @@ def test_torchrun_launcher_and_the_stop_command(tmp_path, cache_dir):
         with open(ws / ".tandem" / "commands", "a") as f:
             f.write("stop\n")
         lines += proc.stdout.readlines()
-        code = proc.wait(timeout=300)
+        code = proc.wait(timeout=patience(300))
     finally:
         proc.kill()
     output = "".join(lines)
@@ -220,7 +221,7 @@ def test_users_own_torchrun_command(tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            str(REPO / "scripts" / "train.py"), "--config-path", "#demo", "--device", "cpu",
            *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=patience(600), cwd=REPO,
                             env=dict(os.environ, TANDEM_EVENTS="1", OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     events = _events(result.stdout)
@@ -247,7 +248,7 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
         os.kill(victim, signal.SIGKILL)
         started = time.monotonic()
         lines += proc.stdout.readlines()
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=patience(120))
         took = time.monotonic() - started
     finally:
         try:
@@ -256,7 +257,7 @@ def test_killed_worker_ends_the_whole_job(tmp_path, cache_dir, launcher):
             pass
     output = "".join(lines)
     assert code != 0
-    assert took < 90, f"job took {took:.0f}s to exit after a worker died"
+    assert took < patience(90), f"job took {took:.0f}s to exit after a worker died"
     assert ("rank" in output.lower()) and ("exit" in output.lower() or "signal" in output.lower()), output[-2000:]
     assert not _worker_pids(proc.pid), "worker processes left behind"
 
@@ -370,7 +371,7 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
         lines = read_until_step(proc, 2)
         os.killpg(proc.pid, signal.SIGINT)
         lines += proc.stdout.readlines()
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=patience(120))
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from tests.trainer_helpers import run_script
+from tests.patience import patience
 
 
 @pytest.mark.slow
@@ -53,7 +54,7 @@ def test_a_process_of_the_job_alive_after_the_grace_time_is_an_orphan_and_none_e
         left_behind.wait()
         started = time.monotonic()
         assert _orphans_after(job, "rank", 30.0) == []
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < patience(5)
     finally:
         left_behind.kill()
         job.end()
@@ -88,10 +89,10 @@ def test_the_headline_is_read_even_when_the_reading_thread_lags_behind_the_launc
     monkeypatch.setattr(fault_trials, "parse_event_line", real_parse)
     holder = Job(["bash", "-c", "sleep 30 & echo started"])  # a child that keeps the pipe open
     try:
-        holder.proc.wait(timeout=30)
+        holder.proc.wait(timeout=patience(30))
         started = time.monotonic()
         holder.wait_until_read(1.0)
-        assert 1.0 <= time.monotonic() - started < 5
+        assert 1.0 <= time.monotonic() - started < patience(5)
     finally:
         holder.family.update(fault_trials._descendants(holder.proc.pid))
         holder.end()

@@ -14,6 +14,7 @@ import pytest
 from modules.benchmark.fault_trials import _alive, _descendants, _ranks
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import launcher_flag, overrides_for, start_script
+from tests.patience import patience
 
 NOISE = ("Traceback", "ChildFailedError", "Root Cause", "[rank0]:", "[rank1]:", "TCPStore", "socket.cpp")
 """What a failure printed above Tandem's headline under torchrun (and must not)."""
@@ -50,7 +51,7 @@ class Run:
             return any((e := parse_event_line(line)) and e["type"] == "progress" and e["step"] >= step
                        for line in self.lines)
         with self.step:
-            assert self.step.wait_for(lambda: reached() or self.proc.poll() is not None, timeout), self.output()
+            assert self.step.wait_for(lambda: reached() or self.proc.poll() is not None, patience(timeout)), self.output()
         assert reached(), self.output()
         self.family.update(_descendants(self.proc.pid))
 
@@ -62,7 +63,7 @@ class Run:
     def finish(self, timeout: float = 300) -> tuple[int, float]:
         started = time.monotonic()
         try:
-            code = self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=patience(timeout))
         finally:
             for pid in _alive(sorted(self.family | set(_descendants(self.proc.pid)))):
                 os.kill(pid, signal.SIGKILL)  # what the test stopped is the test's to end
@@ -94,7 +95,7 @@ def test_a_killed_loader_worker_ends_the_job_at_once_naming_its_rank(tmp_path, c
     code, took = run.finish()
     output = run.output()
     assert code == 1, output[-3000:]
-    assert took < 30, f"the job ended {took:.0f} s after the loader worker died"
+    assert took < patience(30), f"the job ended {took:.0f} s after the loader worker died"
     headline = run.headline()
     assert headline.startswith("rank 1 failed first: ") and str(loader) in headline, headline
     assert "lack of memory" in headline and "data.num_workers" in headline
@@ -120,7 +121,7 @@ def test_a_stuck_loader_worker_is_named_with_the_step_and_phase_it_stuck_in(tmp_
     assert headline.startswith("rank 1 stopped making progress (the others waited "), headline
     assert "(loading a batch); the other ranks ended because of it." in headline, headline
     # the stall time (longer if steps here are slow: 4 x the slowest), then the ranks' exit; far from 5 minutes
-    assert took < 120, f"named {took:.0f} s after the loader stopped"
+    assert took < patience(120), f"named {took:.0f} s after the loader stopped"
     assert not [word for word in NOISE if word in run.output()], run.output()[-3000:]
 
 
@@ -136,12 +137,12 @@ def test_the_workers_end_with_a_killed_launcher_before_the_workspace_is_free(tmp
     assert len(ranks) == 2
     os.kill(run.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
-    run.proc.wait(timeout=60)  # the launcher is gone (its own lock with it)
+    run.proc.wait(timeout=patience(60))  # the launcher is gone (its own lock with it)
     lock = WorkspaceLock(ws).acquire()  # a new run's start: it may have to wait for the workers' own locks
     took = time.monotonic() - killed
     try:
         assert not _alive(ranks), "a worker of the killed launcher lived on while a new run took the workspace"
-        assert took < 15, f"the workers ended {took:.0f} s after their launcher"
+        assert took < patience(15), f"the workers ended {took:.0f} s after their launcher"
     finally:
         lock.release()
         run.finish()

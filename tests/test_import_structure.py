@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from modules.util.import_structure import KeptStructure, decode, encode, installation_key
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +128,7 @@ def test_real_imports_scan_on_the_first_start_only_and_get_their_own_answers(tmp
     runs = []
     for _ in range(2):
         result = subprocess.run([sys.executable, "-c", REAL_IMPORTS, str(tmp_path / "maps")], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=patience(300))
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
     assert runs[0]["scanned"] == 2 and runs[0]["served"] == 0, f"the first start scans the models folders: {runs[0]}"

@@ -15,6 +15,7 @@ import pytest
 from modules.util.run_protocol import parse_event_line
 from tests.test_distributed import _worker_pids, read_until_step
 from tests.trainer_helpers import REPO, launcher_flag, overrides_for, start_script
+from tests.patience import patience
 
 LAUNCHERS = ["torchrun", "spawn"]
 
@@ -34,7 +35,7 @@ def start_training(workspace: Path, cache: Path, launcher: str, *extra: str, **p
 def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 150) -> tuple[int | str, str]:
     """The exit code (or "timed out") and whole output of a run; the process group is killed whatever happens."""
     try:
-        rest, _ = proc.communicate(timeout=timeout)
+        rest, _ = proc.communicate(timeout=patience(timeout))
         code: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         code = f"timed out after {timeout:g} s"
@@ -181,14 +182,14 @@ def test_killed_rank_is_the_headline_of_the_log_and_the_gui(tmp_path, cache_dir,
     controller = RunController(cwd=REPO)
     controller.start(cfg, visible_gpus=0)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + patience(240)
         while controller.state.step < 2 and controller.state.active and time.monotonic() < deadline:
             controller.poll()
             time.sleep(0.05)
         assert controller.state.step >= 2, "\n".join(controller.log)[-3000:]
         launcher_pid = controller._process.pid
         os.kill(_worker_pids(launcher_pid)[-1], signal.SIGKILL)  # the worker started last: rank 1
-        assert controller.wait(150), "the job did not end after a worker died"
+        assert controller.wait(patience(150)), "the job did not end after a worker died"
     finally:
         controller.terminate()
     assert controller.state.status == "failed"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 SH = REPO / "start-multi-gpu.sh"
@@ -28,7 +29,7 @@ def launcher_env(**extra: str) -> dict:
 
 def run_sh(*args: str, stdin: str = "", script: Path = SH, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(script), *args], input=stdin, capture_output=True, text=True,
-                          env=launcher_env(**env), timeout=600)
+                          env=launcher_env(**env), timeout=patience(600))
 
 
 def printed_command(result: subprocess.CompletedProcess) -> list[str]:
@@ -120,7 +121,7 @@ def test_install_runs_unless_skipped(tmp_path):
     env = launcher_env()
     del env["TANDEM_SKIP_INSTALL"]
     ran = subprocess.run(["bash", str(tmp_path / "start-multi-gpu.sh"), *args], capture_output=True,
-                         text=True, env=env, timeout=120)
+                         text=True, env=env, timeout=patience(120))
     assert ran.returncode == 0, ran.stderr
     assert (tmp_path / "installed").exists()
 
@@ -148,5 +149,5 @@ def test_the_sh_only_installs_and_hands_over_to_the_helper_like_the_bat(tmp_path
         shutil.copy(REPO / helper, tmp_path / helper)
     env = {k: v for k, v in launcher_env().items() if k != "TANDEM_PYTHON"}
     shown = subprocess.run(["bash", str(tmp_path / "start-multi-gpu.sh"), "--help"], capture_output=True, text=True,
-                           env=env, timeout=120)
+                           env=env, timeout=patience(120))
     assert shown.returncode == 0 and "--num-gpus" in shown.stdout and not (tmp_path / ".venv").exists(), shown.stderr

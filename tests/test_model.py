@@ -13,6 +13,7 @@ from modules.config.train_config import ModelConfig, SamplePromptConfig, Trainin
 from modules.model import demo as demo_module
 from modules.model import ensure_demo_model, frozen_dtypes, load_model, render_samples, save_full_diffusers
 from modules.model.bundle import ModelBundle
+from tests.patience import patience
 
 
 # The tiny models are far slower with several threads on a busy 2-core machine.
@@ -59,13 +60,13 @@ def _build_racing(root: Path, barrier) -> None:
 def test_concurrent_builds_end_with_one_complete_folder(tmp_path):
     # Separate processes, as ranks are; fork keeps it fast (torch is already imported).
     context = multiprocessing.get_context("fork")
-    barrier = context.Barrier(2, timeout=120)
+    barrier = context.Barrier(2, timeout=patience(120))
     root = tmp_path / "demo"
     workers = [context.Process(target=_build_racing, args=(root, barrier)) for _ in range(2)]
     for worker in workers:
         worker.start()
     for worker in workers:
-        worker.join(timeout=180)
+        worker.join(timeout=patience(180))
     assert [worker.exitcode for worker in workers] == [0, 0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"], "a temporary build folder was left behind"
     assert _files(root) == _files(ensure_demo_model(tmp_path / "fresh"))

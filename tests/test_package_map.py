@@ -10,6 +10,7 @@ import pytest
 
 from modules.util import package_map
 from modules.util.package_map import KeptPackageMap, remember_package_map
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,5 +117,5 @@ def test_the_forkserver_keeps_the_map_before_it_imports_the_packages():
     code = ("import importlib.metadata, modules.distributed.forkserver_setup; "
             "print(type(importlib.metadata.packages_distributions).__name__)")
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_PACKAGE_MAP_CACHE"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=patience(60))
     assert run.stdout.strip() == "KeptPackageMap", run.stderr

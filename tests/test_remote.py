@@ -26,6 +26,7 @@ from modules.remote.session import node_configs, training_command
 from modules.remote.source import archive, local_source
 from modules.remote.ssh import Ssh, remote_path
 from modules.remote.uploads import HashCache, UploadPlan, local_files
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -202,7 +203,7 @@ def test_cli_hosts_and_flags(tmp_path):
 def side(root: Path, *args: str, input: object = None):
     done = subprocess.run([sys.executable, "-m", "modules.remote.remote_side", "--root", str(root), *args],
                           cwd=REPO, capture_output=True, text=True,
-                          input=json.dumps(input) if input is not None else "", timeout=120)
+                          input=json.dumps(input) if input is not None else "", timeout=patience(120))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout) if done.stdout.strip() else None
 
@@ -246,7 +247,7 @@ def test_commands_reach_the_runs_commands_file_and_kill_ends_it(tmp_path):
     assert side(tmp_path, "status", "r2")["state"] == "running"
     started = time.monotonic()
     ended = side(tmp_path, "kill", "r2")
-    assert ended["state"] == "ended" and ended["exit_code"] == -15 and time.monotonic() - started < 30
+    assert ended["state"] == "ended" and ended["exit_code"] == -15 and time.monotonic() - started < patience(30)
     with pytest.raises(AssertionError, match="unknown command"):
         side(tmp_path, "command", "r2", "format-disk")
 
@@ -273,7 +274,7 @@ def test_outputs_are_listed_packed_and_extracted_inside_the_workspace_only(tmp_p
     listing = side(remote, "outputs", "work/ws")
     assert [name for name, _, _ in listing] == ["work/ws/output/model.safetensors", "work/ws/samples/s.png"]
     packed = subprocess.run([sys.executable, "-m", "modules.remote.remote_side", "--root", str(remote), "pack"],
-                            cwd=REPO, capture_output=True, timeout=60,
+                            cwd=REPO, capture_output=True, timeout=patience(60),
                             input=json.dumps([n for n, _, _ in listing] + ["secret", "work/ws/../../../etc/passwd"]).encode())
     assert extract(io.BytesIO(packed.stdout), "work/ws", local) == (2, 103)
     assert (local / "output" / "model.safetensors").read_bytes() == b"m" * 100 and not (local / "secret").exists()
@@ -304,7 +305,7 @@ class LocalMachine:
         return [sys.executable, "-m", "modules.remote.remote_side", "--root", str(self.root), verb, *args]
 
     def side(self, verb, *args, input=None, timeout=120):
-        done = subprocess.run(self._command(verb, *args), cwd=REPO, capture_output=True, timeout=timeout,
+        done = subprocess.run(self._command(verb, *args), cwd=REPO, capture_output=True, timeout=patience(timeout),
                               input=json.dumps(input).encode() if input is not None else b"")
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
@@ -330,7 +331,7 @@ def test_the_remote_controller_follows_events_sends_commands_and_replays_on_atta
             "print('got', f.read_text().strip(), flush=True)")
     info = RunInfo.from_json(controller.machine.side("start", input={**start_spec("r3", code), "local_workspace": str(tmp_path / "ws")}))
     controller.attach(info)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + patience(60)
     while controller.state.step < 2 and len(controller.state.losses) < 2 and time.monotonic() < deadline:
         controller.poll()
         time.sleep(0.05)
@@ -460,7 +461,7 @@ def test_the_remote_package_and_the_gui_parts_import_no_torch():
     code = ("import sys; import modules.remote.cli, modules.remote.session, modules.remote.remote_side, "
             "ui.remote_controller, ui.settings; print(sorted(k for k in ('torch', 'diffusers', 'transformers') "
             "if k in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
@@ -537,7 +538,7 @@ def test_show_switches_to_another_run_and_the_first_goes_on(tmp_path):
     short = RunInfo.from_json(controller.machine.side(
         "start", input={**start_spec("short", "print('short one')"), "workspace": "work/other"}))
     controller.attach(long)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + patience(60)
     while "long one" not in controller.log and time.monotonic() < deadline:
         controller.poll()
         time.sleep(0.05)
@@ -566,7 +567,7 @@ def test_a_slow_earlier_look_up_of_the_backups_does_not_replace_a_later_one(tmp_
     def backups(machine, workspace):
         if not first_asked.is_set():  # the first look-up: before the backup, and slow
             first_asked.set()
-            assert first_may_answer.wait(30)
+            assert first_may_answer.wait(patience(30))
             return []
         return [backup]
     monkeypatch.setattr(remote_controller, "list_runs", lambda machine: [])
@@ -576,13 +577,13 @@ def test_a_slow_earlier_look_up_of_the_backups_does_not_replace_a_later_one(tmp_
     controller._cfg_workspace = "work/ws"
 
     def poll_until(condition) -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patience(30)
         while not condition() and time.monotonic() < deadline:
             controller.poll()
             time.sleep(0.01)
         assert condition()
     controller.refresh()
-    assert first_asked.wait(30)
+    assert first_asked.wait(patience(30))
     controller.refresh()  # the later look-up answers first
     poll_until(lambda: controller.listed == 1)
     assert [b.info.step for b in controller.backups] == [51]

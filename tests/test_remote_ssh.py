@@ -29,6 +29,7 @@ from modules.remote.machine import RemoteMachine
 from modules.remote.prepare import ensure_ready
 from modules.remote.source import local_source
 from modules.remote.local_sshd import SshServer, sshd_problem
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -85,7 +86,7 @@ def server(tmp_path, sshd_ready):
 
 def cli(*args: str, home: Path, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "train_remote.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL,
+                          text=True, timeout=patience(timeout), cwd=REPO, stdin=subprocess.DEVNULL,
                           env=dict(os.environ, TANDEM_HOME=str(home), PYTHONUNBUFFERED="1"), **kwargs)
 
 
@@ -171,7 +172,7 @@ def test_uploads_send_only_what_changed_and_a_large_one_waits_for_a_yes(server, 
 
 
 def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline:
         value = predicate()
         if value:
@@ -229,12 +230,12 @@ def test_two_machines_train_the_demo_as_two_nodes_survive_a_cut_and_reattach(ins
             os.kill(pid, signal.SIGKILL)
         time.sleep(3)  # the desktop notices and reconnects
         desktop.kill()  # then the laptop closes
-        out, err = desktop.communicate(timeout=60)
+        out, err = desktop.communicate(timeout=patience(60))
         assert "lost the connection" in err.decode() and "the run goes on there" in err.decode(), err.decode()[-3000:]
         assert json.loads(subprocess.run([sys.executable, "-m", "modules.remote.remote_side", "--root",
                                           str(installed_remote), "status", run_dir.name], cwd=REPO, capture_output=True,
                                          text=True).stdout)["state"] == "running"
-        attached = cli(*common, "--attach", run_dir.name, home=home, timeout=600)
+        attached = cli(*common, "--attach", run_dir.name, home=home, timeout=patience(600))
         assert attached.returncode == 0, attached.stderr[-3000:] + attached.stdout[-3000:]
         assert f"Following {run_dir.name}" in attached.stderr
         shown = attached.stdout
@@ -358,7 +359,7 @@ def test_the_gui_trains_remotely_reattaches_stops_continues_and_fetches(server, 
     assert pump(app, lambda: controller.tunnel.url is not None, timeout=180)
     url = controller.tunnel.url
     assert url.startswith("http://127.0.0.1:")
-    with urllib.request.urlopen(url, timeout=10) as reply:
+    with urllib.request.urlopen(url, timeout=patience(10)) as reply:
         assert reply.status == 200
     app.close()
     assert controller.tunnel.url is None  # closed with the window

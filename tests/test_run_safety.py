@@ -17,6 +17,7 @@ from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock, workspace_in_use
 from tests.trainer_helpers import demo_config, hold_lock, launcher_flag, overrides_for, run_script
+from tests.patience import patience
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_second_run_on_a_busy_workspace_stops_at_once(tmp_path, cache_dir):
         with pytest.raises(LaunchError, match="in use by another run"):
             launch(demo_config(ws, cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
                                "multi_gpu.launcher=spawn"))
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < patience(60)
     finally:
         holder.kill()
         holder.wait()
@@ -105,10 +106,11 @@ def test_nan_on_two_processes_stops_every_rank(tmp_path, cache_dir):
                         *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=12", "optimizer.name=sgd",
                                        "training.learning_rate=1e30", "training.max_grad_norm=0",
                                        "training.precision=fp32", "save.backup_every_n_steps=1", method="full"),
-                        timeout=300)
+                        timeout=patience(300))
     out = result.stdout + result.stderr
-    assert result.returncode != 0 and "NonFiniteTrainingError" in out and '"completed": true' not in out
-    assert not (tmp_path / "ws" / "output").exists()
+    assert result.returncode != 0 and "NonFiniteTrainingError" in out and '"completed": true' not in out, \
+        f"exit code {result.returncode}; the run's output ends:\n{out[-4000:]}"
+    assert not (tmp_path / "ws" / "output").exists(), out[-3000:]
     # One statement about the backups, whichever rank says it (rank 1 once said none was written).
     said = {line.split("NonFiniteTrainingError: ", 1)[1] for line in out.splitlines()
             if "failed: NonFiniteTrainingError: " in line}
@@ -128,11 +130,12 @@ def test_failed_final_save_on_two_processes_backs_up_and_ends(tmp_path, cache_di
     result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu",
                         *launcher_flag(launcher),
                         *overrides_for(ws, cache_dir, "training.max_steps=3", f"save.output_dir={blocker / 'out'}",
-                                       "multi_gpu.timeout_minutes=4"), timeout=400)
+                                       "multi_gpu.timeout_minutes=60"), timeout=400)
     elapsed = time.monotonic() - started
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
-    assert elapsed < 200, f"took {elapsed:.0f} s: waited for the process-group timeout"
+    # Seconds, not the hour of the process-group timeout (on a busy machine a few times the seconds).
+    assert elapsed < min(patience(200), 3000), f"took {elapsed:.0f} s: waited for the process-group timeout\n{out[-3000:]}"
     assert "Saving the model failed; writing a backup" in out
     newest = backups.latest_backup(ws / "backups")
     assert newest is not None and newest.step == 3, out

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from modules.trainer.step_exchange import StepExchange
+from tests.patience import patience
 
 
 def test_report_comes_back_one_step_later_with_loss_lr_and_commands():
@@ -55,7 +56,7 @@ def test_every_rank_receives_each_ranks_loss_and_step_time(tmp_path):
     results = context.Queue()
     mp.start_processes(_two_ranks, args=(str(tmp_path / "init"), results), nprocs=2, join=True,
                        start_method="spawn")
-    reports = dict((r[0], r[1:]) for r in (results.get(timeout=60) for _ in range(2)))
+    reports = dict((r[0], r[1:]) for r in (results.get(timeout=patience(60)) for _ in range(2)))
     assert str(reports[0]) == str(reports[1])  # every rank got the same numbers (as text: NaN != NaN)
     first_losses, first_commands, mean, losses, step_s = reports[0]
     assert first_losses[0] == 0.5 and math.isnan(first_losses[1]) and first_commands == {"sample"}

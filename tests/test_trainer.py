@@ -14,6 +14,7 @@ from modules.trainer import backup as backups
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.commands import CommandInbox
 from tests.trainer_helpers import assert_weights_close, demo_config, latest_backup_weights, train
+from tests.patience import patience
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +231,7 @@ def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tm
     from PIL import Image
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
                       "sampling.every_n_epochs=0", "sampling.inference_steps=1")
-    all_begun = threading.Barrier(len(cfg.sampling.prompts), timeout=20)
+    all_begun = threading.Barrier(len(cfg.sampling.prompts), timeout=patience(20))
     real_save = Image.Image.save
 
     def save(image, path, *args, **kwargs):

@@ -24,6 +24,7 @@ from ui.multi_gpu_summary import format_lr, summarize
 from ui.run_controller import RunController
 from ui.settings import RecentConfigs
 from tests.trainer_helpers import hold_lock
+from tests.patience import patience
 
 
 # --- binding -----------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_run_controller_follows_progress_and_stop_lands_in_the_commands_file(tmp
     controller.start(cfg, 0, command=[sys.executable, "-c", FAKE_TRAINER, str(commands)])
     assert commands.read_text() == ""
     assert json.loads((commands.parent / "gui-config.json").read_text())["general"]["workspace_dir"] == str(tmp_path / "run")
-    deadline = time.monotonic() + 180  # a busy machine: the loop ends as soon as it is done
+    deadline = time.monotonic() + patience(180)  # a busy machine: the loop ends as soon as it is done
     while controller.state.step < 3 and time.monotonic() < deadline:
         controller.poll()
         time.sleep(0.02)
@@ -248,7 +249,7 @@ def test_run_controller_follows_progress_and_stop_lands_in_the_commands_file(tmp
     controller.send("sample")
     controller.stop()
     assert commands.read_text() == "sample\nstop\n"
-    assert controller.wait(20)
+    assert controller.wait(patience(20))
     assert controller.state.status == "stopped" and controller.state.backups
     assert controller.state.step < 100 and any(line.startswith("plain log line") for line in controller.log)
     with pytest.raises(RuntimeError, match="no training is running"):
@@ -258,7 +259,7 @@ def test_run_controller_follows_progress_and_stop_lands_in_the_commands_file(tmp
 def test_run_controller_reports_a_crash_with_its_last_lines(tmp_path):
     controller = RunController()
     controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", CRASHING_TRAINER])
-    assert controller.wait(20)
+    assert controller.wait(patience(20))
     state = controller.state
     assert state.status == "failed"
     assert "ran out of memory" in state.error and "exit code 1" in state.error
@@ -269,12 +270,12 @@ def test_run_controller_ends_a_run_that_ignores_stop(tmp_path):
     controller = RunController(stop_timeout_s=0.5)
     stubborn = "import time\nprint('working', flush=True)\ntime.sleep(60)"
     controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", stubborn])
-    deadline = time.monotonic() + 180  # a busy machine: the loop ends as soon as it is done
+    deadline = time.monotonic() + patience(180)  # a busy machine: the loop ends as soon as it is done
     while controller.log_count <= 1 and time.monotonic() < deadline:
         controller.poll()
         time.sleep(0.02)
     controller.stop()
-    assert controller.wait(15)
+    assert controller.wait(patience(15))
     assert controller.state.status == "stopped" and "did not stop" in "\n".join(controller.log)
 
 
@@ -357,10 +358,10 @@ def test_status_headline_never_repeats_the_status():
 def test_a_failed_or_finished_run_says_so_once(tmp_path):
     controller = RunController()
     controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", CRASHING_TRAINER])
-    assert controller.wait(20)
+    assert controller.wait(patience(20))
     assert controller.state.headline == "Failed"
     controller.start(_workspace_config(tmp_path), 0, command=[sys.executable, "-c", "print('ok')"])
-    assert controller.wait(20)
+    assert controller.wait(patience(20))
     assert controller.state.headline == "Finished"
 
 
@@ -378,7 +379,7 @@ RESUMABLE_TRAINER = textwrap.dedent("""
 
 def _run_steps(controller, cfg, first, last, scale):
     controller.start(cfg, 0, command=[sys.executable, "-c", RESUMABLE_TRAINER, str(first), str(last), str(scale)])
-    assert controller.wait(20) and controller.state.status == "finished", controller.state.error
+    assert controller.wait(patience(20)) and controller.state.status == "finished", controller.state.error
 
 
 def test_the_loss_curve_continues_across_a_resume_and_restarts_with_a_fresh_run(tmp_path):
@@ -413,7 +414,7 @@ def test_training_sees_gpus_in_the_order_nvml_shows_them(tmp_path):
     controller = RunController(env={"PATH": os.environ.get("PATH", "")})
     controller.start(_workspace_config(tmp_path), 0, command=[
         sys.executable, "-c", "import os; print('order=' + os.environ.get('CUDA_DEVICE_ORDER', ''))"])
-    assert controller.wait(20)
+    assert controller.wait(patience(20))
     assert "order=PCI_BUS_ID" in controller.log
 
 

@@ -10,6 +10,7 @@ from ui.run_controller import RunController
 
 from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - a fixture
 from tests.ui_players import PlayedController, make_backup, make_script, run_to_the_end
+from tests.patience import patience
 
 __all__ = ["app_factory"]
 
@@ -222,9 +223,9 @@ def test_quit_during_training_asks_first_and_never_freezes(app_factory):
     dialogs.yes_no_answer = True  # Stop training and quit
     began = time.monotonic()
     app.close()
-    assert time.monotonic() - began < 1.0, "close() waited for training on the Tk thread"
+    assert time.monotonic() - began < patience(1.0), "close() waited for training on the Tk thread"
     assert controller.state.status == "stopping" and "closing" in app.title().lower()
-    deadline = time.monotonic() + 180  # a busy machine: the loop ends as soon as it is done
+    deadline = time.monotonic() + patience(180)  # a busy machine: the loop ends as soon as it is done
     while not app.closed and time.monotonic() < deadline:
         app.update()
         time.sleep(0.02)

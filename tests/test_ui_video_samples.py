@@ -10,6 +10,7 @@ from PIL import Image
 
 from modules.util.animation import Clip
 from ui.sample_gallery import samplings
+from tests.patience import patience
 
 
 def write_clip(path: Path, frames: int = 4) -> Path:
@@ -23,7 +24,7 @@ def write_png(path: Path) -> Path:
 
 
 def pump(root, until, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline:
         root.update()
         if until():

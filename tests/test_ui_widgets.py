@@ -17,6 +17,7 @@ from ui.binding import field_doc, plain_text
 from ui.gpu_info import GpuInfo
 from ui.run_controller import RunController
 from ui.settings import RecentConfigs
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,13 @@ class FakeDialogs:
         self.errors.append((title, text))
 
 
-def pump(app, until=lambda: False, timeout=0.3):
+def pump(app, until=None, timeout=0.3):
+    """Runs the window's event loop until `until()` holds (waiting at most `timeout` on an idle machine, scaled by
+    `patience`: a hang detector) or, without `until`, for `timeout` seconds."""
+    if until is None:
+        until = lambda: False  # noqa: E731
+    else:
+        timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         app.update()
@@ -233,7 +240,7 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
     # The memory line per strategy, estimated off the Tk thread for the chosen GPUs (here the demo model).
     frame.strategy.var.set("fsdp")
     assert app.model.cfg.multi_gpu.strategy == "fsdp"
-    deadline = time.monotonic() + 180  # a busy machine: the loop ends as soon as it is done
+    deadline = time.monotonic() + patience(180)  # a busy machine: the loop ends as soon as it is done
     while "estimating" in frame.memory.cget("text") and time.monotonic() < deadline:
         app.update()
         time.sleep(0.05)
@@ -242,7 +249,7 @@ def test_multi_gpu_frame_writes_the_config(app_factory):
     assert text.startswith("Memory plan for 2 GPU(s) of 80 GiB (card): FSDP, ~") and "(set by Training › Strategy" in text, text
     frame.memory_limit.var.set("24,16")  # Memory per GPU: the plan is made for it
     assert app.model.cfg.multi_gpu.memory_limit_gib == "24,16"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     while "(limit)" not in frame.memory.cget("text") and time.monotonic() < deadline:
         app.update()
         time.sleep(0.05)

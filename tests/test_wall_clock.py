@@ -20,6 +20,7 @@ from modules.util.run_protocol import parse_event_line
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.host_copy import snapshot_to_host
 from tests.trainer_helpers import REPO, demo_config, launcher_flag, overrides_for, run_script, start_script
+from tests.patience import patience
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def seconds_from_done_to_exit(script: str, *args: str) -> tuple[float, str]:
             event = parse_event_line(line)
             if event and event["type"] == "done":
                 done_at = time.monotonic()
-        proc.wait(timeout=60)
+        proc.wait(timeout=patience(60))
         exited_at = time.monotonic()
     finally:
         try:
@@ -66,7 +67,7 @@ def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
     harness reads them from the log."""
     # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
     # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
-    assert took <= 5.0, f"{took:.1f} s from done to exit:\n{output[-2000:]}"
+    assert took <= patience(5.0), f"{took:.1f} s from done to exit:\n{output[-2000:]}"
     assert "leaked semaphore" not in output, "the spawn launcher's resource tracker found something to clean up"
     # Where the start went, as the end-to-end harness reads it from the log.
     from modules.benchmark.end_to_end import _read_line
@@ -210,7 +211,7 @@ def test_backups_go_on_beside_training_report_their_pinning_free_it_and_the_firs
     waited, order = [], []
 
     def held_write(*args, **kwargs):
-        waited.append(release.wait(timeout=60))
+        waited.append(release.wait(timeout=patience(60)))
         path = real_write(*args, **kwargs)
         order.append("backup")
         return path

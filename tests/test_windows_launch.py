@@ -23,6 +23,7 @@ from modules.distributed.processes import _worker_env, start_variables
 from tests.test_launcher_scripts import BAT, PY, REPO, launcher_env, printed_command, run_sh
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import launch_spec
+from tests.patience import patience
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_a_worker_joins_with_a_libuv_free_store_on_windows(windows, monkeypatch)
 
 def run_helper(*args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "scripts/start_multi_gpu.py", *args], input=stdin, capture_output=True, text=True,
-                          env=launcher_env(**env), cwd=REPO, timeout=300)
+                          env=launcher_env(**env), cwd=REPO, timeout=patience(300))
 
 
 SCENARIOS = [
@@ -207,7 +208,7 @@ def test_the_bat_only_installs_and_hands_over_to_the_helper():
     clean = subprocess.run([sys.executable, "-S", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                             "import modules.start_multi_gpu as m; print(sorted(k for k in sys.modules if "
                             "k.split('.')[0] in ('torch', 'numpy', 'diffusers')))", str(REPO)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=patience(60))
     assert clean.returncode == 0 and clean.stdout.strip() == "[]", clean.stdout + clean.stderr
 
 

@@ -18,6 +18,7 @@ from modules.distributed import processes
 from modules.distributed.plan import LaunchPlan
 from modules.distributed.worker_environment import threads_per_worker
 from tests.trainer_helpers import REPO, launch_spec
+from tests.patience import patience
 
 
 # Every test here starts processes (a forkserver importing torch, workers): the slow set.
@@ -29,7 +30,7 @@ def environment_of_server(pid: int) -> dict[str, str]:
     exec /proc shows its parent's start-up environment, without what the launcher set for the server (a busy
     machine's CI read it there)."""
     import time
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + patience(60)
     while b"multiprocessing.forkserver" not in Path(f"/proc/{pid}/cmdline").read_bytes():
         assert time.monotonic() < deadline, f"process {pid} never became the forkserver"
         time.sleep(0.01)
@@ -181,7 +182,7 @@ def test_the_launcher_starts_the_server_before_it_imports_pytorch(tmp_path):
 
     assert forkserver.LAUNCHER_ENTRY_MODULE == processes._spawn_entry.__module__
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
-    done = subprocess.run([sys.executable, "-c", BEFORE_IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", BEFORE_IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=patience(120),
                           env={**env, "PYTHONPATH": str(REPO), "TANDEM_HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -193,7 +194,7 @@ def test_the_launcher_starts_the_server_before_it_imports_pytorch(tmp_path):
 
 def _until_dead(pid: int, timeout: float = 30) -> None:
     import time
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     status = Path(f"/proc/{pid}/status")
     while status.exists() and "\tZ" not in status.read_text() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -213,7 +214,7 @@ def test_a_finished_launcher_ends_its_forkserver_at_once(tmp_path):
         "exit_now(0)\n")
     with open(tmp_path / "out.txt", "w") as out:
         done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=300)
+                              timeout=patience(300))
     status = None
     server = int((tmp_path / "out.txt").read_text().split("server ")[1].split()[0])
     try:
@@ -249,6 +250,6 @@ for a in asked:
 def test_what_the_forkserver_imports_never_asks_cuda_anything():
     """A process that initialised CUDA cannot fork workers that use it: nothing the server preloads may ask
     about the GPUs at import (a CPU build cannot initialise CUDA, so every question is recorded instead)."""
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=patience(300))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[0] == "0", done.stdout[-3000:]

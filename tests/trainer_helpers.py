@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from modules.config import load_config
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,9 +53,10 @@ def launcher_flag(launcher: str) -> list[str]:
 
 
 def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`timeout`: enough on an idle machine, scaled by `patience`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_EVENTS="1", **(env_extra or {}))
     return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+                          timeout=patience(timeout), env=env, cwd=REPO)
 
 
 def _answer_ctrl_c() -> None:

@@ -69,9 +69,11 @@ detach)
     cp -a modules scripts training_presets pyproject.toml "$DETACHED.tree/"
     log "JOB=$JOB detached: $* (from the snapshot $DETACHED.tree)"
     rm -rf "$DETACHED.runs"
-    (cd "$DETACHED.tree" && E2E="$E2E" E2E_RESULTS="$DETACHED.jsonl" E2E_KEEP="$DETACHED.runs" setsid nohup bash -c \
-        'bash scripts/gpu/end_to_end.sh runs "$@"; touch '"$DETACHED.done" detached "$@" \
-        > "$DETACHED.log" 2>&1 < /dev/null &)
+    # The redirections stand outside the group: a subshell between this script and the runs kept this call's
+    # stdout open until the runs ended, so a caller reading it waited for them.
+    (cd "$DETACHED.tree" && E2E="$E2E" E2E_RESULTS="$DETACHED.jsonl" E2E_KEEP="$DETACHED.runs" DONE="$DETACHED.done" \
+        setsid nohup bash -c 'bash scripts/gpu/end_to_end.sh runs "$@"; touch "$DONE"' detached "$@") \
+        > "$DETACHED.log" 2>&1 < /dev/null &
     ;;
 collect)
     log "waiting up to ${WAIT:-580} s for the detached runs"
