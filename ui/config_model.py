@@ -141,7 +141,7 @@ class ConfigModel:
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("this config has no file yet; use Save as")
-        save_config(self.cfg, target)
+        save_config(self.cfg, target, follow_link=True)  # the user's own file: a link to it is theirs
         self.path = target
         self.source_name = target.stem
         self._saved = config_to_dict(self.cfg)

@@ -132,6 +132,7 @@ def read_json(path: str | os.PathLike) -> dict:
         raise ConfigError([f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}."], str(path)) from None
 
 
-def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
-    """Write `cfg` as JSON atomically: a crash mid-write never leaves a truncated config."""
-    write_text_atomically(path, json.dumps(config_to_dict(cfg), indent=2) + "\n")
+def save_config(cfg: TrainConfig, path: str | os.PathLike, follow_link: bool = False) -> None:
+    """Write `cfg` as JSON atomically: a crash mid-write never leaves a truncated config. A `path` that is a
+    symbolic link is refused (a workspace's files) unless `follow_link` (a file the user chose: its target)."""
+    write_text_atomically(path, json.dumps(config_to_dict(cfg), indent=2) + "\n", follow_link=follow_link)

@@ -6,9 +6,11 @@ what it saw; the trainer then merges the flags over all ranks so every rank acts
 """
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
+from modules.util.no_follow import make_private_folder, open_no_follow
 from modules.util.run_protocol import COMMANDS, command_problem
 
 
@@ -23,7 +25,7 @@ class CommandInbox:
         self._offset = 0
         self.pending: set[str] = set()
         if self.commands_file is not None:
-            self.commands_file.parent.mkdir(parents=True, exist_ok=True)
+            make_private_folder(self.commands_file.parent)
             if start is not None:
                 self._offset = start
             else:
@@ -42,7 +44,7 @@ class CommandInbox:
         size = self.commands_file.stat().st_size
         if size <= self._offset:
             return
-        with open(self.commands_file, "rb") as f:
+        with os.fdopen(open_no_follow(self.commands_file, os.O_RDONLY), "rb") as f:  # a link is refused, named
             f.seek(self._offset)
             data = f.read(size - self._offset)
         # Only consume complete lines; a half-written line is read next time.

@@ -1,7 +1,9 @@
 """Writes that are either complete or absent: a crash mid-write never replaces a good file or folder.
 
 Every file and folder Tandem writes for a user (configs, cache entries, models, backups) goes through
-these helpers: write beside the target under a unique temporary name, then rename in one step.
+these helpers: write beside the target under a unique temporary name, then rename in one step. The
+temporary file is made with O_EXCL|O_NOFOLLOW (mkstemp) and a target that is a symbolic link is refused
+(`no_follow.py`).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
+
+from .no_follow import make_private_folder, refuse_link
 
 
 def _umask() -> int:
@@ -33,10 +37,17 @@ def _make_temporary_folder(**kwargs) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
-    """Yields a temporary path beside `target`; on success it is renamed onto `target` in one step."""
+def atomic_path(target: str | os.PathLike, follow_link: bool = False) -> Iterator[Path]:
+    """Yields a temporary path beside `target`; on success it is renamed onto `target` in one step.
+
+    A `target` that is a symbolic link is refused (`LinkRefused`, naming it: Tandem writes no file through a
+    link in a workspace, `no_follow.py`), unless `follow_link`: then the file it points to is replaced - for
+    a file the user chose (a config they save), which may well be a link on purpose."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if follow_link:
+        target = Path(os.path.realpath(target))
+    make_private_folder(target.parent)
+    refuse_link(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp)
@@ -48,8 +59,8 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def write_text_atomically(target: str | os.PathLike, text: str) -> Path:
-    with atomic_path(target) as tmp:
+def write_text_atomically(target: str | os.PathLike, text: str, follow_link: bool = False) -> Path:
+    with atomic_path(target, follow_link) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(target)
 

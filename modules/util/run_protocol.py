@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from .no_follow import open_text_no_follow
 
 EVENT_PREFIX = "@tandem "
 EVENTS_VARIABLE = "TANDEM_EVENTS"
@@ -113,7 +114,5 @@ def write_command(commands_file: str | os.PathLike, command: str) -> None:
     problem = command_problem(command)
     if problem:
         raise ValueError(problem)
-    commands_file = Path(commands_file)
-    commands_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(commands_file, "a", encoding="utf-8") as f:
+    with open_text_no_follow(commands_file, "a") as f:  # a link there is refused, naming it
         f.write(command + "\n")

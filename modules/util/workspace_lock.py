@@ -12,6 +12,9 @@ Workers outlive their launcher for a moment when it is killed (they end with it,
 instant), and two runs must never write at once: each worker holds a lock of its own
 (`<workspace>/.tandem/workers/rank-K.lock`, `WorkerLock`) for its life, and taking the workspace waits
 for those of an earlier run to be released (`WORKERS_GRACE_S`), then refuses, naming them.
+
+None of these files, nor `.tandem` or `workers`, may be a symbolic link (`no_follow.py`): a lock file that
+links elsewhere would have its target overwritten with the holder's details, so it is refused, naming it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from .no_follow import (LinkRefused, make_private_folder, open_no_follow, refuse_linked_private_folders,
+                        refuse_links_inside)
 
 
 WORKERS_GRACE_S = 30.0
@@ -58,7 +64,8 @@ def _try_lock(fd: int) -> bool:
 
 def _holder_text(path: Path) -> str:
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        with os.fdopen(open_no_follow(path, os.O_RDONLY), encoding="utf-8") as file:
+            info = json.loads(file.read())
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
         return f"process {info['pid']} on {info['host']}, started {started}: {info['command']}"
     except (OSError, ValueError, KeyError, TypeError):
@@ -77,8 +84,11 @@ class WorkspaceLock:
         """Take the lock or raise WorkspaceBusy naming the holder; `record` writes who holds it now;
         `wait_for_workers`: also wait for the workers of an earlier run to end (`WORKERS_GRACE_S`)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            make_private_folder(self.path.parent)
+            refuse_links_inside(self.path.parent)  # the lock, commands, workers' locks: none may be a link
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except LinkRefused as e:
+            raise WorkspaceBusy(str(e)) from None
         except OSError as e:
             raise WorkspaceBusy(f"general.workspace_dir {str(self.workspace)!r} cannot be written ({e.strerror}); "
                                 "choose a folder you can write to.") from None
@@ -91,6 +101,9 @@ class WorkspaceLock:
         try:
             if wait_for_workers:
                 self._wait_for_earlier_workers()
+        except LinkRefused as e:
+            self.release()
+            raise WorkspaceBusy(str(e)) from None
         except WorkspaceBusy:
             self.release()
             raise
@@ -136,10 +149,13 @@ class WorkerLock:
         self._fd: int | None = None
 
     def acquire(self) -> "WorkerLock":
-        """Hold it; a worker whose lock cannot be had (a stale one of this rank still living) goes on without."""
+        """Hold it; a worker whose lock cannot be had (a stale one of this rank still living) goes on without.
+        A lock file or folder that is a symbolic link is refused (`LinkRefused`, naming it)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            make_private_folder(self.path.parent)
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except LinkRefused:
+            raise
         except OSError:
             return self
         if not _try_lock(fd):
@@ -154,14 +170,18 @@ class WorkerLock:
 
 
 def workers_alive(workspace: str | os.PathLike) -> list[str]:
-    """The workers that hold their lock in `workspace` ("process 123 on host, started ..."), if any."""
+    """The workers that hold their lock in `workspace` ("process 123 on host, started ..."), if any;
+    `LinkRefused` when the folder or a lock file in it is a symbolic link."""
     folder = worker_lock_folder(workspace)
-    if not folder.is_dir():
+    if not folder.is_dir() and not folder.is_symlink():
         return []
+    refuse_linked_private_folders(folder / "rank-0.lock")  # a linked `.tandem` or `workers`
     living = []
     for path in sorted(folder.glob("rank-*.lock")):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_no_follow(path, os.O_RDWR)
+        except LinkRefused:
+            raise
         except OSError:
             continue
         try:
@@ -174,8 +194,11 @@ def workers_alive(workspace: str | os.PathLike) -> list[str]:
 
 
 def workspace_in_use(workspace: str | os.PathLike) -> str | None:
-    """Who holds the workspace, or None when it is free (the GUI asks before it starts a run)."""
+    """Who holds the workspace, or None when it is free (the GUI asks before it starts a run);
+    `LinkRefused` when `.tandem` holds a symbolic link (a run would refuse the workspace for it)."""
     lock = WorkspaceLock(workspace)
+    if os.path.lexists(lock.path.parent):
+        refuse_links_inside(lock.path.parent)  # as taking it would, but raised as it is: not "in use"
     if not lock.path.exists():
         return None
     try:
