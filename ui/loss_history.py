@@ -8,8 +8,11 @@ outlives the GUI, so a run resumed the next day still shows its whole curve.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TextIO
+
+from modules.util.no_follow import open_text_no_follow
 
 
 class LossHistory:
@@ -37,8 +40,11 @@ class LossHistory:
         keep only those on disk."""
         earlier = [(s, v) for s, v in self.read() if s < first_step] if first_step > 1 else []
         self.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")
+        try:
+            self._file = open_text_no_follow(self.path, "w")  # never through a link planted in `.tandem`
+        except OSError as error:  # the plot goes on from memory; the run itself refuses such a link, naming it
+            print(f"The loss curve is not kept on disk: {error}", file=sys.stderr)
+            return earlier
         self._file.writelines(f"{s},{v!r}\n" for s, v in earlier)
         self._file.flush()
         return earlier

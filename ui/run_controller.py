@@ -20,6 +20,7 @@ from typing import Any
 
 from modules.config import TrainConfig, save_config
 from modules.config.run_paths import RunPaths
+from modules.util.no_follow import open_text_no_follow
 from modules.util.run_protocol import EVENTS_VARIABLE, command_problem, write_command
 from modules.util.workspace_lock import workspace_in_use
 
@@ -140,8 +141,7 @@ class RunController:
         step, so the file is emptied before every start.
         """
         commands = self.absolute(RunPaths(cfg).commands_file)
-        commands.parent.mkdir(parents=True, exist_ok=True)
-        commands.write_text("", encoding="utf-8")
+        open_text_no_follow(commands, "w").close()  # emptied; a link there is refused (OSError), not emptied
         self.commands_file = commands
         config_path = commands.parent / "gui-config.json"
         save_config(cfg, config_path)

@@ -25,6 +25,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from modules.util.atomic import write_text_atomically
+from modules.util.no_follow import open_text_no_follow
+
 SECONDARY_KINDS = ("DistBackendError", "DistNetworkError", "DistStoreError", "KeyboardInterrupt", "SystemExit",
                    "MainRankFailed")
 """Exception types that follow from another rank's failure (or from being stopped)."""
@@ -148,7 +151,7 @@ def record_error(folder: Path, rank: int, error: BaseException, step: int | None
         details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         where = f"rank {rank}" + (f", step {step}" if step else "") + (f", {phase}" if phase else "")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        with open(details_file(folder, rank), "a", encoding="utf-8") as f:
+        with open_text_no_follow(details_file(folder, rank), "a") as f:
             f.write(f"--- {stamp}, {where}, round {current_attempt()}\n{details}\n")
     except BaseException:  # noqa: BLE001 - also a signal handler's error (a loader's SIGCHLD) raised meanwhile
         pass
@@ -185,11 +188,8 @@ def recorded(folder: Path, rank: int) -> bool:
 def _write(folder: Path, entry: WorkerError) -> None:
     rank = entry.rank
     try:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".rank-{rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(asdict(entry)), encoding="utf-8")
-        os.replace(tmp, folder / f"rank-{rank}.json")
+        # A unique temporary file (a fixed name could be a planted link), renamed in one step.
+        write_text_atomically(Path(folder) / f"rank-{rank}.json", json.dumps(asdict(entry)))
     except OSError:
         pass
 

@@ -33,7 +33,7 @@ from modules.trainer.progress import PhaseTimes
 from modules.trainer.run_numbers import RunNumbers
 from modules.util import dist_utils as du
 from modules.util.animation import SUFFIX as CLIP_SUFFIX, Clip
-from modules.util.atomic import unique_path
+from modules.util.atomic import atomic_path, unique_path
 
 log = logging.getLogger("tandem")
 
@@ -91,10 +91,12 @@ def sample_suffix(sample) -> str:
 
 
 def write_sample(sample, path: Path) -> None:
-    if isinstance(sample, Clip):
-        sample.save_webp(path)
-    else:
-        sample.save(path)
+    """Written whole (the gallery never shows half a picture) and never through a link (`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        if isinstance(sample, Clip):
+            sample.save_webp(tmp)
+        else:
+            sample.save(tmp, format="PNG")
 
 
 class OutputWriter:

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from modules.util import dist_utils as du
+from modules.util.atomic import write_text_atomically
 
 log = logging.getLogger("tandem")
 
@@ -109,8 +110,7 @@ class StepProfiler:
             lines += ["", "Top operators by GPU time:",
                       averages.table(sort_by="self_cuda_time_total", row_limit=25)]
         lines += ["", "Top operators by host (CPU) time:", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
-        report_file.parent.mkdir(parents=True, exist_ok=True)
-        report_file.write_text("\n".join(lines), encoding="utf-8")
+        write_text_atomically(report_file, "\n".join(lines))  # never through a link in the workspace
         return summary
 
 
