@@ -207,7 +207,8 @@ def test_plan_for_cards_this_machine_does_not_have(tmp_path, capsys):
         assert main(["--config-path", str(cfg), "--plan-for", cards]) == 0
         printed = capsys.readouterr().out
         assert words in printed and "nothing ran on a GPU" in printed, printed
-    assert main(["--plan-for", "2x24"]) == 2  # needs a config
+    assert main(["--config-path", str(tmp_path / "missing.json"), "--plan-for", "2x24"]) == 2  # names the file
+    # without --config-path: the plan for #demo (tests/test_check_multi_gpu_cli.py)
 
 
 def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_starts(tmp_path, monkeypatch):

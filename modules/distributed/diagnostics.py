@@ -13,7 +13,6 @@ check that grows it should take one layer into a module of its own.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -36,9 +35,9 @@ from modules.config.memory_need import facts, largest_batch
 from modules.config.memory_plan import SAFETY_FRACTION
 
 from . import memory_estimate, rendezvous
+from .check_cli import GPU_ALLREDUCE_MIB, parse_args, plan_for  # the command line, torch-free
 
 GIB = 1024 ** 3
-GPU_ALLREDUCE_MIB = 256
 CPU_ALLREDUCE_MIB = 8
 TIMED_ITERATIONS = 5
 ENV_VARS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
@@ -466,45 +465,6 @@ def format_node_check(result: dict) -> str:
         lines.append(f"  FAILED: {result.get('error')}")
     lines += [f"Recommendation: {a}" for a in result["advice"]]
     return "\n".join(lines)
-
-
-def plan_for(config_path: str | None, cards: str, as_json: bool, overrides: list[str] = ()) -> int:
-    """`--plan-for`: the memory plan for cards this machine need not have (and a model it need not have yet:
-    paths are not checked); 0 when a plan fits, 1 when none does, 2 for bad input."""
-    from modules.config.memory_report import plan_report, report_json
-
-    if not config_path:
-        print("error: --plan-for needs --config-path", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(config_path, overrides, check_paths=False)
-        data, text, code = plan_report(cfg, cards, memory_estimate.measure, memory_estimate.builtin_folder)
-    except (ValueError, OSError) as e:  # ConfigError, the estimate's and --plan-for's errors name what to fix
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report_json(data) if as_json else text, flush=True)
-    return code
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="check_multi_gpu.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-path", help="config JSON or preset name (e.g. '#demo') to estimate memory for")
-    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
-    parser.add_argument("--skip-gloo", action="store_true", help="skip the 2-process gloo all-reduce on the CPU")
-    parser.add_argument("--assume-free-gib", type=float,
-                        help="compare the memory estimate with this much free GPU memory instead of the GPUs'")
-    parser.add_argument("--plan-for", metavar="CARDS",
-                        help="only the memory plan of --config-path for these GPUs, e.g. 2x24 (two of 24 GiB) or "
-                             "24,16; no GPU is used")
-    parser.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field of --config-path (repeatable), e.g. training.batch_size=2")
-    parser.add_argument("--nnodes", type=int, default=1, help="check the all-reduce between this many machines "
-                                                              "(run it on each, with its --node-rank)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's number (0 serves the rendezvous)")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address the others reach it by")
-    parser.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on node 0")
-    parser.add_argument("--size-mib", type=int, default=GPU_ALLREDUCE_MIB, help="all-reduce size between machines")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
