@@ -175,6 +175,62 @@ def test_upload_listing_hashes_and_message(tmp_path):
     assert plan.message("me@box") == "Upload 20 bytes to me@box: concept 'cats' 20 bytes (1 of 2 files changed)"
 
 
+def test_an_edit_that_keeps_size_and_modification_time_is_uploaded_again(tmp_path, monkeypatch):
+    """A caption and an image edited in place to the same size with their modification time put back (cp -p,
+    rsync -t, an unzip do that), and an image replaced by a same-size file with the old time: each is sent
+    again; unchanged files are not, and a large unchanged one is not even read again."""
+    import os
+    from modules.remote import uploads
+    from modules.remote.remote_config import Upload
+    folder = tmp_path / "cats"
+    folder.mkdir()
+    caption, image, other = folder / "a.txt", folder / "a.png", folder / "b.png"
+    caption.write_bytes(b"a red cat")
+    image.write_bytes(b"\x89PNG" + b"x" * 100_000)
+    other.write_bytes(b"\x89PNG" + b"y" * 100_000)
+    read: list[str] = []
+    real_sha256 = uploads.file_sha256
+    monkeypatch.setattr(uploads, "file_sha256", lambda path: read.append(path.name) or real_sha256(path))
+
+    class Remote:
+        """What plan_uploads asks of a machine: its manifest, here the files of the last upload."""
+        manifest: dict = {}
+
+        def side(self, verb):
+            assert verb == "manifest"
+            return self.manifest
+    remote, upload = Remote(), Upload("concept 'cats'", folder, "data/cats")
+    later = lambda: time.time_ns() + 10 * 10**9  # hashed well after the files were written
+
+    def plan() -> list[str]:
+        read.clear()
+        done = uploads.plan_uploads(remote, (upload,), HashCache(tmp_path / "hashes.json", clock=later))
+        remote.manifest = {f.remote: [f.digest, f.size] for f in done.files}  # the remote has them now
+        return sorted(f.local.name for f in done.missing)
+
+    def keep_times(path: Path, edit) -> None:
+        before = path.stat()
+        edit()
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert plan() == ["a.png", "a.txt", "b.png"]
+    assert plan() == [] and read == ["a.txt"]  # unchanged: nothing sent; the small caption alone read again
+    keep_times(caption, lambda: caption.write_bytes(b"a big cat"))
+    with open(image, "r+b") as f:
+        keep_times(image, lambda: (f.seek(50), f.write(b"z"), f.flush()))
+    replacement = folder / ".b.png.tmp"
+    replacement.write_bytes(b"\x89PNG" + b"w" * 100_000)
+    os.utime(replacement, ns=(other.stat().st_atime_ns, other.stat().st_mtime_ns))
+    os.replace(replacement, other)  # what rsync -t does: a new file with the old time renamed over it
+    assert plan() == ["a.png", "a.txt", "b.png"]
+    assert plan() == []
+    # A file hashed right after it changed (the real clock: the image was written a moment ago) is not
+    # remembered: a change within the same tick of a coarse clock could go unseen.
+    fresh = HashCache(tmp_path / "fresh.json")
+    fresh.digest(image)
+    assert fresh.entries == {}
+
+
 def test_pick_run_prefers_what_is_still_going():
     runs = [RunInfo("a", "ended", 0, "work/x", created=1), RunInfo("b", "running", workspace="work/x", created=2),
             RunInfo("c", "ended", 0, "work/y", created=3)]

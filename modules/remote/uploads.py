@@ -1,18 +1,23 @@
 """Uploading datasets and models: only files the remote does not have yet, found by content hash.
 
 The remote keeps `files/manifest.json` (each file's SHA-256 and size; `remote_side.manifest` drops entries
-whose file vanished or changed size). The desktop hashes its files - remembering each file's hash by
-size and modification time in `<settings>/upload-hashes.json`, so a 7 GB model is read once, not at
-every start - and sends what differs as one tar stream through ssh. Files the desktop no longer has are
+whose file vanished or changed size). The desktop hashes its files and sends those whose (SHA-256, size)
+the manifest lacks, as one tar stream through ssh. So that a 7 GB model is read once, not at every start,
+`HashCache` remembers the hash of a file of 64 KiB or more in `<settings>/upload-hashes.json` with its size,
+modification time, change time and inode, and trusts it only while all four are unchanged; smaller files
+(captions: the files edited by hand, in place, with their times kept by `cp -p` or an unzip) are read at
+every start. Files the desktop no longer has are
 deleted from the remote copy afterwards, so the remote dataset is the desktop's, not a superset.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import tarfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,11 +42,38 @@ def size_text(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-class HashCache:
-    """SHA-256 of local files, kept by (size, mtime) so that unchanged files are not read again."""
+ALWAYS_READ_BELOW = 64 * 1024
+"""Files smaller than this are hashed at every start whatever their stat says: reading one costs about what
+trusting it does, and these (captions, small configs) are the files edited in place."""
+RECENT_NS = 2 * 10**9
+"""A file changed less than this before it was hashed is not remembered: a later change within the same tick
+of a coarse clock (1-2 s on some file systems) would leave its times as they were."""
 
-    def __init__(self, path: Path | None = None):
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _stamp(stat: os.stat_result) -> list[int]:
+    """What must be unchanged to trust a remembered hash. The change time: any write or utime() sets it to now
+    on Linux and macOS and nobody can set it back, so an edit that restores the modification time (cp -p,
+    rsync -t, an unzip) still changes it; the inode: a file replaced by another one (a rename over it) has a
+    new one. On Windows st_ctime is the creation time, so there an in-place edit that keeps size and
+    modification time is seen only in files below ALWAYS_READ_BELOW."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+class HashCache:
+    """SHA-256 of local files; the hash of a large file is kept with its `_stamp` so that it is not read again
+    while that is unchanged. Entries of the older (size, mtime) form never match and are replaced."""
+
+    def __init__(self, path: Path | None = None, clock=time.time_ns):
         self.path = path or settings_dir() / "upload-hashes.json"
+        self.clock = clock
         try:
             self.entries = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -49,18 +81,20 @@ class HashCache:
         self.changed = False
 
     def digest(self, path: Path) -> str:
-        stat = path.stat()
-        key = str(path)
+        key, stat = str(path), path.stat()
+        stamp = _stamp(stat)
         known = self.entries.get(key)
-        if known and known[0] == stat.st_size and known[1] == stat.st_mtime_ns:
-            return known[2]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                h.update(block)
-        self.entries[key] = [stat.st_size, stat.st_mtime_ns, h.hexdigest()]
-        self.changed = True
-        return h.hexdigest()
+        if stat.st_size >= ALWAYS_READ_BELOW and known and known[:-1] == stamp:
+            return known[-1]
+        digest = file_sha256(path)
+        unsure = (stat.st_size < ALWAYS_READ_BELOW or _stamp(path.stat()) != stamp  # changed while read
+                  or self.clock() - max(stat.st_mtime_ns, stat.st_ctime_ns) < RECENT_NS)
+        if not unsure:
+            self.entries[key] = [*stamp, digest]
+            self.changed = True
+        elif self.entries.pop(key, None) is not None:
+            self.changed = True
+        return digest
 
     def save(self) -> None:
         if self.changed:
