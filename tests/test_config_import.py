@@ -27,7 +27,7 @@ def _unmapped_keys(result) -> set[str]:
 
 
 def test_an_sd_scripts_toml_maps_its_arguments_and_tables():
-    result = import_config(FIXTURES / "kohya_sdxl_lokr.toml")
+    result = import_config(FIXTURES / "kohya_sdxl_lokr.toml", samples=FIXTURES / "prompts.txt")
     cfg = result.config()
     assert result.tool == "kohya sd-scripts"
     assert (cfg.model.model_type, cfg.model.base_model, cfg.model.vae_path) == (
@@ -45,7 +45,7 @@ def test_an_sd_scripts_toml_maps_its_arguments_and_tables():
     assert [(c.path, c.role, c.loss_weight) for c in d.concepts] == [
         ("/datasets/ohwx/img", "train", 1.0), ("/datasets/ohwx/reg", "regularisation", 0.8)]
     assert (cfg.save.output_dir, cfg.save.output_name, cfg.save.save_dtype) == ("/loras/ohwx", "ohwx-sdxl-lokr", "bf16")
-    # The prompt file next to the config: one prompt per line with kohya's --n/--w/--h/--d/--l/--s.
+    # The prompt file the user named (--samples): one prompt per line with kohya's --n/--w/--h/--d/--l/--s.
     first, second = cfg.sampling.prompts
     assert (first.prompt, first.negative_prompt, first.width, first.height, first.seed) == (
         "ohwx person, portrait photo, soft light", "blurry, lowres", 832, 1216, 7)
@@ -130,7 +130,7 @@ def test_a_onetrainer_json_maps_enums_parts_concepts_and_samples():
     assert validate(cfg, check_paths=False) == []
 
 
-def test_onetrainer_concepts_in_their_own_file_are_read(tmp_path):
+def test_onetrainer_concepts_in_their_own_file_are_read_when_named(tmp_path):
     (tmp_path / "training_concepts").mkdir()
     (tmp_path / "training_concepts" / "concepts.json").write_text(json.dumps(
         [{"name": "cat", "path": "/cats", "balancing": 2.5, "balancing_strategy": "REPEATS", "type": "STANDARD"}]))
@@ -138,7 +138,11 @@ def test_onetrainer_concepts_in_their_own_file_are_read(tmp_path):
     config.write_text(json.dumps({"__version": 10, "training_method": "FINE_TUNE", "model_type": "FLUX_DEV_1",
                                   "base_model_name": "black-forest-labs/FLUX.1-dev",
                                   "concept_file_name": "training_concepts/concepts.json", "peft_type": "OFT_2"}))
-    result = import_config(config)
+    unnamed = import_config(config)  # the file the config names is not read, only named with the option
+    assert unnamed.config().data.concepts == [] or "/cats" not in str(unnamed.config().data.concepts)
+    assert unnamed.unread == {"concepts": tmp_path / "training_concepts" / "concepts.json"}
+    assert f"--concepts {tmp_path / 'training_concepts' / 'concepts.json'}" in unnamed.report()
+    result = import_config(config, concepts=tmp_path / "training_concepts" / "concepts.json")
     cfg = result.config()
     assert (cfg.training.method, cfg.model.model_type) == ("full", "flux")
     assert [(c.path, c.repeats) for c in cfg.data.concepts] == [("/cats", 2)]
@@ -230,7 +234,147 @@ def test_the_import_button_fills_the_editor_and_lists_what_was_not_taken_over(tm
         pump(app)
         assert dialogs.errors and "not a config Tandem can import" in dialogs.errors[-1][1]
         assert fields["training.lora_type"].var.get() == "dora"
+        # A hostile file: the script's one line, not a traceback.
+        for name in ("nested JSON", "network_dim = inf", "not UTF-8"):
+            file_name, content, message = HOSTILE[name]
+            hostile = tmp_path / file_name
+            hostile.write_bytes(content)
+            dialogs.import_path = str(hostile)
+            app.import_button.invoke()
+            pump(app)
+            title, text = dialogs.errors[-1]
+            assert text.startswith(f"{hostile}: ") and message in text and "\n" not in text, text
+        # A concepts file the config names is read only when the user says yes.
+        secret = tmp_path / "concepts.json"
+        secret.write_text(json.dumps([{"path": "/from-the-named-file"}]))
+        named = tmp_path / "names-a-file.json"
+        named.write_text(json.dumps({"__version": 10, "training_method": "LORA", "concept_file_name": str(secret)}))
+        dialogs.import_path = str(named)
+        for answer in (False, True):
+            dialogs.yes_no_answer = answer
+            app.import_button.invoke()
+            pump(app)
+            assert str(secret) in dialogs.questions[-1]
+            assert ("/from-the-named-file" in [c.path for c in app.model.cfg.data.concepts]) == answer
     finally:
         app.controller.terminate()
         app.destroy()
 
+
+
+# ------------------------------------------------------------------ hostile files: one line, nothing else read
+
+KOHYA_GUI = '{"pretrained_model_name_or_path": "x", "LoRA_type": "Standard", '
+HOSTILE = {
+    "not UTF-8": ("x.json", b'{"network_dim": "\xff\xfe"}', "not UTF-8 text (byte 0xff"),
+    "nested JSON": ("x.json", b"[" * 100_000 + b"]" * 100_000, "nests objects or lists too deeply"),
+    "nested JSON objects": ("x.json", b'{"a":' * 5000 + b"1" + b"}" * 5000, "nests objects or lists too deeply"),
+    "nested TOML": ("x.toml", b"a = " + b"[" * 100_000 + b"]" * 100_000, "nests objects or lists too deeply"),
+    "nested below the parsers' limit": ("x.json", (KOHYA_GUI + '"network_args": ' + "[" * 40 + "]" * 40 + "}").encode(),
+                                        "more than 24 levels deep (at network_args[0]"),
+    "network_dim = inf": ("x.toml", b"network_module = 'networks.lora'\nnetwork_dim = inf\n",
+                          "network_dim = inf: not a finite number"),
+    "factor=1e400": ("x.json", (KOHYA_GUI + '"factor": 1e400}').encode(), "factor = inf: not a finite number"),
+    "factor as text 1e400": ("x.json", (KOHYA_GUI + '"factor": "1e400"}').encode(), "factor = 1e400: not a finite"),
+    "NaN": ("x.json", (KOHYA_GUI + '"learning_rate": NaN}').encode(), "learning_rate = nan: not a finite number"),
+    "nan as text": ("x.json", (KOHYA_GUI + '"learning_rate": "nan"}').encode(), "learning_rate = nan: not a finite"),
+    "a huge number for an int field": ("x.json", (KOHYA_GUI + '"network_dim": 1' + "0" * 30 + "}").encode(),
+                                       "network_dim = 1000000000000000000000000000000: too large"),
+    "a number of 5000 digits": ("x.toml", b"network_dim = 1" + b"0" * 5000 + b"\n", "a number of thousands of digits"),
+    "empty file": ("x.json", b"", "the config is empty"),
+    "blank TOML": ("x.toml", b"  \n", "the config is empty"),
+    "a JSON list at the top level": ("x.json", b"[1, 2]", "the top level must be an object"),
+    "a text where a number goes": ("x.json", json.dumps({"__version": 10, "training_method": "LORA",
+                                                          "clip_grad_norm": "abc"}).encode(),
+                                   "clip_grad_norm = 'abc': not a value of the kind this setting takes"),
+    "a concept's weight as text": ("x.json", json.dumps({"__version": 10, "concepts": [{"loss_weight": "heavy"}]}).encode(),
+                                   "concepts[0].loss_weight = 'heavy'"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_file_is_refused_in_one_line_naming_the_file_and_the_key(tmp_path, capsys, name):
+    file_name, content, message = HOSTILE[name]
+    source = tmp_path / file_name
+    source.write_bytes(content)
+    out = tmp_path / "out.json"
+    assert import_main([str(source), "--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    lines = printed.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in printed.err + printed.out, printed.err[-2000:]
+    assert lines[0].startswith(f"import_config.py: {source}: ") and message in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_odd_kinds_of_values_are_reported_or_refused_never_a_traceback(tmp_path, capsys):
+    odd = {"__version": 10, "training_method": "LORA", "concepts": [1, "x", {"text": "y", "image": 3}],
+           "samples": [2, {"seed": "x", "prompt": "p"}], "optimizer": [1], "resolution": {"a": 1}}
+    source = tmp_path / "odd.json"
+    source.write_text(json.dumps(odd))
+    assert import_main([str(source), "--out", str(tmp_path / "out.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "concepts[0] = 1 (not a concept" in printed and "Traceback" not in printed
+    for toml in ('[[datasets]]\nsubsets = "x"\n', '[[datasets]]\n[[datasets.subsets]]\nimage_dir = 5\n',
+                 'network_args = "a=\\"b"\nnetwork_module = "networks.lora"\n'):
+        (tmp_path / "odd.toml").write_text(toml)
+        assert import_main([str(tmp_path / "odd.toml"), "--out", str(tmp_path / "t.json"), "--force"]) == 0, toml
+        assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every path the import opens (pathlib's and open()'s reads go through io.open)."""
+    import io
+    paths, real_open = [], io.open
+
+    def recording_open(file, *args, **kwargs):
+        paths.append(str(file))
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(io, "open", recording_open)
+    return paths
+
+
+def test_files_a_config_names_are_not_read_only_named_with_the_option_that_reads_them(tmp_path, capsys, opened):
+    secret = tmp_path / "elsewhere" / "hostname"
+    secret.parent.mkdir()
+    secret.write_text(json.dumps([{"path": "/SECRET-FROM-THE-FILE", "prompt": "SECRET-FROM-THE-FILE"}]))
+    onetrainer = tmp_path / "ot.json"
+    onetrainer.write_text(json.dumps({"__version": 10, "training_method": "LORA", "base_model_name": "x",
+                                      "concept_file_name": str(secret), "sample_definition_file_name": str(secret)}))
+    kohya = tmp_path / "kohya.toml"
+    kohya.write_text(f'network_module = "networks.lora"\nsample_prompts = "{secret}"\n')
+    opened.clear()  # what this test wrote
+    for source in (onetrainer, kohya):
+        out = tmp_path / f"{source.stem}-out.json"
+        assert import_main([str(source), "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert f"--samples {secret}" in printed and "SECRET" not in printed + out.read_text()
+    assert f"--concepts {secret}" in import_config(onetrainer).report()
+    assert str(secret) not in opened
+    # Named on the command line, it is read: the user chose it.
+    out = tmp_path / "named.json"
+    assert import_main([str(onetrainer), "--concepts", str(secret), "--out", str(out)]) == 0
+    assert "/SECRET-FROM-THE-FILE" in out.read_text() and str(secret) in opened
+
+
+def test_a_named_file_that_is_no_concepts_list_is_refused_in_one_line(tmp_path, capsys):
+    onetrainer = tmp_path / "ot.json"
+    onetrainer.write_text(json.dumps({"__version": 10, "training_method": "LORA"}))
+    for content, message in ((b"\xff", "not UTF-8 text"), (b'{"a": 1}', "must hold a list"), (b"", "is empty")):
+        named = tmp_path / "concepts.json"
+        named.write_bytes(content)
+        assert import_main([str(onetrainer), "--concepts", str(named), "--out", str(tmp_path / "o.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{named}: the --concepts file" in err and message in err, err
+    assert import_main([str(FIXTURES / "kohya_sdxl_lokr.toml"), "--concepts", str(named), "--out",
+                        str(tmp_path / "o.json")]) == 2
+    assert "leave --concepts out" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_script_prints_one_line_for_a_deeply_nested_file(tmp_path):
+    source = tmp_path / "deep.json"
+    source.write_text("[" * 100_000 + "]" * 100_000)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_config.py"), str(source), "--out",
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -8,38 +8,70 @@ settings left at an off value (false, 0, empty) are only counted. Approximations
 share of the steps, a scheduler Tandem has in another form) are said in `notes`.
 
 The mappings themselves are in `import_kohya.py` and `import_onetrainer.py`, what they fill and the
-value readers they share in `import_result.py`. Torch-free: the GUI and `scripts/import_config.py` use it
-without loading any model code.
+value readers they share in `import_result.py`, the reading of files in `import_files.py`. Torch-free: the
+GUI and `scripts/import_config.py` use it without loading any model code.
+
+An import reads the config and the files the user names with it - `concepts` (OneTrainer's concepts file),
+`samples` (OneTrainer's sample definitions, sd-scripts' prompt file) - and no other: a file the config
+names itself (`concept_file_name = "/etc/..."`) is listed in `ImportResult.unread` and in the report,
+with the option that would read it. Anything wrong with a file is one `ConfigError` sentence
+(`import_error_line` makes the one line the script and the GUI show), never a traceback.
 """
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 
 from . import import_kohya, import_onetrainer
+from .import_files import read_file
 from .import_result import ImportResult
 from .serialization import ConfigError
 
+UNEXPECTED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError, OSError)
+"""What a mapping raises on a value of a kind no trainer writes (a list where a table goes), or a folder it
+names that cannot be listed: one line too (the values it knows to check are refused naming their key)."""
 
-def import_config(path: str | Path) -> ImportResult:
-    """The Tandem config of a kohya (`.toml` / `.json`) or OneTrainer (`.json`) config file."""
+
+def import_config(path: str | Path, concepts: str | Path | None = None,
+                  samples: str | Path | None = None) -> ImportResult:
+    """The Tandem config of a kohya (`.toml` / `.json`) or OneTrainer (`.json`) config file; `concepts` and
+    `samples`: the files the user names for the concepts and sample prompts the config keeps in files of
+    their own (read only when named)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError([f"{path}: no such file; choose a kohya .toml/.json or OneTrainer .json config."], str(path))
-    text = path.read_text(encoding="utf-8-sig")
-    try:
-        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError([f"not valid {path.suffix.lstrip('.').upper() or 'JSON'}: {error}."], str(path)) from None
+    data = read_file(path, "the config")
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be an object (a table of settings)."], str(path))
+    named = {key: Path(value).expanduser() for key, value in (("concepts", concepts), ("samples", samples)) if value}
+    try:
+        return _mapped(path, data, named)
+    except ConfigError:
+        raise
+    except UNEXPECTED as error:
+        raise ConfigError([f"a setting holds a value of a kind the {_tool(path, data)} config never has "
+                           f"({type(error).__name__}: {error}); export the config again from the trainer."],
+                          str(path)) from None
+
+
+def import_error_line(error: ConfigError) -> str:
+    """An import's refusal as the one line the script prints and the GUI shows: the file, then each problem."""
+    where = f"{error.source}: " if error.source else ""
+    return where + " ".join(error.problems)
+
+
+def _tool(path: Path, data: dict) -> str:
     if path.suffix.lower() == ".toml":
-        return import_kohya.from_sd_scripts(path, data)
+        return "kohya sd-scripts"
+    return "OneTrainer" if import_onetrainer.looks_like(data) else "kohya_ss GUI"
+
+
+def _mapped(path: Path, data: dict, named: dict[str, Path]) -> ImportResult:
+    if path.suffix.lower() == ".toml":
+        return import_kohya.from_sd_scripts(path, data, named)
     if import_onetrainer.looks_like(data):
-        return import_onetrainer.from_onetrainer(path, data)
+        return import_onetrainer.from_onetrainer(path, data, named)
     if import_kohya.looks_like_gui(data):
-        return import_kohya.from_gui(path, data)
+        return import_kohya.from_gui(path, data, named)
     if "general" in data and "training" in data:
         raise ConfigError(["this is a Tandem config already; open it with Load (or --config-path)."], str(path))
     raise ConfigError(["not a config Tandem can import: neither OneTrainer's (training_method, model_type, "

@@ -6,7 +6,8 @@ Two spellings of the same settings:
   `[[datasets]]` / `[[datasets.subsets]]` (`image_dir`, `num_repeats`, `is_reg`, ...) is read too.
 - the kohya_ss GUI's `.json`: mostly the same names, some its own (`LoRA_type`, `epoch`, `optimizer`,
   `max_resolution`, `lr_warmup` in percent), numbers often as strings.
-Image folders follow kohya's `<repeats>_<name>` sub-folders of `train_data_dir` / `reg_data_dir`.
+Image folders follow kohya's `<repeats>_<name>` sub-folders of `train_data_dir` / `reg_data_dir` (listed,
+not read). A prompt file that `sample_prompts` names is read only when the user names it too (`--samples`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import ConfigError
+from .import_files import read_lines
 from .import_result import ImportResult, is_off, number, resolution, whole
 
 GUI_MARKERS = ("LoRA_type", "pretrained_model_name_or_path", "train_data_dir", "max_resolution")
@@ -120,8 +123,10 @@ def looks_like_gui(data: dict) -> bool:
     return any(key in data for key in GUI_MARKERS)
 
 
-def from_sd_scripts(path: Path, data: dict) -> ImportResult:
-    """An sd-scripts `.toml`: tables are flattened as sd-scripts does (one level), `[[datasets]]` read."""
+def from_sd_scripts(path: Path, data: dict, named: dict[str, Path] | None = None) -> ImportResult:
+    """An sd-scripts `.toml`: tables are flattened as sd-scripts does (one level), `[[datasets]]` read.
+    `named`: the files the user named (`samples`: the prompt file)."""
+    _refuse_concepts_file(path, named or {})
     flat: dict[str, Any] = {}
     datasets = data.pop("datasets", None)
     general = data.pop("general", None)  # dataset configs keep shared subset settings here
@@ -135,17 +140,24 @@ def from_sd_scripts(path: Path, data: dict) -> ImportResult:
         flat = {**general, **flat}
     if isinstance(datasets, list):
         _datasets(result, datasets, flat, general if isinstance(general, dict) else {})
-    _map(result, flat, path, gui=False)
+    _map(result, flat, path, gui=False, named=named or {})
     return result
 
 
-def from_gui(path: Path, data: dict) -> ImportResult:
+def from_gui(path: Path, data: dict, named: dict[str, Path] | None = None) -> ImportResult:
+    _refuse_concepts_file(path, named or {})
     result = ImportResult(path, "kohya_ss GUI")
-    _map(result, dict(data), path, gui=True)
+    _map(result, dict(data), path, gui=True, named=named or {})
     return result
 
 
-def _map(result: ImportResult, data: dict, path: Path, gui: bool) -> None:
+def _refuse_concepts_file(path: Path, named: dict[str, Path]) -> None:
+    if "concepts" in named:
+        raise ConfigError(["--concepts reads OneTrainer's concepts file; a kohya config names its image folders "
+                           "itself (train_data_dir, [[datasets]]): leave --concepts out."], str(path))
+
+
+def _map(result: ImportResult, data: dict, path: Path, gui: bool, named: dict[str, Path]) -> None:
     data = {k: v for k, v in data.items() if not (k in KNOWN_DEFAULTS and _same(v, KNOWN_DEFAULTS[k]))
             and not (k in AS_TANDEM_DOES and _same(v, AS_TANDEM_DOES[k]))}
     _network(result, data, gui)
@@ -168,7 +180,7 @@ def _map(result: ImportResult, data: dict, path: Path, gui: bool) -> None:
     _optimizer(result, data, gui)
     _precision(result, data)
     _clip_skip(result, data)
-    _samples(result, data, path, gui)
+    _samples(result, data, path, gui, named)
     if "unet_lr" in data:
         value = data.pop("unet_lr")
         if number(value):
@@ -246,7 +258,10 @@ def _args(raw: Any) -> dict[str, str]:
     """kohya's `key=value` argument lists (a list, or one string with spaces) as a dict."""
     if raw is None or raw == "":
         return {}
-    items = raw if isinstance(raw, list) else shlex.split(str(raw))
+    try:
+        items = raw if isinstance(raw, list) else shlex.split(str(raw))
+    except ValueError:  # an unclosed quote: kohya would refuse it; read it word by word
+        items = str(raw).split()
     found = {}
     for item in items:
         key, _, value = str(item).partition("=")
@@ -282,7 +297,10 @@ def _folders(result: ImportResult, data: dict, config_path: Path) -> None:
 def _kohya_folder(folder: str, role: str, extension: str, loss_weight: float, result: ImportResult) -> list[dict]:
     """kohya's `<repeats>_<name>` sub-folders as concepts; the folder itself when it has none (or is absent)."""
     root = Path(folder).expanduser()
-    subfolders = sorted(p for p in root.iterdir() if p.is_dir() and re.match(r"^\d+_", p.name)) if root.is_dir() else []
+    try:
+        subfolders = sorted(p for p in root.iterdir() if p.is_dir() and re.match(r"^\d+_", p.name)) if root.is_dir() else []
+    except OSError:  # not readable here: imported as the folder itself, as when it is absent
+        subfolders = []
     if not subfolders:
         if not root.is_dir():
             result.notes.append(f"{folder}: not found here, so its <repeats>_<name> sub-folders could not be read; "
@@ -309,7 +327,11 @@ def _datasets(result: ImportResult, datasets: list, flat: dict, general: dict) -
                     "batch_size"):
             if key in shared:
                 flat.setdefault("train_batch_size" if key == "batch_size" else key, shared[key])
-        for subset in dataset.get("subsets", []):
+        subsets = dataset.get("subsets", [])
+        for subset in subsets if isinstance(subsets, list) else [subsets]:
+            if not isinstance(subset, dict):
+                result.skip("datasets.subsets", subset, "not a subset (a table with image_dir)")
+                continue
             merged = {**general, **shared, **subset}
             folder = str(merged.get("image_dir", "")).strip()
             if not folder:
@@ -419,24 +441,32 @@ def _clip_skip(result: ImportResult, data: dict) -> None:
         result.set("training.clip_skip", value)
 
 
-def _samples(result: ImportResult, data: dict, config_path: Path, gui: bool) -> None:
+def _prompt_file(value: str, config_path: Path) -> Path | None:
+    """The prompt file `sample_prompts` names, if there is one (found by looking, never by reading)."""
+    if "\n" in value or " --" in value:
+        return None
+    for candidate in (Path(value).expanduser(), config_path.parent / value):
+        if candidate.is_file():
+            return candidate.absolute()
+    return None
+
+
+def _samples(result: ImportResult, data: dict, config_path: Path, gui: bool, named: dict[str, Path]) -> None:
     """sd-scripts' prompt file: one prompt per line with `--n` negative, `--w`/`--h` size, `--d` seed
-    (`--l` scale and `--s` steps apply to all samples in Tandem: the first line's are taken)."""
-    if "sample_prompts" not in data:
+    (`--l` scale and `--s` steps apply to all samples in Tandem: the first line's are taken). The file the
+    config names is read only when the user names it (`named["samples"]`); the GUI keeps the text itself."""
+    value = str(data.pop("sample_prompts", "") or "").strip()
+    if "samples" in named:
+        lines = read_lines(named["samples"], "the --samples file")
+    elif not value:
         return
-    value = str(data.pop("sample_prompts") or "").strip()
-    if not value:
+    elif _prompt_file(value, config_path) is not None:
+        result.unread["samples"] = _prompt_file(value, config_path)  # the report says how to read it
         return
-    file = Path(value).expanduser()
-    if not file.is_absolute() and not file.is_file():
-        file = config_path.parent / value
-    if file.is_file() and file.suffix.lower() in (".txt", ""):
-        lines = file.read_text(encoding="utf-8").splitlines()
     elif gui or "\n" in value or " --" in value:  # the kohya_ss GUI keeps the prompts' text itself
         lines = value.splitlines()
     else:
-        result.skip("sample_prompts", value, "a .txt prompt file that is not here" if not file.is_file()
-                    else "only .txt prompt files are read")
+        result.skip("sample_prompts", value, "a .txt prompt file that is not here")
         return
     prompts = []
     for line in lines:

@@ -4,14 +4,16 @@ OneTrainer keeps enums in upper case (`"training_method": "LORA"`, `"model_type"
 "STABLE_DIFFUSION_XL_10_BASE"`), per-part settings in objects (`unet`, `transformer`, `text_encoder`,
 `vae`: `train`, `learning_rate`, `weight_dtype`), the optimizer in `optimizer`, and concepts and sample
 prompts inline (`concepts`, `samples`) or in the files `concept_file_name` / `sample_definition_file_name`
-name (read when they exist, relative to the config's folder or OneTrainer's own).
+name. Those files are read only when the user names them too (`--concepts`, `--samples`): a config from
+elsewhere could name any file. Otherwise the report says which file it names and how to include it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
+from .import_files import read_file
 from .import_result import ImportResult, number, resolution, whole
 
 MARKERS = ("training_method", "base_model_name", "output_model_destination", "concept_file_name")
@@ -43,14 +45,16 @@ def looks_like(data: dict) -> bool:
         data.get("model_type", "")).isupper()
 
 
-def from_onetrainer(path: Path, data: dict) -> ImportResult:
+def from_onetrainer(path: Path, data: dict, named: dict[str, Path] | None = None) -> ImportResult:
+    """`named`: the files the user named for the concepts and samples (`concepts`, `samples`)."""
+    named = named or {}
     result = ImportResult(path, "OneTrainer")
     data = {k: v for k, v in data.items() if k not in IGNORED or k in ("concept_file_name",
                                                                          "sample_definition_file_name")}
     _method(result, data)
     _parts(result, data)
-    _concepts(result, data, path)
-    _samples(result, data, path)
+    _concepts(result, data, path, named)
+    _samples(result, data, path, named)
     _schedule(result, data)
     _optimizer(result, data.pop("optimizer", None))
     _every(result, data, "backup_after", {"EPOCH": "save.backup_every_n_epochs", "STEP": "save.backup_every_n_steps",
@@ -78,7 +82,7 @@ def from_onetrainer(path: Path, data: dict) -> ImportResult:
                 continue
             result.set(simple[key], value)
         elif key == "clip_grad_norm":
-            result.set("training.max_grad_norm", float(value or 0.0))
+            result.set("training.max_grad_norm", _float(result, key, value or 0.0))
         elif key == "ema":
             result.set("training.ema", str(value).upper() != "OFF")
         elif key == "train_dtype":
@@ -96,7 +100,8 @@ def from_onetrainer(path: Path, data: dict) -> ImportResult:
                 result.set("training.clip_skip", whole(value) + 1)  # OneTrainer counts skipped layers
         elif key == "loss_weight_fn":
             if str(value).upper() == "MIN_SNR_GAMMA":
-                result.set("training.min_snr_gamma", float(data.get("loss_weight_strength", 5.0)))
+                result.set("training.min_snr_gamma",
+                           _float(result, "loss_weight_strength", data.get("loss_weight_strength", 5.0)))
             elif str(value).upper() != "CONSTANT":
                 result.skip(key, value, "Tandem weights the loss by min-SNR only")
         elif key == "loss_weight_strength":
@@ -108,12 +113,20 @@ def from_onetrainer(path: Path, data: dict) -> ImportResult:
         elif key == "unmasked_weight":
             if data.get("masked_training"):
                 for concept in result.get("data.concepts", []):
-                    concept["unmasked_weight"] = float(value)
+                    concept["unmasked_weight"] = _float(result, key, value)
         elif key == "gradient_checkpointing":
             result.set("training.gradient_checkpointing", str(value).upper() != "OFF" and value is not False)
         else:
             result.skip(key, value)
     return result
+
+
+def _float(result: ImportResult, key: str, value: Any) -> float:
+    """The number `key` must hold; refused, naming it, when it holds none."""
+    found = number(value)
+    if found is None:
+        result.refuse(key, value, "not a number")
+    return found
 
 
 def _choice(result: ImportResult, key: str, value: Any, table: dict, target: str) -> None:
@@ -204,31 +217,44 @@ def _parts(result: ImportResult, data: dict) -> None:
             result.set("model.vae_dtype", DTYPES[str(vae["weight_dtype"])])
 
 
-def _linked_list(data: dict, inline_key: str, file_key: str, config_path: Path) -> list | None:
-    """A list given inline, or in the JSON file another key names (relative to the config or OneTrainer)."""
+def _linked_list(result: ImportResult, data: dict, inline_key: str, file_key: str, option: str,
+                 named: dict[str, Path], config_path: Path) -> list | None:
+    """The list in the file the user named (`named[option]`), else the list given inline. A file the config
+    names (`file_key`) is not read: it goes to `result.unread` under `option`, for the report."""
     inline = data.pop(inline_key, None)
     name = data.pop(file_key, None)
+    if option in named:
+        found = read_file(named[option], f"the --{option} file")
+        if not isinstance(found, list):
+            raise ConfigError([f"the --{option} file must hold a list, as OneTrainer's {file_key} file does; name "
+                               "that file."], str(named[option]))
+        return found
     if isinstance(inline, list):
         return inline
-    if not name:
-        return None
-    for candidate in (Path(name).expanduser(), config_path.parent / name, config_path.parent.parent / name):
-        if candidate.is_file():
-            found = json.loads(candidate.read_text(encoding="utf-8"))
-            return found if isinstance(found, list) else None
+    if name:
+        result.unread[option] = _where(str(name), config_path)
     return None
 
 
-def _concepts(result: ImportResult, data: dict, config_path: Path) -> None:
-    named = data.get("concept_file_name")
-    concepts = _linked_list(data, "concepts", "concept_file_name", config_path)
+def _where(name: str, config_path: Path) -> Path:
+    """The file OneTrainer would read for `name` (relative to the config's folder or OneTrainer's own):
+    found by looking, never by reading."""
+    for candidate in (Path(name).expanduser(), config_path.parent / name, config_path.parent.parent / name):
+        if candidate.is_file():
+            return candidate.absolute()
+    return (config_path.parent / name).absolute()
+
+
+def _concepts(result: ImportResult, data: dict, config_path: Path, named: dict[str, Path]) -> None:
+    concepts = _linked_list(result, data, "concepts", "concept_file_name", "concepts", named, config_path)
     if concepts is None:
-        if named:
-            result.skip("concept_file_name", named, "file not found next to the config; add the folders in the Data tab")
         return
     mapped = []
     for index, concept in enumerate(concepts):
-        text, image = concept.get("text", {}) or {}, concept.get("image", {}) or {}
+        if not isinstance(concept, dict):
+            result.skip(f"concepts[{index}]", concept, "not a concept (an object with a path)")
+            continue
+        text, image = _table(concept.get("text")), _table(concept.get("image"))
         strategy = str(concept.get("balancing_strategy", "REPEATS"))
         balancing = number(concept.get("balancing", 1.0)) or 1.0
         if strategy != "REPEATS" or balancing != int(balancing):
@@ -242,13 +268,13 @@ def _concepts(result: ImportResult, data: dict, config_path: Path) -> None:
         mapped.append({"path": str(concept.get("path", "")), "name": str(concept.get("name", "")),
                        "enabled": bool(concept.get("enabled", True)), "repeats": max(1, round(balancing)),
                        "recursive": bool(concept.get("include_subdirectories", False)), "role": role,
-                       "loss_weight": float(concept.get("loss_weight", 1.0)),
+                       "loss_weight": _float(result, f"concepts[{index}].loss_weight", concept.get("loss_weight", 1.0)),
                        "caption_extension": ".txt" if source == "sample" else ""})  # "": the file name
         if source not in ("sample", "filename"):
             result.skip(f"concepts[{index}].text.prompt_source", source, "captions come from .txt files or file names")
         if text.get("enable_tag_shuffling"):
             result.set("data.shuffle_tags", True)
-            result.set("data.keep_tags", int(text.get("keep_tags_count", 1)))
+            result.set("data.keep_tags", whole(text.get("keep_tags_count", 1)) or 0)
             result.set("data.tag_separator", str(text.get("tag_delimiter", ",")))
         if image.get("enable_random_flip"):
             result.set("data.random_flip", True)
@@ -258,17 +284,24 @@ def _concepts(result: ImportResult, data: dict, config_path: Path) -> None:
         result.set("data.concepts", mapped)
 
 
-def _samples(result: ImportResult, data: dict, config_path: Path) -> None:
-    samples = _linked_list(data, "samples", "sample_definition_file_name", config_path)
+def _table(value: Any) -> dict:
+    """A part of a concept or sample that should be an object (`text`, `image`); {} when it is not."""
+    return value if isinstance(value, dict) else {}
+
+
+def _samples(result: ImportResult, data: dict, config_path: Path, named: dict[str, Path]) -> None:
+    samples = _linked_list(result, data, "samples", "sample_definition_file_name", "samples", named, config_path)
     if not samples:
         return
+    samples = [s for s in samples if isinstance(s, dict)]
     prompts = [{"prompt": str(s.get("prompt", "")), "negative_prompt": str(s.get("negative_prompt", "")),
-                "seed": int(s.get("seed", 0)), "width": int(s.get("width", 0)), "height": int(s.get("height", 0))}
+                "seed": whole(s.get("seed")) or 0, "width": whole(s.get("width")) or 0,
+                "height": whole(s.get("height")) or 0}
                for s in samples if s.get("enabled", True)]
     result.set("sampling.prompts", prompts)
     first = next((s for s in samples if s.get("enabled", True)), None)
-    if first and number(first.get("diffusion_steps")):
-        result.set("sampling.inference_steps", int(first["diffusion_steps"]))
+    if first and whole(first.get("diffusion_steps")):
+        result.set("sampling.inference_steps", whole(first["diffusion_steps"]))
     if first and number(first.get("cfg_scale")) is not None:
         result.set("sampling.guidance_scale", float(first["cfg_scale"]))
 

@@ -6,10 +6,12 @@ mapped, what changed meaning) and the readers of config values the mappings shar
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
 from .presets import config_from_overlay
 from .train_config import TrainConfig
 
@@ -27,6 +29,9 @@ class ImportResult:
     """How many settings without a counterpart were at an off value (false, 0, empty): not listed."""
     notes: list[str] = field(default_factory=list)
     """Mapped settings whose meaning changed on the way (say so, so the user can check them)."""
+    unread: dict[str, Path] = field(default_factory=dict)
+    """Files the config names that were not read, by the option that reads them (`concepts`, `samples`): an
+    import reads only the files the user names (the report says how)."""
 
     def set(self, path: str, value: Any) -> None:
         """Set Tandem field `path` (`training.learning_rate`) in the overlay."""
@@ -37,19 +42,27 @@ class ImportResult:
         section, name = path.split(".", 1)
         return self.overlay.get(section, {}).get(name, default)
 
+    def refuse(self, key: str, value: Any, error: Exception) -> None:
+        """Raise the `ConfigError` for a value of a kind the trainer never writes there (`error`: what it caused)."""
+        raise ConfigError([f"{key} = {_shown(value)}: not a value of the kind this setting takes ({error}); write "
+                           "it as the trainer does (a number, true/false or text)."], str(self.source))
+
     def skip(self, key: str, value: Any, reason: str = "") -> None:
         """Record a setting that is not mapped (counted only when it is off)."""
         if is_off(value):
             self.off_unmapped += 1
             return
-        shown = json.dumps(value) if not isinstance(value, str) else repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        self.unmapped.append(f"{key} = {shown}" + (f" ({reason})" if reason else ""))
+        self.unmapped.append(f"{key} = {_shown(value)}" + (f" ({reason})" if reason else ""))
 
     def config(self) -> TrainConfig:
         """The Tandem config: the defaults with the mapped settings (types checked, values not validated)."""
         return config_from_overlay(self.overlay, str(self.source))
+
+    def unread_question(self) -> str:
+        """The GUI's question before it reads the files the config names (`unread`)."""
+        listed = "\n".join(f"  - {what}: {path}" for what, path in self.unread.items())
+        return (f"{self.source.name} keeps some settings in files of its own, which an import reads only when you "
+                f"say so:\n{listed}\n\nRead them too? Choose No if you do not know where the file came from.")
 
     def report(self) -> str:
         """The one message about what was not taken over."""
@@ -64,7 +77,18 @@ class ImportResult:
             lines += ["", "Every setting that was set is mapped."]
         if self.off_unmapped:
             lines.append(f"  ({self.off_unmapped} more without a Tandem counterpart were off or empty.)")
+        if self.unread:
+            lines += ["", "Files the config names, not read (an import reads only the files you name; a config from "
+                          "elsewhere could name any file):"]
+            lines += [f"  - its {what}: {path} - to read it: scripts/import_config.py ... --{what} {path}"
+                      for what, path in self.unread.items()]
         return "\n".join(lines)
+
+
+def _shown(value: Any) -> str:
+    """`value` as the report shows it: JSON, text quoted, at most 80 characters."""
+    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def is_off(value: Any) -> bool:
@@ -73,13 +97,15 @@ def is_off(value: Any) -> bool:
 
 
 def number(value: Any) -> float | None:
-    """A number from a config value (the kohya GUI writes many as strings: "1", "0.0001"); None if empty."""
+    """A number from a config value (the kohya GUI writes many as strings: "1", "0.0001"); None if empty or
+    no finite number (`"inf"`, `"nan"`: `import_files.check_values` refused such numbers already)."""
     if value is None or value == "" or isinstance(value, bool):
         return None
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        found = float(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return found if math.isfinite(found) else None
 
 
 def whole(value: Any) -> int | None:
@@ -90,11 +116,11 @@ def whole(value: Any) -> int | None:
 def resolution(value: Any) -> tuple[int, bool] | None:
     """(side of a square of the same area, rounded to 8; whether it was a rectangle) from "512", 512, "768,512"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value) // 8 * 8, False
+        return (int(value) // 8 * 8, False) if math.isfinite(value) else None
     parts = [p for p in str(value).replace("x", ",").split(",") if p.strip()]
     try:
         sides = [int(float(p)) for p in parts]
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or "inf"
         return None
     if len(sides) == 1:
         return sides[0] // 8 * 8, False

@@ -10,7 +10,7 @@ from typing import Callable
 import customtkinter as ctk
 
 from modules.config import ConfigError
-from modules.config.config_import import import_config
+from modules.config.config_import import import_config, import_error_line
 from modules.config.presets import list_presets
 
 from ..config_model import ConfigModel
@@ -157,9 +157,11 @@ class TandemApp(ctk.CTk):
             return False
         try:
             result = import_config(path)
+            if result.unread and self.dialogs.ask_yes_no("Read the files it names?", result.unread_question()):
+                result = import_config(path, **result.unread)  # the user named them now: read them too
             cfg = result.config()
         except ConfigError as e:
-            self.dialogs.show_error("Could not import config", str(e))
+            self.dialogs.show_error("Could not import config", import_error_line(e))
             return False
         self.model.adopt(cfg, f"imported {Path(path).stem}")
         self._show_current_choice()
