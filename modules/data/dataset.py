@@ -6,9 +6,12 @@ an item looks the same whichever rank or DataLoader worker loads it and however 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing
+import os
 import random
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -379,11 +382,21 @@ def make_dataloader(dataset: TrainDataset, batch_sampler, data_cfg: DataConfig, 
     return DataLoader(dataset, batch_sampler=_EpochTaggedBatches(batch_sampler), collate_fn=collate,
                       num_workers=workers, pin_memory=data_cfg.pin_memory and device_is_cuda,
                       prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
-                      persistent_workers=workers > 0, worker_init_fn=end_with_the_rank if workers > 0 else None,
+                      persistent_workers=workers > 0,
+                      worker_init_fn=functools.partial(end_with_the_rank, os.getpid()) if workers > 0 else None,
                       multiprocessing_context=loader_worker_context() if workers > 0 else None)
 
 
-def end_with_the_rank(worker_id: int) -> None:
-    """A loader worker dies with the training process that started it (killed, or its launcher killed): it
-    would otherwise notice only at its next look, seconds later, holding its memory meanwhile."""
-    die_with_parent()
+def end_with_the_rank(rank_pid: int, worker_id: int) -> None:
+    """A loader worker dies with the training process that started it (`rank_pid`: killed, or its launcher
+    killed): it would otherwise notice only at its next look, seconds later, holding its memory meanwhile.
+
+    And it leaves stop signals to its rank. A SIGTERM or SIGINT to the whole process group - a scheduler's or
+    the GUI's "terminate", a Ctrl-C in the terminal, torchrun's agent ending its workers' groups - reaches the
+    loader workers too; dying of it, they failed their rank ("DataLoader worker ... killed by signal:
+    Terminated") before the rank could take its clean stop with a backup. Ignored here, the worker ends with
+    its rank: when the loader shuts down, or by the parent-death signal. (A worker the loader's shut-down
+    cannot join and terminates then stays until its rank exits - moments later.)"""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(rank_pid)
