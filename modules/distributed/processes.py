@@ -131,10 +131,19 @@ start_method = forkserver.start_method
 
 
 def _forked_entry(rank: int, entry, args: tuple, state: _StartState | None) -> None:
+    _die_with_the_server()
     if state is not None:
         state.apply()
     _undo_the_forkserver_settings()
     entry(rank, *args)
+
+
+def _die_with_the_server() -> None:
+    """A worker's first act: end with the process it was started from - the forkserver, which dies with the
+    launcher (`forkserver_setup`), or under spawn the launcher itself. The server's pid is checked too: had it
+    died already, this worker would have no parent to die with and would train on alone."""
+    setup = sys.modules.get("modules.distributed.forkserver_setup")
+    end_with_parent(setup.server_pid if setup is not None else None)
 
 
 def _undo_the_forkserver_settings() -> None:

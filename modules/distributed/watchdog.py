@@ -19,7 +19,8 @@ store (a TCP connection of its own, independent of NCCL and gloo) once a second:
 
 Every rank that ends this way notes whom it blames and where that rank was (`failures.record_blame`), so
 the launcher's headline and a restarted round name the right rank, step and phase. When the store itself
-stops answering for `stall_seconds`, the launcher that serves it is gone, and the worker ends too.
+stops answering for `stall_seconds`, the launcher that serves it is gone, and the worker ends too; a worker
+whose parent (the spawn launcher, or its forkserver) has ended leaves at the next beat.
 `timeout_minutes` still bounds a collective that every rank waits in (a slow network).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Callable
 
 from modules.distributed import failures
 from modules.distributed.failures import ENDED_BY_WATCHDOG
+from modules.util.exit import parent_gone
 from modules.util.heartbeat import FINISHED, PHASE_ORDER, Heartbeat
 
 log = logging.getLogger("tandem")
@@ -232,6 +234,13 @@ class Watchdog:
     def tick(self, now: float) -> None:
         """One look: beat, then end this process if a rank is the cause of a stall or a failure."""
         if self.stopped.is_set():
+            return
+        if parent_gone():
+            # The launcher was killed (Linux's parent-death signal ends this process before it sees this; macOS
+            # has none): a worker must not train on, nor write a backup, where a new run may start.
+            failures.record_blame(self.folder, self.rank, self.rank, "the process that started this worker ended: "
+                                  "the launcher ended", self.heartbeat.step, self.heartbeat.phase, kind="LauncherGone")
+            self._leave(ENDED_BY_WATCHDOG)
             return
         if self.failing_since is not None:
             if now - self.failing_since > FAILURE_GRACE_S:

@@ -7,9 +7,17 @@ import sys
 from typing import NoReturn
 
 
+_started_by: int | None = None
+"""This process's parent when `die_with_parent` was asked for (POSIX): `parent_gone` compares with it."""
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
-    """Have the system kill this process (SIGKILL) when the process that started it ends (Linux; elsewhere a
-    no-op). `parent_pid`: the parent it must still have (it may have ended before this was asked for)."""
+    """Have the system kill this process (SIGKILL) when the process that started it ends (Linux; elsewhere only
+    noted, for `parent_gone`). `parent_pid`: the process that must still be there - the parent, or the one that
+    asked for this process (it may have ended before this was asked for)."""
+    global _started_by
+    if os.name == "posix":
+        _started_by = os.getppid()
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -21,6 +29,13 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid and not pid_exists(parent_pid):
         os._exit(1)
+
+
+def parent_gone() -> bool:
+    """Whether the parent this process had when `die_with_parent` was asked for has ended (POSIX: the process
+    was handed to another parent). False where nothing was noted, and on Windows, whose parent pid never
+    changes. Where the parent-death signal exists this is a second look only; elsewhere (macOS) the only one."""
+    return _started_by is not None and os.getppid() != _started_by
 
 
 def pid_exists(pid: int) -> bool:
