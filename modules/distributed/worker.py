@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig
-from modules.config.launch_spec import resolve_launch
+from modules.config.launch_spec import EXTERNAL, resolve_launch
 from modules.distributed import failures
 from modules.distributed.job import WorkerJob
 from modules.distributed.plan import LaunchError
@@ -109,8 +109,19 @@ def run_worker(job: WorkerJob) -> None:
         kind, text = type(e).__name__, " ".join(str(e).split())
         if not failures.is_secondary(kind, text):  # a lost peer's complaints stay in the details file
             log.error("rank %d failed: %s: %s", rank, kind, text[:500])
-        duties.callbacks.on_event("error", text=f"{kind}: {e}", rank=rank)
+        if sends_error_event(job, kind, text):
+            duties.callbacks.on_event("error", text=f"{kind}: {e}", rank=rank)
         raise
+
+
+def sends_error_event(job: WorkerJob, kind: str, text: str) -> bool:
+    """Whether a worker's own error becomes the run's `error` event (what the GUI shows as the failure).
+
+    Under Tandem's launchers never: the launcher sends one, its headline, naming the rank that failed first as
+    the notes and the watchdogs decide it. A worker's own event came first and named whatever rank 0 saw - after
+    rank 1 was killed under torchrun, its "Connection closed by peer" (4 of 7 kills). Under a user's own torchrun
+    nobody else speaks: the error, unless it is only about another rank."""
+    return job.spec.launcher == EXTERNAL and not failures.is_secondary(kind, text)
 
 
 def keep_global_batch(job: WorkerJob, world_size: int) -> WorkerJob:
