@@ -10,6 +10,8 @@ Ctrl-C while following detaches: the run goes on on the remote.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -51,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
                             "from https://download.pytorch.org/whl/cpu on a machine without an NVIDIA driver)")
     where.add_argument("--remote-model", help="the base model already on the remote (a path there); not uploaded")
     where.add_argument("--remote-env", action="append", default=[], metavar="KEY=VALUE",
-                       help="a variable for the run on the remote, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable)")
+                       help="a variable for the run on the remote, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable); a bare "
+                            "NAME passes this desktop's value of it, e.g. --remote-env HF_TOKEN")
     where.add_argument("--accept-host-key", action="append", default=[], metavar="SHA256:...",
                        help="trust a machine not known yet that offers this host key fingerprint (compare it with "
                             "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the machine); without it you "
@@ -96,12 +99,23 @@ def hosts_from(args) -> list[RemoteHost]:
         host = RemoteHost(host=name, user=user, port=port or args.port or 22, identity=args.identity or "",
                           folder=folders[i if len(folders) > 1 else 0], python=args.remote_python or "",
                           torch_spec=args.torch_spec or "", base_model=args.remote_model or "",
-                          environment=" ".join(args.remote_env))
+                          environment=environment_text(args.remote_env))
         problems = host.problems()
         if problems:
             raise ValueError("; ".join(problems))
         hosts.append(host)
     return hosts
+
+
+def environment_text(pairs: list[str]) -> str:
+    """The `--remote-env` values as one setting, each quoted, so that a value with spaces or quotes stays whole.
+    A bare NAME takes this desktop's value of that variable (a token then never shows in the command line)."""
+    taken = []
+    for pair in pairs:
+        if "=" not in pair and pair in os.environ:
+            pair = f"{pair}={os.environ[pair]}"
+        taken.append(pair)
+    return shlex.join(taken)
 
 
 def overrides(args) -> list[str]:

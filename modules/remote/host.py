@@ -11,6 +11,8 @@ from .torch_build import spec_problems
 
 DEFAULT_FOLDER = "~/tandem-remote"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+"""Never part of a setting: a line break would end the value in the remote's line-by-line answers."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,15 @@ class RemoteHost:
         if self.identity and not Path(self.identity).expanduser().is_file():
             found.append(f"identity key {self.identity}: no such file; choose your private key file (e.g. "
                          "~/.ssh/id_ed25519) or leave it empty to use ssh's own keys and agent")
-        if not self.folder.strip():
-            found.append(f"remote folder: empty; give a folder on the remote, e.g. {DEFAULT_FOLDER}")
+        found += folder_problems(self.folder)
+        if self.python.startswith("-"):
+            found.append(f"remote Python {self.python!r}: not a program (it starts with '-'); give its path there")
+        elif self.python.startswith("~") and not self.python.startswith("~/"):
+            found.append(f"remote Python {self.python!r}: only '~/' (your home there) is understood; give its full path")
+        for name, value in (("remote Python", self.python), ("remote base model", self.base_model),
+                            ("remote environment", self.environment)):
+            if CONTROL_CHARACTER.search(value):
+                found.append(f"{name}: contains a line break or another control character; type it on one line")
         found += spec_problems(self.torch_spec)
         try:
             environment_pairs(self.environment)
@@ -112,10 +121,31 @@ def parse_destination(text: str) -> tuple[str, str, int | None]:
     return user, host, port
 
 
+def folder_problems(folder: str) -> list[str]:
+    """What makes `folder` unusable as Tandem's remote folder, each with its fix. Any other character works,
+    quotes and `$` included: every remote command quotes it (`ssh.remote_path`)."""
+    if not folder.strip():
+        return [f"remote folder: empty; give a folder on the remote, e.g. {DEFAULT_FOLDER}"]
+    if CONTROL_CHARACTER.search(folder):
+        return [f"remote folder {folder!r}: contains a line break or another control character; give a folder "
+                f"name without them, e.g. {DEFAULT_FOLDER}"]
+    if folder.startswith("~") and not folder.startswith("~/") and folder != "~":
+        return [f"remote folder {folder!r}: only '~/' (your home there) is understood; give the full path"]
+    if folder.rstrip("/") in ("", "~") or folder.strip("/") == "":
+        # Tandem deletes old versions in <folder>/source and makes the folder private: never a whole home
+        return [f"remote folder {folder!r}: give Tandem a folder of its own there, e.g. {DEFAULT_FOLDER}"]
+    return []
+
+
 def environment_pairs(text: str) -> dict[str, str]:
     """`A=1 B="two words"` -> {"A": "1", "B": "two words"}; raises ValueError naming the bad part."""
     pairs = {}
-    for part in shlex.split(text or ""):
+    try:
+        parts = shlex.split(text or "")
+    except ValueError as e:  # an unbalanced quote
+        raise ValueError(f"remote environment: {e} in {text!r}; quote a value with spaces or quotes in it, "
+                         "e.g. NOTE=\"Bob's runs\"") from None
+    for part in parts:
         name, sep, value = part.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"remote environment: {part!r} is not KEY=VALUE")

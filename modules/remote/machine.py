@@ -7,7 +7,7 @@ import subprocess
 
 from .host import RemoteHost
 from .known_hosts import KnownHosts
-from .ssh import Result, Ssh, SshError, last_lines, remote_path
+from .ssh import Result, Ssh, SshError, last_lines, remote_path, say
 
 NOT_INSTALLED = 3
 """remote_side's exit code when Tandem is not installed in the remote folder (no `source/current`)."""
@@ -25,20 +25,30 @@ class RemoteMachine:
         return self.host.label
 
     def path(self, *parts: str) -> str:
-        """A path under the remote folder as one word of an sh command (`~` is the remote home)."""
+        """A path under the remote folder as one word of an sh command (`~` is the remote home, and so is the
+        start of a relative folder: remote_side runs in another folder, so it is given the full path)."""
         folder = self.host.folder.rstrip("/") or "/"
+        if not folder.startswith(("/", "~")):
+            folder = "~/" + folder
         return remote_path("/".join([folder, *parts]) if parts else folder)
 
     @property
     def python(self) -> str:
-        """The Python that runs Tandem there, as one word of an sh command."""
-        return remote_path(self.host.python) if self.host.python else self.path("venv", "bin", "python")
+        """The Python that runs Tandem there, as one word of an sh command: a command name (`python3`) as it is,
+        a relative path from the home, as the check finds it (remote_side runs in another folder)."""
+        python = self.host.python
+        if not python:
+            return self.path("venv", "bin", "python")
+        if "/" in python and not python.startswith(("/", "~")):
+            python = "~/" + python
+        return remote_path(python)
 
     def side_script(self, verb: str, *args: str) -> str:
-        return (f"cd {self.path('source', CURRENT)} 2>/dev/null || {{ echo 'Tandem is not installed in "
-                f"{self.host.folder} on this machine: check the connection or start a run to install it' >&2; "
-                f"exit {NOT_INSTALLED}; }}; exec {self.python} -m modules.remote.remote_side --root {self.path()} {verb} "
-                + " ".join(shlex.quote(a) for a in args))
+        missing = (f"Tandem is not installed in {self.host.folder} on this machine: check the connection or start "
+                   "a run to install it")
+        return (f"cd {self.path('source', CURRENT)} 2>/dev/null || {{ {say(missing)} >&2; exit {NOT_INSTALLED}; }}; "
+                f"exec {self.python} -m modules.remote.remote_side --root {self.path()} "
+                + " ".join(shlex.quote(a) for a in (verb, *args)))
 
     def side(self, verb: str, *args: str, input: object = None, timeout: float | None = 120):
         """Run a remote_side verb and return its JSON answer; `input` goes to it as JSON."""

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from .machine import CURRENT, RemoteMachine
 from .source import Source, archive
-from .ssh import last_lines
+from .ssh import last_lines, say
 from .torch_build import TorchBuild, choose
 
 MIN_PYTHON = (3, 10)
@@ -220,7 +220,7 @@ def install(machine: RemoteMachine, source: Source, progress: Callable[[str], No
         progress(f"{machine.label}: installing " + build.describe())
         environment = f"""
 if [ ! -x {folder}/venv/bin/python ]; then
-  echo "creating Tandem's environment {machine.host.folder}/venv"
+  {say(f"creating Tandem's environment {machine.host.folder}/venv")}
   PY=python3; command -v python3 >/dev/null 2>&1 || PY=python
   "$PY" -m venv {folder}/venv
 fi

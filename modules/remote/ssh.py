@@ -57,6 +57,11 @@ def remote_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def say(text: str) -> str:
+    """A remote sh command that prints `text` as it is (printf: dash's echo would read backslashes in it)."""
+    return "printf '%s\\n' " + shlex.quote(text)
+
+
 def no_window() -> dict:
     """No console window per ssh call when the GUI runs on Windows."""
     return {"creationflags": subprocess.CREATE_NO_WINDOW} if os.name == "nt" else {}
