@@ -72,7 +72,8 @@ def test_ssh_runs_with_keys_only_and_strict_host_keys(tmp_path):
     for option in ("BatchMode=yes", "StrictHostKeyChecking=yes", "ServerAliveInterval=", "IdentitiesOnly=yes",
                    f'UserKnownHostsFile="{(tmp_path / "a b" / "known_hosts").as_posix()}" {(tmp_path / "user").as_posix()}'):
         assert option in text, option
-    assert command[-2:] == ["me@box", "sh -c 'echo hi'"] and "-p" in command and "2222" in command
+    # every remote command makes what it creates private to the user (docs/Remote.md, Security)
+    assert command[-2:] == ["me@box", "sh -c 'umask 077; echo hi'"] and "-p" in command and "2222" in command
     assert remote_path("~/tandem remote") == '"$HOME"/\'tandem remote\'' and remote_path("/a b") == "'/a b'"
     assert host_pattern("box", 22) == "box" and host_pattern("box", 2222) == "[box]:2222"
 

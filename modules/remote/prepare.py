@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 from .machine import CURRENT, RemoteMachine
 from .source import Source, archive
+from .private import make_private_script
 from .ssh import last_lines, say
 from .torch_build import TorchBuild, choose
 
@@ -85,7 +86,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu=/'
 else echo nvidia_smi=no; fi
 mkdir -p {folder} 2>/dev/null && [ -w {folder} ] && echo folder=writable || echo folder=unwritable
-echo "folder_abs=$(cd {folder} 2>/dev/null && pwd)"
+{make_private_script(machine)}echo "folder_abs=$(cd {folder} 2>/dev/null && pwd)"
 df -Pk {folder} 2>/dev/null | awk 'NR==2 {{print "free_kib=" $4}}'
 [ -f {folder}/source/{version}/{INSTALLED_MARK} ] && [ -e {folder}/source/{CURRENT} ] && echo installed=yes
 for d in {folder}/venv/lib/python3*/site-packages/torch-*.dist-info; do [ -d "$d" ] && echo "venv_torch=${{d##*/torch-}}"; done
@@ -132,6 +133,9 @@ def _judge(report: Report, machine: RemoteMachine) -> None:
     if v.get("folder") != "writable":
         report.problems.append(f"a writable folder {host.folder} (choose another remote folder, or create it "
                                "and give your user write access)")
+    if v.get("folder_private") == "no":
+        report.notes.append(f"others on that machine may look into {host.folder}: Tandem could not make it private "
+                            "(chmod 700; is the folder another user's?). What Tandem writes in it is private still")
     if host.python:
         if v.get("given") == "absent":
             report.problems.append(f"the Python {host.python} given for this remote does not exist there "
@@ -212,6 +216,7 @@ def install(machine: RemoteMachine, source: Source, progress: Callable[[str], No
     target = machine.path("source", source.version)
     progress(f"uploading Tandem {source.describe()} to {machine.label}")
     machine.run(f"mkdir -p {folder}/source && rm -rf {staging} && mkdir {staging} && tar -xzf - -C {staging} && "
+                f"chmod -R go-rwx {staging} && "
                 f"rm -rf {target} && mv {staging} {target}", input=archive(source), timeout=600)
     if machine.host.python:
         environment = ": the given Python is used as it is"
@@ -232,6 +237,9 @@ TANDEM_TORCH_SPEC={shlex.quote(build.requirement)} ./install.sh"""
     script = f"""set -e
 cd {target}
 {environment}
+# venv, pip and setuptools give some files modes of their own, past the umask: the user's alone all the same
+chmod -R go-rwx .
+if [ -d {folder}/venv ]; then chmod -R go-rwx {folder}/venv; fi
 touch {INSTALLED_MARK}
 ln -sfn {version} ../.{CURRENT}.tmp && mv -T ../.{CURRENT}.tmp ../{CURRENT}
 echo "Tandem {source.version} is installed"

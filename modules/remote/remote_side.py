@@ -6,11 +6,14 @@ packing outputs, TensorBoard. Standard library only (and run_protocol), so each 
 a second. Every verb prints JSON or a stream on stdout;
 errors go to stderr with exit code 2.
 
-A run lives in `F/runs/<id>/`: `run.json` (what started it, the supervisor's and the training's process ids),
+A run lives in `F/runs/<id>/`: `run.json` (what started it - the names of its environment variables, never
+their values -, the supervisor's and the training's process ids),
 `output.log` (the training's stdout and stderr: its log and `@tandem` event lines) and `exit.json` once it
 ended. `start` spawns `supervise` in a session of its own (setsid), with no terminal and no stdio tied to
 the ssh connection, so the run goes on when the desktop closes or the network drops; the supervisor waits
-for the training and writes its exit code.
+for the training and writes its exit code. The run's variables (`spec["env"]`, which may hold tokens) come on
+stdin with the spec and reach the supervisor and the training only through their environments, which only
+their user can read (/proc/<pid>/environ). Everything here is made under umask 077 (set again in `main`).
 """
 from __future__ import annotations
 
@@ -114,11 +117,13 @@ def start(root: Path, spec: dict) -> dict:
     config = spec.pop("config", None)
     if config is not None:
         _write_json(folder / "config.json", config)
-    _write_json(folder / RUN_FILE, {**spec, "created": time.time(), "pid": None, "training_pid": None})
+    variables = {str(name): str(value) for name, value in (spec.pop("env", None) or {}).items()}
+    _write_json(folder / RUN_FILE, {**spec, "env_names": sorted(variables), "created": time.time(), "pid": None,
+                                    "training_pid": None})
     here = Path(__file__).resolve().parents[2]
     subprocess.Popen([sys.executable, "-m", "modules.remote.remote_side", "--root", str(root), "supervise", spec["id"]],
                      cwd=here, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True, close_fds=True)
+                     env={**os.environ, **variables}, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         entry = runs.status(spec["id"])
@@ -133,8 +138,7 @@ def supervise(root: Path, run_id: str) -> int:
     folder = runs.dir(run_id)
     entry = _read_json(folder / RUN_FILE)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    env = dict(os.environ)
-    env.update(entry.get("env") or {})
+    env = dict(os.environ)  # with the run's variables: `start` gave them to this process
     env.update({"PYTHONUNBUFFERED": "1", "TANDEM_EVENTS": "1"})
     env.setdefault("TANDEM_HOME", str(root / "home"))
     with open(folder / LOG_FILE, "ab", buffering=0) as log:
@@ -378,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("port", type=int)
     args = p.parse_args(argv)
     root = Path(args.root).expanduser()
+    os.umask(0o077)  # the desktop's commands set it too; a call by hand makes nothing others can read either
 
     def answer(value) -> int:
         print(json.dumps(value))

@@ -7,7 +7,9 @@ Every call uses the system's OpenSSH client with:
 - `ServerAliveInterval`: a dropped network ends the call within a minute instead of hanging it.
 The user's ~/.ssh/config still applies (aliases, ProxyJump); these options win over it.
 
-Remote commands are POSIX sh scripts run as `sh -c '<script>'`, whatever the login shell is.
+Remote commands are POSIX sh scripts run as `sh -c '<script>'`, whatever the login shell is, each after
+`umask 077`: every file and folder Tandem or a run makes there is its user's alone (the umask is inherited by
+the detached runs). Every value in a script is one quoted word (`remote_path`, `shlex.quote`, `say`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ ALIVE_INTERVAL_S = 15
 ALIVE_COUNT = 4
 SSH_FAILED = 255
 """ssh's own exit code for a failed connection; any other code is the remote command's."""
+PRIVATE_UMASK = "umask 077"
 
 
 class SshError(RuntimeError):
@@ -83,7 +86,7 @@ class Ssh:
 
     def command(self, script: str | None, *extra: str) -> list[str]:
         """The ssh command line running `script` (None: no remote command, e.g. a tunnel with -N)."""
-        tail = [] if script is None else ["sh -c " + shlex.quote(script)]
+        tail = [] if script is None else ["sh -c " + shlex.quote(f"{PRIVATE_UMASK}; {script}")]
         return [self.executable, *self.options(), *extra, self.host.destination, *tail]
 
     def run(self, script: str, input: bytes | None = None, timeout: float | None = 120,

@@ -209,7 +209,8 @@ def send(machine: RemoteMachine, plan: UploadPlan, progress: Callable[[str], Non
             with tarfile.open(fileobj=process.stdin, mode="w|") as tar:
                 for entry in plan.missing:
                     info = tarfile.TarInfo(entry.remote)
-                    info.size, info.mode, info.mtime = entry.size, 0o644, int(entry.local.stat().st_mtime)
+                    # 0600: the user's alone there, also where tar keeps the archive's modes (a root login)
+                    info.size, info.mode, info.mtime = entry.size, 0o600, int(entry.local.stat().st_mtime)
                     with open(entry.local, "rb") as f:
                         tar.addfile(info, _Counting(f, count))
             process.stdin.close()
