@@ -7,6 +7,7 @@ file means a fresh start, never a failed one.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from modules.remote.host import RemoteHost
@@ -59,8 +60,9 @@ class RecentConfigs:
 class SavedRemotes:
     """The remote machines the Run tab offers under "Run on", and the one chosen last ("" = this machine).
 
-    Stored in `remotes.json` beside recent.json; the host keys accepted for them in `known_hosts` there (ssh
-    also trusts the user's own ~/.ssh/known_hosts). Settings only: no password is ever stored (keys only).
+    Stored in `remotes.json` beside recent.json, readable by the user alone; the host keys accepted for them in
+    `known_hosts` there (ssh also trusts the user's own ~/.ssh/known_hosts). No password is ever stored (keys
+    only); a machine's Environment field is, as typed.
     """
 
     def __init__(self, folder: Path | None = None):
@@ -107,3 +109,4 @@ class SavedRemotes:
     def _write(self) -> None:
         write_text_atomically(self.file, json.dumps({"chosen": self.chosen, "hosts": [h.to_dict() for h in self.hosts]},
                                                     indent=2))
+        os.chmod(self.file, 0o600)  # a machine's Environment may hold a token (HF_TOKEN=...): the user's alone
