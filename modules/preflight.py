@@ -58,17 +58,73 @@ def check_folders(cfg: TrainConfig) -> None:
     check_creatable(paths.output_dir, field)
 
 
-def check_model(cfg: TrainConfig) -> None:
+def check_model(cfg: TrainConfig) -> tuple[str, ...]:
+    """The base model is readable; returns the families it may be (one, or SD 1.x and 2.x, whose folders
+    look alike: only loading tells them apart)."""
     from modules.config.model_families import BUILTIN_MODELS
+    requested = cfg.model.model_type
     if cfg.model.base_model.strip() in BUILTIN_MODELS and not cfg.model.vae_path.strip():
         if cfg.multi_gpu.enabled and cfg.multi_gpu.nnodes > 1 and cfg.multi_gpu.node_rank > 0:
             build_builtin_model(cfg.model.base_model.strip())
-        return  # built by rank 0 on first use, nothing on disk to check (and no need to import the model package)
-    from modules.model.probe import probe_model
+        # built by rank 0 on first use, nothing on disk to check (and no need to import the model package)
+        return (BUILTIN_MODELS[cfg.model.base_model.strip()],)
+    from modules.model.probe import probe_families
     try:
-        probe_model(cfg.model)
+        families = probe_families(cfg.model)
     except (ValueError, OSError) as e:
         raise PreflightError(str(e)) from None
+    return (requested,) if requested in families else families
+
+
+def check_lora_init(cfg: TrainConfig) -> None:
+    """A `training.lora_init` file whose header is damaged is named now, not by every worker after the model
+    loaded (58-122 s later, as safetensors' "header too large", naming neither the field nor the file)."""
+    init = cfg.training.lora_init.strip()
+    if cfg.training.method != "lora" or not init:
+        return  # validation refuses the file with another method
+    from modules.model.probe import probe_lora_file
+    try:
+        probe_lora_file(Path(init).expanduser())
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+
+
+def check_family(cfg: TrainConfig, families: tuple[str, ...], context_parallel: int = 1) -> None:
+    """What the model's family rules out, found before any worker loads the model: splitting each sample over
+    `context_parallel` processes, and video clips in the data of a family that trains images only. Where
+    `families` holds several (SD 1.x or 2.x), a problem all of them share."""
+    from modules.config.validation import context_parallel_family_problem
+    if not families:
+        return
+    unable = [context_parallel_family_problem(context_parallel, family) for family in families]
+    if all(unable):
+        raise PreflightError(unable[0])
+    check_no_clips(cfg, families)
+
+
+def check_no_clips(cfg: TrainConfig, families: tuple[str, ...]) -> None:
+    """Clips in the concepts of an image family are refused (as the loaded family would, `check_clips`), each
+    concept named: the scan would otherwise judge them by `data.video_frames`, a setting such a model never
+    uses, and skip the short ones with a warning about it."""
+    from modules.config.model_families import FAMILIES
+    if any(FAMILIES[family].video for family in families if family in FAMILIES):
+        return
+    from modules.data.concepts import clip_files
+    for index, concept in enumerate(cfg.data.concepts):
+        if not concept.enabled:
+            continue
+        try:
+            clips = clip_files(concept)
+        except ValueError:
+            continue  # an unknown built-in dataset or an empty path: the scan names it
+        if clips:
+            names = ", ".join(c.name for c in clips[:3]) + (f" and {len(clips) - 3} more" if len(clips) > 3 else "")
+            title = " or ".join(FAMILIES[family].title for family in families if family in FAMILIES)
+            video = ", ".join(info.title for info in FAMILIES.values() if info.video)
+            raise PreflightError(
+                f"data.concepts[{index}].path: {concept.path!r} holds {len(clips)} video clip(s) ({names}), but "
+                f"{cfg.model.base_model.strip()!r} is {title}, which trains images only; move the clips out of "
+                f"the folder, or train a video model ({video}).")
 
 
 def build_builtin_model(name: str) -> None:
@@ -80,7 +136,10 @@ def build_builtin_model(name: str) -> None:
     family(family_of_builtin(name)).build_demo()
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Every check that needs neither the world size nor a GPU; raises `PreflightError`."""
+def preflight(cfg: TrainConfig, context_parallel: int = 1) -> None:
+    """Every check that needs neither the world size nor a GPU; raises `PreflightError`. `context_parallel`:
+    the processes that split each sample, as the launch resolved it (1 in one process)."""
     check_folders(cfg)
-    check_model(cfg)
+    families = check_model(cfg)
+    check_lora_init(cfg)
+    check_family(cfg, families, context_parallel)

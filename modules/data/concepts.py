@@ -172,6 +172,17 @@ def _image_files(folder: Path, recursive: bool) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
+def clip_files(concept: ConceptConfig) -> list[Path]:
+    """The video clips of a concept folder, listed without reading them: a model that trains images only
+    refuses them before the scan, which would judge each by `data.video_frames` (`preflight.check_family`).
+    [] for a folder that is not there (the scan names it)."""
+    folder = resolve_concept_path(concept.path)
+    if not folder.is_dir():
+        return []
+    entries = folder.rglob("*") if concept.recursive else folder.glob("*")
+    return sorted(p for p in entries if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
+
+
 def _report_links(folder: Path, entries: list[Path], recursive: bool) -> None:
     """One line about the links the scan leaves out: linked folders (a recursive scan does not follow them,
     so a link back up - a loop - cannot make it endless) and links to images that are not there."""

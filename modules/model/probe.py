@@ -34,13 +34,20 @@ def probe_model(model_cfg: ModelConfig) -> str | None:
     """The family of `model.base_model` (None where only loading can tell SD 1.x from 2.x in a folder),
     after checking `model.vae_path` too. Raises ValueError (or FileNotFoundError) with one message
     naming the file, what is wrong and the fix."""
+    families = probe_families(model_cfg)
+    return families[0] if len(families) == 1 else None
+
+
+def probe_families(model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The families `model.base_model` may be: one, or the few whose folders look alike (SD 1.x and 2.x)
+    where only loading tells them apart. Checks as `probe_model`."""
     source = model_cfg.base_model.strip()
     own_vae = not model_cfg.vae_path.strip()
     if source.startswith("builtin:"):
         if source not in BUILTIN_MODELS:
             raise ValueError(f"model.base_model {source!r} is not a built-in model; the built-in ones are "
                              f"{', '.join(BUILTIN_MODELS)}.")
-        family = BUILTIN_MODELS[source]
+        families = (BUILTIN_MODELS[source],)
     else:
         path = Path(source).expanduser()
         if not path.exists():
@@ -48,10 +55,25 @@ def probe_model(model_cfg: ModelConfig) -> str | None:
                                     "a .safetensors/.ckpt file or builtin:demo.")
         candidates = _probe_folder(path, own_vae) if path.is_dir() else (_probe_file(path, own_vae),)
         _check_requested_type(model_cfg.model_type, candidates, path)
-        family = candidates[0] if len(candidates) == 1 else None
+        families = tuple(candidates)
     if not own_vae:
         _probe_vae(Path(model_cfg.vae_path.strip()).expanduser())
-    return family
+    return families
+
+
+def probe_lora_file(path: Path) -> None:
+    """`training.lora_init`: the file's safetensors header, read alone (a damaged or cut-short file fails
+    here, in the launcher, instead of in every worker after the model loaded). ValueError naming the field,
+    the file and the fix."""
+    try:
+        keys = _safetensors_keys(path)
+    except ValueError as e:
+        reason = str(e).removeprefix(f"{path}: ").rstrip(".")
+        raise ValueError(f"training.lora_init: {str(path)!r} is {reason}; or leave training.lora_init "
+                         "empty to start the adapters afresh.") from None
+    if not keys:
+        raise ValueError(f"training.lora_init: {str(path)!r} holds no tensors, so no LoRA to start from; set it "
+                         "to a LoRA .safetensors file or leave it empty.")
 
 
 def _check_requested_type(requested: str, candidates: tuple[str, ...], path: Path) -> None:
