@@ -16,6 +16,26 @@ from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 log = logging.getLogger("tandem")
 
 
+def use_cpu_threads(device_setting: str) -> None:
+    """On the CPU, PyTorch's threads as `cpu_threads.one_process_cpu_threads` chooses them (unless
+    OMP_NUM_THREADS chose), said in the log; a run on a GPU keeps PyTorch's own number."""
+    import os
+
+    import torch
+
+    from modules.config.launch_spec import resolve_device
+    from modules.util.cpu_threads import THREADS_VARIABLE, one_process_cpu_threads
+    kind, _ = resolve_device(device_setting, torch.cuda.device_count())
+    if kind != "cpu":
+        return
+    if os.environ.get(THREADS_VARIABLE, "").strip():
+        log.info("CPU threads: %d (%s=%s).", torch.get_num_threads(), THREADS_VARIABLE, os.environ[THREADS_VARIABLE])
+        return
+    threads, why = one_process_cpu_threads()
+    torch.set_num_threads(threads)
+    log.info("CPU threads: %d (%s).", torch.get_num_threads(), why)
+
+
 def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
     """Train `cfg` in this process; the exit code (2: the workspace is in use). Errors are raised, after the
     GUI's `error` event."""
@@ -25,6 +45,7 @@ def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
 
     setup_logging()
     preflight(cfg)  # raises PreflightError, whose message is the whole story
+    use_cpu_threads(cfg.general.device)
     inbox = CommandInbox(RunPaths(cfg).commands_file)
     inbox.install_signal_handlers()
     callbacks = default_callbacks()

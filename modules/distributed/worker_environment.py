@@ -8,6 +8,7 @@ import os
 import platform
 
 from modules.config.launch_spec import LaunchSpec
+from modules.util.cpu_threads import threads_per_worker  # noqa: F401 - the workers' share, also asked for here
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 SPAWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "OMP_NUM_THREADS", CPP_LOG_LEVEL)
@@ -27,16 +28,6 @@ wheels are built without libuv: without this, torchrun and `init_process_group` 
 def store_environment() -> dict[str, str]:
     """The variables every process that creates or joins the rendezvous store needs on this OS."""
     return dict(STORE_ENVIRONMENT_WINDOWS) if on_windows() else {}
-
-
-def threads_per_worker(local_world: int) -> int:
-    """Each of the host's `local_world` workers gets this share of the cores it may run on.
-
-    By default every process starts one thread per core; N workers would then oversubscribe the host
-    N times, and the busy threads delay the launch thread that keeps each GPU fed.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world))
 
 
 def worker_environment(spec: LaunchSpec) -> dict[str, str]:
