@@ -35,7 +35,7 @@ from modules.trainer import backup as backups
 from modules.trainer import resume as resuming
 from modules.trainer.caching import fill_caches, offload_cached_encoders
 from modules.trainer.callbacks import TrainingCallbacks
-from modules.trainer.commands import CommandInbox
+from modules.trainer.commands import CommandInbox, StopRequested
 from modules.trainer.compiled_unet import CompileCheck, keep_gradient_buffers
 from modules.trainer.ema import EMA
 from modules.trainer.finite import FiniteGuard
@@ -191,19 +191,23 @@ class BaseTrainer(ABC):
         if self.completed:
             self.outputs.no_more_backups()
         if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
-            self.outputs.sample()  # what the finished model does, whatever the cadence
-        if self.completed:
-            try:
-                self.outputs.save_final()  # raises on every rank when rank 0's write failed
-            except Exception:
-                # A failed final save must not lose the trained weights: keep them as a backup to resume from.
-                log.error("Saving the model failed; writing a backup of the trained state first.")
+            # what the finished model does, whatever the cadence; said first, as on a busy CPU it took minutes
+            self.sample_unless_stopped(f"Rendering the finished model's {len(self.cfg.sampling.prompts)} sample(s) "
+                                       "(a stop leaves them out).")
+        with self.stop_noted("stopping once the trained state is written (a write cut short would leave nothing "
+                             "to continue from); send it again to abandon the write."):
+            if self.completed:
+                try:
+                    self.outputs.save_final()  # raises on every rank when rank 0's write failed
+                except Exception:
+                    # A failed final save must not lose the trained weights: keep them as a backup to resume from.
+                    log.error("Saving the model failed; writing a backup of the trained state first.")
+                    self.outputs.backup()
+                    self.outputs.finish_backups()
+                    raise
+            elif self.cfg.save.backup_on_stop and self.global_step > 0:
                 self.outputs.backup()
-                self.outputs.finish_backups()
-                raise
-        elif self.cfg.save.backup_on_stop and self.global_step > 0:
-            self.outputs.backup()
-        self.outputs.finish_backups()
+            self.outputs.finish_backups()
         if self.completed:  # its backups hold nothing left to train: Continue does not offer them
             du.on_main(lambda: backups.mark_finished(self.paths.backups, self.run_id, self.global_step,
                                                      self.outputs.final_path))
@@ -629,11 +633,43 @@ class BaseTrainer(ABC):
         sample, backup, save = sample or "sample" in requested, backup or "backup" in requested, save or "save" in requested
         self.finite.check_weights(self.trainable_params(), self.global_step)
         if sample:
-            self.outputs.sample()
+            self.sample_unless_stopped()
+            if self.stop_requested:
+                return  # the run ends now; its end writes the backup of a stop
         if backup:
             self.outputs.backup()
         if save:
             self.outputs.save_intermediate()
+
+    def sample_unless_stopped(self, announce: str | None = None) -> None:
+        """Samples, left out once a stop was asked for, and in one process abandoned by a stop signal that comes
+        while they render (`stop_abandons`): a stop ends the run in seconds, also in its last sampling.
+        `announce`: a line logged before they start."""
+        if self.stop_requested:
+            log.info("Stop requested: no samples at step %d.", self.global_step)
+            return
+        if announce:
+            log.info(announce)
+        try:
+            self.outputs.sample()
+        except StopRequested:
+            log.info("Stop requested: the samples of step %d were abandoned.", self.global_step)
+            self.stop_requested = True
+
+    def stop_abandons(self):
+        """Inside the block a stop signal abandons the work at once (`CommandInbox.abandoning_on_stop`; the
+        `TrainingRun` that `OutputWriter` renders samples with). Only in one process: with several, a render may
+        be collective (a sharded or context-parallel denoiser) and a rank that left it would leave the others
+        waiting, so every rank stops at the next step together, as always."""
+        if self.inbox is None or du.world_size() > 1:
+            return contextlib.nullcontext()
+        return self.inbox.abandoning_on_stop()
+
+    def stop_noted(self, note: str):
+        """Inside the block a first stop signal is answered at once with `note` (`CommandInbox.noting_stop`)."""
+        if self.inbox is None or du.world_size() > 1:  # with several processes the launcher answers signals
+            return contextlib.nullcontext()
+        return self.inbox.noting_stop(note)
 
     def validate(self) -> None:
         """The held-out images' loss (every rank scores its share: call it on every rank at the same step)."""

@@ -60,6 +60,9 @@ class TrainingRun(Protocol):
         """Inside the block the sampling pipeline may call the trained parts (through the sharded root
         under FSDP)."""
 
+    def stop_abandons(self) -> ContextManager:
+        """Inside the block a stop may abandon the rendering at once (`StopRequested`; in one process)."""
+
 
 @dataclass(frozen=True)
 class RunParts:
@@ -154,7 +157,8 @@ class OutputWriter:
                     for context in (self._weights_for_samples(), self._encoders_on_device(move_text),
                                     self.run.sampling_calls()):
                         stack.enter_context(context)
-                with times.time("rendering"):
+                # Only the rendering may be cut short: the moves around it restore the trained weights.
+                with times.time("rendering"), self.run.stop_abandons():
                     images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                             samp.inference_steps, samp.guidance_scale, parts.device,
                                             frames=samp.video_frames, fps=parts.cfg.data.video_fps,
