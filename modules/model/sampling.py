@@ -10,7 +10,7 @@ layers sit inside the denoiser). Which pipeline and which arguments is the famil
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ def render_samples(
     frames: int = 1,
     fps: float = 16.0,
     graphs: bool = True,
+    on_prompt: Callable[[int], None] | None = None,
 ) -> list:
     """One PIL image per prompt, each from its own seed, so samples are comparable over training; a video
     family's `Clip` of `frames` frames at `fps` where `frames` > 1. With `graphs`, on a GPU, the denoiser's
@@ -40,7 +41,8 @@ def render_samples(
 
     Modules are switched to eval mode (and, with `device`, moved there) for the render and restored
     afterwards, so this can be called in the middle of training. Text encoders are left where they are when
-    every text is kept encoded (`modules/model/sample_texts.py`).
+    every text is kept encoded (`modules/model/sample_texts.py`). `on_prompt(i)` is called as prompt i starts
+    (a sampling can take minutes: the GUI says how far it is).
     """
     if inference_steps < 1:
         raise ValueError(f"sampling.inference_steps is {inference_steps}; it must be at least 1")
@@ -60,7 +62,9 @@ def render_samples(
         with torch.no_grad(), _autocast_for(bundle, target), without_cudnn_autotuning(), \
                 replayed_from_graphs(bundle.denoiser, target, graphs) as calls:
             images = []
-            for prompt in prompts:
+            for index, prompt in enumerate(prompts):
+                if on_prompt is not None:
+                    on_prompt(index)
                 arguments = (bundle, pipeline, prompt, resolution, inference_steps, guidance_scale, frames, fps)
                 try:
                     images.append(render_one(*arguments))

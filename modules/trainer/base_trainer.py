@@ -159,7 +159,8 @@ class BaseTrainer(ABC):
         self.announce()
         self.startup.over()
         self.progress = ProgressReporter(self.numbers, self.emit, self.global_step,
-                                         self.paths.tensorboard if self.cfg.general.tensorboard else None,
+                                         # a folder per run id: TensorBoard shows each run as one (a continued one goes on)
+                                         self.paths.tensorboard / self.run_id if self.cfg.general.tensorboard else None,
                                          reports=self.duties.leads)
         # TANDEM_PROFILE_STEPS: where a real run's steps wait (modules/trainer/step_profile.py)
         self.step_profile = RunProfiler.from_environment(self.device, self.paths.workspace / "profiles", self.run_id,
@@ -436,7 +437,7 @@ class BaseTrainer(ABC):
     def announce(self) -> None:
         log.info("Tandem: %s", self.numbers.describe())
         self.startup.summarise()
-        self.emit("config", **self.numbers.as_dict())
+        self.emit("config", run_id=self.run_id, **self.numbers.as_dict())  # the GUI keeps the loss curve by it
         du.on_main(self.save_run_config)
 
     def save_run_config(self) -> None:

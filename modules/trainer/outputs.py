@@ -102,12 +102,20 @@ def write_sample(sample, path: Path) -> None:
             sample.save(tmp, format="PNG")
 
 
+def run_stamp(run_id: str) -> str:
+    """What tells a run's outputs apart when their name is taken: its id's time (`run-20261201-223909` ->
+    `20261201-223909`), the id itself for one made otherwise."""
+    return run_id.removeprefix("run-")
+
+
 class OutputWriter:
     def __init__(self, run: TrainingRun, parts: RunParts, run_id: str) -> None:
         self.run = run
         self.parts = parts
         save = parts.cfg.save
-        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        # An output whose name is taken is told apart by the run's id, as its samples, backups and config are:
+        # a stamp of its own (the time the model loaded) named a 2-process run's model after no run at all.
+        self.stamp = run_stamp(run_id)
         self.started_at = time.time()  # ss_training_started_at of the saved LoRAs
         self.output_dir = Path(parts.paths.output_dir)
         self.last_sample_step: int | None = None
@@ -146,6 +154,11 @@ class OutputWriter:
         renders = mine + [(mine or [0])[0]] * parallel.extra_calls(len(mine), len(prompts))
         images = []
         started = time.monotonic()
+        shared = f" ({parallel.data_world} processes render them together)" if parallel.data_world > 1 else ""
+
+        def rendering(k: int) -> None:  # this rank's k-th render; rank 0 tells the GUI which prompt it is at
+            if k < len(mine):
+                parts.emit("status", text=f"sampling - prompt {mine[k] + 1} of {len(prompts)}{shared}")
         times = PhaseTimes()  # where a sampling's time goes: each rank's own parts, the slowest rank's logged
         if renders:
             from modules.model.sample_texts import texts_ready
@@ -162,7 +175,8 @@ class OutputWriter:
                     images = render_samples(parts.bundle, [prompts[i] for i in renders], parts.cfg.data.resolution,
                                             samp.inference_steps, samp.guidance_scale, parts.device,
                                             frames=samp.video_frames, fps=parts.cfg.data.video_fps,
-                                            graphs=samp.cuda_graphs and parallel.sampling_replays_graphs)[:len(mine)]
+                                            graphs=samp.cuda_graphs and parallel.sampling_replays_graphs,
+                                            on_prompt=rendering)[:len(mine)]
                 with times.time("models back"):
                     stack.close()
         kept = zip(mine, images) if parallel.context_rank == 0 else ()

@@ -179,10 +179,15 @@ def build_folder_once(target: str | os.PathLike, build: Callable[[Path], None],
 
 
 def unique_path(path: str | os.PathLike, stamp: str) -> Path:
-    """`path` if free, else the same name with `-stamp` before the suffix, so nothing is overwritten."""
+    """`path` if free, else the same name with `-stamp` before the suffix (then `-stamp-2`, ...: a run
+    continued after it finished saves under its stamp again), so nothing is overwritten."""
     path = Path(path)
     if not path.exists():
         return path
     suffix = "".join(path.suffixes) if path.is_file() or path.suffix else ""
     stem = path.name[: len(path.name) - len(suffix)] if suffix else path.name
-    return path.with_name(f"{stem}-{stamp}{suffix}")
+    candidate, n = path.with_name(f"{stem}-{stamp}{suffix}"), 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{stem}-{stamp}-{n}{suffix}")
+    return candidate

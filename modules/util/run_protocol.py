@@ -35,7 +35,7 @@ class EventType:
 EVENTS: dict[str, EventType] = {
     "config": EventType(("world_size", "per_gpu_batch", "accumulation", "global_batch", "micro_batches_per_epoch",
                          "steps_per_epoch", "epochs", "total_steps", "base_lr", "lr_scaling", "lr", "split",
-                         "items_per_epoch", "items_left_out")),
+                         "items_per_epoch", "items_left_out"), ("run_id",)),
     "status": EventType(("text",)),
     "cache": EventType(("seconds", "world_size", "shared")),
     "progress": EventType(("epoch", "epochs", "step", "total_steps", "images_per_s", "eta_s"),
@@ -50,7 +50,8 @@ EVENTS: dict[str, EventType] = {
     "done": EventType(("output", "step", "completed", "images", "train_s", "images_per_s")),
     "profile": EventType(("first", "last", "ranks")),
 }
-"""Every event type and its fields: `config` is the run's `RunNumbers`, `validation` the held-out images'
+"""Every event type and its fields: `config` is the run's `RunNumbers` and its `run_id` (the name of its
+backups, samples, TensorBoard folder and config, which the GUI keeps its loss curve by), `validation` the held-out images'
 mean loss (`loss`) over `images` images at `step`, `error` names the rank that failed (`rank`: the rank
 reporting its own failure; `failed_rank`: the launcher naming the first); `restart` is a restarted
 round's first word (`step`: where the failed round was, `resumed_step`: the backup it continues from;
