@@ -660,3 +660,102 @@ def test_memory_line_gives_the_memory_plan():
     assert "no GPU to compare with" in memory_line(cfg, 4, None)
     cfg.model.model_type, cfg.model.base_model = "auto", "/nonexistent/model.safetensors"
     assert memory_line(cfg, 2, [80.0, 80.0]).startswith("Memory estimate: none for this config (")
+
+
+# --- issue 55: each run its own loss curve, Continue offers what a Stop wrote, Sample now says so at once ---------
+RUN_TRAINER = textwrap.dedent("""
+    import json, sys
+    run_id, first, last, scale = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    def emit(**event):
+        print("@tandem " + json.dumps(event), flush=True)
+    emit(type="config", run_id=run_id, world_size=1, total_steps=last)
+    for step in range(first, last + 1):
+        emit(type="loss", step=step, loss=scale / step, lr=1e-4)
+        if step % 2 == 0:
+            emit(type="validation", step=step, loss=2 * scale / step, images=2)
+""")
+
+
+def _run_as(controller, cfg, run_id: str, first: int, last: int, scale: float) -> None:
+    controller.start(cfg, 0, command=[sys.executable, "-c", RUN_TRAINER, run_id, str(first), str(last), str(scale)])
+    assert controller.wait(patience(20)) and controller.state.status == "finished", controller.state.error
+
+
+def test_continuing_an_older_run_plots_its_own_losses(tmp_path):
+    """Run A stopped at step 13, run B trained to 23, A continued: the plot showed B's losses as A's steps 1-13
+    (one file for the workspace held B's). Each run's curve is its own, also in a later session."""
+    cfg = _workspace_config(tmp_path)
+    controller = RunController()
+    _run_as(controller, cfg, "run-a", 1, 13, 1.0)
+    _run_as(controller, cfg, "run-b", 1, 23, 5.0)
+    assert controller.state.losses[0] == (1, 5.0)
+    _run_as(controller, cfg, "run-a", 14, 16, 1.0)  # continued from A's backup at step 13
+    losses = controller.state.losses
+    assert [s for s, _ in losses] == list(range(1, 17)), losses
+    assert losses[:13] == [(s, 1.0 / s) for s in range(1, 14)], f"steps 1-13 are not run A's own: {losses[:3]}"
+    assert controller.state.validation_losses[:6] == [(s, 2.0 / s) for s in range(2, 14, 2)]
+    assert controller.state.run_id == "run-a"
+    later = RunController()  # the next day: B continued from its step 20
+    _run_as(later, cfg, "run-b", 21, 24, 5.0)
+    assert later.state.losses[:20] == [(s, 5.0 / s) for s in range(1, 21)]
+    assert sorted(p.name for p in (tmp_path / "run" / ".tandem" / "losses").iterdir()) == \
+        ["run-a-validation.csv", "run-a.csv", "run-b-validation.csv", "run-b.csv"]
+
+
+def test_a_restarted_round_of_the_same_run_keeps_its_curve(tmp_path):
+    """An automatic restart says the run's id again: the curve goes on in the same file, nothing is lost."""
+    from ui.loss_history import run_histories
+    controller = RunController()
+    controller.prepare(_workspace_config(tmp_path))
+    controller.state.status = "running"
+    for event in (TrainingEvent("config", {"run_id": "run-r"}), TrainingEvent("loss", {"step": 1, "loss": 1.0}),
+                  TrainingEvent("config", {"run_id": "run-r"}), TrainingEvent("loss", {"step": 2, "loss": 0.5}),
+                  TrainingEvent("config", {"run_id": "../elsewhere"})):  # not a name: ignored
+        controller._apply(event)
+    controller._finish(0)
+    history, _ = run_histories(tmp_path / "run" / ".tandem" / "losses", "run-r")
+    assert history.read() == [(1, 1.0), (2, 0.5)] and controller.state.run_id == "run-r"
+
+
+def test_after_a_run_continue_offers_the_backup_it_wrote():
+    """A backup picked by hand stayed picked after a Stop: "Stopped · step 23" beside "Continue from step 13"."""
+    from types import SimpleNamespace
+
+    from ui.backup_choices import BackupChoice, backup_the_run_wrote
+
+    def choice(run, step, finished=None):
+        return BackupChoice(SimpleNamespace(path=Path(f"backups/{run}/step-{step:08d}"), run_id=run, step=step,
+                                            written=0.0), finished)
+    a13, a23, b5 = choice("run-a", 13), choice("run-a", 23), choice("run-b", 5)
+    assert backup_the_run_wrote([a23, b5, a13], [("run-a", 20), ("run-a", 23)]) == a23
+    assert backup_the_run_wrote([b5, a13], [("run-a", 23)]) is None, "not listed (deleted, or not read yet)"
+    assert backup_the_run_wrote([choice("run-a", 23, finished=30), a13], [("run-a", 23)]) is None
+    state = RunController().state
+    assert state.written_backups == []
+    controller = RunController()
+    controller._apply(TrainingEvent("backup", {"path": "/ws/backups/run-a/step-00000023", "step": 23}))
+    assert controller.state.written_backups == [("run-a", 23)]
+
+
+def test_sample_now_says_so_at_once_and_then_which_prompt(tmp_path):
+    """"Sample now" gave no sign for a minute: the click is answered at once, the steps trained before the
+    sampling begins keep the note, and the sampling then says which prompt it renders."""
+    controller = RunController()
+    controller.state.status = "running"
+    controller.commands_file = tmp_path / "commands"
+    controller.send("sample")
+    assert controller.state.headline == "Running - sampling at the next step"
+    controller._apply(TrainingEvent("progress", {"step": 2, "total_steps": 9}))
+    assert controller.state.headline == "Running - sampling at the next step", "a step before it began cleared it"
+    controller._apply(TrainingEvent("status", {"text": "sampling - prompt 1 of 2"}))
+    assert controller.state.headline == "Running - sampling - prompt 1 of 2"
+    controller._apply(TrainingEvent("status", {"text": "sampling - prompt 2 of 2"}))
+    controller._apply(TrainingEvent("sample", {"step": 3, "path": "s.png", "prompt": "p"}))
+    controller._apply(TrainingEvent("progress", {"step": 4, "total_steps": 9}))
+    assert controller.state.headline == "Running", "the sampling is over"
+    # A trainer that does not say when it begins: its sample answers the click.
+    controller.send("sample")
+    controller._apply(TrainingEvent("sample", {"step": 5, "path": "s.png", "prompt": "p"}))
+    controller._apply(TrainingEvent("progress", {"step": 6, "total_steps": 9}))
+    assert controller.state.headline == "Running"
+    assert tmp_path.joinpath("commands").read_text() == "sample\nsample\n"

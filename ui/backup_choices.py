@@ -53,3 +53,14 @@ def backup_choices(backups_dir: Path) -> list[BackupChoice]:
 def default_choice(choices: list[BackupChoice]) -> BackupChoice | None:
     """What Continue resumes unless the user picks another: the newest backup of a run that has not finished."""
     return next((c for c in choices if not c.finished), None)
+
+
+def backup_the_run_wrote(choices: list[BackupChoice], written: list[tuple[str, int]]) -> BackupChoice | None:
+    """What Continue offers once a run ended: the newest backup it wrote (`written`: its backups' run id and
+    step, in order) while that one is listed and its run has not finished - a Stop's, rather than a backup
+    picked before the run, whose continuing would throw the run's later steps away. None: it wrote none."""
+    for run_id, step in reversed(written):
+        wrote = next((c for c in choices if c.info.run_id == run_id and c.step == step), None)
+        if wrote is not None:
+            return None if wrote.finished else wrote
+    return None

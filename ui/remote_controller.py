@@ -266,6 +266,7 @@ class RemoteRunController(RunController):
         tandem = self._local_workspace / ".tandem"
         self.history = LossHistory(tandem / f"remote-{self.host.key}-losses.csv")
         self.validation_history = LossHistory(tandem / f"remote-{self.host.key}-validation-losses.csv")
+        self.losses_folder = tandem / f"remote-{self.host.key}-losses"  # each run's own, once it says its id
 
     def _follow(self, run: RunInfo) -> None:
         """The follower thread: every line parsed into the queue, sample pictures fetched, outputs at the end."""
@@ -373,6 +374,7 @@ class RemoteRunController(RunController):
             raise RuntimeError(f"no training is running to {command}")
         run_id = self.run.id
         self._log(f"[remote] {command} -> {self.host.label}")
+        self.asked(command)
         self._background(f"sending {command}", lambda: send_command(self.machine, run_id, command) or
                          f"{command} sent to {run_id}", "notice")
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from modules.config import TrainConfig, save_config
@@ -27,11 +27,14 @@ from modules.util.workspace_lock import workspace_in_use
 from .backup_choices import BackupChoice, backup_choices, default_choice
 from .events import LogLine, TrainingEvent, parse_line
 from .launch_command import build_command, is_multi_process, run_config
-from .loss_history import LossHistory
+from .loss_history import LossHistory, run_histories
 from .multi_gpu_settings import selected_gpus
 
 ERROR_TAIL_LINES = 25
 STARTING = "starting the training processes"
+ASKED = {"sample": "sampling at the next step", "backup": "writing a backup at the next step",
+         "save": "saving the model at the next step"}
+"""What the status says from the click until the run says it began (a sampling may come a minute later)."""
 
 
 @dataclass
@@ -63,6 +66,8 @@ class RunState:
     samples: list[dict[str, Any]] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)
     backups: list[str] = field(default_factory=list)
+    written_backups: list[tuple[str, int]] = field(default_factory=list)
+    """(run id, step) of each backup the run wrote, in order: Continue offers the last once it ended."""
     output: str | None = None
     error: str | None = None
     restarts: list[str] = field(default_factory=list)
@@ -70,6 +75,10 @@ class RunState:
     command: list[str] = field(default_factory=list)
     multi_process: bool = False
     """Whether the run was started as several processes (before the trainer says its world size)."""
+    run_id: str | None = None
+    """The run's id as the trainer said it (its `config` event): its backups, samples and loss curve go by it."""
+    asked: str = ""
+    """The status of a command sent and not yet begun (`ASKED`); steps trained meanwhile do not clear it."""
 
     @property
     def active(self) -> bool:
@@ -131,7 +140,11 @@ class RunController:
         self._terminated = False
         self.history: LossHistory | None = None
         self.validation_history: LossHistory | None = None
-        """The validation curve on disk (`gui-validation-losses.csv`), continued like the loss curve."""
+        """The validation curve on disk, continued like the loss curve."""
+        self.losses_folder: Path | None = None
+        """Where each run's loss curves are kept by run id (`ui/loss_history.py`); None: the one file above."""
+        self.run_workspace: Path | None = None
+        """The workspace of the run shown (None: none, or one this machine does not know)."""
 
     # --- starting --------------------------------------------------------------------------
     def prepare(self, cfg: TrainConfig) -> Path:
@@ -148,8 +161,10 @@ class RunController:
         for history in (self.history, self.validation_history):
             if history is not None:
                 history.close()
+        # Until the trainer says its run id (an older trainer never does): the workspace's one file of before.
         self.history = LossHistory(commands.parent / "gui-losses.csv")
         self.validation_history = LossHistory(commands.parent / "gui-validation-losses.csv")
+        self.losses_folder = commands.parent / "losses"
         return config_path
 
     def absolute(self, path: Path) -> Path:
@@ -198,6 +213,7 @@ class RunController:
             kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
         self.state = RunState(status="running", message=STARTING, command=list(command),
                               rank_gpus=rank_gpus(cfg, visible_gpus), multi_process=is_multi_process(cfg, visible_gpus))
+        self.run_workspace = self.absolute(RunPaths(cfg).workspace)
         self.log.clear()
         self.log_count = 0
         self._log("$ " + subprocess.list2cmdline(command))
@@ -236,6 +252,27 @@ class RunController:
         if not self.state.active or self.commands_file is None:
             raise RuntimeError(f"no training is running to {command}")
         write_command(self.commands_file, command)
+        self.asked(command)
+
+    def asked(self, command: str) -> None:
+        """Say at once that `command` was sent: the run acts on it one or two steps later (a sampling then
+        takes its time), and until it says so itself the status says it is coming."""
+        if command in ASKED and self.state.status == "running":
+            self.state.asked = ASKED[command]
+            self.state.message = ASKED[command]
+
+    def shows_workspace(self, workspace: Path) -> bool:
+        """Whether the run shown (if any) belongs to `workspace` (as the training process sees it)."""
+        return self.run_workspace is None or self.run_workspace == self.absolute(Path(workspace))
+
+    def forget_run(self) -> None:
+        """Show no run: another workspace was chosen, and an ended run of the previous one is not its run."""
+        if self.state.active:
+            raise RuntimeError("a run is going on; it is shown until it ends")
+        self.state = RunState()
+        self.log.clear()
+        self.log_count = 0
+        self.run_workspace = None
 
     def stop(self) -> None:
         """Ask every rank to stop at the same step (and back up); if the process is still there
@@ -244,6 +281,7 @@ class RunController:
             return
         self.send("stop")
         self.state.status = "stopping"
+        self.state.asked = ""  # a sampling asked for before is not waited for: the run ends
         several = int(self.state.run_info.get("world_size") or 0) > 1 or self.state.multi_process
         self.state.message = ("every rank stops after the current step" if several
                               else "training stops after the current step")
@@ -316,12 +354,15 @@ class RunController:
         if event.type == "config":
             s.run_info = dict(event.data)
             s.total_steps = int(event.get("total_steps", s.total_steps) or 0)
+            self._follow_run_id(event.get("run_id"))
         elif event.type == "status":
             s.message = str(event.get("text", ""))
+            if s.asked and s.message.split(" ")[0] == s.asked.split(" ")[0]:
+                s.asked = ""  # the run began what was asked ("sampling - prompt 1 of 4"): it says how it goes
         elif event.type == "progress":
             # A step trained since: what the run was busy with (starting, saving) is over. An automatic
             # restart's note stays, so that the status keeps saying why the run went back.
-            if s.message and (not s.restarts or s.message != s.restarts[-1]):
+            if s.message and (not s.restarts or s.message != s.restarts[-1]) and s.message != s.asked:
                 s.message = ""
             s.epoch = int(event.get("epoch", s.epoch))
             s.epochs = int(event.get("epochs", s.epochs))
@@ -350,12 +391,20 @@ class RunController:
                 self.validation_history.append(step, loss)
         elif event.type == "sample":
             s.samples.append(dict(event.data))
+            if s.asked == ASKED["sample"]:
+                self._answered()
         elif event.type == "saved":
             s.saved.append(str(event.get("path")))
+            if s.asked == ASKED["save"]:
+                self._answered()
             if s.message == f"saving {Path(str(event.get('path'))).name}":
                 s.message = ""
         elif event.type == "backup":
             s.backups.append(str(event.get("path")))
+            # backups/<run id>/step-<N>: named by the folder it is in (a remote run's path is the remote's)
+            s.written_backups.append((PurePath(str(event.get("path"))).parent.name, int(event.get("step", -1))))
+            if s.asked == ASKED["backup"]:
+                self._answered()
         elif event.type == "error":
             rank = event.get("rank")
             where = f" (rank {rank})" if rank is not None else ""
@@ -370,8 +419,30 @@ class RunController:
             if isinstance(event.get("images_per_s"), (int, float)) and event.get("images"):
                 s.run_images_per_s = float(event.get("images_per_s"))
 
+    def _answered(self) -> None:
+        """What was asked is done (a trainer that does not announce its start said so by its result)."""
+        if self.state.message == self.state.asked:
+            self.state.message = ""
+        self.state.asked = ""
+
+    def _follow_run_id(self, run_id) -> None:
+        """The trainer said its run id: the loss curves are that run's own files from here on (the same run
+        again after an automatic restart keeps the files it has)."""
+        s = self.state
+        if not isinstance(run_id, str) or Path(run_id).name != run_id or run_id in ("", ".", ".."):
+            return
+        if run_id == s.run_id or self.losses_folder is None:
+            s.run_id = run_id
+            return
+        s.run_id = run_id
+        for history in (self.history, self.validation_history):
+            if history is not None:
+                history.close()
+        self.history, self.validation_history = run_histories(self.losses_folder, run_id)
+
     def _finish(self, returncode: int) -> None:
         s = self.state
+        s.asked = ""
         stopping = s.status == "stopping"
         self._stop_deadline = None
         for history in (self.history, self.validation_history):
