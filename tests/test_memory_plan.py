@@ -34,8 +34,9 @@ def plan(cfg: TrainConfig, *cards: float, **kwargs):
 def test_each_plan_is_chosen_where_it_is_the_fastest_that_fits():
     """A Flux.1 LoRA (12 B base in bf16, 2 images per GPU, no checkpointing) on two GPUs of shrinking size:
     each saver joins when the faster plans stop fitting, and one that a later step made unnecessary goes
-    again (on 24 GiB, checkpointing alone fits without the fp8 base; on 10, CPU offload without it)."""
-    cfg = config("flux", "lora", "training.batch_size=2")
+    again (on 24 GiB, checkpointing alone fits without the fp8 base; on 10, CPU offload without it). Layer offload
+    off: with it, DDP swapping blocks competes with FSDP (tests/test_layer_offload_plans.py)."""
+    cfg = config("flux", "lora", "training.batch_size=2", "multi_gpu.layer_offload=off")
     expected = {100: "DDP", 85: "DDP + fp8 base", 78: "FSDP + fp8 base", 24: "FSDP + checkpointing",
                 16: "FSDP + fp8 base + checkpointing", 12: "FSDP + fp8 base + checkpointing + activation offloading",
                 10: "FSDP + checkpointing + CPU offload"}
@@ -77,7 +78,7 @@ def test_mixed_cards_get_an_uneven_split_under_fsdp():
     each global batch (the start-up measurement needs the whole model on each GPU, which FSDP does not hold);
     under DDP a split that fits makes DDP a plan, and the measurement at start splits."""
     cfg = config("sdxl", "lora", "training.batch_size=16", "multi_gpu.batch_split=auto",
-                 "training.gradient_checkpointing=true")
+                 "training.gradient_checkpointing=true", "multi_gpu.layer_offload=off")
     ddp = plan(cfg, 24, 16)
     assert ddp.name == "DDP" and ddp.planned_split is None and ddp.batches[0] > ddp.batches[1]
     assert plan(with_changes(cfg, {"multi_gpu.batch_split": "equal"}), 24, 16).name.startswith("FSDP")
@@ -203,7 +204,7 @@ def test_plan_for_cards_this_machine_does_not_have(tmp_path, capsys):
                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 1 and "REFUSED: nothing fits" in out.stdout, out.stdout + out.stderr
     assert "nothing ran on a GPU" in out.stdout
-    for cards, words in (("2x24", "DDP + fp8 base"), ("24,16", "GPU 1")):
+    for cards, words in (("2x24", "DDP + layer offload (29 of 57 blocks)"), ("24,16", "GPU 1")):
         assert main(["--config-path", str(cfg), "--plan-for", cards]) == 0
         printed = capsys.readouterr().out
         assert words in printed and "nothing ran on a GPU" in printed, printed

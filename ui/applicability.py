@@ -114,6 +114,7 @@ RULES: dict[str, Rule] = {
     "multi_gpu.fsdp_cpu_offload": _fsdp,
     "multi_gpu.fsdp_activation_offload": _fsdp,
     "multi_gpu.memory_limit_gib": _multi_gpu,
+    "multi_gpu.layer_offload": _lora,  # one GPU too: block swap of a LoRA's frozen base
     "multi_gpu.context_parallel": lambda c: _multi_gpu(c) or (
         None if FAMILIES.get(c.model.model_type) is None or FAMILIES[c.model.model_type].context_parallel
         else f"{FAMILIES[c.model.model_type].title} cannot split a sample over GPUs (Wan can)"),

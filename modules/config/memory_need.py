@@ -88,6 +88,9 @@ class Setup:
     """Checkpointed blocks' inputs kept in host memory (`multi_gpu.fsdp_activation_offload`)."""
     cpu_offload: bool = False
     """FSDP's shards, their gradients and optimizer state in host memory (`multi_gpu.fsdp_cpu_offload`)."""
+    offload_blocks: int = 0
+    """Layer offload (`multi_gpu.layer_offload`, one process or DDP): this many of the denoiser's repeated blocks
+    keep their frozen weights in host memory, copied to the GPU ahead of use (`modules/model/layer_offload.py`)."""
 
 
 @dataclass
@@ -127,6 +130,8 @@ class Facts:
     """Parameters of a transformer block of each kind (the largest of the kind)."""
     kind_trainable: dict[str, int] = field(default_factory=dict)
     """Trained parameters of a block of each kind (LoRA adapters, or the whole block)."""
+    block_params: list[int] = field(default_factory=list)
+    """Parameters of each of the denoiser's repeated blocks (FSDP's units; what layer offload swaps)."""
 
     @property
     def trainable(self) -> int:
@@ -198,7 +203,8 @@ def facts(sizes: ModelSizes, cfg) -> Facts:
                  max(trainable_by_unit.values(), default=0),
                  trained_params - sum(all_units.values()),
                  kind_params={k: of_kind(denoiser_units, k) for k in kinds},
-                 kind_trainable={k: of_kind(trainable_by_unit, k) for k in kinds})
+                 kind_trainable={k: of_kind(trainable_by_unit, k) for k in kinds},
+                 block_params=list(denoiser_units.values()))
 
 
 def _adapted(tensors: dict[str, Shape], targets, rank: int) -> dict[str, int]:
@@ -253,6 +259,40 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     return None if profile is None else max(bytes_ for bytes_, _ in profile)
 
 
+def sequence_tokens(f: Facts, cfg, setup: Setup) -> float:
+    """Tokens one sample of a transformer runs through each block on one process: its image (or clip) tokens -
+    split over a context-parallel group - and the text tokens it attends to."""
+    family, config = f.sizes.family, f.sizes.denoiser_config
+    pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
+    if family == "wan" and config.get("in_channels") == WAN22_VAE_CHANNELS:
+        pixels = 32  # Wan 2.2 TI2V 5B: 2x2 patches of its 16x VAE
+    frames = 1
+    if family in VIDEO_FRAMES_PER_LATENT_FRAME:
+        frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
+    # Context parallelism: each process of a group holds its part of the sequence (the text stays whole).
+    degree = cfg.multi_gpu.context_parallel
+    context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
+    return (cfg.data.resolution // pixels) ** 2 * frames / context + text_tokens(family, cfg, config)
+
+
+def swapped_positions(total: int, count: int) -> list[int]:
+    """Which of `total` repeated blocks layer offload swaps when `count` do: spread evenly over the run (the
+    middle of each of `count` equal stretches), so each copy has resident blocks' compute to hide behind."""
+    count = max(0, min(count, total))
+    return sorted({min(total - 1, int((k + 0.5) * total / count)) for k in range(count)}) if count else []
+
+
+def swapped_bytes(f: Facts, unet_dtype: str, count: int) -> tuple[int, int]:
+    """(bytes of the frozen weights `count` swapped blocks keep in host memory, bytes of the largest of them):
+    the base's bytes per parameter (fp8: its Linear weights in one byte) times each block's parameters."""
+    positions = swapped_positions(len(f.block_params), count)
+    if not positions:
+        return 0, 0
+    per_param = frozen_base_bytes(f, unet_dtype) / max(1, f.sizes.denoiser.params)
+    blocks = [f.block_params[p] * per_param for p in positions]
+    return int(sum(blocks)), int(max(blocks))
+
+
 def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str]] | None:
     """Activation bytes of one sample at each block's backward, in the order the blocks run, with the block's
     kind (which FSDP gathers meanwhile): `(bytes, kind)`; one entry (kind empty) where the position does not
@@ -274,16 +314,7 @@ def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str]]
     width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
     if not width:
         return None
-    pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
-    if family == "wan" and config.get("in_channels") == WAN22_VAE_CHANNELS:
-        pixels = 32  # Wan 2.2 TI2V 5B: 2x2 patches of its 16x VAE
-    frames = 1
-    if family in VIDEO_FRAMES_PER_LATENT_FRAME:
-        frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
-    # Context parallelism: each process of a group holds its part of the sequence (the text stays whole).
-    degree = cfg.multi_gpu.context_parallel
-    context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
-    tokens = (res // pixels) ** 2 * frames / context + text_tokens(family, cfg, config)
+    tokens = sequence_tokens(f, cfg, setup)
     per_byte = tokens * width * scale  # bytes for one byte per token and channel
     kinds = f.block_kinds
     coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
@@ -351,13 +382,17 @@ def need(f: Facts, cfg, setup: Setup, batch: int | None = None) -> Need:
     else:
         fp32_denoiser = sizes.denoiser.params if (not lora or unet_dtype == "fp32") else 0
         fp32_encoders = 0 if lora else sum(f.params[n] for n in f.trained_encoders)
-        parts["weights"] = trained + whole
+        swapped, largest_swapped = swapped_bytes(f, unet_dtype, setup.offload_blocks) if lora else (0, 0)
+        parts["weights"] = trained + whole - swapped
+        # The running block and the next, being copied (`layer_offload.py`: at most two at once).
+        parts["swapped blocks on the GPU"] = 2 * largest_swapped
+        host += swapped
         parts["gradients"] = 4 * T
         parts["DDP buckets"] = 4 * T if setup.strategy == "ddp" and not mg.gradient_as_bucket_view else 0
         parts["optimizer state"] = optimizer
         parts["EMA"] = ema
         parts["autocast copies"] = 2 * (fp32_denoiser + fp32_encoders) if t.precision in ("bf16", "fp16") else 0
-        caching = base + trained_encoder_base + 4 * T + encoder_bytes + vae_bytes + overhead
+        caching = base - swapped + trained_encoder_base + 4 * T + encoder_bytes + vae_bytes + overhead
     parts["activations"] = activations
     expert = frozen_expert_bytes(f, cfg)
     if expert:  # Wan 2.2 A14B only: the other families' reports keep their rows

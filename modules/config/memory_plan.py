@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
 from modules.config.model_families import FAMILIES
 from modules.config.model_sizes import ModelSizes
-from modules.config.validation import fsdp_blockers, parse_memory_limits
+from modules.config.plan_speed import step_seconds
+from modules.config.validation import fsdp_blockers, parse_layer_offload, parse_memory_limits
 from modules.util.batch_slice import RankCapacity, SplitDoesNotFit, choose_split, parse_split
 
 SAFETY_FRACTION = 0.9
@@ -72,6 +73,8 @@ class Plan:
     changes: dict[str, object] = field(default_factory=dict)
     """The config fields the plan sets (`section.field` -> value), beyond what the config says."""
     chosen_by: str = "auto"
+    slower: str = ""
+    """The next plan that fits too, with its estimated step time against this one's (why this one)."""
 
     @property
     def name(self) -> str:
@@ -118,6 +121,8 @@ class Plan:
             text += "; sets " + ", ".join(f"{k}={_value(v)}" for k, v in self.changes.items())
         if self.planned_split:
             text += f"; batch split {','.join(map(str, self.planned_split))} by the cards' room"
+        if self.slower:
+            text += f"; {self.slower}"
         text += "."
         if self.rejected:
             text += " Faster plans that do not fit: " + "; ".join(self.rejected) + "."
@@ -176,23 +181,51 @@ def capacities(cfg, world: int, card_gib: list[float] | None) -> tuple[list[floa
 
 
 # ---------------------------------------------------------------------------- candidates
+FEWEST = -1
+"""`Setup.offload_blocks` of a layer-offload candidate before `choose_plan` gives it the fewest blocks that fit."""
+
+
+def fp8_allowed(cfg) -> bool:
+    """Whether a plan may store the frozen base in float8: a LoRA trained in bf16, not DoRA (which measures the
+    base weights' norms: the config check refuses it)."""
+    t = cfg.training
+    return t.method == "lora" and t.precision == "bf16" and t.lora_type != "dora"
+
+
+def fsdp_allowed(cfg) -> bool:
+    """Whether a plan may shard with FSDP: what the config check would refuse under `strategy fsdp` is never
+    proposed (`fsdp_blockers`; LoRA variants other than plain LoRA, whose adapters FSDP does not shard)."""
+    t = cfg.training
+    return not fsdp_blockers(cfg) and not (t.method == "lora" and t.lora_type != "lora")
+
+
+def layer_offload_allowed(cfg, sizes: ModelSizes) -> bool:
+    """Whether a plan may choose how many blocks swap (`multi_gpu.layer_offload` auto): a LoRA's frozen base with
+    repeated blocks, and nothing that layer offload refuses (`validation.layer_offload_problems`)."""
+    t = cfg.training
+    try:
+        setting = parse_layer_offload(cfg.multi_gpu.layer_offload)
+    except ValueError:
+        return False
+    return (setting is None and t.method == "lora" and not t.compile and not t.channels_last
+            and (sizes.denoiser_name == "unet" or bool(FAMILIES.get(sizes.family) and FAMILIES[sizes.family].block_groups)))
+
+
 def candidates(cfg, world: int, sizes: ModelSizes) -> list[Candidate]:
-    """The plans to try for `cfg` on `world` processes, fastest first (see the module's table)."""
+    """The plans to try for `cfg` on `world` processes (`choose_plan` orders them by their estimated speed)."""
     t, m, mg = cfg.training, cfg.model, cfg.multi_gpu
-    lora = t.method == "lora"
-    fp8_given = m.unet_dtype == "fp8"
-    fp8_possible = lora and t.precision == "bf16" and not fp8_given
+    fp8_possible = fp8_allowed(cfg) and m.unet_dtype != "fp8"
+    offload = layer_offload_allowed(cfg, sizes)
     if world < 2:
-        return [Candidate("one process", user_setup(cfg, 1, "single"))]
+        given = user_setup(cfg, 1, "single")
+        return _whole_model_candidates(given, fp8_possible, offload, with_checkpointing=True)
     ddp, fsdp = user_setup(cfg, world, "ddp"), user_setup(cfg, world, "fsdp")
     if mg.strategy == "ddp":
-        return [Candidate("DDP", ddp)]
+        return _whole_model_candidates(ddp, False, offload, with_checkpointing=False)
     if mg.strategy == "fsdp":
         return [Candidate(_fsdp_name(fsdp, fsdp), fsdp)]
-    found = [Candidate("DDP", ddp)]
-    if fp8_possible:
-        found.append(Candidate("DDP + fp8 base", dataclasses.replace(ddp, fp8=True)))
-    if fsdp_blockers(cfg):
+    found = _whole_model_candidates(ddp, fp8_possible, offload, with_checkpointing=False)
+    if not fsdp_allowed(cfg):
         return found
     steps = [fsdp]
     if fp8_possible:
@@ -204,6 +237,33 @@ def candidates(cfg, world: int, sizes: ModelSizes) -> list[Candidate]:
     if not mg.fsdp_cpu_offload:
         steps.append(dataclasses.replace(steps[-1], cpu_offload=True))
     return found + [Candidate(_fsdp_name(s, fsdp), s) for s in steps]
+
+
+def _whole_model_candidates(given: Setup, fp8: bool, offload: bool, with_checkpointing: bool) -> list[Candidate]:
+    """Plans that hold the whole model on every GPU (one process, DDP): as the config says, with an fp8 base,
+    with checkpointing (one process: several GPUs have FSDP's plans for what it saves), and with layer offload
+    (which needs checkpointing) of as few blocks as fit."""
+    setups = [given]
+    if fp8:
+        setups.append(dataclasses.replace(given, fp8=True))
+    if with_checkpointing and not given.checkpointing:
+        setups += [dataclasses.replace(s, checkpointing=True) for s in list(setups)]
+    if offload:
+        setups += [dataclasses.replace(s, checkpointing=True, offload_blocks=FEWEST) for s in
+                   ([given, dataclasses.replace(given, fp8=True)] if fp8 else [given])]
+    return [Candidate(_whole_model_name(s, given), s) for s in setups]
+
+
+def _whole_model_name(setup: Setup, given: Setup, total_blocks: int | None = None) -> str:
+    name = "one process" if setup.strategy == "single" else "DDP"
+    if setup.fp8 and not given.fp8:
+        name += " + fp8 base"
+    if setup.checkpointing and not given.checkpointing:
+        name += " + checkpointing"
+    if setup.offload_blocks and setup.offload_blocks != given.offload_blocks:
+        count = "as few blocks as fit" if setup.offload_blocks == FEWEST else f"{setup.offload_blocks} of {total_blocks} blocks"
+        name += f" + layer offload ({count})"
+    return name
 
 
 def _fsdp_name(setup: Setup, given: Setup) -> str:
@@ -229,6 +289,8 @@ def changes_of(cfg, setup: Setup) -> dict[str, object]:
         changes["multi_gpu.fsdp_activation_offload"] = True
     if setup.cpu_offload and not mg.fsdp_cpu_offload:
         changes["multi_gpu.fsdp_cpu_offload"] = True
+    if setup.offload_blocks > 0 and mg.layer_offload.strip().lower() != str(setup.offload_blocks):
+        changes["multi_gpu.layer_offload"] = str(setup.offload_blocks)
     return changes
 
 
@@ -287,27 +349,83 @@ def _uneven_split(f: Facts, cfg, setup: Setup, caps: list[float], margin: float)
 
 def choose_plan(cfg, sizes: ModelSizes, caps: list[float], capacity_source: str = "free memory",
                 refuse: bool = True) -> Plan:
-    """The first plan that fits every card (see the module's doc); raises `NoPlanFits` when none fits - or,
+    """The fastest plan that fits every card (see the module's doc); raises `NoPlanFits` when none fits - or,
     with `refuse` off (a worker: the launcher refuses), takes the most frugal plan and says it is tight."""
     f = facts(sizes, cfg)
     world = len(caps)
     batches = batches_of(cfg, world)
-    found = candidates(cfg, world, sizes)
+    found = ranked(f, cfg, caps, batches)
     explicit = cfg.multi_gpu.strategy if world > 1 and cfg.multi_gpu.strategy != "auto" else None
-    chosen_by = f"multi_gpu.strategy {explicit}" if explicit else "one process" if world < 2 else "auto"
+    chosen_by = f"multi_gpu.strategy {explicit}" if explicit else "auto"
     rejected: list[str] = []
     for candidate in found:
         fits, needs, chosen, planned = _fit(f, cfg, candidate.setup, caps, batches, SAFETY_FRACTION)
         if fits:
-            if len(found) > 1:
+            if len(found) > 1 and candidate.setup.strategy == "fsdp":
                 candidate, (needs, chosen, planned) = _leaner(f, cfg, candidate, caps, batches, (needs, chosen, planned))
-            return _plan(cfg, candidate, needs, chosen, caps, capacity_source, rejected, planned, False, chosen_by)
+            plan = _plan(cfg, candidate, needs, chosen, caps, capacity_source, rejected, planned, False, chosen_by)
+            plan.slower = _next_that_fits(f, cfg, candidate, found, caps, batches)
+            return plan
         rejected.append(_why_not(candidate, needs, caps))
-    last = found[-1]
+    last = most_frugal(f, cfg, found, caps, batches)
     fits, needs, chosen, planned = _fit(f, cfg, last.setup, caps, batches, 1.0)
-    if fits or world < 2 or not refuse:  # the most frugal plan (or the one asked for): the log says it is tight
-        return _plan(cfg, last, needs, chosen, caps, capacity_source, rejected[:-1], planned, True, chosen_by)
+    if fits or not refuse:  # the most frugal plan (or the one asked for): the log says it is tight
+        rejected = [r for c, r in zip(found, rejected) if c is not last]
+        return _plan(cfg, last, needs, chosen, caps, capacity_source, rejected, planned, True, chosen_by)
     raise NoPlanFits(refusal(cfg, f, last, caps, capacity_source))
+
+
+def ranked(f: Facts, cfg, caps: list[float], batches) -> list[Candidate]:
+    """The candidates, each layer offload given its fewest blocks that fit, fastest first by the estimate
+    (`plan_speed.py`; equal estimates keep the order the candidates were listed in)."""
+    found = [_with_fewest_blocks(f, cfg, c, caps, batches) for c in candidates(cfg, len(caps), f.sizes)]
+    batch = max(batches or [cfg.training.batch_size])
+    return sorted(found, key=lambda c: step_seconds(f, cfg, c.setup, batch))
+
+
+def _with_fewest_blocks(f: Facts, cfg, candidate: Candidate, caps: list[float], batches) -> Candidate:
+    """A layer-offload candidate with the fewest swapped blocks that fit every card (all of them when none do;
+    none when checkpointing alone fits - then it is the plan with checkpointing, named so)."""
+    if candidate.setup.offload_blocks != FEWEST:
+        return candidate
+    total = len(f.block_params)
+
+    def fits(count: int) -> bool:
+        return _fit(f, cfg, dataclasses.replace(candidate.setup, offload_blocks=count), caps, batches,
+                    SAFETY_FRACTION)[0]
+
+    low, high = 0, total  # more blocks swapped never needs more memory: the first count that fits, by halving
+    if not fits(high):
+        low = high
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    setup = dataclasses.replace(candidate.setup, offload_blocks=low)
+    given = user_setup(cfg, len(caps), setup.strategy)
+    return Candidate(_whole_model_name(setup, given, total), setup)
+
+
+def _next_that_fits(f: Facts, cfg, chosen: Candidate, found: list[Candidate], caps: list[float], batches) -> str:
+    """"X fits too, at an estimated N x the step time": the next candidate that fits, which the chosen one beat on
+    the speed estimate (empty when none does)."""
+    batch = max(batches or [cfg.training.batch_size])
+    mine = step_seconds(f, cfg, chosen.setup, batch)
+    for other in found[found.index(chosen) + 1 if chosen in found else len(found):]:
+        if _fit(f, cfg, other.setup, caps, batches, SAFETY_FRACTION)[0]:
+            ratio = step_seconds(f, cfg, other.setup, batch) / mine if mine > 0 else 1.0
+            return f"{other.name} fits too, at an estimated {ratio:.2f}x the step time"
+    return ""
+
+
+def most_frugal(f: Facts, cfg, found: list[Candidate], caps: list[float], batches) -> Candidate:
+    """The candidate whose largest estimate over the cards is the smallest (ties: the later listed)."""
+    def worst(candidate: Candidate) -> float:
+        needs = _fit(f, cfg, candidate.setup, caps, batches, SAFETY_FRACTION)[1]
+        return max(peak(n, c * SAFETY_FRACTION) - c for n, c in zip(needs, caps))
+    return min(reversed(found), key=worst)
 
 
 PRUNED = ("checkpointing", "activation_offload", "fp8")
@@ -341,7 +459,12 @@ def user_setup(cfg, world: int, strategy: str) -> Setup:
     """The savers the config itself turns on, under `strategy`."""
     t, mg = cfg.training, cfg.multi_gpu
     if strategy != "fsdp":
-        return Setup(strategy, world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing)
+        try:
+            blocks = parse_layer_offload(mg.layer_offload) or 0
+        except ValueError:
+            blocks = 0  # validation names it
+        return Setup(strategy, world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing,
+                     offload_blocks=blocks if t.method == "lora" else 0)
     return Setup("fsdp", world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing,
                  mg.fsdp_activation_offload and t.gradient_checkpointing, mg.fsdp_cpu_offload)
 
@@ -385,7 +508,7 @@ def refusal(cfg, f: Facts, last: Candidate, caps: list[float], source: str) -> s
 def _quick_fit(cfg, f: Facts, caps: list[float]) -> bool:
     """Whether some plan fits the cards with room to spare (what the refusal's changes are judged by)."""
     batches = batches_of(cfg, len(caps))
-    return any(_fit(f, cfg, c.setup, caps, batches, SAFETY_FRACTION)[0] for c in candidates(cfg, len(caps), f.sizes))
+    return any(_fit(f, cfg, c.setup, caps, batches, SAFETY_FRACTION)[0] for c in ranked(f, cfg, caps, batches))
 
 
 def smallest_changes(cfg, f: Facts, caps: list[float]) -> list[str]:
@@ -398,6 +521,10 @@ def smallest_changes(cfg, f: Facts, caps: list[float]) -> list[str]:
         auto = with_changes(cfg, {"multi_gpu.strategy": "auto"})
         if _quick_fit(auto, f, caps):
             options.append(f"multi_gpu.strategy auto (plan: {choose_plan(auto, f.sizes, caps).name})")
+    if cfg.multi_gpu.layer_offload.strip().lower() not in ("auto", ""):
+        auto = with_changes(cfg, {"multi_gpu.layer_offload": "auto"})
+        if _quick_fit(auto, f, caps):
+            options.append(f"multi_gpu.layer_offload auto (plan: {choose_plan(auto, f.sizes, caps).name})")
     if t.batch_size > 1:
         for batch in range(t.batch_size - 1, 0, -1):
             smaller = with_changes(cfg, {"training.batch_size": batch, "multi_gpu.batch_split": "equal"})

@@ -329,6 +329,7 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         except ValueError as reason:
             problems.append(f"multi_gpu.batch_split: {reason}; or set it to equal or auto.")
     problems += _memory_limit_checks(cfg, indexes)
+    problems += layer_offload_problems(cfg)
     problems += context_parallel_problems(cfg, m.num_gpus or len(indexes) or None)
     if indexes and m.num_gpus > 0 and m.num_gpus != len(indexes):
         problems.append(f"multi_gpu.num_gpus: {m.num_gpus} does not match multi_gpu.device_indexes "
@@ -369,6 +370,53 @@ def parse_memory_limits(text: str) -> list[float]:
             raise ValueError(f"{part.strip()!r}: a GPU needs more than 0 GiB")
         limits.append(value)
     return limits
+
+
+def parse_layer_offload(text: str) -> int | None:
+    """`multi_gpu.layer_offload`: `auto` -> None (the plan decides), `off` -> 0, `20` -> 20 blocks; ValueError
+    with the reason."""
+    value = text.strip().lower()
+    if value in ("auto", ""):
+        return None
+    if value == "off":
+        return 0
+    try:
+        blocks = int(value)
+    except ValueError:
+        raise ValueError(f"{text!r} is not auto, off or a number of blocks") from None
+    if blocks < 0:
+        raise ValueError(f"{text!r}: a number of blocks is 0 or more")
+    return blocks
+
+
+def layer_offload_problems(cfg: TrainConfig) -> list[str]:
+    """What stops `multi_gpu.layer_offload` as set (a number of blocks), each with its fix."""
+    m, t = cfg.multi_gpu, cfg.training
+    try:
+        blocks = parse_layer_offload(m.layer_offload)
+    except ValueError as reason:
+        return [f"multi_gpu.layer_offload: {reason}; write auto (the memory plan decides), off, or how many blocks "
+                "keep their weights in CPU memory, e.g. 20."]
+    if not blocks:
+        return []
+    field = f"multi_gpu.layer_offload: {blocks}"
+    problems = []
+    if t.method != "lora":
+        problems.append(f"{field} swaps a frozen base's blocks, and training.method {t.method!r} trains every weight "
+                        "(the optimizer updates them on the GPU each step); set multi_gpu.layer_offload to auto or "
+                        "off - a full fine-tune larger than one GPU trains on several with multi_gpu.strategy fsdp and "
+                        "multi_gpu.fsdp_cpu_offload.")
+    if not t.gradient_checkpointing:
+        problems.append(f"{field} needs training.gradient_checkpointing: without it autograd keeps every block's "
+                        "weights on the GPU until the backward; set training.gradient_checkpointing to true.")
+    for path, active in (("training.compile", t.compile), ("training.channels_last", t.channels_last)):
+        if active:
+            problems.append(f"{field} with {path}: the swapped weights change place every call; set {path} to "
+                            "false (or multi_gpu.layer_offload to off).")
+    if m.enabled and m.strategy == "fsdp":
+        problems.append(f"{field} with multi_gpu.strategy fsdp: FSDP shards the base instead; set "
+                        "multi_gpu.strategy to ddp or auto (or multi_gpu.layer_offload to auto or off).")
+    return problems
 
 
 def context_parallel_family_problem(degree: int, family: str) -> str | None:
