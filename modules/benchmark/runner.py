@@ -154,7 +154,7 @@ class BenchmarkMixin:
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
         super().start()
-        if self.device.type == "cuda" and not self.parallel.holds_whole_model:
+        if self.device.type == "cuda" and (not self.parallel.holds_whole_model or self.parallel.offload is not None):
             # The random model was built whole on every GPU (`create_model`); a user's sharded run loads it on
             # the CPU and moves only each rank's shard to the GPU: count the peak from the sharded state on.
             # The whole-run peak (what the raw reference reports: it also builds whole) is kept apart.
@@ -229,7 +229,8 @@ class BenchmarkMixin:
             result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
                           batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
                           strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
-                          **plan_figures(getattr(self, "strategy", None), self.cfg),
+                          layer_offload_blocks=self.parallel.layer_offload_blocks,  # swapped (multi_gpu.layer_offload)
+                          **plan_figures(getattr(self, "strategy", None) or self, self.cfg),
                           extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                           step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                           # A context-parallel group trains one slice of the batch: samples are per slice.
@@ -259,7 +260,7 @@ class BenchmarkMixin:
 def plan_figures(strategy, cfg) -> dict:
     """The memory plan a multi-GPU case trained with: its name, the limit it was made for, each GPU's
     estimate (beside `per_rank`'s measured peaks)."""
-    plan = getattr(strategy, "plan", None)
+    plan = getattr(strategy, "plan", None) or getattr(strategy, "memory_plan", None)  # N processes, or one
     figures = {"memory_limit_gib": cfg.multi_gpu.memory_limit_gib or None}
     if plan is not None:
         figures.update(plan=plan.name, plan_changes=plan.changes, estimated_peak_gib=[round(p, 2) for p in plan.peaks],

@@ -41,10 +41,12 @@ def _no_buffer_sync_per_forward() -> dict:
 class DDPParallelism(ContextGroups, Parallelism):
     name = "ddp"
 
-    def __init__(self, multi_gpu, device: torch.device) -> None:
-        """`multi_gpu`: the run's `MultiGPUConfig` (bucket size, graph and compression settings)."""
+    def __init__(self, multi_gpu, device: torch.device, layer_offload_blocks: int = 0) -> None:
+        """`multi_gpu`: the run's `MultiGPUConfig` (bucket size, graph and compression settings);
+        `layer_offload_blocks`: how many blocks every rank swaps (`Parallelism.place`), each its own host copy."""
         self.settings = multi_gpu
         self.device = device
+        self.layer_offload_blocks = layer_offload_blocks
 
     def compile_splits_at_buckets(self, trainable: list[torch.nn.Parameter]) -> bool:
         """Split the compiled denoiser at DDP's buckets only where there is an all-reduce worth overlapping.
@@ -66,6 +68,11 @@ class DDPParallelism(ContextGroups, Parallelism):
         m = self.settings
         # Randomly initialised LoRA weights differ per rank unless rank 0's are copied everywhere.
         du.broadcast_parameters(model)
+        if self.offload is not None:
+            # The swapped frozen weights wait in host memory, loaded alike on every rank: DDP neither checks nor
+            # broadcasts them (it takes one device per module).
+            DDP._set_params_and_buffers_to_ignore_for_model(model, [
+                name for name, p in model.named_parameters() if self.offload.is_swapped(p)])
         ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   bucket_cap_mb=m.bucket_cap_mb, find_unused_parameters=m.find_unused_parameters,
                   static_graph=m.static_graph, gradient_as_bucket_view=m.gradient_as_bucket_view,

@@ -26,6 +26,7 @@ from modules.distributed.process_group import destroy, init_worker
 from modules.distributed.strategy import StrategyChoice, choose_strategy
 from modules.distributed.watchdog import Watchdog
 from modules.trainer.base_trainer import BaseTrainer
+from modules.trainer.one_gpu_plan import layer_offload_blocks
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
 
@@ -88,7 +89,7 @@ class DistributedTrainer(BaseTrainer):
             raise ValueError(" ".join(problems))
         m = self.cfg.multi_gpu
         if choice.strategy == "ddp":
-            parallel = DDPParallelism(m, self.device)
+            parallel = DDPParallelism(m, self.device, layer_offload_blocks(self.cfg))
         else:
             blockers = fsdp_blockers(self.cfg)
             if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through

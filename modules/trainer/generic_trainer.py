@@ -5,6 +5,8 @@ import torch
 
 from modules.config.launch_spec import resolve_device
 from modules.trainer.base_trainer import BaseTrainer
+from modules.trainer.one_gpu_plan import layer_offload_blocks, plan_one_gpu
+from modules.trainer.parallelism import SingleProcess
 
 
 def pick_device(setting: str) -> torch.device:
@@ -15,6 +17,14 @@ def pick_device(setting: str) -> torch.device:
 
 
 class GenericTrainer(BaseTrainer):
+    memory_plan = None
+    """The one-GPU memory plan the run trains (`one_gpu_plan.py`), None where none was made."""
+
     def setup_environment(self) -> None:
         self.device = pick_device(self.cfg.general.device)
         self.configure_backends()
+        # Before the model loads: a config that fits nothing is refused now, and the plan decides where it loads.
+        self.memory_plan = plan_one_gpu(self.cfg, self.device)
+        if self.memory_plan is not None:
+            self.cfg = self.memory_plan.apply(self.cfg)
+        self.parallel = SingleProcess(layer_offload_blocks(self.cfg))

@@ -81,7 +81,7 @@ def describe(error: BaseException, trainer) -> str:
     elif device is not None and device.type == "cuda":
         text += f", beyond its {torch.cuda.get_device_properties(device).total_memory / GIB:.1f} GiB"
     strategy = getattr(trainer, "strategy", None)
-    plan = getattr(strategy, "plan", None)
+    plan = getattr(strategy, "plan", None) or getattr(trainer, "memory_plan", None)  # N processes, or one
     if plan is not None:
         text += f". The plan, {plan.name}, estimated {plan.peaks[min(rank, len(plan.peaks) - 1)]:.1f} GiB for it"
     return text + ". To fit: " + "; ".join(advice(cfg)) + "."

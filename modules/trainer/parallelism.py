@@ -15,7 +15,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
-| the memory plan's savers | an fp8 base whole | the same | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
+| the memory plan's savers | an fp8 base whole; layer offload (`place`: swapped blocks in host memory) | the same, each rank its own host copy | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
 
 The collectives every strategy needs alike (barriers, the step's report, broadcasts, gathering RNG
 states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
@@ -60,6 +60,11 @@ class Parallelism:
     planned_split: list[int] | None = None
     """Samples of each global micro-batch per rank as the memory plan split it over unequal GPUs, where the
     start-up measurement of `multi_gpu.batch_split = auto` cannot run (it needs the whole model on each GPU)."""
+    layer_offload_blocks = 0
+    """Layer offload (`multi_gpu.layer_offload` as the plan set it; one process and DDP): how many of the
+    denoiser's repeated blocks keep their frozen weights in host memory (`modules/model/layer_offload.py`)."""
+    offload = None
+    """The `LayerOffload` of this run once `place` swapped the blocks, else None."""
 
     # ---------------------------------------------------------------- which part of the global batch
     @property
@@ -89,16 +94,21 @@ class Parallelism:
     # ---------------------------------------------------------------- before wrapping
     def load_device(self, device: torch.device) -> torch.device:
         """Where the model is loaded (`device`: the training device); `place` then puts each part where it
-        trains."""
-        return device
+        trains. With layer offload, host memory: the GPU never holds the whole base."""
+        return torch.device("cpu") if self.layer_offload_blocks and device.type == "cuda" else device
 
     def checkpoint_activations(self, bundle) -> None:
         """Turn on activation (gradient) checkpointing of the denoiser."""
         bundle.denoiser.enable_gradient_checkpointing()
 
     def place(self, bundle, trained: list[nn.Module], device: torch.device) -> None:
-        """Every part of the model onto the training device (`trained`: the modules that train)."""
-        bundle.to(device)
+        """Every part of the model onto the training device (`trained`: the modules that train) - but the frozen
+        weights of the blocks layer offload swaps, which wait in host memory."""
+        if self.layer_offload_blocks and self.offload is None:
+            from modules.model.layer_offload import offload_blocks
+            self.offload = offload_blocks(bundle, self.layer_offload_blocks, device)
+        with self.offload.held_back() if self.offload is not None else contextlib.nullcontext():
+            bundle.to(device)
 
     def compile_splits_at_buckets(self, trainable: list[nn.Parameter]) -> bool:
         """Whether `training.compile` splits the denoiser's graph where gradients are synchronised in
@@ -136,7 +146,7 @@ class Parallelism:
     def sampling_replays_graphs(self) -> bool:
         """Whether a sampling's denoiser calls may replay from CUDA graphs (`modules/model/sample_graphs.py`):
         where each call is this process's alone, not a collective."""
-        return not self.forward_is_collective
+        return not self.forward_is_collective and self.offload is None  # swapped weights move every call
 
     # ---------------------------------------------------------------- outputs
     def write_model(self, work: Callable[[], T]) -> T | None:
@@ -167,3 +177,7 @@ class Parallelism:
 
 class SingleProcess(Parallelism):
     """One process holding the whole model: nothing is wrapped, synchronised or gathered."""
+
+    def __init__(self, layer_offload_blocks: int = 0) -> None:
+        """`layer_offload_blocks`: how many blocks swap (the plan's `multi_gpu.layer_offload`)."""
+        self.layer_offload_blocks = layer_offload_blocks
