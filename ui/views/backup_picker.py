@@ -34,9 +34,13 @@ class BackupPicker(ctk.CTkFrame):
                             "not finished. A finished run's backups are marked: continuing one trains only if "
                             "Epochs or Max steps were raised since.")
 
-    def set_choices(self, choices: list[BackupChoice], enabled: bool) -> None:
-        """The workspace's backups now; a pick the user made stays while that backup is still there."""
+    def set_choices(self, choices: list[BackupChoice], enabled: bool, offer: BackupChoice | None = None) -> None:
+        """The workspace's backups now; a pick the user made stays while that backup is still there. `offer`
+        (the backup a run just wrote) replaces that pick, and stays likewise: continuing the pick made before
+        the run would throw its later steps away."""
         self.choices = choices
+        if offer is not None:
+            self.picked, self._chosen_by_user = offer, True
         still = next((c for c in choices if self.picked and c.path == self.picked.path), None)
         if not (self._chosen_by_user and still):
             self.picked, self._chosen_by_user = default_choice(choices), False
@@ -45,6 +49,10 @@ class BackupPicker(ctk.CTkFrame):
         labels = [c.label() for c in choices]
         self.menu.configure(values=labels or [NONE], state="normal" if labels and enabled else "disabled")
         self.menu.set(self.picked.label() if self.picked else (NONE if not labels else "Pick a backup to continue"))
+
+    def forget_pick(self) -> None:
+        """A run ended: a pick made before it is not kept (continuing it would throw the run's steps away)."""
+        self.picked, self._chosen_by_user = None, False
 
     def pick(self, choice: BackupChoice) -> None:
         """Pick `choice` as a user would in the menu."""

@@ -93,17 +93,20 @@ class RemoteFrame(ctk.CTkFrame):
         self.fields.grid(row=1, column=0, sticky="we", padx=8)
         self.vars: dict[str, tk.StringVar] = {}
         self.entries: dict[str, ctk.CTkEntry] = {}
-        for i, (name, label, tip) in enumerate(FIELDS):
-            row, col = divmod(i, 3)
+        self._cells: list[tuple[ctk.CTkLabel, ctk.CTkEntry]] = []
+        self._columns = 0
+        for name, label, tip in FIELDS:
             text = ctk.CTkLabel(self.fields, text=label, anchor="w")
-            text.grid(row=row, column=2 * col, sticky="w", padx=(2, 4), pady=2)
             var = tk.StringVar(self, "")
             entry = ctk.CTkEntry(self.fields, textvariable=var, width=200 if name != "port" else 70)
-            entry.grid(row=row, column=2 * col + 1, sticky="w", padx=(0, 12), pady=2)
+            self._cells.append((text, entry))
             for widget in (text, entry):
                 Tooltip(widget, tip)
             var.trace_add("write", lambda *_a: self._edited())
             self.vars[name], self.entries[name] = var, entry
+        self._arrange_fields(3)
+        # As many label-and-field pairs side by side as the window's width takes (three were cut off at 1024 px).
+        self.bind("<Configure>", lambda event: self._arrange_fields(self._columns_that_fit(event.width)), add="+")
 
         runs = ctk.CTkFrame(self, fg_color="transparent")
         runs.grid(row=2, column=0, sticky="we", padx=8, pady=2)
@@ -129,6 +132,21 @@ class RemoteFrame(ctk.CTkFrame):
             self.menu.set(THIS_MACHINE)
             self._show_local()
         self.after(POLL_MS, self._tick)
+
+    # --- the connection fields' layout -------------------------------------------------------------------
+    def _columns_that_fit(self, width: int) -> int:
+        label = max(text.winfo_reqwidth() for text, _ in self._cells) + 6
+        entry = max(field.winfo_reqwidth() for _, field in self._cells) + 12
+        return max(1, min(3, (width - 24) // (label + entry)))
+
+    def _arrange_fields(self, columns: int) -> None:
+        if columns == self._columns:
+            return
+        self._columns = columns
+        for i, (text, entry) in enumerate(self._cells):
+            row, col = divmod(i, columns)
+            text.grid(row=row, column=2 * col, sticky="w", padx=(2, 4), pady=2)
+            entry.grid(row=row, column=2 * col + 1, sticky="w", padx=(0, 12), pady=2)
 
     # --- choices ------------------------------------------------------------------------------------
     @staticmethod

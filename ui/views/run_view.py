@@ -13,6 +13,7 @@ import customtkinter as ctk
 from modules.config.run_paths import RunPaths
 from modules.config.backends import backend_problem
 
+from ..backup_choices import backup_the_run_wrote
 from ..events import format_duration
 from ..external import Opened, TensorBoard, open_folder
 from ..gpu_info import GpuUsage, UsageMonitor
@@ -25,6 +26,7 @@ from .backup_picker import BackupPicker
 from .buttons import Button
 from .fields import ERROR_COLOR, Binder
 from .loss_plot import LossPlot
+from .notice_line import NoticeLine
 from .sample_gallery import SampleGallery
 from .tooltip import Tooltip
 from .wheel import chain_wheel_to_page
@@ -66,6 +68,7 @@ class RunView(ctk.CTkScrollableFrame):
         self._shown_samples = 0
         self._last_status = None
         self._cannot_start = False
+        self._offer_what_the_run_wrote = False
         self._usage: list[GpuUsage] = []
         self.grid_columnconfigure(0, weight=1)
 
@@ -76,17 +79,18 @@ class RunView(ctk.CTkScrollableFrame):
         self.continue_button = Button(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
                                              hover_color="#25586f", command=self.continue_run)
         self.stop_button = Button(commands, text="Stop", width=80, fg_color="#b03a3a",
-                                         hover_color="#8c2e2e", command=self.controller.stop)
+                                         hover_color="#8c2e2e", command=self.stop)
         self.sample_button = Button(commands, text="Sample now", width=100,
-                                           command=lambda: self.controller.send("sample"))
+                                           command=lambda: self.send("sample"))
         self.backup_button = Button(commands, text="Backup now", width=100,
-                                           command=lambda: self.controller.send("backup"))
+                                           command=lambda: self.send("backup"))
         self.save_button = Button(commands, text="Save now", width=90,
-                                         command=lambda: self.controller.send("save"))
+                                         command=lambda: self.send("save"))
         self.backups = BackupPicker(self, on_pick=self._update_buttons)
         self.backups.grid(row=1, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
         places = ctk.CTkFrame(self, fg_color="transparent")
-        places.grid(row=2, column=0, columnspan=2, sticky="w", padx=8, pady=(2, 2))
+        places.grid(row=2, column=0, columnspan=2, sticky="we", padx=8, pady=(2, 2))
+        places.grid_columnconfigure(2, weight=1)
         self.output_button = Button(places, text="Open output folder", width=140, fg_color="gray40",
                                            command=self.open_output_folder)
         self.tensorboard_button = Button(places, text="Open TensorBoard", width=140, fg_color="gray40",
@@ -100,9 +104,10 @@ class RunView(ctk.CTkScrollableFrame):
         for col, (button, tip) in enumerate(((self.output_button, "output"), (self.tensorboard_button, "tensorboard"))):
             button.grid(row=0, column=col, padx=(0, 6))
             Tooltip(button, BUTTON_TIPS[tip])
-        # The folder or address just opened, or why it could not be: selectable, so it can be copied.
-        self.notice = ctk.CTkEntry(places, width=520, border_width=0, fg_color="transparent")
-        self.notice.grid(row=0, column=2, sticky="we", padx=(6, 0))
+        # The folder or address just opened, or why it could not be: selectable, so it can be copied, and
+        # wrapped under the buttons (an opener's message is long); the next action takes it away.
+        self.notice = NoticeLine(places)
+        self.notice.grid(row=1, column=0, columnspan=3, sticky="we", pady=(2, 0))
         self.notice.grid_remove()
 
         self.status = ctk.CTkLabel(self, text="Idle", anchor="w", font=ctk.CTkFont(size=14, weight="bold"))
@@ -135,6 +140,7 @@ class RunView(ctk.CTkScrollableFrame):
             chain_wheel_to_page(box, self)
         self.monitor = monitor or UsageMonitor()
         self.binder.on_change.append(lambda _path: self._recheck_cannot_start())
+        self.binder.on_change.append(lambda _path: self._hide_notice())  # it was about what was before
         # Another workspace or config has other backups: Continue must never offer the previous one's.
         self.binder.on_change.append(lambda _path: self._update_buttons())
         self.binder.on_change.append(lambda _path: self._follow_workspace())
@@ -147,6 +153,7 @@ class RunView(ctk.CTkScrollableFrame):
     def start(self, resume: str | None = None) -> bool:
         """Start training with the current config (continuing the newest backup with `resume="latest"`),
         or say why it cannot start."""
+        self._hide_notice()
         problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
         if machine:
@@ -171,8 +178,20 @@ class RunView(ctk.CTkScrollableFrame):
         self._render()
         return True
 
+    def stop(self) -> None:
+        self._hide_notice()
+        self.controller.stop()
+        self._render()
+
+    def send(self, command: str) -> None:
+        """Sample, back up or save at the next step; the status says so at once (a sampling may come a minute later)."""
+        self._hide_notice()
+        self.controller.send(command)
+        self._render()
+
     def continue_run(self) -> bool:
         """Start from the backup picked in the list - if it is still there; a finished run's only when asked."""
+        self._hide_notice()
         backup = self.backups.picked
         if backup is None or not self.controller.backup_present(backup):
             self._update_buttons()
@@ -205,10 +224,10 @@ class RunView(ctk.CTkScrollableFrame):
 
     def _show_notice(self, result: Opened) -> None:
         self.notice.grid()
-        self.notice.configure(state="normal", text_color=ERROR_COLOR if not result.ok else ("gray10", "gray90"))
-        self.notice.delete(0, "end")
-        self.notice.insert(0, result.message)
-        self.notice.configure(state="readonly")
+        self.notice.show(result.message, ERROR_COLOR if not result.ok else ("gray10", "gray90"))
+
+    def _hide_notice(self) -> None:
+        self.notice.grid_remove()
 
     def use(self, controller: RunController, tensorboard, visible_gpus: Callable[[], int]) -> None:
         """Show another controller's run (this machine's, or a remote one's: ui/views/remote_frame.py)."""
@@ -225,7 +244,7 @@ class RunView(ctk.CTkScrollableFrame):
         self._render()
 
     def notice_text(self) -> str:
-        return self.notice.get() if self.notice.winfo_manager() else ""
+        return self.notice.text() if self.notice.winfo_manager() else ""
 
     def _reset_for_new_run(self) -> None:
         """Nothing of the previous run may look like part of this one."""
@@ -269,6 +288,8 @@ class RunView(ctk.CTkScrollableFrame):
             self.run_info.configure(text=f"World size {info.get('world_size')} · global batch "
                                          f"{info.get('global_batch')} · {info.get('steps_per_epoch')} "
                                          f"steps/epoch{left_out} · {lr}")
+        if ended:
+            self._offer_what_the_run_wrote = True  # Continue offers the backup the run wrote (a Stop's)
         self.loss_plot.set_points(s.losses, s.validation_losses)
         for sample in s.samples[self._shown_samples:]:
             self.gallery.add_live({**sample, "path": self.controller.absolute(Path(str(sample.get("path", ""))))})
@@ -292,11 +313,20 @@ class RunView(ctk.CTkScrollableFrame):
         return self.controller.sample_folders(self.binder.model.cfg)
 
     def _follow_workspace(self) -> None:
-        """Another workspace has other samples: the gallery reads them (only then: reading is not free)."""
+        """Another workspace has other runs: an ended run of the previous one is no longer shown (its status,
+        plot, log and samples), and the gallery reads the new one's samples (only then: reading is not free).
+        A run going on is shown until it ends."""
+        if self.controller.state.active:
+            return
+        if not self.controller.shows_workspace(RunPaths(self.binder.model.cfg).workspace):
+            self.controller.forget_run()
+            self._reset_for_new_run()
+            self._hide_error()
+            self._render()
         folders = self._sample_folders()
-        if folders != self._gallery_folders and not self.controller.state.active:
+        if folders != self._gallery_folders:
             self._gallery_folders = folders
-            self.gallery.refresh()
+            self.gallery.other_workspace()
 
     def _poll_gpus(self) -> None:
         try:
@@ -340,8 +370,13 @@ class RunView(ctk.CTkScrollableFrame):
         active = self.controller.state.active
         self.start_button.configure(state="disabled" if active else "normal")
         # While a run goes on the list stays as it was (read again when it ends): no folder scans per step.
-        self.backups.set_choices(self.backups.choices if active else self.controller.backup_choices(self.binder.model.cfg),
-                                 enabled=not active)
+        choices = self.backups.choices if active else self.controller.backup_choices(self.binder.model.cfg)
+        offer = None
+        if self._offer_what_the_run_wrote and not active:
+            self._offer_what_the_run_wrote = False
+            self.backups.forget_pick()
+            offer = backup_the_run_wrote(choices, self.controller.state.written_backups)
+        self.backups.set_choices(choices, enabled=not active, offer=offer)
         picked = None if active else self.backups.picked
         self.continue_button.configure(state="normal" if picked else "disabled",
                                        text=f"Continue from step {picked.step}" if picked else "Continue from backup")

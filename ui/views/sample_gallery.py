@@ -81,6 +81,13 @@ class SampleGallery(ctk.CTkFrame):
             self.index = None
         self._load(keep_step=True)
 
+    def other_workspace(self) -> None:
+        """Another workspace: the samples the runs of the previous one announced are not its (they showed on)."""
+        self._live.clear()
+        self.live_run, self.following = None, True
+        self.run, self.index = None, None
+        self.refresh()
+
     def new_run(self) -> None:
         """A run starts: show its samples as they come (none yet)."""
         self.live_run, self.following = None, True
