@@ -165,6 +165,8 @@ def test_sample_now_is_answered_at_once(app_factory):
 @pytest.mark.slow
 def test_the_remote_form_fits_at_1024x768(app_factory, tmp_path):
     """At 1024 x 768 the third column of the remote machine's fields ("Python there", "Environment") was cut off."""
+    import customtkinter as ctk
+
     from ui.views.remote_frame import NEW_REMOTE
     app, _ = app_factory()
     app.geometry("1024x768+0+0")
@@ -173,12 +175,13 @@ def test_the_remote_form_fits_at_1024x768(app_factory, tmp_path):
     app.remote.choose(NEW_REMOTE)
     pump(app, timeout=1.0)
     right, bottom = app.winfo_rootx() + app.winfo_width(), app.winfo_rooty() + app.winfo_height()
+    cells = app.remote.fields.winfo_children()  # each field's label and entry
+    assert len(cells) >= 16
     cut = []
-    for label, entry in app.remote._cells:
-        for widget in (label, entry):
-            edge = (widget.winfo_rootx() + widget.winfo_width(), widget.winfo_rooty() + widget.winfo_height())
-            if not widget.winfo_ismapped() or edge[0] > right or edge[1] > bottom:
-                cut.append((widget.cget("text") if widget is label else "entry", edge))
+    for widget in cells:
+        edge = (widget.winfo_rootx() + widget.winfo_width(), widget.winfo_rooty() + widget.winfo_height())
+        if not widget.winfo_ismapped() or edge[0] > right or edge[1] > bottom:
+            cut.append((widget.cget("text") if isinstance(widget, ctk.CTkLabel) else "an entry", edge))
     assert not cut, f"cut off at 1024 x 768 (window edge {right}, {bottom}): {cut}"
     for button in (app.run_view.start_button, app.remote.check_button):
         assert button.winfo_ismapped() and button.winfo_rooty() + button.winfo_height() <= bottom
@@ -186,4 +189,4 @@ def test_the_remote_form_fits_at_1024x768(app_factory, tmp_path):
     # In a wide window the fields stand three to a row again.
     app.geometry("1400x820+0+0")
     pump(app, timeout=1.0)
-    assert app.remote._columns == 3
+    assert max(int(widget.grid_info()["row"]) for widget in cells) == 2, "not three to a row"
