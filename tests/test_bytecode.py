@@ -118,7 +118,7 @@ def test_a_spawned_worker_adds_what_only_it_imports(place):
             queue = ctx.Queue()
             child = ctx.Process(target=work, args=(queue,))
             child.start()
-            print(queue.get(timeout=patience(60)))
+            print(queue.get(timeout=600))
             child.join()
     """)
     call = 'keep_bytecode(probes=("probe_pkg",))'

@@ -337,7 +337,12 @@ def loading_failure(loader: DataLoader, error: BaseException) -> DataLoadingErro
         dead = _dead_workers(workers)
         if dead or time.monotonic() >= deadline:
             break
-        time.sleep(0.05)
+        try:
+            time.sleep(0.05)
+        except RuntimeError:
+            # PyTorch's SIGCHLD handler raising "DataLoader worker ... is killed by signal" while this waits:
+            # the death being waited for; its exit code is read on the next pass.
+            continue
     if dead:
         pid, code = dead[0]
         how = _signal_name(-code) if code < 0 else f"exit code {code}"
