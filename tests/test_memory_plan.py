@@ -231,7 +231,7 @@ def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_start
     from modules.util.ports import find_free_port
     port = find_free_port("127.0.0.1")
     monkeypatch.setattr(launch, "plan_launch", lambda c: launch.LaunchPlan(spec, "127.0.0.1", port))
-    monkeypatch.setattr(launch, "preflight", lambda c: None)
+    monkeypatch.setattr(launch, "preflight", lambda *checked: None)
 
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
