@@ -172,6 +172,12 @@ def _image_files(folder: Path, recursive: bool) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
+def media_files(folder: Path, recursive: bool) -> list[Path]:
+    """The images and video clips of a concept folder in the scan's order (the caption editor and
+    auto-captioning list what training reads)."""
+    return _image_files(folder, recursive)
+
+
 def clip_files(concept: ConceptConfig) -> list[Path]:
     """The video clips of a concept folder, listed without reading them: a model that trains images only
     refuses them before the scan, which would judge each by `data.video_frames` (`preflight.check_family`).
