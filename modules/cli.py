@@ -26,11 +26,12 @@ def _load(args, extra_overrides: list[str]) -> TrainConfig:
     return load_config(args.config_path, [*args.config_value, *extra_overrides])
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, in_window: str | None = None) -> int:
     """One line for the user (no traceback: the message says what to change), and the `error` event
-    whose text the GUI shows as its headline."""
+    whose text the GUI shows as its headline (`in_window`: the same in the window's words, where they differ:
+    `PreflightError.in_window`)."""
     from modules.trainer.callbacks import default_callbacks
-    default_callbacks().on_event("error", text=message)
+    default_callbacks().on_event("error", text=in_window or message)
     print(f"error: {message}", file=sys.stderr)
     return 2
 
@@ -100,7 +101,9 @@ def _run_single(cfg: TrainConfig, resume: str | None) -> int:
     from modules.preflight import PreflightError
     try:
         return run_single(cfg, resume)
-    except (PreflightError, EmptyDatasetError, MaskError) as e:  # the message says what to change; a traceback would bury it
+    except PreflightError as e:  # the message says what to change; a traceback would bury it
+        return _fail(str(e), e.in_window)
+    except (EmptyDatasetError, MaskError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
         print("Training aborted by a second stop signal.", file=sys.stderr)
@@ -185,4 +188,4 @@ def train_multi_gpu_main(argv: list[str] | None = None) -> int:
     try:
         return launch(cfg, resume=args.resume)
     except LaunchError as e:
-        return _fail(str(e))
+        return _fail(str(e), e.in_window)

@@ -15,7 +15,19 @@ from modules.config import RunPaths, TrainConfig
 
 
 class PreflightError(RuntimeError):
-    """A problem found before any training process started; the message says what to change."""
+    """A problem found before any training process started; the message says what to change. `in_window`: the
+    same in the window's words where they differ (fields by their labels alone; the command line's message
+    adds the path that `--config-value` takes)."""
+
+    def __init__(self, message: str, in_window: str | None = None):
+        super().__init__(message)
+        self.in_window = in_window or message
+
+    @classmethod
+    def in_config_words(cls, template: str) -> "PreflightError":
+        """The error of a message that names fields as `{training.batch_size}` (`field_labels.in_config_words`)."""
+        from modules.config.field_labels import in_config_words
+        return cls(in_config_words(template, with_paths=True), in_config_words(template, with_paths=False))
 
 
 def check_writable(folder: Path, field: str) -> None:
@@ -125,6 +137,70 @@ def check_no_clips(cfg: TrainConfig, families: tuple[str, ...]) -> None:
                 f"data.concepts[{index}].path: {concept.path!r} holds {len(clips)} video clip(s) ({names}), but "
                 f"{cfg.model.base_model.strip()!r} is {title}, which trains images only; move the clips out of "
                 f"the folder, or train a video model ({video}).")
+
+
+def check_data(cfg: TrainConfig, data_world: int = 1, scan=None):
+    """The scanned dataset (`modules.data.TrainDataset`, whose `scan()` the trainer takes instead of scanning
+    again); refuses data that does not fill one training step of `data_world` processes' global batch, in the
+    window's words, before any model loads (the sampler would refuse it only after loading: 48 s in on a CPU).
+    `scan`: a scan made already. The scan's warnings (what it skipped, resized or ignored) are given here."""
+    from modules.data import EmptyDatasetError, MaskError, build_dataset
+    try:
+        dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed, scan=scan)
+    except (EmptyDatasetError, MaskError, FileNotFoundError) as e:
+        raise PreflightError(str(e)) from None
+    problem = batch_shortfall(cfg, dataset.buckets, dataset.bucket_sizes, data_world)
+    if problem:
+        raise PreflightError.in_config_words(problem)
+    return dataset
+
+
+def batch_shortfall(cfg: TrainConfig, buckets: list[int], bucket_sizes: list[tuple[int, int]],
+                    data_world: int) -> str | None:
+    """Why the items (each one's bucket in `buckets`) give no training step, with fields as `{path}`
+    (`PreflightError.in_config_words`); None when they give one. A step takes `gradient_accumulation_steps`
+    global batches of `batch_size` x `data_world` items, each batch from one bucket (`full_global_batches`: as
+    the sampler cuts them); only the changes that would help are offered."""
+    from collections import Counter
+
+    from modules.data.sampler import full_global_batches
+    t = cfg.training
+    global_batch = t.batch_size * data_world
+    per_bucket = Counter(buckets)
+    batches = full_global_batches(per_bucket.values(), global_batch)
+    if batches >= t.gradient_accumulation_steps:
+        return None
+    wanted = [f"{{training.batch_size}} {t.batch_size}"]
+    if data_world > 1:
+        wanted.append(f"{data_world} processes")
+    if t.gradient_accumulation_steps > 1:
+        wanted.append(f"{{training.gradient_accumulation_steps}} {t.gradient_accumulation_steps}")
+    items = len(buckets)
+    sizes = ", ".join(f"{count} at {_bucket_name(bucket, bucket_sizes)}" for bucket, count in sorted(per_bucket.items()))
+    several = len(per_bucket) > 1
+    accumulation = t.gradient_accumulation_steps
+    step = f"{global_batch} images" if accumulation == 1 else f"{accumulation} batches of {global_batch}"
+    what = (f"The {items} training images (repeats counted) give {batches or 'no'} full batch"
+            + ("" if batches == 1 else "es") + f" of {global_batch}"
+            + (f" (with {{data.aspect_bucketing}} on, a batch comes from one bucket: {sizes})" if several else "")
+            + f", and one step takes {step}: {' x '.join(wanted)}.")
+    fixes = []
+    if t.batch_size > 1:
+        fixes.append("lower {training.batch_size}")
+    if accumulation > 1:
+        fixes.append("lower {training.gradient_accumulation_steps}")
+    if data_world > 1:
+        fixes.append("train on fewer GPUs (processes)")
+    fixes += ["raise a concept's {data.concepts[].repeats}", "add images"]
+    if several and cfg.data.aspect_bucketing and items >= accumulation * global_batch:
+        fixes.append("turn off {data.aspect_bucketing} to put all images in one bucket")
+    return f"{what} To train, {', '.join(fixes[:-1])} or {fixes[-1]}."
+
+
+def _bucket_name(bucket: int, bucket_sizes: list[tuple[int, int]]) -> str:
+    """A bucket as the message names it: its size (a clip's bucket, numbered after the images', says so)."""
+    width, height = bucket_sizes[bucket % len(bucket_sizes)]
+    return f"{width}x{height}" + (" (clips)" if bucket >= len(bucket_sizes) else "")
 
 
 def build_builtin_model(name: str) -> None:

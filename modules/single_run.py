@@ -1,6 +1,6 @@
 """Training in one process (`scripts/train.py` outside torchrun): no process group, no launcher.
 
-The same checks a launch makes before its workers start (`preflight`), the workspace taken for the run,
+The same checks a launch makes before its workers start (`preflight`, `check_data`), the workspace taken for the run,
 Ctrl-C / SIGTERM as a clean stop (`CommandInbox`), then `GenericTrainer`. The multi-process path is
 `modules/distributed/launch.py`; both train with the same loop (`trainer/base_trainer.py`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from modules.config import RunPaths, TrainConfig
-from modules.preflight import preflight
+from modules.preflight import check_data, preflight
 from modules.util.logs import setup_logging
 from modules.util.workspace_lock import WorkspaceBusy, WorkspaceLock
 
@@ -45,6 +45,7 @@ def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
 
     setup_logging()
     preflight(cfg)  # raises PreflightError, whose message is the whole story
+    scan = check_data(cfg).scan()  # data that fills no step is refused before the model loads
     use_cpu_threads(cfg.general.device)
     inbox = CommandInbox(RunPaths(cfg).commands_file)
     inbox.install_signal_handlers()
@@ -57,7 +58,7 @@ def run_single(cfg: TrainConfig, resume: str | None = None) -> int:
         return 2
     try:
         with lock:
-            GenericTrainer(cfg, callbacks, inbox, resume).run()
+            GenericTrainer(cfg, callbacks, inbox, resume, scan=scan).run()
     except Exception as e:
         callbacks.on_event("error", text=f"{type(e).__name__}: {e}", rank=0)
         raise

@@ -331,7 +331,7 @@ def test_validation_before_any_worker_starts(tmp_path, cache_dir):
             plan_launch(cfg)
     cfg = demo_config(tmp_path / "ws", cache_dir, "multi_gpu.enabled=true", "multi_gpu.num_gpus=3",
                       "training.batch_size=32")
-    with pytest.raises(LaunchError, match="no full global batch"):
+    with pytest.raises(LaunchError, match="give no full batches of 96"):
         launch(cfg)
     assert not (tmp_path / "ws" / "backups").exists()
 

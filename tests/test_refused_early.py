@@ -86,6 +86,53 @@ def test_clips_in_an_image_models_concept_are_refused_naming_the_concept_and_the
     preflight(cfg)
 
 
+def small_concept(folder: Path, square: int, wide: int = 0) -> Path:
+    """`square` 64x64 images and `wide` 128x64 ones (another aspect-ratio bucket at the demo's resolution with
+    `data.bucket_step=16`)."""
+    folder.mkdir(parents=True)
+    for i in range(square + wide):
+        Image.new("RGB", (64, 64) if i < square else (128, 64), (40 * i, 90, 160)).save(folder / f"image{i}.png")
+    return folder
+
+
+def test_data_that_fills_no_step_is_refused_in_the_windows_words_before_the_model_loads(tmp_path, tandem_home):
+    """Issue 55, item 4: the sampler refused it after the model loaded, as "ValueError: ... training.batch_size
+    ... data.aspect_bucketing ... Use fewer GPUs" on one CPU process."""
+    from modules.config.field_labels import field_label
+    from modules.preflight import check_data
+    folder = small_concept(tmp_path / "three", square=3)
+    cfg = demo(tmp_path, f'data.concepts=[{{"path": "{folder}"}}]', "training.batch_size=4")
+    with pytest.raises(PreflightError) as refused:
+        check_data(cfg)
+    window, command_line = refused.value.in_window, str(refused.value)
+    batch, repeats = field_label("training.batch_size"), field_label("data.concepts[0].repeats")
+    assert window == (f"The 3 training images (repeats counted) give no full batches of 4, and one step takes 4 "
+                      f"images: {batch} 4. To train, lower {batch}, raise a concept's {repeats} or add images."), window
+    assert command_line == window.replace(batch, f"{batch} (training.batch_size)").replace(
+        repeats, f"{repeats} (data.concepts[].repeats)"), command_line
+    # Only what helps: one process has no GPUs to drop, one bucket no buckets to merge.
+    for advice in ("GPUs", "ValueError", "aspect", "Aspect"):
+        assert advice not in window, f"{advice!r} in {window!r}"
+    check_data(demo(tmp_path, f'data.concepts=[{{"path": "{folder}"}}]', "training.batch_size=3"))  # one step: fine
+
+    # Two buckets of 2 that would fill a batch of 4 together; with 2 processes and accumulation, each is named.
+    mixed = small_concept(tmp_path / "mixed", square=2, wide=2)
+    cfg = demo(tmp_path, f'data.concepts=[{{"path": "{mixed}"}}]', "data.bucket_step=16", "training.batch_size=2",
+               "training.gradient_accumulation_steps=2")
+    with pytest.raises(PreflightError) as refused:
+        check_data(cfg, data_world=2)
+    buckets, accumulation = field_label("data.aspect_bucketing"), field_label("training.gradient_accumulation_steps")
+    window = refused.value.in_window
+    assert f"one step takes 2 batches of 4: {batch} 2 x 2 processes x {accumulation} 2." in window, window
+    assert f"with {buckets} on, a batch comes from one bucket: 2 at 64x64, 2 at " in window, window
+    assert "train on fewer GPUs" in window and f"turn off {buckets}" not in window, window  # 4 images < 8 a step
+    cfg = demo(tmp_path, f'data.concepts=[{{"path": "{mixed}"}}]', "data.bucket_step=16", "training.batch_size=4")
+    with pytest.raises(PreflightError) as refused:
+        check_data(cfg)  # 4 images, a batch of 4: in one bucket they would fill it
+    assert f"turn off {buckets} to put all images in one bucket" in refused.value.in_window
+    assert "fewer GPUs" not in refused.value.in_window
+
+
 # -- through both scripts: refused before any worker (or, in one process, the trainer) starts -------------
 
 def human_lines(output: str) -> list[str]:
@@ -136,3 +183,20 @@ def test_clips_in_an_image_models_concept_are_refused_before_any_worker_starts(t
     line = _refused(result, ws)
     assert line.startswith(f"error: data.concepts[0].path: {str(folder)!r} holds 1 video clip(s) (short.mp4)"), line
     assert "too short" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_data_that_fills_no_step_is_refused_before_the_model_loads_in_config_words(tmp_path, cache_dir, script):
+    """The command line names the label and the path; the window's error event the label alone."""
+    ws = tmp_path / "ws"
+    folder = small_concept(tmp_path / "three", square=3)
+    result = run_script(*script, "--config-path", "#demo",
+                        *overrides_for(ws, cache_dir, f'data.concepts=[{{"path": "{folder}"}}]', "training.batch_size=4"))
+    line = _refused(result, ws)
+    assert line.startswith("error: The 3 training images (repeats counted) give no full batches of ") \
+        and "Batch size per GPU (training.batch_size) 4" in line, line
+    errors = [event for event in map(parse_event_line, (result.stdout + result.stderr).splitlines())
+              if event is not None and event.get("type") == "error"]
+    assert [e["text"] for e in errors] == [line[len("error: "):].replace(" (training.batch_size)", "").replace(
+        " (data.concepts[].repeats)", "")], errors

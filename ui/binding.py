@@ -12,6 +12,7 @@ from typing import Any
 
 from modules.config import TrainConfig
 from modules.config.docs import field_docs
+from modules.config.field_labels import field_label as config_field_label
 from modules.config.field_paths import BadSegment, PathDoesNotFit, Step, walk_types
 from modules.config.field_rules import rules_of
 
@@ -153,18 +154,7 @@ def field_choices(path: str) -> tuple[str, ...]:
 
 def field_label(path: str) -> str:
     """The label the field declares (`rule(..., label=...)` in train_config.py), else one made from its
-    name: `training.seed` -> `Seed`."""
-    steps = _steps(path)
-    section = steps[-2][1] if len(steps) > 1 else TrainConfig
-    declared = rules_of(section).get(steps[-1][0])
-    if declared is not None and declared.label:
-        return declared.label
-    words = [SPELLING.get(word, word) for word in str(steps[-1][0]).split("_")]
-    text = " ".join(words)
-    return text[0].upper() + text[1:]
-
-
-SPELLING = {"lora": "LoRA", "ema": "EMA", "unet": "UNet", "vae": "VAE", "eps": "epsilon", "lr": "LR", "gpu": "GPU",
-            "gpus": "GPUs", "ddp": "DDP", "fsdp": "FSDP", "snr": "SNR", "tf32": "TF32", "cpu": "CPU", "mb": "MB",
-            "t5": "T5", "json": "JSON", "id": "ID"}
-"""How the words of a field's name are written in a label made from it (`lora_format` -> `LoRA format`)."""
+    name: `training.seed` -> `Seed` (`modules/config/field_labels.py`: messages made outside the window use
+    the same words)."""
+    _steps(path)  # a path that is no field: the KeyError the views show
+    return config_field_label(path)

@@ -35,6 +35,13 @@ from modules.util.batch_slice import equal_split
 log = logging.getLogger(__name__)
 
 
+def full_global_batches(bucket_sizes, global_batch: int) -> int:
+    """How many global batches of `global_batch` items an epoch gives from buckets of `bucket_sizes` items: each
+    batch is cut from one bucket, and a bucket's remainder is left out. The sampler's length, and what the
+    check before training (`modules/preflight.check_data`) compares with the batches one step takes."""
+    return sum(size // global_batch for size in bucket_sizes)
+
+
 def _rng(*parts) -> random.Random:
     # String seeds go through sha512 in CPython, so streams are identical across processes and runs.
     return random.Random(":".join(str(p) for p in parts))
@@ -78,8 +85,9 @@ class BucketBatchSampler:
             raise ValueError(
                 f"The dataset gives no full global batch: {len(self.buckets)} items ({sizes}), global batch "
                 f"= {' + '.join(map(str, self.split))} over {world_size} rank(s) = {self.global_batch_size}; every bucket "
-                "is smaller than that. Use fewer GPUs, a smaller training.batch_size, more concept repeats "
-                "or more images (or turn off data.aspect_bucketing to put all images in one bucket).")
+                f"is smaller than that. {'Use fewer GPUs, a' if world_size > 1 else 'Use a'} smaller "
+                "training.batch_size, more concept repeats or more images (or turn off data.aspect_bucketing to put "
+                "all images in one bucket).")
 
     @property
     def global_batch_size(self) -> int:
@@ -87,7 +95,7 @@ class BucketBatchSampler:
 
     def __len__(self) -> int:
         """Global batches in a full epoch at this global batch size."""
-        return sum(len(m) // self.global_batch_size for m in self._members.values())
+        return full_global_batches((len(m) for m in self._members.values()), self.global_batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order (identical on every rank). A new epoch starts at its beginning;

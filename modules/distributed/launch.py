@@ -59,7 +59,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     try:
         preflight(cfg, plan.spec.context_parallel)
     except PreflightError as e:
-        raise LaunchError(str(e)) from None
+        raise LaunchError(str(e), e.in_window) from None
     try:
         check_cards(cfg, plan.spec)  # a config that fits no memory plan goes no further
     except NoPlanFits as e:

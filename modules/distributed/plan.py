@@ -88,16 +88,18 @@ def plan_launch(cfg: TrainConfig) -> LaunchPlan:
 
 
 def check_data_fits(cfg: TrainConfig, spec: LaunchSpec):
-    """The scanned dataset; fails before any worker starts when the data cannot fill one global batch per step.
-    The scan's warnings (what it skipped, resized or ignored) are given here, once for the run."""
-    from modules.data import BucketBatchSampler, EmptyDatasetError, MaskError, build_dataset
+    """The scanned dataset; fails before any worker starts when the data cannot fill one global batch per step
+    (`modules/preflight.check_data`, as a one-process run checks it). The scan's warnings (what it skipped,
+    resized or ignored) are given here, once for the run."""
+    from modules.preflight import check_data
     from modules.trainer.run_numbers import derive_run_numbers
 
     try:
-        dataset = build_dataset(cfg.data, RunPaths(cfg).cache, cfg.general.seed)
-    except (EmptyDatasetError, MaskError, FileNotFoundError) as e:
-        raise LaunchError(str(e)) from None
-    try:
+        dataset = check_data(cfg, spec.data_world)
+    except PreflightError as e:
+        raise LaunchError(str(e), e.in_window) from None
+    try:  # the launch's global batch and the one the workers derive are one
+        from modules.data import BucketBatchSampler
         sampler = BucketBatchSampler(dataset.buckets, cfg.training.batch_size, world_size=spec.data_world, rank=0,
                                      seed=cfg.general.seed)
         derive_run_numbers(cfg, spec.data_world, len(sampler), launch=spec)
