@@ -1,0 +1,29 @@
+# The device calls of 2026-12-02 on 1x NVIDIA H200 (nvidia-h200) for issue 56 (layer offload, the one-GPU plan), at commit
+# 4d26914; result lines in docs/perf/2026-12-02-h200-offload.jsonl. Carried: .bench (these scripts, raw_ddp_reference.py), .whl
+# (diffusers 0.42.1). Each call began: pip install the wheel into /tmp/site; export PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0 ...
+
+# ---- call 1: the raw reference, 1 GPU
+python3 .bench/raw_ddp_reference.py --model qwen --mode lora --gc --batch 1 --res 1024 --steps 6 --warmup 3
+
+# ---- call 2: .bench/offload_a.sh
+# issue 56, call A (1x H200): Qwen-Image LoRA 1024 px, batch 1, checkpointing: auto held to 24 and 16 GiB;
+# layer offload of 30 of 60 blocks against none (uncapped); the raw reference, 1 GPU.
+set -u
+B="python3 scripts/benchmark.py --model qwen --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 6 --warmup 3 --json $OUT/a.jsonl"
+for args in "multi_gpu.memory_limit_gib=24" "multi_gpu.memory_limit_gib=16" "multi_gpu.layer_offload=30" "multi_gpu.layer_offload=off"; do
+  echo "=== $args $(date +%T)"
+  timeout 170 $B --config-value $args > $OUT/a-${args//[^a-z0-9]/_}.txt 2>&1; echo "rc $?"
+  grep -E "Memory plan|Layer offload|First step|Traceback|Error|out of memory" $OUT/a-${args//[^a-z0-9]/_}.txt | cut -c1-600 | head -8
+  tail -n 3 $OUT/a-${args//[^a-z0-9]/_}.txt | cut -c1-300
+done
+cat $OUT/a.jsonl | python3 -c "import sys,json; [print({k: r.get(k) for k in ('extra','plan','plan_changes','layer_offload_blocks','samples_per_s','step_s','max_mem_gib','estimated_peak_gib','setup_peak_gib')}) for r in map(json.loads, sys.stdin)]"
+
+# ---- call 3: .bench/offload_b.sh, first as is (out of memory before the first step: 9.0 GiB reserved but
+# unallocated), then again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the figure in the docs)
+# issue 56, call B (1x H200): Flux.2-dev LoRA 1024 px, batch 1, checkpointing, auto held to 24 GiB.
+set -u
+echo "=== flux2 1x24 $(date +%T)"
+timeout 400 python3 scripts/benchmark.py --model flux2 --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 5 --warmup 2 --json $OUT/b.jsonl --config-value multi_gpu.memory_limit_gib=24 > $OUT/b-flux2-24.txt 2>&1; echo "rc $?"
+grep -E "Memory plan|Layer offload|First step|Traceback|Error|out of memory" $OUT/b-flux2-24.txt | cut -c1-700 | head -8
+tail -n 3 $OUT/b-flux2-24.txt | cut -c1-300
+cat $OUT/b.jsonl | python3 -c "import sys,json; [print({k: r.get(k) for k in ('extra','plan','plan_changes','layer_offload_blocks','samples_per_s','step_s','max_mem_gib','estimated_peak_gib','setup_peak_gib')}) for r in map(json.loads, sys.stdin)]"
