@@ -74,7 +74,10 @@ def test_a_kohya_ss_gui_json_reads_its_own_names_and_string_numbers():
     t = cfg.training
     assert result.tool == "kohya_ss GUI"
     assert (t.lora_type, t.lora_rank, t.lora_alpha, t.clip_skip, t.max_steps, t.epochs) == ("loha", 32, 16.0, 2, 1600, 10)
-    assert (t.learning_rate, t.text_encoder_learning_rate, t.lr_scheduler, t.lr_power) == (1e-4, 5e-5, "polynomial", 2.0)
+    assert (t.learning_rate, t.lr_scheduler, t.lr_power) == (1e-4, "polynomial", 2.0)
+    # kohya trains the text encoder by default; Tandem's Prodigy takes one rate, so its own is listed, not lost.
+    assert (t.train_text_encoder, t.text_encoder_learning_rate, cfg.model.model_type) == (True, 0.0, "sd1")
+    assert "text_encoder_lr" in _unmapped_keys(result)
     assert t.lr_warmup_steps == 160  # lr_warmup is a percentage of the steps in the GUI
     assert (cfg.optimizer.name, cfg.optimizer.prodigy_d_coef, cfg.optimizer.prodigy_use_bias_correction) == (
         "prodigy", 2.0, True)
@@ -86,6 +89,52 @@ def test_a_kohya_ss_gui_json_reads_its_own_names_and_string_numbers():
     assert "rank_dropout = 0.1 (peft's LoRA has input dropout only" in report
     assert "more without a Tandem counterpart were off or empty" in report
     assert validate(cfg, check_paths=False) == []
+
+
+def test_kohyas_text_encoder_training_and_rate_are_taken_over_or_listed(tmp_path):
+    """Issue 55, item 9: kohya's LoRA scripts train the text encoder unless `network_train_unet_only`;
+    `text_encoder_lr` was mapped to a rate that nothing used (Tandem's text encoder stayed frozen)."""
+    def imported(text: str):
+        path = tmp_path / "kohya.toml"
+        path.write_text('network_module = "networks.lora"\noptimizer_type = "AdamW"\nlearning_rate = 1e-4\n' + text)
+        result = import_config(path)
+        return result, result.config().training
+
+    result, t = imported("text_encoder_lr = 5e-5\n")
+    assert (t.train_text_encoder, t.text_encoder_learning_rate) == (True, 5e-5)
+    assert any("the text encoder trains" in note for note in result.notes), result.notes
+    result, t = imported("text_encoder_lr = 5e-5\nnetwork_train_unet_only = true\n")
+    assert (t.train_text_encoder, t.text_encoder_learning_rate) == (False, 0.0)
+    assert "text_encoder_lr = 5e-05 (the text encoder does not train: network_train_unet_only is set)" in result.unmapped
+    result, t = imported("text_encoder_lr = 0\n")  # sd-scripts leaves a part with rate 0 out
+    assert t.train_text_encoder is False and "text_encoder_lr" not in _unmapped_keys(result)
+    result, t = imported("")  # no rate: the learning rate, as in kohya
+    assert (t.train_text_encoder, t.text_encoder_learning_rate) == (True, 0.0)
+    assert validate(result.config(), check_paths=False) == []
+
+
+def test_kohyas_family_comes_from_its_flags(tmp_path):
+    """kohya's scripts train SD 1.x unless `sdxl` or `v2` is set (or the config is one of its Flux.1 or SD3
+    scripts'), whatever the model is called: the window then shows SD 1.x's settings, no video fields."""
+    from ui.field_visibility import hidden_fields
+    gui = json.loads((FIXTURES / "kohya_ss_gui_loha.json").read_text())
+    path = tmp_path / "gui.json"
+    for flags, family in (({}, "sd1"), ({"v2": True}, "sd2"), ({"sdxl": True}, "sdxl"), ({"flux1_checkbox": True}, "auto"),
+                          ({"t5xxl": "/models/t5xxl.safetensors"}, "auto")):
+        path.write_text(json.dumps(gui | flags))
+        cfg = import_config(path).config()
+        assert cfg.model.model_type == family, (flags, cfg.model.model_type)
+        if family == "sd1":
+            assert {"data.video_frames", "model.wan_expert"} <= hidden_fields(cfg)
+
+
+def test_the_report_names_tandems_fields_by_their_labels_with_their_paths():
+    """Issue 55, item 4: the import's summary named Tandem's fields by path only."""
+    from modules.config.field_labels import field_label
+    report = import_config(FIXTURES / "kohya_sdxl_lokr.toml").report()
+    clip_skip, every_epochs = field_label("training.clip_skip"), field_label("save.backup_every_n_epochs")
+    assert f"so {clip_skip} (training.clip_skip) stays 0" in report, report
+    assert f"save_state = true (Tandem writes backups: {every_epochs} (save.backup_every_n_epochs) or " in report, report
 
 
 def test_kohya_repeat_folders_become_concepts(tmp_path):
@@ -169,7 +218,7 @@ def test_the_script_writes_a_config_that_loads_and_refuses_to_overwrite(tmp_path
     assert import_main([str(FIXTURES / "kohya_ss_gui_loha.json"), "--out", str(out),
                         "--config-value", "data.resolution=768"]) == 0
     printed = capsys.readouterr().out
-    assert "Not imported (10;" in printed and "multires_noise_iterations = 6" in printed and f"Wrote {out}" in printed
+    assert "Not imported (11;" in printed and "multires_noise_iterations = 6" in printed and f"Wrote {out}" in printed
     cfg = load_config(str(out), check_paths=False)  # the paths are the ones on the machine it came from
     assert (cfg.training.lora_type, cfg.data.resolution, cfg.training.lora_rank) == ("loha", 768, 32)
     before = out.read_text()

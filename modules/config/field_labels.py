@@ -8,7 +8,9 @@ and config files take.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 
 from .field_paths import walk_types
 from .field_rules import rules_of
@@ -46,3 +48,24 @@ def in_config_words(template: str, with_paths: bool) -> str:
         return f"{label} ({path})" if with_paths else label
 
     return _FIELD_IN_TEMPLATE.sub(named, template)
+
+
+_FIELD_PATH = re.compile(r"(?<![\w./])[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)+(?![\w/(])")
+"""A field path inside a sentence (`training.lr_warmup_steps`), not part of a file name or a longer path."""
+
+
+def labelled_paths(text: str) -> str:
+    """`text` with each config field it names by path (`training.lr_warmup_steps`) as `Warm-up steps
+    (training.lr_warmup_steps)`: messages that both the window and the command line show (an import's
+    report). Words that only look like paths (a file name, another trainer's key) are left as they are."""
+    def named(match: re.Match) -> str:
+        path = match.group(0)
+        try:
+            annotation = list(walk_types(path))[-1][1]
+        except (ValueError, KeyError):  # no field of Tandem's
+            return path
+        if dataclasses.is_dataclass(annotation) or typing.get_origin(annotation) is list:
+            return path  # a section or a list: no row of the window
+        return f"{field_label(path)} ({path})"
+
+    return _FIELD_PATH.sub(named, text)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .config_import import import_config, import_error_line
+from .field_labels import labelled_paths
 from .overrides import apply_overrides
 from .serialization import ConfigError, save_config
 from .validation import validate
@@ -60,5 +61,5 @@ def main(argv: list[str] | None = None) -> int:
     problems = validate(cfg, check_paths=False)
     if problems:
         print("Fix before training (the config check refuses these):")
-        print("\n".join(f"  - {p}" for p in problems))
+        print("\n".join(f"  - {labelled_paths(p)}" for p in problems))
     return 0

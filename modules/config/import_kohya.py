@@ -77,7 +77,6 @@ SIMPLE: dict[str, Simple] = {
     "network_weights": ("training.lora_init", _text),
     "lora_network_weights": ("training.lora_init", _text),
     "learning_rate": ("training.learning_rate", number),
-    "text_encoder_lr": ("training.text_encoder_learning_rate", number),
     "lr_scheduler_num_cycles": ("training.lr_cycles", whole),
     "lr_scheduler_power": ("training.lr_power", number),
     "max_train_epochs": ("training.epochs", whole),
@@ -102,9 +101,9 @@ AS_TANDEM_DOES = {"cache_latents_to_disk": True, "persistent_data_loader_workers
 attention is PyTorch's SDPA): nothing to report."""
 REASONS = {"xformers": "Tandem uses PyTorch's scaled-dot-product attention",
            "mem_eff_attn": "Tandem uses PyTorch's scaled-dot-product attention",
-           "save_state": "Tandem writes backups: save.backup_every_n_epochs / _steps",
+           "save_state": "Tandem writes backups: save.backup_every_n_epochs or save.backup_every_n_steps",
            "logging_dir": "TensorBoard logs go to the workspace folder",
-           "log_with": "TensorBoard logs go to the workspace folder (general.tensorboard)",
+           "log_with": "TensorBoard logs go to the workspace folder: general.tensorboard",
            "full_fp16": "Tandem keeps trained weights in fp32", "full_bf16": "Tandem keeps trained weights in fp32",
            "rank_dropout": "peft's LoRA has input dropout only: training.lora_dropout",
            "module_dropout": "peft's LoRA has input dropout only: training.lora_dropout",
@@ -160,8 +159,8 @@ def _refuse_concepts_file(path: Path, named: dict[str, Path]) -> None:
 def _map(result: ImportResult, data: dict, path: Path, gui: bool, named: dict[str, Path]) -> None:
     data = {k: v for k, v in data.items() if not (k in KNOWN_DEFAULTS and _same(v, KNOWN_DEFAULTS[k]))
             and not (k in AS_TANDEM_DOES and _same(v, AS_TANDEM_DOES[k]))}
+    _family(result, data)  # before _network, which takes network_module (a Flux or SD3 module says the family)
     _network(result, data, gui)
-    _family(result, data)
     _folders(result, data, path)
     for key in ("resolution", "max_resolution"):
         if key in data:
@@ -186,6 +185,7 @@ def _map(result: ImportResult, data: dict, path: Path, gui: bool, named: dict[st
         if number(value):
             result.set("training.learning_rate", number(value))  # the UNet's own rate wins over learning_rate
             data.pop("learning_rate", None)
+    _text_encoder(result, data, gui)  # after the optimizer and the rates: Prodigy takes one rate
     for key, value in data.items():
         if key in SIMPLE:
             target, convert = SIMPLE[key]
@@ -248,10 +248,46 @@ def _network(result: ImportResult, data: dict, gui: bool) -> None:
             result.skip(f"network_args {name}", value, "adapters on convolutions take training.lora_rank")
     for name, value in args.items():
         result.skip(f"network_args {name}", value)
-    if "network_train_unet_only" in data:
-        result.set("training.train_text_encoder", not _flag(data.pop("network_train_unet_only")))
-    if "train_text_encoder" in data:
-        result.set("training.train_text_encoder", _flag(data.pop("train_text_encoder")))
+
+
+def _text_encoder(result: ImportResult, data: dict, gui: bool) -> None:
+    """Whether the text encoder trains, and at which rate. kohya's LoRA scripts train it unless told not to
+    (`network_train_unet_only`; cached text-encoder outputs require that), and sd-scripts leaves out a part
+    whose rate is 0, while the kohya_ss GUI passes no rate for 0 (the learning rate applies); Tandem trains
+    it only when `training.train_text_encoder` says so, so a LoRA import always sets that. A full fine-tune
+    trains it as the config says (`train_text_encoder`). `text_encoder_lr` is mapped where the text encoder
+    trains and listed as not imported, with the reason, where it does not."""
+    unet_only = _flag(data.pop("network_train_unet_only", False))
+    explicit = _flag(data.pop("train_text_encoder")) if "train_text_encoder" in data else None
+    rate_given = "text_encoder_lr" in data and str(data["text_encoder_lr"]).strip() != ""
+    rate = number(data.pop("text_encoder_lr", None))
+    if result.get("training.method") == "lora":
+        cached = _flag(data.get("cache_text_encoder_outputs", False))
+        zero_rate = rate_given and rate == 0 and not gui
+        trains = not (unet_only or cached or zero_rate)
+        result.set("training.train_text_encoder", trains)
+        if trains and explicit is None:
+            result.notes.append("the text encoder trains (kohya's LoRA scripts train it unless "
+                                "network_train_unet_only is set): training.train_text_encoder is on.")
+        why_not = ("network_train_unet_only is set" if unet_only else
+                   "cache_text_encoder_outputs needs it frozen" if cached else "its rate is 0")
+    else:
+        trains = bool(explicit)
+        result.set("training.train_text_encoder", trains)
+        why_not = "train_text_encoder is off"
+    if rate is None:
+        if rate_given and not is_off(rate):
+            result.skip("text_encoder_lr", rate, "not a value Tandem can read")
+        return
+    learning_rate = result.get("training.learning_rate", number(data.get("learning_rate")))
+    if trains and rate and result.get("optimizer.name") == "prodigy" and rate != learning_rate:
+        result.skip("text_encoder_lr", rate, "Prodigy estimates one step size for all weights in Tandem: the text "
+                                             "encoder trains at training.learning_rate")
+    elif trains:
+        if rate:  # 0 in Tandem is the learning rate, as a GUI's 0 is; sd-scripts' 0 does not train
+            result.set("training.text_encoder_learning_rate", rate)
+    elif rate:
+        result.skip("text_encoder_lr", rate, f"the text encoder does not train: {why_not}")
 
 
 def _args(raw: Any) -> dict[str, str]:
@@ -269,11 +305,22 @@ def _args(raw: Any) -> dict[str, str]:
     return found
 
 
+OTHER_FAMILY_MARKERS = ("flux1_checkbox", "sd3_checkbox", "ae", "clip_l", "clip_g", "t5xxl")
+"""Settings of kohya's Flux.1 and SD3 scripts (and the kohya_ss GUI's boxes for them): a config with one of
+these set is not SD 1.x, and its family is left to the model (`auto`)."""
+
+
 def _family(result: ImportResult, data: dict) -> None:
+    """kohya's scripts know the family from their flags, not from the model: `sdxl`, `v2`, else SD 1.x - unless
+    the config is one of the Flux.1 or SD3 scripts'. The window then shows the family's own settings only."""
     if _flag(data.pop("sdxl", False)):
         result.set("model.model_type", "sdxl")
     if _flag(data.pop("v2", False)):
         result.set("model.model_type", "sd2")
+    module = str(data.get("network_module", "") or "")
+    other = any(not is_off(data.get(key)) for key in OTHER_FAMILY_MARKERS) or "flux" in module or "sd3" in module
+    if result.get("model.model_type") is None and not other:
+        result.set("model.model_type", "sd1")
     if _flag(data.pop("v_parameterization", False)):
         result.set("model.prediction_type", "v_prediction")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .field_labels import labelled_paths
 from .presets import config_from_overlay
 from .train_config import TrainConfig
 
@@ -52,7 +53,7 @@ class ImportResult:
         if is_off(value):
             self.off_unmapped += 1
             return
-        self.unmapped.append(f"{key} = {_shown(value)}" + (f" ({reason})" if reason else ""))
+        self.unmapped.append(f"{key} = {_shown(value)}" + (f" ({labelled_paths(reason)})" if reason else ""))
 
     def config(self) -> TrainConfig:
         """The Tandem config: the defaults with the mapped settings (types checked, values not validated)."""
@@ -65,11 +66,13 @@ class ImportResult:
                 f"say so:\n{listed}\n\nRead them too? Choose No if you do not know where the file came from.")
 
     def report(self) -> str:
-        """The one message about what was not taken over."""
+        """The one message about what was not taken over; Tandem's fields named by their labels in the window,
+        with the path that `--config-value` and config files take (`field_labels.labelled_paths`)."""
         lines = [f"Imported {self.source.name} ({self.tool}): "
                  f"{sum(len(v) for v in self.overlay.values())} settings mapped."]
         if self.notes:
-            lines += ["", "Check these (their meaning differs a little in Tandem):"] + [f"  - {n}" for n in self.notes]
+            lines += ["", "Check these (their meaning differs a little in Tandem):"]
+            lines += [f"  - {labelled_paths(note)}" for note in self.notes]
         if self.unmapped:
             lines += ["", f"Not imported ({len(self.unmapped)}; Tandem has no such setting or value):"]
             lines += [f"  - {item}" for item in self.unmapped]
