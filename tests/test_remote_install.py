@@ -29,8 +29,12 @@ def test_the_pytorch_setting_names_a_requirement_and_an_index():
     assert parse_spec("torch==2.13.0") == ("torch==2.13.0", "")
     assert parse_spec(f"torch>=2.4,<2.15 --index-url {CPU_INDEX}") == ("torch>=2.4,<2.15", CPU_INDEX)
     assert parse_spec(f"--index-url={CPU_INDEX}") == ("", CPU_INDEX)
+    # the GUI's field names the index by its address alone (its tooltip shows no command-line flag)
+    assert parse_spec(f"torch==2.13.0 {CPU_INDEX}") == ("torch==2.13.0", CPU_INDEX)
+    assert parse_spec(CPU_INDEX) == ("", CPU_INDEX)
     for bad in ("numpy", "torch --index-url", "torch --extra-index-url https://x", "torch >= 2.4", "-e .",
-                "torch --index-url ftp://x", "torch --index-url https://a --index-url https://b"):
+                "torch --index-url ftp://x", "torch --index-url https://a --index-url https://b",
+                "torch https://a https://b", "torch ftp://x", "torch https://a;touch"):
         assert spec_problems(bad), bad
     assert "not a torch requirement" in spec_problems("numpy")[0]
 

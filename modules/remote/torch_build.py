@@ -1,10 +1,11 @@
 """Which PyTorch build Tandem's own environment on a remote gets, and roughly what it downloads.
 
 The PyTorch setting (`--torch-spec`, the GUI's PyTorch field, `RemoteHost.torch_spec`) reads
-`[REQUIREMENT] [--index-url URL]`:
+`[REQUIREMENT] [[--index-url] URL]`:
 
     torch==2.13.0                                                 that version from PyPI
     torch>=2.4,<2.15 --index-url https://download.pytorch.org/whl/cu126     a CUDA 12.6 build
+    torch==2.13.0 https://download.pytorch.org/whl/cu126          the same, the URL alone (the GUI's words)
     --index-url https://download.pytorch.org/whl/cpu              the default version, CPU build
 
 REQUIREMENT is `torch` with optional version specifiers and no spaces (default `torch>=2.4`, install.sh's);
@@ -48,6 +49,8 @@ def parse_spec(text: str) -> tuple[str, str]:
             index = words.pop(0)
         elif word.startswith(INDEX_OPTION + "=") and not index:
             index = word[len(INDEX_OPTION) + 1:]
+        elif _URL.fullmatch(word) and not index:
+            index = word  # a URL alone names the index too: the GUI's field speaks no command-line flags
         elif not word.startswith("-") and not requirement and not index:
             requirement = word
         else:

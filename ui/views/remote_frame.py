@@ -38,8 +38,9 @@ FIELDS = (
                                           "environment). Empty: Tandem installs its own environment in the remote "
                                           "folder with install.sh, at this desktop's version."),
     ("torch_spec", "PyTorch (optional)", "The torch build Tandem's install there takes: a version, optionally "
-                                         "with the index to take it from, e.g. torch==2.11.0 or torch==2.11.0 "
-                                         "--index-url https://download.pytorch.org/whl/cu126. Empty: PyPI's build "
+                                         "followed by the address of the package index to take it from, e.g. torch==2.11.0 "
+                                         "or torch==2.11.0 https://download.pytorch.org/whl/cu126 (CUDA 12.6). "
+                                         "Empty: PyPI's build "
                                          "(CUDA, ~3 GB), or the CPU build (~200 MB) on a machine without an NVIDIA "
                                          "driver."),
     ("base_model", "Base model there (optional)", "A base model already on that machine (a path there): used "
