@@ -42,13 +42,16 @@ def problems_by_field(messages: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
+def points_nowhere(value: str) -> bool:
+    """A path that is not on this machine (a built-in model or dataset is; an empty field names nothing)."""
+    return bool(value.strip()) and not value.startswith("builtin:") and not Path(value).expanduser().exists()
+
+
 def without_placeholders(cfg: TrainConfig) -> list[str]:
     """Empty the model and concept paths of a preset that point nowhere (its examples of where your files
     might be); returns the fields emptied. Built-in models and data, and paths that exist, are kept."""
     emptied = []
-
-    def missing(value: str) -> bool:
-        return bool(value.strip()) and not value.startswith("builtin:") and not Path(value).expanduser().exists()
+    missing = points_nowhere
 
     if missing(cfg.model.base_model):
         cfg.model.base_model = ""
@@ -71,6 +74,9 @@ class ConfigModel:
         self._listeners: list[Listener] = []
         self.placeholders: list[str] = []
         """The fields a loaded preset left empty for the user to pick (`without_placeholders`)."""
+        self.missing_base_model = ""
+        """The base model an imported config names that is not on this machine (kept in the field, so that the
+        user sees what it named; the Model tab asks for one); empty when there is none."""
 
     # --- change notification -------------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -125,17 +131,20 @@ class ConfigModel:
         self.placeholders = [] if is_file else without_placeholders(cfg)
         self.replace(cfg, Path(path) if is_file else None, Path(str(path)).stem)
 
-    def replace(self, cfg: TrainConfig, path: Path | None, source_name: str) -> None:
+    def replace(self, cfg: TrainConfig, path: Path | None, source_name: str, missing_base_model: str = "") -> None:
         self.cfg = cfg
         self.path = path
         self.source_name = source_name
+        self.missing_base_model = missing_base_model
         self._saved = config_to_dict(cfg)
         self._notify(None)
 
     def adopt(self, cfg: TrainConfig, source_name: str) -> None:
-        """Take `cfg` from elsewhere (an imported config): no file yet, and unsaved until Save as."""
-        self.replace(cfg, None, source_name)
-        self._saved = {}
+        """Take `cfg` from elsewhere (an imported config): no file yet (Save as writes one), and - like a preset
+        just opened - no changes of the user's, so no unsaved-changes marker until the user edits it. A base
+        model it names that is not here is noted (`missing_base_model`) for the Model tab's picker."""
+        base = cfg.model.base_model
+        self.replace(cfg, None, source_name, base.strip() if points_nowhere(base) else "")
 
     def save(self, path: str | Path | None = None) -> Path:
         target = Path(path) if path is not None else self.path

@@ -166,6 +166,8 @@ class TandemApp(ctk.CTk):
         self.model.adopt(cfg, f"imported {Path(path).stem}")
         self._show_current_choice()
         self.config_menu.set(f"imported: {Path(path).name}")
+        if self.model_picker.needed:
+            self.tabs.set("Model")  # its base model is not here: the picker asks for one, as for a preset
         self.dialogs.show_info("Config imported", result.report())
         return True
 

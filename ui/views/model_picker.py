@@ -1,5 +1,6 @@
 """The Model tab's prompt to choose the base model, shown while the config has none (a real-model preset
-just picked: its example path is left empty rather than pointing at a file that is not there)."""
+just picked: its example path is left empty rather than pointing at a file that is not there) or names one
+that is not on this machine (an imported config's, kept in the field so that the user sees what it named)."""
 from __future__ import annotations
 
 import customtkinter as ctk
@@ -34,17 +35,22 @@ class ModelPicker(ctk.CTkFrame):
 
     @property
     def needed(self) -> bool:
-        return not self.binder.model.cfg.model.base_model.strip()
+        """While the base model is empty, or is the one an imported config named that is not on this machine."""
+        base = self.binder.model.cfg.model.base_model.strip()
+        return not base or base == self.binder.model.missing_base_model
 
     def sync(self) -> None:
-        """Shown while the base model is empty, naming the family the config trains."""
+        """Shown while `needed`, naming the family the config trains (and the missing model, if one is named)."""
         if not self.needed:
             self.grid_remove()
             return
         family = FAMILIES.get(self.binder.model.cfg.model.model_type)
         what = f"a {family.title} model" if family else "the model to train"
-        self.text.configure(text=f"Choose the base model: {what}, as one .safetensors/.ckpt file or a diffusers "
-                                 "folder. Nothing is downloaded: the file or folder must be on this machine.")
+        missing = self.binder.model.missing_base_model
+        first = (f"The base model this config names, {missing}, is not on this machine. Choose {what} here"
+                 if missing else f"Choose the base model: {what}")
+        self.text.configure(text=f"{first}, as one .safetensors/.ckpt file or a diffusers folder. Nothing is "
+                                 "downloaded: the file or folder must be on this machine.")
         self.grid()
 
     def choose(self, kind: str) -> None:
