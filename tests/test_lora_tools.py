@@ -19,6 +19,7 @@ from modules.model import add_lora, ensure_demo_model, load_model, save_lora
 from modules.model.lora_resize import resize
 from modules.model.lora_tools import ToolError, extract, merge
 from modules.util.tool_lines import parse_tool_line, tool_line
+from tests.test_ui_widgets import app_factory  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
@@ -297,3 +298,147 @@ def test_tool_lines_round_trip():
     assert parse_tool_line("@tandem-tool {\"type\": \"progress\"}") is None
     with pytest.raises(ValueError):
         tool_line("progress", done=1)
+
+
+# ------------------------------------------------------------------------------ the GUI's Tools tab
+
+
+FAKE_TOOL = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from modules.util.tool_lines import tool_line
+if {fail!r}:
+    print(tool_line("error", text="x.safetensors: no such file; choose the LoRA's .safetensors file"), flush=True)
+    sys.exit(2)
+for done in range(1, 4):
+    print(tool_line("progress", done=done, total=3, what="merging"), flush=True)
+    time.sleep({pause!r})
+print("some log text")
+print(tool_line("result", text="Merged 3 layers at strength 1 into out"), flush=True)
+"""
+
+
+def _fake_tool(tmp_path: Path, fail: bool = False, pause: float = 0.05) -> Path:
+    script = tmp_path / ("failing.py" if fail else "tool.py")
+    script.write_text(FAKE_TOOL.format(repo=str(REPO), fail=fail, pause=pause))
+    return script
+
+
+def _wait(controller, seconds: float = 30):
+    import time
+
+    from tests.patience import patience
+    deadline = time.monotonic() + patience(seconds)
+    while controller.poll().running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return controller.state
+
+
+def test_controller_builds_the_script_command_and_refuses_missing_fields():
+    from ui.lora_tools import LoraToolsController
+
+    controller = LoraToolsController(python="py")
+    command = controller.command("merge", {"lora": "a.safetensors", "out": "merged", "strength": "0.5",
+                                           "overwrite": "1", "device": "auto"})
+    assert command[1:] == [str(REPO / "scripts" / "lora_tools.py"), "merge", "--base-model", "builtin:demo",
+                           "--lora", "a.safetensors", "--out", "merged", "--strength", "0.5", "--dtype", "fp16",
+                           "--overwrite"]
+    assert controller.start("merge", {"lora": "", "out": "merged"}).startswith("LoRA: fill it in")
+    assert not controller.state.running and controller.state.line().startswith("LoRA:")
+    with pytest.raises(ValueError, match="New rank"):
+        controller.command("resize", {"lora": "a", "out": "b", "rank": ""})
+    with pytest.raises(ValueError, match="not a number"):
+        controller.command("extract", {"tuned-model": "t", "out": "o", "rank": "many"})
+    # The script takes every option the tab offers.
+    from modules.model.lora_tools_cli import parser
+    for tool in ("merge", "resize", "extract"):
+        values = {"lora": "a", "out": "b", "tuned-model": "t", "energy": "0.9", "conv": "1", "alpha": "4"}
+        parser().parse_args(controller.command(tool, values)[2:])
+
+
+def test_controller_follows_the_tool_process(tmp_path):
+    from ui.lora_tools import LoraToolsController
+
+    controller = LoraToolsController(script=_fake_tool(tmp_path))
+    assert controller.start("merge", {"lora": "a", "out": "b"}) == ""
+    assert controller.state.running
+    state = _wait(controller)
+    assert not state.running and (state.done, state.total, state.what) == (3, 3, "merging")
+    assert state.result.startswith("Merged 3 layers") and not state.error
+
+    failing = LoraToolsController(script=_fake_tool(tmp_path, fail=True))
+    failing.start("merge", {"lora": "a", "out": "b"})
+    assert _wait(failing).error.startswith("x.safetensors: no such file")
+
+    slow = LoraToolsController(script=_fake_tool(tmp_path, pause=30))
+    slow.start("merge", {"lora": "a", "out": "b"})
+    slow.stop()
+    assert _wait(slow).error == "stopped"
+
+
+def test_tools_tab_shows_errors_as_a_line_and_runs_off_the_tk_thread(app_factory, tmp_path):
+    from tests.test_ui_widgets import pump
+    from ui.lora_tools import LoraToolsController
+
+    app, _ = app_factory()
+    app.tabs.set("Tools")
+    view = app.lora_tools
+    view.run_button.invoke()  # no LoRA chosen
+    assert view.result.text().startswith("LoRA: fill it in") and not app.crash_text()
+
+    view.controller = LoraToolsController(script=_fake_tool(tmp_path, pause=0.3))
+    view.values["merge"]["lora"].set("a.safetensors")
+    view.values["merge"]["out"].set(str(tmp_path / "merged"))
+    view.run_button.invoke()
+    assert view.run_button.cget("state") == "disabled" and view.controller.state.running
+    # The window keeps drawing while the tool works: progress arrives through after().
+    assert pump(app, lambda: 0 < view.progress.get() < 1, timeout=20)
+    assert pump(app, lambda: not view.controller.state.running, timeout=20)
+    pump(app, timeout=0.3)
+    assert view.result.text().startswith("Merged 3 layers") and view.progress.get() == 1
+    assert view.run_button.cget("state") == "normal" and not app.crash_text()
+
+
+@pytest.mark.slow
+def test_tools_tab_merges_the_demo_model(app_factory, tandem_home, tmp_path):
+    """The real script, started from the tab: the merged folder appears and the window never waited."""
+    import time
+
+    from tests.test_ui_widgets import pump
+
+    lora = _random_lora(tmp_path, "kohya", text=False)
+    app, _ = app_factory()
+    app.tabs.set("Tools")
+    view = app.lora_tools
+    view.select("merge")
+    view.values["merge"]["lora"].set(str(lora))
+    view.values["merge"]["out"].set(str(tmp_path / "merged"))
+    view.values["merge"]["device"].set("cpu")
+    started = time.monotonic()
+    view.run_button.invoke()
+    assert time.monotonic() - started < 2, "Run must not wait for the tool"
+    frames = 0
+
+    def finished() -> bool:
+        nonlocal frames
+        frames += 1
+        return not view.controller.state.running
+
+    assert pump(app, finished, timeout=120)
+    pump(app, timeout=0.3)
+    assert frames > 5, "the window kept handling events while the merge ran"
+    assert view.result.text().startswith("Merged ") and str(tmp_path / "merged") in view.result.text()
+    assert (tmp_path / "merged" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    view.run_button.invoke()  # the same output again: refused in one line, nothing replaced
+    assert pump(app, lambda: not view.controller.state.running and view.controller.state.error, timeout=120)
+    pump(app, timeout=0.3)
+    assert "exists" in view.result.text() and "'Replace output'" in view.result.text()
+
+
+def test_the_tab_imports_no_torch():
+    """The GUI runs the tools as a process: its controller and view import neither torch nor the tools."""
+    code = ("import sys; import ui.lora_tools, ui.views.lora_tools_view; "
+            "print(sorted(m for m in ('torch', 'modules.model.lora_tools') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -21,13 +21,14 @@ from .crash_bar import CrashBar
 from .dialogs import Dialogs, start_folder
 from .first_run_hint import FirstRunHint
 from .fields import Binder
+from .lora_tools_view import LoraToolsView
 from .remote_frame import RemoteFrame
 from .run_view import RunView
 from .tooltip import Tooltip
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
 from .training_tab import build_training_tab
 
-TABS = ("General", "Model", "Data", "Training", "Sampling", "Backup & Save", "Run")
+TABS = ("General", "Model", "Data", "Training", "Sampling", "Backup & Save", "Run", "Tools")
 MIN_SIZE = (760, 540)
 """Below this the config bar's buttons or the Run tab's first row would be cut off; every tab scrolls, so
 everything else is reachable at this size."""
@@ -71,6 +72,8 @@ class TandemApp(ctk.CTk):
                                   SavedRemotes(self.recent.file.parent), self.controller, lambda: len(self.gpus))
         self.remote.pack(fill="x", padx=4, pady=(0, 4))
         self.run_view.pack(fill="both", expand=True)
+        self.lora_tools = LoraToolsView(self.tabs.tab("Tools"), self.dialogs)
+        self.lora_tools.pack(fill="both", expand=True)
         self.crash_bar = CrashBar(self, below=self.tabs)
 
         self.binder.on_change.append(lambda _path: self._update_title())

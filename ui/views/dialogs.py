@@ -45,6 +45,10 @@ class Dialogs:
     def ask_file(self, title: str, start: str) -> str:
         return filedialog.askopenfilename(title=title, initialdir=start, filetypes=MODEL_FILES)
 
+    def ask_new_file(self, title: str, start: str) -> str:
+        """A file to write (the Tools tab's outputs): it need not exist."""
+        return filedialog.asksaveasfilename(title=title, initialdir=start, filetypes=MODEL_FILES)
+
     def show_error(self, title: str, text: str) -> None:
         messagebox.showerror(title, text)
 
