@@ -279,6 +279,7 @@ def test_bad_input_gets_one_line_naming_the_file_and_the_fix(tandem_home, tmp_pa
     assert "missing" in _one_line(error)
 
 
+@pytest.mark.slow
 def test_script_prints_one_line_and_exits_2(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"")
@@ -376,6 +377,7 @@ def test_controller_follows_the_tool_process(tmp_path):
     assert _wait(slow).error == "stopped"
 
 
+@pytest.mark.slow
 def test_tools_tab_shows_errors_as_a_line_and_runs_off_the_tk_thread(app_factory, tmp_path):
     from tests.test_ui_widgets import pump
     from ui.lora_tools import LoraToolsController

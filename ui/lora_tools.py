@@ -30,7 +30,7 @@ class ToolField:
     label: str
     kind: str
     """`model` (a folder, a file or builtin:demo), `lora` (a .safetensors file), `out` (a file or folder to
-    write), `number`, `choice`, `check`."""
+    write), `lora_out` (a .safetensors file to write), `number`, `choice`, `check`."""
     default: str = ""
     choices: tuple[str, ...] = ()
     required: bool = True
@@ -55,7 +55,7 @@ TOOLS: dict[str, tuple[str, tuple[ToolField, ...]]] = {
         _DEVICE, _OVERWRITE)),
     "resize": ("Lower a LoRA's rank, keeping the most of it (SVD); no base model needed", (
         ToolField("lora", "LoRA", "lora", tip="The LoRA file to resize"),
-        ToolField("out", "Resized LoRA", "out", tip="The new LoRA (.safetensors)"),
+        ToolField("out", "Resized LoRA", "lora_out", tip="The new LoRA (.safetensors)"),
         ToolField("rank", "New rank", "number", "8", required=False,
                   tip="The new rank; with an energy share, the most any module gets"),
         ToolField("energy", "Energy to keep", "number", "", required=False,
@@ -64,7 +64,7 @@ TOOLS: dict[str, tuple[str, tuple[ToolField, ...]]] = {
     "extract": ("Extract a LoRA from a fine-tuned model and the base it was tuned from", (
         ToolField("base-model", "Base model", "model", "builtin:demo", tip="The model the fine-tune started from"),
         ToolField("tuned-model", "Fine-tuned model", "model", tip="The fine-tuned model (folder or single file)"),
-        ToolField("out", "LoRA", "out", tip="The extracted LoRA (.safetensors)"),
+        ToolField("out", "LoRA", "lora_out", tip="The extracted LoRA (.safetensors)"),
         ToolField("rank", "Rank", "number", "32", tip="The LoRA's rank"),
         ToolField("alpha", "Alpha", "number", "", required=False, tip="The LoRA's alpha (empty: the rank)"),
         ToolField("format", "Layout", "choice", "kohya", ("kohya", "peft"),

@@ -6,6 +6,8 @@ Starts its own Xvfb display, opens the demo preset (the General tab with its get
 first start shows it), the SDXL LoRA preset's model picker, and for the Run tab really trains the demo on
 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample gallery and log are
 real; after a stop, the list of backups to continue; the Run tab is also shown at 1024x600.
+The Tools tab is shown after a real merge of a random LoRA into the demo model, and after a resize by
+kept energy (`--tools`: only those).
 `--remote` renders the pictures of docs/Remote.md instead: the Run tab running the demo on a "remote" machine
 that is this one, reached through a throwaway sshd on 127.0.0.1 (modules/remote/local_sshd.py).
 `--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
@@ -40,12 +42,15 @@ def main() -> None:
     parser.add_argument("--example-gpus", type=int, default=0)
     parser.add_argument("--run-steps", type=int, default=20, help="demo steps before the Run tab is captured")
     parser.add_argument("--remote", action="store_true", help="only the remote-training pictures (needs sshd)")
+    parser.add_argument("--tools", action="store_true", help="only the Tools tab's pictures")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     server = start_xvfb()
     try:
         if args.remote:
             render_remote(Path(args.out), args.run_steps)
+        elif args.tools:
+            render_tools(Path(args.out))
         else:
             render(Path(args.out), args.example_gpus, args.run_steps)
     finally:
@@ -184,4 +189,41 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     settle()
     app.run_view._parent_canvas.yview_moveto(0.0)
     shoot("tab-run-stopped")
+    app.destroy()
+    render_tools(out)
+
+
+def render_tools(out: Path) -> None:
+    """The Tools tab after a merge of a random LoRA into the demo model, then after a resize by kept energy."""
+    import torch
+
+    from modules.config.train_config import ModelConfig, TrainingConfig
+    from modules.model import add_lora, load_model, save_lora
+    from ui.settings import RecentConfigs
+    from ui.views.app import TandemApp
+
+    out.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="tandem-shots-tools-"))
+    bundle = load_model(ModelConfig())
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in add_lora(bundle, TrainingConfig(lora_rank=16, lora_alpha=16)):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    lora = save_lora(bundle, home / "my_style.safetensors", "kohya", "fp16")
+    app = TandemApp(recent=RecentConfigs(home), gpu_probe=lambda: [])
+    app.geometry("1100x860+0+0")
+    settle, shoot = _shooter(app, out)
+    app.tabs.set("Tools")
+    view = app.lora_tools
+    for tool, values in (("merge", {"lora": str(lora), "out": str(home / "my_style_merged")}),
+                         ("resize", {"lora": str(lora), "out": str(home / "my_style_small.safetensors"),
+                                     "rank": "16", "energy": "0.9"})):
+        view.select(tool)
+        for key, value in values.items():
+            view.values[tool][key].set(value)
+        view.run()
+        deadline = time.monotonic() + 300
+        while view.controller.state.running and time.monotonic() < deadline:
+            settle(0.2)
+        shoot("tab-tools" if tool == "merge" else f"tab-tools-{tool}")
     app.destroy()

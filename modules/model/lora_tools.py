@@ -191,7 +191,7 @@ def _lora_problem(lora: Path, error: Exception, base_model: str) -> str:
     text = _first_line(error).removeprefix(f"{lora}: ")
     if "header" in text.lower() or "safetensor" in text.lower():
         return f"{lora}: is not a .safetensors LoRA ({text}); choose a LoRA file"
-    return f"{lora}: {text} (base model: {base_model})"
+    return f"{lora}: {text}" if base_model in text else f"{lora}: {text} (base model: {base_model})"
 
 
 def _merge_layer(bundle, component: str, module: str, state: dict, factor: float, device: str, lora: Path,

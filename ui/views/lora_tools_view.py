@@ -92,7 +92,8 @@ class LoraToolsView(ctk.CTkFrame):
             if spec.tip:
                 Tooltip(widget, spec.tip)
             variables[spec.key] = var
-            kinds = {"model": ("File", "Folder"), "lora": ("File",), "out": ("File", "Folder")}.get(spec.kind, ())
+            kinds = {"model": ("File", "Folder"), "lora": ("File",), "out": ("File", "Folder"),
+                     "lora_out": ("File",)}.get(spec.kind, ())
             for column, kind in enumerate(kinds, start=2):
                 Button(form, text=f"{kind}...", width=70,
                        command=lambda s=spec, v=var, k=kind: self._browse(s, v, k)).grid(row=row, column=column, padx=2)
@@ -102,7 +103,7 @@ class LoraToolsView(ctk.CTkFrame):
         start = start_folder(var.get())
         if kind == "Folder":
             chosen = self.dialogs.ask_folder(spec.label, start)
-        elif spec.kind == "out":
+        elif spec.kind in ("out", "lora_out"):
             chosen = self.dialogs.ask_new_file(spec.label, start)
         else:
             chosen = self.dialogs.ask_file(spec.label, start)
