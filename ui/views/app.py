@@ -62,7 +62,7 @@ class TandemApp(ctk.CTk):
         self.hint = build_general_tab(self.tabs.tab("General"), self.binder, None if self.recent.hint_hidden else
                                       lambda master: FirstRunHint(master, self.try_demo, self.recent.hide_hint))
         self.model_picker = build_model_tab(self.tabs.tab("Model"), self.binder)
-        self.concepts = build_data_tab(self.tabs.tab("Data"), self.binder)
+        self.concepts = build_data_tab(self.tabs.tab("Data"), self.binder, lambda: len(self.gpus))
         self.multi_gpu = build_training_tab(self.tabs.tab("Training"), self.binder, python)
         self.prompts = build_sampling_tab(self.tabs.tab("Sampling"), self.binder)
         build_save_tab(self.tabs.tab("Backup & Save"), self.binder)

@@ -72,7 +72,18 @@ def _ask_concept(binder: Binder) -> ConceptConfig | None:
     return ConceptConfig(path=folder, name=Path(folder).name) if folder else None
 
 
-def build_data_tab(parent, binder: Binder) -> ListEditor:
+def _open_captions(master, binder: Binder, index: int, gpu_count: Callable[[], int]):
+    """The caption editor of concept `index`, as the config reads it now (saved or not)."""
+    from ..caption_controller import CaptionSource
+    from .caption_editor import CaptionEditor
+
+    data = binder.model.cfg.data
+    return CaptionEditor(master.winfo_toplevel(), CaptionSource.of_concept(data.concepts[index], data.tag_separator),
+                         binder.dialogs, gpu_count)
+
+
+def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda: 0) -> ListEditor:
+    """`gpu_count`: the GPUs auto-captioning may share its images over."""
     frame = _scrolling(parent)
     form = Form(frame, binder, tab="Data")
     form.section("Concepts")
@@ -82,7 +93,9 @@ def build_data_tab(parent, binder: Binder) -> ListEditor:
                            ("repeats", "Repeats", 56), ("caption_extension", "Captions", 56),
                            ("recursive", "Sub-folders", 76), ("role", "Role", 104), ("loss_weight", "Loss weight", 76),
                            ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64)],
-                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
+                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path",
+                          row_button=("Captions...", "Browse, edit and auto-caption this folder's captions.",
+                                      lambda index: _open_captions(frame, binder, index, gpu_count)))
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("Images")
