@@ -94,20 +94,14 @@ def _open_editor(app, folder):
 
     app.binder.fields["data.concepts[0].path"].var.set(str(folder))
     app.tabs.set("Data")
-    button = next(w for w in app.concepts.rows[0] if getattr(w, "cget", None) and _text(w) == "Captions...")
-    button.invoke()
+    row = app.concepts.captions
+    assert row.menu.get() == "1: demo shapes" and row.menu.cget("values") == ["1: demo shapes"]
+    row.open_button.invoke()
     editors = [w for w in app.winfo_children() if isinstance(w, CaptionEditor)]
-    assert len(editors) == 1
-    editor = editors[0]
+    assert editors == [row.editor]
+    editor = row.editor
     assert pump(app, lambda: editor.loaded and editor.thumbs_ready, timeout=30), editor.summary.cget("text")
     return editor
-
-
-def _text(widget) -> str:
-    try:
-        return widget.cget("text")
-    except Exception:  # noqa: BLE001 - not every row widget has a text
-        return ""
 
 
 @pytest.mark.slow
@@ -144,6 +138,9 @@ def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder)
     editor.missing_box.toggle()
     assert editor.tiles == [] and editor.summary.cget("text").startswith("16 images · 0 without a caption")
     editor.close()
+    from modules.config import ConceptConfig
+    app.concepts.add(ConceptConfig(path=str(folder), name="second"))
+    assert app.concepts.captions.menu.cget("values") == ["1: demo shapes", "2: second"]
 
 
 @pytest.mark.slow

@@ -348,3 +348,46 @@ class CaptionEditor(ctk.CTkToplevel):
         if self.run is not None and not self.run.finished:
             self.run.stop()
         self.destroy()
+
+
+class CaptionsRow(ctk.CTkFrame):
+    """Under the Data tab's concept rows: which concept's captions to open, and the button that opens them
+    (a button in every row would make the row wider than the default window)."""
+
+    def __init__(self, master, binder, gpu_count: Callable[[], int] = lambda: 0, python: str = sys.executable):
+        super().__init__(master, fg_color="transparent")
+        self.binder, self.gpu_count, self.python = binder, gpu_count, python
+        ctk.CTkLabel(self, text="Captions of").pack(side="left", padx=(4, 6))
+        self.menu = ctk.CTkOptionMenu(self, values=["-"], width=260, dynamic_resizing=False)
+        self.menu.pack(side="left")
+        self.open_button = ctk.CTkButton(self, text="Edit captions...", width=120, command=self.open)
+        self.open_button.pack(side="left", padx=6)
+        Tooltip(self.open_button, "Browse the concept's images with their captions, edit one or many (trigger "
+                                  "words, tags, find and replace), and write captions from a local model.")
+        self.editor: CaptionEditor | None = None
+        """The editor opened last (tests use it)."""
+        binder.on_change.append(lambda _path: self.refresh())
+        self.refresh()
+
+    def choices(self) -> list[str]:
+        return [f"{i + 1}: {c.name or c.path or '(no folder)'}" for i, c in enumerate(self.binder.model.cfg.data.concepts)]
+
+    def refresh(self) -> None:
+        choices = self.choices()
+        current = self.menu.get()
+        self.menu.configure(values=choices or ["-"], state="normal" if choices else "disabled")
+        self.open_button.configure(state="normal" if choices else "disabled")
+        if current not in choices:
+            self.menu.set(choices[0] if choices else "-")
+
+    def open(self, index: int | None = None) -> "CaptionEditor | None":
+        """The editor of concept `index` (default: the one chosen), as the config reads it now, saved or not."""
+        concepts = self.binder.model.cfg.data.concepts
+        if index is None:
+            choices = self.choices()
+            index = choices.index(self.menu.get()) if self.menu.get() in choices else 0
+        if not concepts:
+            return None
+        source = CaptionSource.of_concept(concepts[index], self.binder.model.cfg.data.tag_separator)
+        self.editor = CaptionEditor(self.winfo_toplevel(), source, self.binder.dialogs, self.gpu_count, self.python)
+        return self.editor

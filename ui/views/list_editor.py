@@ -18,13 +18,11 @@ class ListEditor(ctk.CTkFrame):
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
                  columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str,
-                 folder_field: str | None = None,
-                 row_button: tuple[str, str, Callable[[int], Any]] | None = None):
-        """`folder_field`: a column holding a folder, which each row's Folder... button fills from a dialog.
-        `row_button`: (text, tooltip, command(row index)) of one more button per row."""
+                 folder_field: str | None = None):
+        """`folder_field`: a column holding a folder, which each row's Folder... button fills from a dialog."""
         super().__init__(master, fg_color="transparent")
         self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
-        self.folder_field, self.row_button = folder_field, row_button
+        self.folder_field = folder_field
         # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
         binder.places.add(list_path, tab, row_name)
         for name, header, _ in columns:
@@ -92,13 +90,6 @@ class ListEditor(ctk.CTkFrame):
             folder.grid(row=index, column=col, padx=4)
             Tooltip(folder, "Choose this row's folder in a dialog.")
             widgets.append(folder)
-            col += 1
-        if self.row_button:
-            text, tip, command = self.row_button
-            extra = ctk.CTkButton(self.body, text=text, width=80, command=lambda i=index: command(i))
-            extra.grid(row=index, column=col, padx=4)
-            Tooltip(extra, tip)
-            widgets.append(extra)
             col += 1
         remove = ctk.CTkButton(self.body, text="Remove", width=70, fg_color="gray40",
                                command=lambda i=index: self.remove(i))

@@ -7,6 +7,7 @@ import customtkinter as ctk
 
 from modules.config import ConceptConfig, SamplePromptConfig
 
+from .caption_editor import CaptionsRow
 from .dialogs import start_folder
 from .fields import Binder
 from .form import Form
@@ -72,16 +73,6 @@ def _ask_concept(binder: Binder) -> ConceptConfig | None:
     return ConceptConfig(path=folder, name=Path(folder).name) if folder else None
 
 
-def _open_captions(master, binder: Binder, index: int, gpu_count: Callable[[], int]):
-    """The caption editor of concept `index`, as the config reads it now (saved or not)."""
-    from ..caption_controller import CaptionSource
-    from .caption_editor import CaptionEditor
-
-    data = binder.model.cfg.data
-    return CaptionEditor(master.winfo_toplevel(), CaptionSource.of_concept(data.concepts[index], data.tag_separator),
-                         binder.dialogs, gpu_count)
-
-
 def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda: 0) -> ListEditor:
     """`gpu_count`: the GPUs auto-captioning may share its images over."""
     frame = _scrolling(parent)
@@ -93,10 +84,11 @@ def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda
                            ("repeats", "Repeats", 56), ("caption_extension", "Captions", 56),
                            ("recursive", "Sub-folders", 76), ("role", "Role", 104), ("loss_weight", "Loss weight", 76),
                            ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64)],
-                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path",
-                          row_button=("Captions...", "Browse, edit and auto-caption this folder's captions.",
-                                      lambda index: _open_captions(frame, binder, index, gpu_count)))
+                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
+    form.row += 1
+    concepts.captions = CaptionsRow(frame, binder, gpu_count)
+    concepts.captions.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6, pady=(0, 6))
     form.row += 1
     form.section("Images")
     form.fields("data.resolution", "data.aspect_bucketing", "data.bucket_step", "data.min_bucket_size",
