@@ -22,6 +22,7 @@ from modules.util.tool_lines import parse_tool_line, tool_line
 from tests.test_ui_widgets import app_factory  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[1]
+CONV = "down_blocks.0.resnets.0.conv1"
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -199,22 +200,32 @@ def _fine_tune(tmp_path: Path, rank: int) -> tuple[Path, dict[str, torch.Tensor]
                 delta = torch.randn(out_dim, rank, generator=generator) @ torch.randn(rank, in_dim, generator=generator)
                 layer.weight.add_(delta * 0.05)
                 deltas[path] = delta * 0.05
+        conv = bundle.unet.get_submodule(CONV)
+        out_dim = conv.weight.shape[0]
+        delta = torch.randn(out_dim, rank, generator=generator) @ torch.randn(rank, conv.weight[0].numel(), generator=generator)
+        conv.weight.add_(delta.reshape(conv.weight.shape) * 0.05)
+        deltas[CONV] = delta.reshape(conv.weight.shape) * 0.05
     return save_full_diffusers(bundle, tmp_path / "tuned", "fp32"), deltas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["peft", "kohya"])
-def test_extract_recovers_a_low_rank_change_and_loads_back(tandem_home, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,conv", [("peft", False), ("kohya", True)])
+def test_extract_recovers_a_low_rank_change_and_loads_back(tandem_home, tmp_path, fmt, conv):
+    """Linear layers always, a convolution with `conv` (the kohya file: ComfyUI's and sd-scripts' LoCon)."""
     tuned, deltas = _fine_tune(tmp_path, rank=3)
-    report = extract("builtin:demo", str(tuned), tmp_path / "extracted.safetensors", rank=4, alpha=2.0, fmt=fmt,
-                     dtype="fp32", device="cpu")
+    report = extract("builtin:demo", str(tuned), tmp_path / "extracted.safetensors", rank=5, alpha=2.0, fmt=fmt,
+                     dtype="fp32", conv=conv, device="cpu")
     assert report.text_encoders == []  # the text encoder was not changed
+    assert report.too_small == (["conv_out"] if conv else [])  # its 4 output channels cannot hold rank 5
+    if not conv:
+        deltas[CONV] = torch.zeros_like(deltas.pop(CONV))
     kept = {layer.module.removeprefix("unet."): layer.kept for layer in report.layers}
+    assert (CONV in kept) == conv
     for path in deltas:
-        assert kept[path] == pytest.approx(1.0, abs=1e-6)
+        assert kept.get(path, 1.0) == pytest.approx(1.0, abs=1e-6)
     with safe_open(report.output, "pt") as f:
         metadata = f.metadata()
-    assert metadata["ss_network_dim"] == "4" and metadata["tandem_extracted_from"] == "tuned"
+    assert metadata["ss_network_dim"] == "5" and metadata["tandem_extracted_from"] == "tuned"
 
     base, loaded = _pipeline(), _fused(report.output)
     changes = {path: loaded.unet.state_dict()[path + ".weight"] - base.unet.state_dict()[path + ".weight"]
@@ -225,7 +236,7 @@ def test_extract_recovers_a_low_rank_change_and_loads_back(tandem_home, tmp_path
     torch.testing.assert_close(loaded.unet.state_dict()[untouched], base.unet.state_dict()[untouched], rtol=0, atol=1e-6)
     # Tandem reads it back as the LoRA it would start a run from.
     from modules.model.lora_reading import adapter_settings, read_lora
-    assert adapter_settings(read_lora(report.output, load_model(ModelConfig())))["lora_rank"] == 4
+    assert adapter_settings(read_lora(report.output, load_model(ModelConfig())))["lora_rank"] == 5
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -297,6 +308,8 @@ def test_tool_lines_round_trip():
     assert parse_tool_line(line) == {"type": "progress", "done": 3, "total": 9, "what": "merging"}
     assert parse_tool_line("just log text") is None
     assert parse_tool_line("@tandem-tool {\"type\": \"progress\"}") is None
+    assert parse_tool_line('@tandem-tool {"type": ["progress"]}') is None
+    assert parse_tool_line('@tandem-tool {"type": "other"}') is None
     with pytest.raises(ValueError):
         tool_line("progress", done=1)
 

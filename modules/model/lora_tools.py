@@ -62,12 +62,16 @@ class ExtractReport:
     rank: int
     layers: list[LayerEnergy] = field(default_factory=list)
     text_encoders: list[str] = field(default_factory=list)
+    too_small: list[str] = field(default_factory=list)
+    """Convolutions left out: they cannot hold the rank (a model's 4-channel output convolution, say)."""
 
     def line(self) -> str:
         kept = [layer.kept for layer in self.layers]
         encoders = f" and {', '.join(self.text_encoders)}" if self.text_encoders else ""
+        left = (f"; left out {len(self.too_small)} convolution(s) smaller than the rank ({', '.join(self.too_small[:3])})"
+                if self.too_small else "")
         return (f"Extracted rank {self.rank} from {len(kept)} layers{encoders} into {self.output}; kept energy "
-                f"min {min(kept):.3f}, mean {sum(kept) / len(kept):.3f}")
+                f"min {min(kept):.3f}, mean {sum(kept) / len(kept):.3f}{left}")
 
 
 # ---------------------------------------------------------------------------- shared steps
@@ -191,6 +195,8 @@ def _lora_problem(lora: Path, error: Exception, base_model: str) -> str:
     text = _first_line(error).removeprefix(f"{lora}: ")
     if "header" in text.lower() or "safetensor" in text.lower():
         return f"{lora}: is not a .safetensors LoRA ({text}); choose a LoRA file"
+    if "is neither a kohya key" in text:
+        return f"{lora}: is not a LoRA of this model ({text}); choose a LoRA file made for {base_model}"
     return f"{lora}: {text}" if base_model in text else f"{lora}: {text} (base model: {base_model})"
 
 
@@ -236,13 +242,17 @@ def extract(base_model: str, tuned_model: str, output: str | Path, rank: int, al
                         f"{base.model_type.upper()} one; choose the base model it was fine-tuned from")
     kinds = (nn.Linear, nn.Conv2d) if conv else (nn.Linear,)
     plan = [(base.denoiser_name, path) for path, layer in base.denoiser.named_modules() if isinstance(layer, kinds)]
+    # A convolution too small for the rank is left out, as kohya's LoCon leaves a model's outer convolutions out.
+    too_small = [path for _, path in plan if isinstance(base.denoiser.get_submodule(path), nn.Conv2d)
+                 and rank > min(base.denoiser.get_submodule(path).weight.flatten(1).shape)]
+    plan = [(component, path) for component, path in plan if path not in too_small]
     trained_encoders = [_component(base, encoder) for encoder in base.trainable_text_encoders()
                         if _moved(base, tuned, _component(base, encoder), TEXT_ENCODER_TARGETS)]
     for component in trained_encoders:
         plan += [(component, path) for path in _encoder_layers(base.modules()[component], TEXT_ENCODER_TARGETS)]
     device = device or default_device()
     state: dict[str, dict[str, torch.Tensor]] = {}
-    report = ExtractReport(out, rank, text_encoders=trained_encoders)
+    report = ExtractReport(out, rank, text_encoders=trained_encoders, too_small=too_small)
     with torch.no_grad():
         for component, path in steps(plan, "extracting", progress):
             up, down, kept = _extract_layer(base, tuned, component, path, rank, alpha, device, base_model, tuned_model)

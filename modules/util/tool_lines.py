@@ -31,6 +31,7 @@ def parse_tool_line(line: str) -> dict[str, Any] | None:
         message = json.loads(line[len(TOOL_PREFIX):])
     except json.JSONDecodeError:
         return None
-    if not isinstance(message, dict) or set(message) - {"type"} != set(TOOL_TYPES.get(message.get("type"), ())):
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str) or \
+            set(message) - {"type"} != set(TOOL_TYPES.get(message["type"], ("?",))):
         return None
     return message
