@@ -7,7 +7,8 @@ first start shows it), the SDXL LoRA preset's model picker, and for the Run tab 
 2 CPU processes for a few steps, so the progress, loss plot, per-rank numbers, sample gallery and log are
 real; after a stop, the list of backups to continue; the Run tab is also shown at 1024x600.
 The Tools tab is shown after a real merge of a random LoRA into the demo model, and after a resize by
-kept energy (`--tools`: only those).
+kept energy (`--tools`: only those), and the caption editor on a copy of the demo's images (`--captions`: only
+that).
 `--remote` renders the pictures of docs/Remote.md instead: the Run tab running the demo on a "remote" machine
 that is this one, reached through a throwaway sshd on 127.0.0.1 (modules/remote/local_sshd.py).
 `--example-gpus N` shows N made-up 80 GiB GPUs in the multi-GPU frame (for machines without
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--run-steps", type=int, default=20, help="demo steps before the Run tab is captured")
     parser.add_argument("--remote", action="store_true", help="only the remote-training pictures (needs sshd)")
     parser.add_argument("--tools", action="store_true", help="only the Tools tab's pictures")
+    parser.add_argument("--captions", action="store_true", help="only the caption editor's picture")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     server = start_xvfb()
@@ -51,6 +53,8 @@ def main() -> None:
             render_remote(Path(args.out), args.run_steps)
         elif args.tools:
             render_tools(Path(args.out))
+        elif args.captions:
+            render_captions(Path(args.out))
         else:
             render(Path(args.out), args.example_gpus, args.run_steps)
     finally:
@@ -191,6 +195,46 @@ def render(out: Path, example_gpus: int, run_steps: int) -> None:
     shoot("tab-run-stopped")
     app.destroy()
     render_tools(out)
+    render_captions(out)
+
+
+def render_captions(out: Path) -> None:
+    """The caption editor on a copy of the demo's images, two of them without a caption, one chosen and a
+    bulk add of a trigger word planned (not applied)."""
+    from modules.data.builtin_datasets import resolve_concept_path
+    from ui.settings import RecentConfigs
+    from ui.views.app import TandemApp
+
+    out.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="tandem-shots-captions-"))
+    folder = home / "shapes"
+    shutil.copytree(resolve_concept_path("builtin:demo-shapes"), folder, ignore=shutil.ignore_patterns(".*"))
+    captions = sorted(folder.glob("*.txt"))
+    for caption in captions:  # "a red circle on a green background" as tags: "circle, red, green background"
+        words = caption.read_text().split()
+        if len(words) == 7:
+            caption.write_text(f"{words[2]}, {words[1]}, {words[5]} background")
+    for caption in captions[1:6:4]:
+        caption.unlink()
+    app = TandemApp(recent=RecentConfigs(home), gpu_probe=lambda: [])
+    app.geometry("1100x860+0+0")
+    settle, _ = _shooter(app, out)
+    app.binder.fields["data.concepts[0].path"].var.set(str(folder))
+    app.binder.fields["data.concepts[0].name"].var.set("shapes")
+    app.tabs.set("Data")
+    editor = app.concepts.captions.open()
+    deadline = time.monotonic() + 120
+    while not (editor.loaded and editor.thumbs_ready) and time.monotonic() < deadline:
+        settle(0.2)
+    editor.geometry("1080x780+0+0")
+    editor.tiles[2].invoke()
+    editor.bulk_var.set("shapes style")
+    editor.bulk_buttons["add_first"].invoke()
+    settle(1.0)
+    _, shoot_editor = _shooter(editor, out)
+    shoot_editor("caption-editor")
+    editor.close()
+    app.destroy()
 
 
 def render_tools(out: Path) -> None:

@@ -136,13 +136,13 @@ class CaptionEditor(ctk.CTkToplevel):
             self.bulk_buttons[action] = button
         self.plan_label = ctk.CTkLabel(row, text="Bulk edits act on the images shown, and on caption files "
                                                  "only: an image without one keeps training on its file name.",
-                                       anchor="w", justify="left", wraplength=760)
-        self.plan_label.grid(row=1, column=0, columnspan=9, sticky="w", padx=8, pady=(0, 6))
+                                       anchor="w", justify="left", wraplength=640)
+        self.plan_label.grid(row=1, column=0, columnspan=7, sticky="w", padx=8, pady=(0, 6))
         self.apply_button = ctk.CTkButton(row, text="Apply", width=84, state="disabled", command=self.apply_plan)
-        self.apply_button.grid(row=1, column=9, padx=3, pady=(0, 6))
+        self.apply_button.grid(row=1, column=7, padx=3, pady=(0, 6))
         self.undo_button = ctk.CTkButton(row, text="Undo last", width=84, state="disabled", fg_color="gray40",
                                          command=self.undo)
-        self.undo_button.grid(row=1, column=10, padx=3, pady=(0, 6))
+        self.undo_button.grid(row=1, column=8, padx=3, pady=(0, 6))
         Tooltip(self.undo_button, "Put back what the last bulk edit changed (files edited since are left alone).")
 
     def _build_auto_row(self) -> None:
