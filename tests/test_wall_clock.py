@@ -354,6 +354,7 @@ def test_fast_pinning_is_added_to_the_users_allocator_settings_and_never_overrid
     import modules.util.host_copy as host_copy
     applied = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    monkeypatch.setattr(host_copy, "_applied", [])
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     assert host_copy.use_fast_pinning() and applied == [host_copy.FAST_PINNING]
@@ -361,3 +362,23 @@ def test_fast_pinning_is_added_to_the_users_allocator_settings_and_never_overrid
     assert host_copy.use_fast_pinning() and applied[-1] == "expandable_segments:True," + host_copy.FAST_PINNING
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:False")
     assert not host_copy.use_fast_pinning() and len(applied) == 2
+
+
+def test_layer_offload_asks_for_expandable_segments_keeping_every_other_setting(monkeypatch):
+    """Layer offload frees and allocates a block's copy of each size at every step: with fixed segments a
+    Flux.2-dev LoRA on an H200 held to 24 GiB ran out of memory before its first step, 9 GiB reserved but
+    unused. Tandem's settings are restated together (each call replaces the last), the user's own kept, and a
+    user who chose about expandable segments keeps their choice."""
+    import modules.util.host_copy as host_copy
+    applied = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    monkeypatch.setattr(host_copy, "_applied", [])
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert host_copy.use_fast_pinning() and host_copy.use_expandable_segments()
+    assert applied[-1] == f"{host_copy.FAST_PINNING},{host_copy.EXPANDABLE_SEGMENTS}"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert host_copy.use_expandable_segments()
+    assert applied[-1] == f"max_split_size_mb:512,{host_copy.FAST_PINNING},{host_copy.EXPANDABLE_SEGMENTS}"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert not host_copy.use_expandable_segments() and len(applied) == 3

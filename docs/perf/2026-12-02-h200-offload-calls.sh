@@ -27,3 +27,11 @@ timeout 400 python3 scripts/benchmark.py --model flux2 --mode lora --gc --batch 
 grep -E "Memory plan|Layer offload|First step|Traceback|Error|out of memory" $OUT/b-flux2-24.txt | cut -c1-700 | head -8
 tail -n 3 $OUT/b-flux2-24.txt | cut -c1-300
 cat $OUT/b.jsonl | python3 -c "import sys,json; [print({k: r.get(k) for k in ('extra','plan','plan_changes','layer_offload_blocks','samples_per_s','step_s','max_mem_gib','estimated_peak_gib','setup_peak_gib')}) for r in map(json.loads, sys.stdin)]"
+
+# ---- call 4 (after layer offload asks for expandable segments itself): .bench/offload_c.sh, no allocator
+# variable set; Flux.2-dev LoRA 1024 px, 1x24: fp8 base + 33 of 56 blocks, 0.40 img/s, peak 18.64 GiB.
+# The raw reference (uncapped, same call as the earlier try): 0.45 img/s at 66.21 GiB.
+set -u
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
+timeout 330 python3 scripts/benchmark.py --model flux2 --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 5 --warmup 2 --json $OUT/c.jsonl --config-value multi_gpu.memory_limit_gib=24
+timeout 200 python3 .bench/raw_ddp_reference.py --model flux2 --mode lora --gc --batch 1 --res 1024 --steps 5 --warmup 2

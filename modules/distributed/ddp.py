@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from modules.distributed.context_parallel import ContextGroups
-from modules.trainer.parallelism import Parallelism
+from modules.trainer.parallelism import Parallelism, prepare_allocator_for_layer_offload
 from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")
@@ -47,6 +47,7 @@ class DDPParallelism(ContextGroups, Parallelism):
         self.settings = multi_gpu
         self.device = device
         self.layer_offload_blocks = layer_offload_blocks
+        prepare_allocator_for_layer_offload(layer_offload_blocks)
 
     def compile_splits_at_buckets(self, trainable: list[torch.nn.Parameter]) -> bool:
         """Split the compiled denoiser at DDP's buckets only where there is an all-reduce worth overlapping.

@@ -35,6 +35,7 @@ validation losses). Here they are the process's own rank, the number of processe
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Callable, ContextManager, TypeVar
 
@@ -44,6 +45,8 @@ from torch import nn
 from modules.model.streamed_save import LOCAL, TensorSource
 from modules.trainer.backup_writer import BackgroundBackups
 from modules.util import dist_utils as du
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -181,3 +184,15 @@ class SingleProcess(Parallelism):
     def __init__(self, layer_offload_blocks: int = 0) -> None:
         """`layer_offload_blocks`: how many blocks swap (the plan's `multi_gpu.layer_offload`)."""
         self.layer_offload_blocks = layer_offload_blocks
+        prepare_allocator_for_layer_offload(layer_offload_blocks)
+
+
+def prepare_allocator_for_layer_offload(blocks: int) -> None:
+    """With blocks to swap, GPU segments that grow in place, asked for before the run allocates anything: the
+    swapped blocks' copies come and go at every step, and the segments the text cache and the model's
+    placement left behind were 9 GiB of holes, set later (`modules/util/host_copy.py`)."""
+    if blocks:
+        from modules.util.host_copy import use_expandable_segments
+        if use_expandable_segments():
+            log.info("Layer offload: the GPU allocator grows its segments in place (expandable_segments), so the "
+                     "swapped blocks' copies leave no holes.")

@@ -104,13 +104,37 @@ def release_pinned_pool() -> int:
 FAST_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+_applied: list[str] = []
+"""The allocator settings Tandem has set in this process, restated with each new one (a setting string
+replaces the last)."""
+
+
+def _apply_allocator_setting(setting: str, user_says: str) -> bool:
+    """Add `setting` to the allocator's settings unless the user's PYTORCH_ALLOC_CONF (or the older
+    PYTORCH_CUDA_ALLOC_CONF) mentions `user_says` - theirs wins - or this PyTorch has no setter."""
+    own = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))  # the older PyTorch's name
+    if user_says in own or setter is None:
+        return False
+    if setting not in _applied:
+        _applied.append(setting)
+    setter(",".join(filter(None, (own, *_applied))))  # the user's other settings restated with ours
+    return True
+
+
 def use_fast_pinning() -> bool:
     """Have PyTorch's pinned pool grow through cudaHostRegister from 8 threads (see the module doc);
-    False where the user's PYTORCH_ALLOC_CONF (or the older PYTORCH_CUDA_ALLOC_CONF) already says how to
-    pin - theirs wins - or this PyTorch has no setter. Affects pinned memory allocated afterwards."""
-    own = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if "pinned_" in own or setter is None:
-        return False
-    setter(",".join(filter(None, (own, FAST_PINNING))))  # the user's other settings restated with ours
-    return True
+    False where the user's allocator settings already say how to pin, or this PyTorch has no setter.
+    Affects pinned memory allocated afterwards."""
+    return _apply_allocator_setting(FAST_PINNING, "pinned_")
+
+
+def use_expandable_segments() -> bool:
+    """Let the GPU allocator grow segments in place: layer offload allocates and frees a block's copy of
+    every size at every step, and with fixed segments those holes added up to 9 GiB reserved but unusable
+    (Flux.2-dev on an H200 held to 24 GiB ran out of memory before its first step, 2026-12-02). False where
+    the user's allocator settings already choose, or this PyTorch has no setter. Affects later segments."""
+    return _apply_allocator_setting(EXPANDABLE_SEGMENTS, "expandable_segments")
