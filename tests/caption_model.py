@@ -31,3 +31,39 @@ def build_tiny_blip(folder: Path) -> Path:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
+
+
+def build_tiny_llava(folder: Path) -> Path:
+    """A tiny random LLaVA (CLIP vision tower, Llama text model) with a chat template: the path chat models
+    (Qwen2-VL and the like) take - asked through the template, the prompt cut from the answer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
+                              PreTrainedTokenizerFast)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    words = WORDS + "describe this image in one or two sentences . USER: ASSISTANT:".split()
+    vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<image>", "[UNK]"] + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>", additional_special_tokens=["<image>"])
+    template = ("{% for m in messages %}{{ m['role'].upper() }}: {% for c in m['content'] %}"
+                "{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+                "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                                  crop_size={"height": 28, "width": 28}),
+                               tokenizer=tokenizer, chat_template=template, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=16),
+        text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        image_token_id=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder

@@ -54,7 +54,7 @@ def _one_line(argv) -> str:
 def test_bad_model_folders_get_one_line_naming_folder_and_fix(tmp_path):
     images = make_folder(tmp_path / "imgs", {"a": None})
     line = _one_line(["--model", str(tmp_path / "nowhere"), "--folder", str(images)])
-    assert line == (f"caption.py: Captioning model folder {tmp_path / 'nowhere'} does not exist: choose the folder of "
+    assert line == (f"caption.py: Captioning model folder {tmp_path / 'nowhere'} does not exist: choose "
                     f"{captioner.EXAMPLES}.")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -65,7 +65,7 @@ def test_bad_model_folders_get_one_line_naming_folder_and_fix(tmp_path):
     (text_only / "config.json").write_text(json.dumps({"model_type": "bert"}))
     line = _one_line(["--model", str(text_only), "--folder", str(images)])
     assert f"{text_only} holds a 'bert' model, which is not an image-to-text model" in line
-    assert "choose the folder of a BLIP, Florence-2 or Qwen2-VL folder" in line
+    assert "choose the folder of a BLIP, Florence-2 or Qwen2-VL model (its config.json" in line
     line = _one_line(["--model", str(text_only), "--folder", str(tmp_path / "no-images")])
     assert "holds a 'bert' model" in line  # the model is checked first, then the folder
 
@@ -115,3 +115,27 @@ def test_a_caption_written_meanwhile_is_kept(tiny_blip, tmp_path):
     captioner.run(jobs, captioner.Settings(model=str(tiny_blip), max_new_tokens=4), report=events.append)
     assert (folder / "a.txt").read_text() == "typed by the user while the model loaded"
     assert "changed on disk" in events[0]["skipped"]
+
+
+@pytest.mark.slow
+def test_a_chat_model_is_asked_through_its_template_and_its_prompt_cut(tmp_path):
+    from PIL import Image
+
+    from tests.caption_model import build_tiny_llava
+    model = captioner.Captioner(build_tiny_llava(tmp_path / "tiny-llava"), max_new_tokens=4)
+    assert model.chat and model.prompt == captioner.CHAT_PROMPT
+    texts = model.caption([Image.new("RGB", (60, 40), (200, 10, 10)), Image.new("RGB", (30, 50), (0, 10, 200))])
+    # Only what the model answered (at most 4 tokens), not the 12-token question before it.
+    assert len(texts) == 2 and all(0 < len(text.split()) <= 4 for text in texts), texts
+
+
+@pytest.mark.slow
+def test_an_unreadable_image_is_skipped_and_named(tiny_blip, tmp_path):
+    folder = make_folder(tmp_path / "imgs", {"a": None})
+    (folder / "broken.png").write_bytes(b"not a picture")
+    jobs = [captioner.Job(folder / "broken.png", folder / "broken.txt", None),
+            captioner.Job(folder / "a.png", folder / "a.txt", None)]
+    events = []
+    captioner.run(jobs, captioner.Settings(model=str(tiny_blip), max_new_tokens=4), report=events.append)
+    assert events[0]["skipped"].startswith("unreadable image") and "caption" in events[1]
+    assert not (folder / "broken.txt").exists() and (folder / "a.txt").read_text()

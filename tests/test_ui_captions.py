@@ -78,6 +78,18 @@ def test_auto_caption_command_and_progress_lines(tmp_path):
     assert run.status() == "caption.py: bad folder"
 
 
+@pytest.mark.slow
+def test_auto_caption_with_a_folder_that_is_no_model_says_so_in_one_line(tmp_path):
+    folder = make_folder(tmp_path / "c", {"a": None})
+    run = AutoCaptionRun(CaptionSource(str(folder)), str(tmp_path))
+    run.start()
+    assert pump_until(lambda: run.finished, timeout=60)
+    assert run.returncode == 2
+    assert run.status() == (f"caption.py: {tmp_path} is not a captioning model folder (no config.json): choose the "
+                            "folder of a BLIP, Florence-2 or Qwen2-VL model (its config.json, the processor's files "
+                            "and the weights).")
+
+
 def pump_until(until, timeout=20.0):
     import time
     from tests.patience import patience

@@ -251,7 +251,9 @@ class AutoCaptionRun:
                 continue
             with self._lock:
                 if is_error:
-                    if not line.startswith(("[transformers]", "Loading", "Writing", "Warning", "  ")):
+                    # The script's own line ("caption.py: ...") says what is wrong; library noise does not.
+                    if line.startswith("caption.py: ") or not (self.error.startswith("caption.py: ") or line.startswith(
+                            ("[transformers]", "Loading", "Writing", "Warning", "  "))):
                         self.error = line
                     continue
                 self.last_line = line

@@ -38,7 +38,7 @@ CHAT_PROMPT = "Describe this image in one or two sentences."
 """What a chat model (Qwen2-VL, ...) is asked."""
 PROMPTS = {"florence2": "<MORE_DETAILED_CAPTION>"}
 """Models that take a task prompt rather than a question; others (BLIP) caption from the image alone."""
-EXAMPLES = "a BLIP, Florence-2 or Qwen2-VL folder with config.json, the processor's files and the weights"
+EXAMPLES = "the folder of a BLIP, Florence-2 or Qwen2-VL model (its config.json, the processor's files and the weights)"
 
 
 def model_type(folder: str | os.PathLike) -> str:
@@ -47,18 +47,18 @@ def model_type(folder: str | os.PathLike) -> str:
     folder = Path(folder).expanduser()
     config = folder / "config.json"
     if not folder.is_dir():
-        raise CaptionModelError(f"Captioning model folder {folder} does not exist: choose the folder of {EXAMPLES}.")
+        raise CaptionModelError(f"Captioning model folder {folder} does not exist: choose {EXAMPLES}.")
     if not config.is_file():
-        raise CaptionModelError(f"{folder} is not a captioning model folder (no config.json): choose the folder of "
+        raise CaptionModelError(f"{folder} is not a captioning model folder (no config.json): choose "
                                 f"{EXAMPLES}.")
     try:
         kind = json.loads(config.read_text(encoding="utf-8")).get("model_type", "")
     except (ValueError, AttributeError) as error:
-        raise CaptionModelError(f"{config} is not a model config ({error}): choose the folder of {EXAMPLES}.")
+        raise CaptionModelError(f"{config} is not a model config ({error}): choose {EXAMPLES}.")
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise CaptionModelError(f"{folder} holds a {kind or 'model of no model_type'!r} model, which is not an "
-                                f"image-to-text model this transformers can caption with: choose the folder of "
+                                f"image-to-text model this transformers can caption with: choose "
                                 f"{EXAMPLES}.")
     return kind
 
@@ -121,9 +121,10 @@ class Captioner:
         try:
             self.processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
             self.model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=self.dtype)
-        except (OSError, ValueError, KeyError) as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CaptionModelError(f"Could not load the captioning model in {folder} ({first}): choose the folder of "
+        except Exception as error:  # noqa: BLE001 - whatever stops a folder loading, the line names the folder
+            first = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}" if str(error).strip() else \
+                type(error).__name__
+            raise CaptionModelError(f"Could not load the captioning model in {folder} ({first}): choose "
                                     f"{EXAMPLES}.") from error
         self.model.to(self.device).eval()
         self.chat = bool(getattr(self.processor, "chat_template", None))
@@ -181,11 +182,17 @@ def caption_jobs(jobs: Sequence[Job], settings: Settings, device: str, report: C
 
     captioner = Captioner(settings.model, device, settings.prompt, settings.max_new_tokens)
     for start in range(0, len(jobs), settings.batch_size):
-        batch = jobs[start:start + settings.batch_size]
-        images = []
-        for job in batch:
-            with Image.open(job.image) as image:
-                images.append(image.convert("RGB"))
+        batch, images = [], []
+        for job in jobs[start:start + settings.batch_size]:
+            try:
+                with Image.open(job.image) as image:
+                    images.append(image.convert("RGB"))
+            except (OSError, ValueError, Image.DecompressionBombError) as error:
+                report({"image": str(job.image), "skipped": f"unreadable image ({error})"})
+                continue
+            batch.append(job)
+        if not batch:
+            continue
         for job, text in zip(batch, captioner.caption(images)):
             if not text:
                 report({"image": str(job.image), "skipped": "the model gave an empty caption"})
