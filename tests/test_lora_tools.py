@@ -457,3 +457,31 @@ def test_the_tab_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_tools_tab_fits_the_smallest_window(app_factory):
+    """Every picker fits the window's minimum width; Run is reached by scrolling, as on the other tabs."""
+    import customtkinter as ctk
+
+    from tests.test_ui_widgets import pump
+    from ui.views.app import MIN_SIZE
+
+    app, _ = app_factory()
+    app.geometry(f"{MIN_SIZE[0]}x{MIN_SIZE[1]}+0+0")
+    app.tabs.set("Tools")
+    view = app.lora_tools
+    for tool in ("merge", "resize", "extract"):
+        view.select(tool)
+        view._parent_canvas.yview_moveto(0.0)
+        pump(app, timeout=0.4)
+        right = app.winfo_rootx() + app.winfo_width()
+        assert app.winfo_width() == MIN_SIZE[0]
+        buttons = [w for w in view.forms[tool].winfo_children() if isinstance(w, ctk.CTkButton)]
+        assert buttons
+        for button in buttons:
+            assert button.winfo_rootx() + button.winfo_width() <= right, (tool, button.cget("text"))
+        view._parent_canvas.yview_moveto(1.0)
+        pump(app, timeout=0.4)
+        bottom = app.winfo_rooty() + app.winfo_height()
+        assert view.run_button.winfo_rooty() + view.run_button.winfo_height() <= bottom, tool

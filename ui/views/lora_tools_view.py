@@ -1,6 +1,7 @@
 """The Tools tab: merge a LoRA into its base, resize a LoRA, extract a LoRA from a fine-tune. A thin view over
 `ui/lora_tools.py`: one form per tool from its `TOOLS` fields, Run and Stop, a progress bar and the result
-line; the tool runs in its own process and the tab polls it with after(), so the window never waits."""
+line; the tool runs in its own process and the tab polls it with after(), so the window never waits. A form
+fits the window's minimum width (760 px)."""
 from __future__ import annotations
 
 import tkinter as tk
@@ -19,7 +20,9 @@ TITLES = {"merge": "Merge", "resize": "Resize", "extract": "Extract"}
 DONE_COLOR = ("#1f6f3f", "#7fd49f")
 
 
-class LoraToolsView(ctk.CTkFrame):
+class LoraToolsView(ctk.CTkScrollableFrame):
+    """Scrolls, like the other tabs: the window's minimum size shows the form, Run is below the fold."""
+
     def __init__(self, master, dialogs, controller: LoraToolsController | None = None):
         super().__init__(master, fg_color="transparent")
         self.dialogs = dialogs
@@ -87,7 +90,7 @@ class LoraToolsView(ctk.CTkFrame):
             else:
                 var = tk.StringVar(value=spec.default)
                 widths = {"number": 120}
-                widget = ctk.CTkEntry(form, textvariable=var, width=widths.get(spec.kind, 460))
+                widget = ctk.CTkEntry(form, textvariable=var, width=widths.get(spec.kind, 380))
             widget.grid(row=row, column=1, sticky="w", padx=6, pady=3)
             if spec.tip:
                 Tooltip(widget, spec.tip)
