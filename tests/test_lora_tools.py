@@ -182,6 +182,11 @@ def test_resize_by_energy_gives_each_module_its_rank(tandem_home, tmp_path):
         expected = _best(tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"], rank)
         torch.testing.assert_close(change.double(), expected, rtol=0, atol=1e-5)
 
+    # Mixed ranks and alphas, which the trainer's reader refuses, merge as diffusers fuses them.
+    from diffusers import UNet2DConditionModel
+    merged = merge("builtin:demo", report.output, tmp_path / "merged", dtype="fp32", device="cpu").output
+    _assert_same(_weights(UNet2DConditionModel.from_pretrained(merged, subfolder="unet")), _weights(resized.unet))
+
 
 # ------------------------------------------------------------------------------ extract
 

@@ -42,7 +42,7 @@ class ResizeReport:
 
 
 @dataclass
-class _Module:
+class PlainModule:
     name: str
     down_key: str
     up_key: str
@@ -54,8 +54,6 @@ def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy
     """Write `lora` at a lower rank to `output` (.safetensors): `rank`, or the smallest rank per module that
     keeps `energy` (0-1] of it, at most `rank`. Tensors keep their dtype; the header its keys, with the
     rank and alpha entries updated."""
-    from safetensors import SafetensorError, safe_open
-
     from modules.util.atomic import save_safetensors_atomically
 
     if rank is None and energy is None:
@@ -68,13 +66,7 @@ def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy
     if not source.is_file():
         raise ToolError(f"{source}: no such file; choose the LoRA's .safetensors file")
     out = free_output(output, overwrite, single_file=True)
-    try:
-        with safe_open(str(source), framework="pt", device="cpu") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise ToolError(f"{source}: is not a .safetensors LoRA ({error}); choose a LoRA file") from None
-    modules = _modules(source, tensors, metadata)
+    tensors, metadata, modules = read_plain_lora(source, "resize")
     largest = max(tensors[m.down_key].shape[0] for m in modules)
     if rank is not None and energy is None and rank > largest:
         raise ToolError(f"--rank {rank} is larger than {source.name}'s rank {largest}; a resize lowers the rank: "
@@ -93,11 +85,24 @@ def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy
     return report
 
 
-def _modules(source: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> list[_Module]:
+def read_plain_lora(source: Path, tool: str) -> tuple[dict[str, torch.Tensor], dict[str, str], list[PlainModule]]:
+    """The tensors, header and modules (each with its own alpha) of the plain LoRA file `source`, in either
+    layout, without a base model; anything else is a `ToolError` for `tool`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(source), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ToolError(f"{source}: is not a .safetensors LoRA ({error}); choose a LoRA file") from None
     for mark, title in VARIANT_MARKS.items():
         if any(mark in key for key in tensors):
-            raise ToolError(f"{source}: holds {title} weights; resize reads plain LoRA files (kohya's resize "
-                            "does too)")
+            raise ToolError(f"{source}: holds {title} weights; {tool} reads plain LoRA files (as kohya's tools do)")
+    return tensors, metadata, _modules(source, tensors, metadata)
+
+
+def _modules(source: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> list[PlainModule]:
     configs = json.loads(metadata[ADAPTER_METADATA]) if ADAPTER_METADATA in metadata else {}
     found, used = [], set()
     for key in sorted(tensors):
@@ -107,7 +112,7 @@ def _modules(source: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> 
                 if name + up not in tensors:
                     raise ToolError(f"{source}: {key!r} has no {up.lstrip('.')} partner; the file is incomplete")
                 alpha = _alpha(name, tensors, configs, tensors[key].shape[0])
-                found.append(_Module(name, key, name + up, alpha))
+                found.append(PlainModule(name, key, name + up, alpha))
                 used.update({key, name + up, name + ALPHA})
     strays = sorted(set(tensors) - used)
     if strays or not found:
@@ -130,7 +135,7 @@ def _alpha(name: str, tensors: dict, configs: dict, rank: int) -> float:
     return float(value) if value is not None else float(rank)
 
 
-def _resize_module(module: _Module, tensors: dict, rank: int | None, energy: float | None,
+def _resize_module(module: PlainModule, tensors: dict, rank: int | None, energy: float | None,
                    device: str) -> LayerEnergy:
     down, up = tensors[module.down_key], tensors[module.up_key]
     old = down.shape[0]
@@ -157,7 +162,7 @@ def _rank_for(singular: torch.Tensor, energy: float, most: int) -> int:
     return max(1, min(most, int((shares < energy - 1e-9).sum()) + 1))
 
 
-def _header(metadata: dict, modules: list[_Module], layers: list[LayerEnergy], alphas: dict) -> dict[str, str]:
+def _header(metadata: dict, modules: list[PlainModule], layers: list[LayerEnergy], alphas: dict) -> dict[str, str]:
     header = dict(metadata)
     ranks = [layer.new_rank for layer in layers]
     common = collections.Counter(ranks).most_common(1)[0][0]

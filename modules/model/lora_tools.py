@@ -162,17 +162,23 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
     from .lora_reading import read_lora
     from .saving import save_full_diffusers, save_full_single_file
 
+    import tempfile
+
+    from safetensors.torch import save_file
+
     single = Path(output).suffix.lower() == ".safetensors"
     out = free_output(output, overwrite)
     lora = _lora_file(lora)
+    tensors = _one_scale(lora)
     bundle = load_base(base_model, dtype, "base model")
-    try:
-        weights = read_lora(lora, bundle)
-    except ValueError as error:
-        raise ToolError(_lora_problem(lora, error, base_model)) from None
-    if weights.lora_type != "lora":
-        raise ToolError(f"{lora}: holds {weights.lora_type.upper()} weights; merge reads plain LoRA files "
-                        "(train with training.lora_type lora, or merge it in the program that made it)")
+    with tempfile.TemporaryDirectory(prefix="tandem-merge-") as folder:
+        # The reader knows every layout's module names; it is given the file with one rank and scale 1.
+        plain = Path(folder) / lora.name
+        save_file(tensors, str(plain))
+        try:
+            weights = read_lora(plain, bundle)
+        except ValueError as error:
+            raise ToolError(_lora_problem(lora, error, base_model).replace(str(plain), str(lora))) from None
     pairs = [(component, module, state) for component, state in weights.state.items()
              for module in sorted({key.rsplit(".lora_", 1)[0] for key in state})]
     device = device or default_device()
@@ -182,6 +188,25 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
             _merge_layer(bundle, component, module, state, strength * scale, device, lora, base_model)
     (save_full_single_file if single else save_full_diffusers)(bundle, out, dtype)
     return MergeReport(out, len(pairs), strength)
+
+
+def _one_scale(lora: Path) -> dict[str, torch.Tensor]:
+    """The plain LoRA `lora` with each module's alpha / rank multiplied into its up matrix and every module
+    padded with zeros to the largest rank: the same changes, read with one rank and alpha = rank. (Files of
+    mixed ranks or alphas - kohya's dynamic resize, `lora_resize` - are refused by the trainer's reader.)"""
+    from .lora_resize import ALPHA, read_plain_lora
+
+    tensors, _, modules = read_plain_lora(lora, "merge")
+    rank = max(tensors[m.down_key].shape[0] for m in modules)
+    for m in modules:
+        down, up = tensors[m.down_key].float(), tensors[m.up_key].float()
+        missing = rank - down.shape[0]
+        up = up * (m.alpha / down.shape[0])
+        tensors[m.down_key] = torch.cat([down, down.new_zeros(missing, *down.shape[1:])]).contiguous()
+        tensors[m.up_key] = torch.cat([up, up.new_zeros(up.shape[0], missing, *up.shape[2:])], dim=1).contiguous()
+        if m.name + ALPHA in tensors:
+            tensors[m.name + ALPHA] = torch.tensor(float(rank))
+    return tensors
 
 
 def _lora_file(path: str | Path) -> Path:
