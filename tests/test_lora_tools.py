@@ -490,3 +490,39 @@ def test_tools_tab_fits_the_smallest_window(app_factory):
         pump(app, timeout=0.4)
         bottom = app.winfo_rooty() + app.winfo_height()
         assert view.run_button.winfo_rooty() + view.run_button.winfo_height() <= bottom, tool
+
+
+@pytest.mark.slow
+def test_merge_and_extract_a_transformer_family(tandem_home, tmp_path):
+    """Flux: a LoRA in the peft layout merges as W + alpha / rank x B @ A, diffusers' Flux transformer loads the
+    merged folder, and extracting from merged and base gives the LoRA's changes back (the file Tandem reads)."""
+    from diffusers import FluxTransformer2DModel
+
+    from modules.model.lora_reading import read_lora
+
+    bundle = load_model(ModelConfig(base_model="builtin:demo-flux"))
+    params = add_lora(bundle, TrainingConfig(lora_rank=4, lora_alpha=2.0, lora_target_modules=["to_q", "to_v"]))
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in params:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    lora = save_lora(bundle, tmp_path / "flux.safetensors", "peft", "fp32")
+    merged = merge("builtin:demo-flux", lora, tmp_path / "merged", dtype="fp32", device="cpu").output
+    base = load_model(ModelConfig(base_model="builtin:demo-flux")).denoiser.state_dict()
+    after = FluxTransformer2DModel.from_pretrained(merged, subfolder="transformer").state_dict()
+    tensors = load_file(lora)
+    changed = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in tensors
+                     if k.endswith(".lora_A.weight"))
+    assert len(changed) > 4
+    for path in changed:
+        delta = 0.5 * tensors[f"transformer.{path}.lora_B.weight"] @ tensors[f"transformer.{path}.lora_A.weight"]
+        torch.testing.assert_close(after[path + ".weight"], base[path + ".weight"] + delta, rtol=0, atol=1e-5)
+
+    report = extract("builtin:demo-flux", str(merged), tmp_path / "back.safetensors", rank=4, fmt="peft",
+                     dtype="fp32", device="cpu")
+    weights = read_lora(report.output, load_model(ModelConfig(base_model="builtin:demo-flux")))
+    state = weights.state["transformer"]
+    scale = weights.alpha["transformer"] / weights.rank["transformer"]
+    for path in changed:
+        back = scale * state[f"{path}.lora_B.weight"] @ state[f"{path}.lora_A.weight"]
+        torch.testing.assert_close(back, after[path + ".weight"] - base[path + ".weight"], rtol=0, atol=1e-5)

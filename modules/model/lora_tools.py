@@ -178,7 +178,7 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
         try:
             weights = read_lora(plain, bundle)
         except ValueError as error:
-            raise ToolError(_lora_problem(lora, error, base_model).replace(str(plain), str(lora))) from None
+            raise ToolError(_lora_problem(plain, error, base_model).replace(str(plain), str(lora))) from None
     pairs = [(component, module, state) for component, state in weights.state.items()
              for module in sorted({key.rsplit(".lora_", 1)[0] for key in state})]
     device = device or default_device()
@@ -218,8 +218,6 @@ def _lora_file(path: str | Path) -> Path:
 
 def _lora_problem(lora: Path, error: Exception, base_model: str) -> str:
     text = _first_line(error).removeprefix(f"{lora}: ")
-    if "header" in text.lower() or "safetensor" in text.lower():
-        return f"{lora}: is not a .safetensors LoRA ({text}); choose a LoRA file"
     if "is neither a kohya key" in text:
         return f"{lora}: is not a LoRA of this model ({text}); choose a LoRA file made for {base_model}"
     return f"{lora}: {text}" if base_model in text else f"{lora}: {text} (base model: {base_model})"
