@@ -112,13 +112,14 @@ def _open_editor(app, folder):
     editors = [w for w in app.winfo_children() if isinstance(w, CaptionEditor)]
     assert editors == [row.editor]
     editor = row.editor
+    assert not editor.loaded, "the folder is read off the Tk thread, never while the window waits"
     assert pump(app, lambda: editor.loaded and editor.thumbs_ready, timeout=30), editor.summary.cget("text")
     return editor
 
 
 @pytest.mark.slow
 def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder):
-    app, _ = app_factory()
+    app, dialogs = app_factory()
     editor = _open_editor(app, folder)
     assert editor.summary.cget("text").startswith("16 images · 1 without a caption")
     assert len(editor.tiles) == 12 and editor.page_label.cget("text") == "Page 1 of 2"
@@ -146,6 +147,13 @@ def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder)
     editor.undo_button.invoke()
     assert (folder / "img03.txt").read_text() == "photo, red hair, pose 3"
     assert editor.undo_button.cget("state") == "disabled"
+    # A caption typed and not saved is not lost by choosing another image: asked, then saved.
+    editor.caption_box.insert("end", ", curled up")
+    other = next(t for t in editor.tiles if t.index != lonely.index)
+    other.invoke()
+    assert dialogs.questions[-1] == "Save the caption you typed for lonely_cat.png?"
+    assert (folder / "lonely_cat.txt").read_text() == "a cat, alone, curled up"
+    assert editor.selected == other.index and not editor.typed()
     # Only the images without a caption: none left now.
     editor.missing_box.toggle()
     assert editor.tiles == [] and editor.summary.cget("text").startswith("16 images · 0 without a caption")

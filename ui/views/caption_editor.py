@@ -37,6 +37,8 @@ class CaptionEditor(ctk.CTkToplevel):
         self.captions = CaptionEditorState(source)
         self.source, self.dialogs, self.gpu_count, self.python = source, dialogs, gpu_count, python
         self.selected: int | None = None
+        self._in_box = ""
+        """The chosen image's caption as the box was filled with it."""
         self.loaded = False
         """True once the folder was read (tests wait for it)."""
         self.thumbs_ready = False
@@ -167,7 +169,7 @@ class CaptionEditor(ctk.CTkToplevel):
                                   "captions its share.")
         self.progress = ctk.CTkProgressBar(row)
         self.progress.set(0)
-        self.progress.grid(row=1, column=0, columnspan=2, sticky="we", padx=8, pady=(0, 6))
+        self._progress_place = dict(row=1, column=0, columnspan=2, sticky="we", padx=8, pady=(0, 6))
         self.auto_status = ctk.CTkLabel(row, text="", anchor="w")
         self.auto_status.grid(row=1, column=2, columnspan=5, sticky="we", padx=8, pady=(0, 6))
 
@@ -261,22 +263,45 @@ class CaptionEditor(ctk.CTkToplevel):
 
     # --- one caption --------------------------------------------------------------------------
     def select(self, index: int) -> None:
+        """Show image `index`'s caption for editing; a caption typed for the previous one is saved first when
+        the user says so (and kept in the box when its save fails)."""
+        if not self._kept_typing():
+            return
         self.selected = index
         entry = self.captions.entries[index]
         for tile in self.tiles:
             tile.configure(fg_color=SELECTED_COLOR if tile.index == index else "gray25")
         self.name_label.configure(text=entry.image.name + ("" if entry.has_caption else "  (no caption file yet)"))
-        self.caption_box.delete("1.0", "end")
-        self.caption_box.insert("1.0", entry.text if entry.has_caption else "")
+        self._fill_box()
         self.message.configure(text="")
 
-    def save_caption(self) -> None:
+    def _fill_box(self) -> None:
+        entry = self.captions.entries[self.selected]
+        self._in_box = entry.text if entry.has_caption else ""
+        self.caption_box.delete("1.0", "end")
+        self.caption_box.insert("1.0", self._in_box)
+
+    def typed(self) -> bool:
+        """Whether the caption box holds text the user typed and did not save."""
+        return self.selected is not None and self.caption_box.get("1.0", "end-1c").strip() != self._in_box.strip()
+
+    def _kept_typing(self) -> bool:
+        """Ask about an unsaved caption; False when saving it failed (the text stays in the box)."""
+        if not self.typed():
+            return True
+        name = self.captions.entries[self.selected].image.name
+        if not self.dialogs.ask_yes_no("Unsaved caption", f"Save the caption you typed for {name}?"):
+            return True
+        return self.save_caption()
+
+    def save_caption(self) -> bool:
         if self.selected is None:
             self.message.configure(text="Choose an image first.", text_color=ERROR_COLOR)
-            return
+            return False
         ok, line = self.captions.save(self.selected, self.caption_box.get("1.0", "end-1c"))
         self.message.configure(text=line, text_color=_text_color() if ok else ERROR_COLOR)
         self._refresh()
+        return ok
 
     def message_text(self) -> str:
         return self.message.cget("text")
@@ -301,7 +326,11 @@ class CaptionEditor(ctk.CTkToplevel):
         self._refresh()
 
     def _refresh(self) -> None:
+        """After a write: the tiles, and the chosen caption as it is on disk now (unless the user is typing
+        in it), so that a later Save never puts back what a bulk edit changed."""
         self.undo_button.configure(state="normal" if self.captions.last_edit is not None else "disabled")
+        if self.selected is not None and not self.typed():
+            self._fill_box()
         self.show_page()
 
     # --- auto-captioning ----------------------------------------------------------------------
@@ -324,6 +353,7 @@ class CaptionEditor(ctk.CTkToplevel):
         self.run.start()
         self.auto_button.configure(text="Stop")
         self.progress.set(0)
+        self.progress.grid(**self._progress_place)  # shown from the first run on
         self._poll()
 
     def _poll(self) -> None:
@@ -345,6 +375,8 @@ class CaptionEditor(ctk.CTkToplevel):
         return self.auto_status.cget("text")
 
     def close(self) -> None:
+        if not self._kept_typing():
+            return
         if self.run is not None and not self.run.finished:
             self.run.stop()
         self.destroy()
