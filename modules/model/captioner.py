@@ -206,6 +206,11 @@ def caption_jobs(jobs: Sequence[Job], settings: Settings, device: str, report: C
             report({"image": str(job.image), "caption": caption})
 
 
+def visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _device(rank: int) -> str:
     import torch
     return f"cuda:{rank}" if torch.cuda.is_available() and rank < torch.cuda.device_count() else "cpu"
@@ -312,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(model=args.model, prefix=args.prefix, separator=args.separator, prompt=args.prompt,
                         batch_size=max(1, args.batch_size), max_new_tokens=args.max_new_tokens)
     processes = max(1, min(args.num_gpus, len(jobs)))
+    gpus = visible_gpus()
+    if gpus and processes > gpus:
+        print(f"--num-gpus {args.num_gpus}: {gpus} GPU(s) visible, so {gpus} process(es).", flush=True)
+        processes = gpus
     try:
         run(jobs, settings, processes, report)
     except (CaptionModelError, RuntimeError) as error:
