@@ -157,7 +157,11 @@ def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder)
     # Only the images without a caption: none left now.
     editor.missing_box.toggle()
     assert editor.tiles == [] and editor.summary.cget("text").startswith("16 images · 0 without a caption")
+    # Closed while its folder is being read: the read's answer finds no window and is dropped quietly.
+    editor.reload()
     editor.close()
+    pump(app, timeout=1.0)
+    assert app.crash_text() == ""
     from modules.config import ConceptConfig
     app.concepts.add(ConceptConfig(path=str(folder), name="second"))
     assert app.concepts.captions.menu.cget("values") == ["1: demo shapes", "2: second"]
