@@ -51,6 +51,7 @@ def _one_line(argv) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_model_folders_get_one_line_naming_folder_and_fix(tmp_path):
     images = make_folder(tmp_path / "imgs", {"a": None})
     line = _one_line(["--model", str(tmp_path / "nowhere"), "--folder", str(images)])
