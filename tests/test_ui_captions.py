@@ -58,6 +58,7 @@ def test_state_edits_one_caption_then_bulk_with_undo(folder):
     assert state.apply() == "Nothing planned: choose an edit first."
 
 
+@pytest.mark.slow
 def test_auto_caption_command_and_progress_lines(tmp_path):
     source = CaptionSource(str(tmp_path), ".caption", True, ";")
     run = AutoCaptionRun(source, "/models/blip", prefix=" sks ", overwrite=True, processes=2, python="py")
@@ -76,6 +77,32 @@ def test_auto_caption_command_and_progress_lines(tmp_path):
     assert pump_until(lambda: run.finished and run.error)
     assert (run.done, run.total, run.fraction()) == (2, 3, 2 / 3)
     assert run.status() == "caption.py: bad folder"
+    run.stop()  # ended already: nothing to do
+    # Stop ends the script with the processes it started (its own process group).
+    script.write_text("import subprocess, sys, time\nprint('1 image(s) to caption in x.', flush=True)\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    run = AutoCaptionRun(source, "m")
+    run.command = lambda: [sys.executable, str(script)]
+    run.start()
+    assert pump_until(lambda: run.last_line.isdigit())
+    child = int(run.last_line)
+    run.stop()
+    assert pump_until(lambda: run.finished)
+    assert pump_until(lambda: not _alive(child)), "the script's own process outlived Stop"
+
+
+def _alive(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie, waiting for init to collect it, is gone too
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow

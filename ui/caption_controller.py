@@ -292,7 +292,10 @@ class AutoCaptionRun:
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        if os.name == "posix":
-            os.killpg(self.process.pid, signal.SIGTERM)
-        else:
-            self.process.terminate()
+        try:
+            if os.name == "posix":
+                os.killpg(self.process.pid, signal.SIGTERM)
+            else:
+                self.process.terminate()
+        except ProcessLookupError:  # it ended meanwhile
+            pass
