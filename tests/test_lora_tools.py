@@ -3,7 +3,6 @@ the math says and what diffusers makes of the same files, it loads back in diffu
 and the GUI's Tools tab runs them without blocking the window."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

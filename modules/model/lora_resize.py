@@ -17,14 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .lora_tools import LayerEnergy, Progress, ToolError, default_device, free_output, kept_energy, steps
-
-PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"),
-         (".lora.down.weight", ".lora.up.weight"), (".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight"))
-"""(down, up) suffixes of a plain LoRA pair: kohya's, peft's, and diffusers' older spellings."""
-ALPHA = ".alpha"
-ADAPTER_METADATA = "lora_adapter_metadata"
-VARIANT_MARKS = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA"}
+from .lora_tool_parts import (ADAPTER_METADATA, ALPHA, LayerEnergy, PlainModule, Progress, ToolError, default_device,
+                              free_output, kept_energy, read_plain_lora, steps)
 
 
 @dataclass
@@ -39,14 +33,6 @@ class ResizeReport:
         worst = min(self.layers, key=lambda layer: layer.kept)
         return (f"Resized {len(kept)} modules to rank {rank} into {self.output}; kept energy min {worst.kept:.3f} "
                 f"({worst.module}), mean {sum(kept) / len(kept):.3f}")
-
-
-@dataclass
-class PlainModule:
-    name: str
-    down_key: str
-    up_key: str
-    alpha: float
 
 
 def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy: float | None = None,
@@ -83,56 +69,6 @@ def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy
     header = _header(metadata, modules, report.layers, new_alphas)
     save_safetensors_atomically(tensors, out, header)
     return report
-
-
-def read_plain_lora(source: Path, tool: str) -> tuple[dict[str, torch.Tensor], dict[str, str], list[PlainModule]]:
-    """The tensors, header and modules (each with its own alpha) of the plain LoRA file `source`, in either
-    layout, without a base model; anything else is a `ToolError` for `tool`."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(source), framework="pt", device="cpu") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise ToolError(f"{source}: is not a .safetensors LoRA ({error}); choose a LoRA file") from None
-    for mark, title in VARIANT_MARKS.items():
-        if any(mark in key for key in tensors):
-            raise ToolError(f"{source}: holds {title} weights; {tool} reads plain LoRA files (as kohya's tools do)")
-    return tensors, metadata, _modules(source, tensors, metadata)
-
-
-def _modules(source: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> list[PlainModule]:
-    configs = json.loads(metadata[ADAPTER_METADATA]) if ADAPTER_METADATA in metadata else {}
-    found, used = [], set()
-    for key in sorted(tensors):
-        for down, up in PAIRS:
-            if key.endswith(down):
-                name = key[: -len(down)]
-                if name + up not in tensors:
-                    raise ToolError(f"{source}: {key!r} has no {up.lstrip('.')} partner; the file is incomplete")
-                alpha = _alpha(name, tensors, configs, tensors[key].shape[0])
-                found.append(PlainModule(name, key, name + up, alpha))
-                used.update({key, name + up, name + ALPHA})
-    strays = sorted(set(tensors) - used)
-    if strays or not found:
-        example = f" ({strays[0]!r} is no LoRA tensor)" if strays else ""
-        raise ToolError(f"{source}: is not a LoRA file{example}; choose a LoRA in the kohya/ComfyUI or the "
-                        "diffusers/peft layout")
-    return found
-
-
-def _alpha(name: str, tensors: dict, configs: dict, rank: int) -> float:
-    """A module's alpha: its `.alpha` tensor, else its component's in the peft header (patterns first), else
-    its rank (peft's and diffusers' default: scale 1)."""
-    if name + ALPHA in tensors:
-        return float(tensors[name + ALPHA])
-    component, _, module = name.partition(".")
-    pattern = configs.get(f"{component}.alpha_pattern") or {}
-    if module in pattern:
-        return float(pattern[module])
-    value = configs.get(f"{component}.lora_alpha")
-    return float(value) if value is not None else float(rank)
 
 
 def _resize_module(module: PlainModule, tensors: dict, rank: int | None, energy: float | None,

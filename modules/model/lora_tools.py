@@ -18,23 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 
-Progress = Callable[[int, int, str], None]
-T = TypeVar("T")
+from .lora_tool_parts import (ALPHA, LayerEnergy, Progress, ToolError, default_device, free_output, kept_energy,
+                              read_plain_lora, steps)
 
 TEXT_ENCODER_MIN_DIFF = 0.01
 """A text encoder counts as trained when one of its adapted weights moved more than this (kohya's
 `min_diff`): a fine-tune saved in a lower precision than its base differs from it by rounding everywhere."""
-
-
-class ToolError(ValueError):
-    """Bad input to a LoRA tool: one line naming the file and what to do."""
 
 
 @dataclass
@@ -45,15 +40,6 @@ class MergeReport:
 
     def line(self) -> str:
         return f"Merged {self.layers} layers at strength {self.strength:g} into {self.output}"
-
-
-@dataclass
-class LayerEnergy:
-    """How much of a layer's change a low-rank version keeps: the share of its squared Frobenius norm."""
-    module: str
-    old_rank: int
-    new_rank: int
-    kept: float
 
 
 @dataclass
@@ -75,36 +61,6 @@ class ExtractReport:
 
 
 # ---------------------------------------------------------------------------- shared steps
-
-
-def steps(items: Iterable[T], what: str, progress: Progress | None) -> Iterator[T]:
-    """`items` with tqdm's bar (shown in a terminal only) and a `progress` call after each."""
-    from tqdm import tqdm
-
-    items = list(items)
-    for done, item in enumerate(tqdm(items, desc=what, unit="layer", leave=False, disable=None), start=1):
-        yield item
-        if progress is not None:
-            progress(done, len(items), what)
-
-
-def free_output(output: str | Path, overwrite: bool, single_file: bool | None = None) -> Path:
-    """The output path, refused when it exists (without `overwrite`) or has the wrong kind of name;
-    `single_file`: True for a .safetensors file, False for a folder, None for either."""
-    path = Path(output).expanduser()
-    if single_file is True and path.suffix.lower() != ".safetensors":
-        raise ToolError(f"{path}: a LoRA is written as a .safetensors file; end the output's name in .safetensors")
-    if path.exists() and not overwrite:
-        raise ToolError(f"{path} exists; choose another output, or replace it with --overwrite")
-    if path.exists() and path.is_dir() != (path.suffix.lower() != ".safetensors"):
-        raise ToolError(f"{path} exists and is {'a folder' if path.is_dir() else 'a file'}; choose another output")
-    if not path.parent.is_dir():
-        raise ToolError(f"{path}: the folder {path.parent} does not exist; create it or choose another output")
-    return path
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_base(model: str, dtype: str, role: str):
@@ -140,13 +96,6 @@ def low_rank(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     return u[:, :rank] * root, root[:, None] * vh[:rank], s
 
 
-def kept_energy(singular_values: torch.Tensor, rank: int) -> float:
-    """The share of the squared Frobenius norm the first `rank` singular values hold (1 for a zero matrix)."""
-    energy = singular_values.double().square()
-    total = float(energy.sum())
-    return float(energy[:rank].sum()) / total if total > 0 else 1.0
-
-
 def as_matrix(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """up @ down of a LoRA pair as one 2-D matrix (out, in x kernel): Linear and convolution pairs alike."""
     return up.flatten(1) @ down.flatten(1)
@@ -159,12 +108,12 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
           device: str | None = None, overwrite: bool = False, progress: Progress | None = None) -> MergeReport:
     """Merge the LoRA file `lora` into `base_model` at `strength` and write the merged model to `output`: a
     single-file checkpoint when it ends in .safetensors, else a diffusers folder; weights in `dtype`."""
-    from .lora_reading import read_lora
-    from .saving import save_full_diffusers, save_full_single_file
-
     import tempfile
 
     from safetensors.torch import save_file
+
+    from .lora_reading import read_lora
+    from .saving import save_full_diffusers, save_full_single_file
 
     single = Path(output).suffix.lower() == ".safetensors"
     out = free_output(output, overwrite)
@@ -184,7 +133,7 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
     device = device or default_device()
     with torch.no_grad():
         for component, module, state in steps(pairs, "merging", progress):
-            scale = weights.alpha[component] / weights.rank[component]
+            scale = weights.alpha[component] / weights.rank[component]  # 1: `_one_scale` folded it in
             _merge_layer(bundle, component, module, state, strength * scale, device, lora, base_model)
     (save_full_single_file if single else save_full_diffusers)(bundle, out, dtype)
     return MergeReport(out, len(pairs), strength)
@@ -194,8 +143,6 @@ def _one_scale(lora: Path) -> dict[str, torch.Tensor]:
     """The plain LoRA `lora` with each module's alpha / rank multiplied into its up matrix and every module
     padded with zeros to the largest rank: the same changes, read with one rank and alpha = rank. (Files of
     mixed ranks or alphas - kohya's dynamic resize, `lora_resize` - are refused by the trainer's reader.)"""
-    from .lora_resize import ALPHA, read_plain_lora
-
     tensors, _, modules = read_plain_lora(lora, "merge")
     rank = max(tensors[m.down_key].shape[0] for m in modules)
     for m in modules:
