@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .lora_tool_parts import (ADAPTER_METADATA, ALPHA, LayerEnergy, PlainModule, Progress, ToolError, default_device,
-                              free_output, kept_energy, read_plain_lora, steps)
+from .lora_tool_parts import (ADAPTER_METADATA, ALPHA, LayerEnergy, PlainModule, Progress, ToolError,
+                              free_output, kept_energy, pick_device, read_plain_lora, steps)
 
 
 @dataclass
@@ -52,12 +52,12 @@ def resize(lora: str | Path, output: str | Path, rank: int | None = None, energy
     if not source.is_file():
         raise ToolError(f"{source}: no such file; choose the LoRA's .safetensors file")
     out = free_output(output, overwrite, single_file=True)
+    device = pick_device(device)
     tensors, metadata, modules = read_plain_lora(source, "resize")
     largest = max(tensors[m.down_key].shape[0] for m in modules)
     if rank is not None and energy is None and rank > largest:
         raise ToolError(f"--rank {rank} is larger than {source.name}'s rank {largest}; a resize lowers the rank: "
                         f"choose --rank {largest} or less")
-    device = device or default_device()
     report = ResizeReport(out)
     with torch.no_grad():
         for module in steps(modules, "resizing", progress):

@@ -54,8 +54,18 @@ def free_output(output: str | Path, overwrite: bool, single_file: bool | None = 
     return path
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def pick_device(device: str | None) -> str:
+    """`device`, or a GPU when there is one; a GPU asked for on a machine without one is a `ToolError`."""
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ToolError(f"--device {device!r} is no device; use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ToolError(f"--device {device}: this machine has no CUDA GPU (or PyTorch was built without CUDA); "
+                        "use --device cpu")
+    return device
 
 
 def kept_energy(singular_values: torch.Tensor, rank: int) -> float:

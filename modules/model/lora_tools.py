@@ -24,8 +24,8 @@ from torch import nn
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 
-from .lora_tool_parts import (ALPHA, LayerEnergy, Progress, ToolError, default_device, free_output, kept_energy,
-                              read_plain_lora, steps)
+from .lora_tool_parts import (ALPHA, LayerEnergy, Progress, ToolError, free_output, kept_energy,
+                              pick_device, read_plain_lora, steps)
 
 TEXT_ENCODER_MIN_DIFF = 0.01
 """A text encoder counts as trained when one of its adapted weights moved more than this (kohya's
@@ -118,6 +118,7 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
     single = Path(output).suffix.lower() == ".safetensors"
     out = free_output(output, overwrite)
     lora = _lora_file(lora)
+    device = pick_device(device)
     tensors = _one_scale(lora)
     bundle = load_base(base_model, dtype, "base model")
     with tempfile.TemporaryDirectory(prefix="tandem-merge-") as folder:
@@ -130,7 +131,6 @@ def merge(base_model: str, lora: str | Path, output: str | Path, strength: float
             raise ToolError(_lora_problem(plain, error, base_model).replace(str(plain), str(lora))) from None
     pairs = [(component, module, state) for component, state in weights.state.items()
              for module in sorted({key.rsplit(".lora_", 1)[0] for key in state})]
-    device = device or default_device()
     with torch.no_grad():
         for component, module, state in steps(pairs, "merging", progress):
             scale = weights.alpha[component] / weights.rank[component]  # 1: `_one_scale` folded it in
@@ -204,6 +204,7 @@ def extract(base_model: str, tuned_model: str, output: str | Path, rank: int, al
     if rank < 1:
         raise ToolError(f"--rank is {rank}; a LoRA's rank is at least 1")
     out = free_output(output, overwrite, single_file=True)
+    device = pick_device(device)
     alpha = float(alpha or rank)
     base = load_base(base_model, "fp32", "base model")
     tuned = load_base(tuned_model, "fp32", "fine-tuned model")
@@ -220,7 +221,6 @@ def extract(base_model: str, tuned_model: str, output: str | Path, rank: int, al
                         if _moved(base, tuned, _component(base, encoder), TEXT_ENCODER_TARGETS)]
     for component in trained_encoders:
         plan += [(component, path) for path in _encoder_layers(base.modules()[component], TEXT_ENCODER_TARGETS)]
-    device = device or default_device()
     state: dict[str, dict[str, torch.Tensor]] = {}
     report = ExtractReport(out, rank, text_encoders=trained_encoders, too_small=too_small)
     with torch.no_grad():

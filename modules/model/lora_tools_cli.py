@@ -73,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     from .lora_tools import ToolError
     try:
         report = _run(args, progress)
-    except ToolError as error:
+    except (ToolError, OSError) as error:  # OSError: a file that cannot be read or written (a full disk, say)
+        text = str(error) if isinstance(error, ToolError) else f"{error}; check that the inputs can be read and --out written (permissions, free space)"
         if events:
-            print(tool_line("error", text=str(error)), flush=True)
-        print(f"{PROG}: {error}", file=sys.stderr)
+            print(tool_line("error", text=text), flush=True)
+        print(f"{PROG}: {text}", file=sys.stderr)
         return 2
     if getattr(args, "verbose", False):
         for layer in report.layers:
