@@ -533,3 +533,17 @@ def test_merge_and_extract_a_transformer_family(tandem_home, tmp_path):
     for path in changed:
         back = scale * state[f"{path}.lora_B.weight"] @ state[f"{path}.lora_A.weight"]
         torch.testing.assert_close(back, after[path + ".weight"] - base[path + ".weight"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_extract_holding_the_models_in_bf16(tandem_home, tmp_path):
+    """`load_dtype` bf16 (half the memory): the change comes back up to the models' own rounding."""
+    tuned, deltas = _fine_tune(tmp_path, rank=3)
+    report = extract("builtin:demo", str(tuned), tmp_path / "half.safetensors", rank=3, fmt="peft", dtype="fp32",
+                     device="cpu", load_dtype="bf16")
+    tensors = load_file(report.output)
+    for path, delta in deltas.items():
+        if path == CONV:
+            continue
+        back = tensors[f"unet.{path}.lora_B.weight"] @ tensors[f"unet.{path}.lora_A.weight"]
+        assert (back - delta).norm() < 0.02 * delta.norm(), path

@@ -195,9 +195,10 @@ def _merge_layer(bundle, component: str, module: str, state: dict, factor: float
 
 def extract(base_model: str, tuned_model: str, output: str | Path, rank: int, alpha: float | None = None,
             fmt: str = "kohya", dtype: str = "fp16", conv: bool = False, device: str | None = None,
-            overwrite: bool = False, progress: Progress | None = None) -> ExtractReport:
+            overwrite: bool = False, progress: Progress | None = None, load_dtype: str = "fp32") -> ExtractReport:
     """A LoRA of `rank` (and `alpha`, the rank by default) that turns `base_model` into `tuned_model` as
-    closely as that rank allows, written to `output` (.safetensors) in `fmt` (`kohya` or `peft`)."""
+    closely as that rank allows, written to `output` (.safetensors) in `fmt` (`kohya` or `peft`). Both models
+    wait on the CPU in `load_dtype` (bf16 halves the memory); each layer's difference is taken in fp32."""
     from .lora import TEXT_ENCODER_TARGETS, add_lora, save_lora
     from .lora_reading import LoraWeights, apply_lora
 
@@ -206,8 +207,8 @@ def extract(base_model: str, tuned_model: str, output: str | Path, rank: int, al
     out = free_output(output, overwrite, single_file=True)
     device = pick_device(device)
     alpha = float(alpha or rank)
-    base = load_base(base_model, "fp32", "base model")
-    tuned = load_base(tuned_model, "fp32", "fine-tuned model")
+    base = load_base(base_model, load_dtype, "base model")
+    tuned = load_base(tuned_model, load_dtype, "fine-tuned model")
     if base.model_type != tuned.model_type:
         raise ToolError(f"{tuned_model}: is an {tuned.model_type.upper()} model and {base_model} an "
                         f"{base.model_type.upper()} one; choose the base model it was fine-tuned from")
