@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDS_NO_CHOICE = {
     "start_multi_gpu.py": "standard library only (it runs before the install); train_multi_gpu.py chooses",
     "convert_lora.py": "converts files",
+    "lora_tools.py": "merges, resizes and extracts LoRA files: nothing compiled",
+    "caption.py": "captions images with a model's generate: nothing compiled",
     "import_config.py": "converts a config",
     "make_random_model.py": "writes a model folder",
     "render_screenshots.py": "draws the GUI's tabs",

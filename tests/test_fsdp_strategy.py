@@ -34,6 +34,7 @@ def test_flux_full_fine_tune_gets_fsdp_on_four_h100s_and_a_lora_gets_ddp():
     # A LoRA whose fp32 base of 12 B parameters (~44 GiB) and autocast's bf16 copies (~22) do not fit 70 GiB free: an fp8 base under
     # DDP fits, and costs less speed than sharding.
     cfg.model.unet_dtype = cfg.model.text_encoder_dtype = cfg.model.vae_dtype = "fp32"
+    cfg.multi_gpu.layer_offload = "off"  # fp8 against sharding; layer offload competes in test_layer_offload_plans.py
     big = choose_strategy(cfg, 4, "cuda", 70.0)
     assert big.strategy == "ddp" and big.plan.name == "DDP + fp8 base"
     assert big.plan.changes == {"multi_gpu.strategy": "ddp", "model.unet_dtype": "fp8"}

@@ -69,6 +69,6 @@ def test_validation_loss_at_start_on_cadence_and_at_the_end_for_every_family(tmp
     again = trainer.validation.evaluate(trainer.parallel.unwrap(trainer.model), trainer.global_step)
     assert again == events[-1]["loss"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    logs = EventAccumulator(str(trainer.paths.tensorboard)).Reload()
+    logs = EventAccumulator(str(trainer.paths.tensorboard / trainer.run_id)).Reload()  # each run its own folder
     assert [(s.step, s.value) for s in logs.Scalars("validation_loss")] == \
         [(e["step"], pytest.approx(e["loss"], rel=1e-6)) for e in events]

@@ -47,7 +47,7 @@ def test_the_demo_preset_trains_and_its_loss_falls(tandem_home, tmp_path):
         # are stored once for their summed time.
         assert sum(ms for _, ms in read_frames(path)) == 9 * 125
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    logs = EventAccumulator(str(trainer.paths.tensorboard), size_guidance={"images": 0}).Reload()
+    logs = EventAccumulator(str(trainer.paths.tensorboard / trainer.run_id), size_guidance={"images": 0}).Reload()
     for tag in ("sample/0", "sample/1"):
         (event,) = logs.Images(tag)
         with Image.open(io.BytesIO(event.encoded_image_string)) as gif:
