@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: 15:14 with the install on 2 cores, pytest 14:52 of it,
-#                            2026-11-29, commit 0713da1; 13:52 to 25:04 over nine runs that day; README.md too)
+#   ./run-tests.sh           everything (what CI runs: pytest 38:03 for 1,426 tests on 2 otherwise idle cores,
+#                            2026-12-02, commit 62fd68c, a clean clone; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
-#                            window tests (63 s on 2 idle cores, 2026-11-28, with this command)
+#                            window tests (63 s on 2 idle cores, 2026-11-28; 10:09 at load 9-10, 2026-12-02)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
 # tests wait on the processes they launch, and with one worker a core the cores idled a quarter of the run;
 # with two more than the cores they were 96% busy and the run took 23:31 instead of 21:33, 2026-11-29;
