@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "check_multi_gpu.py"
@@ -18,7 +19,7 @@ SCRIPT = REPO / "scripts" / "check_multi_gpu.py"
 def check(*args: str, importtime: bool = False, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, *(["-X", "importtime"] if importtime else []), str(SCRIPT), *args]
     # the limit only ends a hang (these answer in about a second on an idle machine; the demo's plan builds it)
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900,
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=patience(900),
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **env})
 
 

@@ -16,6 +16,7 @@ import pytest
 from modules.benchmark.fault_trials import _alive, _children, _descendants, _is_forkserver, _ranks
 from modules.util.run_protocol import parse_event_line
 from tests.test_faults import NOISE, Run
+from tests.patience import patience
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_the_workers_of_a_killed_spawn_launcher_end_at_once_and_write_no_backup_
     assert len(ranks) == 2 and len(watched) >= 5, f"the processes of the launch: {watched}"
     os.kill(launcher, signal.SIGKILL)
     killed = time.time()
-    run.proc.wait(timeout=60)
+    run.proc.wait(timeout=patience(60))
     launcher_gone = time.time()
     ended: dict[int, float] = {}
     limit_s = 60.0  # a hang detector: on an idle machine they end within milliseconds

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,7 @@ def run(tree: Path, *args: str, script: str = "install.sh", **env: str) -> tuple
     environment = {k: v for k, v in os.environ.items() if k not in ("TANDEM_TORCH_SPEC", "PYTHON", "FAIL_ON")}
     environment.update(PYTHON=str(tree / "tools" / "python3"), LC_ALL="C", **env)
     result = subprocess.run(["bash", str(tree / script), *args], capture_output=True, text=True, env=environment,
-                            timeout=120)
+                            timeout=patience(120))
     return result, (calls.read_text().splitlines() if calls.exists() else [])
 
 

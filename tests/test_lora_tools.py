@@ -18,6 +18,7 @@ from modules.model import add_lora, ensure_demo_model, load_model, save_lora
 from modules.model.lora_resize import resize
 from modules.model.lora_tools import ToolError, extract, merge
 from modules.util.tool_lines import parse_tool_line, tool_line
+from tests.patience import patience
 from tests.test_ui_widgets import app_factory  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,7 +309,7 @@ def test_script_prints_one_line_and_exits_2(tmp_path):
     missing = tmp_path / "missing.safetensors"
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "lora_tools.py"), "resize", "--lora", str(missing),
                              "--out", str(tmp_path / "new.safetensors"), "--rank", "2"],
-                            capture_output=True, text=True, env={**os.environ, "TANDEM_EVENTS": "1"}, timeout=300)
+                            capture_output=True, text=True, env={**os.environ, "TANDEM_EVENTS": "1"}, timeout=patience(300))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and str(missing) in result.stderr
     assert parse_tool_line(result.stdout.strip())["type"] == "error"
@@ -352,7 +353,6 @@ def _fake_tool(tmp_path: Path, fail: bool = False, pause: float = 0.05) -> Path:
 def _wait(controller, seconds: float = 30):
     import time
 
-    from tests.patience import patience
     deadline = time.monotonic() + patience(seconds)
     while controller.poll().running and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -430,7 +430,6 @@ def test_tools_tab_merges_the_demo_model(app_factory, tandem_home, tmp_path):
     """The real script, started from the tab: the merged folder appears and the window never waited."""
     import time
 
-    from tests.patience import patience
     from tests.test_ui_widgets import pump
 
     lora = _random_lora(tmp_path, "kohya", text=False)
@@ -466,7 +465,7 @@ def test_the_tab_imports_no_torch():
     """The GUI runs the tools as a process: its controller and view import neither torch nor the tools."""
     code = ("import sys; import ui.lora_tools, ui.views.lora_tools_view; "
             "print(sorted(m for m in ('torch', 'modules.model.lora_tools') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=patience(120))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from modules.util import cpu_threads
+from tests.patience import patience
 from tests.trainer_helpers import REPO
 
 HANG_S = 300
@@ -152,7 +153,7 @@ def _read_lines(stream, into: queue.Queue) -> None:
 
 def _wait_for(lines: queue.Queue, seen: list[str], text: str, limit_s: float) -> bool:
     """Collect output lines into `seen` until one holds `text` (True) or the output ends or `limit_s` passes."""
-    deadline = time.monotonic() + limit_s
+    deadline = time.monotonic() + patience(limit_s)
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)

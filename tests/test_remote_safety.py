@@ -29,6 +29,7 @@ from modules.remote.machine import NOT_INSTALLED, RemoteMachine
 from modules.remote.prepare import _check_script
 from modules.remote.source import local_source
 from tests.test_remote_ssh import fingerprint, sshd_ready  # noqa: F401 - sshd_ready is a fixture used here
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 MARKERS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "m9")
@@ -93,11 +94,11 @@ def test_the_scripts_sent_treat_a_hostile_folder_as_a_name(tmp_path):
         for script in (machine.side_script("runs"), _check_script(machine, source)):
             command = machine.ssh.command(script)[-1]  # "sh -c '<umask; script>'", as ssh hands it to the login shell
             done = subprocess.run(["sh", "-c", command], cwd=home, env={"HOME": str(home), "PATH": os.environ["PATH"]},
-                                  capture_output=True, text=True, timeout=120)
+                                  capture_output=True, text=True, timeout=patience(120))
             assert markers_in(home) == [], (folder, script, done.stdout, done.stderr)
         listed = subprocess.run(["sh", "-c", machine.ssh.command(machine.side_script("runs"))[-1]], cwd=home,
                                 env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True,
-                                timeout=120)
+                                timeout=patience(120))
         assert listed.returncode == NOT_INSTALLED, (folder, listed.stderr)
         assert f"Tandem is not installed in {folder} on this machine" in listed.stderr, (folder, listed.stderr)
         made = Path(str(home) + "/" + folder[2:])
@@ -107,7 +108,7 @@ def test_the_scripts_sent_treat_a_hostile_folder_as_a_name(tmp_path):
 def _side(root: Path, *args: str, input: object = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "modules.remote.remote_side", "--root", str(root), *args], cwd=REPO,
                           capture_output=True, text=True, input=json.dumps(input) if input is not None else "",
-                          timeout=120)
+                          timeout=patience(120))
 
 
 def test_a_runs_variables_reach_it_but_not_its_files_and_its_files_are_private(tmp_path):
@@ -117,7 +118,7 @@ def test_a_runs_variables_reach_it_but_not_its_files_and_its_files_are_private(t
     started = _side(tmp_path, "start", input=spec)
     assert started.returncode == 0, started.stderr
     run = tmp_path / "runs" / "r1"
-    deadline = time.monotonic() + 120  # a hang detector: the run prints one line and ends
+    deadline = time.monotonic() + patience(120)  # a hang detector: the run prints one line and ends
     while not (run / "exit.json").is_file() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert (run / "exit.json").is_file(), f"no exit.json after 120 s; the run folder holds {sorted(os.listdir(run))}"
@@ -146,7 +147,7 @@ def cli(server: SshServer, *args: str, tandem_home: Path, timeout: float = 300) 
     command = [sys.executable, str(REPO / "scripts" / "train_remote.py"), "--host",
                f"{getpass.getuser()}@127.0.0.1:{server.port}", "--identity", str(server.user_key), "--accept-host-key",
                fingerprint(server), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL,
+    return subprocess.run(command, capture_output=True, text=True, timeout=patience(timeout), cwd=REPO, stdin=subprocess.DEVNULL,
                           env=dict(os.environ, TANDEM_HOME=str(tandem_home), PYTHONUNBUFFERED="1"))
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_ui.py"
@@ -19,7 +20,7 @@ def run_ui(display: str | None) -> subprocess.CompletedProcess:
         env["DISPLAY"] = display
     # the limit only ends a hang: on an idle machine this takes well under a second
     return subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=300)
+                          timeout=patience(300))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="$DISPLAY is X11's")
@@ -40,5 +41,5 @@ def test_no_display_is_one_line_naming_what_to_use_instead(display, words):
 def test_with_a_display_the_check_passes(display):
     check = f"import runpy; print(runpy.run_path({str(SCRIPT)!r}, run_name='not_main')['display_problem']())"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "DISPLAY": display}, timeout=300)
+                            env={**os.environ, "DISPLAY": display}, timeout=patience(300))
     assert result.returncode == 0 and result.stdout.strip() == "None", result.stdout + result.stderr
