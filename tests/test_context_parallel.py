@@ -119,6 +119,26 @@ def test_the_global_batch_and_lr_count_groups_not_processes():
     assert "must divide the number of GPUs (3)" in odd.problem
 
 
+def test_the_start_up_line_counts_processes_and_their_groups():
+    """4 processes in 1 group of 4 train one slice of each global batch: the log says 4 processes and 1 group,
+    not "world size 1"; without context parallelism it says the processes alone."""
+    from modules.config.launch_spec import resolve_launch
+    from modules.trainer.run_numbers import derive_run_numbers
+    cfg = multi("model.model_type=wan", "general.device=cpu", "multi_gpu.num_gpus=4", "multi_gpu.context_parallel=4",
+                "training.batch_size=1")
+    spec = resolve_launch(cfg, 0)
+    numbers = derive_run_numbers(cfg, spec.data_world, 10, launch=spec)
+    assert numbers.processes == 4 and numbers.world_size == 1
+    line = numbers.describe()
+    assert line.startswith("4 processes in 1 group of 4 (context parallel) | per-group batch 1 x accumulation 1 x 1 "
+                           "= global batch 1 |"), line
+    assert "world size" not in line
+    plain = multi("model.model_type=wan", "general.device=cpu", "multi_gpu.num_gpus=2", "training.batch_size=3")
+    spec = resolve_launch(plain, 0)
+    line = derive_run_numbers(plain, spec.data_world, 10, launch=spec).describe()
+    assert line.startswith("2 processes | per-GPU batch 3 x accumulation 1 x 2 = global batch 6 |"), line
+
+
 def test_each_process_of_a_group_is_planned_for_its_part_of_the_clip():
     """The memory estimate: a process of a group of 2 keeps the activations of half the clip's tokens (the
     text's whole)."""

@@ -242,7 +242,7 @@ def test_two_machines_train_the_demo_as_two_nodes_survive_a_cut_and_reattach(ins
         first = next(line for line in log.read_text().splitlines() if not line.startswith("@tandem "))
         assert shown.splitlines()[0] == first  # replayed from its first line
         assert "All 2 machines joined with the same config and dataset." in shown
-        assert "Model saved" in shown and "world size 4" in shown
+        assert "Model saved" in shown and "Tandem: 4 processes |" in shown
         done = [e for e in _events_in(log) if e["type"] == "done"]
         assert done and done[-1]["completed"] and done[-1]["step"] == 4
         assert json.loads((second / "runs" / f"{run_dir.name}-node1" / "exit.json").read_text())["exit_code"] == 0

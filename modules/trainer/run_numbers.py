@@ -11,6 +11,7 @@ from modules.config.launch_spec import LaunchSpec
 @dataclass(frozen=True)
 class RunNumbers:
     world_size: int
+    """Slices of each global batch: the processes, or their context-parallel groups (`multi_gpu.context_parallel`)."""
     per_gpu_batch: int
     accumulation: int
     global_batch: int
@@ -28,6 +29,8 @@ class RunNumbers:
     items_left_out: int | None = None
     """Items no step of an epoch trains on (bucket remainders, and micro-batches short of a full
     accumulation); other items each epoch, as the sampler reshuffles."""
+    processes: int = 0
+    """Processes that train: `world_size` x the context-parallel group size (0: `world_size`)."""
 
     def lr_factor(self) -> float:
         return self.lr / self.base_lr
@@ -39,10 +42,24 @@ class RunNumbers:
         scale = "" if self.lr_scaling == "none" else f" ({self.lr_scaling} scaling x{self.lr_factor():.3g})"
         per_gpu = (f"per-GPU batch {' + '.join(map(str, self.split))} x accumulation {self.accumulation}"
                    if self.split else
-                   f"per-GPU batch {self.per_gpu_batch} x accumulation {self.accumulation} x {self.world_size}")
-        return (f"world size {self.world_size} | {per_gpu} = global batch {self.global_batch} | "
+                   f"per-{self._unit()} batch {self.per_gpu_batch} x accumulation {self.accumulation} x "
+                   f"{self.world_size}")
+        return (f"{self._processes()} | {per_gpu} = global batch {self.global_batch} | "
                 f"{self.steps_per_epoch} steps/epoch x {self.epochs} epochs = {self.total_steps} steps | "
                 f"{self._items()}LR {self.base_lr:g} -> {self.lr:g}{scale}")
+
+    def _processes(self) -> str:
+        """How many processes train and, with context parallelism, in how many groups: the global batch is cut
+        into one slice per group, so "world size" alone would read 1 for 4 processes in one group."""
+        processes = self.processes or self.world_size
+        said = f"{processes} process{'es' if processes != 1 else ''}"
+        if processes == self.world_size:
+            return said
+        groups = f"{self.world_size} group{'s' if self.world_size != 1 else ''}"
+        return f"{said} in {groups} of {processes // self.world_size} (context parallel)"
+
+    def _unit(self) -> str:
+        return "GPU" if (self.processes or self.world_size) == self.world_size else "group"
 
     def _items(self) -> str:
         if self.items_per_epoch is None:
@@ -89,4 +106,5 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
                       epochs=epochs, total_steps=total, base_lr=launch.base_lr, lr_scaling=launch.lr_scaling,
                       lr=launch.lr,
                       split=tuple(split) if split and len(set(split)) > 1 else (),
-                      items_per_epoch=items_per_epoch, items_left_out=left_out)
+                      items_per_epoch=items_per_epoch, items_left_out=left_out,
+                      processes=world_size * max(1, launch.context_parallel))
