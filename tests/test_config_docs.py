@@ -54,6 +54,19 @@ def test_tooltips_list_every_accepted_option(section, name):
     assert not missing, f"{section}.{name}: its docstring does not mention {missing}"
 
 
+MEASUREMENT = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b[AHB]\d00\b|\bRTX\b|img/s|images/s")
+"""What a dated benchmark result carries: a date, a card, a throughput."""
+
+
+@pytest.mark.parametrize("path", sorted(SECTIONS))
+def test_tooltips_point_at_the_figures_instead_of_carrying_them(path):
+    """A docstring is a tooltip: what the setting does and when to use it. Measurements age and belong in
+    docs/Performance.md, with their card, date and command."""
+    dated = {name: MEASUREMENT.findall(doc) for name, doc in field_docs(SECTIONS[path]).items()
+             if MEASUREMENT.search(doc)}
+    assert not dated, f"{path}: docstrings with measurements (move them to docs/Performance.md and link it): {dated}"
+
+
 def test_every_preset_is_described():
     text = DOC.read_text(encoding="utf-8")
     for name in list_presets():
