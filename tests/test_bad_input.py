@@ -193,8 +193,8 @@ def test_probe_accepts_the_demo_folder_and_names_a_truncated_weights_file(tandem
 
 @pytest.mark.slow
 def test_the_launchers_model_check_imports_neither_transformers_nor_diffusers(tandem_home, tmp_path):
-    """The launcher checks a model folder before starting workers; importing transformers for it took 1-2.5 s
-    of the launcher's checks on the H100 hosts (session 15), and the launcher never uses it."""
+    """The launcher checks a model folder before starting workers without importing transformers or diffusers:
+    their imports take seconds of every launch, and the launcher never uses them."""
     import shutil
     import subprocess
     import sys

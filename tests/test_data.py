@@ -640,8 +640,8 @@ def _report_loader_start(rank: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forking is Linux's; elsewhere workers spawn")
 def test_loader_workers_are_forked_in_a_rank_the_spawn_launcher_started(tmp_path):
-    """Such a rank's default start method is spawn, and spawned workers re-import torch and the model
-    libraries before their first batch (~10 s on H100 hosts, session 11): the loader forks them anyway."""
+    """Such a rank's default start method is spawn, and spawned workers would re-import torch and the model
+    libraries before their first batch (seconds on a GPU host): the loader forks them anyway."""
     out = tmp_path / "start-methods"
     torch.multiprocessing.spawn(_report_loader_start, args=(str(out),), nprocs=1)
     assert out.read_text() == "spawn fork"

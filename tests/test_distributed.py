@@ -89,7 +89,7 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, tandem_home, method
         ups = [v for k, v in one.items() if "lora_B" in k or "lora_up" in k]
         assert ups and all(v.abs().max() > 0 for v in ups), "the LoRA up-weights did not train"
     assert_weights_close(two, one, atol=2e-5, rtol=1e-4)
-    # Each run with its own cache: the same weights (rel L2 was 1.4e-3 when the caches differed).
+    # Each run with its own cache: the same weights (caches that differ would move them far more).
     error = relative_l2(two, one)
     assert error <= 1e-6, f"relative L2 {error:.2e} between 2 processes and 1, each with its own cache"
     # Only rank 0 writes: the run folders of 1 and 2 processes hold exactly the same files.
@@ -158,9 +158,9 @@ def _no_sync_worker(rank, cfg_data, port, queue):
 
 @pytest.mark.parametrize("ended", [True, False])
 def test_teardown_runs_a_full_collection_only_where_the_interpreter_may_still_free_the_group(ended, monkeypatch):
-    """After a cold torch.compile the full collection kept finished 2-GPU runs alive 3-4 s after `done` (H100
-    hosts, session 14). A run that ended leaves through exit_now and needs none; a failed one still frees DDP's
-    group before the interpreter's exit can (pytorch/pytorch#179291)."""
+    """After a cold torch.compile a full garbage collection keeps a finished multi-GPU run alive seconds after
+    `done`. A run that ended leaves through exit_now and needs none; a failed one still frees DDP's group before
+    the interpreter's exit can (pytorch/pytorch#179291)."""
     from modules.distributed import distributed_trainer
     collections, destroyed = [], []
     monkeypatch.setattr(distributed_trainer.gc, "collect", lambda *args: collections.append(args) or 0)

@@ -90,8 +90,8 @@ def test_events_only_when_asked_for(monkeypatch):
 
 
 def test_library_notices_that_say_nothing_to_a_user_stay_out_of_the_log(caplog):
-    """Each torch.compile of an SD UNet printed 20 lines of Dynamo's lru_cache notice about diffusers'
-    upsampling into the log (H100 hosts, session 14); other warnings still pass."""
+    """Dynamo's lru_cache notice about diffusers' upsampling (20 lines at each torch.compile of an SD UNet)
+    stays out of the log; other warnings still pass."""
     import logging
     import warnings
     from modules.util.logs import quiet_libraries

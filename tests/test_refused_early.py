@@ -1,6 +1,6 @@
 """What the launcher can know about the model's family and a LoRA file is refused before any worker starts, in one
-line naming the field, the file and the fix (issue 54, item 16: these failed in the workers 58-122 s later, or
-warned about a setting the model does not use)."""
+line naming the field, the file and the fix, instead of failing in the workers a minute later or warning about a
+setting the model does not use."""
 from __future__ import annotations
 
 import struct

@@ -1,4 +1,4 @@
-"""The Run tab after issue 55: Continue offers what a Stop wrote, the tab follows the workspace, the "could not
+"""The Run tab: Continue offers what a Stop wrote, the tab follows the workspace, the "could not
 open" line wraps and goes at the next action, Sample now answers at once, and the remote form fits at
 1024 x 768. Views under Xvfb, driven through their variables and `.invoke()`."""
 from __future__ import annotations

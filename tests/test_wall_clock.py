@@ -98,7 +98,7 @@ def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["single", "torchrun"])
 def test_the_process_exits_within_seconds_of_done(tmp_path, cache_dir, launch):
-    """DataLoader workers used to be joined one by one at the end. A sampling at the start creates tqdm's
+    """DataLoader workers are not joined one by one at the end. A sampling at the start creates tqdm's
     multiprocessing lock (diffusers' progress bar). The spawn launcher's case (whose resource tracker
     reported that lock's semaphore as leaked when the workers skipped their clean-up) is one of the checks
     of test_a_two_rank_spawn_run_samples_backs_up_profiles_and_exits_at_once, on the same arguments."""
@@ -195,13 +195,13 @@ def test_backups_go_on_beside_training_report_their_pinning_free_it_and_the_firs
       reported step 2, which it does while running step 3. The run still ends with every backup complete
       and announced (the end of the run waits for the write in flight);
     - a backup says how much of its pause went to pinning host memory: on GPUs the first snapshot grows
-      PyTorch's pinned host memory pool (an SD1.5 full fine-tune paused 8.1 s for its first backup, 0.8 s
-      for the second: session 11); the log and the event say so;
+      PyTorch's pinned host memory pool (seconds for a full fine-tune's first backup, a fraction of it for
+      later ones); the log and the event say so;
     - a finished run frees the backups' pinned memory once the last is written: a full SD1.5 fine-tune's
-      backups leave 10 GB of it; freed at the exit it cost 1.3-1.9 s between `done` and the exit (session
-      13). The writer frees it after the last backup, once, in the run;
-    - the first step's line says what ran before it in words the harness reads: under spawn on H100s 10 s
-      passed between the start-up summary and step 1 (session 11): the line splits that wait, and the
+      backups leave 10 GB of it, which freed at the exit would delay it by seconds after `done`. The writer
+      frees it after the last backup, once, in the run;
+    - the first step's line says what ran before it in words the harness reads (the wait between the
+      start-up summary and step 1, seconds under spawn on GPUs): the line splits that wait, and the
       end-to-end harness (modules/benchmark/end_to_end.py) reads it from the real log."""
     from modules.benchmark.end_to_end import _read_line
     from modules.trainer import backup_writer
@@ -348,9 +348,9 @@ def test_cached_text_with_caption_dropout_trains_as_the_text_encoder_does(tmp_pa
 
 
 def test_fast_pinning_is_added_to_the_users_allocator_settings_and_never_overrides_their_pinning(monkeypatch):
-    """The first full fine-tune backup's pinned allocation took 8 s with PyTorch's default pinning and
-    2.4 s with cudaHostRegister from 8 threads (H100, session 13): Tandem asks for the latter, keeping
-    whatever else the user's allocator settings say, unless they chose how to pin."""
+    """cudaHostRegister from 8 threads pins a full fine-tune's first backup several times faster than PyTorch's
+    default pinning (docs/Performance.md): Tandem asks for it, keeping whatever else the user's allocator
+    settings say, unless they chose how to pin."""
     import modules.util.host_copy as host_copy
     applied = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
