@@ -94,6 +94,24 @@ def test_a_case_the_config_checks_refuse_stops_before_any_worker_starts():
     assert "Traceback" not in proc.stderr and "Start-up" not in proc.stdout
 
 
+def test_a_case_the_memory_plan_refuses_ends_in_one_line_not_a_worker_traceback(tmp_path):
+    """The one-GPU plan refuses a case inside the worker (it needs the card's free memory); the refusal reaches
+    the parent as the plan's own message, which the benchmark prints as one error line."""
+    from modules.benchmark.runner import read_result, run_reporting_refusal
+    from modules.config.memory_plan import NoPlanFits
+
+    class Refused:
+        def run(self):
+            raise NoPlanFits("nothing fits 1 GPU(s) of 24 GiB: ... Any one of these fits: data.resolution 512")
+
+    result_file = tmp_path / "result.json"
+    run_reporting_refusal(Refused(), result_file)
+    with pytest.raises(NoPlanFits, match="Any one of these fits: data.resolution 512"):
+        read_result(result_file)
+    result_file.write_text('{"samples_per_s": 1.5}')
+    assert read_result(result_file) == {"samples_per_s": 1.5}
+
+
 def test_a_case_leaves_the_parent_seeing_every_gpu(monkeypatch):
     """`--gpus 1,2,4` runs its cases one after another in one parent: a 2-GPU case must not leave
     CUDA_VISIBLE_DEVICES narrowed to its GPUs, or the 4-GPU case finds only 2 (seen on 4x H100)."""

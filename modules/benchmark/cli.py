@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from modules.benchmark import DEMO
+from modules.config.memory_plan import NoPlanFits
 from modules.config.model_families import FAMILIES, MODEL_TYPES
 
 MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3", DEMO: "sd1",
@@ -72,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     results = []
     for case in cases:
-        runs = [run_case(case) for _ in range(args.repeat)]
+        try:
+            runs = [run_case(case) for _ in range(args.repeat)]
+        except NoPlanFits as refusal:
+            print(f"error: the {case.name()} case on {case.world} GPU(s): {refusal}", file=sys.stderr)
+            return 1
         result = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
         result["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
         result["median_of"] = len(runs)

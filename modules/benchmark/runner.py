@@ -25,6 +25,7 @@ import torch
 
 from modules.benchmark import DEMO
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
+from modules.config.memory_plan import NoPlanFits
 from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
@@ -286,7 +287,7 @@ def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None,
         os.environ.update(worker_variables(plan, local_rank))
         trainer = BenchmarkDistributed(cfg, device_type=case.device, rendezvous=rendezvous_at)
     trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
-    trainer.run()
+    run_reporting_refusal(trainer, Path(result_file))
     # Finished, result written: leave as the product's spawned workers do. Under spawn the interpreter's
     # own exit runs, and there the trainer's reference cycles (DistributedTrainer.teardown) still held
     # gloo's process group; freeing it then aborted a finished rank now and then ("terminate called
@@ -316,7 +317,24 @@ def run_case(case: Case) -> dict:
                               case.world, plan, join=True)
             finally:
                 stop_forkserver()
-        result = json.loads(result_file.read_text())
+        return read_result(result_file)
+
+
+def run_reporting_refusal(trainer, result_file: Path) -> None:
+    """Run the case's trainer; a memory plan that refuses the case is written to the result file. The product
+    refuses such a config in one line; across spawn's process boundary it would reach the parent as a worker's
+    traceback."""
+    try:
+        trainer.run()
+    except NoPlanFits as refusal:
+        result_file.write_text(json.dumps({"refused": str(refusal)}))
+
+
+def read_result(result_file: Path) -> dict:
+    """The case's result; raises `NoPlanFits` with the worker's message where the plan refused the case."""
+    result = json.loads(result_file.read_text())
+    if "refused" in result:
+        raise NoPlanFits(result["refused"])
     return result
 
 
