@@ -3,6 +3,8 @@ card gets, the fields it sets, the refusal naming the smallest change, and plans
 allows. Torch-free, from the published sizes. The offload's schedule and training: tests/test_layer_offload.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from modules.config import TrainConfig, apply_overrides, validate
@@ -105,6 +107,53 @@ def test_plans_come_only_from_what_the_config_allows():
     assert all("layer offload" not in plan(full, gib, refuse=False).name for gib in (80, 24, 12))
 
 
+VARIANTS = [[], ["training.lora_type=loha"], ["training.lora_type=lokr", "training.lora_dropout=0"],
+            ["training.lora_type=dora"], ["training.precision=fp16"], ["optimizer.name=prodigy"],
+            ["training.channels_last=true"], ["training.method=full"]]
+
+
+@pytest.mark.parametrize("preset", ["qwen_lora", "sdxl_lora"])
+def test_every_candidate_passes_the_config_check(preset):
+    """The planner's candidates, for one GPU and two, each a config the config check lets through: the planner asks
+    the check itself (`plan_problems`), so a rule the check gains is one no plan breaks."""
+    from modules.config import load_config
+    from modules.config.memory_plan import FEWEST, candidates, changes_of
+
+    for variant in VARIANTS:
+        cfg = load_config(preset, variant, check_paths=False)
+        sizes = model_sizes(cfg)
+        for world in (1, 2):
+            given = with_changes(cfg, {"multi_gpu.enabled": world > 1})
+            before = set(validate(given, check_paths=False))
+            found = candidates(given, world, sizes)
+            assert found, (variant, world)
+            for candidate in found:
+                setup = candidate.setup
+                if setup.offload_blocks == FEWEST:
+                    setup = dataclasses.replace(setup, offload_blocks=2)
+                added = set(validate(with_changes(given, changes_of(given, setup)), check_paths=False)) - before
+                assert not added, (preset, variant, world, candidate.name, added)
+            names = " ".join(c.name for c in found)
+            if "training.lora_type=loha" in variant or "optimizer.name=prodigy" in variant:
+                assert "FSDP" not in names, names
+            if "training.lora_type=dora" in variant or "training.precision=fp16" in variant:
+                assert "fp8" not in names, names
+            if "training.channels_last=true" in variant or "training.method=full" in variant:
+                assert "layer offload" not in names, names
+
+
+def test_plan_problems_are_the_config_checks_sentences():
+    """What keeps a saver out of every plan is the config check's own sentence for it."""
+    from modules.config.memory_plan import plan_problems
+
+    loha = config("flux", "lora", "training.lora_type=loha")
+    assert any("'fsdp' shards the adapters of plain LoRA only" in p
+               for p in plan_problems(loha, 2, {"multi_gpu.strategy": "fsdp"}))
+    assert plan_problems(loha, 2, {"multi_gpu.strategy": "ddp"}) == []
+    dora = config("flux", "lora", "training.lora_type=dora")
+    assert any("'dora' measures the base weights' norms" in p for p in plan_problems(dora, 1, {"model.unet_dtype": "fp8"}))
+
+
 @pytest.mark.parametrize("value, problem", [
     ("lots", "multi_gpu.layer_offload: 'lots' is not auto, off or a number of blocks"),
     ("-2", "a number of blocks is 0 or more"),
@@ -116,7 +165,7 @@ def test_a_bad_setting_names_the_field_and_the_fix(value, problem):
 
 def test_layer_offload_refuses_what_it_cannot_train_naming_the_field():
     problems = validate(apply_overrides(TrainConfig(), [
-        "multi_gpu.layer_offload=8", "training.method=full", "training.compile=true"]), check_paths=False)
+        "multi_gpu.layer_offload=8", "training.method=full", "training.compile=on"]), check_paths=False)
     text = " ".join(problems)
     assert "multi_gpu.layer_offload: 8 swaps a frozen base's blocks, and training.method 'full' trains every weight" in text
     assert "multi_gpu.layer_offload: 8 needs training.gradient_checkpointing" in text

@@ -34,7 +34,7 @@ from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup,
 from modules.config.model_families import FAMILIES
 from modules.config.model_sizes import ModelSizes
 from modules.config.plan_speed import step_seconds
-from modules.config.validation import fsdp_blockers, parse_layer_offload, parse_memory_limits
+from modules.config.validation import parse_layer_offload, parse_memory_limits, validate
 from modules.util.batch_slice import RankCapacity, SplitDoesNotFit, choose_split, parse_split
 
 SAFETY_FRACTION = 0.9
@@ -185,37 +185,59 @@ FEWEST = -1
 """`Setup.offload_blocks` of a layer-offload candidate before `choose_plan` gives it the fewest blocks that fit."""
 
 
-def fp8_allowed(cfg) -> bool:
-    """Whether a plan may store the frozen base in float8: a LoRA trained in bf16, not DoRA (which measures the
-    base weights' norms: the config check refuses it)."""
-    t = cfg.training
-    return t.method == "lora" and t.precision == "bf16" and t.lora_type != "dora"
+def plan_problems(cfg, world: int, changes: dict[str, object]) -> list[str]:
+    """What the config check (`validation.validate`) refuses in `cfg` as a plan would set it (`changes`) on `world`
+    processes, beyond what it refuses in `cfg` itself: a plan is only ever what the check lets through (no FSDP
+    for LoHa's adapters, no fp8 base for DoRA, no layer offload of a full fine-tune)."""
+    return _Check(cfg, world).problems(changes)
 
 
-def fsdp_allowed(cfg) -> bool:
-    """Whether a plan may shard with FSDP: what the config check would refuse under `strategy fsdp` is never
-    proposed (`fsdp_blockers`; LoRA variants other than plain LoRA, whose adapters FSDP does not shard)."""
-    t = cfg.training
-    return not fsdp_blockers(cfg) and not (t.method == "lora" and t.lora_type != "lora")
+class _Check:
+    """`plan_problems` for several plans of one config: the config itself is checked once."""
+
+    def __init__(self, cfg, world: int) -> None:
+        self.cfg = with_changes(cfg, {"multi_gpu.enabled": world > 1})
+        self.before = set(validate(self.cfg, check_paths=False))
+
+    def problems(self, changes: dict[str, object]) -> list[str]:
+        if not changes:
+            return []
+        return [p for p in validate(with_changes(self.cfg, changes), check_paths=False) if p not in self.before]
+
+    def allows(self, changes: dict[str, object]) -> bool:
+        return not self.problems(changes)
 
 
-def layer_offload_allowed(cfg, sizes: ModelSizes) -> bool:
-    """Whether a plan may choose how many blocks swap (`multi_gpu.layer_offload` auto): a LoRA's frozen base with
-    repeated blocks, and nothing that layer offload refuses (`validation.layer_offload_problems`)."""
-    t = cfg.training
+def layer_offload_allowed(cfg, sizes: ModelSizes, world: int = 1, check: _Check | None = None) -> bool:
+    """Whether a plan may choose how many blocks swap (`multi_gpu.layer_offload` auto): a model with repeated blocks
+    the family lists, and the config check lets a number of blocks through (with checkpointing, which it needs)."""
     try:
         setting = parse_layer_offload(cfg.multi_gpu.layer_offload)
     except ValueError:
         return False
-    return (setting is None and t.method == "lora" and not t.compile and not t.channels_last
-            and (sizes.denoiser_name == "unet" or bool(FAMILIES.get(sizes.family) and FAMILIES[sizes.family].block_groups)))
+    has_blocks = sizes.denoiser_name == "unet" or bool(FAMILIES.get(sizes.family) and FAMILIES[sizes.family].block_groups)
+    return setting is None and has_blocks and (check or _Check(cfg, world)).allows({
+        "multi_gpu.layer_offload": "1", "training.gradient_checkpointing": True,
+        **({"multi_gpu.strategy": "ddp"} if world > 1 else {})})
 
 
 def candidates(cfg, world: int, sizes: ModelSizes) -> list[Candidate]:
-    """The plans to try for `cfg` on `world` processes (`choose_plan` orders them by their estimated speed)."""
+    """The plans to try for `cfg` on `world` processes (`choose_plan` orders them by their estimated speed): each one
+    the config check lets through (`plan_problems`)."""
+    check = _Check(cfg, world)
+    return [c for c in _candidates(cfg, world, sizes, check) if check.allows(changes_of(cfg, _counted(c.setup)))]
+
+
+def _counted(setup: Setup) -> Setup:
+    """`setup` with a number of blocks where the plan has yet to choose how many swap (as the config check sees it)."""
+    return dataclasses.replace(setup, offload_blocks=1) if setup.offload_blocks == FEWEST else setup
+
+
+def _candidates(cfg, world: int, sizes: ModelSizes, check: _Check) -> list[Candidate]:
     t, m, mg = cfg.training, cfg.model, cfg.multi_gpu
-    fp8_possible = fp8_allowed(cfg) and m.unet_dtype != "fp8"
-    offload = layer_offload_allowed(cfg, sizes)
+    # Each saver the check refuses is left out of every step after it too (FSDP's steps build on each other).
+    fp8_possible = m.unet_dtype != "fp8" and check.allows({"model.unet_dtype": "fp8"})
+    offload = layer_offload_allowed(cfg, sizes, world, check)
     if world < 2:
         given = user_setup(cfg, 1, "single")
         return _whole_model_candidates(given, fp8_possible, offload, with_checkpointing=True)
@@ -225,7 +247,7 @@ def candidates(cfg, world: int, sizes: ModelSizes) -> list[Candidate]:
     if mg.strategy == "fsdp":
         return [Candidate(_fsdp_name(fsdp, fsdp), fsdp)]
     found = _whole_model_candidates(ddp, fp8_possible, offload, with_checkpointing=False)
-    if not fsdp_allowed(cfg):
+    if not check.allows({"multi_gpu.strategy": "fsdp"}):
         return found
     steps = [fsdp]
     if fp8_possible:
