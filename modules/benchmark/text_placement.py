@@ -18,6 +18,7 @@ of placing and encoding.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -27,12 +28,14 @@ from pathlib import Path
 
 import torch
 
+from modules.config.model_families import FAMILIES
+
 PLACEMENTS = ("gpu", "fp8", "offload", "sharded", "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Time the placement and encoding of a 2026 family's text encoder.")
-    p.add_argument("--family", choices=["qwen", "zimage"], default="qwen")
+    p.add_argument("--family", choices=[name for name, info in FAMILIES.items() if info.text_apart], default="qwen")
     p.add_argument("--placement", choices=PLACEMENTS, default="gpu")
     p.add_argument("--texts", type=int, default=256, help="captions to encode (all ranks together)")
     p.add_argument("--tiny", action="store_true", help="the built-in demo's tiny encoder (a smoke test)")
@@ -98,13 +101,14 @@ def _text_side(family_name: str, placement: str, tiny: bool, device: torch.devic
 
     from modules.model.families import family
     from modules.model.families.flow_base import shipped
-    from modules.model.families.llm_demo import demo_qwen_tokenizer, tiny_qwen25_vl, tiny_qwen3
+    from modules.model.families.llm_demo import demo_qwen_tokenizer
     from modules.model.text_apart import TextSide
 
     fam = family(family_name)
     tokenizer = demo_qwen_tokenizer()
     storage = "fp8" if placement == "fp8" else ("fp32" if device.type == "cpu" else "bf16")
-    name = "Qwen2_5_VLForConditionalGeneration" if family_name == "qwen" else "Qwen3Model"
+    kind = fam.text_encoder_kind()
+    name = kind.classes[0]
     side = TextSide(folder=Path(tempfile.gettempdir()), class_name=f"random {name}", storage=storage,
                     tokenizer=tokenizer, encode_fn=fam.encode_with, runnable=fam.runnable_text_encoder,
                     layers=fam.text_encoder_layers)
@@ -116,7 +120,8 @@ def _text_side(family_name: str, placement: str, tiny: bool, device: torch.devic
         torch.set_default_dtype(side.compute_dtype())
         try:
             if tiny:
-                model = (tiny_qwen25_vl if family_name == "qwen" else tiny_qwen3)(tokenizer, 0)
+                module, function = kind.tiny.split(":")
+                model = getattr(importlib.import_module(module), function)(tokenizer, 0)
             else:
                 config = shipped(family_name, "text_encoder")
                 cls = getattr(transformers, config["architectures"][0])

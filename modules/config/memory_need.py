@@ -9,9 +9,9 @@ Counted from the model's sizes (`model_sizes.py`: exact for the shapes) and the 
   optimizer state and EMA are held 1/N per GPU - or in host memory with `cpu_offload` - plus the gathered
   block whose backward runs, with its gradients (a transformer's; a UNet's largest two), and the parameters
   outside the blocks; gradient accumulation keeps whole gradients between micro-batches;
-- activations, per sample: the UNets' measured on an H200 (`UNET_ACTIVATION_GIB`); a transformer's
+- activations, per sample: the UNets' measured on an H200 (`Activations.unet_gib`); a transformer's
   from its geometry (tokens x hidden size x blocks) and the bytes each block keeps for its backward
-  (`BLOCK_BYTES`), which checkpointing reduces to each block's input and one block recomputed at a time,
+  (`Activations.block_bytes`), which checkpointing reduces to each block's input and one block recomputed at a time,
   and activation offloading to the recomputed block alone; context parallelism splits the image or
   clip tokens over its group;
 - `RUNTIME_OVERHEAD_GIB` for the CUDA context, library workspaces and the allocator's rounding;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modules.config.model_families import FAMILIES
+from modules.config.model_families import FAMILIES, Activations
 from modules.config.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
 
 GIB = 1024 ** 3
@@ -35,44 +35,15 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 """What `modules.model.lora` adapts in a CLIP text encoder that trains."""
 
-# GiB of activations per sample at `UNET_REFERENCE_RESOLUTION`, bf16 autocast, PyTorch SDPA attention,
-# (without, with) gradient checkpointing. Measured on an H200 (torch 2.11+cu130, diffusers 0.42.1,
-# randomly initialised fp32 UNet, full backward) as the growth of peak allocated memory from batch 1 to
-# batch 3, divided by 2; the raw numbers are in docs/MultiGPUTraining.md. Scaled linearly with pixel
-# count (SDPA attention memory grows linearly with tokens) and x2 for fp32.
-UNET_REFERENCE_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
-UNET_ACTIVATION_GIB = {"sd1": (1.17, 0.22), "sd2": (2.63, 0.48), "sdxl": (8.28, 0.65)}
-
-# Bytes each transformer block keeps for its backward, per token and hidden channel, in bf16 autocast:
-# the saved tensors (parameters excluded, each storage once) of one forward of diffusers' block classes,
-# counted with saved-tensor hooks on CPU processes (torch 2.13, diffusers 0.42.1, SDPA), the same at
-# 720 and 2,880 tokens. The block classes: Flux's double- and single-stream, SD3's joint block,
-# Qwen-Image's and Flux.2's blocks. The GPU peak adds attention's working memory and the allocator's
-# rounding: docs/MultiGPUTraining.md compares the estimate with measured peaks.
-BLOCK_BYTES = {
-    "flux": {"transformer_blocks": 46.3, "single_transformer_blocks": 36.2},
-    "chroma": {"transformer_blocks": 46.3, "single_transformer_blocks": 36.2},
-    "sd3": {"transformer_blocks": 48.3},
-    "qwen": {"transformer_blocks": 52.6},
-    "flux2": {"transformer_blocks": 56.3, "single_transformer_blocks": 50.2},
-    # Wan's: fitted to the GPU peaks of its 14B (81 frames, 512 px, checkpointing) on 1 GPU and context-parallel
-    # over 2 and 4 (docs/MultiGPUTraining.md, "the estimate against the peaks"); its 1.3B is not measured.
-    "wan": {"blocks": 28.0},
-}
+# Each family's measured activations are registry data (`FamilyInfo.activations`, modules/config/model_families.py):
+# a UNet's GiB per sample at a reference resolution (bf16 autocast, SDPA; raw numbers in docs/MultiGPUTraining.md),
+# scaled linearly with the pixel count and x2 for fp32; a transformer's bytes per block, token and channel.
 DEFAULT_BLOCK_BYTES = 56.3
-"""A block of a family not measured above: the largest measured."""
+"""A block of a kind no family measured (`Activations.block_bytes`): the largest measured."""
 CHECKPOINT_INPUT_BYTES = 2
 """What a checkpointed block keeps: its input, bf16, per token and channel (both streams of a double block)."""
 OUTSIDE_BLOCK_BYTES = 8
 """Activations outside the blocks (embedding, final norm and projection, the loss) per token and channel."""
-TEXT_TOKENS = {"sd3": 77 + 256, "qwen": 256, "zimage": 256, "flux2": 512, "chroma": 512}
-"""Text tokens each image attends to beside its own (the pipelines' defaults; Flux.1: 512, schnell 256;
-Qwen-Image's and Z-Image's prompts take as many as they have, up to 512: 256 stands for a caption)."""
-WAN22_VAE_CHANNELS = 48
-"""Latent channels of the Wan 2.2 VAE (TI2V 5B), which shrinks each side 16x instead of 8x."""
-VIDEO_FRAMES_PER_LATENT_FRAME = {"wan": 4}
-"""A video family's VAE keeps the first frame and one in this many after it: a clip of `data.video_frames`
-frames has (frames - 1) // 4 + 1 latent frames, each as many tokens as an image (a clip is the largest sample)."""
 
 
 @dataclass(frozen=True)
@@ -243,12 +214,19 @@ def text_cached(cfg) -> bool:
     return cfg.data.cache_text_embeddings and not cfg.training.train_text_encoder and not cfg.data.shuffle_tags
 
 
+def activations_of(family: str) -> Activations:
+    """The family's measured activation facts (the defaults for a family the registry does not know)."""
+    return FAMILIES[family].activations if family in FAMILIES else Activations()
+
+
 def text_tokens(family: str, cfg, denoiser_config: dict) -> int:
-    if family == "flux":
-        return cfg.model.t5_max_length or (512 if denoiser_config.get("guidance_embeds", True) else 256)
-    if family == "sd3" and cfg.model.t5_max_length:
-        return 77 + cfg.model.t5_max_length
-    return TEXT_TOKENS.get(family, cfg.model.t5_max_length or 512)
+    """Text tokens each image attends to beside its own (`Activations.text_tokens` and its T5 and guidance rules)."""
+    facts = activations_of(family)
+    if facts.t5_offset is not None and cfg.model.t5_max_length:
+        return facts.t5_offset + cfg.model.t5_max_length
+    if facts.text_tokens_unguided and not denoiser_config.get("guidance_embeds", True):
+        return facts.text_tokens_unguided
+    return facts.text_tokens
 
 
 def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
@@ -264,11 +242,12 @@ def sequence_tokens(f: Facts, cfg, setup: Setup) -> float:
     split over a context-parallel group - and the text tokens it attends to."""
     family, config = f.sizes.family, f.sizes.denoiser_config
     pixels = FAMILIES[family].pixel_multiple if family in FAMILIES else 16
-    if family == "wan" and config.get("in_channels") == WAN22_VAE_CHANNELS:
-        pixels = 32  # Wan 2.2 TI2V 5B: 2x2 patches of its 16x VAE
+    facts = activations_of(family)
+    if facts.coarse_vae_channels and config.get("in_channels") == facts.coarse_vae_channels:
+        pixels *= 2  # Wan 2.2 TI2V 5B: 2x2 patches of its 16x VAE
     frames = 1
-    if family in VIDEO_FRAMES_PER_LATENT_FRAME:
-        frames = (cfg.data.video_frames - 1) // VIDEO_FRAMES_PER_LATENT_FRAME[family] + 1
+    if facts.frames_per_latent_frame:
+        frames = (cfg.data.video_frames - 1) // facts.frames_per_latent_frame + 1
     # Context parallelism: each process of a group holds its part of the sequence (the text stays whole).
     degree = cfg.multi_gpu.context_parallel
     context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
@@ -305,11 +284,12 @@ def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str]]
     family, res = f.sizes.family, cfg.data.resolution
     scale = 2.0 if cfg.training.precision == "fp32" else 1.0
     if f.sizes.denoiser_name == "unet":
-        if family not in UNET_ACTIVATION_GIB or setup.activation_offload:
+        measured = activations_of(family).unet_gib
+        if not measured or setup.activation_offload:
             return None
-        without, with_ckpt = UNET_ACTIVATION_GIB[family]
+        reference, without, with_ckpt = measured
         per = with_ckpt if setup.checkpointing else without
-        return [(per * (res / UNET_REFERENCE_RESOLUTION[family]) ** 2 * scale * GIB, "")]
+        return [(per * (res / reference) ** 2 * scale * GIB, "")]
     config = f.sizes.denoiser_config
     width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
     if not width:
@@ -317,7 +297,8 @@ def backward_activations(f: Facts, cfg, setup: Setup) -> list[tuple[float, str]]
     tokens = sequence_tokens(f, cfg, setup)
     per_byte = tokens * width * scale  # bytes for one byte per token and channel
     kinds = f.block_kinds
-    coefficients = {kind: BLOCK_BYTES.get(family, {}).get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
+    measured = dict(activations_of(family).block_bytes)
+    coefficients = {kind: measured.get(kind, DEFAULT_BLOCK_BYTES) for kind in kinds}
     largest = max(coefficients.values(), default=DEFAULT_BLOCK_BYTES)
     if not setup.checkpointing:
         kept = sum(count * coefficients[kind] for kind, count in kinds.items()) + largest

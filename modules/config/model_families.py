@@ -19,6 +19,37 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class Activations:
+    """What the memory plan (`memory_need.py`) counts of one sample's activations in a family: measured numbers,
+    kept with the family so that a new family brings its own."""
+    block_bytes: tuple[tuple[str, float], ...] = ()
+    """(a `block_groups` name, bytes each such block keeps for its backward per token and hidden channel) in bf16
+    autocast: the saved tensors (parameters excluded, each storage once) of one forward of its diffusers block
+    class, counted with saved-tensor hooks on CPU processes (torch 2.13, diffusers 0.42.1, SDPA; the same at 720
+    and 2,880 tokens), or fitted to GPU peaks. The GPU peak adds attention's working memory and the allocator's
+    rounding: docs/MultiGPUTraining.md compares the estimate with measured peaks. A block kind not here counts as
+    the largest measured (`memory_need.DEFAULT_BLOCK_BYTES`)."""
+    text_tokens: int = 512
+    """Text tokens each image attends to beside its own: the pipeline's default (a language model's captions take
+    as many as they have, up to 512: 256 stands for a caption)."""
+    t5_offset: int | None = 0
+    """Where `model.t5_max_length` sets the text length, the tokens before T5's (SD3: CLIP's 77); None: that field
+    does not change it."""
+    text_tokens_unguided: int = 0
+    """The text tokens of a model without a guidance input (Flux.1 schnell: 256); 0: `text_tokens`."""
+    frames_per_latent_frame: int = 0
+    """A video family's VAE keeps a clip's first frame and one in this many after it."""
+    coarse_vae_channels: int = 0
+    """Latent channels of a variant whose VAE shrinks each side 16x instead of 8x (Wan 2.2 TI2V 5B: 48), whose
+    tokens each span twice the pixels."""
+    unet_gib: tuple[int, float, float] = ()
+    """A UNet's activations: (reference resolution, GiB per sample without, with gradient checkpointing) in bf16
+    autocast with SDPA attention, measured on an H200 (torch 2.11+cu130, diffusers 0.42.1, randomly initialised
+    fp32 UNet, full backward) as the growth of peak allocated memory from batch 1 to batch 3, divided by 2 (raw
+    numbers in docs/MultiGPUTraining.md); scaled linearly with the pixel count, x2 for fp32."""
+
+
+@dataclass(frozen=True)
 class FamilyInfo:
     name: str
     """The `model.model_type` value."""
@@ -66,6 +97,24 @@ class FamilyInfo:
     transformer blocks, by the UNet's own rule."""
     video: bool = False
     """It trains on clips as well as images (latents [C, frames, H/8, W/8]); `data.video_frames` frames per clip."""
+    text_encoders: tuple[str, ...] = ()
+    """The kinds of its text encoders (`text_encoders.TEXT_ENCODER_KINDS`), in the pipeline's order; a family
+    whose releases differ lists each (Flux.2 dev's Mistral, Klein's Qwen3)."""
+    presets: str = ""
+    """The stem of its presets in `training_presets/`: `<stem>_lora` and `<stem>_finetune`; empty: none."""
+    activations: Activations = Activations()
+    """What the memory plan counts of its activations."""
+
+    @property
+    def demo_preset(self) -> str:
+        """The preset that trains its built-in model (`#demo` for `builtin:demo`, `#demo_flux` for
+        `builtin:demo-flux`), or empty."""
+        return "#" + self.demo.removeprefix("builtin:").replace("-", "_") if self.demo else ""
+
+    @property
+    def demo_folder(self) -> str:
+        """The folder name its built-in model is built into (`modules.model.demo.default_demo_root`)."""
+        return "demo-model" if self.demo == "builtin:demo" else self.demo.removeprefix("builtin:")
 
     @property
     def pipelines(self) -> tuple[str, ...]:
@@ -82,26 +131,43 @@ _VIDEO_FIELDS = ("data.video_frames", "data.video_fps", "sampling.video_frames")
 _WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 """Every linear layer of Wan's blocks (self- and cross-attention, feed-forward), as musubi-tuner and
 diffusion-pipe train them: the layers ComfyUI's and diffusers' Wan LoRA loaders read."""
+
+
+def _blocks(**bytes_per_kind: float) -> tuple[tuple[str, float], ...]:
+    return tuple(bytes_per_kind.items())
+
+
+_FLUX_BLOCK_BYTES = _blocks(transformer_blocks=46.3, single_transformer_blocks=36.2)
+"""Flux.1's double- and single-stream blocks (Chroma's are the same classes)."""
 _TEXT_APART_FIELDS = ("model.components_folder", "training.timestep_logit_mean", "training.timestep_logit_std",
                       "model.text_encoder_placement")
 
 FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
     FamilyInfo("sd1", "Stable Diffusion 1.x", "unet", "StableDiffusionPipeline", 8, False, "builtin:demo",
-               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.transformer.",)),
+               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.transformer.",),
+               text_encoders=("clip-l",), presets="sd15", activations=Activations(unet_gib=(512, 1.17, 0.22))),
     FamilyInfo("sd2", "Stable Diffusion 2.x", "unet", "StableDiffusionPipeline", 8, False, "",
-               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.model.",)),
+               "sd:SDFamily", "UNet2DConditionModel", _SD_FIELDS, ("cond_stage_model.model.",),
+               text_encoders=("openclip-h",), activations=Activations(unet_gib=(768, 2.63, 0.48))),
     FamilyInfo("sdxl", "Stable Diffusion XL", "unet", "StableDiffusionXLPipeline", 8, False, "",
-               "sdxl:SDXLFamily", "UNet2DConditionModel", _SD_FIELDS, ("conditioner.embedders.1.model.",)),
+               "sdxl:SDXLFamily", "UNet2DConditionModel", _SD_FIELDS, ("conditioner.embedders.1.model.",),
+               text_encoders=("clip-l", "openclip-bigg"), presets="sdxl",
+               activations=Activations(unet_gib=(1024, 8.28, 0.65))),
     FamilyInfo("sd3", "Stable Diffusion 3 / 3.5", "transformer", "StableDiffusion3Pipeline", 16, True,
                "builtin:demo-sd3", "sd3:SD3Family", "SD3Transformer2DModel", _FLOW_FIELDS,
-               ("joint_blocks.", "model.diffusion_model.joint_blocks.")),
+               ("joint_blocks.", "model.diffusion_model.joint_blocks."),
+               text_encoders=("clip-l", "clip-g", "t5-xxl"), presets="sd35",
+               activations=Activations(_blocks(transformer_blocks=48.3), text_tokens=77 + 256, t5_offset=77)),
     FamilyInfo("flux", "Flux.1 (dev, schnell)", "transformer", "FluxPipeline", 16, True, "builtin:demo-flux",
                "flux:FluxFamily", "FluxTransformer2DModel", _FLOW_FIELDS + ("training.flux_guidance",),
-               ("double_blocks.", "model.diffusion_model.double_blocks.")),
+               ("double_blocks.", "model.diffusion_model.double_blocks."),
+               text_encoders=("clip-l", "t5-xxl"), presets="flux",
+               activations=Activations(_FLUX_BLOCK_BYTES, text_tokens_unguided=256)),
     FamilyInfo("chroma", "Chroma", "transformer", "ChromaPipeline", 16, True, "builtin:demo-chroma",
                "chroma:ChromaFamily", "ChromaTransformer2DModel", _FLOW_FIELDS,
                ("distilled_guidance_layer.", "model.diffusion_model.distilled_guidance_layer."),
-               lora_targets=_DOUBLE_STREAM_ATTENTION + ("proj_mlp", "proj_out")),
+               lora_targets=_DOUBLE_STREAM_ATTENTION + ("proj_mlp", "proj_out"), text_encoders=("t5-xxl",),
+               presets="chroma", activations=Activations(_FLUX_BLOCK_BYTES, t5_offset=None)),
     FamilyInfo("flux2", "Flux.2 (dev, Klein)", "transformer", "Flux2Pipeline", 16, True, "builtin:demo-flux2",
                "flux2:Flux2Family", "Flux2Transformer2DModel",
                ("model.text_max_length", "model.components_folder", "training.timestep_logit_mean",
@@ -109,19 +175,24 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                ("double_stream_modulation_img.", "model.diffusion_model.double_stream_modulation_img."),
                other_pipelines=("Flux2KleinPipeline",), variants=("dev", "klein-4b", "klein-9b"),
                # `attn.to_out` is the single blocks' fused output (the double blocks' is `to_out.0`).
-               lora_targets=_DOUBLE_STREAM_ATTENTION + ("to_qkv_mlp_proj", "attn.to_out")),
+               lora_targets=_DOUBLE_STREAM_ATTENTION + ("to_qkv_mlp_proj", "attn.to_out"),
+               text_encoders=("mistral-small-3.1", "qwen3"), presets="flux2",
+               activations=Activations(_blocks(transformer_blocks=56.3, single_transformer_blocks=50.2),
+                                       t5_offset=None)),
     # Qwen-Image and Z-Image: their text encoder is loaded apart (`text_apart`); their markers are names no
     # other family's files have.
     FamilyInfo("qwen", "Qwen-Image", "transformer", "QwenImagePipeline", 16, True, "builtin:demo-qwen",
                "qwen_image:QwenImageFamily", "QwenImageTransformer2DModel", _TEXT_APART_FIELDS,
                ("txt_norm.", "model.diffusion_model.txt_norm."), lora_targets=_DOUBLE_STREAM_ATTENTION,
-               text_apart=True),
+               text_apart=True, text_encoders=("qwen2.5-vl",), presets="qwen",
+               activations=Activations(_blocks(transformer_blocks=52.6), text_tokens=256, t5_offset=None)),
     FamilyInfo("zimage", "Z-Image (base, Turbo)", "transformer", "ZImagePipeline", 16, True, "builtin:demo-zimage",
                "z_image:ZImageFamily", "ZImageTransformer2DModel", _TEXT_APART_FIELDS,
                ("cap_pad_token", "model.diffusion_model.cap_pad_token"), text_apart=True,
                # Refiners of the image and of the caption tokens, then the main layers (`cap_embedder` is a
                # module list too, but no block).
-               block_groups=("noise_refiner", "context_refiner", "layers")),
+               block_groups=("noise_refiner", "context_refiner", "layers"), text_encoders=("qwen3",),
+               presets="zimage", activations=Activations(text_tokens=256, t5_offset=None)),
     # Wan: video. Its single files use diffusers' names; `condition_embedder.time_proj` is Wan's alone.
     # Wan 2.2 TI2V 5B packs 2x2 latent pixels of a 16x VAE (32 px); `check_image_sizes` asks the loaded model.
     FamilyInfo("wan", "Wan 2.1 / 2.2 (T2V 1.3B, 14B, A14B; TI2V 5B)", "transformer", "WanPipeline", 16, True,
@@ -129,7 +200,10 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                _FLOW_FIELDS + _VIDEO_FIELDS + ("model.wan_expert",),
                ("condition_embedder.time_proj.", "model.diffusion_model.condition_embedder.time_proj."),
                variants=("1.3b", "14b", "a14b", "ti2v-5b"), lora_targets=_WAN_LORA_TARGETS, video=True,
-               block_groups=("blocks",), context_parallel=True),
+               block_groups=("blocks",), context_parallel=True, text_encoders=("umt5-xxl",), presets="wan",
+               # Wan's block bytes: fitted to the GPU peaks of its 14B (81 frames, 512 px, checkpointing) on 1 GPU
+               # and context-parallel over 2 and 4 (docs/MultiGPUTraining.md); its 1.3B is not measured.
+               activations=Activations(_blocks(blocks=28.0), frames_per_latent_frame=4, coarse_vae_channels=48)),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

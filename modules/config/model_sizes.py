@@ -344,7 +344,7 @@ def built_in_folder(family: str) -> Path | None:
     """A built-in model's folder where it was built already (`modules.model.demo.default_demo_root`'s names:
     `demo-model` for SD, `demo-<family>` for the others), else None: reading it needs no torch."""
     home = os.environ.get("TANDEM_HOME")
-    folder = (Path(home) if home else REPO_ROOT / ".cache") / ("demo-model" if family == "sd1" else f"demo-{family}")
+    folder = (Path(home) if home else REPO_ROOT / ".cache") / FAMILIES[family].demo_folder
     return folder if (folder / "model_index.json").is_file() else None
 
 

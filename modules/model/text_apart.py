@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from modules.config.text_encoders import kept_weight
+
 log = logging.getLogger("tandem")
 
 HIDDEN, MASK = "encoder_hidden_states", "encoder_attention_mask"
@@ -80,7 +82,7 @@ class TextSide:
         """The loaded runnable's size in `storage`, from the safetensors headers (no weight is read)."""
         per = {"fp32": 4, "fp16": 2, "bf16": 2, FLOAT8: 1}[self.storage]
         return sum(numel for name, numel in _tensor_sizes(self.folder / "text_encoder").items()
-                   if _kept(self.class_name, name)) * per
+                   if kept_weight(self.class_name, name)) * per
 
     def load(self, device: torch.device | str = "cpu") -> nn.Module:
         """Read the encoder (counted in `LOADS`), keep its runnable part, in `storage`, on `device`, frozen."""
@@ -185,9 +187,17 @@ def _tensor_sizes(folder: Path) -> dict[str, int]:
     return sizes
 
 
-def _kept(class_name: str, tensor: str) -> bool:
-    """Whether a weight of the checkpoint stays in the runnable part (Qwen2.5-VL drops its vision tower
-    and LM head)."""
-    if class_name.startswith("Qwen2_5_VL"):
-        return not (tensor.startswith(("visual.", "model.visual.", "lm_head.")))
-    return not tensor.startswith("lm_head.")
+def runnable_part(model: nn.Module, kind) -> nn.Module:
+    """The part of a loaded language model (a `text_encoders.TextEncoderKind`) that encodes: its decoder stack
+    (the inner `.model` of a `...ForCausalLM`), without the parts the kind names as `dropped` (an LM head,
+    Qwen2.5-VL's vision tower)."""
+    inner = getattr(model, "model", model)
+    for unused in kind.dropped:
+        if hasattr(inner, unused):
+            delattr(inner, unused)
+    return inner
+
+
+def decoder_layers(encoder: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers of a runnable language model (of a multimodal one: its language model's)."""
+    return list(getattr(encoder, "language_model", encoder).layers)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from modules.model.text_apart import HIDDEN, MASK, TextSide, text_encoder_class
+from modules.model.text_apart import HIDDEN, MASK, TextSide, decoder_layers, runnable_part, text_encoder_class
 
 from . import original_layout as layout
 from .flow_base import FLOW_MATCHING, FlowFamily, shipped
@@ -84,12 +84,18 @@ class LLMFlowFamily(FlowFamily):
         """{HIDDEN, MASK} of `captions` through the loaded `encoder`, as the family's pipeline encodes."""
         raise NotImplementedError
 
+    def text_encoder_kind(self):
+        """The kind of its text encoder (`FamilyInfo.text_encoders`: one language model, loaded apart)."""
+        from modules.config.text_encoders import TEXT_ENCODER_KINDS
+
+        return TEXT_ENCODER_KINDS[self.info.text_encoders[0]]
+
     def runnable_text_encoder(self, model):
-        """The part of the loaded text encoder that encodes."""
-        return model
+        """The part of the loaded text encoder that encodes: its decoder stack, without what its kind drops."""
+        return runnable_part(model, self.text_encoder_kind())
 
     def text_encoder_layers(self, encoder) -> list:
-        return list(encoder.layers)
+        return decoder_layers(encoder)
 
     def encode_text(self, bundle, captions):
         side = bundle.extra.get("text_side")
@@ -134,6 +140,11 @@ class LLMFlowFamily(FlowFamily):
                 "tokenizer": ["transformers", type(side.tokenizer).__name__]}
 
     # ------------------------------------------------------------------ LoRA
+
+    def lycoris_module_name(self, bundle, component, module_path):
+        """`lycoris_` + the diffusers module path with `_` (SimpleTuner's LyCORIS names): ComfyUI maps those for
+        Qwen-Image and Z-Image (Z-Image's q/k/v onto the rows of its fused `qkv`), not `lora_transformer_`."""
+        return f"lycoris_{module_path.replace('.', '_')}"
 
     def modelspec_architecture(self, bundle) -> str:
         return self.modelspec_name

@@ -76,17 +76,6 @@ class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
 
     # ------------------------------------------------------------------ text
 
-    def runnable_text_encoder(self, model):
-        """Qwen2.5-VL's language model: the vision tower and the LM head are never used to encode text."""
-        inner = getattr(model, "model", model)
-        for unused in ("visual", "lm_head"):
-            if hasattr(inner, unused):
-                delattr(inner, unused)
-        return inner
-
-    def text_encoder_layers(self, encoder):
-        return list(getattr(encoder, "language_model", encoder).layers)
-
     def encode_with(self, encoder, tokenizer, captions, device):
         texts = [QWEN_IMAGE_TEMPLATE.format(caption) for caption in captions]
         tokens = tokenizer(texts, max_length=QWEN_IMAGE_DROP + 1024, padding=True, truncation=True, return_tensors="pt")

@@ -51,13 +51,6 @@ class ZImageFamily(LLMFlowFamily):
 
     # ------------------------------------------------------------------ text
 
-    def runnable_text_encoder(self, model):
-        """Qwen3's decoder stack (a `Qwen3ForCausalLM` folder: without its LM head)."""
-        inner = getattr(model, "model", model)
-        if hasattr(inner, "lm_head"):
-            delattr(inner, "lm_head")
-        return inner
-
     def encode_with(self, encoder, tokenizer, captions, device):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
                                                add_generation_prompt=True, enable_thinking=True)
