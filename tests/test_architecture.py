@@ -8,7 +8,7 @@ from modules.trainer.callbacks import RecordingCallbacks, TrainingCallbacks
 from modules.trainer.rank_duties import rank_duties
 
 MODULES = Path(__file__).resolve().parents[1] / "modules"
-LAYERS = ["util", "config", "data", "model", "trainer", "distributed", "remote"]
+LAYERS = ["util", "config", "data", "model", "trainer", "distributed", "remote", "queue"]
 """Each package may import those before it, never one after it."""
 
 

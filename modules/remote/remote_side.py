@@ -144,7 +144,9 @@ def supervise(root: Path, run_id: str) -> int:
     with open(folder / LOG_FILE, "ab", buffering=0) as log:
         try:
             # The run's Python is the one running this (the remote's Tandem environment).
-            child = subprocess.Popen([sys.executable, *entry["command"]], cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            # A queued job on this machine runs where it was queued (`cwd`): its config's relative paths mean that.
+            child = subprocess.Popen([sys.executable, *entry["command"]], cwd=entry.get("cwd") or root, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as e:
             log.write(f"could not start the training command: {e}\n".encode())
