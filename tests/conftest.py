@@ -28,6 +28,13 @@ def pytest_runtest_protocol(item, nextitem):
     yield
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The known-slowest tests first, spread over the xdist workers (tests/slowest_first.py says why)."""
+    from tests.slowest_first import known_seconds, slowest_first, worker_count
+    items[:] = slowest_first(items, known_seconds(), worker_count(config))
+
+
 @pytest.fixture(scope="session")
 def tandem_home(tmp_path_factory) -> Path:
     """Demo model and dataset built once per test session, outside the repository."""
