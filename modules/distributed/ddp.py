@@ -43,7 +43,7 @@ class DDPParallelism(ContextGroups, Parallelism):
 
     def __init__(self, multi_gpu, device: torch.device, layer_offload_blocks: int = 0) -> None:
         """`multi_gpu`: the run's `MultiGPUConfig` (bucket size, graph and compression settings);
-        `layer_offload_blocks`: how many blocks every rank swaps (`Parallelism.place`), each its own host copy."""
+        `layer_offload_blocks`: how many blocks every rank swaps (`Parallelism.place`), from one host copy per machine."""
         self.settings = multi_gpu
         self.device = device
         self.layer_offload_blocks = layer_offload_blocks

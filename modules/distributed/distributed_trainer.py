@@ -102,6 +102,9 @@ class DistributedTrainer(BaseTrainer):
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """The first step's times, and each GPU's measured peak beside the plan's estimate and the card."""
         super().report_first_step(started, loaded, workers_s)
+        if self.parallel.offload is not None:  # every rank swaps alike
+            from modules.model.shared_host_copy import host_figures, host_memory_line
+            log.info(host_memory_line(du.all_gather_objects(host_figures(self.parallel.offload))))
         if self.device.type != "cuda":
             return
         self.measured_peaks = du.all_gather_objects(torch.cuda.max_memory_allocated(self.device) / GIB)

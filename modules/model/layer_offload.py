@@ -6,7 +6,8 @@ page-locked host buffer, and each block's are copied to the GPU - one copy per b
 the block before it computes. With activation checkpointing the backward recomputes each block, so the
 weights come again for the backward, in reverse order. The trained weights (LoRA's adapters, DoRA's
 magnitudes), buffers and everything outside the swapped blocks stay on the GPU; an fp8 base's float8 bytes
-swap as they are (half the traffic of bf16).
+swap as they are (half the traffic of bf16). Under DDP the ranks of a machine hold one host copy together
+(`shared_host_copy.py`): the first writes it, the others map it, each page-locks its mapping.
 
 How a block's weights come and go: its frozen parameters are replaced by new `Parameter`s over a GPU copy
 for the block's forward, and the host ones put back after. Autograd keeps the GPU ones it saved (so a
@@ -33,6 +34,8 @@ import torch
 from torch import nn
 
 from modules.config.memory_need import swapped_positions
+from modules.model.shared_host_copy import MachineShare
+from modules.util.host_memory import mapping_usage
 
 log = logging.getLogger("tandem")
 
@@ -76,9 +79,11 @@ class _Copy:
 class LayerOffload:
     """The swapped blocks of one denoiser and the schedule that brings each to `device` ahead of its use."""
 
-    def __init__(self, blocks: list[nn.Module], count: int, device: torch.device, record: bool = False) -> None:
+    def __init__(self, blocks: list[nn.Module], count: int, device: torch.device, record: bool = False,
+                 share: MachineShare | None = None) -> None:
         """`blocks`: the family's repeated blocks (in any order: the run order is learned); `count`: how many
-        swap; `record`: keep `trace` (what moved, in order) for tests."""
+        swap; `record`: keep `trace` (what moved, in order) for tests; `share`: the ranks of this machine, which
+        then hold one host copy together (`shared_host_copy.py`; every rank makes its `LayerOffload` at once)."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.blocks = [self._describe(position, blocks[position]) for position in swapped_positions(len(blocks), count)]
@@ -93,7 +98,9 @@ class LayerOffload:
         """The most swapped blocks the device held at once (issued or in use)."""
         self.trace: list[tuple[str, int]] | None = [] if record else None
         self.copied_bytes = 0
-        self._buffer = self._fill_host_buffer()
+        self.sharing = 1
+        """How many ranks of this machine hold the host copy together (1: it is this process's own)."""
+        self._buffer = self._fill_host_buffer(share)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._handles = [h for b in self.blocks for h in (
             b.module.register_forward_pre_hook(self._before), b.module.register_forward_hook(self._after))]
@@ -112,25 +119,39 @@ class LayerOffload:
                 offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
         return _Block(position, module, weights, offset)
 
-    def _fill_host_buffer(self) -> torch.Tensor:
+    def _places(self, buffer: torch.Tensor):
+        """(block, weight, its place in `buffer` as a tensor of its dtype and shape) for every swapped weight."""
+        start = 0
+        for block in self.blocks:
+            region = buffer[start:start + block.nbytes]
+            start += block.nbytes
+            for w in block.weights:
+                yield block, w, region, region[w.offset:w.offset + w.nbytes].view(w.host.dtype).view(w.host.shape)
+
+    def _write(self, buffer: torch.Tensor) -> None:
+        for _, w, _, place in self._places(buffer):
+            place.copy_(w.host.data)
+
+    def _fill_host_buffer(self, share: MachineShare | None) -> torch.Tensor:
         """Every swapped weight into one host buffer (page-locked on CUDA: copies from it run asynchronously),
-        each parameter's data then a view of its place there."""
+        each parameter's data then a view of its place there; with `share`, the machine's one buffer."""
         total = sum(b.nbytes for b in self.blocks)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        if share is not None:
+            buffer = share.buffer(total, self._write)
+            self.sharing = share.sharing
+        else:
+            buffer = torch.empty(total, dtype=torch.uint8)
+            self._write(buffer)
+        for block, w, region, place in self._places(buffer):
+            block.host, w.place = region, place
+            w.host.data = place  # this process's own copy, loaded with the model, goes
         if self.cuda and total:
+            # Each rank page-locks its own mapping of a shared buffer: the pages it locks are the same ones.
             status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
             if int(status) != 0:
                 raise RuntimeError(f"layer offload: page-locking {total / 2**30:.1f} GiB of host memory failed "
                                    f"(cudaHostRegister error {int(status)}); free host memory or set "
                                    "multi_gpu.layer_offload to off")
-        start = 0
-        for block in self.blocks:
-            block.host = buffer[start:start + block.nbytes]
-            start += block.nbytes
-            for w in block.weights:
-                w.place = block.host[w.offset:w.offset + w.nbytes].view(w.host.dtype).view(w.host.shape)
-                w.place.copy_(w.host.data)
-                w.host.data = w.place
         return buffer
 
     @contextlib.contextmanager
@@ -160,6 +181,13 @@ class LayerOffload:
     @property
     def host_bytes(self) -> int:
         return self._buffer.numel()
+
+    def host_usage(self) -> dict | None:
+        """{"rss", "pss"}: bytes of the host copy this process has in memory, and its share of them (a shared
+        copy's pages divided by the processes that map them); None where unknown (not Linux, nothing swapped)."""
+        if not self._buffer.numel():
+            return None
+        return mapping_usage(self._buffer.data_ptr())
 
     def is_swapped(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is one of the swapped weights as it waits in host memory."""
@@ -259,13 +287,19 @@ class LayerOffload:
             self._release(position)
 
 
-def offload_blocks(bundle, count: int, device: torch.device) -> LayerOffload | None:
-    """Swap `count` of the denoiser's repeated blocks (None: nothing swaps); logs what it moved."""
+def offload_blocks(bundle, count: int, device: torch.device, share: MachineShare | None = None) -> LayerOffload | None:
+    """Swap `count` of the denoiser's repeated blocks (None: nothing swaps); logs what it moved. `share`: the ranks of
+    this machine hold one host copy together (every rank calls this at once)."""
     blocks = bundle.family.repeated_blocks(bundle)
     if count <= 0 or not blocks:
         return None
-    offload = LayerOffload(blocks, count, device)
-    log.info("Layer offload (multi_gpu.layer_offload): %d of %d blocks of the %s wait in %s memory (%.2f GiB), "
-             "copied to the GPU ahead of use.", len(offload.blocks), len(blocks), bundle.denoiser_name,
-             "page-locked host" if offload.cuda else "host", offload.host_bytes / 2**30)
+    offload = LayerOffload(blocks, count, device, share=share)
+    where = "page-locked host" if offload.cuda else "host"
+    if offload.sharing > 1:
+        where += f" memory shared by the {offload.sharing} processes of this machine (one copy"
+    else:
+        where += " memory (this process's copy"
+    log.info("Layer offload (multi_gpu.layer_offload): %d of %d blocks of the %s wait in %s, %.2f GiB), copied to "
+             "the GPU ahead of use.", len(offload.blocks), len(blocks), bundle.denoiser_name, where,
+             offload.host_bytes / 2**30)
     return offload

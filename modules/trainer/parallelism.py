@@ -15,7 +15,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
-| the memory plan's savers | an fp8 base whole; layer offload (`place`: swapped blocks in host memory) | the same, each rank its own host copy | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
+| the memory plan's savers | an fp8 base whole; layer offload (`place`: swapped blocks in host memory) | the same, one host copy shared by the ranks of a machine | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
 
 The collectives every strategy needs alike (barriers, the step's report, broadcasts, gathering RNG
 states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
@@ -109,7 +109,9 @@ class Parallelism:
         weights of the blocks layer offload swaps, which wait in host memory."""
         if self.layer_offload_blocks and self.offload is None:
             from modules.model.layer_offload import offload_blocks
-            self.offload = offload_blocks(bundle, self.layer_offload_blocks, device)
+            from modules.model.shared_host_copy import machine_share
+            # Several processes (DDP): the ranks of a machine hold one host copy together.
+            self.offload = offload_blocks(bundle, self.layer_offload_blocks, device, machine_share())
         with self.offload.held_back() if self.offload is not None else contextlib.nullcontext():
             bundle.to(device)
 
