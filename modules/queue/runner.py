@@ -177,7 +177,8 @@ class Runner:
                 if entry.history:
                     entry.history[-1].update(ended=entry.ended, state=FAILED)
             return
-        self.say(f"{job.label()} started on {capacity.unit} {','.join(str(d) for d in devices)} as run {job.run_id}")
+        self.say(f"{job.label()} started on {capacity.unit}{'s' if len(devices) > 1 else ''} "
+                 f"{','.join(str(d) for d in devices)} as run {job.run_id}")
         with self.store.change() as state:
             entry = state.find(job.id)
             entry.message = note or ("continues from a backup" if "--resume" in spec["command"] else "")

@@ -160,12 +160,15 @@ class QueueStore:
         return None
 
     def runner_alive(self) -> bool:
-        """Whether a runner serves this queue now."""
-        fd = self.take_runner_lock()
-        if fd is None:
-            return True
-        os.close(fd)
-        return False
+        """Whether a runner serves this queue now (asking creates nothing)."""
+        try:
+            fd = os.open(self.folder / RUNNER_LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            return False  # no runner ever served it
+        try:
+            return not _try_lock(fd)
+        finally:
+            os.close(fd)  # a lock taken here to ask is released with it
 
     def job_folder(self, job_id: int) -> Path:
         """Where a job's config snapshot lives."""

@@ -52,11 +52,11 @@ class JobRow:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-def job_row(job: Job, runs_root: Path) -> JobRow:
+def job_row(job: Job, runs_root: Path, unit: str = "GPU") -> JobRow:
     log = runs_root / "runs" / job.run_id / "output.log" if job.run_id else None
     summary = summarize(log) if log is not None and job.state != "queued" else None
     devices = ",".join(str(d) for d in job.devices)
-    gpus = devices if devices and job.state not in ("queued",) else job.gpu_need.describe()
+    gpus = devices if devices and job.state not in ("queued",) else job.gpu_need.describe(unit)
     return JobRow(id=job.id, name=job.name, state=job.state, status=job.status_text(), gpus=gpus,
                   step=summary.step if summary else 0, total_steps=summary.total_steps if summary else 0,
                   eta_s=summary.eta_s if summary and job.on_gpus else None,
@@ -68,7 +68,8 @@ def job_row(job: Job, runs_root: Path) -> JobRow:
 def rows(store: QueueStore, state: QueueState | None = None) -> list[JobRow]:
     state = state or store.read()
     runs_root = Path(state.runs_root).expanduser() if state.runs_root else store.folder
-    return [job_row(job, runs_root) for job in state.jobs]
+    unit = "CPU slot" if state.slots else state.runner.get("unit", "GPU")
+    return [job_row(job, runs_root, unit) for job in state.jobs]
 
 
 def describe_queue(store: QueueStore, state: QueueState, runner_alive: bool) -> str:

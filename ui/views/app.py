@@ -12,8 +12,10 @@ import customtkinter as ctk
 from modules.config import ConfigError
 from modules.config.config_import import import_config, import_error_line
 from modules.config.presets import list_presets
+from modules.queue.store import QueueStore
 
 from ..config_model import ConfigModel
+from ..queue_controller import QueueController
 from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
 from ..settings import RecentConfigs, SavedRemotes
@@ -22,13 +24,14 @@ from .dialogs import Dialogs, start_folder
 from .first_run_hint import FirstRunHint
 from .fields import Binder
 from .lora_tools_view import LoraToolsView
+from .queue_view import QueueView
 from .remote_frame import RemoteFrame
 from .run_view import RunView
 from .tooltip import Tooltip
 from .simple_tabs import build_data_tab, build_general_tab, build_model_tab, build_sampling_tab, build_save_tab
 from .training_tab import build_training_tab
 
-TABS = ("General", "Model", "Data", "Training", "Sampling", "Backup & Save", "Run", "Tools")
+TABS = ("General", "Model", "Data", "Training", "Sampling", "Backup & Save", "Run", "Queue", "Tools")
 MIN_SIZE = (760, 540)
 """Below this the config bar's buttons or the Run tab's first row would be cut off; every tab scrolls, so
 everything else is reachable at this size."""
@@ -40,7 +43,7 @@ class TandemApp(ctk.CTk):
     def __init__(self, recent: RecentConfigs | None = None,
                  gpu_probe: Callable[[], list[GpuInfo]] | None = None,
                  controller: RunController | None = None, dialogs: Dialogs | None = None,
-                 python: str = sys.executable):
+                 python: str = sys.executable, queue: QueueController | None = None):
         super().__init__()
         self.geometry("1100x820")
         self.minsize(*MIN_SIZE)
@@ -49,6 +52,7 @@ class TandemApp(ctk.CTk):
         self.model = ConfigModel()
         self.binder = Binder(self.model, self.dialogs)
         self.controller = controller or RunController(python=python)
+        self.queue = queue or QueueController(QueueStore(self.recent.file.parent / "queue"))
         self.gpus: list[GpuInfo] = []
         self._closing = False
         self.closed = False
@@ -67,11 +71,15 @@ class TandemApp(ctk.CTk):
         self.prompts = build_sampling_tab(self.tabs.tab("Sampling"), self.binder)
         build_save_tab(self.tabs.tab("Backup & Save"), self.binder)
         self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
-                                ask=self.dialogs.ask_yes_no)
+                                ask=self.dialogs.ask_yes_no,
+                                queue_add=lambda cfg: self.queue.add(cfg, self.model.source_name.lstrip("#"),
+                                                                     len(self.gpus)))
         self.remote = RemoteFrame(self.tabs.tab("Run"), self.run_view, self.binder, self.dialogs,
                                   SavedRemotes(self.recent.file.parent), self.controller, lambda: len(self.gpus))
         self.remote.pack(fill="x", padx=4, pady=(0, 4))
         self.run_view.pack(fill="both", expand=True)
+        self.queue_view = QueueView(self.tabs.tab("Queue"), self.queue)
+        self.queue_view.pack(fill="both", expand=True)
         self.lora_tools = LoraToolsView(self.tabs.tab("Tools"), self.dialogs)
         self.lora_tools.pack(fill="both", expand=True)
         self.crash_bar = CrashBar(self, below=self.tabs)

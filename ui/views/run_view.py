@@ -5,11 +5,13 @@ Everything sits in one scrolling column, so a small window (or a low screen) rea
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
 import customtkinter as ctk
 
+from modules.config import TrainConfig
 from modules.config.run_paths import RunPaths
 from modules.config.backends import backend_problem
 
@@ -40,6 +42,8 @@ BUTTON_TIPS = {
     "start": "Check the config (every field, and that its files and folders exist), save it to "
              "<workspace>/.tandem/gui-config.json and start training in a separate process - one per GPU with "
              "Multi-GPU on. The exact command is the first line of the log.",
+    "queue": "Check the config as Start does and add it to the queue (the Queue tab) with the GPUs its Multi-GPU "
+             "settings ask for: it starts when they are free, in its own process, whether this window is open or not.",
     "continue": "Start as Start does, but continue from the backup picked below (its step is on the button): "
                 "weights, optimizer, position in the data and random state as they were, and the loss plot goes "
                 "on from there.",
@@ -59,10 +63,13 @@ BUTTON_TIPS = {
 class RunView(ctk.CTkScrollableFrame):
     def __init__(self, master, binder: Binder, controller: RunController,
                  visible_gpus: Callable[[], int], tensorboard: TensorBoard | None = None,
-                 ask: Callable[[str, str], bool] | None = None, monitor: UsageMonitor | None = None):
+                 ask: Callable[[str, str], bool] | None = None, monitor: UsageMonitor | None = None,
+                 queue_add: Callable[[TrainConfig], str] | None = None):
         super().__init__(master, fg_color="transparent")
         self.binder, self.controller, self.visible_gpus = binder, controller, visible_gpus
         self.ask = ask or (lambda title, text: True)
+        self.queue_add = queue_add
+        """Queues a config (ui/queue_controller.py) and says so; raises `Refused` when the machine is too small."""
         self.tensorboard = tensorboard or TensorBoard(controller.python)
         self._shown_lines = 0
         self._shown_samples = 0
@@ -76,6 +83,7 @@ class RunView(ctk.CTkScrollableFrame):
         commands.grid(row=0, column=0, columnspan=2, sticky="w", padx=8, pady=(8, 2))
         self.start_button = Button(commands, text="Start", width=90, fg_color="#2f8f46",
                                           hover_color="#256f37", command=self.start)
+        self.queue_button = Button(commands, text="Add to queue", width=90, command=self.add_to_queue)
         self.continue_button = Button(commands, text="Continue from backup", width=160, fg_color="#2f6f8f",
                                              hover_color="#25586f", command=self.continue_run)
         self.stop_button = Button(commands, text="Stop", width=80, fg_color="#b03a3a",
@@ -101,6 +109,11 @@ class RunView(ctk.CTkScrollableFrame):
                                              (self.save_button, "save"))):
             button.grid(row=0, column=col, padx=(0, 6))
             Tooltip(button, BUTTON_TIPS[tip])
+        # Under Start, its alternative: the row beside it is full at the smallest window.
+        self.queue_button.grid(row=1, column=0, padx=(0, 6), pady=(4, 0))
+        Tooltip(self.queue_button, BUTTON_TIPS["queue"])
+        if queue_add is None:
+            self.queue_button.configure(state="disabled")
         for col, (button, tip) in enumerate(((self.output_button, "output"), (self.tensorboard_button, "tensorboard"))):
             button.grid(row=0, column=col, padx=(0, 6))
             Tooltip(button, BUTTON_TIPS[tip])
@@ -176,6 +189,41 @@ class RunView(ctk.CTkScrollableFrame):
             self._show_error(f"Could not start training: {e}")
             return False
         self._render()
+        return True
+
+    def add_to_queue(self) -> bool:
+        """Check the config as Start does, then queue it (off the Tk thread); the notice says where it went, or
+        the error box why it was refused."""
+        self._hide_notice()
+        if self.queue_add is None:
+            return False
+        if not self.controller.uses_local_gpus:
+            self._show_error("Add to queue queues jobs on this machine. A remote machine has a queue of its own: "
+                             "scripts/train_queue.py --host USER@HOST add CONFIG (see docs/Queue.md).")
+            return False
+        problems = self.binder.all_problems(check_paths=True)
+        machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
+        if machine:
+            problems.append(machine)
+        if problems:
+            self._show_cannot_start(problems)
+            return False
+        self._hide_error()
+        cfg, queue_add = copy.deepcopy(self.binder.model.cfg), self.queue_add
+
+        def work() -> tuple[bool, str]:
+            try:
+                return True, queue_add(cfg)
+            except (OSError, ValueError) as e:  # Refused is a ValueError: too many GPUs, with the fix
+                return False, str(e)
+
+        def done(result: tuple[bool, str]) -> None:
+            ok, text = result
+            if ok:
+                self._show_notice(Opened(True, text))
+            else:
+                self._show_error(f"Not queued: {text}")
+        in_background(self, work, done, name="tandem-queue-add")
         return True
 
     def stop(self) -> None:
