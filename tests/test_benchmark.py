@@ -348,6 +348,21 @@ def test_the_rounding_check_compares_runs_of_one_global_batch_on_one_thread_but_
     assert script == "train.py" and "data.cache_latents=false" in args
 
 
+def test_the_rounding_checks_yardstick_moves_every_weight_by_one_ulp_and_sgd_is_the_equivalence_tests_setting(tmp_path):
+    """check_rounding.py's last row: the reference's weights against the same each moved by one float32 ulp,
+    the smallest change of every weight; `--sgd` trains as the equivalence tests do."""
+    import torch
+    from modules.benchmark.equivalence import compare
+    from modules.benchmark.rounding import ROWS, SGD, arguments, one_ulp_further
+    weights = {"a": torch.tensor([1.0, -3.0, 0.0]), "b": torch.full((4,), 0.25)}
+    moved = one_ulp_further(weights)
+    assert all((moved[k] != weights[k]).all() for k in weights)
+    assert moved["a"][0] == 1.0 + 2.0 ** -23 and moved["a"][1] == -3.0 - 2.0 ** -22 and moved["b"][0] == 0.25 + 2.0 ** -25
+    assert 2.0 ** -25 < compare(moved, weights)["relative_l2"] < 2.0 ** -22
+    _, args, _ = arguments(ROWS[0][1], tmp_path, 5, SGD)
+    assert all(setting in args for setting in ("optimizer.name=sgd", "training.lr_warmup_steps=0", "training.max_grad_norm=0"))
+
+
 def test_the_pooling_table_puts_each_capped_row_beside_one_gpu_and_the_reference(tmp_path):
     """scripts/gpu/pooling.sh's last table: from one row's JSON lines (the capped run with its plan, the uncapped
     one-GPU run, the raw reference), one line with the plan, estimated and measured peaks and the speeds."""

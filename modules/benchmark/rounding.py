@@ -14,8 +14,12 @@ fine-tune with its own settings (AdamW, fp32) on CPU processes, through the real
 - without a latent cache each rank samples the VAE's latent distribution with its own generator, which
   is another training by design.
 
+A last row gives the scale of rounding itself: the reference's weights against the same weights each moved by one
+float32 ulp. `--sgd` trains with the equivalence tests' optimizer (SGD, no warm-up or clipping), where differences
+stay at that scale; AdamW turns gradients that are pure rounding noise into full-size steps and carries them further.
+
 Every run uses 1 thread per process but the control's second; its workspace is kept under the given
-folder, so a second call only compares.
+folder, so a second call only compares (use another folder for other options).
 """
 from __future__ import annotations
 
@@ -55,9 +59,13 @@ ROWS: list[tuple[str, Run, Run]] = [
 """(what is compared, run, reference run); every pair trains the same global batch."""
 
 
-def arguments(run: Run, root: Path, steps: int) -> tuple[str, list[str], dict]:
-    """(script, its arguments, extra environment) of one run."""
-    overrides = [f"general.workspace_dir={root / run.name}", f"general.cache_dir={root / 'cache'}",
+SGD = ("optimizer.name=sgd", "training.lr_warmup_steps=0", "training.max_grad_norm=0")
+"""The equivalence tests' and `scripts/check_equivalence.py`'s optimizer settings (`--sgd`)."""
+
+
+def arguments(run: Run, root: Path, steps: int, extra: tuple[str, ...] = ()) -> tuple[str, list[str], dict]:
+    """(script, its arguments, extra environment) of one run; `extra`: overrides every run takes."""
+    overrides = [*extra, f"general.workspace_dir={root / run.name}", f"general.cache_dir={root / 'cache'}",
                  "general.tensorboard=false", "general.device=cpu", "sampling.every_n_epochs=0",
                  "save.backup_every_n_epochs=0", f"training.max_steps={steps}", f"save.backup_every_n_steps={steps}",
                  "data.num_workers=0", f"training.batch_size={run.batch}",
@@ -75,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="How far rounding carries: N processes against 1, beside controls.")
     p.add_argument("folder", type=Path, help="where the runs' workspaces are kept (reused by a second call)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--sgd", action="store_true", help="SGD without warm-up or clipping, as the equivalence tests "
+                   "train (default: the demo's own AdamW)")
+    p.add_argument("--method", choices=["full", "lora"], default="full")
     args = p.parse_args(argv)
+    extra = (*(SGD if args.sgd else ()), f"training.method={args.method}")
     runs = {run.name: run for _, a, b in ROWS for run in (a, b)}
     for name, run in runs.items():
         if not (args.folder / name / "backups").is_dir():
-            _run(*arguments(run, args.folder, args.steps))
+            _run(*arguments(run, args.folder, args.steps, extra))
     weights = {name: _backup_weights(args.folder / name) for name in runs}
     lines = []
     print("| compared | relative L2 | max abs |\n|---|---|---|")
@@ -88,6 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {what} | {result['relative_l2']:.1e} | {result['max_abs']:.1e} |")
         lines.append(json.dumps({"check": "rounding", "compared": what, "run": a.name, "reference": b.name,
                                  "steps": args.steps, **result}))
+    scale = compare(one_ulp_further(weights[ROWS[0][2].name]), weights[ROWS[0][2].name])
+    print(f"| scale: every weight of {ROWS[0][2].name} moved by one float32 ulp | {scale['relative_l2']:.1e} | "
+          f"{scale['max_abs']:.1e} |")
+    lines.append(json.dumps({"check": "rounding", "compared": "one ulp", "reference": ROWS[0][2].name,
+                             "steps": args.steps, **scale}))
     with open(args.folder / "results.jsonl", "a", encoding="utf-8") as results:
         results.write("".join(line + "\n" for line in lines))
     return 0
+
+
+def one_ulp_further(weights: dict) -> dict:
+    """Every value moved to the next float32 (or its own dtype's) number away from zero: the smallest change
+    of every weight, the yardstick for differences that are rounding."""
+    import torch
+    return {k: torch.nextafter(v, torch.where(v < 0, -torch.inf, torch.inf).to(v.dtype)) for k, v in weights.items()}
