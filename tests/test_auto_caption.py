@@ -42,69 +42,65 @@ def test_only_uncaptioned_images_are_jobs(tmp_path):
     assert [(j.image.name, j.expected) for j in jobs] == [("a.png", "kept caption"), ("b.png", None), ("c.png", None)]
 
 
-def _one_line(argv) -> str:
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "caption.py"), *argv], capture_output=True,
-                            text=True, timeout=patience(120), cwd=REPO)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+def _one_line(argv, capsys) -> str:
+    """caption.py's main in this process (the script is `sys.exit(main())`; one test runs it as a script)."""
+    assert captioner.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
     return lines[0]
 
 
+def _caption_script(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "caption.py"), *argv], capture_output=True,
+                          text=True, timeout=patience(240), cwd=REPO)
+
+
 @pytest.mark.slow
-def test_bad_model_folders_get_one_line_naming_folder_and_fix(tmp_path):
+def test_bad_model_folders_get_one_line_naming_folder_and_fix(tmp_path, capsys):
     images = make_folder(tmp_path / "imgs", {"a": None})
-    line = _one_line(["--model", str(tmp_path / "nowhere"), "--folder", str(images)])
-    assert line == (f"caption.py: Captioning model folder {tmp_path / 'nowhere'} does not exist: choose "
-                    f"{captioner.EXAMPLES}.")
+    # As a script once: exit code 2 and the one line, no traceback.
+    result = _caption_script("--model", str(tmp_path / "nowhere"), "--folder", str(images))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"caption.py: Captioning model folder {tmp_path / 'nowhere'} does not exist: choose {captioner.EXAMPLES}.")
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = _one_line(["--model", str(empty), "--folder", str(images)])
+    line = _one_line(["--model", str(empty), "--folder", str(images)], capsys)
     assert f"{empty} is not a captioning model folder (no config.json): choose the folder of a BLIP" in line
     text_only = tmp_path / "bert"
     text_only.mkdir()
     (text_only / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    line = _one_line(["--model", str(text_only), "--folder", str(images)])
+    line = _one_line(["--model", str(text_only), "--folder", str(images)], capsys)
     assert f"{text_only} holds a 'bert' model, which is not an image-to-text model" in line
     assert "choose the folder of a BLIP, Florence-2 or Qwen2-VL model (its config.json" in line
-    line = _one_line(["--model", str(text_only), "--folder", str(tmp_path / "no-images")])
+    line = _one_line(["--model", str(text_only), "--folder", str(tmp_path / "no-images")], capsys)
     assert "holds a 'bert' model" in line  # the model is checked first, then the folder
 
 
 @pytest.mark.slow
-def test_script_captions_only_images_without_captions(tiny_blip, tmp_path):
-    folder = make_folder(tmp_path / "imgs", {"a": "my own caption", "b": None, "c": None})
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "caption.py"), "--model", str(tiny_blip),
-                             "--folder", str(folder), "--prefix", "sks", "--max-new-tokens", "5"],
-                            capture_output=True, text=True, timeout=patience(240), cwd=REPO)
+def test_script_captions_only_images_without_captions_every_image_once_over_two_processes(tiny_blip, tmp_path,
+                                                                                        capsys):
+    """The script end to end, on 2 CPU processes (--num-gpus 2 without GPUs) in batches of 2: the captioned
+    image is kept, each other image is captioned once by one of the processes, with a progress line each
+    naming the caption it wrote."""
+    names = [f"img{i}" for i in range(5)]
+    folder = make_folder(tmp_path / "imgs", {"a": "my own caption", **{name: None for name in names}})
+    result = _caption_script("--model", str(tiny_blip), "--folder", str(folder), "--prefix", "sks",
+                             "--max-new-tokens", "4", "--num-gpus", "2", "--batch-size", "2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == f"2 image(s) to caption in {folder} (1 already captioned are kept; --overwrite replaces them)."
-    assert [line.split(" ")[0] for line in lines[1:3]] == ["[1/2]", "[2/2]"]
-    assert lines[-1].startswith("Captioned 2 of 2 image(s)")
+    assert lines[0] == f"5 image(s) to caption in {folder} (1 already captioned are kept; --overwrite replaces them)."
+    progress = lines[1:6]
+    assert [line.split(" ")[0] for line in progress] == [f"[{k}/5]" for k in range(1, 6)]
+    written = dict(line.split(" ", 1)[1].split(": ", 1) for line in progress)
+    assert sorted(written) == sorted(f"{name}.png" for name in names), "every image once"
+    assert lines[-1].startswith("Captioned 5 of 5 image(s)") and lines[-1].endswith("(2 processes).")
     assert (folder / "a.txt").read_text() == "my own caption"
-    for name in ("b", "c"):
-        text = (folder / f"{name}.txt").read_text()
-        assert text.startswith("sks, ") and len(text) > len("sks, "), text
-    # Nothing left to do: a second run writes nothing.
-    again = subprocess.run([sys.executable, str(REPO / "scripts" / "caption.py"), "--model", str(tiny_blip),
-                            "--folder", str(folder)], capture_output=True, text=True, timeout=patience(240), cwd=REPO)
-    assert again.returncode == 0 and again.stdout.splitlines()[0].startswith("0 image(s) to caption")
-
-
-@pytest.mark.slow
-def test_two_processes_caption_every_image_once_with_progress(tiny_blip, tmp_path):
-    names = [f"img{i}" for i in range(5)]
-    folder = make_folder(tmp_path / "imgs", {name: None for name in names})
-    jobs, _ = captioner.jobs_for(read_folder(folder), overwrite=False)
-    events = []
-    captioner.run(jobs, captioner.Settings(model=str(tiny_blip), max_new_tokens=4, batch_size=2), processes=2,
-                  report=events.append)
-    assert sorted(Path(e["image"]).name for e in events) == sorted(f"{n}.png" for n in names)
-    assert all("caption" in e for e in events)
     for name in names:
-        assert (folder / f"{name}.txt").read_text() == next(e["caption"] for e in events
-                                                            if Path(e["image"]).name == f"{name}.png")
+        text = (folder / f"{name}.txt").read_text()
+        assert text == written[f"{name}.png"] and text.startswith("sks, ") and len(text) > len("sks, "), text
+    # Nothing left to do: a second run writes nothing (in this process: no model is loaded for no image).
+    assert captioner.main(["--model", str(tiny_blip), "--folder", str(folder)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("0 image(s) to caption")
 
 
 @pytest.mark.slow
