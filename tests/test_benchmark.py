@@ -76,22 +76,28 @@ def test_benchmark_with_an_fp8_base(tmp_path):
     assert result["denoiser_gib"] == pytest.approx(1.361, abs=0.002)
 
 
-def test_benchmark_refuses_zero_warmup():
-    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--device", "cpu", "--warmup", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=patience(120))
-    assert proc.returncode == 2 and "--warmup" in proc.stderr
+def test_benchmark_refuses_zero_warmup(capsys):
+    """In this process: scripts/benchmark.py is `sys.exit(main())`, run as a script by the slow tests above."""
+    from modules.benchmark.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--warmup", "0"])
+    assert exit_.value.code == 2 and "--warmup" in capsys.readouterr().err
 
 
-def test_a_case_the_config_checks_refuse_stops_before_any_worker_starts():
+def test_a_case_the_config_checks_refuse_stops_before_any_worker_starts(capsys, monkeypatch):
     """A --config-value combination a run would refuse is named at once, not after every rank has built a
     real-size model and failed at its first step with a traceback."""
-    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--device", "cpu", "--mode", "lora", "--res", "64",
-                           "--gpus", "2", "--config-value", "training.precision=fp32", "--config-value", "model.unet_dtype=fp8"],
-                          cwd=REPO, capture_output=True, text=True, timeout=patience(120))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "error: the sd1 lora 64px b8 training.precision=fp32 model.unet_dtype=fp8 case's config" in proc.stderr
-    assert "model.unet_dtype: 'fp8' weights are computed in bf16, and training.precision is 'fp32'" in proc.stderr
-    assert "Traceback" not in proc.stderr and "Start-up" not in proc.stdout
+    from modules.benchmark import cli, runner
+
+    def no_run(case):
+        raise AssertionError("a refused case started its workers")
+    monkeypatch.setattr(runner, "run_case", no_run)
+    assert cli.main(["--device", "cpu", "--mode", "lora", "--res", "64", "--gpus", "2", "--config-value",
+                     "training.precision=fp32", "--config-value", "model.unet_dtype=fp8"]) == 2
+    out, err = capsys.readouterr()
+    assert "error: the sd1 lora 64px b8 training.precision=fp32 model.unet_dtype=fp8 case's config" in err
+    assert "model.unet_dtype: 'fp8' weights are computed in bf16, and training.precision is 'fp32'" in err
+    assert "Start-up" not in out
 
 
 def test_a_case_the_memory_plan_refuses_ends_in_one_line_not_a_worker_traceback(tmp_path):
