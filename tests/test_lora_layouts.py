@@ -23,6 +23,7 @@ from modules.model.lora_reading import apply_lora, read_lora
 from modules.model.single_file import shipped_config, unet_to_ldm
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
+from tests.test_lora_clients import tandem_log
 from tests.test_model_types_training import write_sources
 from tests.test_single_file import randomize, tiny_configs
 from tests.trainer_helpers import demo_config
@@ -265,7 +266,14 @@ def test_trained_lora_metadata_has_modelspec_and_kohya_settings_and_no_local_pat
     callbacks = RecordingCallbacks()
     before = datetime.datetime.now().replace(microsecond=0)
     trainer = GenericTrainer(cfg, callbacks)
-    trainer.run()
+    with tandem_log() as log_lines:
+        trainer.run()
+    # Each saved file's line says who applies it (modules/config/lora_clients.py), naming the run's other file.
+    assert [line for line in log_lines if "layout, LoRA)" in line] == [
+        "shapes.safetensors (kohya layout, LoRA): ComfyUI applies it exactly; diffusers applies it exactly",
+        "shapes.peft.safetensors (peft layout, LoRA): ComfyUI skips its UNet attention layers (it knows them by the "
+        "old `processor` names only) and applies the rest at alpha / rank = 1 instead of 0.5; for ComfyUI use "
+        "shapes.safetensors; diffusers applies it exactly"]
     done = callbacks.of_type("done")[-1]
     kohya_file = Path(done["output"])
     peft_file = kohya_file.with_name(kohya_file.name.replace(".safetensors", ".peft.safetensors"))

@@ -4,7 +4,8 @@
   SDXL UNet modules in the original names (written now, as sd-scripts does) or in diffusers' names
   (what Tandem wrote before).
 - kohya/LyCORIS variants (`lycoris_layout.py`): DoRA's `dora_scale`, LoHa's `hada_*`, LoKr's `lokr_*`
-  under the family's module names (`lora_transformer_*` for transformers).
+  under the family's module names (`lora_transformer_*` for most transformers, `lycoris_*` for Qwen-Image and
+  Z-Image, Wan's `diffusion_model.*`; the `lora_transformer_*` names earlier versions wrote for those too).
 - peft: `unet.` / `transformer.` / `text_encoder.` / `text_encoder_2.` + peft's tensor names
   (`<module>.lora_A.weight`, `.lora_magnitude_vector`, `.hada_w1_a`, `.lokr_w1`, ...), or diffusers' older
   spellings `lora.down` / `lora_linear_layer.down` that Tandem wrote before (through
@@ -67,7 +68,8 @@ def read_lora(path: str | Path, bundle) -> LoraWeights:
         # The family's own kohya names (Wan's original module names under `diffusion_model.`).
         state, alpha = _from_kohya(path, tensors, bundle, own_names)
         layout = "kohya"
-    elif all(key.startswith(("lora_unet_", "lora_te", "lora_transformer_")) for key in tensors):
+    elif all(key.startswith(LYCORIS_PREFIXES) for key in tensors) or (
+            lora_type != "lora" and own_names and all(_lycoris_module(key) in own_names for key in tensors)):
         if lora_type == "lora" and bundle.model_type in KOHYA_PREFIXES:
             state, alpha = _from_kohya(path, tensors, bundle)
         else:
@@ -81,6 +83,17 @@ def read_lora(path: str | Path, bundle) -> LoraWeights:
     recorded = _number(metadata.get("ss_network_alpha")) if prescaled else None
     alphas = {c: alpha.get(c, recorded or float(rank[c] or 0)) for c in state}
     return LoraWeights(state, alphas, rank, layout, metadata, lora_type, prescaled)
+
+
+LYCORIS_PREFIXES = ("lora_unet_", "lora_te", "lora_transformer_", "lycoris_")
+"""How the module names of kohya and LyCORIS files begin (Wan's `diffusion_model.` names are the family's own)."""
+
+
+def _lycoris_module(key: str) -> str:
+    try:
+        return split_lycoris_key(key)[0]
+    except ValueError:
+        return key
 
 
 def _number(text: str | None) -> float | None:
@@ -138,8 +151,17 @@ def _name_table(bundle) -> dict[str, tuple[str, str]]:
     """kohya/LyCORIS module name -> (component, module path), for every module a LoRA can adapt."""
     modules = {name: m for name, m in bundle.modules().items() if name != "vae"}
     paths = {name: _module_paths(m, name.startswith("text_encoder")) for name, m in modules.items()}
-    table = {bundle.family.lycoris_module_name(bundle, component, path): (component, path)
-             for component, component_paths in paths.items() for path in component_paths}
+    table = {}
+    for component, component_paths in paths.items():
+        for path in component_paths:
+            if component == bundle.denoiser_name and component != "unet":
+                # What Tandem wrote for every transformer before Qwen-Image, Z-Image and Wan took the names
+                # ComfyUI reads for them.
+                table[f"lora_transformer_{path.replace('.', '_')}"] = (component, path)
+            try:
+                table[bundle.family.lycoris_module_name(bundle, component, path)] = (component, path)
+            except ValueError:
+                continue  # a module the family's names do not cover (Wan: outside the blocks' linear layers)
     if bundle.model_type in KOHYA_PREFIXES:  # SD UNets: also the spellings earlier Tandem versions wrote
         table.update(kohya_name_table(bundle.model_type, paths, bundle.unet.config))
     return table

@@ -1,9 +1,11 @@
 """The kohya/LyCORIS layout of the LoRA variants (DoRA, LoHa, LoKr): what ComfyUI and Forge read.
 
-Module names are the family's (`family.lycoris_module_name`): kohya's `lora_unet_*` names for the SD
-UNets (SDXL in the original layout, as for plain LoRA), `lora_transformer_<diffusers module path>` for
-transformers (SD3, Flux and any family added later: ComfyUI maps these names onto the parts of its fused
-q/k/v weights itself), `lora_te_*` / `lora_te1_*` / `lora_te2_*` for CLIP text encoders. Tensor names
+Module names are the family's (`family.lycoris_module_name`), each one ComfyUI maps for that family: kohya's
+`lora_unet_*` names for the SD UNets (SDXL in the original layout, as for plain LoRA),
+`lora_transformer_<diffusers module path>` (OneTrainer's) for SD3, Flux.1, Flux.2 and Chroma (ComfyUI maps these
+names onto the parts of its fused q/k/v weights itself), `lycoris_<diffusers module path>` (SimpleTuner's) for
+Qwen-Image and Z-Image, Wan's plain-LoRA names (`diffusion_model.<original name>`), and `lora_te_*` /
+`lora_te1_*` / `lora_te2_*` for CLIP text encoders. Tensor names
 after the module name are LyCORIS's, which ComfyUI's `comfy/weight_adapter` reads:
 
 - DoRA: `lora_down.weight`, `lora_up.weight`, `alpha` and `dora_scale` [out, 1, ...]. ComfyUI applies an

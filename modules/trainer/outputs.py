@@ -296,12 +296,15 @@ class OutputWriter:
             from modules.model.lora_metadata import training_metadata
             metadata = training_metadata(parts.cfg, parts.numbers, parts.dataset, step, self.started_at)
             metadata["tandem_step"] = str(step)
+            files = {}
             if s.lora_format in ("kohya", "both"):
-                save_lora(parts.bundle, path, "kohya", dtype, metadata, source)
+                files["kohya"] = save_lora(parts.bundle, path, "kohya", dtype, metadata, source)
             if s.lora_format in ("peft", "both"):
                 peft_path = path.with_name(path.name.replace(".safetensors", ".peft.safetensors")) \
                     if s.lora_format == "both" else path
-                save_lora(parts.bundle, peft_path, "peft", dtype, metadata, source)
+                files["peft"] = save_lora(parts.bundle, peft_path, "peft", dtype, metadata, source)
+            if source.writes:
+                self._say_who_reads(files)
         else:
             if s.full_format in ("diffusers", "both"):
                 from modules.model.saving import save_full_diffusers
@@ -316,6 +319,19 @@ class OutputWriter:
                     "tandem_step": str(step)})
         log.info("Model saved: %s", path)
         parts.emit("saved", path=str(path), step=step)
+
+    def _say_who_reads(self, files: dict) -> None:
+        """One log line per LoRA file: which programs apply it exactly, and for those that do not, the other
+        file of the run or the conversion to use (`lora_clients.save_note`)."""
+        from modules.model.lora import lora_alpha_and_rank, lora_type
+        from modules.config.lora_clients import save_note
+
+        bundle = self.parts.bundle
+        alpha, rank = lora_alpha_and_rank(bundle)
+        for fmt, file in files.items():
+            others = {other: f for other, f in files.items() if other != fmt}
+            log.info("%s", save_note(file, bundle.model_type, lora_type(bundle), fmt, alpha, rank,
+                                     self.parts.cfg.model.base_model, others))
 
     @contextlib.contextmanager
     def _encoders_on_device(self, text: bool = True):

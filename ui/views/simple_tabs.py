@@ -123,11 +123,34 @@ def build_sampling_tab(parent, binder: Binder) -> ListEditor:
     return prompts
 
 
+def _lora_readers_line(form: Form, binder: Binder) -> None:
+    """Under the LoRA format: which programs apply the files the config writes (`ui/lora_readers.py`), kept
+    current as the family, LoRA type, alpha, rank or format change."""
+    from ..lora_readers import lora_readers_text
+
+    line = ctk.CTkLabel(form.master, text="", anchor="w", justify="left", wraplength=560, text_color="gray60")
+    line.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=14, pady=(0, 4))
+    form.row += 1
+    binder.lora_readers_line = line
+
+    def show(_path=None) -> None:
+        text = lora_readers_text(binder.model.cfg)
+        line.configure(text=text)
+        if text:
+            line.grid()
+        else:
+            line.grid_remove()
+    binder.on_change.append(show)
+    show()
+
+
 def build_save_tab(parent, binder: Binder) -> None:
     form = Form(_scrolling(parent), binder, tab="Backup & Save")
     form.section("Output model")
     form.field("save.output_dir", browse_kind="folder")
-    form.fields("save.output_name", "save.lora_format", "save.full_format", "save.save_dtype",
+    form.fields("save.output_name", "save.lora_format")
+    _lora_readers_line(form, binder)
+    form.fields("save.full_format", "save.save_dtype",
                 "save.ema_weights", "save.save_every_n_epochs", "save.save_every_n_steps")
     form.section("Training-state backups")
     form.fields("save.backup_every_n_steps", "save.backup_every_n_epochs", "save.backup_every_n_minutes",

@@ -384,6 +384,11 @@ class WanFamily(ChannelNormalizedLatents, FlowFamily):
                 tensors[f"{name}.alpha"] = torch.tensor(float(alpha))
         return tensors
 
+    def lycoris_module_name(self, bundle, component, module_path):
+        """The plain LoRA's names (`diffusion_model.<original name>`): ComfyUI maps no diffusers names for Wan, so
+        a variant on a module outside the blocks' linear layers has no name it reads (a ValueError says so)."""
+        return LORA_PREFIX + original_module_name(module_path)
+
     def kohya_names(self, bundle):
         """Every block linear layer's kohya name (what `kohya_lora_tensors` writes), so `training.lora_init` and
         `scripts/convert_lora.py` read Wan's kohya files back."""
