@@ -18,7 +18,7 @@ from tests.trainer_helpers import assert_weights_close, demo_config, latest_back
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-COMPILE = "training.compile=true"
+COMPILE = "training.compile=on"
 # fp32 SGD, as in the other equivalence tests: Adam would blow rounding noise up to full-size steps.
 # No clipping either: it would hide a gradient of the wrong size (say, the check's left in it).
 EXACT = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05", "training.max_grad_norm=0")
@@ -48,7 +48,7 @@ def test_compiled_unet_trains_the_eager_weights(tmp_path, cache_dir, eager_weigh
     CUDA graphs need (zeroed after each step, not freed); three steps of SGD tell a buffer that kept the last
     step's gradients from one that was zeroed. The plain compile is the DDP and dropout tests' below."""
     caplog.set_level("INFO")
-    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, "training.cuda_graphs=true",
+    trainer = GenericTrainer(demo_config(tmp_path, cache_dir, *STEPS, COMPILE, "training.cuda_graphs=on",
                                          method="full"), RecordingCallbacks())
     trainer.run()
     assert trainer.completed
@@ -149,8 +149,8 @@ def test_checks_of_later_shapes_leave_ddp_training_unchanged(tandem_home, tmp_pa
     data = (f'data.concepts=[{{"path": "{images}"}}]', *BUCKETS)
     cache = tmp_path / "cache"
     one_process = one_process_weights(tmp_path_factory, cache, *data, "training.batch_size=4")
-    for buckets_mb, graphs, cuda_graphs in ((1, "one graph per DDP gradient bucket", "false"),
-                                            (100, "the denoiser compiles as one graph", "true")):
+    for buckets_mb, graphs, cuda_graphs in ((1, "one graph per DDP gradient bucket", "off"),
+                                            (100, "the denoiser compiles as one graph", "on")):
         workspace = tmp_path / f"ddp-{buckets_mb}mb"
         assert launch(demo_config(workspace, cache, *data, COMPILE, "training.batch_size=2",
                                   "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",

@@ -313,7 +313,7 @@ def test_device_indexes_must_agree_with_num_gpus(indexes, num_gpus, ok):
         assert problem.startswith(f"multi_gpu.num_gpus: {num_gpus} does not match")
 
 
-@pytest.mark.parametrize("field, value", [("gradient_accumulation_steps", 2), ("compile", True)])
+@pytest.mark.parametrize("field, value", [("gradient_accumulation_steps", 2), ("compile", "on")])
 def test_static_graph_with_an_unsynchronised_first_backward_is_refused(field, value):
     """DDP asserts inside PyTorch on such a first backward (tried: accumulation 2 on 2 gloo processes)."""
     cfg = valid_config()
@@ -330,11 +330,14 @@ def test_static_graph_with_an_unsynchronised_first_backward_is_refused(field, va
 def test_cuda_graphs_need_compile():
     """CUDA graphs replay the compiled kernels: without compile there are none, which would be a silent no-op."""
     cfg = valid_config()
-    cfg.training.cuda_graphs = True
+    cfg.training.compile, cfg.training.cuda_graphs = "off", "on"
     (problem,) = validate(cfg)
-    assert problem.startswith("training.cuda_graphs: true replays the compiled denoiser's kernels")
-    assert "set training.compile to true, or training.cuda_graphs to false" in problem
-    cfg.training.compile = True
+    assert problem.startswith("training.cuda_graphs: on replays the compiled denoiser's kernels")
+    assert "set training.compile to on or auto, or training.cuda_graphs to auto or off" in problem
+    for compile_setting in ("on", "auto"):  # auto: the graphs come with the compile auto chooses
+        cfg.training.compile = compile_setting
+        assert validate(cfg) == []
+    cfg.training.compile, cfg.training.cuda_graphs = "off", "auto"
     assert validate(cfg) == []
 
 

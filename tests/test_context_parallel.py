@@ -87,7 +87,7 @@ def multi(*overrides: str):
     (("model.model_type=flux", "multi_gpu.context_parallel=2"), ["Flux.1", "cannot", "Wan", "Set it to 1"]),
     (("model.model_type=wan", "multi_gpu.context_parallel=2", "multi_gpu.num_gpus=3"),
      ["must divide the number of GPUs (3)", "use 3"]),
-    (("model.model_type=wan", "multi_gpu.context_parallel=2", "training.compile=true"), ["training.compile"]),
+    (("model.model_type=wan", "multi_gpu.context_parallel=2", "training.compile=on"), ["training.compile"]),
     (("model.model_type=wan", "multi_gpu.context_parallel=2", "multi_gpu.batch_split=auto"),
      ["batch_split", "set multi_gpu.batch_split to equal"]),
 ])

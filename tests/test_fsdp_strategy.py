@@ -81,7 +81,7 @@ def test_fsdp_estimate_shards_the_trained_state_and_keeps_the_rest_whole():
 
 
 def test_configs_fsdp_cannot_train_are_refused_with_the_field_and_the_fix():
-    cfg = config("sdxl", "full", precision="fp16", compile=True)
+    cfg = config("sdxl", "full", precision="fp16", compile="on")
     cfg.optimizer.name = "adamw_8bit"
     cfg.multi_gpu.strategy = "fsdp"
     problems = [p for p in validate(cfg, check_paths=False) if "multi_gpu.strategy fsdp" in p]

@@ -193,6 +193,8 @@ def run_one(spec: RunSpec, args, work: Path) -> dict:
         result["sampling_parts_s"] = marks["sampling_parts"]
     if "compiles" in marks:
         result["compiles"] = marks["compiles"]
+    if "compile_choice" in marks:
+        result["compile_choice"] = marks["compile_choice"]
     if args.keep is not None:
         keep_run_files(workspace, work / f"{workspace.name}.log", args.keep)
     return result
@@ -212,6 +214,8 @@ def keep_run_files(workspace: Path, log_file: Path, keep: Path) -> None:
 COMPILE_LINE = re.compile(r"Denoiser compiled and checked for batch shape \[(?P<shape>[\d, ]+)\] in (?P<s>[\d.]+) s"
                           r"(?P<graphs> \(its CUDA graphs are recorded at its next steps\))?: (?P<parts>.*)")
 """The trainer's line for each compiled batch shape (`compiled_unet.CompileCheck`)."""
+COMPILE_CHOICE = "training.compile auto: "
+"""The start of the trainer's line on what `training.compile` auto chose (`compile_choice.choose`)."""
 
 
 def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list) -> None:
@@ -244,6 +248,8 @@ def _read_line(line: str, at: float, marks: dict, phases: dict, samplings: list)
             phase, _, listed = phase_parts.partition(" = ")
             marks.setdefault("startup_parts", {})[phase] = {name.strip(): float(sec)
                                                            for name, sec in re.findall(r"(.+?) ([\d.]+) s(?: \+ |$)", listed)}
+    elif line.startswith(COMPILE_CHOICE):  # training.compile auto: what it chose, and the estimate
+        marks["compile_choice"] = line[len(COMPILE_CHOICE):].strip()
     elif compiled := COMPILE_LINE.search(line):  # training.compile: each batch shape's compile and check
         marks.setdefault("compiles", []).append({
             "shape": [int(n) for n in compiled["shape"].split(",")], "s": float(compiled["s"]),

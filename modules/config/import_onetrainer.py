@@ -71,7 +71,7 @@ def from_onetrainer(path: Path, data: dict, named: dict[str, Path] | None = None
               "latent_caching": "data.cache_latents", "lora_rank": "training.lora_rank",
               "lora_alpha": "training.lora_alpha", "dropout_probability": "training.lora_dropout",
               "offset_noise_weight": "training.offset_noise", "rolling_backup_count": "save.rolling_backup_count",
-              "compile": "training.compile", "multi_gpu": "multi_gpu.enabled",
+              "multi_gpu": "multi_gpu.enabled",
               "device_indexes": "multi_gpu.device_indexes", "lora_model_name": "training.lora_init",
               "lokr_decompose_factor": "training.lokr_factor"}
     for key, value in data.items():
@@ -85,6 +85,8 @@ def from_onetrainer(path: Path, data: dict, named: dict[str, Path] | None = None
             result.set("training.max_grad_norm", _float(result, key, value or 0.0))
         elif key == "ema":
             result.set("training.ema", str(value).upper() != "OFF")
+        elif key == "compile":
+            result.set("training.compile", "on" if value else "off")
         elif key == "train_dtype":
             _choice(result, key, value, DTYPES, "training.precision")
         elif key == "output_dtype":

@@ -47,7 +47,19 @@ def _v3_to_v4(data: dict) -> dict:
     return data
 
 
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+def _v4_to_v5(data: dict) -> dict:
+    # training.compile and training.cuda_graphs were switches whose default (false) every saved config wrote out;
+    # they are now auto | on | off, and `auto` compiles (with graphs) only where it pays. A true stays on.
+    training = data.get("training")
+    if isinstance(training, dict):
+        for name in ("compile", "cuda_graphs"):
+            if isinstance(training.get(name), bool):
+                training[name] = "on" if training[name] else "auto"
+    return data
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4,
+                                                 4: _v4_to_v5}
 
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,

@@ -23,7 +23,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynom
 CONCEPT_ROLES = ("train", "regularisation", "validation")
 """`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
 
-CONFIG_VERSION = 4
+CONFIG_VERSION = 5
 """The `__version` written into every saved config; bump it together with a new migration."""
 
 REMOVED_FIELDS = {
@@ -240,10 +240,10 @@ class TrainingConfig:
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
     channels_last: bool = rule(False, label="Channels-last UNet")
     """Store the UNet's convolution weights in channels-last (NHWC) memory layout for training, so that cuDNN need not convert layouts around every convolution (on CUDA). Affects speed only: results are the same up to floating-point rounding, and models and backups are saved in the usual layout. Off by default: for SD1.5 in bf16 the layout conversions it saves were replaced by as much copying elsewhere, so measure before keeping it on (docs/Performance.md)."""
-    compile: bool = rule(False, label="Compile UNet / transformer (torch.compile)")
-    """Compile the denoiser with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python. The first step of each image size compiles - minutes the first time, seconds once PyTorch's compile cache (~/.cache/tandem/torchinductor) holds it - and its gradients are checked against the uncompiled denoiser's before that step changes any weight. Worth it for runs of several hundred steps per GPU, or a model and image sizes trained more than once. Needs Triton on GPUs (not in PyTorch's Windows builds); on CPU it runs uncompiled kernels. Figures: docs/Performance.md."""
-    cuda_graphs: bool = rule(False, label="CUDA graphs (with compile)")
-    """Replay the compiled denoiser's kernels as CUDA graphs (torch.compile's "reduce-overhead" mode): one launch a pass instead of thousands of kernels, which is what limits short steps (small models, small batches); the losses are the same. Needs `training.compile`. The graphs keep their memory between steps, so samples and validation cannot borrow it. With gradient checkpointing, PyTorch 2.11 compiles afresh at every start (2.13 caches it). On CPU nothing is captured. Figures: docs/Performance.md."""
+    compile: str = rule("auto", choices=("auto", "on", "off"), label="Compile UNet / transformer (torch.compile)")
+    """Compile the denoiser with torch.compile (inductor): fewer, fused GPU kernels per step, which helps most where small batches leave the GPU waiting for Python. The first step of each image size compiles - minutes the first time, seconds once PyTorch's compile cache (~/.cache/tandem/torchinductor) holds it - and its gradients are checked against the uncompiled denoiser's before that step changes any weight. `auto` (default): compile on a GPU where it pays for this run - where the steps it shortens save more than the compile costs, from the cache when it holds this model and image size, cold otherwise - estimated from figures measured for the model's family (SD 1.x/2.x, SDXL, SD3; the others stay uncompiled) and said in one line at start. `on`: always (needs Triton on GPUs, not in PyTorch's Windows builds; on CPU it runs uncompiled kernels). `off`: never. Configs saved before version 5 that say false (the default then) read as `auto`, true as `on`. Figures: docs/Performance.md."""
+    cuda_graphs: str = rule("auto", choices=("auto", "on", "off"), label="CUDA graphs (with compile)")
+    """Replay the compiled denoiser's kernels as CUDA graphs (torch.compile's "reduce-overhead" mode): one launch a pass instead of thousands of kernels, which is what limits short steps (small models, small batches); the losses are the same. Applies when the denoiser is compiled (`training.compile`). The graphs keep their memory between steps, so samples and validation cannot borrow it. `auto` (default): on a GPU whenever the denoiser is compiled, except with gradient checkpointing on a PyTorch whose compile cache cannot keep the graphs' random numbers (2.11: every start would compile afresh; 2.13 keeps them). `on`: whenever compiled. `off`: never. On CPU nothing is captured. Configs saved before version 5 that say false read as `auto`, true as `on`. Figures: docs/Performance.md."""
     max_grad_norm: float = rule(1.0, minimum=0, label="Clip gradient norm")
     """Clip the gradient norm to this value. 0: no clipping."""
     ema: bool = rule(False, label="EMA of weights")

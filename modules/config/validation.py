@@ -190,9 +190,9 @@ def _training_checks(cfg: TrainConfig) -> list[str]:
                         "set epochs to 1 or more, or set max_steps.")
     problems += _between("training.ema_decay", t.ema_decay, 0, 1, open_ends=True)
     problems += _between("training.lora_dropout", t.lora_dropout, 0.0, 1.0)
-    if t.cuda_graphs and not t.compile:
-        problems.append("training.cuda_graphs: true replays the compiled denoiser's kernels, and training.compile is "
-                        "false; set training.compile to true, or training.cuda_graphs to false.")
+    if t.cuda_graphs == "on" and t.compile == "off":
+        problems.append("training.cuda_graphs: on replays the compiled denoiser's kernels, and training.compile is "
+                        "off; set training.compile to on or auto, or training.cuda_graphs to auto or off.")
     if t.method == "lora" and not t.lora_target_modules:
         problems.append("training.lora_target_modules: [] leaves LoRA nothing to train; "
                         'list module names such as ["to_q", "to_k", "to_v", "to_out.0"].')
@@ -297,9 +297,9 @@ def fsdp_blockers(cfg: TrainConfig) -> list[str]:
     if t.precision == "fp16":
         blockers.append("training.precision fp16: loss scaling over sharded gradients is not supported; use bf16 "
                         "(or fp32)")
-    if t.compile:
-        blockers.append("training.compile: the compiled denoiser's check against eager mode runs on whole "
-                        "weights; turn training.compile off")
+    if t.compile == "on":
+        blockers.append("training.compile on: the compiled denoiser's check against eager mode runs on whole "
+                        "weights; set training.compile to auto or off")
     if cfg.optimizer.name == "adamw_8bit":
         blockers.append("optimizer.name adamw_8bit: bitsandbytes' 8-bit state does not take sharded parameters; "
                         "use adamw (sharded, its state costs 1/N per GPU) or adafactor")
@@ -347,7 +347,7 @@ def _multi_gpu_checks(cfg: TrainConfig) -> list[str]:
         for path, value, active in (
                 ("training.gradient_accumulation_steps", cfg.training.gradient_accumulation_steps,
                  cfg.training.gradient_accumulation_steps > 1),
-                ("training.compile", cfg.training.compile, cfg.training.compile)):
+                ("training.compile", cfg.training.compile, cfg.training.compile == "on")):
             if active:
                 problems.append(f"multi_gpu.static_graph: true cannot be combined with {path} = "
                                 f"{str(value).lower()} (PyTorch's DDP fails on a static graph's unsynchronised "
@@ -409,10 +409,11 @@ def layer_offload_problems(cfg: TrainConfig) -> list[str]:
     if not t.gradient_checkpointing:
         problems.append(f"{field} needs training.gradient_checkpointing: without it autograd keeps every block's "
                         "weights on the GPU until the backward; set training.gradient_checkpointing to true.")
-    for path, active in (("training.compile", t.compile), ("training.channels_last", t.channels_last)):
+    for path, active, fix in (("training.compile", t.compile == "on", "auto or off"),
+                              ("training.channels_last", t.channels_last, "false")):
         if active:
             problems.append(f"{field} with {path}: the swapped weights change place every call; set {path} to "
-                            "false (or multi_gpu.layer_offload to off).")
+                            f"{fix} (or multi_gpu.layer_offload to off).")
     if m.enabled and m.strategy == "fsdp":
         problems.append(f"{field} with multi_gpu.strategy fsdp: FSDP shards the base instead; set "
                         "multi_gpu.strategy to ddp or auto (or multi_gpu.layer_offload to auto or off).")
@@ -447,9 +448,9 @@ def context_parallel_problems(cfg: TrainConfig, gpus: int | None, family: str | 
         problems.append(f"{field} must divide the number of GPUs ({gpus}): each group of {degree} GPUs trains one "
                         f"share of the batch; use {' or '.join(str(d) for d in range(2, gpus + 1) if gpus % d == 0) or 1}, "
                         f"or {degree * max(1, gpus // degree)} GPUs.")
-    if cfg.training.compile:
-        problems.append(f"{field} with training.compile: the compiled denoiser is checked against eager mode on the "
-                        "whole sequence; turn training.compile off (or set context_parallel to 1).")
+    if cfg.training.compile == "on":
+        problems.append(f"{field} with training.compile on: the compiled denoiser is checked against eager mode on "
+                        "the whole sequence; set training.compile to auto or off (or context_parallel to 1).")
     split = m.batch_split.strip().lower()
     if split not in ("", "equal"):
         problems.append(f"{field} with multi_gpu.batch_split {m.batch_split!r}: the GPUs of a group run one sample "

@@ -36,6 +36,7 @@ from modules.trainer import resume as resuming
 from modules.trainer.caching import fill_caches, offload_cached_encoders
 from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox, StopRequested
+from modules.trainer.compile_choice import CompileChoice, RunForCompile, choose
 from modules.trainer.compiled_unet import CompileCheck, keep_gradient_buffers
 from modules.trainer.ema import EMA
 from modules.trainer.finite import FiniteGuard
@@ -109,6 +110,10 @@ class BaseTrainer(ABC):
         """training.compile: each new batch shape compiles new kernels, so each is checked once (`start`)."""
         self.gradient_buffers = False
         """training.cuda_graphs: the gradients keep buffers of their own between steps (`keep_gradient_buffers`)."""
+        self.compiling = CompileChoice(False, False)
+        """Whether the denoiser is compiled and replayed as CUDA graphs, `training.compile` auto decided (`start`)."""
+        self.compile_split = False
+        """Whether the compiled denoiser is split at DDP's gradient buckets (`compile_splits_at_buckets`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -141,10 +146,11 @@ class BaseTrainer(ABC):
             self.batch_part = BatchSlice.of(self.split, self.parallel.data_rank)
             self.sampler, self.loader = self.create_loader()
             self.numbers = self.compute_numbers()
+            self.compiling, signature = self.choose_compile()
             self.model = self.wrap_model(self.training_model())
-            self.compile_check = CompileCheck(self.device, self.cfg.training.cuda_graphs) if self.cfg.training.compile \
-                else None
-            self.gradient_buffers = self.cfg.training.compile and self.cfg.training.cuda_graphs
+            self.compile_check = CompileCheck(self.device, self.compiling.graphs, signature) \
+                if self.compiling.compile else None
+            self.gradient_buffers = self.compiling.compile and self.compiling.graphs
             self.seed_this_process()
             self.optimizer, self.lr_schedule = self.create_optimizer()
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.precision == "fp16")
@@ -405,13 +411,83 @@ class BaseTrainer(ABC):
     def training_model(self) -> TrainingModel:
         model = TrainingModel(self.bundle, self.cfg.training.train_text_encoder, self.objective)
         t = self.cfg.training
-        if t.compile:
+        if self.compiling.compile:
             from modules.trainer.compiled_unet import compile_unet
             dropout = t.method == "lora" and t.lora_dropout > 0
             model.use_compiled_unet(compile_unet(self.bundle.denoiser, self.device, len(set(self.dataset.buckets)),
-                                                 dropout, self.parallel.compile_splits_at_buckets(self.trainable_params()),
-                                                 cuda_graphs=t.cuda_graphs, checkpointing=t.gradient_checkpointing))
+                                                 dropout, self.compile_split, cuda_graphs=self.compiling.graphs,
+                                                 checkpointing=t.gradient_checkpointing))
         return model
+
+    def choose_compile(self) -> tuple[CompileChoice, str | None]:
+        """`training.compile` and `training.cuda_graphs` as this run takes them (`compile_choice.choose`: `auto`
+        weighed, said in one line), with the graph signature its compiles are noted under (`compile_ledger`). Every
+        rank takes rank 0's choice."""
+        from modules.trainer.compiled_unet import graph_safe_randomness_cacheable, graph_signature
+        t = self.cfg.training
+        if t.compile == "off":
+            return CompileChoice(False, False), None
+        on_gpu = self.device.type == "cuda"
+        if t.compile == "auto" and not on_gpu:
+            choice = choose(t.compile, t.cuda_graphs, on_gpu, None)
+            log.info(choice.line)
+            return choice, None
+        unavailable = None
+        if t.gradient_checkpointing and not graph_safe_randomness_cacheable():
+            unavailable = f"PyTorch {torch.__version__} would compile afresh at every start"
+        split = self.compile_split = self.parallel.compile_splits_at_buckets(self.trainable_params())
+        graphs_if_compiled = choose("on", t.cuda_graphs, on_gpu, None, graphs_unavailable=unavailable).graphs
+        signature = graph_signature(self.bundle.denoiser, self.device, precision=t.precision,
+                                    checkpointing=t.gradient_checkpointing, graphs=graphs_if_compiled and on_gpu,
+                                    dropout=t.method == "lora" and t.lora_dropout > 0, split=split)
+        run = None
+        blocked = self.compile_blocked() if t.compile == "auto" and on_gpu else None
+        if t.compile == "auto" and on_gpu and blocked is None and du.is_main():
+            run = self.run_for_compile(signature, split)
+        choice = du.broadcast_object(choose(t.compile, t.cuda_graphs, on_gpu, run, blocked, unavailable))
+        if choice.line:
+            log.info(choice.line)
+        # Noted by one process per machine: each machine's compile cache is its own.
+        return choice, signature if du.local_rank() == 0 and not (choice.graphs and unavailable) else None
+
+    def compile_blocked(self) -> str | None:
+        """Why this run cannot compile its denoiser (what validation refuses with `training.compile` on), or None."""
+        m = self.cfg.multi_gpu
+        if not self.parallel.holds_whole_model:
+            return "FSDP shards the denoiser's weights, and the compiled denoiser is checked on whole ones"
+        if self.parallel.layer_offload_blocks:
+            return "layer offload moves the denoiser's weights at every call"
+        if du.world_size() > 1 and m.context_parallel > 1:
+            return "context parallelism splits each sample, and the compiled denoiser is checked on whole ones"
+        if du.world_size() > 1 and m.static_graph:
+            return "PyTorch's DDP fails on a static graph's unsynchronised first backward (multi_gpu.static_graph)"
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            return "this PyTorch has no Triton to compile for the GPU"
+        return None
+
+    def run_for_compile(self, signature: str, split: bool) -> RunForCompile:
+        """This run as `auto` weighs a compile: its steps, the images and pixels of each, and the batch shapes it
+        trains (one per aspect bucket that fills a global batch), with those the compile cache holds."""
+        from modules.util.compile_ledger import noted
+        counts: dict[int, int] = {}
+        first: dict[int, int] = {}
+        for index, bucket in enumerate(self.dataset.buckets):
+            counts[bucket] = counts.get(bucket, 0) + 1
+            first.setdefault(bucket, index)
+        trained = [b for b in counts if counts[b] >= self.batch_part.total] or list(counts)
+        notes = []
+        for bucket in trained:
+            item = self.dataset[first[bucket]]
+            notes.append(noted(signature, (self.batch_part.size, *(item["latents"] if "latents" in item
+                                                                   else item["pixels"]).shape)))
+        sizes = self.dataset.bucket_sizes
+        pixels = sum(counts[b] * sizes[b % len(sizes)][0] * sizes[b % len(sizes)][1] for b in trained) \
+            / sum(counts[b] for b in trained)
+        cached = [n["cached_s"] for n in notes if n is not None and n.get("cached_s")]
+        return RunForCompile(self.bundle.model_type, self.numbers.total_steps - self.global_step,
+                             self.batch_part.size * self.numbers.accumulation, pixels, len(trained),
+                             sum(n is not None for n in notes), max(cached) if cached else None, split)
 
     def compute_numbers(self) -> RunNumbers:
         return derive_run_numbers(self.cfg, self.parallel.data_world, len(self.sampler), self.split,

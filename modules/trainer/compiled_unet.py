@@ -240,9 +240,12 @@ class CompileCheck:
     through the uncompiled and the compiled denoiser, and the gradients compared, before the step trains
     on it. `checked`: each shape checked so far, with the relative difference found."""
 
-    def __init__(self, device: torch.device, cuda_graphs: bool = False) -> None:
+    def __init__(self, device: torch.device, cuda_graphs: bool = False, signature: str | None = None) -> None:
+        """`signature`: the run's `graph_signature`, under which each compiled shape is noted as held by the compile
+        cache (`compile_ledger`); None: not noted."""
         self.device = device
         self.cuda_graphs = replays_cuda_graphs(cuda_graphs, device)
+        self.signature = signature
         self.checked: dict[tuple[int, ...], float] = {}
 
     @staticmethod
@@ -260,8 +263,38 @@ class CompileCheck:
         started, readings = time.perf_counter(), compile_readings()
         self.checked[shape] = compare_with_eager(eager_pass, compiled_pass, params, self.device,
                                                  what=f"batch shape {list(shape)}")
+        seconds, after = time.perf_counter() - started, compile_readings()
         # On the run's log (the trainer's logger): how long the first step of each shape waits for the compiler.
         logging.getLogger("tandem").info("Denoiser compiled and checked for batch shape %s in %.1f s%s: %s.",
-                                         list(shape), time.perf_counter() - started,
+                                         list(shape), seconds,
                                          " (its CUDA graphs are recorded at its next steps)" if self.cuda_graphs else "",
-                                         describe_compile(readings, compile_readings()))
+                                         describe_compile(readings, after))
+        if self.signature is not None:
+            from modules.util.compile_ledger import note_compiled
+            note_compiled(self.signature, shape, seconds, served_from_cache(readings, after))
+
+
+def served_from_cache(before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether a compile between two `compile_readings` came from the compile cache: hits and no misses."""
+    hits = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in ("autograd cache hits", "kernel cache hits"))
+    misses = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in ("autograd cache misses", "kernel cache misses"))
+    return hits > 0 and misses == 0
+
+
+def graph_signature(denoiser: torch.nn.Module, device: torch.device, **settings) -> str:
+    """What decides whether PyTorch's compile cache serves a compile of `denoiser` on `device`, as one hash: torch's
+    version, the GPU, the denoiser's class and every weight's name, shape, dtype and whether it trains (the
+    architecture, the LoRA and its rank, fp8), and the run's `settings` that change the graph (precision,
+    checkpointing, CUDA graphs, dropout, the split at DDP's buckets). Noted with each compiled batch shape
+    (`compile_ledger`)."""
+    import hashlib
+    import json
+
+    where = device.type
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    digest = hashlib.sha256(json.dumps({"torch": torch.__version__, "device": where, "class": type(denoiser).__name__,
+                                        **settings}, sort_keys=True).encode())
+    for name, p in denoiser.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    return digest.hexdigest()

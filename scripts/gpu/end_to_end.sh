@@ -12,7 +12,7 @@
 #            own that outlives this call, for a job longer than one 10-minute call (the SDXL and Flux jobs on
 #            1 GPU): the next call runs
 #   collect  which waits (up to WAIT s, default 580) for them to end and adds their lines to the results
-#   compiled the same with training.compile=true; run it twice on a fresh machine (the first run of each
+#   compiled the same with training.compile=on (CUDA graphs off); run it twice on a fresh machine (the first run of each
 #            GPU count fills the compile cache; the second is the warm figure)
 #   coldexit `done` to exit after a cold compile: 2 GPUs, 1 epoch, a fresh compile cache
 #   bytecode launch to first step with a complete cache, 8 steps: Tandem's bytecode cache off (1, 4 GPUs),
@@ -45,7 +45,7 @@ E2E="$(realpath -m "${E2E:-/tmp/tandem-e2e/models}")"; BASE="$(realpath -m .benc
 # started while another is still going (two jobs at once on different GPUs)
 DETACHED="${DETACHED:-/tmp/tandem-e2e/detached}"
 [ -z "${E2E_RESULTS:-}" ] || RES="$E2E_RESULTS"
-COMPILED=(--label-config "c1:training.compile=true" --label-config "c2:training.compile=true" --label-config "c4:training.compile=true")
+COMPILED=(); for c in c1 c2 c4; do COMPILED+=(--label-config "$c:training.compile=on" --label-config "$c:training.cuda_graphs=off"); done
 # Each run's log and profile reports (TANDEM_PROFILE_STEPS) are kept in $OUT/runs on a device machine, so that
 # they come back with the call; detached runs keep theirs beside their results until `collect`.
 KEEP="${E2E_KEEP:-${OUT:+$OUT/runs}}"

@@ -10,7 +10,7 @@
 #           gradient checkpointing, 1 image per GPU
 #   flux2   the same, 2 images per GPU
 #   sd35m   SD3.5-Medium-size transformer, LoRA r16, 1024 px, gradient checkpointing, 2 images per GPU
-#   sd35mc  the `sd35m` case with training.compile=true (the reference uncompiled); a cold compile takes
+#   sd35mc  the `sd35m` case with training.compile=on (the reference uncompiled); a cold compile takes
 #           ~4 minutes per world size: run WORLDS="1" and WORLDS="2" in separate calls
 #   graphs  SD1.5-size LoRA at 8 per GPU with training.compile and training.cuda_graphs, the reference
 #           (uncompiled) beside; the first world size fills the compile cache (~3 minutes), the others read it
@@ -71,13 +71,13 @@ sd35mc)
     SD35="--model sd35m --mode lora --batch 2 --res 1024 --gc --steps 10 --warmup 3"
     log "$SD35, the trainer compiled"
     for n in $WORLDS; do ref "$n" $SD35; done
-    bench $SD35 --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=true
+    bench $SD35 --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=on --config-value training.cuda_graphs=off
     ;;
 graphs)
     G="--model sd15 --mode lora --batch 8"
     log "$G, the trainer compiled with CUDA graphs"
     for n in $WORLDS; do ref "$n" $G; done
-    bench $G --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=true --config-value training.cuda_graphs=true
+    bench $G --gpus "$(echo $WORLDS | tr ' ' ',')" --config-value training.compile=on --config-value training.cuda_graphs=on
     ;;
 autotune)
     for case in "--model sd15 --mode full --batch 8" "--model sd15 --mode lora --batch 8" \

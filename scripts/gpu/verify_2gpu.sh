@@ -71,7 +71,7 @@ compile)
     mode="${2:?usage: verify_2gpu.sh compile lora|full}"
     ref 1 --model sd15 --mode "$mode" --batch 8; ref 2 --model sd15 --mode "$mode" --batch 8
     log "sd15 $mode b8 compiled (the first step compiles and checks; the warm-up leaves it out)"
-    TORCH_LOGS=recompiles bench --model sd15 --mode "$mode" --batch 8 --gpus 1,2 --config-value training.compile=true
+    TORCH_LOGS=recompiles bench --model sd15 --mode "$mode" --batch 8 --gpus 1,2 --config-value training.compile=on --config-value training.cuda_graphs=off
     bench --model sd15 --mode "$mode" --batch 8 --gpus 1,2
     ;;
 checks)
