@@ -4,6 +4,8 @@ allows. Torch-free, from the published sizes. The offload's schedule and trainin
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import pytest
 
@@ -172,3 +174,61 @@ def test_layer_offload_refuses_what_it_cannot_train_naming_the_field():
     assert "multi_gpu.layer_offload: 8 with training.compile" in text
     ok = apply_overrides(TrainConfig(), ["multi_gpu.layer_offload=8", "training.gradient_checkpointing=true"])
     assert not [p for p in validate(ok, check_paths=False) if "layer_offload" in p]
+
+
+def test_plan_for_takes_the_machines_host_memory_after_a_colon():
+    from modules.config.memory_plan import parse_plan_for
+
+    assert parse_plan_for("1x24:64") == ([24.0], 64.0) and parse_plan_for("2x24") == ([24.0, 24.0], None)
+    for bad in ("1x24:", "1x24:lots", "1x24:0"):
+        with pytest.raises(ValueError, match="':' names the machine's host memory in GiB, e.g. 1x24:64"):
+            parse_plan_for(bad)
+
+
+def test_the_layer_offload_copy_is_counted_once_per_machine():
+    from modules.config.host_need import PROCESS_HOST_GIB, host_need
+    from modules.config.memory_need import Setup, facts, need
+
+    cfg = config("qwen", "lora", "training.gradient_checkpointing=true")
+    f = facts(model_sizes(cfg), cfg)
+    setup = Setup("ddp", 2, checkpointing=True, offload_blocks=30)
+    one, two = (host_need(f, cfg, setup, need(f, cfg, setup), n) for n in (1, 2))
+    copy = "layer offload's copy (one per machine)"
+    assert one.parts[copy] == two.parts[copy] > 10  # ~half of a 41 GiB base, held once
+    assert two.parts["processes"] == 2 * one.parts["processes"] == 2 * 2 * PROCESS_HOST_GIB / 2
+    assert two.total - one.total == pytest.approx(PROCESS_HOST_GIB)
+    fsdp = Setup("fsdp", 2, checkpointing=True, cpu_offload=True)
+    shards = host_need(f, cfg, fsdp, need(f, cfg, fsdp), 2).parts["CPU offload of the shards"]
+    assert shards == pytest.approx(2 * need(f, cfg, fsdp).host)  # each rank its own shards
+
+
+def test_a_plan_the_host_memory_cannot_hold_gives_way_to_one_it_can_or_is_refused_with_the_figure():
+    from modules.config.host_need import HostRoom
+
+    cfg = config("qwen", "lora", "training.gradient_checkpointing=true", "multi_gpu.layer_offload=auto")
+    roomy = plan(cfg, 24, 24, host=HostRoom(128, "test", 2))
+    assert "DDP + layer offload (" in roomy.name and "fp8" not in roomy.name, roomy.name
+    assert f"host memory ~{roomy.host.total:.1f} GiB for 2 process(es) of 128.0 (test)" in roomy.describe()
+    short = roomy.host.total - 1  # the swapped bf16 blocks' copy no longer fits, fp8's smaller one does
+    tight = plan(cfg, 24, 24, host=HostRoom(short, "test", 2))
+    assert "fp8 base + layer offload" in tight.name and tight.host.total <= short * 0.9, tight.describe()
+    assert f"{roomy.name} ~{roomy.host.total:.1f} GiB of host memory (of {short:.1f}, 90% usable)" in tight.rejected
+    with pytest.raises(NoPlanFits) as refused:
+        plan(cfg, 24, 24, host=HostRoom(3, "test", 2))  # less than the two processes themselves
+    text = str(refused.value)
+    assert text.startswith("nothing fits the host memory of this machine (3.0 GiB, test; 90% usable) beside "
+                           "2 GPU(s) of 24 GiB (test): the plan that needs the least, "), text
+    least = float(re.search(r"needs ~([\d.]+) GiB of host memory for 2 process\(es\) \(", text).group(1))
+    machine = int(re.search(r"Any one of these fits: a machine with (\d+) GiB or more of available memory", text).group(1))
+    assert least / 0.9 <= machine <= math.ceil((least + 0.05) / 0.9), text
+    # Not checked where the machine is unknown: the GPUs' plan as before.
+    assert plan(cfg, 24, 24).name == roomy.name
+
+
+def test_plan_for_refuses_a_machine_without_the_host_memory(capsys):
+    assert main(["--config-path", "qwen_lora", "--plan-for", "1x24:6"]) == 1
+    printed = capsys.readouterr().out
+    assert "REFUSED: nothing fits the host memory of this machine (6.0 GiB, --plan-for 1x24:6" in printed, printed
+    assert main(["--config-path", "qwen_lora", "--plan-for", "1x24:64"]) == 0
+    printed = capsys.readouterr().out
+    assert "host memory of the machine, GiB: " in printed and " of 64.00 (layer offload's copy" in printed, printed

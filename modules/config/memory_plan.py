@@ -28,8 +28,11 @@ every worker (`DistributedTrainer`) make the same plan from the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
+from modules.config.host_need import HOST_SAFETY_FRACTION, HostNeed, HostRoom, host_need
+from modules.config.host_need import fits as host_fits
 from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
 from modules.config.model_families import FAMILIES
 from modules.config.model_sizes import ModelSizes
@@ -74,6 +77,10 @@ class Plan:
     """The config fields the plan sets (`section.field` -> value), beyond what the config says."""
     chosen_by: str = "auto"
     slower: str = ""
+    host: HostNeed | None = None
+    """The machine's host memory under this plan (`host_need.py`)."""
+    host_room: HostRoom | None = None
+    """The host memory it was checked against (None: not checked, the machine unknown)."""
     """The next plan that fits too, with its estimated step time against this one's (why this one)."""
 
     @property
@@ -117,6 +124,12 @@ class Plan:
                      "(scripts/check_multi_gpu.py --plan-for names what would fit)")
         elif self.tight:
             text += f"; TIGHT: beyond {SAFETY_FRACTION:.0%} of the card, no plan fits with room to spare"
+        if self.host is not None:
+            text += f"; host memory ~{self.host.total:.1f} GiB for {self.host.processes} process(es)"
+            if self.host_room is not None:
+                text += f" of {self.host_room.gib:.1f} ({self.host_room.source})"
+                if not host_fits(self.host, self.host_room):
+                    text += ", MORE THAN THE MACHINE HAS: expect it to swap or be ended for lack of memory"
         if self.changes:
             text += "; sets " + ", ".join(f"{k}={_value(v)}" for k, v in self.changes.items())
         if self.planned_split:
@@ -370,31 +383,71 @@ def _uneven_split(f: Facts, cfg, setup: Setup, caps: list[float], margin: float)
 
 
 def choose_plan(cfg, sizes: ModelSizes, caps: list[float], capacity_source: str = "free memory",
-                refuse: bool = True) -> Plan:
-    """The fastest plan that fits every card (see the module's doc); raises `NoPlanFits` when none fits - or,
-    with `refuse` off (a worker: the launcher refuses), takes the most frugal plan and says it is tight."""
+                refuse: bool = True, host: HostRoom | None = None) -> Plan:
+    """The fastest plan that fits every card (see the module's doc) - and the machine's host memory, where `host`
+    says how much there is (`host_need.py`); raises `NoPlanFits` when none fits - or, with `refuse` off (a
+    worker: the launcher refuses), takes the most frugal plan and says it is tight."""
     f = facts(sizes, cfg)
     world = len(caps)
+    processes = host.processes if host is not None else world
     batches = batches_of(cfg, world)
     found = ranked(f, cfg, caps, batches)
     explicit = cfg.multi_gpu.strategy if world > 1 and cfg.multi_gpu.strategy != "auto" else None
     chosen_by = f"multi_gpu.strategy {explicit}" if explicit else "auto"
     rejected: list[str] = []
+    too_large_for_host: list[Plan] = []
     for candidate in found:
         fits, needs, chosen, planned = _fit(f, cfg, candidate.setup, caps, batches, SAFETY_FRACTION)
         if fits:
             if len(found) > 1 and candidate.setup.strategy == "fsdp":
                 candidate, (needs, chosen, planned) = _leaner(f, cfg, candidate, caps, batches, (needs, chosen, planned))
             plan = _plan(cfg, candidate, needs, chosen, caps, capacity_source, rejected, planned, False, chosen_by)
+            plan.host, plan.host_room = host_need(f, cfg, candidate.setup, needs[0], processes), host
+            if not host_fits(plan.host, host):
+                too_large_for_host.append(plan)
+                rejected.append(f"{candidate.name} ~{plan.host.total:.1f} GiB of host memory (of {host.gib:.1f}, "
+                                f"{HOST_SAFETY_FRACTION:.0%} usable)")
+                continue
+            plan.rejected = list(rejected)
             plan.slower = _next_that_fits(f, cfg, candidate, found, caps, batches)
             return plan
         rejected.append(_why_not(candidate, needs, caps))
+    if too_large_for_host:  # the GPUs hold a plan, the machine's memory none
+        least = min(too_large_for_host, key=lambda p: p.host.total)
+        if refuse:
+            raise NoPlanFits(host_refusal(cfg, sizes, caps, capacity_source, least, host))
+        least.rejected = [r for r in rejected if not r.startswith(least.name + " ~")]
+        return least
     last = most_frugal(f, cfg, found, caps, batches)
     fits, needs, chosen, planned = _fit(f, cfg, last.setup, caps, batches, 1.0)
     if fits or not refuse:  # the most frugal plan (or the one asked for): the log says it is tight
         rejected = [r for c, r in zip(found, rejected) if c is not last]
-        return _plan(cfg, last, needs, chosen, caps, capacity_source, rejected, planned, True, chosen_by)
+        plan = _plan(cfg, last, needs, chosen, caps, capacity_source, rejected, planned, True, chosen_by)
+        plan.host, plan.host_room = host_need(f, cfg, last.setup, needs[0], processes), host
+        if fits and refuse and not host_fits(plan.host, host):
+            raise NoPlanFits(host_refusal(cfg, sizes, caps, capacity_source, plan, host))
+        return plan
     raise NoPlanFits(refusal(cfg, f, last, caps, capacity_source))
+
+
+def host_refusal(cfg, sizes: ModelSizes, caps: list[float], source: str, least: Plan, host: HostRoom) -> str:
+    """Why the machine's memory holds no plan the GPUs hold: the figure by part, and what would fit."""
+    parts = ", ".join(f"{name} {gib:.1f}" for name, gib in least.host.parts.items())
+    text = (f"nothing fits the host memory of this machine ({host.gib:.1f} GiB, {host.source}; "
+            f"{HOST_SAFETY_FRACTION:.0%} usable) beside {_cards(caps, source)}: the plan that needs the least, "
+            f"{least.name}, needs ~{least.host.total:.1f} GiB of host memory for {host.processes} process(es) ({parts}).")
+    options = []
+    if cfg.training.method == "lora" and cfg.model.unet_dtype != "fp8":
+        fp8 = with_changes(cfg, {"model.unet_dtype": "fp8"})
+        if not plan_problems(cfg, len(caps), {"model.unet_dtype": "fp8"}):
+            try:
+                choose_plan(fp8, sizes, caps, source, host=host)
+                options.append("model.unet_dtype fp8 (half the bytes of a swapped or offloaded base)")
+            except NoPlanFits:
+                pass
+    options.append(f"a machine with {math.ceil(least.host.total / HOST_SAFETY_FRACTION)} GiB or more of available "
+                   "memory (or close what else uses it)")
+    return text + " Any one of these fits: " + "; ".join(options) + "."
 
 
 def ranked(f: Facts, cfg, caps: list[float], batches) -> list[Candidate]:
@@ -585,6 +638,22 @@ def plan_for_cards(cfg, sizes: ModelSizes, card_gib: list[float] | None, world: 
     return choose_plan(cfg, sizes, caps, source)
 
 
+def parse_plan_for(text: str) -> tuple[list[float], float | None]:
+    """`--plan-for` as cards and the machine's host memory: `1x24:64` -> ([24], 64.0) - one 24 GiB card in a
+    machine with 64 GiB of memory to spare; `2x24` -> ([24, 24], None), the host memory not checked."""
+    cards, colon, host = text.replace(" ", "").partition(":")
+    if not colon:
+        return parse_cards(cards), None
+    try:
+        gib = float(host)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise ValueError(f"--plan-for {text!r}: after the cards, ':' names the machine's host memory in GiB, "
+                         "e.g. 1x24:64")
+    return parse_cards(cards), gib
+
+
 def parse_cards(text: str) -> list[float]:
     """`--plan-for` cards: `2x24` -> [24, 24], `24,16` -> [24, 16], `4x24,2x16` -> 4 x 24 and 2 x 16."""
     cards: list[float] = []
@@ -593,7 +662,8 @@ def parse_cards(text: str) -> list[float]:
         try:
             cards += [float(size)] * int(count) if times else [float(part)]
         except ValueError:
-            raise ValueError(f"--plan-for {text!r}: write the cards as 2x24 (two of 24 GiB) or 24,16 (one each)") from None
+            raise ValueError(f"--plan-for {text!r}: write the cards as 2x24 (two of 24 GiB) or 24,16 (one each), and "
+                             "the machine's host memory after a colon if it should be checked: 1x24:64") from None
     if not cards or any(c <= 0 for c in cards):
         raise ValueError(f"--plan-for {text!r}: name at least one card of more than 0 GiB")
     return cards

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 
-from modules.config.memory_plan import NoPlanFits, Plan, capacities, choose_plan, parse_cards
+from modules.config.host_need import HostRoom
+from modules.config.memory_plan import NoPlanFits, Plan, capacities, choose_plan, parse_plan_for
 from modules.config.model_sizes import ModelSizes, model_sizes
 
 
@@ -33,6 +34,10 @@ def plan_table(plan: Plan) -> list[str]:
     hosts = [plan.needs[r].host for r in columns]
     if any(h > 0 for h in hosts):
         lines.append(f"  {'in host memory (offload)':<30}" + "".join(f"{v:>{width}.2f}" for v in hosts))
+    if plan.host is not None:
+        room = f" of {plan.host_room.gib:.2f}" if plan.host_room is not None else ""
+        lines.append(f"host memory of the machine, GiB: {plan.host.total:.2f}{room} ("
+                     + ", ".join(f"{name} {gib:.2f}" for name, gib in plan.host.parts.items()) + ")")
     return lines
 
 
@@ -47,15 +52,16 @@ def plan_report(cfg, cards_text: str, measure=None, builtin_folder=None) -> tupl
     """(report as data, as text, exit status: 0 a plan fits, 1 nothing fits) for `cfg` on the cards
     `cards_text` names (`2x24`, `24,16`)."""
     started = time.perf_counter()
-    cards = parse_cards(cards_text)
+    cards, host_gib = parse_plan_for(cards_text)
     sizes = model_sizes(cfg, measure, builtin_folder)
     sized = time.perf_counter()
     caps, source = capacities(cfg, len(cards), cards)
     source = f"{source} of --plan-for {cards_text}" if source == "multi_gpu.memory_limit_gib" else f"--plan-for {cards_text}"
-    data: dict = {"cards": cards, "capacities": caps, "model": describe_model(cfg, sizes)}
+    host = HostRoom(host_gib, f"--plan-for {cards_text}", len(cards)) if host_gib else None
+    data: dict = {"cards": cards, "capacities": caps, "host_gib": host_gib, "model": describe_model(cfg, sizes)}
     lines = [f"Model: {data['model']}"]
     try:
-        plan = choose_plan(cfg, sizes, caps, source)
+        plan = choose_plan(cfg, sizes, caps, source, host=host)
     except NoPlanFits as e:
         lines.append(f"REFUSED: {e}")
         data.update(plan=None, refused=str(e))
@@ -66,7 +72,8 @@ def plan_report(cfg, cards_text: str, measure=None, builtin_folder=None) -> tupl
         data.update(plan=plan.name, strategy=plan.strategy, changes=plan.changes, peaks=plan.peaks, tight=plan.tight,
                     rejected=plan.rejected, split=plan.planned_split,
                     parts=[n.parts for n in plan.needs], training=[n.training for n in plan.needs],
-                    caching=[n.caching for n in plan.needs])
+                    caching=[n.caching for n in plan.needs],
+                    host=dict(plan.host.parts, total=plan.host.total) if plan.host is not None else None)
         code = 0
     data["seconds"] = {"sizing the model": round(sized - started, 3), "planning": round(time.perf_counter() - sized, 3)}
     lines.append(f"(sized in {1000 * (sized - started):.0f} ms, planned in {1000 * (time.perf_counter() - sized):.0f} ms;"

@@ -29,10 +29,10 @@ input (see docs/MultiGPUTraining.md)."""
 
 def _cards(text: str) -> str:
     """`--plan-for` as written, once it reads as cards: a typo is refused before anything heavy is imported."""
-    from modules.config.memory_plan import parse_cards
+    from modules.config.memory_plan import parse_plan_for
 
     try:
-        parse_cards(text)
+        parse_plan_for(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plan-for", metavar="CARDS", type=_cards,
                         help="only the memory plan of --config-path (default "
                              f"{DEFAULT_PLAN_CONFIG!r}) for these GPUs, e.g. 2x24 (two of 24 GiB) or 24,16; "
-                             "no GPU is used")
+                             "with :GiB after them also for that much host memory, e.g. 1x24:64; no GPU is used")
     parser.add_argument("--config-value", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of --config-path (repeatable), e.g. training.batch_size=2")
     parser.add_argument("--nnodes", type=int, default=1, help="check the all-reduce between this many machines "

@@ -79,7 +79,8 @@ class DistributedTrainer(BaseTrainer):
             source = "free memory" if limit is None else "multi_gpu.memory_limit_gib"
         # Every rank sizes the model at once (milliseconds from its files; a model that must be built on
         # `meta` is built on every rank at the same time rather than on rank 0 while the others wait).
-        mine = choose_strategy(self.cfg, du.world_size(), self.device.type, cards, source)
+        mine = choose_strategy(self.cfg, du.world_size(), self.device.type, cards, source,
+                               host=self.host_room() if self.device.type == "cuda" else None)
         self.strategy = choice = du.broadcast_object(mine)
         log.info(choice.describe())
         if choice.plan is not None:
@@ -98,6 +99,22 @@ class DistributedTrainer(BaseTrainer):
                                        choice.plan.planned_split if choice.plan is not None else None)
         parallel.use_context_parallel(m.context_parallel)
         return parallel
+
+    @staticmethod
+    def host_room():
+        """The host memory rank 0's plan may use (`host_need.py`): its machine's available memory and what the
+        machine's ranks hold already, which the plan counts again (`PROCESS_HOST_GIB` each)."""
+        from modules.config.host_need import HostRoom, available_gib
+        from modules.model.shared_host_copy import machine
+        from modules.util.host_memory import process_usage
+
+        usage = process_usage()
+        figures = du.all_gather_objects((machine(), available_gib(), usage["pss"] if usage else 0))
+        first, available, _ = figures[0]
+        if available is None:
+            return None
+        here = [pss for where, _, pss in figures if where == first]
+        return HostRoom(available + sum(here) / GIB, "MemAvailable", len(here))
 
     def report_first_step(self, started: float, loaded: float, workers_s: float) -> None:
         """The first step's times, and each GPU's measured peak beside the plan's estimate and the card."""

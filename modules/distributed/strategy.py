@@ -15,6 +15,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from modules.config.host_need import HostRoom
 from modules.config.launch_spec import resolve_launch
 from modules.config.memory_plan import SAFETY_FRACTION, NoPlanFits, Plan, choose_plan  # noqa: F401 - re-exported
 
@@ -41,9 +42,11 @@ def planned_world_size(cfg, visible_gpus: int) -> int:
 
 
 def choose_strategy(cfg, world_size: int, device_type: str, cards: float | list[float] | None,
-                    source: str = "free memory", model=None, refuse: bool = False) -> StrategyChoice:
+                    source: str = "free memory", model=None, refuse: bool = False,
+                    host: HostRoom | None = None) -> StrategyChoice:
     """The strategy for `cfg` on `world_size` processes whose GPUs have `cards` GiB each (one number: all
-    alike; `source` says what the numbers are: free memory or `multi_gpu.memory_limit_gib`).
+    alike; `source` says what the numbers are: free memory or `multi_gpu.memory_limit_gib`), in machines with
+    `host` memory (None: not checked).
 
     `model`: the model's sizes if already read. Never raises for a model it cannot size or a config that
     fits nothing unless `refuse` (the launcher's check): `auto` then keeps DDP, or the most frugal plan,
@@ -72,7 +75,7 @@ def choose_strategy(cfg, world_size: int, device_type: str, cards: float | list[
         return StrategyChoice("ddp", f"no memory estimate for this model ({e}); DDP (set multi_gpu.strategy to fsdp if "
                                      "it does not fit one GPU)")
     sized = time.perf_counter()
-    plan = choose_plan(cfg, model, caps, source, refuse=refuse)
+    plan = choose_plan(cfg, model, caps, source, refuse=refuse, host=host)
     seconds = {"sizing the model": sized - started, "choosing the plan": time.perf_counter() - sized}
     reason = f"multi_gpu.strategy is {requested}" if explicit else f"the memory plan: {plan.name}"
     return StrategyChoice(plan.strategy, reason, plan, seconds)
@@ -80,13 +83,15 @@ def choose_strategy(cfg, world_size: int, device_type: str, cards: float | list[
 
 def check_cards(cfg, spec) -> StrategyChoice | None:
     """The launcher's check, before any worker starts: a plan that fits the cards of this launch
-    (`multi_gpu.memory_limit_gib`, never more than the card, or each card's size; machines alike), or
+    (`multi_gpu.memory_limit_gib`, never more than the card, or each card's size; machines alike) and this
+    machine's available host memory for its processes, or
     `NoPlanFits` naming the smallest changes that would fit. None where nothing is planned (CPU processes,
     one process, a model the estimate cannot size)."""
     if spec.device_type != "cuda" or spec.world_size < 2 or not spec.gpus:
         return None
     import torch
 
+    from modules.config.host_need import this_machine
     from modules.config.memory_need import GIB
     from modules.config.memory_plan import memory_limits
 
@@ -96,5 +101,6 @@ def check_cards(cfg, spec) -> StrategyChoice | None:
         here = [min(limit, card) for limit, card in zip(limits, here)]
     cards = (here * spec.nnodes)[:spec.world_size]
     source = "multi_gpu.memory_limit_gib" if limits is not None else "the cards' memory"
-    choice = choose_strategy(cfg, spec.world_size, "cuda", cards, source, refuse=True)
+    choice = choose_strategy(cfg, spec.world_size, "cuda", cards, source, refuse=True,
+                             host=this_machine(spec.processes_here))
     return choice if choice.plan is not None else None

@@ -3,7 +3,8 @@ model loads.
 
 On one GPU there is nothing to shard, so the plan chooses among holding the model plainly, an fp8 base,
 activation checkpointing and layer offload of as few blocks as fit (`modules/config/memory_plan.py`), for
-`multi_gpu.memory_limit_gib` or the card's free memory. A config that fits nothing is refused here - before
+`multi_gpu.memory_limit_gib` or the card's free memory, and the machine's available host memory
+(`host_need.py`). A config that fits nothing is refused here - before
 anything loads - naming the smallest change that fits (`NoPlanFits`); `TANDEM_SKIP_MEMORY_CHECK=1` starts it
 anyway with the most frugal plan. CPU runs and models the estimate cannot size without building them train as
 configured.
@@ -15,6 +16,7 @@ import os
 
 import torch
 
+from modules.config.host_need import this_machine
 from modules.config.memory_need import GIB
 from modules.config.memory_plan import Plan, choose_plan, own_limit
 from modules.config.model_sizes import SizesUnavailable, model_sizes
@@ -39,9 +41,17 @@ def plan_one_gpu(cfg, device: torch.device) -> Plan | None:
     free = torch.cuda.mem_get_info(device)[0] / GIB
     limit = own_limit(cfg, 0, 1)
     card, source = (free, "free memory") if limit is None else (min(free, limit), "multi_gpu.memory_limit_gib")
-    plan = choose_plan(cfg, sizes, [card], source, refuse=os.environ.get(SKIP_MEMORY_CHECK) != "1")
+    host = this_machine(1, own_host_gib())
+    plan = choose_plan(cfg, sizes, [card], source, refuse=os.environ.get(SKIP_MEMORY_CHECK) != "1", host=host)
     log.info(plan.describe())
     return plan
+
+
+def own_host_gib() -> float:
+    """GiB of host memory this process holds now (its PSS): planning inside it, its own part is in use already."""
+    from modules.util.host_memory import process_usage
+    usage = process_usage()
+    return usage["pss"] / GIB if usage else 0.0
 
 
 def layer_offload_blocks(cfg) -> int:
