@@ -56,15 +56,20 @@ def test_tooltips_list_every_accepted_option(section, name):
 
 MEASUREMENT = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b[AHB]\d00\b|\bRTX\b|img/s|images/s")
 """What a dated benchmark result carries: a date, a card, a throughput."""
+FILE_PATH = re.compile(r"docs/|\.md\b")
+"""A path into the repository, which a window user cannot follow: a tooltip names the page of the documentation."""
 
 
 @pytest.mark.parametrize("path", sorted(SECTIONS))
 def test_tooltips_point_at_the_figures_instead_of_carrying_them(path):
     """A docstring is a tooltip: what the setting does and when to use it. Measurements age and belong in
-    docs/Performance.md, with their card, date and command."""
-    dated = {name: MEASUREMENT.findall(doc) for name, doc in field_docs(SECTIONS[path]).items()
-             if MEASUREMENT.search(doc)}
+    docs/Performance.md, with their card, date and command; the tooltip names that page in words (this file's
+    table links it)."""
+    docs = field_docs(SECTIONS[path])
+    dated = {name: MEASUREMENT.findall(doc) for name, doc in docs.items() if MEASUREMENT.search(doc)}
     assert not dated, f"{path}: docstrings with measurements (move them to docs/Performance.md and link it): {dated}"
+    paths = {name: FILE_PATH.findall(doc) for name, doc in docs.items() if FILE_PATH.search(doc)}
+    assert not paths, f"{path}: docstrings with file paths (say 'the Performance page of the documentation'): {paths}"
 
 
 def test_every_preset_is_described():
