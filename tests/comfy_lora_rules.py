@@ -3,7 +3,8 @@
 Read from ComfyUI's source - `comfy/lora.py` (`load_lora`, `model_lora_keys_clip`, `model_lora_keys_unet`),
 `comfy/weight_adapter/lora.py`, `loha.py`, `lokr.py`, `base.py` (`weight_decompose`) and the name maps of
 `comfy/utils.py` (`unet_to_diffusers`, `mmdit_to_diffusers`, `flux_to_diffusers`, `z_image_to_diffusers`) -
-as of Comfy-Org/ComfyUI 17358c8 (2026), checked against the v0.3.x copies where they have the same code;
+as of Comfy-Org/ComfyUI 17358c8 (2026; its per-stem `.alpha` / `.dora_scale` reading and the LoRA formula are
+the same in the 2024 copy comfyanonymous/ComfyUI 41444b5, while the Z-Image and Flux.2 maps came after v0.3.64);
 written here from that reading, not copied.
 
 ComfyUI holds a model's weights under `diffusion_model.` + the names of its original release (SD's LDM
