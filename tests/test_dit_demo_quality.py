@@ -17,7 +17,7 @@ from modules.trainer.generic_trainer import GenericTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800}
+STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800, "lumina2": 240}
 """Steps of batch 8 at each preset's own (constant) learning rate: a run stopped here is the preset's run up
 to this step. 800 is the presets' 100 epochs of the 64 demo images. Where fewer suffice, the test stops
 there to save CI time. Sampled every 80 steps with seeds 42 (the test's) and 7: SD3, Z-Image, Qwen-Image
@@ -33,7 +33,7 @@ background, with the loss under a fifth of its start. SD3 (seed 42: wrong at 240
 280, the black background 7% of its ring) and Flux.2 (42: wrong again at 360) keep their steps."""
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage", "lumina2"])
 def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
     root = ensure_demo_dataset(tmp_path / "shapes")
@@ -69,7 +69,7 @@ def _background(image) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a minute or two on 2 free cores; far longer on a shared machine
-@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma", "qwen", "zimage"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "chroma", "qwen", "zimage", "lumina2"])
 def test_the_demo_preset_learns_the_backgrounds(tandem_home, tmp_path, name):
     cfg = load_config(f"#demo_{name}", [
         f"general.workspace_dir={tmp_path / 'ws'}", "general.tensorboard=false", f"training.max_steps={STEPS[name]}",

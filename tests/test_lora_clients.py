@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RANK, ALPHA = 4, 8.0
 BASES = {"sd1": "builtin:demo", "sd3": "builtin:demo-sd3", "flux": "builtin:demo-flux", "chroma": "builtin:demo-chroma",
          "flux2": "builtin:demo-flux2", "qwen": "builtin:demo-qwen", "zimage": "builtin:demo-zimage",
-         "wan": "builtin:demo-wan"}
+         "wan": "builtin:demo-wan", "lumina2": "builtin:demo-lumina2"}
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"sd1": ATTENTION + ["proj_in"],  # proj_in: a 1x1 convolution
            "sdxl": ATTENTION + ["proj_in", "ff.net.2"],
@@ -70,7 +70,8 @@ def comfy_verdict(model: comfy.ComfyModel, expected: dict, lora: dict) -> tuple[
     return (EXACT if exact and not left else WRONG), left
 
 
-COMFY_CASES = [*((name, "lora") for name in ("sd1", "sdxl", "sd3", "flux", "chroma", "flux2", "qwen", "zimage", "wan")),
+COMFY_CASES = [*((name, "lora") for name in ("sd1", "sdxl", "sd3", "flux", "chroma", "flux2", "qwen", "zimage", "wan",
+                                              "lumina2")),
                *((name, t) for name in ("qwen", "zimage", "wan") for t in ("dora", "loha", "lokr")),
                ("sd3", "dora"), ("chroma", "loha"), ("flux2", "lokr")]
 """Plain LoRA of every family; the variants where their names are each family's own (SD1's and Flux's variants:
@@ -153,7 +154,8 @@ def diffusers_verdict(base_model: str, path, bundle) -> str:
 
 DIFFUSERS_CASES = [("sd1", "loha", "kohya"), ("sd1", "loha", "peft"), ("sd3", "lora", "kohya"),
                    ("flux2", "lokr", "peft"), ("flux2", "dora", "kohya"), ("zimage", "lokr", "peft"),
-                   ("qwen", "lokr", "peft"), ("qwen", "loha", "kohya"), ("wan", "lokr", "kohya")]
+                   ("qwen", "lokr", "peft"), ("qwen", "loha", "kohya"), ("wan", "lokr", "kohya"),
+                   ("lumina2", "lora", "kohya"), ("lumina2", "lokr", "peft")]
 """SD's kohya DoRA file: test_a_kohya_dora_file_converted_for_diffusers_loads_exactly."""
 
 
@@ -185,7 +187,11 @@ def test_a_kohya_dora_file_converted_for_diffusers_loads_exactly(tandem_home, tm
 def test_each_client_gets_the_layout_it_applies_exactly():
     for name in FAMILIES:
         for lora_type in ("lora", "dora", "loha", "lokr"):
-            assert layout_for("comfyui", name, lora_type) == "kohya"
+            if name == "lumina2" and lora_type != "lora":  # its LyCORIS adapters of q, k, v have no ComfyUI name
+                with pytest.raises(ValueError, match="ComfyUI applies no .* of a lumina2 model.*all but its adapters"):
+                    layout_for("comfyui", name, lora_type)
+            else:
+                assert layout_for("comfyui", name, lora_type) == "kohya"
             if lora_type == "loha" or (lora_type == "lokr" and name not in ("flux2", "zimage")):
                 with pytest.raises(ValueError, match="diffusers reads no Lo"):
                     layout_for("diffusers", name, lora_type)

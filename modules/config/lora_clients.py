@@ -5,13 +5,14 @@ What is said here was found by loading Tandem's files into diffusers' pipelines 
 (`tests/comfy_lora_rules.py`). In short:
 
 - ComfyUI applies the `kohya` layout exactly for every family and adapter type (LoRA's `lora_down` /
-  `lora_up` / `alpha`, the LyCORIS tensors of DoRA, LoHa and LoKr, under names it maps for the family). It
+  `lora_up` / `alpha`, the LyCORIS tensors of DoRA, LoHa and LoKr, under names it maps for the family), but
+  Lumina 2's LyCORIS adapters of q, k and v (fused there in one weight of unequal parts, with no name for each). It
   takes alpha from `<module>.alpha` tensors only, so from a `peft` file, whose alpha is in the header, it
   applies alpha / rank = 1: the wrong strength whenever alpha differs from the rank. A DoRA `peft` file loses
-  its magnitudes there; an SD UNet's attention layers and a Wan transformer it does not map at all.
+  its magnitudes there; an SD UNet's attention layers and a Wan or Lumina 2 transformer it does not map at all.
 - diffusers applies the `peft` layout of LoRA and DoRA exactly for every family, and LoKr for Flux.2 and
   Z-Image; it reads no LoHa file, and no LyCORIS-named (`kohya`) DoRA, LoHa or LoKr file. Its kohya readers
-  take plain LoRA of every family but SD3 (a kohya SD3 file loads as nothing, silently); its Flux.1 reader
+  take plain LoRA of every family but SD3 and Lumina 2 (their kohya files load as nothing, silently); its Flux.1 reader
   (Chroma's too) assumes Flux.1's full width in the single blocks.
 
 `save_note` is the line the trainer logs for each LoRA file it writes; `layout_for` is what
@@ -113,8 +114,9 @@ def layout_for(client: str, model_type: str, lora_type: str) -> str:
     if client == "comfyui":
         why = comfyui_reading(model_type, lora_type, "kohya", 2.0, 1).why
         raise ValueError(f"ComfyUI applies no {TYPE_TITLES[lora_type]} file of a {model_type} model exactly in any "
-                         f"layout: it {why}; train training.lora_type lora for ComfyUI, or use the peft file in "
-                         "diffusers")
+                         f"layout: it {why}; train training.lora_type lora for ComfyUI"
+                         + (", or load the peft file in diffusers" if diffusers_reading(
+                             model_type, lora_type, "peft").verdict == EXACT else ""))
     readers = "LoRA, DoRA and LoKr (Flux.2, Z-Image)" if model_type in LOKR_IN_DIFFUSERS else "LoRA and DoRA"
     raise ValueError(f"{CLIENTS[client]} reads no {TYPE_TITLES[lora_type]} file of a {model_type} model in any layout "
                      f"(diffusers 0.42 loads {readers} files); use the file in ComfyUI, or train training.lora_type "

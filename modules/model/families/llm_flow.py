@@ -153,6 +153,12 @@ class LLMFlowFamily(FlowFamily):
 
     # ------------------------------------------------------------------ real-size random models
 
+    def random_model_tokenizer(self):
+        """The tokenizer a random real-size model is saved with: a demo's, whose ids fit the real vocabulary."""
+        from .llm_demo import demo_qwen_tokenizer
+
+        return demo_qwen_tokenizer()
+
     def random_bundle(self, device, denoiser_dtype):
         """The real-size transformer (built on `device` in `denoiser_dtype`) and an uninitialised real-size
         VAE; no text side: the benchmark's cache holds real-size text embeddings (`cached_shapes`)."""
@@ -184,8 +190,6 @@ class LLMFlowFamily(FlowFamily):
         from modules.model.bundle import ModelBundle
         from modules.model.saving import save_full_diffusers
 
-        from .llm_demo import demo_qwen_tokenizer
-
         dtype, configs, folder = dtype or torch.bfloat16, configs or {}, Path(folder)
         torch.manual_seed(0)
         transformer = _built(getattr(diffusers, self.transformer_class),
@@ -200,7 +204,7 @@ class LLMFlowFamily(FlowFamily):
         encoder.save_pretrained(staging / "text_encoder")
         del encoder
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(shipped(self.name, "scheduler"))
-        tokenizer = demo_qwen_tokenizer()
+        tokenizer = self.random_model_tokenizer()
         side = TextSide(folder=staging, class_name=cls.__name__, storage="bf16", tokenizer=tokenizer,
                         encode_fn=self.encode_with, runnable=self.runnable_text_encoder, layers=self.text_encoder_layers)
         bundle = ModelBundle(model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[], tokenizers=[],
