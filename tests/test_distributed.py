@@ -57,7 +57,7 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, tandem_home, method
     fine-tune without checkpointing take the same DDP paths as these two cases, and are held to 1 process
     elsewhere: test_two_processes_equal_one_with_masks_regularisation_and_validation and
     test_resume_with_other_world_size_equals_uninterrupted (LoRA, accumulation 1),
-    tests/test_dit_training.py's full cases (a full fine-tune without checkpointing)."""
+    tests/test_family_training.py's full cases (a full fine-tune without checkpointing)."""
     common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
               f"training.gradient_checkpointing={str(checkpointing).lower()}",
               f"training.gradient_accumulation_steps={accumulation}", "training.precision=fp32",

@@ -28,7 +28,7 @@ def test_text_encoder_training_on_two_ranks(tmp_path, cache_dir, model_type, met
     """SDXL's dead end (its first encoder's last layer and final norm) is frozen by one line for both methods
     (modules/trainer/trainable.py, after the adapters are added or the encoders made trainable): the dead
     end's adapters get no gradient as its weights would, so the LoRA case checks that line as a full one did.
-    Fully fine-tuned text encoders under DDP are held to 1 process by tests/test_dit_training.py's full cases (SD3's and Flux's CLIP encoder); SDXL's full
+    Fully fine-tuned text encoders under DDP are held to 1 process by tests/test_family_training.py's full cases (every family with a CLIP encoder); SDXL's full
     fine-tune from both sources by tests/test_model_types_training.py (1 process)."""
     folder = write_sources(model_type, tmp_path / "sources")["folder"]
     common = (f"model.base_model={folder}", "training.max_steps=2", "save.backup_every_n_steps=2",

@@ -1,8 +1,8 @@
 """Qwen-Image and Z-Image on their built-in tiny models: what their diffusers pipelines compute, LoRA files
 as diffusers and ComfyUI apply them, full saves (folder and single file), and models from the random builder.
 
-Training through the real trainer (N processes x B == 1 x N*B, resume, the text encoder loaded apart) is
-tests/test_qwen_zimage_training.py's."""
+Training through the real trainer: N processes x B == 1 x N*B and resume in tests/test_family_training.py (every
+family's), the text encoder loaded apart in tests/test_qwen_zimage_training.py."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
-"""Qwen-Image and Z-Image through the real trainer (the built-in tiny models, CPU, gloo): N processes x B ==
-1 process x N*B for LoRA and full fine-tunes under DDP and FSDP, exact resume, and the text encoder loaded
+"""Qwen-Image and Z-Image through the real trainer (the built-in tiny models, CPU, gloo): the text encoder loaded
 apart - before the transformer, sharded over the processes when asked, and not at all when the cache holds
-every text. 11 trainer runs (five of them on 2 processes): a few minutes on 2 cores."""
+every text. N processes x B == 1 process x N*B (LoRA under FSDP, resumed; full fine-tunes under DDP) and the
+outputs loading back are tests/test_family_training.py's, as for every family."""
 from __future__ import annotations
 
 import logging
@@ -15,19 +15,12 @@ from modules.distributed.launch import launch
 from modules.model import text_apart
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
-from modules.trainer.sharded_backup import read_trained_weights
-from modules.trainer.backup import latest_backup
-from tests.trainer_helpers import assert_weights_close, demo_config
+from tests.trainer_helpers import demo_config
 
-# Each test trains the tiny models 2-3 times, on 1 and 2 processes: minutes on a shared 2-core machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
+# The tests train the tiny models once or twice, on 1 and 2 processes: minutes on a shared 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread", "tandem_home")]
 
 COMMON = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05", "training.min_snr_gamma=0")
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tandem_home, tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("latent_cache")
 
 
 def config(workspace: Path, cache: Path, name: str, *overrides: str, method: str):
@@ -40,40 +33,6 @@ def run(cfg) -> GenericTrainer:
     trainer.run()
     trainer.events = callbacks
     return trainer
-
-
-def backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
-    """The trained weights of the newest backup, sharded (FSDP) or not."""
-    return read_trained_weights(latest_backup(Path(workspace) / "backups").path)
-
-
-@pytest.mark.parametrize("name,method,strategy", [("qwen", "lora", "ddp"), ("qwen", "full", "fsdp"),
-                                                  ("zimage", "lora", "fsdp"), ("zimage", "full", "ddp")])
-def test_two_processes_equal_one_with_double_batch_and_resume_exactly(tmp_path, cache_dir, name, method, strategy):
-    """Each family trains LoRA and full, DDP and FSDP once each (the four cases cover both of each): 2 processes
-    x batch 4 give the weights of 1 x 8. The full cases start on 2 processes from scratch; the LoRA cases
-    resume the 1-process run's step-1 backup on 2 processes and land on its step-3 weights (2 x 4 == 1 x 8 for
-    steps 2 and 3, and an exact resume, in one launch: CI time). A LoRA's start on 2 processes (the adapters'
-    random start, the same on every rank) is the trainer's, not the family's: tests/test_distributed.py's
-    test_two_processes_equal_one_with_double_batch (DDP) and tests/test_fsdp.py's Flux LoRA (FSDP)."""
-    common = ("training.max_steps=3", "save.backup_every_n_steps=1", "save.lora_format=both",
-              "save.full_format=both", "save.output_name=tiny")
-    two_processes = ("training.batch_size=4", "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
-                     "multi_gpu.launcher=spawn", f"multi_gpu.strategy={strategy}")
-    one = run(config(tmp_path / "one", cache_dir, name, *common, "training.batch_size=8", method=method))
-    single = backup_weights(tmp_path / "one")
-    assert single and all(k.startswith("transformer.") for k in single), "only the transformer trains"
-    output = Path(one.events.of_type("done")[-1]["output"])
-    assert output.exists()
-    resume = None
-    if method == "lora":
-        step_one = latest_backup(tmp_path / "one" / "backups").path.parent / "step-00000001"
-        assert step_one.is_dir()
-        resume = str(step_one)
-    assert launch(config(tmp_path / "two", cache_dir, name, *common, *two_processes, method=method),
-                  resume=resume) == 0
-    assert_weights_close(backup_weights(tmp_path / "two"), single, atol=2e-5, rtol=1e-4)
-    assert (tmp_path / "two" / "output").is_dir()
 
 
 def test_the_text_encoder_is_loaded_apart_and_not_at_all_with_a_complete_cache(tmp_path, caplog):

@@ -164,6 +164,11 @@ class ModelBundle:
         """
         return self.family.unused_text_encoder_modules(self)
 
+    def unused_modules(self) -> list[nn.Module | nn.Parameter]:
+        """Every trainable part whose output never reaches the loss (the text encoders' dead ends and the
+        denoiser's, `ModelFamily.unused_modules`): training freezes them."""
+        return self.family.unused_modules(self)
+
     def added_cond(
         self,
         text: dict[str, torch.Tensor],

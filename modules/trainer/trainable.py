@@ -38,8 +38,8 @@ def prepare_trainable(bundle, training, parallelism: Parallelism, device: torch.
             te.requires_grad_(True)
             te.to(torch.float32)
             params += list(te.parameters())
-    for dead_end in bundle.unused_text_encoder_modules():
-        dead_end.requires_grad_(False)  # no gradient ever reaches them (see the bundle's docstring)
+    for dead_end in bundle.unused_modules():
+        dead_end.requires_grad_(False)  # no gradient ever reaches them (see `ModelFamily.unused_modules`)
     if t.gradient_checkpointing:
         parallelism.checkpoint_activations(bundle)
     parallelism.place(bundle, [bundle.denoiser, *trained_encoders], device)

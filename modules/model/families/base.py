@@ -189,6 +189,18 @@ class ModelFamily(ABC):
         """Parts of the trained text encoders whose output never reaches the conditioning."""
         return []
 
+    def unused_denoiser_parts(self, bundle: "ModelBundle") -> list[nn.Module | nn.Parameter]:
+        """Modules (or parameters) of the denoiser whose output never reaches its prediction, at every step or at
+        some: a last block's outputs that only a next block would read (Qwen-Image's text stream), padding
+        embeddings some image sizes never use (Z-Image's). tests/test_family_training.py finds any a family
+        leaves out here."""
+        return []
+
+    def unused_modules(self, bundle: "ModelBundle") -> list[nn.Module | nn.Parameter]:
+        """Everything that trains nowhere: no gradient reaches it, so training freezes it - a LoRA's adapters in
+        it too -, or DistributedDataParallel would wait for its gradients and stop the run."""
+        return [*self.unused_text_encoder_modules(bundle), *self.unused_denoiser_parts(bundle)]
+
     def added_cond(self, bundle: "ModelBundle", text, original_sizes, crop_coords, target_sizes):
         """Extra conditioning besides the text (SDXL's size and crop "time ids"); None for most families."""
         return None

@@ -89,6 +89,12 @@ class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
     def objective(self, bundle, training_cfg=None):
         return QwenImageObjective(bundle, training_cfg)
 
+    def unused_denoiser_parts(self, bundle):
+        """The last block's text-stream outputs: its attention's text projection (`attn.to_add_out`) and its text
+        MLP only feed the text tokens to a next block, and there is none (the prediction is the image stream's)."""
+        last = bundle.denoiser.transformer_blocks[-1]
+        return [last.attn.to_add_out, last.txt_mlp]
+
     def pipeline(self, bundle):
         from diffusers import QwenImagePipeline
 

@@ -62,7 +62,7 @@ class ZImageFamily(LLMFlowFamily):
                            lambda: encoder(input_ids=ids, attention_mask=mask.bool()))
         return padded(masked_rows(hidden, mask))
 
-    def unused_text_encoder_modules(self, bundle):
+    def unused_denoiser_parts(self, bundle):
         """The padding embeddings: the image's (`x_pad_token`) serves only sizes whose token count is no multiple
         of 32 (never at 1024 px), the caption's only captions of such lengths - so some steps, and some ranks of a
         step, give them no gradient, which DDP cannot take. A full fine-tune keeps them as they are."""

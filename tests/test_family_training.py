@@ -1,0 +1,176 @@
+"""Every registered family with a built-in model, through the real trainer on CPU (gloo): parametrised over the
+registry (`modules/config/model_families.py`), so a family gets these checks by being registered.
+
+For each family, on its demo preset (`#demo_<family>`), tiny and few steps:
+- every trained parameter reaches the loss, LoRA (the family's own targets) and full fine-tune - what
+  DistributedDataParallel needs, or it stops at step 2 (`ModelFamily.unused_modules` names what cannot);
+- LoRA: 1 process x batch 8 trains 3 steps; 2 processes x batch 4 under FSDP resume its step-1 backup and end on
+  its step-3 weights (N x B == 1 x NB, and an exact resume), rendering samples (clips for a video family) from both
+  processes; the saved peft LoRA, loaded by the family's diffusers pipeline (`load_lora_weights`), gives the
+  trainer's prediction;
+- full fine-tune, the trainable text encoders too: 2 processes x batch 4 under DDP give the weights of 1 x 8, and
+  the saved diffusers folder (and the single file, with the folder as its components) load back with the
+  trained weights.
+
+Four trainer runs per family, two of them on 2 processes. Family-specific behaviour (text encoding, packing,
+layouts) is tested in each family's own test file; these are what every family must do alike."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules.config.model_families import FAMILIES, field_applies
+from modules.config.text_encoders import TEXT_ENCODER_KINDS
+from modules.config.train_config import ModelConfig, TrainingConfig
+from modules.distributed.launch import launch
+from modules.model import load_model
+from modules.trainer.backup import latest_backup
+from modules.trainer.sharded_backup import read_trained_weights
+from modules.util.batch_slice import BatchSlice
+from tests.trainer_helpers import demo_config, relative_l2, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
+
+DEMO_FAMILIES = [name for name, info in FAMILIES.items() if info.demo]
+CAPTIONS = ["a red circle on a blue background", "a white triangle"]
+TWO_PROCESSES = ("training.batch_size=4", "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tandem_home, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent_cache")
+
+
+def lora_targets(name: str) -> tuple[str, ...]:
+    """The family's LoRA targets as its presets set them (`training.lora_target_modules`), or none to override."""
+    targets = FAMILIES[name].lora_targets
+    return (f"training.lora_target_modules={json.dumps(list(targets))}",) if targets else ()
+
+
+def trains_text_encoders(name: str) -> bool:
+    """Whether the family has a text encoder `training.train_text_encoder` trains (CLIP)."""
+    return any(TEXT_ENCODER_KINDS[kind].trains for kind in FAMILIES[name].text_encoders)
+
+
+def config(workspace: Path, cache: Path, name: str, method: str, *overrides: str):
+    """The family's demo preset, fp32 and SGD (the comparisons need exact arithmetic), a short T5 where it has one."""
+    short_text = ("model.t5_max_length=24",) if field_applies("model.t5_max_length", name) else ()
+    return demo_config(workspace, cache, "training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05",
+                       "save.output_name=tiny", *short_text, *overrides, method=method,
+                       preset=FAMILIES[name].demo_preset)
+
+
+def backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
+    """The trained weights of the newest backup, sharded (FSDP) or not."""
+    return read_trained_weights(latest_backup(Path(workspace) / "backups").path)
+
+
+def prediction(bundle, denoiser) -> torch.Tensor:
+    """The denoiser's output for fixed latents, timesteps and captions, through the family's objective."""
+    objective = bundle.family.objective(bundle, TrainingConfig())
+    with torch.no_grad():
+        pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
+        latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(4))
+        draw = objective.draw(tuple(latents.shape), 5, 0, 0, BatchSlice(0, 2, 2), torch.device("cpu"))
+        text = bundle.encode_text(CAPTIONS)
+        return objective.predict(denoiser, objective.noisy(latents, draw), draw.timesteps, text)
+
+
+@pytest.mark.parametrize("name", DEMO_FAMILIES)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_every_trained_parameter_reaches_the_loss(tandem_home, name, method):
+    """One step's backward gives every parameter that trains a gradient; where one cannot get any, the family
+    names it (`ModelFamily.unused_modules`) and training freezes it (Qwen-Image's last text-stream outputs)."""
+    from modules.trainer.parallelism import SingleProcess
+    from modules.trainer.trainable import prepare_trainable
+
+    info = FAMILIES[name]
+    bundle = load_model(ModelConfig(base_model=info.demo))
+    training = TrainingConfig(method=method, train_text_encoder=method == "full" and trains_text_encoders(name),
+                              **({"lora_target_modules": list(info.lora_targets)} if info.lora_targets else {}))
+    params = prepare_trainable(bundle, training, SingleProcess(), torch.device("cpu"))
+    objective = bundle.family.objective(bundle, training)
+    with torch.no_grad():
+        latents = bundle.encode_images(torch.rand(2, 3, 64, 64) * 2 - 1)
+    text = bundle.encode_text(CAPTIONS)
+    draw = objective.draw(tuple(latents.shape), 1, 0, 0, BatchSlice(0, 2, 2), torch.device("cpu"))
+    out = objective.predict(bundle.denoiser, objective.noisy(latents, draw), draw.timesteps, text)
+    objective.loss(out, objective.target(latents, draw), draw).backward()
+    names = {id(p): f"{part}.{n}" for part, module in bundle.modules().items() for n, p in module.named_parameters()}
+    trained = [p for p in params if p.requires_grad]
+    assert trained, "nothing trains"
+    unused = [names[id(p)] for p in trained if p.grad is None]
+    assert not unused, f"{name}: these train but no gradient reaches them (name them in unused_modules): {unused}"
+
+
+@pytest.mark.parametrize("name", DEMO_FAMILIES)
+def test_lora_on_two_processes_resumes_to_what_one_trains_and_loads_in_diffusers(tmp_path, cache_dir, name):
+    import diffusers
+
+    info = FAMILIES[name]
+    # A LoRA's B starts at zero: a high rate moves it far enough from the base for the diffusers check to tell.
+    common = ("training.max_steps=3", "save.backup_every_n_steps=1", "save.lora_format=both",
+              "training.learning_rate=1.0", *lora_targets(name))
+    one = train(config(tmp_path / "one", cache_dir, name, "lora", *common, "training.batch_size=8"))
+    single = backup_weights(tmp_path / "one")
+    assert single and all(k.startswith(f"{info.denoiser}.") and "lora" in k for k in single), sorted(single)[:4]
+    step_one = latest_backup(tmp_path / "one" / "backups").path.parent / "step-00000001"
+    video = ("sampling.video_frames=5",) if info.video else ()
+    cfg = config(tmp_path / "two", cache_dir, name, "lora", *common, *TWO_PROCESSES, "multi_gpu.strategy=fsdp",
+                 "sampling.every_n_steps=3", "sampling.inference_steps=1", *video)
+    cfg.sampling.prompts = cfg.sampling.prompts[:2]  # one each
+    assert launch(cfg, resume=str(step_one)) == 0
+    assert relative_l2(backup_weights(tmp_path / "two"), single) <= 1e-5
+    samples = sorted((tmp_path / "two" / "samples").rglob("step-*"))
+    suffix = ".webp" if info.video else ".png"
+    assert [p.name for p in samples] == [f"step-0000003-0{suffix}", f"step-0000003-1{suffix}"], samples
+    if info.video:  # each a clip of sampling.video_frames frames at data.video_fps
+        from modules.util.animation import read_frames
+        assert all(sum(ms for _, ms in read_frames(p)) == round(5 * 1000 / cfg.data.video_fps) for p in samples)
+
+    output = Path(one.callbacks.of_type("done")[-1]["output"])
+    peft_file = output.with_name(output.name.replace(".safetensors", ".peft.safetensors"))
+    assert output.is_file() and peft_file.is_file()
+    bundle = one.bundle
+    for module in bundle.modules().values():
+        module.eval()
+    expected = prediction(bundle, bundle.denoiser)
+    pipeline = getattr(diffusers, info.pipeline_class).from_pretrained(bundle.family.build_demo(), local_files_only=True)
+    denoiser = getattr(pipeline, bundle.denoiser_name)
+    base = prediction(bundle, denoiser)
+    pipeline.load_lora_weights(str(peft_file))
+    torch.testing.assert_close(prediction(bundle, denoiser), expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(base, expected, atol=1e-4), "the LoRA changed nothing: the comparison is vacuous"
+
+
+@pytest.mark.parametrize("name", DEMO_FAMILIES)
+def test_full_fine_tune_under_ddp_equals_one_process_and_its_saves_load_back(tmp_path, cache_dir, name):
+    """DDP, whatever the family: a parameter that never reaches the loss would stop it at step 2."""
+    info = FAMILIES[name]
+    text = ("training.train_text_encoder=true",) if trains_text_encoders(name) else ()
+    common = ("training.max_steps=2", "save.backup_every_n_steps=2", "save.full_format=both", *text)
+    one = train(config(tmp_path / "one", cache_dir, name, "full", *common, "training.batch_size=8"))
+    single = backup_weights(tmp_path / "one")
+    assert any(k.startswith(f"{info.denoiser}.") for k in single)
+    assert bool(text) == any(k.startswith("text_encoder_") for k in single), "the CLIP encoders train, nothing else"
+    assert launch(config(tmp_path / "two", cache_dir, name, "full", *common, *TWO_PROCESSES,
+                         "multi_gpu.strategy=ddp")) == 0
+    assert relative_l2(backup_weights(tmp_path / "two"), single) <= 1e-5
+
+    folder = Path(one.callbacks.of_type("done")[-1]["output"])
+    single_file = folder.with_name(folder.name + ".safetensors")
+    assert (folder / "model_index.json").is_file() and single_file.is_file()
+    trained = {part: module.state_dict() for part, module in one.bundle.modules().items() if part != "vae"}
+    sources = [ModelConfig(base_model=str(folder))]
+    if field_applies("model.components_folder", name):
+        # A built-in SD model's single file holds a tokenizer-less text encoder of the demo's own vocabulary, which
+        # only its folder reads (SD single files load on their own: tests/test_model_types_training.py).
+        sources.append(ModelConfig(base_model=str(single_file), components_folder=str(folder)))
+    for base in sources:
+        loaded = load_model(base)
+        assert loaded.model_type == name, base.base_model
+        for part, state in trained.items():
+            assert relative_l2(loaded.modules()[part].state_dict(), state) <= 1e-6, f"{part} of {base.base_model}"
