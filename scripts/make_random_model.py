@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from modules.config.model_families import MODEL_TYPES
+    from modules.config.model_families import FAMILIES, MODEL_TYPES
     p.add_argument("--type", choices=MODEL_TYPES, default="sd1")
-    p.add_argument("--variant", default="", help="a published size of the family (flux2: dev, klein-4b, klein-9b; wan: 1.3b, 14b, a14b, ti2v-5b)")
+    sizes = "; ".join(f"{name}: {', '.join(info.variants)}" for name, info in FAMILIES.items() if info.variants)
+    p.add_argument("--variant", default="", help=f"a published size of the family ({sizes})")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="saved dtype (default: fp16; sd3/flux bf16)")
     p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for flux)")

@@ -76,6 +76,12 @@ def test_the_config_docs_name_every_family_and_built_in_model():
     assert not missing_types, f"model.model_type's docstring lacks {missing_types}"
     missing_demos = [info.demo for info in FAMILIES.values() if info.demo and f"`{info.demo}`" not in docs["base_model"]]
     assert not missing_demos, f"model.base_model's docstring lacks {missing_demos}"
+    rows = {line.split(" | ")[0].strip("| `"): line
+            for line in (REPO / "docs" / "Configuration.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith(("| `model_type` |", "| `base_model` |"))}
+    assert [name for name in MODEL_TYPES if f"`{name}`" not in rows["model_type"]] == [], "docs/Configuration.md"
+    assert [info.demo for info in FAMILIES.values() if info.demo and f"`{info.demo}`" not in rows["base_model"]] == [], \
+        "docs/Configuration.md's model.base_model row lacks a built-in model"
 
 
 def _table(heading: str) -> list[list[str]]:

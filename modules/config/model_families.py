@@ -5,7 +5,8 @@ apply to which family and what image sizes a family accepts; none of them may im
 code. So those facts live here, as data. Everything a family *does* (loading, text encoding, the
 objective, sampling, saving) lives in `modules/model/families/`, one module per family, which reads
 its facts from this table. Adding a family is one entry here (appended to `FAMILIES`, whose order is
-the GUI's) plus the module its `implementation` names there; nothing else lists the families.
+the GUI's) plus the module its `implementation` names there, its configs and presets (docs/AddingAFamily.md);
+nothing else lists the families: the code reads this table, and the tests are parametrised over it.
 
 Models are recognised newest family first (`DETECTION_ORDER`): a newer family's files may carry an
 older one's names (Chroma's and Flux.2's single files have Flux.1's `double_blocks.*`, SDXL's folders
