@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+from pathlib import Path
 
-from modules.config import ConfigError, load_config
+from modules.config import ConfigError, check, config_from_dict, load_config
 from modules.util.settings_dir import settings_dir
 
 from . import actions
@@ -70,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     for verb, what in (("pause", "pause a job (a running one stops with a backup), or the whole queue"),
                        ("resume", "resume a paused or interrupted job, or the whole queue")):
         sub.add_parser(verb, help=what).add_argument("job", nargs="?", help="without one: the whole queue")
+    sub.add_parser("add-spec", help=argparse.SUPPRESS)  # a remote's queue: the job the desktop prepared, on stdin
     run = sub.add_parser("run", help="start the queue's runner (detached) unless one serves it")
     run.add_argument("--here", action="store_true", help="run it in this terminal until the queue is empty")
     return p
@@ -107,6 +110,8 @@ def _local(store: QueueStore, args) -> int:
         print(json.dumps(job.to_dict()) if args.json else
               f"Queued {job.label()} ({GpuNeed.parse(job.need).describe(capacity.unit)} of {capacity.describe()}).")
         return 0
+    if args.verb == "add-spec":
+        return _add_prepared(store, json.load(sys.stdin), args.json)
     if args.verb == "list":
         if store.file.exists():
             refresh(store)
@@ -157,6 +162,24 @@ def _local(store: QueueStore, args) -> int:
         print("The queue's runner started." if started else "A runner already serves this queue.")
         return 0
     raise ValueError(f"unknown verb {args.verb}")
+
+
+def _add_prepared(store: QueueStore, spec: dict, as_json: bool) -> int:
+    """On a remote machine: queue the job the desktop prepared (modules/queue/remote.py) - its config names the
+    uploaded copies relative to the remote folder, where it runs and where its runs are kept."""
+    root = Path(spec["root"]).expanduser()
+    root = root if root.is_absolute() else Path.home() / root
+    cfg = check(config_from_dict(spec["config"], "the queued job's config"), check_paths=False)
+    with store.change() as state:
+        state.runs_root = state.runs_root or str(root)
+    capacity = actions.capacity_of(store.read())
+    need = GpuNeed.parse(spec["need"]) if spec.get("need") else actions.need_of_config(cfg)
+    job = actions.add(store, cfg, need, capacity, name=spec.get("name", ""), source=spec.get("source", ""), cwd=root,
+                      env=spec.get("env") or {})
+    ensure_runner(store)
+    print(json.dumps(job.to_dict()) if as_json else
+          f"Queued {job.label()} ({need.describe(capacity.unit)} of {capacity.describe()}) on {socket.gethostname()}.")
+    return 0
 
 
 def script_main() -> int:

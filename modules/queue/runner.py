@@ -100,7 +100,7 @@ class Runner:
             capacity = capacity_of(self.store.read(), self.gpus)
             with self.store.change() as state:
                 state.runner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                                "capacity": capacity.count, "unit": capacity.unit}
+                                "capacity": capacity.count, "unit": capacity.unit, "source": REPO.name}
             self.say(f"serving the queue in {self.store.folder} on {capacity.describe()}")
             while self.tick(capacity):
                 time.sleep(self.poll_s)

@@ -57,10 +57,13 @@ def job_row(job: Job, runs_root: Path, unit: str = "GPU") -> JobRow:
     summary = summarize(log) if log is not None and job.state != "queued" else None
     devices = ",".join(str(d) for d in job.devices)
     gpus = devices if devices and job.state not in ("queued",) else job.gpu_need.describe(unit)
+    output = job.output or (summary.output if summary and job.state == "done" else None)
+    if output:
+        output = str(Path(job.cwd) / output)  # a relative one is the run's: from where it ran
     return JobRow(id=job.id, name=job.name, state=job.state, status=job.status_text(), gpus=gpus,
                   step=summary.step if summary else 0, total_steps=summary.total_steps if summary else 0,
                   eta_s=summary.eta_s if summary and job.on_gpus else None,
-                  output=job.output or (summary.output if summary and job.state == "done" else None),
+                  output=output,
                   message=job.message, log=str(log) if log is not None and log.exists() else None,
                   source=job.source)
 

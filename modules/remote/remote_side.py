@@ -332,6 +332,9 @@ def prune_sources(root: Path, keep: str) -> list[str]:
     """Delete source versions no running run uses, except `keep`; returns the deleted ones."""
     import shutil
     used = {keep} | {entry.get("source") for entry in Runs(root).all() if entry["state"] in ("running", "starting")}
+    runner = (_read_json(root / "queue" / "queue.json", {}) or {}).get("runner") or {}
+    if _alive(runner.get("pid"), "train_queue"):
+        used.add(runner.get("source"))  # the machine's job queue runs from it (modules/queue/runner.py)
     deleted = []
     folder = root / "source"
     for version in sorted(folder.iterdir()) if folder.is_dir() else []:

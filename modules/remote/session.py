@@ -121,7 +121,7 @@ class RemoteSession:
     def start(self, cfg: TrainConfig, resume: str | None = None, name: str = "run",
               master_addr: str | None = None, master_port: int = 0) -> Started:
         plans = self.plans(cfg, master_addr, master_port)
-        reports = _each(self.machines, lambda m: ensure_ready(m, self.source, self.progress))
+        reports = self._ready()
         for machine, plan, report in zip(self.machines, plans, reports):
             launch = resolve_launch(plan.config, report.gpu_count)
             if launch.problem:
@@ -135,11 +135,7 @@ class RemoteSession:
             machine, run = busy[0]
             raise StartRefused(f"{machine.label} is still running {run.describe()} in this workspace: attach to it "
                                "and stop it, or wait until it ends")
-        uploads = _each(list(zip(self.machines, plans)), lambda mp: self._plan_uploads(*mp))
-        large = [(m, u) for m, u in zip(self.machines, uploads) if u.large]
-        if large and not self.confirm("\n".join(u.message(m.label) for m, u in large) + "\nUpload now?"):
-            raise StartRefused("the upload was declined; nothing was started")
-        _each(list(zip(self.machines, uploads)), lambda mu: self._send(*mu))
+        self._upload(plans)
         run_id = new_run_id(name)
         infos = []
         hosts = [m.label for m in self.machines]
@@ -154,6 +150,26 @@ class RemoteSession:
             self.progress(f"starting the run on {machine.label}" + (f" (node {rank})" if len(hosts) > 1 else ""))
             infos.append(start_run(machine, spec))
         return Started(run_id, self.machines, tuple(infos), plans[0].workspace, tuple(reports))
+
+    def prepare_job(self, cfg: TrainConfig) -> tuple[RemotePlan, Report]:
+        """Steps 1-3 for a job of the machine's queue (one machine): Tandem there at this version, the remote
+        config checked, its data and models uploaded. The queue there starts it, on the GPUs it assigns."""
+        if len(self.machines) != 1:
+            raise SetupError("a queue is one machine's: give one machine")
+        plans = self.plans(cfg)
+        reports = self._ready()
+        self._upload(plans, "nothing was queued")
+        return plans[0], reports[0]
+
+    def _ready(self) -> list[Report]:
+        return _each(self.machines, lambda m: ensure_ready(m, self.source, self.progress))
+
+    def _upload(self, plans: list[RemotePlan], declined: str = "nothing was started") -> None:
+        uploads = _each(list(zip(self.machines, plans)), lambda mp: self._plan_uploads(*mp))
+        large = [(m, u) for m, u in zip(self.machines, uploads) if u.large]
+        if large and not self.confirm("\n".join(u.message(m.label) for m, u in large) + "\nUpload now?"):
+            raise StartRefused(f"the upload was declined; {declined}")
+        _each(list(zip(self.machines, uploads)), lambda mu: self._send(*mu))
 
     def _check_backups_everywhere(self, workspace: str) -> None:
         """Every machine's ranks read the backup they continue from: each remote folder must hold it."""
