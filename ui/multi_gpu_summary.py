@@ -121,10 +121,20 @@ def memory_line(cfg: TrainConfig, world: int, cards: list[float] | None) -> str:
     GPUs (`cards`: each one's memory; `multi_gpu.memory_limit_gib` caps it). Sized from the model's files
     without torch where they describe it; otherwise the shapes are built, which imports torch (the frame
     calls this on a worker thread)."""
+    return _plan_line(cfg, max(world, 2), cards)
+
+
+def one_gpu_memory_line(cfg: TrainConfig, card: float) -> str:
+    """"Memory plan for one GPU of 24 GiB (card): one process + fp8 base + layer offload (32 of 60 blocks), ~14.1
+    GiB per GPU · sets ... · faster plans do not fit: ..." - the plan a run of one process makes for its GPU
+    (`card`: its memory; `multi_gpu.memory_limit_gib` caps it), as `memory_line` for several."""
+    return _plan_line(cfg, 1, [card])
+
+
+def _plan_line(cfg: TrainConfig, world: int, cards: list[float] | None) -> str:
     from modules.config.memory_report import memory_line as plan_line
     from modules.config.model_sizes import SizesUnavailable, model_sizes
 
-    world = max(world, 2)
     try:
         try:
             sizes = model_sizes(cfg)

@@ -82,8 +82,8 @@ def plan_report(cfg, cards_text: str, measure=None, builtin_folder=None) -> tupl
 
 
 def memory_line(cfg, world: int, cards: list[float] | None, sizes: ModelSizes) -> str:
-    """The GUI's memory line for the chosen GPUs (`cards`: each one's memory in GiB): the plan and its
-    estimate per GPU, or what would fit."""
+    """The GUI's memory line for the chosen GPUs (`cards`: each one's memory in GiB; one for a run of one
+    process): the plan, its estimate per GPU and what it sets, or what would fit."""
     if cards and len(cards) != world:
         cards = [min(cards)] * world
     caps, source = capacities(cfg, world, cards)
@@ -92,7 +92,8 @@ def memory_line(cfg, world: int, cards: list[float] | None, sizes: ModelSizes) -
                 "them).")
     label = "limit" if source == "multi_gpu.memory_limit_gib" else "card"
     sizes_text = ", ".join(sorted({f"{c:g}" for c in caps}, key=float))
-    head = f"Memory plan for {len(caps)} GPU(s) of {sizes_text} GiB ({label})"
+    gpus = "one GPU" if len(caps) == 1 else f"{len(caps)} GPU(s)"
+    head = f"Memory plan for {gpus} of {sizes_text} GiB ({label})"
     try:
         plan = choose_plan(cfg, sizes, caps, source)
     except NoPlanFits as e:
@@ -106,9 +107,17 @@ def memory_line(cfg, world: int, cards: list[float] | None, sizes: ModelSizes) -
         line += " - does not fit"
     elif plan.tight:
         line += " - tight"
+    if plan.changes:  # what the plan turns on: the window names each field by its tab and label
+        line += " · sets " + ", ".join(f"{k} {_shown(v)}" for k, v in plan.changes.items())
+    if plan.host is not None and plan.host.parts.get("layer offload's copy (one per machine)"):
+        line += f" · ~{plan.host.total:.0f} GiB of host memory"
     if plan.rejected:
         line += " · faster plans do not fit: " + "; ".join(r.split(" on GPU")[0] for r in plan.rejected)
     return line
+
+
+def _shown(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def report_json(data: dict) -> str:

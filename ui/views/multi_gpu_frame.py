@@ -20,7 +20,7 @@ from ..gpu_info import GpuInfo
 from ..launch_command import REPO_ROOT
 from ..multi_gpu_settings import (CPU_PROCESS_CHOICES, cpu_process_values, cpu_processes,
                                   gpu_selection_values, selected_gpus)
-from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, summarize
+from ..multi_gpu_summary import memory_line, nodes_and_restarts_line, one_gpu_memory_line, summarize
 from .buttons import Button, OptionMenu
 from .fields import Binder
 from .form import Form
@@ -100,9 +100,10 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.memory.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=10, pady=(0, 4))
         Tooltip(self.memory, lambda: binder.places.describe(
             "The memory plan for the chosen GPUs (or multi_gpu.memory_limit_gib, when set): the fastest way to "
-            "spread the model that fits every GPU - DDP, an fp8 base, FSDP, checkpointing, offloading - and its "
-            "estimated peak per GPU; or the smallest change that would fit. The same plan as Check setup and the "
-            "trainer's start."))
+            "spread the model that fits every GPU - DDP, an fp8 base, FSDP, checkpointing, layer offload, "
+            "offloading - its estimated peak per GPU and the fields it sets; or the smallest change that would "
+            "fit. With Multi-GPU off, the plan of one process on the first GPU. The same plan as Check setup and "
+            "the trainer's start."))
         self._memory_key: str | None = None
         form.row += 1
         self.check_button = Button(self, text="Check setup", width=120, command=self.check_setup)
@@ -235,13 +236,18 @@ class MultiGPUFrame(ctk.CTkFrame):
 
     def _estimate_memory(self, cfg, chosen: list[int]) -> None:
         """The memory line, estimated on a worker thread (building the shapes of a large model takes a
-        moment) whenever the config or the GPUs change; the newest request wins."""
-        if not cfg.multi_gpu.enabled or using_cpu_processes(cfg):
+        moment) whenever the config or the GPUs change; the newest request wins. Multi-GPU off: the plan of one
+        process for the first GPU (the one it trains on), where there is one and the device is not the CPU."""
+        one_process = not cfg.multi_gpu.enabled
+        if using_cpu_processes(cfg) or (one_process and (not self.gpus or cfg.general.device == "cpu")):
             self._memory_key = None
             self.memory.configure(text="")
             return
-        sizes = [g.memory_mib / 1024 for g in self.gpus if g.index in chosen]
-        world = summarize(cfg, len(self._visible())).world_size
+        if one_process:
+            sizes, world = [self.gpus[0].memory_mib / 1024], 1
+        else:
+            sizes = [g.memory_mib / 1024 for g in self.gpus if g.index in chosen]
+            world = summarize(cfg, len(self._visible())).world_size
         key = json.dumps([config_to_dict(cfg), world, sizes], sort_keys=True, default=str)
         if key == self._memory_key:
             return
@@ -255,7 +261,7 @@ class MultiGPUFrame(ctk.CTkFrame):
                 if self._memory_key != key:
                     return  # replaced by a newer request (or the frame closed) while it waited its turn
                 try:
-                    result.append(memory_line(cfg, world, sizes or None))
+                    result.append(one_gpu_memory_line(cfg, sizes[0]) if one_process else memory_line(cfg, world, sizes or None))
                 except Exception as e:  # noqa: BLE001 - shown, never raised into Tk
                     result.append(f"Memory estimate failed: {e}")
 
