@@ -220,8 +220,10 @@ class BenchmarkMixin:
         step_s = statistics.median(measured)
         mean_step_s = self.window_s / len(measured)
         cuda = self.device.type == "cuda"
+        from modules.util.host_memory import rank_figures
         memories = du.gather_objects({"rank": du.rank(), "device": str(self.device),
-                                      "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0})
+                                      "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                                      **rank_figures(self.parallel.offload)})  # host memory: PSS, RSS, peak
         profiles = du.gather_objects(self.profile_summary if c.profile_dir else None)
         if du.is_main():
             trainable = sum(p.numel() for p in self.trainable_params())

@@ -31,6 +31,31 @@ def process_usage() -> dict[str, int] | None:
         return None
 
 
+def peak_rss() -> int | None:
+    """Bytes of the most this process has had in memory at once (`VmHWM`: its RSS at its peak, loading included)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rank_figures(offload=None) -> dict[str, float | None]:
+    """This process's host memory in GiB, for a benchmark's or a log's table: PSS and RSS now, the peak RSS, and
+    layer offload's host copy (`LayerOffload`, if any) with this process's share of it."""
+    usage, peak = process_usage() or {}, peak_rss()
+    copy = offload.host_usage() if offload is not None else None
+
+    def gib(value):
+        return round(value / GIB, 3) if value is not None else None
+
+    return {"host_pss_gib": gib(usage.get("pss")), "host_rss_gib": gib(usage.get("rss")), "host_peak_rss_gib": gib(peak),
+            "offload_copy_gib": gib(offload.host_bytes) if offload is not None else None,
+            "offload_copy_pss_gib": gib(copy["pss"]) if copy else None}
+
+
 def mapping_usage(address: int) -> dict[str, int] | None:
     """{"rss", "pss"} in bytes of the mapping of this process that holds `address`, with its `name` (the file or
     shared-memory object it maps) and `inode` (the same in every process that maps the same file); None where it
