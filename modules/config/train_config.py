@@ -305,7 +305,7 @@ class SaveConfig:
     output_name: str = "tandem"
     """File or folder name of the trained model (without extension)."""
     lora_format: str = rule("kohya", choices=("kohya", "peft", "both"))
-    """LoRA file layout: `kohya` (ComfyUI applies it exactly; A1111 and Forge read SD's), `peft` (diffusers applies it exactly: LoRA and DoRA, and LoKr of Flux.2 and Z-Image) or `both`. ComfyUI applies a peft file at alpha / rank = 1, the wrong strength unless alpha equals the rank. The line under this field and the run log say which program reads each file; scripts/convert_lora.py --for comfyui|diffusers converts a saved one."""
+    """LoRA file layout: `kohya` (ComfyUI applies it exactly; A1111 and Forge read SD's), `peft` (diffusers applies it exactly: LoRA and DoRA, and LoKr of Flux.2 and Z-Image) or `both`. ComfyUI applies a peft file at alpha / rank = 1, the wrong strength unless alpha equals the rank. The line under this field and the run log say which program reads each file, and how to convert a saved one for another program."""
     full_format: str = rule("diffusers", choices=("diffusers", "single_file", "both"))
     """Full model layout: `diffusers` folder, `single_file` .safetensors, or `both`."""
     save_dtype: str = rule("fp16", choices=DTYPES)
