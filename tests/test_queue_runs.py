@@ -2,7 +2,7 @@
 for GPUs (`--slots 2`): 1- and 2-process jobs on the right slots and never two on one slot, a failing job that
 stops no other, a job larger than the machine refused, the machine "restarting" mid-job (the runner and the
 job's processes killed) and the queue reopened: the job interrupted, to continue from its backup, and the
-queued ones still queued. One run of the queue covers it all; the scheduling rules themselves are
+queued ones still queued; resumed, it continues from that backup, and paused, it stops with a backup. One run of the queue covers it all; the scheduling rules themselves are
 tests/test_queue.py's."""
 from __future__ import annotations
 
@@ -125,7 +125,10 @@ def test_a_queue_of_one_and_two_process_jobs_survives_a_restart_and_a_failing_jo
                        600)
     assert "--resume" in json.loads((run_dir(folder, resumed) / "run.json").read_text())["command"]
     assert resumed["devices"] == [0] and jobs(folder)["pair"]["state"] == "queued"
-    assert queue(folder, home, "cancel", "long").stdout.strip() == "#1 long: cancelling - it stops at its next step"
+    assert queue(folder, home, "pause", "long").stdout.strip() == "#1 long: pausing - it stops with a backup at its next step"
+    paused = wait_for("long to pause", lambda: (j := jobs(folder)["long"])["state"] == "paused" and j, 300)
+    assert paused["resume"] and paused["resume"] == paused["train_run_id"] and paused["exit_code"] == 0
+    assert queue(folder, home, "cancel", "long").stdout.strip() == "#1 long: cancelled"
     pair = wait_for("pair to finish", lambda: (j := jobs(folder)["pair"])["state"] in ("done", "failed") and j, 600)
     assert pair["state"] == "done" and pair["devices"] == [0, 1], pair["message"] + log_of(folder, pair)[-3000:]
     assert '"world_size": 2' in log_of(folder, pair)  # two CPU processes
