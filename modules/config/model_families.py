@@ -213,6 +213,15 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                # Wan's block bytes: fitted to the GPU peaks of its 14B (81 frames, 512 px, checkpointing) on 1 GPU
                # and context-parallel over 2 and 4 (docs/MultiGPUTraining.md); its 1.3B is not measured.
                activations=Activations(_blocks(blocks=28.0), frames_per_latent_frame=4, coarse_vae_channels=48)),
+    # Flux.3: its files' per-mode modulations (`early_stream_modulations.`) are in no other family's.
+    FamilyInfo("flux3", "Flux.3 (Klein)", "transformer", "Flux3ModularPipeline", 16, True, "builtin:demo-flux3",
+               "flux3:Flux3Family", "Flux3Transformer2DModel", _TEXT_APART_FIELDS,
+               ("early_stream_modulations.", "model.diffusion_model.early_stream_modulations."), text_apart=True,
+               other_pipelines=("Flux3DistilledModularPipeline",),
+               lora_targets=("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out"),
+               block_groups=("txt_mode_blocks", "mode_blocks.image", "mode_blocks.image_cond",
+                             "single_transformer_blocks"),
+               text_encoders=("qwen3-vl",), presets="flux3", activations=Activations(text_tokens=240, t5_offset=None)),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

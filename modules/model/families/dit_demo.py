@@ -219,14 +219,19 @@ def flux2_text_encoder(dev: bool, seed: int = _SEED + 5):
                 max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = _mistral3(text, tokenizer) if dev else Qwen3ForCausalLM(Qwen3Config(**text, tie_word_embeddings=True))
-    # A deep random transformer blurs its tokens together layer by layer, and the pipelines read layers 10 to
-    # 30: with each layer's residual branches (attention and MLP outputs) a tenth of their random size, the
-    # words stay apart in every layer read, and the captions' colours and shapes reach the denoiser.
+    return damped_residuals(model).eval(), tokenizer
+
+
+def damped_residuals(model):
+    """`model` (a deep tiny random language model) with each layer's residual branches (attention and MLP
+    outputs) a tenth of their random size. A deep random transformer blurs its tokens together layer by layer,
+    and the Flux.2 and Flux.3 pipelines read layers up to 30 or 32 deep: damped, the words stay apart in every
+    layer read, and the captions' colours and shapes reach the denoiser."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 parameter.mul_(0.1)
-    return model.eval(), tokenizer
+    return model
 
 
 def _mistral3(text: dict, tokenizer):

@@ -107,25 +107,10 @@ class Flux2Objective(FluxObjective):
         return unpack(out, height, width)
 
 
-class Flux2Family(FlowFamily):
-    transformer_class = "Flux2Transformer2DModel"
-    vae_class = "AutoencoderKLFlux2"
-    clip_classes = ()
-    file_prefix = ""
-    kohya_version = "flux2"
-    kohya_implementation = IMPLEMENTATION_FLUX2
-
-    def variant(self, bundle) -> str:
-        """`dev` or `klein-4b` / `klein-9b` (by the text encoder's width; `klein` for other sizes)."""
-        if is_dev(bundle.denoiser):
-            return "dev"
-        width = bundle.denoiser.config.get("joint_attention_dim")
-        return next((name for name, value in TEXT_WIDTH.items() if value == width), "klein")
-
-    def modelspec_architecture(self, bundle) -> str:
-        return f"flux-2-{self.variant(bundle)}"  # as sd-scripts names Flux.1: flux-1-dev
-
-    # ------------------------------------------------------------------ latents
+class PatchBatchNormLatents:
+    """Latents of Flux.2's VAE (`AutoencoderKLFlux2`), kept in its shape [B, 32, H/8, W/8], each value normalised by
+    its 2x2 patch channel's batch-norm statistics as the pipelines normalise the packed latents (Flux.2, Flux.3):
+    mixed in before the family's base class."""
 
     def normalize_latents(self, bundle, latents, spread=False):
         mean, std = self._batch_norm(bundle, latents)
@@ -143,6 +128,30 @@ class Flux2Family(FlowFamily):
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like.device, like.dtype)
         return mean, std
+
+    def load_vae(self, path, dtype, config=None):
+        raise ValueError(f"model.vae_path {str(path)!r} is a single file; {self.info.title}'s VAE (AutoencoderKLFlux2, "
+                         "with its latent statistics) loads from a diffusers folder: point model.vae_path at a VAE "
+                         f"folder or at a {self.info.title} model folder that has vae/")
+
+
+class Flux2Family(PatchBatchNormLatents, FlowFamily):
+    transformer_class = "Flux2Transformer2DModel"
+    vae_class = "AutoencoderKLFlux2"
+    clip_classes = ()
+    file_prefix = ""
+    kohya_version = "flux2"
+    kohya_implementation = IMPLEMENTATION_FLUX2
+
+    def variant(self, bundle) -> str:
+        """`dev` or `klein-4b` / `klein-9b` (by the text encoder's width; `klein` for other sizes)."""
+        if is_dev(bundle.denoiser):
+            return "dev"
+        width = bundle.denoiser.config.get("joint_attention_dim")
+        return next((name for name, value in TEXT_WIDTH.items() if value == width), "klein")
+
+    def modelspec_architecture(self, bundle) -> str:
+        return f"flux-2-{self.variant(bundle)}"  # as sd-scripts names Flux.1: flux-1-dev
 
     # ------------------------------------------------------------------ loading
 
@@ -177,11 +186,6 @@ class Flux2Family(FlowFamily):
             noise_scheduler=scheduler, prediction_type=FLOW_MATCHING, source=source_name,
             extra={"scheduler": scheduler, "text_lengths": [model_cfg.text_max_length or TEXT_LENGTH],
                    "is_distilled": bool(index.get("is_distilled", False))})
-
-    def load_vae(self, path, dtype, config=None):
-        raise ValueError(f"model.vae_path {str(path)!r} is a single file; Flux.2's VAE (AutoencoderKLFlux2, with its "
-                         "latent statistics) loads from a diffusers folder: point model.vae_path at a VAE folder or "
-                         "at a Flux.2 model folder that has vae/")
 
     # ------------------------------------------------------------------ text
 
