@@ -19,7 +19,6 @@ from modules.queue.jobs import Job
 from modules.queue.runner import ensure_runner, refresh
 from modules.queue.store import QueueState, QueueStore
 from modules.queue.view import JobRow, describe_queue, rows
-from modules.util.settings_dir import settings_dir
 
 
 @dataclass
@@ -51,7 +50,7 @@ class QueueController:
         capacity = self.capacity(visible_gpus)
         need = actions.need_of_config(cfg)
         job = actions.add(self.store, cfg, need, capacity, name=name, source=name, cwd=self.cwd or os.getcwd(),
-                          env={"TANDEM_HOME": str(settings_dir())})
+                          env=actions.home_variable())
         self.start_runner(self.store)
         return (f"Queued {job.label()} ({need.describe(capacity.unit)} of {capacity.describe()}): the Queue tab shows "
                 "it; it starts when its GPUs are free, whether this window is open or not.")

@@ -7,6 +7,7 @@
     actions.py     add (with the refusal of a job larger than the machine), cancel, move, pause, resume
     launch.py      what a job runs on the GPUs it was given: its config, command line and environment
     log_summary.py a run's log read for the queue's view: progress, ETA, the model, the error
+    view.py        one row per job as `list`, the GUI and a remote queue's answer show it
     runner.py      the one detached process per queue file that starts jobs as their GPUs free up
     cli.py         scripts/train_queue.py
     remote.py      the same queue on a remote machine: its runner and jobs run there

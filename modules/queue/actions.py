@@ -59,6 +59,12 @@ def need_of_config(cfg: TrainConfig) -> GpuNeed:
     return GpuNeed(count=DEFAULT_CPU_PROCESSES) if cfg.general.device == "cpu" else GpuNeed(all=True)
 
 
+def home_variable() -> dict[str, str]:
+    """The job's Tandem home as its queuer's (built-in models, caches): TANDEM_HOME when set here, else none."""
+    home = os.environ.get("TANDEM_HOME")
+    return {"TANDEM_HOME": home} if home else {}
+
+
 class Refused(ValueError):
     """The queue refuses the job; the message says why and what to change."""
 

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 
 from modules.config import ConfigError, check, config_from_dict, load_config
-from modules.util.settings_dir import settings_dir
 
 from . import actions
+from .actions import home_variable
 from .jobs import GpuNeed, NeedError
 from .log_summary import summarize
 from .runner import Runner, ensure_runner, refresh
@@ -103,7 +103,7 @@ def _local(store: QueueStore, args) -> int:
         cfg = load_config(args.config, args.config_value)
         need = GpuNeed.parse(args.gpus) if args.gpus else actions.need_of_config(cfg)
         capacity = actions.capacity_of(store.read())
-        env = {"TANDEM_HOME": str(settings_dir())}  # the run registry's default home is the remote's
+        env = home_variable()
         job = actions.add(store, cfg, need, capacity, name=args.name, source=config_source(args.config, args.config_value),
                           env=env)
         ensure_runner(store)
@@ -174,8 +174,9 @@ def _add_prepared(store: QueueStore, spec: dict, as_json: bool) -> int:
         state.runs_root = state.runs_root or str(root)
     capacity = actions.capacity_of(store.read())
     need = GpuNeed.parse(spec["need"]) if spec.get("need") else actions.need_of_config(cfg)
+    env = {"TANDEM_HOME": str(root / "home"), **(spec.get("env") or {})}  # as a remote start's run has it
     job = actions.add(store, cfg, need, capacity, name=spec.get("name", ""), source=spec.get("source", ""), cwd=root,
-                      env=spec.get("env") or {})
+                      env=env)
     ensure_runner(store)
     print(json.dumps(job.to_dict()) if as_json else
           f"Queued {job.label()} ({need.describe(capacity.unit)} of {capacity.describe()}) on {socket.gethostname()}.")

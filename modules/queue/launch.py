@@ -59,5 +59,5 @@ def run_spec(job: Job, run_id: str, devices: tuple[int, ...], runs_root: Path, c
             "command": [str(REPO / "scripts" / script), "--config-path", str(config_file),
                         *(["--resume", resume] if resume else [])],
             "env": env, "config_name": job.name, "local_workspace": job.workspace, "source": REPO.name,
-            "queue_job": job.id, "devices": list(devices)}
+            "queue_job": job.id, "devices": list(devices), "inherit_home": True}
     return spec, note

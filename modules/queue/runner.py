@@ -130,6 +130,7 @@ class Runner:
                         job.requested_at = now
                     elif job.request == "cancel" and now - job.requested_at > CANCEL_GRACE_S:
                         signals.append((job, "kill"))
+                        job.requested_at = now  # once more a grace later, if even that did not end it
             for job_id, reason in impossible_jobs(state.jobs, capacity.count, capacity.unit):
                 job = state.find(job_id)
                 job.state, job.message, job.ended = FAILED, reason, now

@@ -140,7 +140,8 @@ def supervise(root: Path, run_id: str) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     env = dict(os.environ)  # with the run's variables: `start` gave them to this process
     env.update({"PYTHONUNBUFFERED": "1", "TANDEM_EVENTS": "1"})
-    env.setdefault("TANDEM_HOME", str(root / "home"))
+    if not entry.get("inherit_home"):  # a queued job keeps the home of whoever queued it (modules/queue)
+        env.setdefault("TANDEM_HOME", str(root / "home"))
     with open(folder / LOG_FILE, "ab", buffering=0) as log:
         try:
             # The run's Python is the one running this (the remote's Tandem environment).
