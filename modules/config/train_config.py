@@ -81,7 +81,7 @@ class ModelConfig:
 @dataclass
 class ConceptConfig:
     path: str = ""
-    """Folder of images (png, jpg, webp) - and, for video models (Wan), clips (mp4, webm, mov) - with same-name `.txt` captions, or a built-in dataset: `builtin:demo-shapes` (images), `builtin:demo-clips` (clips)."""
+    """Folder of images (png, jpg, webp) - and, for video models (Wan), clips (mp4, webm, mov) - with same-name `.txt` captions, or a built-in dataset: `builtin:demo-shapes` (images), `builtin:demo-clips` (clips), `builtin:demo-shapes-edit` (edit pairs: shapes recoloured, their control images in `control`)."""
     name: str = ""
     """Display name of the concept. Empty: the folder name."""
     enabled: bool = True
@@ -100,6 +100,8 @@ class ConceptConfig:
     """Train on the masked part of each image only: `<image>-masklabel.png` beside `<image>.png` (same size, white = learn, black = leave out, grey in between). Images without a mask file are trained whole."""
     unmasked_weight: float = 0.0
     """With masks: the loss weight of the black (masked-out) areas, 0 to 1. 0 leaves them out; 0.1 still trains the background a little."""
+    control: str = rule("", label="Control images")
+    """Edit models (Qwen-Image-Edit): where each image's control images are - the "before" pictures the caption's instruction edits into the image. A folder beside the images with the same file names (`control`), several separated by commas for models that take several (`control_1, control_2`), relative to the concept folder or absolute; or a JSON Lines manifest (`pairs.jsonl`), one `{"target": ..., "control": [...], "caption": ...}` per line, paths relative to the manifest. An image whose control is missing or unreadable is skipped, named in the log. Empty: no control images."""
 
 
 @dataclass

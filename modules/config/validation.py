@@ -21,6 +21,7 @@ from modules.util.batch_slice import parse_split
 
 from .docs import section_classes
 from .field_paths import walk_types
+from .control_setting import setting_problem
 from .field_rules import FieldRule, rules_of
 from .serialization import ConfigError
 from .train_config import TrainConfig
@@ -267,7 +268,18 @@ def _data_checks(cfg: TrainConfig, check_paths: bool) -> list[str]:
         if concept.enabled and check_paths:
             problems += _path_problem(f"data.concepts[{i}].path", concept.path,
                                       "a folder of images, or disable the concept")
+            problems += _control_problem(i, concept)
     return problems
+
+
+def _control_problem(index: int, concept) -> list[str]:
+    """A concept's control folder or manifest that is not there (a built-in dataset's are checked by its scan)."""
+    if not concept.control.strip() or concept.path.startswith(BUILTIN_PREFIX):
+        return []
+    folder = Path(concept.path).expanduser()
+    problem = setting_problem(folder if folder.is_absolute() else Path.cwd() / folder, concept.control,
+                              f"data.concepts[{index}].control")
+    return [problem] if problem else []
 
 
 def _output_checks(cfg: TrainConfig) -> list[str]:

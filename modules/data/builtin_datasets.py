@@ -5,9 +5,12 @@ from pathlib import Path
 
 from .demo_clips import DEMO_CLIPS_SCHEME, ensure_demo_clips
 from .demo_dataset import DEMO_SCHEME, ensure_demo_dataset
+from .demo_pairs import DEMO_PAIRS_SCHEME, ensure_demo_pairs
 
-BUILTIN_DATASETS = {DEMO_SCHEME: ensure_demo_dataset, DEMO_CLIPS_SCHEME: ensure_demo_clips}
-"""`builtin:` concept paths -> what generates their folder: the demo's shapes (images) and its clips."""
+BUILTIN_DATASETS = {DEMO_SCHEME: ensure_demo_dataset, DEMO_CLIPS_SCHEME: ensure_demo_clips,
+                    DEMO_PAIRS_SCHEME: ensure_demo_pairs}
+"""`builtin:` concept paths -> what generates their folder: the demo's shapes (images), its clips and its edit pairs
+(shapes recoloured, for edit models)."""
 
 
 def resolve_concept_path(path: str) -> Path:

@@ -123,9 +123,11 @@ class CacheIndex:
     extra_text_files: dict[str, Path] = field(default_factory=dict)
     """Caption -> entry of the captions cached beside the items' own (`fill_cache`'s `extra_captions`)."""
 
-    def load_latents(self, index: int, flipped: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    def load_latents(self, index: int, flipped: bool = False, generator: torch.Generator | None = None,
+                     sample: bool = True) -> torch.Tensor:
         """Image `index`'s latents: stored ones, or (float32) a sample of the stored distribution drawn
-        from `generator` - the caller keys it, so the sample does not depend on who loads the item."""
+        from `generator` - the caller keys it, so the sample does not depend on who loads the item; with
+        `sample=False` the distribution's mean (its mode)."""
         path = self.latent_files[index]
         if path is None:
             raise KeyError(f"Item {index} has no cached latents.")
@@ -133,6 +135,8 @@ class CacheIndex:
         suffix = "_flipped" if flipped else ""
         if f"mean{suffix}" in entry:
             mean, std = entry[f"mean{suffix}"].float(), entry[f"std{suffix}"].float()
+            if not sample:
+                return mean
             return mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
         if f"latents{suffix}" not in entry:
             raise KeyError(f"Cache entry {path} has no {'flipped ' if flipped else ''}latents; it was written "

@@ -27,6 +27,8 @@ from PIL import Image, UnidentifiedImageError
 from modules.config.train_config import ConceptConfig
 
 from .builtin_datasets import resolve_concept_path
+from .controls import (ControlImage, folder_pairs, inside_control_folders, is_manifest, manifest_pairs, manifest_path,
+                       report_unpaired)
 from .masks import find_mask, is_mask_file
 from .video import VIDEO_EXTENSIONS, Window, probe_clip
 
@@ -66,6 +68,8 @@ class ImageRecord:
     """A video clip's frames (`video.py`); 0 for a still image."""
     frame_rate: float = 0.0
     """A video clip's average frames per second; 0 for a still image."""
+    controls: tuple[ControlImage, ...] = ()
+    """An edit model's control images of this target (its concept's `control`), in the model's order."""
 
     @property
     def is_clip(self) -> bool:
@@ -96,12 +100,15 @@ def _record_to_dict(record: ImageRecord) -> dict:
     data = dataclasses.asdict(record)
     data["path"] = str(record.path)
     data["mask_path"] = str(record.mask_path) if record.mask_path is not None else None
+    data["controls"] = [{**dataclasses.asdict(c), "path": str(c.path)} for c in record.controls]
     return data
 
 
 def _record_from_dict(data: dict) -> ImageRecord:
     return ImageRecord(**{**data, "path": Path(data["path"]),
-                          "mask_path": Path(data["mask_path"]) if data.get("mask_path") else None})
+                          "mask_path": Path(data["mask_path"]) if data.get("mask_path") else None,
+                          "controls": tuple(ControlImage(**{**c, "path": Path(c["path"])})
+                                            for c in data.get("controls", ()))})
 
 
 CAPTION_FALLBACK_ENCODINGS = ("cp1252", "latin-1")
@@ -319,6 +326,9 @@ def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tu
     name = concept.name or folder.name
     records = []
     files = _image_files(folder, concept.recursive)
+    paired: dict[Path, tuple[tuple[ControlImage, ...], str | None]] = {}
+    if concept.control.strip():
+        files, paired = _pairs(concept, folder, files)
     images = [path for path in files if path.suffix.lower() not in VIDEO_EXTENSIONS]
     image_info = dict(zip(images, _read_images(images)))
     for path in files:
@@ -334,13 +344,20 @@ def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tu
                 continue
             width, height, digest = info
         mask = find_mask(path, width, height) if concept.masks and clip is None else None
-        records.append(ImageRecord(path=path, caption=read_caption(path, concept.caption_extension),
+        controls, caption = paired.get(path, ((), None))
+        records.append(ImageRecord(path=path,
+                                   caption=caption if caption is not None else read_caption(path, concept.caption_extension),
                                    concept=name, width=width, height=height, content_hash=digest,
                                    role=concept.role, repeats=concept.repeats, loss_weight=concept.loss_weight,
                                    mask_path=mask[0] if mask else None, mask_hash=mask[1] if mask else "",
                                    unmasked_weight=concept.unmasked_weight,
                                    frame_count=clip.frame_count if clip else 0,
-                                   frame_rate=clip.frame_rate if clip else 0.0))
+                                   frame_rate=clip.frame_rate if clip else 0.0, controls=controls))
+    if concept.control.strip() and not records:
+        raise EmptyDatasetError(
+            f"Concept {concept.path!r} has no image paired with a readable control image (data.concepts[].control "
+            f"= {concept.control!r}; what is missing is named above). Put each control image under its image's file "
+            "name in the control folder, or list the pairs in the manifest.")
     skipped = len(files) - len(records)
     if skipped:
         what = "image(s) or clip(s)" if any(p.suffix.lower() in VIDEO_EXTENSIONS for p in files) else "image(s)"
@@ -351,6 +368,47 @@ def _scan_concept(concept: ConceptConfig, window: Window = DEFAULT_WINDOW) -> tu
                     "<image name>-masklabel.png beside the image.", len(unmasked), len(records), folder,
                     ", ".join(unmasked[:3]), ", ..." if len(unmasked) > 3 else "")
     return records, skipped
+
+
+def _pairs(concept: ConceptConfig, folder: Path, files: list[Path]
+           ) -> tuple[list[Path], dict[Path, tuple[tuple[ControlImage, ...], str | None]]]:
+    """(the targets to scan, each paired target's controls - read and checked - and manifest caption) of a concept
+    with control images; targets without a readable control are left out, named in one warning."""
+    setting = concept.control
+    if is_manifest(setting):
+        source = manifest_path(folder, setting)
+        pairs = manifest_pairs(source)
+        missing = [p.target for p in pairs if not p.target.is_file()]
+        missing += [p.target for p in pairs if p.target.is_file() and not all(c.is_file() for c in p.controls)]
+        pairs = [p for p in pairs if p.target.is_file() and all(c.is_file() for c in p.controls)]
+    else:
+        source = folder
+        targets = [f for f in files if f.suffix.lower() in IMAGE_EXTENSIONS
+                   and not inside_control_folders(f, folder, setting)]
+        pairs, missing = folder_pairs(folder, targets, setting, IMAGE_EXTENSIONS)
+    control_paths = list(dict.fromkeys(c for p in pairs for c in p.controls))
+    info = dict(zip(control_paths, _read_images(control_paths)))
+    unreadable = [p.target for p in pairs if any(info[c] is None for c in p.controls)]
+    report_unpaired(source, missing, unreadable, len(pairs) + len(missing))
+    kept = {p.target: (tuple(ControlImage(c, *info[c]) for c in p.controls), p.caption)
+            for p in pairs if all(info[c] is not None for c in p.controls)}
+    return list(kept), kept
+
+
+def _check_pairing(concepts: Sequence[ConceptConfig], records: list[ImageRecord]) -> None:
+    """Every image of a run has control images, as many as every other's, or none has: a batch stacks them."""
+    with_controls = [c for c in concepts if c.control.strip()]
+    if with_controls and len(with_controls) < len(concepts):
+        plain = next(c for c in concepts if not c.control.strip())
+        raise ValueError(
+            f"Concept {plain.path!r} has no control images (data.concepts[].control is empty) while "
+            f"{with_controls[0].path!r} has: an edit model trains on pairs only. Set its control folder, or disable it.")
+    counts = {len(r.controls) for r in records}
+    if len(counts) > 1:
+        first = {n: next(r for r in records if len(r.controls) == n) for n in sorted(counts)}
+        shown = "; ".join(f"{r.path} has {n}" for n, r in first.items())
+        raise ValueError(f"Images have different numbers of control images ({shown}): every pair of a run needs as "
+                         "many. Give each the same number of control images.")
 
 
 def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float = 0.0,
@@ -371,6 +429,7 @@ def scan_concepts(concepts: Sequence[ConceptConfig], validation_fraction: float 
         found, unreadable = _scan_concept(concept, window)
         skipped += unreadable
         records += found
+    _check_pairing(enabled, records)
     training = [r for r in records if r.role == "train"]
     if not training:
         trained = [c for c in enabled if c.role == "train"]

@@ -27,6 +27,7 @@ from modules.util.exit import die_with_parent
 from .buckets import VAE_FACTOR, CropPlan, closest_bucket, load_pixels, make_buckets, plan_crop
 from .cache import CacheIndex, CacheItem, EncodeImages, EncodeText, fill_cache
 from .concepts import ImageRecord, ScanResult, process_caption, report_sizes, scan_concepts, with_prefix_and_suffix
+from .controls import ControlImage, text_with_controls
 from .masks import load_mask, loss_weights
 from .video import Window, load_clip
 
@@ -95,7 +96,14 @@ class TrainDataset(Dataset):
         """Images held out for the validation loss (`validation_set()` serves them)."""
         self.uses_masks = any(im.mask_path is not None for im in self.images)
         """Whether items carry a `mask` (then every item does: all ones for an image without one)."""
+        self.control_count = len(self.images[0].controls) if self.images else 0
+        """Control images per item (an edit model's pairs; `concepts.scan_concepts` makes it the same for all)."""
+        self.text_sees_controls = False
+        """Whether the model's text encoder reads each caption with its pair's controls (Qwen-Image-Edit's): the
+        trainer says so from the family, and the texts then carry them (`controls.text_with_controls`)."""
         self._cache: CacheIndex | None = None
+        self._control_slots: list[list[int]] = []
+        """Per image, the cache items of its controls (after the images' own)."""
         self._text_cached = False
         self._latents_cached = False
 
@@ -113,7 +121,9 @@ class TrainDataset(Dataset):
             return None
         fixed = replace(self.data_cfg, random_flip=False, random_crop=False, caption_dropout=0.0, shuffle_tags=False)
         scan = ScanResult(images=list(self.validation_images), item_images=list(range(len(self.validation_images))))
-        return TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
+        held_out = TrainDataset(scan, self.bucket_sizes, fixed, self.cache_dir, self.seed)
+        held_out.text_sees_controls = self.text_sees_controls
+        return held_out
 
     def scan(self) -> ScanResult:
         """The scan this dataset was made from (a launcher's, handed to its workers)."""
@@ -131,6 +141,8 @@ class TrainDataset(Dataset):
         masked = sum(im.mask_path is not None for im in self.images)
         if masked:
             parts.append(f"{masked} with masks")
+        if self.control_count:
+            parts.append(f"each with {self.control_count} control image(s)")
         parts.append(f"{len(self.validation_images)} held out for the validation loss" if self.validation_images
                      else "no validation set")
         return ", ".join(parts)
@@ -143,10 +155,16 @@ class TrainDataset(Dataset):
     def texts_to_cache(self) -> list[str]:
         """Every text whose embedding this dataset's text cache holds: the images' captions, and the dropped
         caption when captions drop out."""
-        texts = [image.caption for image in self.images]
+        texts = [self.text_of(image) for image in [*self.images, *self.validation_images]]
         if self.data_cfg.caption_dropout > 0.0:
             texts.append(DROPPED_CAPTION)
         return list(dict.fromkeys(texts))
+
+    def text_of(self, image: ImageRecord, caption: str | None = None) -> str:
+        """The text the model encodes for `image` (its full caption unless `caption` is given): with its controls
+        when the text encoder sees them."""
+        caption = self.full_caption(image) if caption is None else caption
+        return text_with_controls(caption, image.controls) if self.text_sees_controls and image.controls else caption
 
     def clip_paths(self) -> list[Path]:
         """The video clips among the images (a family that trains images only refuses them)."""
@@ -169,12 +187,14 @@ class TrainDataset(Dataset):
     def latents_cached(self) -> bool:
         return self._latents_cached
 
-    def _fixed_plan(self, image_index: int) -> CropPlan:
-        """The crop used for cached latents: centre, or a random spot fixed per image content."""
+    def _fixed_plan(self, image_index: int, control: ControlImage | None = None) -> CropPlan:
+        """The crop used for cached latents: centre, or a random spot fixed per image content. A control image
+        takes its target's bucket and the same draw, so a pair of one size is cropped alike."""
         image = self.images[image_index]
         bucket = self.bucket_sizes[self._image_bucket[image_index]]
         rng = _rng(self.seed, "crop", image.content_hash) if self.data_cfg.random_crop else None
-        return plan_crop(image.width, image.height, bucket, rng)
+        source = control or image
+        return plan_crop(source.width, source.height, bucket, rng)
 
     def cache(self, encode_images: EncodeImages | None, encode_text: EncodeText | None, fingerprint: str,
               rank: int = 0, world_size: int = 1, cache_text: bool = False, batch_size: int = 8,
@@ -188,9 +208,15 @@ class TrainDataset(Dataset):
             raise ValueError("Text embeddings cannot be cached with data.shuffle_tags on (each use gives another "
                              "caption); pass cache_text=False (see text_cache_allowed()).")
         items = [CacheItem(image_path=im.path, content_hash=im.content_hash, plan=self._fixed_plan(j),
-                           with_flipped=cfg.random_flip, caption=self.full_caption(im) if cache_text else None,
+                           with_flipped=cfg.random_flip, caption=self.text_of(im) if cache_text else None,
                            mask_path=im.mask_path, mask_hash=im.mask_hash, frames=self._frames(j))
                  for j, im in enumerate(self.images)]
+        # Control latents are cached as images of their own, after the targets: shared out over the ranks alike.
+        self._control_slots = []
+        for j, im in enumerate(self.images):
+            self._control_slots.append(list(range(len(items), len(items) + len(im.controls))))
+            items += [CacheItem(image_path=c.path, content_hash=c.content_hash, plan=self._fixed_plan(j, c),
+                                with_flipped=cfg.random_flip) for c in im.controls]
         self._cache = fill_cache(items, encode_images if cfg.cache_latents else None,
                                  encode_text if cache_text else None, fingerprint, self.cache_dir,
                                  rank=rank, world_size=world_size, batch_size=batch_size, progress=progress,
@@ -198,6 +224,16 @@ class TrainDataset(Dataset):
         self._text_cached = cache_text
         self._latents_cached = cfg.cache_latents and encode_images is not None
         return self._cache
+
+    def _control_pixels(self, image_index: int, control: ControlImage, crop_draw: tuple, flip: bool) -> torch.Tensor:
+        """A control image cropped to its target's bucket with the target's crop draw (`crop_draw`, the RNG state
+        before it) and flipped with it."""
+        if not self.data_cfg.random_crop:
+            return load_pixels(control.path, replace(self._fixed_plan(image_index, control), flip=flip))
+        rng = random.Random()
+        rng.setstate(crop_draw)
+        bucket = self.bucket_sizes[self._image_bucket[image_index]]
+        return load_pixels(control.path, replace(plan_crop(control.width, control.height, bucket, rng), flip=flip))
 
     def full_caption(self, image: ImageRecord) -> str:
         """The image's caption with the fixed prefix and suffix: what a use without dropout or shuffling trains on."""
@@ -219,7 +255,12 @@ class TrainDataset(Dataset):
             item["latents"] = self._cache.load_latents(image_index, flipped=flip,
                                                        generator=_torch_rng(self.seed, "latents", epoch, index))
             mask = self._cache.load_mask(image_index, flipped=flip) if self.uses_masks else None
+            if self.control_count:
+                # The mode of each control's distribution, as the edit pipelines encode a control (`argmax`).
+                item["control_latents"] = torch.stack([self._cache.load_latents(slot, flipped=flip, sample=False)
+                                                       for slot in self._control_slots[image_index]])
         else:
+            crop_draw = rng.getstate()  # the controls crop with the target's draw
             if cfg.random_crop:
                 bucket = self.bucket_sizes[self._image_bucket[image_index]]
                 plan = plan_crop(image.width, image.height, bucket, rng)
@@ -227,6 +268,9 @@ class TrainDataset(Dataset):
                 plan = self._fixed_plan(image_index)
             plan = replace(plan, flip=cfg.random_flip and rng.random() < 0.5)
             item["pixels"] = self._pixels(image_index, plan)
+            if self.control_count:
+                item["control_pixels"] = torch.stack([self._control_pixels(image_index, c, crop_draw, plan.flip)
+                                                      for c in image.controls])
             mask = load_mask(image.mask_path, plan) if image.mask_path is not None else None
         if self.uses_masks:
             if mask is None:  # an image without a mask file is trained whole
@@ -241,6 +285,8 @@ class TrainDataset(Dataset):
             dropped = item["caption"] != self.full_caption(image)
             item["text"] = (self._cache.load_extra_text(DROPPED_CAPTION) if dropped
                             else self._cache.load_text(image_index))
+        if self.text_sees_controls:  # a text encoder that runs in the step reads the controls too
+            item["caption"] = self.text_of(image, item["caption"])
         item["original_size"] = plan.original_size
         item["crop_coords"] = plan.crop_coords
         item["target_size"] = plan.target_size
@@ -254,7 +300,7 @@ def collate(items: Sequence[dict]) -> dict:
                    "loss_weights": torch.tensor([float(it.get("loss_weight", 1.0)) for it in items])}
     if "mask" in items[0]:
         batch["masks"] = torch.stack([it["mask"] for it in items])
-    for name in ("latents", "pixels"):
+    for name in ("latents", "pixels", "control_latents", "control_pixels"):
         if name in items[0]:
             batch[name] = torch.stack([it[name] for it in items])
     if "text" in items[0]:
