@@ -48,6 +48,7 @@ def test_steps_that_cannot_be_profiled_name_the_variable_and_the_form(text):
         profile_steps(text)
 
 
+@pytest.mark.slow
 def test_a_run_profiles_the_steps_asked_for_and_reports_them(tmp_path, tandem_home):
     """TANDEM_PROFILE_STEPS on a real run (one process): steps 2-3 profiled, a report written, one line logged
     and a `profile` event emitted at step 3. (Two ranks: tests/test_wall_clock.py::
