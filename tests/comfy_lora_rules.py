@@ -21,7 +21,9 @@ checkpoint names. It maps LoRA key stems to those weights:
   `lycoris_<d with _>`;
 - Flux-type models - Flux.1, Flux.2, Chroma (`flux_to_diffusers`): `transformer.<d>`, `lycoris_<d with _>`,
   `lora_transformer_<d with _>`, `<d>`;
-- Qwen-Image: `<name>`, `transformer.<name>`, `lycoris_<name with _>`;
+- Qwen-Image: `<name>`, `transformer.<name>`, `lycoris_<name with _>`; Qwen-Image 2.1 (a `QwenImage` model too)
+  likewise, where its fused `img_mlp.gate_up` is addressed by halves: `...img_mlp.gate_layer` its first rows,
+  `...img_mlp.proj` the rest;
 - Z-Image (`Lumina2`, `z_image_to_diffusers`): `diffusion_model.<d>`, `transformer.<d>`, `lycoris_<d with _>`,
   `<d>`; `attention.to_q/to_k/to_v` patch row slices of `attention.qkv`;
 - Wan: the generic rules only (no diffusers names);
@@ -82,7 +84,7 @@ def key_map(family: str, comfy_state: dict[str, torch.Tensor], diffusers_to_orig
             forms = [f"transformer.{d}", f"base_model.model.{d}", f"lora_transformer_{under}", f"lycoris_{under}"]
         elif family in FLUX_TYPE:
             forms = [f"transformer.{d}", f"lycoris_{under}", f"lora_transformer_{under}", d]
-        elif family == "qwen":
+        elif family in ("qwen", "qwen_image21"):
             forms = [d, f"transformer.{d}", f"lycoris_{under}"]
         elif family == "zimage":
             forms = [f"{PREFIX}{d}", f"transformer.{d}", f"lycoris_{under}", d]

@@ -213,6 +213,13 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                # Wan's block bytes: fitted to the GPU peaks of its 14B (81 frames, 512 px, checkpointing) on 1 GPU
                # and context-parallel over 2 and 4 (docs/MultiGPUTraining.md); its 1.3B is not measured.
                activations=Activations(_blocks(blocks=28.0), frames_per_latent_frame=4, coarse_vae_channels=48)),
+    # Qwen-Image 2.1: no kin of Qwen-Image's files (`txt_in.text_norm` where those have `txt_norm`); its VAE shrinks
+    # 16x and each image slot of the transformer spans 2x2 latent pixels, so sides are multiples of 32 px.
+    FamilyInfo("qwen_image21", "Qwen-Image 2.1", "transformer", "QwenImage21Pipeline", 32, True,
+               "builtin:demo-qwen_image21", "qwen_image21:QwenImage21Family", "QwenImage21Transformer2DModel",
+               _TEXT_APART_FIELDS, ("txt_in.text_norm.", "model.diffusion_model.txt_in.text_norm."), text_apart=True,
+               block_groups=("transformer_blocks",), text_encoders=("qwen3-vl",), presets="qwen_image21",
+               activations=Activations(text_tokens=256, t5_offset=None)),
     # Flux.3: its files' per-mode modulations (`early_stream_modulations.`) are in no other family's.
     FamilyInfo("flux3", "Flux.3 (Klein)", "transformer", "Flux3ModularPipeline", 16, True, "builtin:demo-flux3",
                "flux3:Flux3Family", "Flux3Transformer2DModel", _TEXT_APART_FIELDS,

@@ -51,6 +51,9 @@ TEXT_ENCODER_KINDS: dict[str, TextEncoderKind] = {kind.name: kind for kind in (
     TextEncoderKind("qwen2.5-vl", "Qwen2.5-VL", ("Qwen2_5_VLForConditionalGeneration",),
                     dropped=("visual", "lm_head"), dropped_weights=("visual.", "model.visual.", "lm_head."),
                     tiny="modules.model.families.llm_demo:tiny_qwen25_vl", **_LLM),
+    TextEncoderKind("qwen3-vl", "Qwen3-VL", ("Qwen3VLForConditionalGeneration",),
+                    dropped=("visual", "lm_head"), dropped_weights=("visual.", "model.visual.", "lm_head."),
+                    tiny="modules.model.families.qwen_image21_demo:tiny_qwen3_vl", **_LLM),
     # Named by the families of 2026 (Lumina 2's Gemma 2, HiDream's Llama 3.1 beside T5 and two CLIPs).
     TextEncoderKind("gemma", "Gemma", ("Gemma2Model", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3Model"),
                     tiny="modules.model.families.gemma_demo:tiny_gemma2", **_LLM),

@@ -252,6 +252,14 @@ class ModelFamily(ABC):
     def pipeline(self, bundle: "ModelBundle"):
         """The stock diffusers pipeline around the bundle's own modules."""
 
+    def stock_pipeline(self, folder: Path):
+        """The family's diffusers pipeline as `from_pretrained` reads the diffusers `folder`: what a user of diffusers
+        loads (the tests compare Tandem's outputs with it). Qwen-Image 2.1's stands its tokenizer in for the
+        processor, which needs torchvision."""
+        import diffusers
+
+        return getattr(diffusers, self.info.pipeline_class).from_pretrained(folder, local_files_only=True)
+
     samples_from_embeddings = False
     """Whether `pipeline_arguments` hands the pipeline the texts' embeddings kept from the start
     (`modules/model/sample_texts.py`) where they are there, so a sampling leaves frozen text encoders in host memory."""

@@ -38,6 +38,8 @@ class LLMFlowFamily(FlowFamily):
     vae_class = "AutoencoderKL"
     """The diffusers VAE class."""
     clip_classes = ()
+    tokenizer_folder = "tokenizer"
+    """The folder of a diffusers model that holds the tokenizer (Qwen-Image 2.1: its processor's, `processor`)."""
 
     def component_names(self) -> list[str]:
         return ["text_encoder"]
@@ -51,12 +53,13 @@ class LLMFlowFamily(FlowFamily):
 
         from modules.model.bundle import ModelBundle
 
-        self._check_files(folder, ["scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json"])
+        self._check_files(folder, ["scheduler/scheduler_config.json",
+                                   f"{self.tokenizer_folder}/tokenizer_config.json"])
         vae = self._load_flow_vae(folder, model_cfg, dtypes, own_vae)
         common = {"local_files_only": True}
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", **common)
         side = self.text_side(folder, model_cfg.text_encoder_dtype,
-                              AutoTokenizer.from_pretrained(folder, subfolder="tokenizer", **common))
+                              AutoTokenizer.from_pretrained(folder, subfolder=self.tokenizer_folder, **common))
         return ModelBundle(
             model_type=self.name, denoiser=transformer, vae=vae, text_encoders=[], tokenizers=[],
             noise_scheduler=scheduler, prediction_type=FLOW_MATCHING, source=source_name,
@@ -135,9 +138,12 @@ class LLMFlowFamily(FlowFamily):
         if side is None:
             return {}
         copy_component(side.folder / "text_encoder", folder / "text_encoder")
+        return {"text_encoder": ["transformers", side.class_name], **self.write_tokenizer(side, folder)}
+
+    def write_tokenizer(self, side: TextSide, folder: Path) -> dict[str, list[str]]:
+        """The tokenizer's folder in a saved diffusers folder, and its `model_index.json` entry."""
         side.tokenizer.save_pretrained(folder / "tokenizer")
-        return {"text_encoder": ["transformers", side.class_name],
-                "tokenizer": ["transformers", type(side.tokenizer).__name__]}
+        return {"tokenizer": ["transformers", type(side.tokenizer).__name__]}
 
     # ------------------------------------------------------------------ LoRA
 

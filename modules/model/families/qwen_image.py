@@ -55,24 +55,30 @@ class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
     # ------------------------------------------------------------------ latents
 
     def _latent_distribution(self, bundle, pixels):
-        """The VAE's posterior for images as one-frame videos, the frame axis dropped again."""
+        """The VAE's posterior for images as one-frame videos, the frame axis dropped again. A VAE that reads RGBA
+        (Qwen-Image 2.1's) gets the images opaque, as its pipeline passes an RGB picture."""
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"encode_images expects pixels of shape [B, 3, H, W], got {tuple(pixels.shape)}")
         vae_param = next(bundle.vae.parameters())
-        posterior = bundle.vae.encode(pixels.to(device=vae_param.device, dtype=vae_param.dtype).unsqueeze(2)).latent_dist
+        pixels = pixels.to(device=vae_param.device, dtype=vae_param.dtype)
+        alpha = bundle.vae.config.get("in_channels", 3) - pixels.shape[1]
+        if alpha > 0:
+            pixels = torch.cat([pixels, pixels.new_ones(pixels.shape[0], alpha, *pixels.shape[2:])], dim=1)
+        posterior = bundle.vae.encode(pixels.unsqueeze(2)).latent_dist
         return DiagonalGaussianDistribution(torch.cat([posterior.mean, posterior.logvar], dim=1).squeeze(2))
 
     def decode_latents(self, bundle, latents):
+        """Pixels [B, 3, H, W]: an RGBA VAE's alpha plane is left out (what Tandem renders and compares is RGB)."""
         vae_param = next(bundle.vae.parameters())
         latents = self.denormalize_latents(bundle, latents.to(device=vae_param.device, dtype=vae_param.dtype))
-        return bundle.vae.decode(latents.unsqueeze(2)).sample[:, :, 0].clamp(-1, 1)
+        return bundle.vae.decode(latents.unsqueeze(2)).sample[:, :3, 0].clamp(-1, 1)
 
     def load_vae(self, path, dtype, config=None):
-        raise ValueError(f"model.vae_path {str(path)!r} is a single file; a Qwen-Image VAE is read from a diffusers "
-                         "folder (one with config.json, or a model folder with vae/): point model.vae_path at one, "
-                         "or leave it empty for the model's own VAE")
+        raise ValueError(f"model.vae_path {str(path)!r} is a single file; a {self.info.title} VAE is read from a "
+                         "diffusers folder (one with config.json, or a model folder with vae/): point model.vae_path at "
+                         "one, or leave it empty for the model's own VAE")
 
     # ------------------------------------------------------------------ text
 
