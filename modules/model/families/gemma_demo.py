@@ -73,4 +73,11 @@ def tiny_gemma2(tokenizer, seed: int):
     config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH,
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                           query_pre_attn_scalar=16, max_position_embeddings=2048, sliding_window=512, **ids)
-    return Gemma2Model(config).eval()
+    model = Gemma2Model(config).eval()
+    # Gemma normalises each layer's attention and MLP outputs before adding them; beside those, embeddings at
+    # transformers' initial scale (std 0.02, times sqrt(width)) would leave a word's own embedding a tenth of its
+    # hidden state, the rest the same mix of the system prompt for every caption - the demo's captions would barely
+    # differ. Unit-variance embeddings keep each word's identity, as a trained model's do.
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0.0, 1.0)
+    return model
