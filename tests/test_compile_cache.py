@@ -24,6 +24,7 @@ NEEDS_NO_CHOICE = {
     "render_screenshots.py": "draws the GUI's tabs",
     "benchmark_text_encoder.py": "encodes captions, compiles nothing",
     "train_remote.py": "trains on other machines, whose train.py chooses their folder",
+    "train_queue.py": "starts each job as a fresh train.py / train_multi_gpu.py process, which chooses its folder",
 }
 # A process that imports diffusers first passes PyTorch's /tmp default on to every process it starts
 # (the end-to-end benchmark did: its runs' compile caches went to /tmp and the next run missed them).
