@@ -202,3 +202,30 @@ def test_flux_lora_under_fsdp_through_torchrun_equals_one_process(tmp_path, cach
     assert up and any(float(fsdp[k].abs().max()) > 0 for k in up), "the adapters did not train"
     for name in ("demo_flux.safetensors", "demo_flux-ema.safetensors"):
         assert relative_l2(output(tmp_path / "fsdp", name), output(tmp_path / "one", name)) <= 1e-5, name
+
+
+def test_a_part_called_through_the_root_keeps_its_own_signature():
+    """A pipeline that passes the denoiser only what its forward names (diffusers' modular pipelines: Flux.3's)
+    must see the part's parameters, not the root's `run_part(name, *args, **kwargs)`."""
+    import inspect
+
+    from modules.distributed.fsdp import calls_through_root
+
+    class Part(torch.nn.Module):
+        def forward(self, hidden_states, img_ids, scale=1.0):
+            return hidden_states * scale + img_ids
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unet = Part()
+
+        def run_part(self, name, *args, **kwargs):
+            part = self.get_submodule(name)
+            return type(part).forward(part, *args, **kwargs)
+
+    root = Root()
+    with calls_through_root(root, ["unet"]):
+        assert list(inspect.signature(root.unet.forward).parameters) == ["hidden_states", "img_ids", "scale"]
+        assert root.unet(torch.ones(1), img_ids=torch.ones(1), scale=2.0).item() == 3.0
+    assert "forward" not in vars(root.unet)

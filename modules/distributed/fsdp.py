@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from pathlib import Path
 
@@ -113,7 +114,11 @@ def calls_through_root(root: nn.Module, parts: list[str], autocast=contextlib.nu
     modules = [root.get_submodule(name) for name in parts]
     run = getattr(root, RUN_PART)
     for name, module in zip(parts, modules):
-        module.forward = functools.partial(run, name)
+        call = functools.partial(run, name)
+        # Its own parameters, for a pipeline that passes the denoiser only what its forward names (diffusers'
+        # modular pipelines: Flux.3's).
+        call.__signature__ = inspect.signature(module.forward)
+        module.forward = call
     try:
         with autocast:
             yield

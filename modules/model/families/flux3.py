@@ -79,7 +79,8 @@ class Flux3Objective(FlowMatching):
 
 
 class ModularSampler:
-    """A modular pipeline called as Tandem's sampling calls a classic one: keyword arguments in, `.images` out."""
+    """A modular pipeline called as Tandem's sampling calls a classic one: keyword arguments in (a `guider` among
+    them sets that component), `.images` out."""
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
@@ -88,6 +89,9 @@ class ModularSampler:
         self.pipeline.set_progress_bar_config(**options)
 
     def __call__(self, **arguments):
+        # The guider (its scale) is a component of a modular pipeline, not an input of the call.
+        if "guider" in arguments:
+            self.pipeline.update_components(guider=arguments.pop("guider"))
         return SimpleNamespace(images=self.pipeline(**arguments, output="images"))
 
 
@@ -162,6 +166,20 @@ class Flux3Family(PatchBatchNormLatents, LLMFlowFamily):
         pipeline.update_components(transformer=bundle.denoiser, vae=bundle.vae,
                                    scheduler=self.sampling_scheduler(bundle))
         return ModularSampler(pipeline)
+
+    def stock_pipeline(self, folder):
+        """The modular pipeline a diffusers user builds over the folder (its blocks by `model_index.json`'s class:
+        a model_index.json alone does not tell `ModularPipeline.from_pretrained` the blocks), its denoising parts
+        loaded; the text encoder and the processor stay out (the tests pass embeddings)."""
+        import json
+
+        import diffusers
+
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+        cls = getattr(diffusers, index["_class_name"])
+        pipeline = cls(blocks=getattr(diffusers, cls.default_blocks_name)(), pretrained_model_name_or_path=str(folder))
+        pipeline.load_components(names=["transformer", "vae", "scheduler"], local_files_only=True)
+        return pipeline
 
     def pipeline_arguments(self, bundle, prompt, guidance_scale):
         arguments = {"prompt_embeds": self._caption(bundle, prompt.prompt)}
