@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RANK, ALPHA = 4, 8.0
 BASES = {"sd1": "builtin:demo", "sd3": "builtin:demo-sd3", "flux": "builtin:demo-flux", "chroma": "builtin:demo-chroma",
          "flux2": "builtin:demo-flux2", "qwen": "builtin:demo-qwen", "zimage": "builtin:demo-zimage",
-         "wan": "builtin:demo-wan", "lumina2": "builtin:demo-lumina2"}
+         "wan": "builtin:demo-wan", "lumina2": "builtin:demo-lumina2", "flux3": "builtin:demo-flux3"}
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"sd1": ATTENTION + ["proj_in"],  # proj_in: a 1x1 convolution
            "sdxl": ATTENTION + ["proj_in", "ff.net.2"],
@@ -155,7 +155,8 @@ def diffusers_verdict(base_model: str, path, bundle) -> str:
 DIFFUSERS_CASES = [("sd1", "loha", "kohya"), ("sd1", "loha", "peft"), ("sd3", "lora", "kohya"),
                    ("flux2", "lokr", "peft"), ("flux2", "dora", "kohya"), ("zimage", "lokr", "peft"),
                    ("qwen", "lokr", "peft"), ("qwen", "loha", "kohya"), ("wan", "lokr", "kohya"),
-                   ("lumina2", "lora", "kohya"), ("lumina2", "lokr", "peft")]
+                   ("lumina2", "lora", "kohya"), ("lumina2", "lokr", "peft"), ("flux3", "lora", "kohya"),
+                   ("flux3", "dora", "peft"), ("flux3", "lokr", "peft")]
 """SD's kohya DoRA file: test_a_kohya_dora_file_converted_for_diffusers_loads_exactly."""
 
 
@@ -189,6 +190,9 @@ def test_each_client_gets_the_layout_it_applies_exactly():
         for lora_type in ("lora", "dora", "loha", "lokr"):
             if name == "lumina2" and lora_type != "lora":  # its LyCORIS adapters of q, k, v have no ComfyUI name
                 with pytest.raises(ValueError, match="ComfyUI applies no .* of a lumina2 model.*all but its adapters"):
+                    layout_for("comfyui", name, lora_type)
+            elif name == "flux3":  # ComfyUI has no Flux.3 model
+                with pytest.raises(ValueError, match="ComfyUI applies no .* of a flux3 model.*no Flux.3 model"):
                     layout_for("comfyui", name, lora_type)
             else:
                 assert layout_for("comfyui", name, lora_type) == "kohya"

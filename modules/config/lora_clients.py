@@ -9,10 +9,11 @@ What is said here was found by loading Tandem's files into diffusers' pipelines 
   Lumina 2's LyCORIS adapters of q, k and v (fused there in one weight of unequal parts, with no name for each). It
   takes alpha from `<module>.alpha` tensors only, so from a `peft` file, whose alpha is in the header, it
   applies alpha / rank = 1: the wrong strength whenever alpha differs from the rank. A DoRA `peft` file loses
-  its magnitudes there; an SD UNet's attention layers and a Wan or Lumina 2 transformer it does not map at all.
+  its magnitudes there; an SD UNet's attention layers and a Wan or Lumina 2 transformer it does not map at all. It
+  has no Flux.3 model.
 - diffusers applies the `peft` layout of LoRA and DoRA exactly for every family, and LoKr for Flux.2 and
   Z-Image; it reads no LoHa file, and no LyCORIS-named (`kohya`) DoRA, LoHa or LoKr file. Its kohya readers
-  take plain LoRA of every family but SD3 and Lumina 2 (their kohya files load as nothing, silently); its Flux.1 reader
+  take plain LoRA of every family but SD3, Lumina 2 and Flux.3 (their kohya files load as nothing); its Flux.1 reader
   (Chroma's too) assumes Flux.1's full width in the single blocks.
 
 `save_note` is the line the trainer logs for each LoRA file it writes; `layout_for` is what
@@ -34,6 +35,10 @@ FUSED_UNEQUAL_QKV = ("lumina2",)
 """The families whose original layout fuses q, k and v of unequal widths (Lumina 2's grouped heads) in one weight:
 ComfyUI has no name for a LyCORIS adapter of q, k or v alone there, and no kohya reader of diffusers takes their
 plain LoRA either."""
+NOT_IN_COMFYUI = {"flux3": "Flux.3"}
+"""The families ComfyUI has no model of (tests/comfy_lora_rules.py holds no rules for them): it applies no file."""
+KOHYA_UNREAD_IN_DIFFUSERS = {"flux3": "its Flux.3 reader takes only `diffusion_model.` keys with peft's tensors"}
+"""The families whose diffusers LoRA loader reads no kohya (`lora_unet_`) names at all: why."""
 TYPE_TITLES = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}
 
 
@@ -54,6 +59,8 @@ class Reading:
 
 
 def comfyui_reading(model_type: str, lora_type: str, fmt: str, alpha: float, rank: int) -> Reading:
+    if model_type in NOT_IN_COMFYUI:
+        return Reading("comfyui", NOTHING, f"applies nothing of it (it has no {NOT_IN_COMFYUI[model_type]} model)")
     if fmt == "kohya":
         if lora_type != "lora" and model_type in FUSED_UNEQUAL_QKV:
             return Reading("comfyui", WRONG, "applies all but its adapters of q, k and v (one fused weight there, "
@@ -90,6 +97,8 @@ def diffusers_reading(model_type: str, lora_type: str, fmt: str) -> Reading:
     if model_type == "sd3":
         return Reading("diffusers", NOTHING, "applies nothing of it, silently (it has no reader of sd-scripts' "
                                              "SD3 names)")
+    if model_type in KOHYA_UNREAD_IN_DIFFUSERS:
+        return Reading("diffusers", NOTHING, f"applies nothing of it ({KOHYA_UNREAD_IN_DIFFUSERS[model_type]})")
     if model_type in FUSED_UNEQUAL_QKV:
         return Reading("diffusers", NOTHING, "applies nothing of it, silently (its Lumina 2 reader takes only "
                                              "`diffusion_model.` keys at the released model's widths)")

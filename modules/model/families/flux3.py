@@ -85,8 +85,9 @@ class ModularSampler:
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
 
-    def set_progress_bar_config(self, **options) -> None:
-        self.pipeline.set_progress_bar_config(**options)
+    def __getattr__(self, name):
+        # Everything else is the pipeline's: its components, `load_lora_weights`, `fuse_lora`.
+        return getattr(self.__dict__["pipeline"], name)
 
     def __call__(self, **arguments):
         # The guider (its scale) is a component of a modular pipeline, not an input of the call.
