@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from modules.config.train_config import ConceptConfig, DataConfig, TrainConfig
+from modules.config.train_config import ConceptConfig, DataConfig, SamplePromptConfig, TrainConfig
 from modules.config.validation import validate
 from modules.data import EmptyDatasetError, build_dataset, collate, scan_concepts
 from modules.data.concepts import ScanResult
@@ -114,6 +114,7 @@ def test_a_concept_without_pairs_and_mixed_or_uneven_pairing_are_refused(pairs, 
 
 def test_validation_names_a_missing_control_folder_or_manifest(pairs):
     cfg = TrainConfig()
+    cfg.model.base_model = "builtin:demo-qwen_edit"
     cfg.data.concepts = [ConceptConfig(path=str(pairs), control="control, before"),
                          ConceptConfig(path=str(pairs), control="pairs.jsonl")]
     problems = validate(cfg)
@@ -194,3 +195,33 @@ def test_the_built_in_pairs_recolour_the_shape_in_place():
     changed = (target - control).abs().sum(-1) > 0
     assert 0 < changed.float().mean() < 0.6  # the shape changed, the background did not
     assert record.caption.startswith("make the ") and root in record.path.parents
+
+
+def test_an_edit_model_trains_on_pairs_only_and_other_models_on_none(pairs):
+    cfg = TrainConfig()
+    cfg.data.concepts = [ConceptConfig(path=str(pairs), control="control")]
+    assert any(p.startswith("data.concepts[0].control: 'control' names control images, but Stable Diffusion 1.x")
+               for p in validate(cfg))
+    cfg.model.base_model = "builtin:demo-qwen_edit"
+    cfg.data.concepts.append(ConceptConfig(path=str(pairs)))
+    cfg.data.caption_dropout = 0.1
+    cfg.sampling.prompts = [SamplePromptConfig(prompt="make it red")]
+    problems = validate(cfg)
+    assert any(p.startswith("data.concepts[1].control: empty, but Qwen-Image-Edit") for p in problems)
+    assert any(p.startswith("data.caption_dropout: 0.1, but Qwen-Image-Edit (2509, 2511)'s text encoder reads") for p in problems)
+    assert any(p.startswith("sampling.prompts[0].control: empty") for p in problems)
+
+
+def test_the_memory_plan_counts_the_tokens_each_control_adds():
+    from modules.config.memory_need import Setup, facts, sequence_tokens
+    from tests.test_memory_plan import config, model_sizes
+
+    def tokens(*overrides):
+        cfg = config("qwen_edit", "lora", *overrides)
+        return sequence_tokens(facts(model_sizes(cfg), cfg), cfg, Setup())
+
+    text = 256
+    one = tokens('data.concepts=[{"path": "pairs", "control": "control"}]')
+    two = tokens('data.concepts=[{"path": "pairs", "control": "control_1, control_2"}]')
+    image = (1024 // 16) ** 2
+    assert (one, two) == (2 * image + text, 3 * image + text)

@@ -45,3 +45,11 @@ def setting_problem(concept_folder: Path, setting: str, field: str) -> str | Non
             return (f"{field}: the control folder {folder} does not exist; put the control images in a folder beside "
                     "the images (same file names), or fix the setting (folders separated by commas).")
     return None
+
+
+def controls_per_image(concepts) -> int:
+    """Control images per image the enabled concepts name: their folders, or 1 for a manifest (whose lines hold
+    their count; the scan requires every image to have as many)."""
+    counts = [1 if is_manifest(c.control) else len([p for p in c.control.split(",") if p.strip()])
+              for c in concepts if c.enabled and c.control.strip()]
+    return max(counts, default=0)

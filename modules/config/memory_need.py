@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modules.config.control_setting import controls_per_image
 from modules.config.model_families import FAMILIES, Activations
 from modules.config.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
 
@@ -251,7 +252,9 @@ def sequence_tokens(f: Facts, cfg, setup: Setup) -> float:
     # Context parallelism: each process of a group holds its part of the sequence (the text stays whole).
     degree = cfg.multi_gpu.context_parallel
     context = degree if setup.world > 1 and degree > 1 and setup.world % degree == 0 else 1
-    return (cfg.data.resolution // pixels) ** 2 * frames / context + text_tokens(family, cfg, config)
+    # An edit model's control images each add as many tokens as their image (they take its bucket).
+    images = 1 + (controls_per_image(cfg.data.concepts) if family in FAMILIES and FAMILIES[family].controls else 0)
+    return (cfg.data.resolution // pixels) ** 2 * frames * images / context + text_tokens(family, cfg, config)
 
 
 def swapped_positions(total: int, count: int) -> list[int]:

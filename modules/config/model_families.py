@@ -103,6 +103,10 @@ class FamilyInfo:
     whose releases differ lists each (Flux.2 dev's Mistral, Klein's Qwen3)."""
     presets: str = ""
     """The stem of its presets in `training_presets/`: `<stem>_lora` and `<stem>_finetune`; empty: none."""
+    controls: str = ""
+    """An edit model's control images (`data.concepts[].control`): `latents` - their latents join the image's tokens
+    with positions of their own -, `latents+text` - and its text encoder reads them with the caption
+    (Qwen-Image-Edit's Qwen2.5-VL); empty: it trains on plain images."""
     activations: Activations = Activations()
     """What the memory plan counts of its activations."""
 
@@ -229,6 +233,13 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                block_groups=("txt_mode_blocks", "mode_blocks.image", "mode_blocks.image_cond",
                              "single_transformer_blocks"),
                text_encoders=("qwen3-vl",), presets="flux3", activations=Activations(text_tokens=240, t5_offset=None)),
+    # Qwen-Image-Edit: Qwen-Image's transformer, trained on pairs; its files are Qwen-Image's (no marker of its own:
+    # a single file needs model.model_type), its folders name the edit pipelines.
+    FamilyInfo("qwen_edit", "Qwen-Image-Edit (2509, 2511)", "transformer", "QwenImageEditPlusPipeline", 16, True,
+               "builtin:demo-qwen_edit", "qwen_image_edit:QwenImageEditFamily", "QwenImageTransformer2DModel",
+               _TEXT_APART_FIELDS, other_pipelines=("QwenImageEditPipeline",), lora_targets=_DOUBLE_STREAM_ATTENTION,
+               text_apart=True, text_encoders=("qwen2.5-vl-vision",), presets="qwen_edit", controls="latents+text",
+               activations=Activations(_blocks(transformer_blocks=52.6), text_tokens=256, t5_offset=None)),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

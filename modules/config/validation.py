@@ -581,6 +581,23 @@ def known_family(cfg: TrainConfig) -> str | None:
 _INERT_VALUES = {"model.prediction_type": "auto", "training.min_snr_gamma": 0.0}
 
 
+def _control_checks(cfg: TrainConfig, info) -> list[str]:
+    """An edit model trains on pairs only, and a model that takes no control image on none."""
+    concepts = [(i, c) for i, c in enumerate(cfg.data.concepts) if c.enabled]
+    if not info.controls:
+        return [f"data.concepts[{i}].control: {c.control!r} names control images, but {info.title} (model.model_type "
+                f"{info.name}) is no edit model; leave it empty, or train an edit model "
+                f"({', '.join(f.name for f in FAMILIES.values() if f.controls)})." for i, c in concepts if c.control.strip()]
+    problems = [f"data.concepts[{i}].control: empty, but {info.title} learns edits from pairs; name the folder of "
+                f"each image's control image (`control`), or a manifest." for i, c in concepts if not c.control.strip()]
+    problems += [f"sampling.prompts[{i}].control: empty, but {info.title} edits an image; give the path of the image "
+                 "the prompt edits." for i, prompt in enumerate(cfg.sampling.prompts) if not prompt.control.strip()]
+    if info.controls == "latents+text" and cfg.data.caption_dropout > 0:
+        problems.append(f"data.caption_dropout: {cfg.data.caption_dropout!r}, but {info.title}'s text encoder reads "
+                        "each caption with its control images, which a dropped caption would lose; set it to 0.")
+    return problems
+
+
 def _family_checks(cfg: TrainConfig) -> list[str]:
     """What the family the config names does not accept: settings of other families, image sizes."""
     family = known_family(cfg)
@@ -595,6 +612,7 @@ def _family_checks(cfg: TrainConfig) -> list[str]:
             problems.append(f"{path}: {value!r} does not apply to {info.title} (model.model_type {family}), "
                             f"which trains rectified flow; set it to {inert!r}.")
     problems += _text_apart_checks(cfg, info)
+    problems += _control_checks(cfg, info)
     if cfg.model.wan_expert and not field_applies("model.wan_expert", family):
         problems.append(f"model.wan_expert: {cfg.model.wan_expert!r} picks an expert of Wan 2.2 A14B, but the model is "
                         f"{info.title} (model.model_type {family}); leave it empty.")

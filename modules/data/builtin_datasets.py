@@ -23,3 +23,12 @@ def resolve_concept_path(path: str) -> Path:
     if not path:
         raise ValueError("A concept has an empty path; set data.concepts[].path to an image folder.")
     return Path(path).expanduser()
+
+
+def resolve_file_path(path: str) -> Path:
+    """A file path, or one inside a built-in dataset (`builtin:demo-shapes-edit/control/000.png`: generated first)."""
+    path = path.strip()
+    for scheme in BUILTIN_DATASETS:
+        if path.startswith(scheme + "/"):
+            return resolve_concept_path(scheme) / path[len(scheme) + 1:]
+    return Path(path).expanduser()

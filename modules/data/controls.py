@@ -163,3 +163,26 @@ def split_text(text: str) -> tuple[str, list[Path]]:
     if not mark:
         return text, []
     return caption, [Path(path) for path, _ in json.loads(rest)]
+
+
+def sample_controls(setting: str) -> tuple[ControlImage, ...]:
+    """A sample prompt's control images (`sampling.prompts[].control`: paths separated by commas), read once; a
+    missing or unreadable one raises naming it."""
+    import hashlib
+
+    from PIL import Image
+
+    from .builtin_datasets import resolve_file_path
+
+    controls = []
+    for part in (p for p in setting.split(",") if p.strip()):
+        path = resolve_file_path(part)
+        try:
+            data = path.read_bytes()
+            with Image.open(path) as img:
+                width, height = img.size
+        except OSError as err:
+            raise ValueError(f"sampling.prompts[].control: cannot read {part.strip()!r} ({path}): {err}; give the path "
+                             "of an image.") from err
+        controls.append(ControlImage(path, width, height, hashlib.sha256(data).hexdigest()))
+    return tuple(controls)

@@ -38,6 +38,7 @@ from modules.trainer.callbacks import TrainingCallbacks
 from modules.trainer.commands import CommandInbox, StopRequested
 from modules.trainer.compile_choice import CompileChoice, RunForCompile, choose
 from modules.trainer.compiled_unet import CompileCheck, keep_gradient_buffers
+from modules.trainer.controls import control_latents, text_sees_controls
 from modules.trainer.ema import EMA
 from modules.trainer.finite import FiniteGuard
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr
@@ -289,6 +290,7 @@ class BaseTrainer(ABC):
     def create_dataset(self):
         from modules.data import build_dataset
         dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed, scan=self.scan)
+        dataset.text_sees_controls = text_sees_controls(self.cfg.model)
         log.info("Data: %s", dataset.describe_roles())  # rank 0's INFO only (rank_duties.py)
         return dataset
 
@@ -624,6 +626,7 @@ class BaseTrainer(ABC):
         text = batch.get("text")
         if text is not None:
             text = {k: v.to(dev, non_blocking=True) for k, v in text.items()}
+        controls = control_latents(bundle, batch, dev)
         objective = self.objective  # the family's: noise and timesteps keyed by (seed, step, micro)
         draw = objective.draw(tuple(latents.shape), self.cfg.general.seed, self.global_step, micro,
                               self.batch_part if part is None else part, dev, self.cfg.training.offset_noise)
@@ -631,7 +634,8 @@ class BaseTrainer(ABC):
         target = objective.target(latents, draw)
         with self.autocast():
             pred = (self.model if model is None else model)(noisy, draw.timesteps, text, batch.get("captions"),
-                              batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
+                              batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"),
+                              controls=controls)
         masks, weights = batch.get("masks"), batch.get("loss_weights")
         return objective.loss(pred, target, draw, mask=None if masks is None else masks.to(dev, non_blocking=True),
                               weights=None if weights is None else weights.to(dev, non_blocking=True))

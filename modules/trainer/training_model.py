@@ -48,9 +48,12 @@ class TrainingModel(nn.Module):
         return type(part).forward(part, *args, **kwargs)
 
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: dict | None,
-                captions: list[str] | None, original_sizes=None, crop_coords=None, target_sizes=None) -> torch.Tensor:
+                captions: list[str] | None, original_sizes=None, crop_coords=None, target_sizes=None,
+                controls: torch.Tensor | None = None) -> torch.Tensor:
         if text is None:
             with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
                 text = self.bundle.encode_text(captions)
+        # An edit model's control latents [B, K, C, h, w] go to its objective; other families never get the argument.
+        edits = {} if controls is None else {"controls": controls}
         return self.objective.predict(self.unet_call, noisy_latents, timesteps, text, original_sizes, crop_coords,
-                                      target_sizes)
+                                      target_sizes, **edits)

@@ -38,8 +38,9 @@ _TEMPLATE_WORDS = ("system", "user", "assistant", "Describe", "the", "image", "b
                    "background")
 
 
-def demo_qwen_tokenizer():
-    """The demo's `Qwen2Tokenizer` (see the module docstring)."""
+def demo_qwen_tokenizer(extra_words: tuple[str, ...] = (), extra_specials: tuple[str, ...] = ()):
+    """The demo's `Qwen2Tokenizer` (see the module docstring); `extra_words` made one token each too and
+    `extra_specials` added as special tokens, after the demo's own (whose tokens stay as they are)."""
     from transformers import Qwen2Tokenizer
 
     from modules.model.demo import DEMO_WORDS
@@ -49,7 +50,7 @@ def demo_qwen_tokenizer():
     vocab = {c: i for i, c in enumerate(characters.values())}
     ranks: dict[tuple[str, str], int] = {}
     space = characters[ord(" ")]
-    for word in dict.fromkeys(_TEMPLATE_WORDS + DEMO_WORDS):
+    for word in dict.fromkeys(_TEMPLATE_WORDS + DEMO_WORDS + extra_words):
         for form in (word, space + word):  # as a text's first word, and after a space
             # Join the first two pieces the merges so far leave, until the word is one token: a merge
             # added last applies last, so earlier words keep their tokens.
@@ -60,7 +61,7 @@ def demo_qwen_tokenizer():
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=sorted(ranks, key=ranks.get), eos_token=IM_END,
                                pad_token=END_OF_TEXT, model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END, *extra_specials]})
     tokenizer.chat_template = CHAT_TEMPLATE
     prefix = QWEN_IMAGE_TEMPLATE[:QWEN_IMAGE_TEMPLATE.index("{}")]
     if len(tokenizer(prefix).input_ids) != QWEN_IMAGE_DROP:
