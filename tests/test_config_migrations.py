@@ -79,3 +79,11 @@ def test_versionless_and_too_new_files_through_the_public_readers():
         config_from_dict({"__version": CONFIG_VERSION + 1})
     with pytest.raises(ConfigError, match="newer than this Tandem"):
         config_from_overlay({"__version": CONFIG_VERSION + 1})
+
+
+def test_version_5_reads_fsdp_activation_offload_as_activation_offload():
+    """The FSDP-only setting became the strategy-neutral one (one process and DDP offload too)."""
+    cfg = config_from_dict({"__version": 5, "multi_gpu": {"fsdp_activation_offload": True}})
+    assert cfg.multi_gpu.activation_offload is True
+    assert migrate({"__version": 5, "multi_gpu": {"fsdp_activation_offload": False}})["multi_gpu"] == {
+        "activation_offload": False}

@@ -56,7 +56,7 @@ def both(root: Path, cache: Path, *overrides: str) -> tuple[dict, dict]:
 def test_activation_offloading_moves_activations_and_never_weights():
     """What a Linear layer saves: its input (moved to host memory, returned for the backward) and its weight, as
     a view (`weight.t()`), which stays: copying every gathered weight each step would cost more than it saves."""
-    from modules.distributed.activation_offload import ActivationOffload
+    from modules.model.activation_offload import ActivationOffload
 
     offload = ActivationOffload(torch.device("cpu"))
     layer = torch.nn.Linear(8, 4)
@@ -73,7 +73,7 @@ def test_activation_offloading_moves_activations_and_never_weights():
 @pytest.mark.slow
 def test_lora_with_checkpointing_and_both_offloads_trains_what_one_process_trains(tmp_path, cache_dir, capfd):
     one, fsdp = both(tmp_path, cache_dir, "training.precision=fp32", "training.gradient_checkpointing=true",
-                     "multi_gpu.fsdp_activation_offload=true", "multi_gpu.fsdp_cpu_offload=true")
+                     "multi_gpu.activation_offload=true", "multi_gpu.fsdp_cpu_offload=true")
     up = [k for k in fsdp if "lora_B" in k]
     assert up and all(float(fsdp[k].abs().max()) > 0 for k in up), "the adapters did not train"
     assert relative_l2(fsdp, one) <= 1e-5

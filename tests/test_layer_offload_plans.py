@@ -58,7 +58,7 @@ def test_checkpointing_comes_before_layer_offload_when_it_alone_fits():
 
 def test_a_card_that_fits_nothing_is_refused_naming_the_smallest_change():
     cfg = config("qwen", "lora", "training.gradient_checkpointing=true", "multi_gpu.enabled=false",
-                 "multi_gpu.layer_offload=off", "model.unet_dtype=fp8", "training.batch_size=2")
+                 "multi_gpu.layer_offload=off", "model.unet_dtype=fp8", "training.batch_size=4")
     with pytest.raises(NoPlanFits) as refused:
         plan(cfg, 24)
     text = str(refused.value)

@@ -49,10 +49,10 @@ def test_each_plan_is_chosen_where_it_is_the_fastest_that_fits():
         "DDP", "DDP + fp8 base", "FSDP", "FSDP + fp8 base"]
     # The plan is the config the run trains: the fields it sets, nothing else.
     assert chosen[12].changes == {"multi_gpu.strategy": "fsdp", "model.unet_dtype": "fp8",
-                                  "training.gradient_checkpointing": True, "multi_gpu.fsdp_activation_offload": True}
+                                  "training.gradient_checkpointing": True, "multi_gpu.activation_offload": True}
     trained = chosen[12].apply(cfg)
     assert (trained.multi_gpu.strategy, trained.model.unet_dtype, trained.training.gradient_checkpointing,
-            trained.multi_gpu.fsdp_activation_offload, trained.multi_gpu.fsdp_cpu_offload) == ("fsdp", "fp8", True, True, False)
+            trained.multi_gpu.activation_offload, trained.multi_gpu.fsdp_cpu_offload) == ("fsdp", "fp8", True, True, False)
     assert not validate(trained, check_paths=False)
 
 
@@ -108,7 +108,7 @@ def test_a_config_that_fits_nothing_is_refused_naming_the_smallest_changes():
         plan(fp32, 12, 12)
     # An explicit strategy is the one plan; auto is offered when it would fit.
     ddp = config("flux", "full", "multi_gpu.strategy=ddp", "training.gradient_checkpointing=true")
-    with pytest.raises(NoPlanFits, match=r"multi_gpu.strategy ddp \(DDP\) needs ~.*multi_gpu.strategy auto \(plan: FSDP"):
+    with pytest.raises(NoPlanFits, match=r"multi_gpu.strategy ddp \(DDP \+ activation offloading\) needs ~.*multi_gpu.strategy auto \(plan: FSDP"):
         plan(ddp, 80, 80, 80, 80)
     # Workers never refuse (the launcher did, or a user's own torchrun started them): the most frugal plan, said not to fit.
     worker = plan(cfg, 6, 6, refuse=False)
@@ -149,8 +149,8 @@ def test_a_bad_limit_names_the_field_and_the_fix(value, problem):
 
 
 def test_activation_offloading_needs_checkpointing():
-    cfg = config("flux", "lora", "multi_gpu.fsdp_activation_offload=true")
-    assert any(p.startswith("multi_gpu.fsdp_activation_offload") and "training.gradient_checkpointing" in p
+    cfg = config("flux", "lora", "multi_gpu.activation_offload=true")
+    assert any(p.startswith("multi_gpu.activation_offload") and "training.gradient_checkpointing" in p
                for p in validate(cfg, check_paths=False))
 
 
@@ -349,3 +349,26 @@ def test_the_checkpointed_peak_is_taken_where_the_backward_holds_the_most():
     assert n.parts["activations"] == pytest.approx(profile[-1][0] / gib)
     # Measured on 4 H200s held to 24 GiB (FSDP + fp8 base): 15.9 GiB; the estimate without its runtime overhead.
     assert n.training - n.parts["runtime overhead"] == pytest.approx(15.9, rel=0.05)
+
+
+def test_activation_offloading_is_planned_on_one_gpu_and_with_ddp_where_the_activations_do_not_fit(tmp_path):
+    """Wan 2.1 14B LoRA, 81 frames at 640 px: the checkpointed blocks' inputs (40 x 33,600 tokens x 5,120 channels
+    in bf16, 13.8 GB) fit no 24 GiB card, even with every block swapped; in host memory they do, counted there for
+    every process. Where they fit the card, nothing is offloaded."""
+    from modules.config.model_sizes import shipped_configs, stored_component
+    params = stored_component(shipped_configs("wan", "14b")["transformer"]).params
+    header = json.dumps({"denoiser": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}).encode()
+    path = tmp_path / "wan-14b.safetensors"  # a header of the 14B's parameter count: sized as the 14B
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    cfg = config("wan", "lora", f"model.base_model={path}", "data.resolution=640", "data.video_frames=81",
+                 "training.gradient_checkpointing=true", "multi_gpu.enabled=false")
+    one = plan(cfg, 24)
+    assert "activation offloading" in one.name and not one.tight, one.describe()
+    assert one.changes["multi_gpu.activation_offload"] is True and not validate(one.apply(cfg), check_paths=False)
+    assert any(r.startswith("one process + layer offload (40 of 40 blocks) ~") for r in one.rejected)
+    offloaded = one.host.parts["offloaded activations"]
+    assert 40 * 33_600 * 5_120 * 2 / 2 ** 30 == pytest.approx(offloaded, rel=0.05)
+    ddp = plan(with_changes(cfg, {"multi_gpu.enabled": True, "multi_gpu.strategy": "ddp"}), 24, 24)
+    assert ddp.name.startswith("DDP") and "activation offloading" in ddp.name, ddp.describe()
+    assert ddp.host.parts["offloaded activations"] == pytest.approx(2 * offloaded)  # each rank its own
+    assert "activation offloading" not in plan(cfg, 140).name

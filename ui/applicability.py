@@ -112,7 +112,8 @@ RULES: dict[str, Rule] = {
     "multi_gpu.launcher": _multi_gpu,
     "multi_gpu.batch_split": _multi_gpu,
     "multi_gpu.fsdp_cpu_offload": _fsdp,
-    "multi_gpu.fsdp_activation_offload": _fsdp,
+    "multi_gpu.activation_offload": lambda c: None if c.training.gradient_checkpointing else
+    "used only with Gradient checkpointing on (it moves what checkpointed blocks keep)",  # one GPU too
     "multi_gpu.memory_limit_gib": _multi_gpu,
     "multi_gpu.layer_offload": _lora,  # one GPU too: block swap of a LoRA's frozen base
     "multi_gpu.context_parallel": lambda c: _multi_gpu(c) or (

@@ -5,6 +5,7 @@ Counted for the machine's training processes, from the same sizes as the GPU est
 - layer offload's copy of the swapped blocks: once - the ranks of a machine share it
   (`modules/model/shared_host_copy.py`);
 - FSDP's CPU offload: every rank its shards, with their gradients and optimizer state;
+- activation offloading: every rank its micro-batch's checkpointed block inputs, in pinned memory;
 - Wan 2.2 A14B's frozen expert: every rank's;
 - the VAE and frozen text encoders that wait in host memory once their outputs are cached: once - they are
   read in the dtype of their files through the page cache, which the ranks share (a family whose text encoder
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config.memory_need import (DTYPE_BYTES, GIB, Facts, Need, Setup, frozen_expert_bytes,
-                                        optimizer_state_bytes, swapped_bytes, text_cached)
+                                        offloaded_activation_bytes, optimizer_state_bytes, swapped_bytes, text_cached)
 from modules.config.model_families import FAMILIES
 
 PROCESS_HOST_GIB = 2.0
@@ -53,9 +54,9 @@ class HostNeed:
         return sum(self.parts.values())
 
 
-def host_need(f: Facts, cfg, setup: Setup, rank_need: Need, processes: int) -> HostNeed:
+def host_need(f: Facts, cfg, setup: Setup, rank_need: Need, processes: int, batch: int | None = None) -> HostNeed:
     """The host memory of `processes` ranks of one machine training `cfg` as `setup` (`rank_need`: one rank's GPU
-    estimate, whose `host` is what it offloads)."""
+    estimate, whose `host` is what it offloads; `batch`: the largest micro-batch of a rank, the config's when None)."""
     t, m = cfg.training, cfg.model
     lora = t.method == "lora"
     swapped = swapped_bytes(f, "fp8" if setup.fp8 else m.unet_dtype, setup.offload_blocks)[0] \
@@ -70,9 +71,11 @@ def host_need(f: Facts, cfg, setup: Setup, rank_need: Need, processes: int) -> H
     optimizer = optimizer_state_bytes(cfg.optimizer.name, f.trainable_shapes, cfg.optimizer.momentum,
                                       cfg.optimizer.prodigy_slice_p)
     backup = 4 * f.trainable * (2 if t.ema else 1) + optimizer
+    activations = offloaded_activation_bytes(f, cfg, setup, t.batch_size if batch is None else batch)
     parts = {
         "layer offload's copy (one per machine)": swapped / GIB,
         "CPU offload of the shards": processes * offloaded / GIB,
+        "offloaded activations": processes * activations / GIB,
         "frozen expert": processes * expert / GIB,
         "VAE and text encoders after caching": (encoders + vae) / GIB,
         "backup snapshot": backup / GIB,

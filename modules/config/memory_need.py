@@ -57,7 +57,7 @@ class Setup:
     """The frozen base of a LoRA stored in float8 (`model.unet_dtype = fp8`)."""
     checkpointing: bool = False
     activation_offload: bool = False
-    """Checkpointed blocks' inputs kept in host memory (`multi_gpu.fsdp_activation_offload`)."""
+    """Checkpointed blocks' inputs kept in host memory (`multi_gpu.activation_offload`)."""
     cpu_offload: bool = False
     """FSDP's shards, their gradients and optimizer state in host memory (`multi_gpu.fsdp_cpu_offload`)."""
     offload_blocks: int = 0
@@ -236,6 +236,18 @@ def activation_bytes_per_sample(f: Facts, cfg, setup: Setup) -> float | None:
     not give its width)."""
     profile = backward_activations(f, cfg, setup)
     return None if profile is None else max(bytes_ for bytes_, _ in profile)
+
+
+def offloaded_activation_bytes(f: Facts, cfg, setup: Setup, batch: int) -> float:
+    """Bytes activation offloading keeps in host memory for one micro-batch of `batch` samples on one process:
+    every checkpointed block's input (`modules/model/activation_offload.py`); 0 without it or where unknown."""
+    config = f.sizes.denoiser_config
+    width = (config.get("num_attention_heads") or 0) * (config.get("attention_head_dim") or 0)
+    if not (setup.activation_offload and setup.checkpointing) or f.sizes.denoiser_name != "transformer" or not width:
+        return 0.0
+    scale = 2.0 if cfg.training.precision == "fp32" else 1.0
+    blocks = sum(f.block_kinds.values())
+    return CHECKPOINT_INPUT_BYTES * blocks * sequence_tokens(f, cfg, setup) * width * scale * batch
 
 
 def sequence_tokens(f: Facts, cfg, setup: Setup) -> float:

@@ -251,15 +251,18 @@ def _candidates(cfg, world: int, sizes: ModelSizes, check: _Check) -> list[Candi
     # Each saver the check refuses is left out of every step after it too (FSDP's steps build on each other).
     fp8_possible = m.unet_dtype != "fp8" and check.allows({"model.unet_dtype": "fp8"})
     offload = layer_offload_allowed(cfg, sizes, world, check)
+    # Activation offloading moves what checkpointed blocks keep: a transformer's (a UNet's is not estimated).
+    activations = sizes.denoiser_name == "transformer" and check.allows({
+        "multi_gpu.activation_offload": True, "training.gradient_checkpointing": True})
     if world < 2:
         given = user_setup(cfg, 1, "single")
-        return _whole_model_candidates(given, fp8_possible, offload, with_checkpointing=True)
+        return _whole_model_candidates(given, fp8_possible, offload, activations, with_checkpointing=True)
     ddp, fsdp = user_setup(cfg, world, "ddp"), user_setup(cfg, world, "fsdp")
     if mg.strategy == "ddp":
-        return _whole_model_candidates(ddp, False, offload, with_checkpointing=False)
+        return _whole_model_candidates(ddp, False, offload, activations, with_checkpointing=False)
     if mg.strategy == "fsdp":
         return [Candidate(_fsdp_name(fsdp, fsdp), fsdp)]
-    found = _whole_model_candidates(ddp, fp8_possible, offload, with_checkpointing=False)
+    found = _whole_model_candidates(ddp, fp8_possible, offload, activations, with_checkpointing=False)
     if not check.allows({"multi_gpu.strategy": "fsdp"}):
         return found
     steps = [fsdp]
@@ -274,10 +277,12 @@ def _candidates(cfg, world: int, sizes: ModelSizes, check: _Check) -> list[Candi
     return found + [Candidate(_fsdp_name(s, fsdp), s) for s in steps]
 
 
-def _whole_model_candidates(given: Setup, fp8: bool, offload: bool, with_checkpointing: bool) -> list[Candidate]:
+def _whole_model_candidates(given: Setup, fp8: bool, offload: bool, activations: bool,
+                            with_checkpointing: bool) -> list[Candidate]:
     """Plans that hold the whole model on every GPU (one process, DDP): as the config says, with an fp8 base,
-    with checkpointing (one process: several GPUs have FSDP's plans for what it saves), and with layer offload
-    (which needs checkpointing) of as few blocks as fit."""
+    with checkpointing (one process: several GPUs have FSDP's plans for what it saves), with layer offload
+    (which needs checkpointing) of as few blocks as fit, and each plan with checkpointing also with activation
+    offloading (what checkpointing keeps waits in host memory; `activations`: a transformer the check allows it)."""
     setups = [given]
     if fp8:
         setups.append(dataclasses.replace(given, fp8=True))
@@ -286,6 +291,9 @@ def _whole_model_candidates(given: Setup, fp8: bool, offload: bool, with_checkpo
     if offload:
         setups += [dataclasses.replace(s, checkpointing=True, offload_blocks=FEWEST) for s in
                    ([given, dataclasses.replace(given, fp8=True)] if fp8 else [given])]
+    if activations:
+        setups += [dataclasses.replace(s, activation_offload=True) for s in list(setups)
+                   if s.checkpointing and not s.activation_offload]
     return [Candidate(_whole_model_name(s, given), s) for s in setups]
 
 
@@ -298,6 +306,8 @@ def _whole_model_name(setup: Setup, given: Setup, total_blocks: int | None = Non
     if setup.offload_blocks and setup.offload_blocks != given.offload_blocks:
         count = "as few blocks as fit" if setup.offload_blocks == FEWEST else f"{setup.offload_blocks} of {total_blocks} blocks"
         name += f" + layer offload ({count})"
+    if setup.activation_offload and not given.activation_offload:
+        name += " + activation offloading"
     return name
 
 
@@ -320,8 +330,8 @@ def changes_of(cfg, setup: Setup) -> dict[str, object]:
         changes["model.unet_dtype"] = "fp8"
     if setup.checkpointing and not t.gradient_checkpointing:
         changes["training.gradient_checkpointing"] = True
-    if setup.activation_offload and not mg.fsdp_activation_offload:
-        changes["multi_gpu.fsdp_activation_offload"] = True
+    if setup.activation_offload and not mg.activation_offload:
+        changes["multi_gpu.activation_offload"] = True
     if setup.cpu_offload and not mg.fsdp_cpu_offload:
         changes["multi_gpu.fsdp_cpu_offload"] = True
     if setup.offload_blocks > 0 and mg.layer_offload.strip().lower() != str(setup.offload_blocks):
@@ -402,7 +412,7 @@ def choose_plan(cfg, sizes: ModelSizes, caps: list[float], capacity_source: str 
             if len(found) > 1 and candidate.setup.strategy == "fsdp":
                 candidate, (needs, chosen, planned) = _leaner(f, cfg, candidate, caps, batches, (needs, chosen, planned))
             plan = _plan(cfg, candidate, needs, chosen, caps, capacity_source, rejected, planned, False, chosen_by)
-            plan.host, plan.host_room = host_need(f, cfg, candidate.setup, needs[0], processes), host
+            plan.host, plan.host_room = host_need(f, cfg, candidate.setup, needs[0], processes, max(chosen)), host
             if not host_fits(plan.host, host):
                 too_large_for_host.append(plan)
                 rejected.append(f"{candidate.name} ~{plan.host.total:.1f} GiB of host memory (of {host.gib:.1f}, "
@@ -423,7 +433,7 @@ def choose_plan(cfg, sizes: ModelSizes, caps: list[float], capacity_source: str 
     if fits or not refuse:  # the most frugal plan (or the one asked for): the log says it is tight
         rejected = [r for c, r in zip(found, rejected) if c is not last]
         plan = _plan(cfg, last, needs, chosen, caps, capacity_source, rejected, planned, True, chosen_by)
-        plan.host, plan.host_room = host_need(f, cfg, last.setup, needs[0], processes), host
+        plan.host, plan.host_room = host_need(f, cfg, last.setup, needs[0], processes, max(chosen)), host
         if fits and refuse and not host_fits(plan.host, host):
             raise NoPlanFits(host_refusal(cfg, sizes, caps, capacity_source, plan, host))
         return plan
@@ -539,9 +549,10 @@ def user_setup(cfg, world: int, strategy: str) -> Setup:
         except ValueError:
             blocks = 0  # validation names it
         return Setup(strategy, world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing,
+                     mg.activation_offload and t.gradient_checkpointing,
                      offload_blocks=blocks if t.method == "lora" else 0)
     return Setup("fsdp", world, cfg.model.unet_dtype == "fp8", t.gradient_checkpointing,
-                 mg.fsdp_activation_offload and t.gradient_checkpointing, mg.fsdp_cpu_offload)
+                 mg.activation_offload and t.gradient_checkpointing, mg.fsdp_cpu_offload)
 
 
 def _plan(cfg, candidate, needs, batches, caps, source, rejected, planned, tight, chosen_by="auto") -> Plan:

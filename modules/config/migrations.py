@@ -58,8 +58,17 @@ def _v4_to_v5(data: dict) -> dict:
     return data
 
 
+def _v5_to_v6(data: dict) -> dict:
+    # multi_gpu.fsdp_activation_offload worked under FSDP only; activation offloading now works in one process and
+    # with DDP too, so the setting is multi_gpu.activation_offload, with the same meaning.
+    multi_gpu = data.get("multi_gpu")
+    if isinstance(multi_gpu, dict) and "fsdp_activation_offload" in multi_gpu:
+        multi_gpu.setdefault("activation_offload", multi_gpu.pop("fsdp_activation_offload"))
+    return data
+
+
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4,
-                                                 4: _v4_to_v5}
+                                                 4: _v4_to_v5, 5: _v5_to_v6}
 
 
 def migrate(data: dict, source: str | None = None, migrations: dict | None = None,

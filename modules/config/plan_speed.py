@@ -14,7 +14,7 @@ Torch-free, like the rest of the plan.
 """
 from __future__ import annotations
 
-from modules.config.memory_need import Facts, Setup, sequence_tokens, swapped_bytes
+from modules.config.memory_need import Facts, Setup, offloaded_activation_bytes, sequence_tokens, swapped_bytes
 
 REFERENCE_FLOPS = 400e12
 """Floating-point operations per second a step's matrix products reach (bf16, a large current GPU)."""
@@ -53,6 +53,8 @@ def step_seconds(f: Facts, cfg, setup: Setup, batch: int) -> float:
     if setup.offload_blocks:
         swapped, _ = swapped_bytes(f, "fp8" if setup.fp8 else cfg.model.unet_dtype, setup.offload_blocks)
         passes = 2 if setup.checkpointing else 1  # the backward's recompute needs the weights again
-        copying = passes * swapped * cfg.training.gradient_accumulation_steps / HOST_LINK_BYTES_PER_S
+        # Offloaded activations come back over the same link in the backward.
+        moved = passes * swapped + offloaded_activation_bytes(f, cfg, setup, batch)
+        copying = moved * cfg.training.gradient_accumulation_steps / HOST_LINK_BYTES_PER_S
         seconds = max(seconds, copying)
     return seconds

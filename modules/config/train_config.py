@@ -23,7 +23,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynom
 CONCEPT_ROLES = ("train", "regularisation", "validation")
 """`data.concepts[].role`: trained on, prior-preservation images, or held out for the validation loss."""
 
-CONFIG_VERSION = 5
+CONFIG_VERSION = 6
 """The `__version` written into every saved config; bump it together with a new migration."""
 
 REMOVED_FIELDS = {
@@ -340,8 +340,8 @@ class MultiGPUConfig:
     """How the model is spread over the GPUs: `ddp` (DistributedDataParallel: every GPU holds the whole model, its gradients and optimizer state), `fsdp` (FSDP2: parameters, gradients and optimizer state sharded over the GPUs, block by block; for full fine-tunes larger than one GPU), or `auto` (the fastest plan that fits every GPU: DDP when the model, gradients, optimizer state and activations fit each GPU, else an fp8 base, FSDP and the other memory savers in turn - see `memory_limit_gib`; printed at start with each GPU's estimate and why faster plans did not fit)."""
     fsdp_cpu_offload: bool = rule(False, label="FSDP: keep shards in CPU memory")
     """With FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory and run the optimizer step there (much less GPU memory, slower steps; the process group then runs gloo beside NCCL for the collectives over them). Ignored with DDP. CPU processes run the same code with nothing to move."""
-    fsdp_activation_offload: bool = rule(False, label="FSDP: keep activations in CPU memory")
-    """With FSDP and gradient checkpointing: keep the input each checkpointed block saves for its backward in CPU memory (pinned) from the forward until the backward needs it, instead of on the GPU - for a 1024 px image of a 20 B transformer about 1.5 GB per sample. The copies overlap the compute. Ignored with DDP. `strategy` auto turns it on when a transformer needs it to fit."""
+    activation_offload: bool = rule(False, label="Keep activations in CPU memory")
+    """With gradient checkpointing: keep the input each checkpointed block saves for its backward in CPU memory (pinned) from the forward until the backward needs it, instead of on the GPU - for a 1024 px image of a 20 B transformer about 1.5 GB per sample, for 81 video frames of Wan 14B at 640 px about 14 GB. Use it when the activations, not the weights, are what does not fit: long videos, high resolutions, large batches. Costs host memory (each process its own) and copies over PCIe each step, which overlap the compute. Works in one process, with DDP and with FSDP, beside layer offload and an fp8 base; needs `training.gradient_checkpointing`. The memory plan (`strategy` auto, and on one GPU) turns it on when a transformer needs it to fit."""
     memory_limit_gib: str = rule("", label="Memory per GPU (GiB)")
     """The memory each GPU may use, in GiB: one number for every GPU (`24`) or one per GPU (`24,16`, as `device_indexes` numbers this machine's GPUs); empty: each GPU's free memory. With `strategy` auto the run is planned for it - the fastest of DDP, DDP with an fp8 base, FSDP, then FSDP with an fp8 base, activation checkpointing, activation offloading and CPU offload that fits every GPU - and a config that fits no plan is refused before any worker starts, naming the smallest change that fits. Each GPU is held to its limit (a larger card then behaves like one of this size), and a run that needs more ends with the figure."""
     layer_offload: str = rule("auto", label="Layer offload (blocks in CPU memory)")

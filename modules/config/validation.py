@@ -482,8 +482,8 @@ def _memory_limit_checks(cfg: TrainConfig, indexes: list[int]) -> list[str]:
     if len(limits) > 1 and gpus and len(limits) != gpus:
         problems.append(f"multi_gpu.memory_limit_gib: {m.memory_limit_gib!r} gives {len(limits)} limits for {gpus} "
                         "GPU(s); give one number for every GPU or one per GPU.")
-    if m.fsdp_activation_offload and not cfg.training.gradient_checkpointing:
-        problems.append("multi_gpu.fsdp_activation_offload: true offloads what checkpointed blocks keep; set "
+    if m.activation_offload and not cfg.training.gradient_checkpointing:
+        problems.append("multi_gpu.activation_offload: true offloads what checkpointed blocks keep; set "
                         "training.gradient_checkpointing to true, or turn it off.")
     return problems
 

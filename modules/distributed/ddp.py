@@ -86,5 +86,5 @@ class DDPParallelism(ContextGroups, Parallelism):
 
     def gradient_sync(self, model: torch.nn.Module, last_micro_batch: bool):
         """All micro-batches but the last run inside `no_sync`: their gradients add up on each rank, and the
-        last backward all-reduces the sum once."""
-        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+        last backward all-reduces the sum once; with activation offloading inside its hooks."""
+        return self.with_offloaded_activations(contextlib.nullcontext() if last_micro_batch else model.no_sync())

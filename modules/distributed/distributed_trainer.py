@@ -95,8 +95,9 @@ class DistributedTrainer(BaseTrainer):
             blockers = fsdp_blockers(self.cfg)
             if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
                 raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
-            parallel = FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device, m.fsdp_activation_offload,
+            parallel = FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device,
                                        choice.plan.planned_split if choice.plan is not None else None)
+        parallel.offload_activations(self.cfg.training, m.activation_offload, self.device)
         parallel.use_context_parallel(m.context_parallel)
         return parallel
 

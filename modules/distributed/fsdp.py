@@ -149,20 +149,15 @@ class FSDPParallelism(ContextGroups, Parallelism):
     holds_whole_model = False
     forward_is_collective = True
 
-    def __init__(self, training, cpu_offload: bool, device: torch.device, activation_offload: bool = False,
+    def __init__(self, training, cpu_offload: bool, device: torch.device,
                  planned_split: list[int] | None = None) -> None:
         """`training`: the run's `TrainingConfig` (precision, gradient checkpointing, method);
-        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`; `activation_offload`: `multi_gpu.fsdp_activation_offload`
-        (with checkpointing: each block's saved input in host memory); `planned_split`: the memory plan's
-        split of each global batch over unequal GPUs (`multi_gpu.batch_split = auto`)."""
+        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`; `planned_split`: the memory plan's split of each global
+        batch over unequal GPUs (`multi_gpu.batch_split = auto`). Activation offloading: `offload_activations`."""
         self.training = training
         self.cpu_offload = cpu_offload
         self.device = device
         self.planned_split = planned_split
-        self.offload = None
-        if activation_offload and training.gradient_checkpointing:
-            from modules.distributed.activation_offload import ActivationOffload
-            self.offload = ActivationOffload(device)
 
     def load_device(self, device: torch.device) -> torch.device:
         """Host memory: sharding moves each rank's part of the trained module to its GPU, so no GPU ever holds
@@ -206,7 +201,7 @@ class FSDPParallelism(ContextGroups, Parallelism):
         """FSDP's gradient sync for this micro-batch, and with activation offloading the saved-tensor hooks
         that keep what its forward saves in host memory until its backward."""
         gradient_sync(model, last_micro_batch)
-        return self.offload.hooks() if self.offload is not None else contextlib.nullcontext()
+        return self.with_offloaded_activations(contextlib.nullcontext())
 
     def sampling_calls(self, model: nn.Module, autocast):
         return calls_through_root(model, _trained_parts(model), autocast)

@@ -28,3 +28,4 @@ class GenericTrainer(BaseTrainer):
         if self.memory_plan is not None:
             self.cfg = self.memory_plan.apply(self.cfg)
         self.parallel = SingleProcess(layer_offload_blocks(self.cfg))
+        self.parallel.offload_activations(self.cfg.training, self.cfg.multi_gpu.activation_offload, self.device)

@@ -15,7 +15,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
 | a backup of whole tensors (`load_whole_backup`) | copied in | the same | each rank keeps its part |
-| the memory plan's savers | an fp8 base whole; layer offload (`place`: swapped blocks in host memory) | the same, one host copy shared by the ranks of a machine | an fp8 base sharded in float8 (`wrap`); activation offloading (hooks in `gradient_sync`'s context); CPU offload of the shards; the plan's batch split (`planned_split`) |
+| the memory plan's savers | an fp8 base whole; layer offload (`place`: swapped blocks in host memory); activation offloading (hooks in `gradient_sync`'s context) | the same, one host copy shared by the ranks of a machine | an fp8 base sharded in float8 (`wrap`); activation offloading as in one process; CPU offload of the shards; the plan's batch split (`planned_split`) |
 
 The collectives every strategy needs alike (barriers, the step's report, broadcasts, gathering RNG
 states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
@@ -24,7 +24,7 @@ forward calls on every rank. This class is the one-process parallelism, and its 
 whole-model behaviour one process and DDP share. Memory pooling (`modules/config/memory_plan.py`)
 chooses among them and sets what they read: FSDP over a LoRA's frozen base, an fp8 base sharded in
 float8 (`wrap`), activation checkpointing, activation offloading (saved-tensor hooks in
-`gradient_sync`'s context) and CPU offload of the shards, and for unequal GPUs under FSDP the split of
+`gradient_sync`'s context, for every strategy: `offload_activations`) and CPU offload of the shards, and for unequal GPUs under FSDP the split of
 each batch (`planned_split`). Context parallelism (`multi_gpu.context_parallel`: N processes = N / C
 groups of C, `modules/distributed/context_parallel.py`) is mixed into DDP and FSDP: `split_sequences`
 splits each sample's sequence over its group, `data_rank` / `data_world` say which slice of the global
@@ -68,6 +68,9 @@ class Parallelism:
     denoiser's repeated blocks keep their frozen weights in host memory (`modules/model/layer_offload.py`)."""
     offload = None
     """The `LayerOffload` of this run once `place` swapped the blocks, else None."""
+    activations = None
+    """The `ActivationOffload` (`modules/model/activation_offload.py`) whose saved-tensor hooks keep what each
+    micro-batch's forward saves for its backward in host memory (`offload_activations`), else None."""
 
     # ---------------------------------------------------------------- which part of the global batch
     @property
@@ -132,8 +135,20 @@ class Parallelism:
         return model
 
     def gradient_sync(self, model: nn.Module, last_micro_batch: bool) -> ContextManager:
-        """Context for one micro-batch's forward and backward: gradients are exchanged after the last one."""
-        return contextlib.nullcontext()
+        """Context for one micro-batch's forward and backward: gradients are exchanged after the last one
+        (nothing to exchange here), and with activation offloading what the forward saves waits in host memory."""
+        return self.with_offloaded_activations(contextlib.nullcontext())
+
+    def offload_activations(self, training, enabled: bool, device: torch.device) -> None:
+        """Activation offloading (`multi_gpu.activation_offload`, as the plan set it) for this run: it moves what
+        checkpointed blocks keep, so only with `training.gradient_checkpointing` (validation says so)."""
+        if enabled and training.gradient_checkpointing:
+            from modules.model.activation_offload import ActivationOffload
+            self.activations = ActivationOffload(device)
+
+    def with_offloaded_activations(self, sync: ContextManager) -> ContextManager:
+        """`sync` (a strategy's gradient-sync context), inside activation offloading's hooks where it is on."""
+        return sync if self.activations is None else _both(self.activations.hooks(), sync)
 
     # ---------------------------------------------------------------- forward calls outside a step
     def extra_calls(self, mine: int, total: int) -> int:
@@ -187,6 +202,12 @@ class SingleProcess(Parallelism):
         """`layer_offload_blocks`: how many blocks swap (the plan's `multi_gpu.layer_offload`)."""
         self.layer_offload_blocks = layer_offload_blocks
         prepare_allocator_for_layer_offload(layer_offload_blocks)
+
+
+@contextlib.contextmanager
+def _both(outer: ContextManager, inner: ContextManager):
+    with outer, inner:
+        yield
 
 
 def prepare_allocator_for_layer_offload(blocks: int) -> None:

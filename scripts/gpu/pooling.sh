@@ -76,7 +76,7 @@ check)
     limited 240 "${EQ[@]}" --config-value training.precision=bf16 --config-value model.unet_dtype=fp8 | tee -a "$RES"
     log "equivalence: FSDP with checkpointing, activation offloading and CPU offload (fp32), 2 x 4 == 1 x 8"
     limited 240 "${EQ[@]}" --config-value training.precision=fp32 --config-value training.gradient_checkpointing=true \
-        --config-value multi_gpu.fsdp_activation_offload=true --config-value multi_gpu.fsdp_cpu_offload=true | tee -a "$RES"
+        --config-value multi_gpu.activation_offload=true --config-value multi_gpu.fsdp_cpu_offload=true | tee -a "$RES"
     log "a run held to 0.01 GiB per GPU (the demo model alone is more): must end with the out-of-memory figure, no traceback"
     TANDEM_SKIP_MEMORY_CHECK=1 limited 150 python3 scripts/train_multi_gpu.py --num-gpus 2 --config-path '#demo' \
         --config-value multi_gpu.memory_limit_gib=0.01 --config-value general.workspace_dir=/tmp/pooling-oom \

@@ -82,7 +82,7 @@ class MultiGPUFrame(ctk.CTkFrame):
         self.strategy = form.field("multi_gpu.strategy")
         self.memory_limit = form.field("multi_gpu.memory_limit_gib", width=100)
         self.cpu_offload = form.field("multi_gpu.fsdp_cpu_offload")
-        self.activation_offload = form.field("multi_gpu.fsdp_activation_offload")
+        self.activation_offload = form.field("multi_gpu.activation_offload")
         self.layer_offload = form.field("multi_gpu.layer_offload", width=100)
         self.lr_scaling = form.field("multi_gpu.lr_scaling")
         self.batch_split = form.field("multi_gpu.batch_split", width=120)

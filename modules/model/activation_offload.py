@@ -2,16 +2,21 @@
 
 With gradient checkpointing every block keeps only its input until the backward recomputes it; for a
 1024 px image of a 20 B transformer that is ~1.6 GB per sample on each GPU (60 blocks x 4,352 tokens x
-3,072 channels in bf16). Autograd's saved-tensor hooks hand each such tensor to `pack` as the forward
-saves it (checkpointing saves a block's inputs through them too, before its own hooks take over inside
-the block) and back through `unpack` when the backward needs it: here a copy in pinned host memory,
-made and returned on the compute stream. That costs the copies' time (PCIe, both ways, each step) and
-saves their GPU memory - the `fsdp + activation offloading` step of the memory plan.
+3,072 channels in bf16), for 81 frames of Wan 2.1 14B at 640 px 13.8 GB (40 blocks x 33,600 tokens x
+5,120 channels). Autograd's saved-tensor hooks hand each such tensor to `pack` as the forward saves it
+(checkpointing saves a block's inputs through them too, before its own hooks take over inside the
+block) and back through `unpack` when the backward needs it: here a copy in pinned host memory, made
+and returned on the compute stream. That costs the copies' time (PCIe, both ways, each step) and saves
+their GPU memory - the `activation offloading` step of the memory plan, for every parallelism: the
+one-process and DDP parallelisms and FSDP open `hooks` in their `gradient_sync` context
+(`multi_gpu.activation_offload`, with gradient checkpointing).
 
-Parameters are never copied, nor the views of them the layers save (`weight.t()`: FSDP's gathered
-weights are freed after the forward and gathered again for the backward anyway), nor small tensors,
-whose copies would cost more than they save. CPU processes (the tests) copy every saved tensor that is
-no parameter, through the same code.
+Parameters are never copied, nor the views of them the layers save (`weight.t()`): FSDP's gathered
+weights are freed after the forward and gathered again for the backward anyway; layer offload's swapped
+weights (`layer_offload.py`) reach autograd as `Parameter`s over their GPU copy, freed once the block is
+past them; an fp8 base's float8 bits are its `Parameter`s and its scales small. Nor small tensors, whose
+copies would cost more than they save. CPU processes (the tests) copy every saved tensor that is no
+parameter, through the same code.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ class ActivationOffload:
 
     def pack(self, tensor: torch.Tensor):
         size = tensor.numel() * tensor.element_size()
-        # A layer saves its weight as a view (`weight.t()`): a view of a parameter is a parameter too.
+        # A layer saves its weight as a view (`weight.t()`): a view of a parameter is a parameter too. Layer
+        # offload's swapped weights are `Parameter`s over their GPU copy, so they stay where they are.
         weight = isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
         if weight or size < self.min_bytes or tensor.device.type != self.device.type:
             return tensor
