@@ -51,7 +51,7 @@ TEXT_ENCODER_KINDS: dict[str, TextEncoderKind] = {kind.name: kind for kind in (
     TextEncoderKind("qwen2.5-vl", "Qwen2.5-VL", ("Qwen2_5_VLForConditionalGeneration",),
                     dropped=("visual", "lm_head"), dropped_weights=("visual.", "model.visual.", "lm_head."),
                     tiny="modules.model.families.llm_demo:tiny_qwen25_vl", **_LLM),
-    TextEncoderKind("qwen2.5-vl-vision", "Qwen2.5-VL (with its vision tower)", ("Qwen2_5_VLForConditionalGeneration",),
+    TextEncoderKind("qwen2.5-vl-vision", "Qwen2.5-VL with its vision tower", ("Qwen2_5_VLForConditionalGeneration",),
                     dropped_weights=("lm_head.",), tiny="modules.model.families.qwen_edit_demo:tiny_qwen25_vl_seeing",
                     **_LLM),
     TextEncoderKind("qwen3-vl", "Qwen3-VL", ("Qwen3VLForConditionalGeneration",),
