@@ -655,7 +655,7 @@ def test_memory_line_gives_the_memory_plan():
     assert memory_line(cfg, 4, [80.0] * 4).startswith("Memory plan for 4 GPU(s) of 24 GiB (limit): FSDP + CPU offload")
     cfg.multi_gpu.strategy = "ddp"
     refused = memory_line(cfg, 4, [80.0] * 4)
-    assert "multi_gpu.strategy ddp (DDP) needs ~" in refused and "multi_gpu.strategy auto (plan: FSDP + CPU offload)" in refused
+    assert "multi_gpu.strategy ddp (DDP + activation offloading) needs ~" in refused and "multi_gpu.strategy auto (plan: FSDP + CPU offload)" in refused
     cfg.multi_gpu.memory_limit_gib = ""
     assert "no GPU to compare with" in memory_line(cfg, 4, None)
     cfg.model.model_type, cfg.model.base_model = "auto", "/nonexistent/model.safetensors"

@@ -14,7 +14,9 @@ memory and costs some speed, so the first that fits is the fastest that fits:
 | + CPU offload of the shards | the sharded state lives in host memory | the optimizer step on the CPU, copies |
 
 DDP with an fp8 base comes before FSDP: a cast per layer costs less than gathering every block (FSDP2
-was 3-6x slower than DDP for a small-batch LoRA in SimpleTuner's measurements). A setting the config
+was 3-6x slower than DDP for a small-batch LoRA in SimpleTuner's measurements). One process and DDP have
+their own steps after checkpointing: layer offload of as few blocks as fit, and activation offloading of the
+checkpointed inputs (each with the other too). A setting the config
 already turns on stays on in every plan; `ddp` or `fsdp` set explicitly is the one plan. The cards are
 `multi_gpu.memory_limit_gib` (each GPU held to it: `torch.cuda.set_per_process_memory_fraction`) or the
 GPUs' free memory; a plan fits when each rank's estimate (`memory_need.py`) stays within

@@ -2,7 +2,7 @@
 model loads.
 
 On one GPU there is nothing to shard, so the plan chooses among holding the model plainly, an fp8 base,
-activation checkpointing and layer offload of as few blocks as fit (`modules/config/memory_plan.py`), for
+activation checkpointing, activation offloading and layer offload of as few blocks as fit (`modules/config/memory_plan.py`), for
 `multi_gpu.memory_limit_gib` or the card's free memory, and the machine's available host memory
 (`host_need.py`). A config that fits nothing is refused here - before
 anything loads - naming the smallest change that fits (`NoPlanFits`); `TANDEM_SKIP_MEMORY_CHECK=1` starts it
