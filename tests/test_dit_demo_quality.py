@@ -23,7 +23,8 @@ IMAGE_DEMOS = [name for name, info in FAMILIES.items() if info.demo and info.flo
 """Every image family since SD's, from the registry: a new one is held to learning its demo too (Wan's clips:
 tests/test_wan_training.py)."""
 
-STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800, "lumina2": 240}
+STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800, "lumina2": 240,
+         "flux3": 240}
 """Steps of batch 8 at each preset's own (constant) learning rate: a run stopped here is the preset's run up
 to this step. 800 is the presets' 100 epochs of the 64 demo images. Where fewer suffice, the test stops
 there to save CI time. Sampled every 80 steps with seeds 42 (the test's) and 7: SD3, Z-Image, Qwen-Image
@@ -38,7 +39,9 @@ had every background right at every sample from step 120 (seed 42; 80 with 7 and
 background, with the loss under a fifth of its start. SD3 (seed 42: wrong at 240), Chroma (42: wrong at
 280, the black background 7% of its ring) and Flux.2 (42: wrong again at 360) keep their steps.
 Lumina 2, sampled every 80 steps (seed 42): every background right from step 160 to 320 (wrong at 80), the loss
-at a tenth of its start by 320; it stops at 240 as Z-Image and Qwen-Image do."""
+at a tenth of its start by 320; it stops at 240 as Z-Image and Qwen-Image do.
+Flux.3, sampled every 80 steps (the preset's prompts): every background right from step 160 to 480 (wrong at 80),
+the loss at half its start by 480; it stops at 240, 80 steps after its last wrong one."""
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage", "lumina2"])
