@@ -24,7 +24,7 @@ IMAGE_DEMOS = [name for name, info in FAMILIES.items() if info.demo and info.flo
 tests/test_wan_training.py)."""
 
 STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800, "lumina2": 240,
-         "flux3": 240}
+         "qwen_image21": 320, "flux3": 240}
 """Steps of batch 8 at each preset's own (constant) learning rate: a run stopped here is the preset's run up
 to this step. 800 is the presets' 100 epochs of the 64 demo images. Where fewer suffice, the test stops
 there to save CI time. Sampled every 80 steps with seeds 42 (the test's) and 7: SD3, Z-Image, Qwen-Image
@@ -40,6 +40,8 @@ background, with the loss under a fifth of its start. SD3 (seed 42: wrong at 240
 280, the black background 7% of its ring) and Flux.2 (42: wrong again at 360) keep their steps.
 Lumina 2, sampled every 80 steps (seed 42): every background right from step 160 to 320 (wrong at 80), the loss
 at a tenth of its start by 320; it stops at 240 as Z-Image and Qwen-Image do.
+Qwen-Image 2.1, sampled every 80 steps: every background right from step 240 on (seed 42 to 320, seed 7 to 400;
+wrong at 160 with seed 7), the loss at a sixth of its start; it stops at 320, 80 steps after its last wrong one.
 Flux.3, sampled every 80 steps (the preset's prompts): every background right from step 160 to 480 (wrong at 80),
 the loss at half its start by 480; it stops at 240, 80 steps after its last wrong one."""
 

@@ -26,12 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RANK, ALPHA = 4, 8.0
 BASES = {"sd1": "builtin:demo", "sd3": "builtin:demo-sd3", "flux": "builtin:demo-flux", "chroma": "builtin:demo-chroma",
          "flux2": "builtin:demo-flux2", "qwen": "builtin:demo-qwen", "zimage": "builtin:demo-zimage",
-         "wan": "builtin:demo-wan", "lumina2": "builtin:demo-lumina2", "flux3": "builtin:demo-flux3"}
+         "wan": "builtin:demo-wan", "lumina2": "builtin:demo-lumina2", "qwen_image21": "builtin:demo-qwen_image21",
+         "flux3": "builtin:demo-flux3"}
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"sd1": ATTENTION + ["proj_in"],  # proj_in: a 1x1 convolution
            "sdxl": ATTENTION + ["proj_in", "ff.net.2"],
            "flux": ATTENTION + ["add_q_proj", "proj_mlp", "proj_out"],  # proj_mlp: a slice of linear1
-           "zimage": ATTENTION + ["feed_forward.w1"]}  # to_q/k/v: slices of the fused qkv
+           "zimage": ATTENTION + ["feed_forward.w1"],  # to_q/k/v: slices of the fused qkv
+           "qwen_image21": ATTENTION + ["img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out"]}  # halves of gate_up
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +73,9 @@ def comfy_verdict(model: comfy.ComfyModel, expected: dict, lora: dict) -> tuple[
 
 
 COMFY_CASES = [*((name, "lora") for name in ("sd1", "sdxl", "sd3", "flux", "chroma", "flux2", "qwen", "zimage", "wan",
-                                              "lumina2")),
+                                              "lumina2", "qwen_image21")),
                *((name, t) for name in ("qwen", "zimage", "wan") for t in ("dora", "loha", "lokr")),
-               ("sd3", "dora"), ("chroma", "loha"), ("flux2", "lokr")]
+               ("sd3", "dora"), ("chroma", "loha"), ("flux2", "lokr"), ("qwen_image21", "lokr")]
 """Plain LoRA of every family; the variants where their names are each family's own (SD1's and Flux's variants:
 tests/test_lora_variants.py), and one variant of each other transformer family for what ComfyUI makes of its
 peft file."""
@@ -155,8 +157,9 @@ def diffusers_verdict(base_model: str, path, bundle) -> str:
 DIFFUSERS_CASES = [("sd1", "loha", "kohya"), ("sd1", "loha", "peft"), ("sd3", "lora", "kohya"),
                    ("flux2", "lokr", "peft"), ("flux2", "dora", "kohya"), ("zimage", "lokr", "peft"),
                    ("qwen", "lokr", "peft"), ("qwen", "loha", "kohya"), ("wan", "lokr", "kohya"),
-                   ("lumina2", "lora", "kohya"), ("lumina2", "lokr", "peft"), ("flux3", "lora", "kohya"),
-                   ("flux3", "dora", "peft"), ("flux3", "lokr", "peft")]
+                   ("lumina2", "lora", "kohya"), ("lumina2", "lokr", "peft"), ("qwen_image21", "lora", "kohya"),
+                   ("qwen_image21", "lokr", "peft"), ("flux3", "lora", "kohya"), ("flux3", "dora", "peft"),
+                   ("flux3", "lokr", "peft")]
 """SD's kohya DoRA file: test_a_kohya_dora_file_converted_for_diffusers_loads_exactly."""
 
 

@@ -392,3 +392,47 @@ def test_a_padded_caption_predicts_what_it_predicts_alone(tandem_home, name):
         for i, text in enumerate(texts):
             alone = objective.predict(bundle.denoiser, latents[i:i + 1], timesteps[i:i + 1], text)
             torch.testing.assert_close(together[i:i + 1], alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # building Qwen3-VL 8B, even on `meta`, takes tens of seconds on a busy CPU
+def test_the_qwen_image21_configs_have_the_released_sizes():
+    """The shipped configs built on `meta`: the transformer's 7.12 B parameters (the release's 14.5 GB of bf16
+    shards) and Qwen3-VL 8B's 8.77 B (its language model 7.57 B: what encoding keeps)."""
+    import transformers
+    from diffusers import QwenImage21Transformer2DModel
+
+    from modules.model.families.flow_base import shipped
+
+    with torch.device("meta"):
+        transformer = QwenImage21Transformer2DModel.from_config(shipped("qwen_image21", "transformer"))
+        config = {k: v for k, v in shipped("qwen_image21", "text_encoder").items() if not k.startswith("_")}
+        cls = getattr(transformers, config["architectures"][0])
+        encoder = cls(cls.config_class(**config))
+    assert sum(p.numel() for p in transformer.parameters()) == 7_115_124_736
+    assert sum(p.numel() for p in encoder.parameters()) == 8_767_123_696
+    kept = sum(p.numel() for name, p in encoder.named_parameters() if ".visual." not in name and "lm_head" not in name)
+    assert kept == 7_568_405_504
+
+
+def test_the_qwen_image21_demo_vae_is_a_thumbnail_codec(tandem_home, tmp_path):
+    """64 px demo images encode to their 4x4 thumbnails (every copy in the 64 channels, normalised to about unit
+    spread, alpha read as opaque) and decode back to them in 16 px blocks, RGB (the alpha plane left out)."""
+    import numpy as np
+    from PIL import Image
+
+    from modules.data.demo_dataset import ensure_demo_dataset
+
+    bundle = demo("qwen_image21")
+    root = ensure_demo_dataset(tmp_path / "shapes")
+    arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in sorted(root.glob("*.png"))]
+    pixels = torch.from_numpy(np.stack([a for a in arrays if a.shape[:2] == (64, 64)][:16])).permute(0, 3, 1, 2)
+    pixels = pixels / 127.5 - 1.0
+    with torch.no_grad():
+        latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(0))
+        decoded = bundle.decode_latents(latents)
+    assert latents.shape == (16, 64, 4, 4) and decoded.shape == (16, 3, 64, 64)
+    colours = latents[:, :63].unflatten(1, (21, 3))
+    assert (colours - colours[:, :1]).abs().max() < 0.05  # the copies agree up to the posterior noise
+    assert 0.7 < colours.std().item() < 1.3 and abs(colours.mean().item()) < 0.5
+    thumbnail = torch.nn.functional.avg_pool2d(pixels, 16).repeat_interleave(16, 2).repeat_interleave(16, 3)
+    assert (decoded - thumbnail).abs().max().item() < 4 / 127.5

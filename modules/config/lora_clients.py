@@ -13,8 +13,9 @@ What is said here was found by loading Tandem's files into diffusers' pipelines 
   has no Flux.3 model.
 - diffusers applies the `peft` layout of LoRA and DoRA exactly for every family, and LoKr for Flux.2 and
   Z-Image; it reads no LoHa file, and no LyCORIS-named (`kohya`) DoRA, LoHa or LoKr file. Its kohya readers
-  take plain LoRA of every family but SD3, Lumina 2 and Flux.3 (their kohya files load as nothing); its Flux.1 reader
-  (Chroma's too) assumes Flux.1's full width in the single blocks.
+  take plain LoRA of every family but SD3, Lumina 2 and Flux.3 (their kohya files load as nothing) - of Qwen-Image
+  2.1 all but the SwiGLU gate and up projections' adapters; its Flux.1 reader (Chroma's too) assumes Flux.1's full
+  width in the single blocks.
 
 `save_note` is the line the trainer logs for each LoRA file it writes; `layout_for` is what
 `scripts/convert_lora.py --for CLIENT` writes.
@@ -35,6 +36,10 @@ FUSED_UNEQUAL_QKV = ("lumina2",)
 """The families whose original layout fuses q, k and v of unequal widths (Lumina 2's grouped heads) in one weight:
 ComfyUI has no name for a LyCORIS adapter of q, k or v alone there, and no kohya reader of diffusers takes their
 plain LoRA either."""
+FUSED_MISREAD_IN_DIFFUSERS = {"qwen_image21": ("img_mlp.gate_layer", "img_mlp.proj", "img_mlp_gate_up")}
+"""The families whose kohya files fuse two diffusers modules in one name (as the original layout fuses their weights)
+that diffusers' kohya reader splits at its underscores into a module that does not exist: (the modules, the name).
+Qwen-Image 2.1's SwiGLU gate and up projections: its reader applies the file's other adapters."""
 NOT_IN_COMFYUI = {"flux3": "Flux.3"}
 """The families ComfyUI has no model of (tests/comfy_lora_rules.py holds no rules for them): it applies no file."""
 KOHYA_UNREAD_IN_DIFFUSERS = {"flux3": "its Flux.3 reader takes only `diffusion_model.` keys with peft's tensors"}
@@ -102,6 +107,10 @@ def diffusers_reading(model_type: str, lora_type: str, fmt: str) -> Reading:
     if model_type in FUSED_UNEQUAL_QKV:
         return Reading("diffusers", NOTHING, "applies nothing of it, silently (its Lumina 2 reader takes only "
                                              "`diffusion_model.` keys at the released model's widths)")
+    if model_type in FUSED_MISREAD_IN_DIFFUSERS:
+        first, second, fused = FUSED_MISREAD_IN_DIFFUSERS[model_type]
+        return Reading("diffusers", WRONG, f"applies all but its adapters of `{first}` and `{second}` (it misreads "
+                                           f"their fused name `{fused}`); a file without them it applies exactly")
     return Reading("diffusers", EXACT)
 
 

@@ -2,9 +2,11 @@
 
 Like `demo_qwen_vae.py` (Qwen-Image's and Wan's codec, whose docstring says why by hand), but for 2.1's VAE: it
 shrinks each side 16x (64 latent channels), reads RGBA and writes RGBA, and - as Wan 2.2's - carries a fixed
-shortcut around every resampling stage. A 64 px image encodes to its 4x4 thumbnail (latent channels 0-2 = the
-average R, G, B of each 16x16 block, the other 61 channels 0; the alpha channel is not read) and decodes back to
-that thumbnail drawn in 16x16 px blocks, fully opaque.
+shortcut around every resampling stage. A 64 px image encodes to its 4x4 thumbnail - the average R, G, B of each
+16x16 block, in latent channels 3j, 3j + 1, 3j + 2 for each of 21 copies j (the 64th channel 0; the alpha channel is
+not read) - and decodes back to that thumbnail (the copies' mean) drawn in 16x16 px blocks, fully opaque. The copies
+spread the picture over the latent channels as a real VAE's latents are spread: with one copy, 61 of 64 channels
+would be constant and the colours a twentieth of the loss, which the tiny transformer then hardly learns.
 
 - All its convolutions are 2-D (the class folds the single frame away). Every one is zeroed but `conv_in`,
   `conv_out`, the quant convolutions and one 1x1 shortcut of the decoder's last block, so the residual blocks and
@@ -34,6 +36,8 @@ VAE_CONFIG = {"base_dim": 8, "decoder_base_dim": 8, "z_dim": 64, "dim_mult": [1,
 tiny widths: 8 to 64 channels."""
 ALPHA = 3
 """The output channel of the alpha plane, decoded as 1 (opaque)."""
+COPIES = VAE_CONFIG["z_dim"] // COLOUR_CHANNELS
+"""Copies of the thumbnail in the latent channels (21)."""
 _CENTRE = 1
 """The centre tap of a 3x3 convolution."""
 
@@ -57,8 +61,9 @@ def _set_encoder(vae) -> None:
     gain = SIGNAL_SCALE * encoder.conv_out.in_channels ** 0.5
     for colour in range(COLOUR_CHANNELS):
         plus, minus = (_moved(channel, moves) for channel in (2 * colour, 2 * colour + 1))
-        encoder.conv_out.weight[colour, plus, _CENTRE, _CENTRE] = 1.0 / gain
-        encoder.conv_out.weight[colour, minus, _CENTRE, _CENTRE] = -1.0 / gain
+        for copy in range(COPIES):
+            encoder.conv_out.weight[COLOUR_CHANNELS * copy + colour, plus, _CENTRE, _CENTRE] = 1.0 / gain
+            encoder.conv_out.weight[COLOUR_CHANNELS * copy + colour, minus, _CENTRE, _CENTRE] = -1.0 / gain
     set_quant_convs(vae, vae.config.z_dim)
 
 
@@ -74,9 +79,11 @@ def _set_decoder(vae) -> None:
         for target in (4 * signal + 1, 4 * signal + 3):  # read back as one row each by the last resampling stage
             if signal == CONSTANT:
                 decoder.conv_in.bias[target] = 1.0
-            else:
+            else:  # the mean of the colour's copies
                 sign = 1.0 if signal % 2 == 0 else -1.0
-                decoder.conv_in.weight[target, signal // 2, _CENTRE, _CENTRE] = sign * SIGNAL_SCALE
+                for copy in range(COPIES):
+                    latent = COLOUR_CHANNELS * copy + signal // 2
+                    decoder.conv_in.weight[target, latent, _CENTRE, _CENTRE] = sign * SIGNAL_SCALE / COPIES
         # The last block (no resampling) changes the width through its first residual block's 1x1 shortcut.
         decoder.up_blocks[-1].resnets[0].conv_shortcut.weight[signal, signal] = 1.0
     gain = SIGNAL_SCALE * decoder.conv_out.in_channels ** 0.5

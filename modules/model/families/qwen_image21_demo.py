@@ -7,7 +7,7 @@ run end to end on a CPU in minutes, offline, and shows what it learns:
 - the **transformer** has the real architecture (single-stream, block-causal, one shared modulation) at a tiny width
   (64, 4 heads of 16, two blocks; random weights, fixed seed);
 - the **VAE** is the demos' hand-set thumbnail codec in 2.1's own class (`demo_qwen21_vae.py`): 16x smaller, 64
-  channels, RGBA, so a 64 px image is a 4x4 latent;
+  channels (21 copies of the thumbnail's colours), RGBA, so a 64 px image is a 4x4 latent;
 - the **text encoder** is a tiny Qwen3-VL (text width 32, two layers, a one-block vision tower that text never
   reaches) and the **processor** folder holds the demo's Qwen-style tokenizer with Qwen-VL's special tokens and a
   chat template for them (`demo_qwen3vl_tokenizer`), beside the image and video processors' configs;
@@ -112,7 +112,7 @@ def _build(folder: Path) -> None:
 
     tokenizer = demo_qwen3vl_tokenizer()
     mean, std = _palette_statistics()
-    vae = build_demo_qwen21_vae(latents_mean=[mean] * 3 + [0.0] * 61, latents_std=[std] * 3 + [1.0] * 61)
+    vae = build_demo_qwen21_vae(latents_mean=[mean] * 63 + [0.0], latents_std=[std] * 63 + [1.0])
     torch.manual_seed(_SEED)
     transformer = QwenImage21Transformer2DModel(
         patch_size=1, in_channels=64, out_channels=64, num_layers=2, attention_head_dim=16,
