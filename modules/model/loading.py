@@ -266,6 +266,25 @@ def _resolve_model_type(requested: str, detected: str, reason: str, where: str) 
     return detected
 
 
+def _edit_model_of(detected: str | None, model_cfg: ModelConfig) -> str | None:
+    """An edit model's single file has its base family's names (Qwen-Image-Edit's are Qwen-Image's): the edit family
+    the config names, or whose folder `model.components_folder` is, when it trains the same denoiser class."""
+    if detected not in FAMILIES:
+        return detected
+    candidates = [model_cfg.model_type]
+    components = model_cfg.components_folder.strip()
+    if components and (Path(components).expanduser() / "model_index.json").is_file():
+        try:
+            candidates.append(detect_folder(Path(components).expanduser())[0])
+        except ValueError:
+            pass  # no family's folder: the family's own check names it
+    for name in candidates:
+        if name in FAMILIES and FAMILIES[name].controls and \
+                FAMILIES[name].denoiser_class == FAMILIES[detected].denoiser_class:
+            return name
+    return detected
+
+
 def _single_file_family(path: Path, model_cfg: ModelConfig):
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(
@@ -274,7 +293,7 @@ def _single_file_family(path: Path, model_cfg: ModelConfig):
         )
     from .single_file import checkpoint_keys
 
-    detected = detect_checkpoint(checkpoint_keys(path), source=path)
+    detected = _edit_model_of(detect_checkpoint(checkpoint_keys(path), source=path), model_cfg)
     sd_types = [name for name, info in FAMILIES.items() if not info.flow_matching]
     if not (model_cfg.model_type in sd_types and detected in sd_types):
         _resolve_model_type(model_cfg.model_type, detected, "detected from its weights", str(path))

@@ -132,6 +132,9 @@ class QwenImageEditFamily(QwenImageFamily):
         entries = super().write_tokenizer(side, folder)
         side.tokenizer.save_pretrained(folder / "processor")
         source = side.folder / "processor"
+        if not (source / "preprocessor_config.json").is_file():  # a random model's: the image processor's defaults
+            from transformers import Qwen2VLImageProcessorPil
+            Qwen2VLImageProcessorPil().save_pretrained(folder / "processor")
         for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
             if (source / name).is_file():
                 (folder / "processor" / name).write_bytes((source / name).read_bytes())
@@ -181,6 +184,23 @@ class QwenImageEditFamily(QwenImageFamily):
 
         return getattr(diffusers, self.info.pipeline_class).from_pretrained(folder, processor=None,
                                                                              local_files_only=True)
+
+    def random_model_tokenizer(self):
+        """The edit demo's tokenizer: the Qwen-style one with the vision tokens and the edit template's words."""
+        from .qwen_edit_demo import demo_edit_tokenizer
+
+        return demo_edit_tokenizer()
+
+    def write_random_model(self, folder, dtype=None, device="cpu", configs: dict | None = None):
+        """Qwen-Image's random model, its text encoder told the random tokenizer's vision tokens (so it reads the
+        control images: the shipped config names the real vocabulary's)."""
+        from .qwen_edit_demo import VISION_TOKENS
+
+        start, pad, end = self.random_model_tokenizer().convert_tokens_to_ids(list(VISION_TOKENS))
+        configs = dict(configs or {})
+        configs["text_encoder"] = {"image_token_id": pad, "video_token_id": pad, "vision_start_token_id": start,
+                                   "vision_end_token_id": end, **configs.get("text_encoder", {})}
+        return super().write_random_model(folder, dtype, device, configs)
 
     def build_demo(self, root=None):
         from .qwen_edit_demo import ensure_qwen_edit_demo
