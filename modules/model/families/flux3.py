@@ -34,7 +34,7 @@ from modules.model.text_apart import HIDDEN, MASK, decoder_layers, padded, trimm
 from . import original_layout as layout
 from .flow_base import FlowMatching, shipped
 from .flux2 import PatchBatchNormLatents, image_ids, pack, text_ids, unpack
-from .llm_flow import LLMFlowFamily, block_count
+from .llm_flow import LLMFlowFamily, block_count, parameters_by_module
 
 IMPLEMENTATION = "https://github.com/black-forest-labs/flux3"
 PAD_MULTIPLE = 80
@@ -252,12 +252,8 @@ def flux3_entries(keys) -> list[layout.Entry]:
     """Every module of a Flux.3 transformer with these (diffusers) weights, diffusers <-> Black Forest Labs names
     (the reverse of diffusers' `convert_flux3_transformer_checkpoint_to_diffusers`). No layer has a bias; the
     output norm's modulation rows are [shift, scale] in the original, [scale, shift] in diffusers."""
-    modules: dict[str, list[str]] = {}
-    for key in keys:
-        module, _, parameter = key.rpartition(".")
-        modules.setdefault(module, []).append(parameter)
     entries = []
-    for module, parameters in modules.items():
+    for module, parameters in parameters_by_module(keys).items():
         params = tuple((p, p) for p in parameters)
         if module == "norm_out.linear":
             entries.append(layout.Entry("final_layer.image.adaLN_modulation.1", (module,), swap_halves=True))

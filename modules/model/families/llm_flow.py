@@ -242,15 +242,20 @@ def copy_component(source: Path, target: Path) -> None:
         shutil.copy2(file, target / file.name)
 
 
-def identity_entries(keys) -> list[layout.Entry]:
-    """An original layout equal to diffusers' (Qwen-Image's releases use diffusers' names): one entry per
-    module of `keys`, each parameter under its own name."""
+def parameters_by_module(keys) -> dict[str, list[str]]:
+    """Module path -> its parameter names, of weight names `keys` (a top-level parameter under "")."""
     modules: dict[str, list[str]] = {}
     for key in keys:
         module, _, parameter = key.rpartition(".")
         modules.setdefault(module, []).append(parameter)
+    return modules
+
+
+def identity_entries(keys) -> list[layout.Entry]:
+    """An original layout equal to diffusers' (Qwen-Image's releases use diffusers' names): one entry per
+    module of `keys`, each parameter under its own name."""
     entries = []
-    for module, params in modules.items():
+    for module, params in parameters_by_module(keys).items():
         if module:
             entries.append(layout.Entry(module, (module,), params=tuple((p, p) for p in params)))
         else:  # a parameter of the model itself
