@@ -46,8 +46,9 @@ Flux.3, sampled every 80 steps (the preset's prompts): every background right fr
 the loss at half its start by 480; it stops at 240, 80 steps after its last wrong one."""
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage", "lumina2"])
-def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
+def demo_codec(name: str, folder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(16 of the 64 px demo images as pixels in [-1, 1], their latents through `builtin:demo-<name>`'s VAE, those
+    decoded)."""
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
     root = ensure_demo_dataset(tmp_path / "shapes")
     arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in sorted(root.glob("*.png"))]
@@ -55,7 +56,12 @@ def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_p
     pixels = images / 127.5 - 1.0
     with torch.no_grad():
         latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(0))
-        decoded = bundle.decode_latents(latents)
+        return pixels, latents, bundle.decode_latents(latents)
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux", "flux2", "qwen", "zimage", "lumina2"])
+def test_the_16_channel_demo_vae_reconstructs_the_demo_images(tandem_home, tmp_path, name):
+    pixels, latents, decoded = demo_codec(name, tmp_path)
     assert latents.shape == (16, 32 if name == "flux2" else 16, 8, 8)  # Flux.2's VAE: 32 channels
     # Colour latents centred by the shift and scaled to about unit spread (Flux.2: by its batch-norm
     # statistics); the other channels constant up to the posterior noise (std 0.0025 before scaling).

@@ -417,22 +417,32 @@ def test_the_qwen_image21_configs_have_the_released_sizes():
 def test_the_qwen_image21_demo_vae_is_a_thumbnail_codec(tandem_home, tmp_path):
     """64 px demo images encode to their 4x4 thumbnails (every copy in the 64 channels, normalised to about unit
     spread, alpha read as opaque) and decode back to them in 16 px blocks, RGB (the alpha plane left out)."""
-    import numpy as np
-    from PIL import Image
+    from tests.test_dit_demo_quality import demo_codec
 
-    from modules.data.demo_dataset import ensure_demo_dataset
-
-    bundle = demo("qwen_image21")
-    root = ensure_demo_dataset(tmp_path / "shapes")
-    arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in sorted(root.glob("*.png"))]
-    pixels = torch.from_numpy(np.stack([a for a in arrays if a.shape[:2] == (64, 64)][:16])).permute(0, 3, 1, 2)
-    pixels = pixels / 127.5 - 1.0
-    with torch.no_grad():
-        latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(0))
-        decoded = bundle.decode_latents(latents)
+    pixels, latents, decoded = demo_codec("qwen_image21", tmp_path)
     assert latents.shape == (16, 64, 4, 4) and decoded.shape == (16, 3, 64, 64)
     colours = latents[:, :63].unflatten(1, (21, 3))
     assert (colours - colours[:, :1]).abs().max() < 0.05  # the copies agree up to the posterior noise
     assert 0.7 < colours.std().item() < 1.3 and abs(colours.mean().item()) < 0.5
     thumbnail = torch.nn.functional.avg_pool2d(pixels, 16).repeat_interleave(16, 2).repeat_interleave(16, 3)
     assert (decoded - thumbnail).abs().max().item() < 4 / 127.5
+
+
+def test_a_foreign_qwen_image21_single_file_loads_by_its_weights(tandem_home, tmp_path):
+    """A file as ComfyUI holds the release (`model.diffusion_model.` + diffusers' names, `img_mlp.gate_up` fused, no
+    Tandem metadata): recognised by its `txt_in.text_norm`, sized from its weights, loaded exactly."""
+    from safetensors.torch import save_file
+
+    from modules.model.families import detect_checkpoint
+
+    bundle = demo("qwen_image21")
+    single = save_full_single_file(bundle, tmp_path / "single.safetensors", "fp32")
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in load_file(str(single)).items()}, str(foreign))
+    assert detect_checkpoint(load_file(str(foreign)).keys()) == "qwen_image21"
+    loaded = load_model(ModelConfig(base_model=str(foreign), components_folder=str(bundle.family.build_demo())))
+    config = {k: loaded.denoiser.config[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim",
+                                                     "in_channels", "out_channels", "context_in_dim", "mlp_ratio")}
+    assert config == {k: bundle.denoiser.config[k] for k in config}
+    expected = bundle.denoiser.state_dict()
+    assert all(torch.equal(loaded.denoiser.state_dict()[k], v) for k, v in expected.items())

@@ -139,13 +139,18 @@ class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
         return not key.startswith(("vae.", "first_stage_model.", "text_encoders.", "conditioner."))
 
     def shipped_transformer_config(self, state):
-        """Qwen-Image's config, with the sizes a file's weights show (its depth, widths, channels)."""
-        config = shipped("qwen", "transformer")
+        """The family's config, with the sizes a file's weights show (its depth, widths, channels)."""
+        config = shipped(self.name, "transformer")
         if not state:
             return config
         head_dim = state["transformer_blocks.0.attn.norm_q.weight"].shape[0]
         inner, in_channels = state["img_in.weight"].shape
         return {**config, "num_layers": block_count(state, r"transformer_blocks\.(\d+)\."),
                 "attention_head_dim": head_dim, "num_attention_heads": inner // head_dim, "in_channels": in_channels,
-                "out_channels": state["proj_out.weight"].shape[0] // 4,
+                **self.file_sizes(state, inner)}
+
+    def file_sizes(self, state, inner: int) -> dict:
+        """The config's other sizes a file's weights show (`inner`: the transformer's width): Qwen-Image's output
+        channels (2x2 patches) and text width."""
+        return {"out_channels": state["proj_out.weight"].shape[0] // 4,
                 "joint_attention_dim": state["txt_in.weight"].shape[1]}

@@ -38,8 +38,8 @@ from transformers import ProcessorMixin
 from modules.model.text_apart import HIDDEN, MASK, masked_rows, output_of, padded, trimmed
 
 from . import original_layout as layout
-from .flow_base import FlowMatching, shipped
-from .llm_flow import block_count, identity_entries
+from .flow_base import FlowMatching
+from .llm_flow import identity_entries
 from .qwen_image import QwenImageFamily
 
 IMPLEMENTATION = "https://github.com/QwenLM/Qwen-Image"
@@ -208,15 +208,8 @@ class QwenImage21Family(QwenImageFamily):
             entries.append(entry)
         return entries
 
-    def shipped_transformer_config(self, state):
-        """Qwen-Image 2.1's config, with the sizes a file's weights show (its depth, widths, channels)."""
-        config = shipped(self.name, "transformer")
-        if not state:
-            return config
-        head_dim = state["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-        inner, in_channels = state["img_in.weight"].shape
-        return {**config, "num_layers": block_count(state, r"transformer_blocks\.(\d+)\."),
-                "attention_head_dim": head_dim, "num_attention_heads": inner // head_dim, "in_channels": in_channels,
-                "out_channels": state["proj_out.weight"].shape[0],
+    def file_sizes(self, state, inner):
+        """Its output channels (no patches), text width and SwiGLU ratio (from the fused `gate_up`)."""
+        return {"out_channels": state["proj_out.weight"].shape[0],
                 "context_in_dim": state["txt_in.in_layer.weight"].shape[1],
                 "mlp_ratio": state["transformer_blocks.0.img_mlp.gate_up.weight"].shape[0] // (2 * inner)}
