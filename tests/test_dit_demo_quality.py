@@ -50,7 +50,7 @@ def demo_codec(name: str, folder) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """(16 of the 64 px demo images as pixels in [-1, 1], their latents through `builtin:demo-<name>`'s VAE, those
     decoded)."""
     bundle = load_model(ModelConfig(base_model=f"builtin:demo-{name}"))
-    root = ensure_demo_dataset(tmp_path / "shapes")
+    root = ensure_demo_dataset(folder / "shapes")
     arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in sorted(root.glob("*.png"))]
     images = torch.from_numpy(np.stack([a for a in arrays if a.shape[:2] == (64, 64)][:16])).permute(0, 3, 1, 2)
     pixels = images / 127.5 - 1.0
