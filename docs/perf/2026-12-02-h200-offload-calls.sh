@@ -35,3 +35,40 @@ set -u
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 timeout 330 python3 scripts/benchmark.py --model flux2 --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 5 --warmup 2 --json $OUT/c.jsonl --config-value multi_gpu.memory_limit_gib=24
 timeout 200 python3 .bench/raw_ddp_reference.py --model flux2 --mode lora --gc --batch 1 --res 1024 --steps 5 --warmup 2
+
+# ---- call 5 (.bench/offload_d.sh): Wan 2.1 14B at 24 GiB before activation offloading existed for one process: refused
+# (nothing fits: ~26.1 GiB with every block swapped, activations 23.4); the raw reference after, uncapped:
+# {"model": "wan14", "res": 640, "frames": 81, "step_s": 19.3628, "samples_per_s": 0.05, "max_mem_gib": 51.08}
+set -u
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
+echo "=== wan-14b 1x24 $(date +%T)"
+timeout 370 python3 scripts/benchmark.py --model wan-14b --mode lora --gc --batch 1 --res 640 --gpus 1 --steps 3 --warmup 1 --json $OUT/d.jsonl --config-value multi_gpu.memory_limit_gib=24 --config-value data.video_frames=81 > $OUT/d-wan14-24.txt 2>&1; echo "rc $?"
+grep -E "Memory plan|Layer offload|First step|Traceback|Error|out of memory" $OUT/d-wan14-24.txt | cut -c1-700 | head -8
+tail -n 3 $OUT/d-wan14-24.txt | cut -c1-300
+cat $OUT/d.jsonl | python3 -c "import sys,json; [print({k: r.get(k) for k in ('extra','plan','plan_changes','layer_offload_blocks','samples_per_s','step_s','max_mem_gib','estimated_peak_gib','setup_peak_gib')}) for r in map(json.loads, sys.stdin)]"
+echo "=== raw reference wan14 640 $(date +%T)"
+timeout 190 python3 .bench/raw_ddp_reference.py --model wan14 --mode lora --gc --batch 1 --res 640 --frames 81 --steps 3 --warmup 1 2>&1 | tail -n 2 | cut -c1-400
+
+# ---- call 6 (.bench/call_e.sh): Wan 2.1 14B at 24 GiB with activation offloading planned, then Lumina 2 LoRA and its reference
+set -u
+T0=$(date +%s)
+source scripts/gpu/common.sh
+RES=$OUT/results.jsonl
+log "wan14 1x24"
+limited 400 python3 scripts/benchmark.py --model wan-14b --mode lora --gc --batch 1 --res 640 --gpus 1 --steps 3 --warmup 1 \
+   --config-value multi_gpu.memory_limit_gib=24 --config-value data.video_frames=81 --json $RES > $OUT/wan14.txt 2>&1; echo "rc $?"
+grep -E "Memory plan|Layer offload|Activation offloading|host memory|First step|Traceback|Error|out of memory" $OUT/wan14.txt | cut -c1-600 | head -12
+tail -n 2 $OUT/wan14.txt | cut -c1-300
+left=$(( 560 - ($(date +%s) - T0) ))
+log "time left $left s"
+if [ $left -gt 150 ]; then
+  limited $(( left - 70 )) python3 scripts/benchmark.py --model lumina2 --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 6 --warmup 3 --json $RES > $OUT/lumina2.txt 2>&1; echo "rc $?"
+  tail -n 2 $OUT/lumina2.txt | cut -c1-300
+  left=$(( 570 - ($(date +%s) - T0) ))
+  [ $left -gt 30 ] && limited $left python3 .bench/raw_ddp_reference_lumina2.py --model lumina2 --mode lora --gc --batch 1 --res 1024 --steps 6 --warmup 3 | grep '^{' | tee -a $RES
+fi
+python3 -c "
+import json
+for l in open('$RES'):
+    r=json.loads(l); print({k: r.get(k) for k in ('source','case','model','plan','plan_changes','samples_per_s','step_s','max_mem_gib','host')})
+"
