@@ -72,13 +72,13 @@ def test_a_queue_of_one_and_two_process_jobs_survives_a_restart_and_a_failing_jo
         (images / f"{i}.txt").write_text(f"a square {i}")
     queue(folder, home, "--slots", "2", "pause")  # nothing starts until all are queued
     queue(folder, home, "add", "#demo", "--gpus", "1", "--name", "long", *overrides(
-        f"general.workspace_dir={tmp_path / 'long'}", "training.max_steps=100000", "save.backup_every_n_steps=2"))
+        f"general.workspace_dir={tmp_path / 'long'}", "training.max_steps=100000", "save.backup_every_n_steps=1"))
     queue(folder, home, "add", "#demo", "--gpus", "1", "--name", "broken", *overrides(
-        f"general.workspace_dir={tmp_path / 'broken'}", "training.max_steps=3", f"data.concepts[0].path={images}"))
+        f"general.workspace_dir={tmp_path / 'broken'}", "training.max_steps=1", f"data.concepts[0].path={images}"))
     queue(folder, home, "add", "#demo", "--gpus", "2", "--name", "pair", *overrides(
-        f"general.workspace_dir={tmp_path / 'pair'}", "training.max_steps=3", "general.device=cpu"))
+        f"general.workspace_dir={tmp_path / 'pair'}", "training.max_steps=1", "general.device=cpu"))
     queue(folder, home, "add", "#demo", "--name", "short", *overrides(
-        f"general.workspace_dir={tmp_path / 'short'}", "training.max_steps=3"))
+        f"general.workspace_dir={tmp_path / 'short'}", "training.max_steps=1"))
     refused = queue(folder, home, "add", "#demo", "--gpus", "3", "--name", "big", *overrides(), check=False)
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("error: 'big' was not queued: it needs 3 CPU slots, but this machine has 2 CPU "
