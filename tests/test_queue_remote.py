@@ -23,7 +23,7 @@ def test_a_remote_queue_runs_its_jobs_there_side_by_side(server, installed_remot
     host = ["--host", f"{getpass.getuser()}@127.0.0.1:{server.port}", "--identity", str(server.user_key),
             "--remote-folder", str(installed_remote), "--accept-host-key", fingerprint(server),
             "--remote-env", f"TANDEM_HOME={tandem_home}", "--remote-env", "OMP_NUM_THREADS=1"]
-    quick = [part for value in ("training.max_steps=3", "training.batch_size=2", "sampling.every_n_epochs=0",
+    quick = [part for value in ("training.max_steps=1", "training.batch_size=2", "sampling.every_n_epochs=0",
                                 "general.tensorboard=false", "save.backup_every_n_epochs=0")
              for part in ("--config-value", value)]
 
