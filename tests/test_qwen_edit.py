@@ -3,7 +3,8 @@
 
 - its text encoding equals `QwenImageEditPlusPipeline.encode_prompt` with the control image, bit for bit;
 - one short LoRA run of `#demo_qwen_edit` (module-scoped, shared by the checks): its samples edit each prompt's
-  control image, and its saved LoRA, loaded by diffusers' stock edit pipeline, changes the edit it renders."""
+  control image, its validation loss scores the held-out pairs with their controls, and its saved LoRA, loaded by
+  diffusers' stock edit pipeline, changes the edit it renders."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,6 +63,7 @@ def test_text_with_its_control_is_encoded_as_the_edit_pipeline_encodes_it(tandem
 def trained(tandem_home, tmp_path_factory):
     workspace = tmp_path_factory.mktemp("qwen_edit")
     cfg = demo_config(workspace, workspace / "cache", "training.max_steps=6", "training.learning_rate=0.01",
+                      "data.validation_fraction=0.1", "training.validation_every_n_steps=6",
                       "sampling.every_n_steps=6", "sampling.inference_steps=2", "save.lora_format=both", preset="#demo_qwen_edit")
     cfg.sampling.prompts = cfg.sampling.prompts[:2]
     trainer = train(cfg)
@@ -96,3 +98,18 @@ def test_the_saved_lora_changes_the_edit_diffusers_renders(trained):
     pipeline.load_lora_weights(str(peft_file))
     edited = render()
     assert np.abs(edited - base).mean() > 1e-3, "the LoRA changed nothing the pipeline renders"
+
+
+def test_the_validation_loss_scores_the_held_out_pairs_with_their_controls(trained):
+    cfg, trainer = trained
+    validation = trainer.validation
+    reported = trainer.callbacks.of_type("validation")[-1]
+    batch = __import__("modules.data", fromlist=["collate"]).collate(
+        [validation.dataset[i] for i in range(len(validation.dataset))])
+    assert "control_latents" in batch
+    model = trainer.parallel.unwrap(trainer.model)
+    with torch.no_grad():
+        scored = validation.batch_losses(model, batch).mean().item()
+        without = validation.batch_losses(model, {k: v for k, v in batch.items() if k != "control_latents"}).mean().item()
+    assert scored == pytest.approx(reported["loss"], rel=1e-4)
+    assert abs(scored - without) > 1e-4 * abs(scored)  # the controls change what is scored

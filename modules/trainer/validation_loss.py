@@ -23,6 +23,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from modules.trainer.controls import control_latents
 from modules.trainer.parallelism import Parallelism, SingleProcess
 from modules.util import dist_utils as du
 from modules.util.batch_slice import BatchSlice
@@ -109,7 +110,8 @@ class ValidationLoss:
         draw = type(draws[0])(torch.cat([d.noise for d in draws]), torch.cat([d.timesteps for d in draws]))
         with scoring.autocast():
             pred = model(objective.noisy(latents, draw), draw.timesteps, text, batch.get("captions"),
-                         batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"))
+                         batch.get("original_sizes"), batch.get("crop_coords"), batch.get("target_sizes"),
+                         controls=control_latents(scoring.bundle, batch, dev))
         masks = batch.get("masks")
         return objective.per_sample_loss(pred, objective.target(latents, draw), draw,
                                          None if masks is None else masks.to(dev))
