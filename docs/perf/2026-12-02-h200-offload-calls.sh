@@ -72,3 +72,18 @@ import json
 for l in open('$RES'):
     r=json.loads(l); print({k: r.get(k) for k in ('source','case','model','plan','plan_changes','samples_per_s','step_s','max_mem_gib','host')})
 "
+
+# ---- call 7 (.bench/call_f.sh): Flux.3 and Qwen-Image 2.1 LoRA, each beside its raw reference
+set -u
+T0=$(date +%s)
+source scripts/gpu/common.sh
+RES=$OUT/results.jsonl
+for m in flux3 qwen_image21; do
+  ref_file=.bench/raw_ddp_reference_$([ $m = flux3 ] && echo flux3 || echo qwen21).py
+  log "$m tandem"
+  limited 200 python3 scripts/benchmark.py --model $m --mode lora --gc --batch 1 --res 1024 --gpus 1 --steps 6 --warmup 3 --json $RES > $OUT/$m.txt 2>&1; echo "rc $?"
+  grep -E "Memory plan|Traceback|Error|out of memory" $OUT/$m.txt | cut -c1-400 | head -4; tail -n 2 $OUT/$m.txt | cut -c1-300
+  log "$m raw reference"
+  limited 120 python3 $ref_file --model $m --mode lora --gc --batch 1 --res 1024 --steps 6 --warmup 3 2>&1 | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a $RES
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+done
