@@ -18,6 +18,7 @@ from typing import Iterator
 
 from modules.util.atomic import write_text_atomically
 from modules.util.settings_dir import settings_dir
+from modules.util.workspace_lock import try_lock
 
 from .jobs import Job
 
@@ -92,22 +93,6 @@ def _lock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
 
 
-def _try_lock(fd: int) -> bool:
-    if os.name == "nt":
-        import msvcrt
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-    import fcntl
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
 class QueueStore:
     def __init__(self, folder: str | os.PathLike | None = None):
         self.folder = Path(folder).expanduser() if folder else default_folder()
@@ -154,7 +139,7 @@ class QueueStore:
         """The runner's lock (held for its life: one runner per queue file), or None when another runner holds it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.folder / RUNNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        if _try_lock(fd):
+        if try_lock(fd):
             return fd
         os.close(fd)
         return None
@@ -166,7 +151,7 @@ class QueueStore:
         except FileNotFoundError:
             return False  # no runner ever served it
         try:
-            return not _try_lock(fd)
+            return not try_lock(fd)
         finally:
             os.close(fd)  # a lock taken here to ask is released with it
 

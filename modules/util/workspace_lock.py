@@ -46,7 +46,8 @@ def worker_lock_folder(workspace: str | os.PathLike) -> Path:
     return Path(workspace).expanduser() / ".tandem" / "workers"
 
 
-def _try_lock(fd: int) -> bool:
+def try_lock(fd: int) -> bool:
+    """Take an exclusive lock on the open file `fd` without waiting: True when taken (Windows or POSIX)."""
     if os.name == "nt":
         import msvcrt
         try:
@@ -92,7 +93,7 @@ class WorkspaceLock:
         except OSError as e:
             raise WorkspaceBusy(f"general.workspace_dir {str(self.workspace)!r} cannot be written ({e.strerror}); "
                                 "choose a folder you can write to.") from None
-        if not _try_lock(fd):
+        if not try_lock(fd):
             os.close(fd)
             raise WorkspaceBusy(f"general.workspace_dir {str(self.workspace)!r} is in use by another run "
                                 f"({_holder_text(self.path)}). Wait for it to finish or stop it, or choose "
@@ -158,7 +159,7 @@ class WorkerLock:
             raise
         except OSError:
             return self
-        if not _try_lock(fd):
+        if not try_lock(fd):
             os.close(fd)
             return self
         details = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
@@ -185,7 +186,7 @@ def workers_alive(workspace: str | os.PathLike) -> list[str]:
         except OSError:
             continue
         try:
-            if _try_lock(fd):
+            if try_lock(fd):
                 continue  # nobody holds it: that worker has ended (closing the descriptor drops the lock)
             living.append(_holder_text(path))
         finally:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from modules.model.families.llm_demo import bpe_pieces
+
 TEXT_WIDTH = 32
 """Hidden size of the tiny encoder (the transformer's `cap_feat_dim`)."""
 PAD, EOS, BOS, UNK, MASK = "<pad>", "<eos>", "<bos>", "<unk>", "<mask>"
@@ -40,24 +42,12 @@ def demo_gemma_tokenizer():
         for form in (word, SPACE + word):  # a text's first word, and one after a space
             # Join the first two pieces the merges so far leave, until the form is one token: a merge added
             # last applies last, so the forms made earlier keep their tokens.
-            while len(pieces := _bpe(form, ranks)) > 1:
+            while len(pieces := bpe_pieces(form, ranks)) > 1:
                 ranks[(pieces[0], pieces[1])] = len(ranks)
                 vocab.setdefault(pieces[0] + pieces[1], len(vocab))
     return GemmaTokenizer(vocab=vocab, merges=sorted(ranks, key=ranks.get), unk_token=UNK, bos_token=BOS,
                           eos_token=EOS, pad_token=PAD, mask_token=MASK, add_bos_token=True, add_eos_token=False,
                           model_max_length=8192)
-
-
-def _bpe(text: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """The pieces BPE with `ranks` makes of `text`."""
-    pieces = list(text)
-    while len(pieces) > 1:
-        candidates = [(ranks[pair], i) for i, pair in enumerate(zip(pieces, pieces[1:])) if pair in ranks]
-        if not candidates:
-            break
-        _, i = min(candidates)
-        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
-    return pieces
 
 
 def tiny_gemma2(tokenizer, seed: int):

@@ -54,7 +54,7 @@ def demo_qwen_tokenizer(extra_words: tuple[str, ...] = (), extra_specials: tuple
         for form in (word, space + word):  # as a text's first word, and after a space
             # Join the first two pieces the merges so far leave, until the word is one token: a merge
             # added last applies last, so earlier words keep their tokens.
-            while len(pieces := _bpe(form, ranks)) > 1:
+            while len(pieces := bpe_pieces(form, ranks)) > 1:
                 ranks[(pieces[0], pieces[1])] = len(ranks)
                 vocab.setdefault(pieces[0] + pieces[1], len(vocab))
     for special in (END_OF_TEXT, IM_START, IM_END):
@@ -71,8 +71,8 @@ def demo_qwen_tokenizer(extra_words: tuple[str, ...] = (), extra_specials: tuple
     return tokenizer
 
 
-def _bpe(text: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """The pieces byte-level BPE with `ranks` makes of `text` (its characters already byte-mapped)."""
+def bpe_pieces(text: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """The pieces BPE with `ranks` makes of `text` (for byte-level BPE, its characters already byte-mapped)."""
     pieces = list(text)
     while len(pieces) > 1:
         candidates = [(ranks[pair], i) for i, pair in enumerate(zip(pieces, pieces[1:])) if pair in ranks]
