@@ -87,3 +87,15 @@ for m in flux3 qwen_image21; do
   limited 120 python3 $ref_file --model $m --mode lora --gc --batch 1 --res 1024 --steps 6 --warmup 3 2>&1 | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a $RES
   echo "elapsed $(( $(date +%s) - T0 )) s"
 done
+
+# ---- call 8 (.bench/call_g.sh): Wan 2.1 14B at 24 GiB and its raw reference in one call (the docs' figures)
+set -u
+source scripts/gpu/common.sh
+RES=$OUT/results.jsonl
+log "wan14 1x24"
+limited 330 python3 scripts/benchmark.py --model wan-14b --mode lora --gc --batch 1 --res 640 --gpus 1 --steps 3 --warmup 1 \
+   --config-value multi_gpu.memory_limit_gib=24 --config-value data.video_frames=81 --json $RES > $OUT/wan14.txt 2>&1; echo "rc $?"
+grep -E "Memory plan|Activation offloading" $OUT/wan14.txt | cut -c1-300
+tail -n 1 $OUT/wan14.txt | cut -c1-300
+log "raw reference wan14"
+limited 200 python3 .bench/raw_ddp_reference.py --model wan14 --mode lora --gc --batch 1 --res 640 --frames 81 --steps 3 --warmup 1 2>&1 | grep '^{' | sed 's/^{/{"source": "raw_reference", /' | tee -a $RES
