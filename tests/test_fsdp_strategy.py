@@ -56,7 +56,8 @@ def test_auto_keeps_ddp_where_sharding_cannot_help_or_is_unknown():
     unknown = choose_strategy(cfg, 2, "cuda", 79.0)
     assert unknown.strategy == "ddp" and "no memory estimate for this model" in unknown.reason
     blocked = choose_strategy(config("flux", "full", precision="fp16"), 4, "cuda", 79.0)
-    assert blocked.strategy == "ddp" and blocked.plan.name == "DDP"  # FSDP cannot train fp16: no FSDP plan
+    # FSDP cannot train fp16: no FSDP plan; the most frugal DDP plan is shown
+    assert blocked.strategy == "ddp" and blocked.plan.name == "DDP + activation offloading"
     assert "DOES NOT FIT" in blocked.describe()
     for explicit in ("ddp", "fsdp"):
         cfg = config("flux", "lora")
