@@ -4,7 +4,6 @@ machine), and a stop that ends the run in seconds in every phase, its last sampl
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import queue
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from modules.util import cpu_threads
+from tests.test_lora_clients import tandem_log
 from tests.patience import patience
 from tests.trainer_helpers import REPO
 
@@ -47,22 +47,6 @@ def test_a_container_quota_lowers_the_usable_cores(monkeypatch, tmp_path):
     assert cpu_threads.usable_cores() == 64
 
 
-@contextlib.contextmanager
-def _log_lines():
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("tandem")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def test_a_one_process_cpu_run_sets_and_says_its_threads_and_leaves_an_explicit_choice(monkeypatch):
     import torch
 
@@ -72,13 +56,13 @@ def test_a_one_process_cpu_run_sets_and_says_its_threads_and_leaves_an_explicit_
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.setattr(cpu_threads, "one_process_cpu_threads", lambda load=None: (1, "a reason"))
         torch.set_num_threads(2)
-        with _log_lines() as lines:
+        with tandem_log() as lines:
             use_cpu_threads("cpu")
         assert torch.get_num_threads() == 1 and lines == ["CPU threads: 1 (a reason)."], lines
 
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice (PyTorch read it at start): left alone
         torch.set_num_threads(2)
-        with _log_lines() as lines:
+        with tandem_log() as lines:
             use_cpu_threads("cpu")
         assert torch.get_num_threads() == 2 and lines == ["CPU threads: 2 (OMP_NUM_THREADS=2)."], lines
     finally:
