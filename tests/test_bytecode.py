@@ -70,7 +70,10 @@ def test_nothing_changes_where_python_writes_bytecode_itself(place):
 
 def test_nothing_changes_where_the_packages_have_bytecode(place):
     packages, home = place
-    py_compile.compile(str(packages / "probe_pkg" / "__init__.py"), doraise=True)
+    source = packages / "probe_pkg" / "__init__.py"
+    # Written next to the source even where this test process has a bytecode prefix (conftest's keep_bytecode).
+    beside = source.parent / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(source), cfile=str(beside), doraise=True)
     assert run(TURN_ON, packages, home, PYTHONDONTWRITEBYTECODE="1") == "None"
     assert cached_files(home) == []
 

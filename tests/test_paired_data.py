@@ -225,3 +225,37 @@ def test_the_memory_plan_counts_the_tokens_each_control_adds():
     two = tokens('data.concepts=[{"path": "pairs", "control": "control_1, control_2"}]')
     image = (1024 // 16) ** 2
     assert (one, two) == (2 * image + text, 3 * image + text)
+
+
+def test_the_data_tab_counts_each_concepts_pairs_before_anything_is_read(pairs, tmp_path):
+    """ui/pair_count.py: the line under the GUI's concepts."""
+    from ui.pair_count import pairs_text
+
+    cfg = TrainConfig()
+    cfg.data.concepts = [ConceptConfig(path=str(pairs), name="edits", control="control", recursive=True)]
+    assert pairs_text(cfg) == "Pairs - edits: 2 pairs, 1 without a control image (skipped)"
+    cfg.data.concepts[0].recursive = False
+    assert pairs_text(cfg) == "Pairs - edits: 1 pair, 1 without a control image (skipped)"
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"target": str(pairs / "a.png"), "control": str(pairs / "control" / "a.jpg")})
+                                         + "\n" + json.dumps({"target": "gone.png", "control": "x.png"}) + "\n")
+    cfg.data.concepts.append(ConceptConfig(path=str(pairs), name="listed", control=str(tmp_path / "pairs.jsonl")))
+    assert pairs_text(cfg).endswith("; listed: 1 pair, 1 without a control image (skipped)")
+    cfg.data.concepts = [ConceptConfig(path=str(pairs), name="typo", control="controls"),
+                         ConceptConfig(path=str(pairs), name="plain")]
+    assert pairs_text(cfg) == "Pairs - typo: the control folder or manifest does not exist"
+    cfg.data.concepts = [ConceptConfig(path=str(pairs))]
+    assert pairs_text(cfg) == ""  # no edit concept: no line
+
+
+def test_control_images_are_unused_by_models_that_take_none():
+    from ui.applicability import unused_fields
+
+    cfg = TrainConfig()
+    cfg.data.concepts = [ConceptConfig(path="a", control="control")]
+    cfg.sampling.prompts = [SamplePromptConfig(prompt="p", control="c.png")]
+    cfg.model.model_type = "flux"
+    unused = unused_fields(cfg)
+    assert "used only by edit models (Qwen-Image-Edit" in unused["data.concepts[0].control"]
+    assert "this model is Flux.1" in unused["sampling.prompts[0].control"]
+    cfg.model.model_type = "qwen_edit"
+    assert not {"data.concepts[0].control", "sampling.prompts[0].control"} & set(unused_fields(cfg))

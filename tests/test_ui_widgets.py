@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from modules.config import config_to_dict, read_json
 from ui.binding import field_doc, plain_text
@@ -504,9 +505,9 @@ def test_the_window_works_at_1024x600(app_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_factory):
+def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_factory, tmp_path):
     from ui.views.tooltip import Tooltip
-    app, _ = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
+    app, dialogs = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
     pump(app)
     tips = [t.text for t in list(Tooltip._by_widget().values())]
     assert len(tips) > 80 and all(tips) and not [t for t in tips if "`" in t]
@@ -520,6 +521,23 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(app_fac
     from modules.config.field_paths import leaf_paths
     assert [p for p in leaf_paths(app.model.cfg) if app.binder.places.name(p) is None] == []
     fields = app.binder.fields
+    # An edit model's pairs: the Control... button stores a folder inside the concept's own as a relative one, and
+    # the line under the concepts counts the pairs.
+    for stem in ("a", "b", "c"):
+        for folder in (tmp_path / "pairs", tmp_path / "pairs" / "before"):
+            folder.mkdir(exist_ok=True)
+            Image.new("RGB", (8, 8)).save(folder / f"{stem}.png")
+    (tmp_path / "pairs" / "before" / "c.png").unlink()
+    fields["data.concepts[0].path"].var.set(str(tmp_path / "pairs"))
+    fields["model.model_type"].var.set("qwen_edit")
+    dialogs.chosen_path = str(tmp_path / "pairs" / "before")
+    app.concepts.choose(0, "control")
+    assert fields["data.concepts[0].control"].var.get() == "before"
+    pump(app)
+    assert "2 pairs, 1 without a control image" in app.concepts.pairs_line.cget("text")
+    assert fields["sampling.prompts[0].control"].widget.cget("state") == "normal"
+    fields["model.model_type"].var.set("flux")
+    assert fields["sampling.prompts[0].control"].widget.cget("state") == "disabled"  # Flux.1 takes none
     method, optimizer = fields["training.method"], fields["optimizer.name"]
     method.var.set("lora")
     assert fields["training.lora_rank"].widget.cget("state") == "normal"

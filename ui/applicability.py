@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from modules.config import TrainConfig
-from modules.config.model_families import FAMILIES
+from modules.config.model_families import FAMILIES, guess_family
 
 Rule = Callable[[TrainConfig], "str | None"]
 
@@ -141,11 +141,25 @@ RULES: dict[str, Rule] = {
 }
 
 
+def _controls(cfg: TrainConfig) -> str | None:
+    """Control images mean something to edit models only; while the family is not known, they may."""
+    family = guess_family(cfg.model.base_model, cfg.model.model_type)
+    if family is None or FAMILIES[family].controls:
+        return None
+    edit = ", ".join(info.title for info in FAMILIES.values() if info.controls)
+    return f"used only by edit models ({edit}); this model is {FAMILIES[family].title}"
+
+
 def unused_fields(cfg: TrainConfig) -> dict[str, str]:
-    """Field path -> why it does nothing in `cfg`, for every field the config does not use."""
+    """Field path -> why it does nothing in `cfg`, for every field the config does not use (list items too:
+    `data.concepts[0].control`)."""
     reasons = {}
     for path, rule in RULES.items():
         reason = rule(cfg)
         if reason:
             reasons[path] = reason
+    controls = _controls(cfg)
+    if controls:
+        reasons.update({f"data.concepts[{i}].control": controls for i in range(len(cfg.data.concepts))})
+        reasons.update({f"sampling.prompts[{i}].control": controls for i in range(len(cfg.sampling.prompts))})
     return reasons

@@ -37,7 +37,9 @@ def _lacks_bytecode(package: str) -> bool:
         return False
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return False
-    cached = Path(importlib.util.cache_from_source(spec.origin))
+    source = Path(spec.origin)
+    # Next to the source, whatever this process's own prefix is (a test process may have one already).
+    cached = source.parent / "__pycache__" / f"{source.stem}.{sys.implementation.cache_tag}.pyc"
     if cached.exists():
         return False
     if sys.dont_write_bytecode:

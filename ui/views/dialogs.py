@@ -6,6 +6,7 @@ from tkinter import filedialog, messagebox
 
 MODEL_FILES = [("Model files", "*.safetensors *.ckpt"), ("All files", "*")]
 CONFIG_FILES = [("Tandem config", "*.json")]
+IMAGE_FILES = [("Images", "*.png *.jpg *.jpeg *.webp"), ("All files", "*")]
 
 
 def start_folder(value: str | Path | None) -> str:
@@ -44,6 +45,9 @@ class Dialogs:
 
     def ask_file(self, title: str, start: str) -> str:
         return filedialog.askopenfilename(title=title, initialdir=start, filetypes=MODEL_FILES)
+
+    def ask_image(self, title: str, start: str) -> str:
+        return filedialog.askopenfilename(title=title, initialdir=start, filetypes=IMAGE_FILES)
 
     def ask_new_file(self, title: str, start: str) -> str:
         """A file to write (the Tools tab's outputs): it need not exist."""

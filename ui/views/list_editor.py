@@ -1,6 +1,7 @@
 """Editing a list of sections (data concepts, sample prompts): one row of bound fields per item."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import customtkinter as ctk
@@ -18,11 +19,12 @@ class ListEditor(ctk.CTkFrame):
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
                  columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str,
-                 folder_field: str | None = None):
-        """`folder_field`: a column holding a folder, which each row's Folder... button fills from a dialog."""
+                 pickers: dict[str, tuple[str, str]] | None = None):
+        """`pickers`: field name -> (button text, `folder` or `image`): a button on each row that fills that
+        column from a folder or image dialog."""
         super().__init__(master, fg_color="transparent")
         self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
-        self.folder_field = folder_field
+        self.pickers = pickers or {}
         # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
         binder.places.add(list_path, tab, row_name)
         for name, header, _ in columns:
@@ -84,12 +86,13 @@ class ListEditor(ctk.CTkFrame):
             self.binder.add(field)
             widgets.append(field.widget)
         col = len(self.columns)
-        if self.folder_field:
-            folder = ctk.CTkButton(self.body, text="Folder...", width=64,
-                                   command=lambda i=index: self.choose_folder(i))
-            folder.grid(row=index, column=col, padx=4)
-            Tooltip(folder, "Choose this row's folder in a dialog.")
-            widgets.append(folder)
+        for name, (text, kind) in self.pickers.items():
+            button = ctk.CTkButton(self.body, text=text, width=64 if len(text) < 10 else 80,
+                                   command=lambda i=index, n=name: self.choose(i, n))
+            button.grid(row=index, column=col, padx=4)
+            header = next(h for n, h, _ in self.columns if n == name)
+            Tooltip(button, f"Choose this row's {header.lower()} in a dialog ({'a folder' if kind == 'folder' else 'an image'}).")
+            widgets.append(button)
             col += 1
         remove = ctk.CTkButton(self.body, text="Remove", width=70, fg_color="gray40",
                                command=lambda i=index: self.remove(i))
@@ -97,11 +100,22 @@ class ListEditor(ctk.CTkFrame):
         widgets.append(remove)
         return widgets
 
-    def choose_folder(self, index: int) -> None:
-        field = self.binder.fields[f"{self.list_path}[{index}].{self.folder_field}"]
-        name = self.binder.places.name(field.path) or field.path
-        chosen = self.binder.dialogs.ask_folder(name, start_folder(field.var.get()))
+    def choose(self, index: int, name: str) -> None:
+        """Fill row `index`'s `name` from its dialog."""
+        field = self.binder.fields[f"{self.list_path}[{index}].{name}"]
+        title = self.binder.places.name(field.path) or field.path
+        ask = self.binder.dialogs.ask_folder if self.pickers[name][1] == "folder" else self.binder.dialogs.ask_image
+        # A concept's control folder is relative to the concept's folder; a list (`control_1, control_2`) opens
+        # at its first entry.
+        base = getattr(self.items()[index], "path", "") if name != "path" else ""
+        base = Path(base).expanduser() if base and not base.startswith("builtin:") else None
+        current = field.var.get().split(",")[0].strip()
+        if base is not None and current and not Path(current).expanduser().is_absolute():
+            current = str(base / current)
+        chosen = ask(title, start_folder(current or (str(base) if base else "")))
         if chosen:
+            if base is not None and Path(chosen).is_relative_to(base.absolute()):
+                chosen = Path(chosen).relative_to(base.absolute()).as_posix() or chosen
             field.var.set(chosen)
 
     def add(self, item: Any | None = None) -> None:

@@ -13,6 +13,7 @@ from .fields import Binder
 from .form import Form
 from .list_editor import ListEditor
 from .model_picker import ModelPicker
+from .tooltip import Tooltip
 
 
 
@@ -83,9 +84,12 @@ def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda
                           [("path", "Folder", 170), ("name", "Name", 90), ("enabled", "On", 40),
                            ("repeats", "Repeats", 56), ("caption_extension", "Captions", 56),
                            ("recursive", "Sub-folders", 76), ("role", "Role", 104), ("loss_weight", "Loss weight", 76),
-                           ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64)],
-                          lambda: _ask_concept(binder), "Add concept folder", folder_field="path")
+                           ("masks", "Masks", 44), ("unmasked_weight", "Unmasked", 64), ("control", "Control", 90)],
+                          lambda: _ask_concept(binder), "Add concept folder",
+                          pickers={"path": ("Folder...", "folder"), "control": ("Control...", "folder")})
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
+    form.row += 1
+    concepts.pairs_line = _pairs_line(frame, binder, form.row)
     form.row += 1
     concepts.captions = CaptionsRow(frame, binder, gpu_count)
     concepts.captions.grid(row=form.row, column=0, columnspan=4, sticky="w", padx=6, pady=(0, 6))
@@ -106,14 +110,36 @@ def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda
     return concepts
 
 
+def _pairs_line(frame, binder: Binder, row: int) -> ctk.CTkLabel:
+    """Under the concepts: each edit concept's pairs counted, kept current as folders and control settings change."""
+    from ..pair_count import pairs_text
+
+    line = ctk.CTkLabel(frame, text="", anchor="w", justify="left", wraplength=700, text_color="gray60")
+    line.grid(row=row, column=0, columnspan=4, sticky="w", padx=14, pady=(0, 4))
+    Tooltip(line, "Edit models train on pairs: each image with its control image(s) of the same file name in the "
+                  "concept's Control folder. Images without one are skipped; the count comes from the file names, "
+                  "the run also checks that each image reads.")
+
+    def show(path=None) -> None:
+        if path is None or path.startswith("data.concepts"):
+            text = pairs_text(binder.model.cfg)
+            line.configure(text=text)
+            line.grid() if text else line.grid_remove()
+
+    binder.on_change.append(show)
+    show()
+    return line
+
+
 def build_sampling_tab(parent, binder: Binder) -> ListEditor:
     frame = _scrolling(parent)
     form = Form(frame, binder, tab="Sampling")
     form.section("Prompts")
     prompts = ListEditor(frame, binder, "sampling.prompts", "Sampling", "Prompts",
                          [("prompt", "Prompt", 300), ("negative_prompt", "Negative prompt", 160),
-                          ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60)],
-                         lambda: SamplePromptConfig(prompt=""), "Add prompt")
+                          ("seed", "Seed", 60), ("width", "Width", 60), ("height", "Height", 60),
+                          ("control", "Control image", 160)],
+                         lambda: SamplePromptConfig(prompt=""), "Add prompt", pickers={"control": ("Image...", "image")})
     prompts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     form.section("When")
