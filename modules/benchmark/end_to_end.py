@@ -58,7 +58,7 @@ class Job:
     sample_steps: int = 20
 
 
-# The jobs of the end-to-end table in docs/Performance.md, each on a real-size random model.
+# The jobs of docs/Performance.md, "From the command to the saved model", each on a real-size random model.
 JOBS = {
     "sd15": Job("sd15_lora", "sd1", images=512, image_size=512, resolution=512, batch=8, epochs=10),
     "sdxl": Job("sdxl_lora", "sdxl", images=1000, image_size=1024, resolution=1024, batch=4, epochs=4,

@@ -181,7 +181,8 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
 def chosen_launcher(cfg: TrainConfig) -> str:
     """`multi_gpu.launcher`, with `auto` made torchrun where its elastic agent is needed (several machines,
     restarts), else spawn: no agent process importing PyTorch before the workers do, so the first step
-    comes 10-14 s sooner on H100 hosts (docs/Performance.md)."""
+    comes 10-14 s sooner on H100 hosts (docs/Performance.md, "Launchers, backups of a full fine-tune, cuDNN
+    autotuning")."""
     m = cfg.multi_gpu
     if m.launcher != AUTO:
         return m.launcher

@@ -53,9 +53,9 @@ class DDPParallelism(ContextGroups, Parallelism):
         """Split the compiled denoiser at DDP's buckets only where there is an all-reduce worth overlapping.
 
         The split lets each bucket's all-reduce run during the rest of the backward, but its graphs miss
-        PyTorch's compile cache for autograd: every start traces the backward again. On 2 H100s a warm
-        compile of the SD1.5 UNet (LoRA) took 52-57 s split against 17 s as one graph, and the one graph
-        was not slower per step (docs/Performance.md). Gradients in one or two buckets (a LoRA's) leave
+        PyTorch's compile cache for autograd: every start traces the backward again. On 2 H100s a warm compile
+        of the SD1.5 UNet (LoRA) took 52-57 s split against 17 s as one graph, and the one graph was not slower
+        per step (docs/Performance.md, "`training.compile`"). Gradients in one or two buckets (a LoRA's) leave
         little to overlap; a full fine-tune's gigabytes keep the split."""
         gradient_bytes = sum(p.numel() * p.element_size() for p in trainable)
         split = gradient_bytes > 2 * self.settings.bucket_cap_mb * 2 ** 20

@@ -1,10 +1,11 @@
 """The spawn launcher's forkserver (Linux): the process that imports what every worker needs once, and from
 which each worker is forked (`processes.start_workers`).
 
-Its imports are the largest part of a multi-GPU launch (7.0-8.8 s on H200 hosts, docs/Performance.md), so
-the launcher starts it as early as it can: before importing PyTorch itself (`start_before_imports`, from the
-config and the GPUs NVML counts), so that the server imports while the launcher imports and checks the job.
-A server is kept only where it was started with the values the workers' start asks for (`keep_or_replace`);
+Its imports are the largest part of a multi-GPU launch (7.0-8.8 s on H200 hosts: "the forkserver's imports" in
+docs/perf/2026-11-28-h200x4.jsonl and 2026-11-29-h200x2.jsonl), so the launcher starts it as early as it can:
+before importing PyTorch itself (`start_before_imports`, from the config and the GPUs NVML counts), so that
+the server imports while the launcher imports and checks the job. A server is kept only where it was started
+with the values the workers' start asks for (`keep_or_replace`);
 a guess that turns out wrong costs a second server, never a worker with the wrong GPUs or threads.
 
 No torch here, for that reason.
@@ -46,8 +47,8 @@ def start_method() -> str:
 
     Spawned workers each import torch and the model libraries anew, all at the same time, contending for the
     cores: 3 steps of the demo on 2 CPU processes took 21.6-22.7 CPU-s spawned and 14.6-15.6 forked (2 cores);
-    on 2x H200 the imports moved from 7.8-8.3 s of each rank's start into the server (docs/Performance.md,
-    "Spawned workers against workers forked from one forkserver"). A forkserver (Python's `multiprocessing`
+    on 2x H200 the imports moved from 7.8-8.3 s of each rank's start into the server (2026-11-28, the
+    `forkserver-launch` lines of docs/perf/2026-11-28-h200x2.jsonl). A forkserver (Python's `multiprocessing`
     start method) imports them once and forks each worker from itself. Windows has no fork; macOS's system
     libraries are not safe to fork."""
     return "forkserver" if platform.system() == "Linux" else "spawn"

@@ -1,14 +1,15 @@
 """Frozen modules that leave the GPU after the cache go back onto the host copy they were loaded from.
 
 With the latents and the text cached, the VAE and the frozen text encoders wait in host memory
-(`trainer/caching.offload_cached_encoders`) and come to the GPU only for samples. Moving a module to the
-CPU copies every weight into freshly allocated pageable memory: for T5-XXL (9.5 GB) and the VAE, the 6.7 s
-of the four-GPU Flux.1-size job's cache phase after its encoding on H200s (docs/Performance.md), and again
-after each sampling that used them. Their weights never change, and every weight was read into host
-memory before it moved to the GPU (`loading.load_model`). So the loader keeps those host tensors for the
-modules that will wait there (`keep_host_copies`), and `move_to_host` points the module's parameters and
-buffers back at them and lets the GPU's copies go: no copy at all. A module without a kept copy, or whose
-tensors no longer match it (another shape or dtype, a trained weight), is copied as before.
+(`trainer/caching.offload_cached_encoders`) and come to the GPU only for samples. Moving a module to the CPU
+copies every weight into freshly allocated pageable memory: for T5-XXL (9.5 GB) and the VAE, the 6.7 s of
+the four-GPU Flux.1-size job's cache phase after its encoding on H200s (2026-11-28, the lines of
+docs/perf/2026-11-28-h200x4.jsonl), and again after each sampling that used them. Their weights never
+change, and every weight was read into host memory before it moved to the GPU (`loading.load_model`). So the
+loader keeps those host tensors for the modules that will wait there (`keep_host_copies`), and
+`move_to_host` points the module's parameters and buffers back at them and lets the GPU's copies go: no copy
+at all. A module without a kept copy, or whose tensors no longer match it (another shape or dtype, a trained
+weight), is copied as before.
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """The sample prompts' text embeddings, encoded once while the text encoders are on the GPU for the cache.
 
 With the text cached, frozen text encoders wait in host memory (`trainer/caching.offload_cached_encoders`).
-Bringing them to the GPU and back for a sampling is costly: Flux.1's and SD3's T5-XXL is 9.5 GB each way, part
-of the 11-18 s a Flux.1 sampling spent besides rendering on H200s (docs/Performance.md). For a
-family whose pipeline takes embeddings instead of prompts (`ModelFamily.samples_from_embeddings`) the trainer
-encodes every sample text - the prompts, and the negative prompts where the family guides with them - at the
-end of the cache phase (`encode_sample_texts`) and keeps them (a few MB) in host memory. A sampling
-whose texts are all there moves the VAE only; a text that is not (no text cache, or a family that does not
-take embeddings) is encoded by the pipeline as before, with the encoders brought to the GPU for it.
+Bringing them to the GPU and back for a sampling is costly: Flux.1's and SD3's T5-XXL is 9.5 GB each way, part of
+the 11-18 s a Flux.1 sampling spent besides rendering on H200s (2026-11-28, the Flux.1-size job in the git
+history of docs/Performance.md). For a family whose pipeline takes embeddings instead of prompts
+(`ModelFamily.samples_from_embeddings`) the trainer encodes every sample text - the prompts, and the negative
+prompts where the family guides with them - at the end of the cache phase (`encode_sample_texts`) and keeps them
+(a few MB) in host memory. A sampling whose texts are all there moves the VAE only; a text that is not (no text
+cache, or a family that does not take embeddings) is encoded by the pipeline as before, with the encoders brought
+to the GPU for it.
 """
 from __future__ import annotations
 

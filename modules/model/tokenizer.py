@@ -67,7 +67,7 @@ def clip_tokenizer(pad_token: str = EOS_TOKEN) -> CLIPTokenizer:
             f"pad_token {pad_token!r} is not in the CLIP vocabulary; use {EOS_TOKEN!r} or {OPEN_CLIP_PAD_TOKEN!r}."
         )
     # Imported here: the launcher's model check reaches this module (through the demo model's byte table)
-    # and had no use for transformers, whose import takes 1-2.5 s on H100 hosts (docs/Performance.md).
+    # and had no use for transformers, whose import took 1-2.5 s on H100 hosts (2026-11-27).
     from transformers import CLIPTokenizer
 
     return CLIPTokenizer(

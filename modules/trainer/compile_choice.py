@@ -35,8 +35,9 @@ class CompileFigures:
         return max(0.0, 1.0 - fast / self.uncompiled_step_s)
 
 
-# Measured on one H200 (docs/Performance.md, `training.compile` and the SDXL LoRA job) and on one H100 for SD3.5
-# Medium. Each figure is the middle of the measured range; the compile times are the first step's.
+# Measured on one H200 (docs/Performance.md: "`training.compile`", "CUDA graphs", "From the command to the saved
+# model", "The SDXL LoRA job") and on one H100 for SD3.5 Medium ("Flux.1 and SD3.5"). Each figure is the middle of
+# the measured range; the compile times are the first step's.
 SD15_LORA = CompileFigures("an SD1.5 LoRA at 8 images of 512 px a step on an H200", images=8, pixels=512 * 512,
                            uncompiled_step_s=0.172, compiled_step_s=0.131, graphs_step_s=0.068,
                            cold_compile_s=190.0, cached_compile_s=17.0)

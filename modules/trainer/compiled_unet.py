@@ -21,9 +21,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Compiled and eager kernels round differently (fused reductions, other matmul tilings): with bf16
-# autocast a correct compile differed by 2e-3 to 4e-3 (SD1.5-size UNet on H100, docs/Performance.md),
-# the CPU miscompile by 60%.
+# Compiled and eager kernels round differently (fused reductions, other matmul tilings): with bf16 autocast a
+# correct compile differed by 2e-3 to 4e-3 (SD1.5-size UNet on H100, docs/Performance.md,
+# "`training.compile`"), the CPU miscompile by 60%.
 GRADIENT_TOLERANCE = 0.05
 LOSS_TOLERANCE = 0.01
 
@@ -116,13 +116,13 @@ def graph_safe_randomness_cacheable() -> bool:
 def keep_checkpointed_randomness_cacheable() -> None:
     """Let the compile cache serve a denoiser trained with gradient checkpointing on a GPU.
 
-    A random op inside a checkpointed block must draw the same numbers when the backward recomputes it,
-    so AOTAutograd wraps it in an operator that carries the random state. On CUDA its default form is
-    the one CUDA graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch 2.11 refuses to cache
-    ("Can't cache HigherOrderOperator"; 2.13 caches it): every start compiled afresh - 6.2 min for the SDXL
-    LoRA on an H200 (docs/Performance.md). Without CUDA graphs (`training.cuda_graphs`) the plain form
-    (`run_with_rng_state`) replays the same random numbers and is cached; with them the graph-safe form
-    stays, because the plain one reads the random state on the host, which a captured graph cannot."""
+    A random op inside a checkpointed block must draw the same numbers when the backward recomputes it, so
+    AOTAutograd wraps it in an operator that carries the random state. On CUDA its default form is the one CUDA
+    graphs can capture (`graphsafe_run_with_rng_state`), which PyTorch 2.11 refuses to cache ("Can't cache
+    HigherOrderOperator"; 2.13 caches it): every start compiled afresh - 6.2 min for the SDXL LoRA on an H200
+    (docs/Performance.md, "The SDXL LoRA job"). Without CUDA graphs (`training.cuda_graphs`) the plain form
+    (`run_with_rng_state`) replays the same random numbers and is cached; with them the graph-safe form stays,
+    because the plain one reads the random state on the host, which a captured graph cannot."""
     try:
         import torch._functorch.config as functorch_config
     except ImportError:

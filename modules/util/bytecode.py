@@ -2,11 +2,11 @@
 
 Some environments ship torch, diffusers and transformers without compiled bytecode and tell Python not to
 write any (`PYTHONDONTWRITEBYTECODE=1`, common in container images; uv installs without bytecode by
-default), or install them where the user cannot write. Then every process compiles each module it
-imports from source, on every start: about 3,000 modules, 6 s per process on the H100 hosts of
-docs/Performance.md, in every rank. Tandem then keeps the bytecode in a folder of its own
-(Python's `sys.pycache_prefix`), outside the installed packages: the first run writes it, later runs and
-every worker read it. Nothing changes where the packages have bytecode or the user chose a prefix.
+default), or install them where the user cannot write. Then every process compiles each module it imports
+from source, on every start: about 3,000 modules, 6 s per process on H100 hosts (docs/MultiGPUTraining.md,
+"Slow start"), in every rank. Tandem then keeps the bytecode in a folder of its own (Python's
+`sys.pycache_prefix`), outside the installed packages: the first run writes it, later runs and every
+worker read it. Nothing changes where the packages have bytecode or the user chose a prefix.
 
     TANDEM_BYTECODE_CACHE=off   never do this
     PYTHONPYCACHEPREFIX=DIR     the user's own choice, always kept

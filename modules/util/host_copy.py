@@ -6,13 +6,13 @@ every later kernel (the next optimizer step, an EMA swap) runs after them, so th
 and the CPU goes on queuing work at once. Whoever reads the snapshot waits for `HostSnapshot.ready()`
 first (a background writer does, not the training loop).
 
-The first snapshot of a size grows PyTorch's pinned pool (a full SD1.5 fine-tune: 10 GB; later
-backups reuse it). PyTorch's default pins each block with one cudaHostAlloc call: 7.7-8.5 s of the first
+The first snapshot of a size grows PyTorch's pinned pool (a full SD1.5 fine-tune: 10 GB; later backups
+reuse it). PyTorch's default pins each block with one cudaHostAlloc call: 7.7-8.5 s of the first
 backup's pause on H100 hosts. `use_fast_pinning` has it page the memory in from 8 threads and register
-it instead: 2.4-3.7 s (docs/Performance.md). Two other ways measured worse: cloning on the GPU and
-copying to pageable host memory in the writer thread paused the loop 0.2 s, but training stalled ~9 s
-per backup while the 10 GB pageable copy ran; copying those clones through two 64 MiB pinned buffers
-stalled training as long.
+it instead: 2.4-3.7 s (docs/MultiGPUTraining.md, "Only rank 0 writes"). Two other ways measured worse:
+cloning on the GPU and copying to pageable host memory in the writer thread paused the loop 0.2 s, but
+training stalled ~9 s per backup while the 10 GB pageable copy ran; copying those clones through two
+64 MiB pinned buffers stalled training as long.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ for `__all__`: once when it is imported and once more when a model class is firs
 (`define_import_structure` on the `models` package, by two paths): 0.7-0.9 s of CPU for the imports alone in
 every process that loads a text encoder or imports peft (which imports transformers' auto classes), and a
 one-step demo training run took 1.3-1.5 s of CPU less with the answer kept (2-core development machine,
-2026-11-29; docs/Performance.md). Tandem answers both from a small file in `~/.cache/tandem/transformers-structure`
+2026-11-29). Tandem answers both from a small file in `~/.cache/tandem/transformers-structure`
 (`$TANDEM_HOME/transformers-structure` where set) named after the installed transformers: its folder and the
 modification times of its `__init__.py`, `models` folder and `utils/import_utils.py`, which installing,
 upgrading or removing transformers changes. The per-model scans that follow (a few files each) stay as they are.

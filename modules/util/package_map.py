@@ -2,13 +2,13 @@
 
 diffusers 0.42 and transformers 5.17 (the GPU image's; 5.24 builds it only when asked) each build that map
 when they are imported (`importlib.metadata.packages_distributions()`), and the scan reads every installed
-distribution's file list. On the GPU image of docs/Performance.md (198 distributions; torch and the nvidia
-wheels list thousands of files) the two scans took 3.3 s of every process start - on N GPUs in the process
-that starts the workers, on one GPU inside the "model" part. Tandem answers the second scan from memory, and
-later starts from a small file in `~/.cache/tandem/package-map` (`$TANDEM_HOME/package-map` where set) named
-after the places packages are installed: each `sys.path` entry with its modification time, which changes
-whenever a package is installed, upgraded or removed there (pip and uv add and remove the distribution's
-`*.dist-info` folder).
+distribution's file list. On the GPU image of the benchmarks (198 distributions; torch and the nvidia wheels
+list thousands of files) the two scans took 3.3 s of every process start (docs/MultiGPUTraining.md,
+"Slow start") - on N GPUs in the process that starts the workers, on one GPU inside the "model" part. Tandem answers
+the second scan from memory, and later starts from a small file in `~/.cache/tandem/package-map`
+(`$TANDEM_HOME/package-map` where set) named after the places packages are installed: each `sys.path` entry
+with its modification time, which changes whenever a package is installed, upgraded or removed there (pip and
+uv add and remove the distribution's `*.dist-info` folder).
 
     TANDEM_PACKAGE_MAP_CACHE=off   scan as the packages do
 """
