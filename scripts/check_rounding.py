@@ -1,6 +1,6 @@
 """How far rounding carries: N processes x B against 1 x N*B, beside a thread-count control, runs that train
 something else (another micro-batch, no latent cache) and the scale of one float32 ulp, on CPU processes;
-docs/Performance.md.
+docs/Performance.md, "The same training on N GPUs".
 
     python scripts/check_rounding.py /tmp/rounding --steps 20             # the demo's own AdamW
     python scripts/check_rounding.py /tmp/rounding-sgd --steps 5 --sgd    # as the equivalence tests train

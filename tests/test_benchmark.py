@@ -293,8 +293,8 @@ def test_end_to_end_harness_keeps_what_a_run_printed_and_reports_each_run_as_it_
 
 
 def test_each_end_to_end_job_starts_from_its_preset_on_a_model_of_that_presets_type(tmp_path):
-    """scripts/end_to_end.py --job: the jobs of docs/Performance.md's end-to-end table, each on the model type
-    its preset trains, with the job's numbers unless an option changes one."""
+    """scripts/end_to_end.py --job: the jobs of docs/Performance.md ("From the command to the saved model"), each on
+    the model type its preset trains, with the job's numbers unless an option changes one."""
     from modules.benchmark.end_to_end import JOBS, RunSpec, command_for, parse_args
     from modules.config.presets import load_preset
 

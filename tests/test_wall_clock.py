@@ -65,8 +65,8 @@ def exit_run_arguments(workspace: Path, cache_dir: Path, *extra: str) -> list[st
 def check_exit_and_startup_parts(launch: str, took: float, output: str) -> None:
     """The process exited within seconds of `done`, and the start-up's parts add up as the end-to-end
     harness reads them from the log."""
-    # 0.3-1.9 s on GPUs (docs/Performance.md), ~1 s here on idle cores; the bound leaves room for a busy CI
-    # machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
+    # 0.3-1.9 s on GPUs (`done_to_exit_s` in docs/perf/*.jsonl), ~1 s here on idle cores; the bound leaves room for
+    # a busy CI machine and still fails the 8-25 s exits this guards against (loader workers joined one by one).
     assert took <= patience(5.0), f"{took:.1f} s from done to exit:\n{output[-2000:]}"
     assert "leaked semaphore" not in output, "the spawn launcher's resource tracker found something to clean up"
     # Where the start went, as the end-to-end harness reads it from the log.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Launch to exit, as a user waits: the jobs of docs/Performance.md's end-to-end table (JOB=sd15, the default:
-# the 5,120-image SD1.5 LoRA job - real-size random SD1.5 folder, 512 JPEGs at 512 px with captions, batch 8 per
-# GPU, 10 epochs, 4 sample prompts every 5 epochs, backups every epoch, fresh cache; JOB=sdxl and JOB=flux: the
-# SDXL and Flux.1-size LoRA jobs of scripts/end_to_end.py's JOBS) on 1, 2 and 4 GPUs, for this tree and a
-# baseline tree (an
-# earlier commit exported to .bench/baseline: `git archive <commit> modules scripts training_presets
-# pyproject.toml | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU machine:
+# Launch to exit, as a user waits: the jobs of docs/Performance.md, "From the command to the saved model" (JOB=sd15,
+# the default: the 5,120-image SD1.5 LoRA job - real-size random SD1.5 folder, 512 JPEGs at 512 px with captions,
+# batch 8 per GPU, 10 epochs, 4 sample prompts every 5 epochs, backups every epoch, fresh cache; JOB=sdxl and
+# JOB=flux: the SDXL and Flux.1-size LoRA jobs of scripts/end_to_end.py's JOBS) on 1, 2 and 4 GPUs, for this tree
+# and a baseline tree (an earlier commit exported to .bench/baseline: `git archive <commit> modules scripts
+# training_presets pyproject.toml | tar -x -C .bench/baseline`). Parts that each fit a 10-minute call on a 4-GPU
+# machine:
 #   alone    this tree: 1 GPU, 2 GPUs, 4 GPUs, one after the other (no run shares the host with another)
 #   job      this tree on each GPU count in GPUS (default "1 2 4"), one after the other
 #   detach RUN...  runs (LABEL@TREE:GPUS[:DEVICES]) from a snapshot of the tree, in a process session of their
@@ -33,7 +33,7 @@
 #   launch4  launch to first step with a complete cache, 8 steps: 1 GPU, then 4 GPUs under torchrun and
 #            under spawn (the start-up's parts: the launcher, starting workers, imports, process group)
 # Results: one JSON line per run in $OUT/results.jsonl (or ./gpu-results.jsonl), logs in /tmp/tandem-e2e
-# (each line of the table in docs/Performance.md: `scripts/end_to_end.py` prints it, `training_split_s`).
+# (each run's split of its wall clock, as in docs/Performance.md: `scripts/end_to_end.py` prints it, `training_split_s`).
 set -u
 PART="${1:?usage: end_to_end.sh alone|job|detach|collect|compiled|coldexit|bytecode|imports|before|baseline|after|backups|sampling|launchers|launch4|startup}"
 STARTUP_EXTRA="${STARTUP_EXTRA:-}"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 62's one-GPU rows of the 5,120-image SD1.5 LoRA job (docs/Performance.md's end-to-end job, as
-# scripts/gpu/end_to_end.sh runs it: a real-size random SD1.5 folder built here, 512 JPEGs at 512 px with
-# captions, the sd15_lora preset at batch 8, 10 epochs, 4 prompts every 5 epochs, a fresh latent cache per run),
-# launch to exit through the real entry point (scripts/train.py), each run a fresh process, one after the other on
-# GPU 0, all with one compile cache of their own that starts empty:
+# The `training.compile` auto rows of the 5,120-image SD1.5 LoRA job (docs/Performance.md, "From the command to the
+# saved model"; the job as scripts/gpu/end_to_end.sh runs it: a real-size random SD1.5 folder built here, 512 JPEGs
+# at 512 px with captions, the sd15_lora preset at batch 8, 10 epochs, 4 prompts every 5 epochs, a fresh latent
+# cache per run), launch to exit through the real entry point (scripts/train.py), each run a fresh process, one
+# after the other on GPU 0, all with one compile cache of their own that starts empty:
 #   auto-cold  training.compile auto (the default) with the empty compile cache; its line `training.compile auto:
 #              ...` says what it chose and why (for this job: not compiling - a cold compile costs more than the
 #              640 steps would save), so it is the job's uncompiled figure as a user gets it

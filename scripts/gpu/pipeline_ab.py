@@ -1,4 +1,4 @@
-"""Two questions about diffusers itself, on one GPU (docs/Performance.md, "Samples from CUDA graphs"):
+"""Two questions about diffusers itself, on one GPU (answered on an H200: docs/perf/2026-11-29-h200.jsonl, call ngtA):
 would loading the SD1.5 UNet and text encoder straight onto the GPU (`device_map`) start a run sooner than
 loading them into host memory and moving them (each case in a fresh process, three times); and what does
 rendering 4 sample prompts in one batch give against one by one, in time and in pixels.

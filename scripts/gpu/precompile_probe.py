@@ -1,7 +1,7 @@
 """Can this PyTorch keep dynamo's work between processes (`torch._dynamo.config.caching_precompile`)?
 
 A compiled run's start pays dynamo's tracing again even when every kernel comes from the compile cache
-(8.3 s of the SD1.5 LoRA's 15.8 s compile on an H200, docs/Performance.md). PyTorch's experimental
+(8.3 s of the SD1.5 LoRA's 15.8 s compile on an H200, docs/perf/2026-11-29-h200x2.jsonl). PyTorch's experimental
 "caching precompile" records dynamo's output, and `torch.compiler.save_cache_artifacts` /
 `load_cache_artifacts` carry it to the next process. Tandem could use it only if a process that loaded it
 can still compile what the saved one had not seen: every aspect bucket is a batch shape of its own, and a
