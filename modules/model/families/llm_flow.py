@@ -28,6 +28,12 @@ from .flow_base import FLOW_MATCHING, FlowFamily, shipped
 
 log = logging.getLogger("tandem")
 
+BUNDLED_PARTS = ("vae.", "first_stage_model.", "text_encoders.")
+"""Key prefixes of the VAE and text encoders that single files bundled with a transformer carry."""
+NEXT_DIT_PARTS = BUNDLED_PARTS + ("norm_final.",)
+"""Lumina 2's and Z-Image's (the same Next-DiT lineage): their original files also hold `norm_final`, which the
+model does not use (diffusers drops it too)."""
+
 MAX_TEXT_TOKENS = 512
 """Tokens per caption at most: the `max_sequence_length` both pipelines default to."""
 
@@ -40,6 +46,12 @@ class LLMFlowFamily(FlowFamily):
     clip_classes = ()
     tokenizer_folder = "tokenizer"
     """The folder of a diffusers model that holds the tokenizer (Qwen-Image 2.1: its processor's, `processor`)."""
+    other_parts: tuple[str, ...] = ()
+    """Key prefixes of a single file that are not the transformer's (its VAE, text encoders, leftovers the model
+    does not use); empty: every key is the transformer's."""
+
+    def owns_key(self, key):
+        return not key.startswith(self.other_parts)
 
     def component_names(self) -> list[str]:
         return ["text_encoder"]

@@ -33,7 +33,7 @@ from modules.model.text_apart import HIDDEN, MASK, masked_rows, output_of, padde
 
 from . import original_layout as layout
 from .flow_base import FlowMatching, shipped
-from .llm_flow import LLMFlowFamily, block_count
+from .llm_flow import NEXT_DIT_PARTS, LLMFlowFamily, block_count
 
 IMPLEMENTATION = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
 SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree of image-text "
@@ -128,9 +128,7 @@ class Lumina2Family(LLMFlowFamily):
     def layout(self, config, keys):
         return lumina2_entries(keys)
 
-    def owns_key(self, key):
-        # `norm_final` is in the original release's files but unused by the model (diffusers drops it too).
-        return not key.startswith(("vae.", "first_stage_model.", "text_encoders.", "norm_final."))
+    other_parts = NEXT_DIT_PARTS
 
     def shipped_transformer_config(self, state):
         """Lumina 2's config, with the sizes a file's weights show (depths, width, heads, caption features)."""

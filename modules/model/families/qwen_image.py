@@ -29,7 +29,7 @@ from modules.model.text_apart import HIDDEN, MASK, masked_rows, padded, trimmed
 from .flow_base import ChannelNormalizedLatents, FlowMatching, shipped
 from .flux import pack_latents, unpack_latents
 from .llm_demo import QWEN_IMAGE_DROP, QWEN_IMAGE_TEMPLATE
-from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count, identity_entries
+from .llm_flow import BUNDLED_PARTS, MAX_TEXT_TOKENS, LLMFlowFamily, block_count, identity_entries
 
 IMPLEMENTATION = "https://github.com/QwenLM/Qwen-Image"
 
@@ -135,8 +135,7 @@ class QwenImageFamily(ChannelNormalizedLatents, LLMFlowFamily):
     def layout(self, config, keys):
         return identity_entries(keys)
 
-    def owns_key(self, key):
-        return not key.startswith(("vae.", "first_stage_model.", "text_encoders.", "conditioner."))
+    other_parts = BUNDLED_PARTS + ("conditioner.",)
 
     def shipped_transformer_config(self, state):
         """The family's config, with the sizes a file's weights show (its depth, widths, channels)."""

@@ -28,7 +28,7 @@ from modules.model.text_apart import HIDDEN, MASK, masked_rows, output_of, padde
 
 from . import original_layout as layout
 from .flow_base import FlowMatching, shipped
-from .llm_flow import MAX_TEXT_TOKENS, LLMFlowFamily, block_count
+from .llm_flow import MAX_TEXT_TOKENS, NEXT_DIT_PARTS, LLMFlowFamily, block_count
 
 IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 
@@ -112,9 +112,7 @@ class ZImageFamily(LLMFlowFamily):
     def layout(self, config, keys):
         return zimage_entries(keys)
 
-    def owns_key(self, key):
-        # `norm_final` is in the original release's files but unused by the model (diffusers drops it too).
-        return not key.startswith(("vae.", "first_stage_model.", "text_encoders.", "norm_final."))
+    other_parts = NEXT_DIT_PARTS
 
     def shipped_transformer_config(self, state):
         """Z-Image's config, with the sizes a file's weights show (depths, width, heads, caption features)."""
