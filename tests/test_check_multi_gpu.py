@@ -27,6 +27,19 @@ def run_check(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, timeout=patience(300))
 
 
+def check_here(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """The script's report (`diagnostics.main`, which scripts/check_multi_gpu.py hands over to) in this process,
+    as `run_check` sees this machine: no GPUs. Only the gloo all-reduce needs processes of its own; the script's
+    own start is `test_cpu_machine_reports_no_gpus_and_a_correct_gloo_allreduce`'s."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    capsys.readouterr()
+    code = diagnostics.main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, printed.out, printed.err)
+
+
 def write_config(tmp_path: Path, **sections) -> Path:
     """A config for the published SD1 shapes; the checkpoint file only has to exist for validation."""
     weights = tmp_path / "sd15.safetensors"
@@ -47,12 +60,12 @@ def test_cpu_machine_reports_no_gpus_and_a_correct_gloo_allreduce():
 
 
 @pytest.mark.slow
-def test_json_report_with_the_demo_preset(tmp_path):
+def test_json_report_with_the_demo_preset(tmp_path, monkeypatch, capsys):
     preset = REPO / "training_presets" / "#demo.json"
     config = "#demo" if preset.exists() else str(tmp_path / "demo.json")
     if not preset.exists():
         Path(config).write_text(json.dumps({"model": {"base_model": "builtin:demo"}, "data": {"resolution": 64}}))
-    result = run_check("--json", "--skip-gloo", "--config-path", config)
+    result = check_here(monkeypatch, capsys, "--json", "--skip-gloo", "--config-path", config)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["gpus"] == [] and report["allreduce"] == [] and report["problems"] == []
@@ -185,38 +198,38 @@ def test_optimizer_state_sizes_match_the_real_optimizers(name, slice_p):
 
 
 @pytest.mark.slow
-def test_estimate_over_free_memory_plans_one_gpu_or_fails_with_advice(tmp_path):
+def test_estimate_over_free_memory_plans_one_gpu_or_fails_with_advice(tmp_path, monkeypatch, capsys):
     """One GPU is planned too: on 20 GiB the full fine-tune (20.1 GiB held plainly) fits with checkpointing,
     which the plan sets; on 12 GiB nothing fits one card and the check names what would."""
     config = write_config(tmp_path, training={"method": "full", "batch_size": 4})
-    small = run_check("--skip-gloo", "--config-path", str(config), "--assume-free-gib", "20")
+    small = check_here(monkeypatch, capsys, "--skip-gloo", "--config-path", str(config), "--assume-free-gib", "20")
     assert small.returncode == 0, small.stdout
     assert "one process + checkpointing" in small.stdout and "sets training.gradient_checkpointing=true" in small.stdout
-    tiny = run_check("--skip-gloo", "--config-path", str(config), "--assume-free-gib", "12")
+    tiny = check_here(monkeypatch, capsys, "--skip-gloo", "--config-path", str(config), "--assume-free-gib", "12")
     assert tiny.returncode == 1, tiny.stdout
     assert "PROBLEM: Memory: nothing fits 1 GPU(s) of 12 GiB" in tiny.stdout and "Any one of these fits" in tiny.stdout
-    big = run_check("--skip-gloo", "--json", "--config-path", str(config), "--assume-free-gib", "80")
+    big = check_here(monkeypatch, capsys, "--skip-gloo", "--json", "--config-path", str(config), "--assume-free-gib", "80")
     assert big.returncode == 0, big.stdout
     plan = json.loads(big.stdout)["plan"]
     assert plan["plan"] == "one process" and plan["peaks"][0] < 0.9 * 80
 
 
 @pytest.mark.slow
-def test_invalid_config_names_the_field(tmp_path):
+def test_invalid_config_names_the_field(tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path, training={"batch_sise": 2})
-    result = run_check("--skip-gloo", "--config-path", str(config))
+    result = check_here(monkeypatch, capsys, "--skip-gloo", "--config-path", str(config))
     assert result.returncode == 1
     assert "training.batch_sise" in result.stdout and "batch_size" in result.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "auto"])
-def test_nccl_without_a_gpu_is_a_problem(tmp_path, device):
+def test_nccl_without_a_gpu_is_a_problem(tmp_path, device, monkeypatch, capsys):
     """Backend nccl on a machine without GPUs passed the check (and Start launched it)."""
     config = tmp_path / "nccl.json"
     config.write_text(json.dumps({"general": {"device": device}, "model": {"base_model": "builtin:demo"},
                                   "multi_gpu": {"enabled": True, "backend": "nccl"}}))
-    result = run_check("--skip-gloo", "--config-path", str(config))
+    result = check_here(monkeypatch, capsys, "--skip-gloo", "--config-path", str(config))
     assert result.returncode == 1, result.stdout
     assert "PROBLEM: multi_gpu.backend: 'nccl' needs CUDA GPUs" in result.stdout
     assert "'gloo' or 'auto'" in result.stdout

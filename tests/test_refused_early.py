@@ -164,21 +164,23 @@ def test_context_parallel_that_the_model_cannot_use_is_refused_by_the_launcher(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_damaged_lora_init_file_is_refused_before_any_worker_starts(tmp_path, cache_dir, script):
+def test_a_damaged_lora_init_file_is_refused_before_any_worker_starts(tmp_path, cache_dir):
+    """Through `scripts/train.py`. The file is checked by `preflight`, which both scripts call before anything
+    starts: the launcher's call is run by the clips and context-parallel tests below."""
     ws = tmp_path / "ws"
     bad = damaged_lora(tmp_path / "start.safetensors")
-    result = run_script(*script, "--config-path", "#demo", *overrides_for(ws, cache_dir, f"training.lora_init={bad}"))
+    result = run_script("train.py", "--config-path", "#demo", *overrides_for(ws, cache_dir, f"training.lora_init={bad}"))
     line = _refused(result, ws)
     assert line.startswith(f"error: training.lora_init: {str(bad)!r} is not a readable .safetensors file"), line
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_clips_in_an_image_models_concept_are_refused_before_any_worker_starts(tmp_path, cache_dir, script):
+def test_clips_in_an_image_models_concept_are_refused_before_any_worker_starts(tmp_path, cache_dir):
+    """Through the multi-process launcher; `preflight` refuses them, as it refuses the damaged LoRA file above
+    for `scripts/train.py`."""
     ws = tmp_path / "ws"
     folder = concept_with_a_short_clip(tmp_path / "concept")
-    result = run_script(*script, "--config-path", "#demo",
+    result = run_script(*MULTI, "--config-path", "#demo",
                         *overrides_for(ws, cache_dir, f'data.concepts=[{{"path": "{folder}"}}]'))
     line = _refused(result, ws)
     assert line.startswith(f"error: data.concepts[0].path: {str(folder)!r} holds 1 video clip(s) (short.mp4)"), line
