@@ -49,18 +49,6 @@ def test_loss_goes_down_and_model_is_saved(tmp_path, cache_dir, method):
     assert trainer.numbers.global_batch == 8
 
 
-@pytest.mark.slow
-def test_derived_numbers_event(tmp_path, cache_dir):
-    cb = RecordingCallbacks()
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=4",
-                      "training.gradient_accumulation_steps=2")
-    train(cfg, cb)
-    (config_event,) = cb.of_type("config")
-    assert config_event["global_batch"] == 8 and config_event["per_gpu_batch"] == 4
-    assert config_event["accumulation"] == 2 and config_event["world_size"] == 1
-    assert config_event["steps_per_epoch"] == 64 // 4 // 2  # 16 micro-batches of 4, two per step
-
-
 def test_items_left_out_count_bucket_remainders_and_short_accumulation():
     from modules.trainer.run_numbers import derive_run_numbers
     cfg = demo_config(Path("ws"), Path("cache"), "training.batch_size=4", "training.gradient_accumulation_steps=2")
@@ -107,8 +95,11 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2")
+def test_interrupted_backup_keeps_previous_and_the_derived_numbers_are_announced(tmp_path, cache_dir, monkeypatch):
+    """A backup that fails half-written leaves the previous one; and (checked on the same run) the `config` event
+    gives the numbers derived from batch size and accumulation."""
+    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=4", "save.backup_every_n_steps=2",
+                      "training.batch_size=4", "training.gradient_accumulation_steps=2")
     calls = {"n": 0}
     real_save = torch.save
 
@@ -120,8 +111,13 @@ def test_interrupted_backup_keeps_previous(tmp_path, cache_dir, monkeypatch):
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(backups.torch, "save", crash_on_second_backup)
+    cb = RecordingCallbacks()
     with pytest.raises(OSError, match="simulated"):
-        train(cfg)
+        train(cfg, cb)
+    (config_event,) = cb.of_type("config")
+    assert config_event["global_batch"] == 8 and config_event["per_gpu_batch"] == 4
+    assert config_event["accumulation"] == 2 and config_event["world_size"] == 1
+    assert config_event["steps_per_epoch"] == 64 // 4 // 2  # 16 micro-batches of 4, two per step
     bdir = tmp_path / "ws" / "backups"
     assert [b.path.name for b in backups.list_backups(bdir)] == ["step-00000002"]
     newest = backups.latest_backup(bdir)
@@ -187,34 +183,84 @@ def test_commands_file_sample_and_save(tmp_path, cache_dir):
     assert saved == ["demo-step0000003.safetensors", "demo.safetensors"]
 
 
+def _recording_graph_requests(monkeypatch) -> list[bool]:
+    """What the trainer's samplings ask `replayed_from_graphs` for (on a CPU nothing is captured either way)."""
+    import modules.model.sampling as sampling
+    asked: list[bool] = []
+    real = sampling.replayed_from_graphs
+
+    def recorded(module, device, wanted=True):
+        asked.append(wanted)
+        return real(module, device, wanted)
+
+    monkeypatch.setattr(sampling, "replayed_from_graphs", recorded)
+    return asked
+
+
 @pytest.mark.slow
-def test_samples_at_start_and_at_the_end(tmp_path, cache_dir):
-    """A baseline sample before step 1 and the finished model's sample, whatever the cadence."""
+def test_samples_at_start_and_at_the_end(tmp_path, cache_dir, monkeypatch):
+    """A baseline sample before step 1 and the finished model's sample, whatever the cadence; with
+    `sampling.cuda_graphs` false both samplings ask for no graphs (true: the one-step run below)."""
+    asked = _recording_graph_requests(monkeypatch)
     cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=2", "sampling.sample_at_start=true",
-                      "sampling.every_n_epochs=5", "sampling.inference_steps=2")
+                      "sampling.every_n_epochs=5", "sampling.inference_steps=2", "sampling.cuda_graphs=false")
     cfg.sampling.prompts = cfg.sampling.prompts[:1]
     cb = RecordingCallbacks()
     train(cfg, cb)
     assert [s["step"] for s in cb.of_type("sample")] == [0, 2]
     assert all(Path(s["path"]).is_file() for s in cb.of_type("sample"))
+    assert asked == [False, False]
+
+
+@pytest.fixture(scope="module")
+def one_sampling(tmp_path_factory, cache_dir):
+    """One run of one step that samples before it, for the three tests below (each was a run of its own):
+    every sample write made 0.5 s slower, and each waiting until every image's write has begun; the log
+    records of the `tandem` logger; what the sampling asked `replayed_from_graphs` for."""
+    import logging
+    import threading
+    import time
+
+    from PIL import Image
+
+    from modules.trainer import outputs
+    workspace = tmp_path_factory.mktemp("one-sampling") / "ws"
+    cfg = demo_config(workspace, cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
+                      "sampling.every_n_epochs=0", "sampling.inference_steps=1", "sampling.cuda_graphs=true")
+    all_begun = threading.Barrier(len(cfg.sampling.prompts), timeout=patience(20))
+    real_write, real_save = outputs.write_sample, Image.Image.save
+
+    def save(image, path, *args, **kwargs):
+        if Path(str(path)).parent.parent.name == "samples":  # samples/<run>/: not the demo data's or TensorBoard's
+            all_begun.wait()
+        return real_save(image, path, *args, **kwargs)
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("tandem")
+    level = logger.level
+    cb = RecordingCallbacks()
+    with pytest.MonkeyPatch.context() as patch:
+        asked = _recording_graph_requests(patch)
+        patch.setattr(outputs, "write_sample", lambda image, path: (time.sleep(0.5), real_write(image, path)))
+        patch.setattr(Image.Image, "save", save)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            train(cfg, cb)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    return {"cfg": cfg, "events": cb.of_type("sample"), "lines": [r.getMessage() for r in records], "asked": asked}
 
 
 @pytest.mark.slow
-def test_a_samplings_log_line_says_where_its_time_went(tmp_path, cache_dir, monkeypatch, caplog):
+def test_a_samplings_log_line_says_where_its_time_went(one_sampling):
     """The parts the end-to-end harness reads: moving the models, rendering, moving them back, gathering, writing.
     A write made 0.5 s slower shows in `writing`, and the parts add up to the sampling's time."""
-    import time
     from modules.benchmark.end_to_end import _read_line
-    from modules.trainer import outputs
-
-    real_write = outputs.write_sample
-    monkeypatch.setattr(outputs, "write_sample", lambda image, path: (time.sleep(0.5), real_write(image, path)))
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
-                      "sampling.every_n_epochs=0", "sampling.inference_steps=1")
-    cfg.sampling.prompts = cfg.sampling.prompts[:1]
-    with caplog.at_level("INFO", logger="tandem"):
-        train(cfg, RecordingCallbacks())
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Samples at step 0:")]
+    (line,) = [text for text in one_sampling["lines"] if text.startswith("Samples at step 0:")]
     marks, samplings = {}, []
     _read_line(line, 0.0, marks, {}, samplings)
     (parts,) = marks["sampling_parts"]
@@ -224,47 +270,21 @@ def test_a_samplings_log_line_says_where_its_time_went(tmp_path, cache_dir, monk
 
 
 @pytest.mark.slow
-def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(tmp_path, cache_dir, monkeypatch):
+def test_a_samplings_images_are_written_at_once_and_announced_in_prompt_order(one_sampling):
     """Written one after another, a sampling's 4 images kept every rank waiting ~1 s on H100 hosts. Each
-    write here waits until every image's write has begun: written one at a time, the first would time out."""
-    import threading
-    from PIL import Image
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
-                      "sampling.every_n_epochs=0", "sampling.inference_steps=1")
-    all_begun = threading.Barrier(len(cfg.sampling.prompts), timeout=patience(20))
-    real_save = Image.Image.save
-
-    def save(image, path, *args, **kwargs):
-        if Path(str(path)).parent.parent.name == "samples":  # samples/<run>/: not the demo data's or TensorBoard's
-            all_begun.wait()
-        return real_save(image, path, *args, **kwargs)
-
-    monkeypatch.setattr(Image.Image, "save", save)
-    cb = RecordingCallbacks()
-    train(cfg, cb)
-    events = cb.of_type("sample")
-    assert [Path(e["path"]).name for e in events] == [f"step-0000000-{i}.png" for i in range(len(cfg.sampling.prompts))]
-    assert [e["prompt"] for e in events] == [p.prompt for p in cfg.sampling.prompts]
+    write there waits until every image's write has begun: written one at a time, the first would time out."""
+    events, prompts = one_sampling["events"], one_sampling["cfg"].sampling.prompts
+    assert len(prompts) > 1  # several images to write at once
+    assert [Path(e["path"]).name for e in events] == [f"step-0000000-{i}.png" for i in range(len(prompts))]
+    assert [e["prompt"] for e in events] == [p.prompt for p in prompts]
     assert all(Path(e["path"]).is_file() for e in events)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["true", "false"])
-def test_samples_ask_for_graphs_as_sampling_cuda_graphs_says(tmp_path, cache_dir, monkeypatch, setting):
-    """The trainer's samplings hand `sampling.cuda_graphs` to the sampling (on a CPU nothing is captured either way)."""
-    import modules.model.sampling as sampling
-    asked = []
-    real = sampling.replayed_from_graphs
-
-    def recorded(module, device, wanted=True):
-        asked.append(wanted)
-        return real(module, device, wanted)
-
-    monkeypatch.setattr(sampling, "replayed_from_graphs", recorded)
-    train(demo_config(tmp_path / "ws", cache_dir, "training.max_steps=1", "sampling.sample_at_start=true",
-                      "sampling.every_n_epochs=0", "sampling.inference_steps=1", f"sampling.cuda_graphs={setting}"),
-          RecordingCallbacks())
-    assert asked == [setting == "true"]
+def test_samples_ask_for_graphs_as_sampling_cuda_graphs_says(one_sampling):
+    """The trainer's samplings hand `sampling.cuda_graphs` to the sampling: true here, false in
+    test_samples_at_start_and_at_the_end."""
+    assert one_sampling["asked"] == [True]
 
 
 @pytest.mark.slow
@@ -299,11 +319,14 @@ def test_bad_config_is_reported_by_the_script(tmp_path):
     result = run_script("train.py", "--config-path", str(typo))
     assert result.returncode == 2
     assert "training.learning_rat" in result.stderr and "learning_rate" in result.stderr and str(typo) in result.stderr
+    # Values out of range: every one named at once. The script prints any ConfigError as the typo's above, so
+    # the config is loaded here instead of in a second script start.
+    from modules.config import ConfigError, load_config
     bad = tmp_path / "bad.json"
     bad.write_text('{"training": {"batch_size": 0, "learning_rate": -1}}')
-    result = run_script("train.py", "--config-path", str(bad))
-    assert result.returncode == 2
-    assert "training.batch_size" in result.stderr and "training.learning_rate" in result.stderr
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(bad))
+    assert "training.batch_size" in str(refused.value) and "training.learning_rate" in str(refused.value)
 
 
 @pytest.mark.slow
