@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_ui_widgets import app_factory, pump  # noqa: F401 - app_factory is a fixture
+from tests.test_ui_widgets import pump, shared_window, window  # noqa: F401 - the fixtures
 from tests.ui_players import PlayedController
 
-__all__ = ["app_factory"]
+__all__ = ["shared_window", "window"]
 
 
 @pytest.mark.slow
-def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
+def test_multi_gpu_wording_says_what_is_true_for_this_setup(window):
     """'0 GPU visible'; 'node 0 listens on 127.0.0.1:a fixed port.' with no word that 127.0.0.1 is out of reach
     of another machine; a GUI user told to pass --master-port; 'backups every 10 minutes unless a backup
     cadence is set' beside an epoch cadence; CPU processes called GPU 0/GPU 1; the batch split's own example
@@ -23,7 +23,7 @@ def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
     from ui.gpu_info import GpuInfo
     from modules.util.batch_slice import parse_split
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     frame, fields = app.multi_gpu, app.binder.fields
     assert frame.explanation.cget("text").startswith("No GPU visible")
     app._gpus_found([GpuInfo(0, "Fake GPU", 81920)])
@@ -73,10 +73,10 @@ def test_multi_gpu_wording_says_what_is_true_for_this_setup(app_factory):
 
 
 @pytest.mark.slow
-def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_factory):
+def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(window):
     """With Multi-GPU off, CPU processes, Launcher and the batch split stayed enabled; choosing CPU processes
     set General › Device to cpu without a word, and it stayed so after Multi-GPU was turned off."""
-    app, _ = app_factory()
+    app, _ = window()
     frame, fields = app.multi_gpu, app.binder.fields
     assert not app.model.cfg.multi_gpu.enabled
     for widget in (frame.cpu_menu, fields["multi_gpu.launcher"].widget, fields["multi_gpu.batch_split"].widget):
@@ -107,11 +107,11 @@ def test_multi_gpu_off_disables_its_controls_and_gives_the_device_back(app_facto
 
 
 @pytest.mark.slow
-def test_labels_are_in_one_style(app_factory):
+def test_labels_are_in_one_style(window):
     """"Lora format", "Ema weights", "Unet dtype", "Eps" beside "LoRA rank": a label made from a field's name
     keeps the usual spelling of the words in it."""
     import re
-    app, _ = app_factory()
+    app, _ = window()
     labels = {path: label for path, (_tab, label) in app.binder.places.places.items()}
     wrong = re.compile(r"\b(Lora|Ema|Unet|Vae|Eps|Lr|Gpu|Gpus|Ddp|Fsdp|Snr|Tf32|Cpu|Mb)\b")
     assert [f"{p}: {label}" for p, label in labels.items() if wrong.search(label)] == []
@@ -126,7 +126,7 @@ def _every_tooltip(app) -> list[str]:
 
 
 @pytest.mark.slow
-def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
+def test_tooltips_and_messages_speak_to_a_window_user(window):
     """Tooltips and errors showed config paths and names (`nnodes`, `timeout_minutes`), command-line flags
     (`--assume-free-gib`, `--node-rank 1`) and the history of development (a session number with a docs path)."""
     import re
@@ -134,7 +134,7 @@ def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
     from modules.config import TrainConfig
     from modules.config.field_paths import leaf_paths
     from ui.gpu_info import GpuInfo
-    app, _ = app_factory(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
+    app, _ = window(gpus=[GpuInfo(0, "Fake GPU", 81920), GpuInfo(1, "Fake GPU", 81920)])
     names = {path.rsplit(".", 1)[-1] for path in leaf_paths(TrainConfig())}
     names = {re.sub(r"\[\d+\]", "", n) for n in names if "_" in n} | {"nnodes"}
     flag = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
@@ -149,10 +149,10 @@ def test_tooltips_and_messages_speak_to_a_window_user(app_factory):
 
 
 @pytest.mark.slow
-def test_the_log_shows_each_line_once_in_words(app_factory):
+def test_the_log_shows_each_line_once_in_words(window):
     """The log repeated each human line as a raw event dump: `[backup] path=..., paused_s=0.077`."""
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     controller.runs = [(["Backup written: ws/backups/run-a/step-00000002 (training paused 0.08 s for it)",
                          {"type": "backup", "path": "ws/backups/run-a/step-00000002", "step": 2, "paused_s": 0.077},
                          "Model saved: ws/output/demo.safetensors",
@@ -169,11 +169,11 @@ def test_the_log_shows_each_line_once_in_words(app_factory):
 
 
 @pytest.mark.slow
-def test_disabled_buttons_look_disabled(app_factory):
+def test_disabled_buttons_look_disabled(window):
     """Disabled buttons kept their colour: a disabled red Stop looked ready to click."""
     from ui.views.buttons import DISABLED_COLOR
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view = app.run_view
     assert view.stop_button.cget("state") == "disabled" and view.stop_button.cget("fg_color") == DISABLED_COLOR
     assert view.start_button.cget("fg_color") == "#2f8f46"
@@ -188,9 +188,9 @@ def test_disabled_buttons_look_disabled(app_factory):
 
 
 @pytest.mark.slow
-def test_disabled_menus_look_disabled_too(app_factory):
+def test_disabled_menus_look_disabled_too(window):
     from ui.views.buttons import DISABLED_COLOR
-    app, _ = app_factory()
+    app, _ = window()
     assert app.multi_gpu.cpu_menu.cget("state") == "disabled"  # Multi-GPU is off
     assert app.multi_gpu.cpu_menu.cget("fg_color") == DISABLED_COLOR
     assert app.run_view.backups.menu.cget("fg_color") == DISABLED_COLOR  # no backup
@@ -201,9 +201,9 @@ def test_disabled_menus_look_disabled_too(app_factory):
 
 
 @pytest.mark.slow
-def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_factory):
+def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(window):
     """The mouse wheel over the log scrolled only the box: with the pointer there, the page did not move."""
-    app, _ = app_factory()
+    app, _ = window()
     app.geometry("1024x600+0+0")
     app.tabs.set("Run")
     view = app.run_view
@@ -229,8 +229,8 @@ def test_the_wheel_over_the_log_scrolls_the_page_once_the_log_is_at_its_end(app_
 
 
 @pytest.mark.slow
-def test_ctrl_a_selects_a_whole_field(app_factory):
-    app, _ = app_factory()
+def test_ctrl_a_selects_a_whole_field(window):
+    app, _ = window()
     app.tabs.set("Training")
     entry = app.binder.fields["training.learning_rate"].widget._entry
     entry.focus_force()
@@ -249,14 +249,14 @@ def test_ctrl_a_selects_a_whole_field(app_factory):
 
 
 @pytest.mark.slow
-def test_file_dialogs_open_where_the_field_points_and_cancel_is_final(app_factory, tmp_path, monkeypatch):
+def test_file_dialogs_open_where_the_field_points_and_cancel_is_final(window, tmp_path, monkeypatch):
     """File dialogs opened in the program's folder, and Browse > Cancel on the base model opened a second
     (folder) dialog."""
     monkeypatch.chdir(tmp_path)
     models = tmp_path / "models"
     models.mkdir()
     (models / "sd15.safetensors").write_bytes(b"")
-    app, dialogs = app_factory()
+    app, dialogs = window()
     base = app.binder.fields["model.base_model"]
     assert set(base.browse_buttons) == {"file", "folder"}
     base.var.set(str(models / "sd15.safetensors"))
