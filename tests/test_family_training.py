@@ -1,7 +1,8 @@
 """Every registered family with a built-in model, through the real trainer on CPU (gloo): parametrised over the
 registry (`modules/config/model_families.py`), so a family gets these checks by being registered.
 
-For each family, on its demo preset (`#demo_<family>`), tiny and few steps:
+For each family, on its demo preset (`#demo_<family>`) with the first 8 items of its data (`demo_data_subset`:
+the whole demo dataset's scan and cache would be most of each run), tiny and few steps:
 - every trained parameter reaches the loss, LoRA (the family's own targets) and full fine-tune - what
   DistributedDataParallel needs, or it stops at step 2 (`ModelFamily.unused_modules` names what cannot);
 - LoRA: 1 process x batch 4 trains 2 steps; 2 processes x batch 2 under FSDP (the family's blocks sharded) resume
@@ -12,7 +13,7 @@ For each family, on its demo preset (`#demo_<family>`), tiny and few steps:
   as its components) load back with the trained weights.
 
 The rule for 2 processes (CI's time): every family gets one 2-process run, the LoRA one above (one step, cheap).
-The full fine-tune's 2-process equivalence under DDP (2 x batch 4 == 1 x 8, two steps) runs only for the families
+The full fine-tune's 2-process equivalence under DDP (2 x batch 2 == 1 x 4, two steps) runs only for the families
 in DDP_FAMILIES, one per code path that differs under DDP; for the others the gradient check above is what DDP
 needs (a trained parameter without a gradient is what stops DDP at step 2). A new family whose text encoders or
 denoiser take a path none of those take belongs in DDP_FAMILIES.
@@ -36,7 +37,7 @@ from modules.model import load_model
 from modules.trainer.backup import latest_backup
 from modules.trainer.sharded_backup import read_trained_weights
 from modules.util.batch_slice import BatchSlice
-from tests.trainer_helpers import demo_config, relative_l2, train
+from tests.trainer_helpers import demo_config, demo_data_subset, relative_l2, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,6 +47,8 @@ TWO_PROCESSES = ("multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.la
 # One family per code path of a full fine-tune under DDP: a UNet with CLIP encoders that train (sd1), a DiT with a
 # T5-class encoder (flux), an LLM text encoder loaded apart from its model (qwen), a video family (wan).
 DDP_FAMILIES = ("sd1", "flux", "qwen", "wan")
+ITEMS = 8
+"""Items of each family's demo data the runs train on: 2 steps of batch 4 (wan: 4 clips and 4 images)."""
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +68,13 @@ def trains_text_encoders(name: str) -> bool:
 
 
 def config(workspace: Path, cache: Path, name: str, method: str, *overrides: str):
-    """The family's demo preset, fp32 and SGD (the comparisons need exact arithmetic), a short T5 where it has one."""
+    """The family's demo preset on the first ITEMS of its data (copied beside the module's cache), fp32 and SGD (the
+    comparisons need exact arithmetic), a short T5 where it has one."""
     short_text = ("model.t5_max_length=24",) if field_applies("model.t5_max_length", name) else ()
+    preset = FAMILIES[name].demo_preset
+    data = demo_data_subset(cache.with_name(cache.name + "-data"), preset, ITEMS)
     return demo_config(workspace, cache, "training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05",
-                       "save.output_name=tiny", *short_text, *overrides, method=method,
-                       preset=FAMILIES[name].demo_preset)
+                       "save.output_name=tiny", *data, *short_text, *overrides, method=method, preset=preset)
 
 
 def backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
@@ -162,12 +167,12 @@ def test_full_fine_tune_under_ddp_equals_one_process_and_its_saves_load_back(tmp
     ddp = name in DDP_FAMILIES
     steps = 2 if ddp else 1
     common = (f"training.max_steps={steps}", f"save.backup_every_n_steps={steps}", "save.full_format=both", *text)
-    one = train(config(tmp_path / "one", cache_dir, name, "full", *common, f"training.batch_size={8 if ddp else 2}"))
+    one = train(config(tmp_path / "one", cache_dir, name, "full", *common, f"training.batch_size={4 if ddp else 2}"))
     single = backup_weights(tmp_path / "one")
     assert any(k.startswith(f"{info.denoiser}.") for k in single)
     assert bool(text) == any(k.startswith("text_encoder_") for k in single), "the CLIP encoders train, nothing else"
     if ddp:
-        assert launch(config(tmp_path / "two", cache_dir, name, "full", *common, "training.batch_size=4",
+        assert launch(config(tmp_path / "two", cache_dir, name, "full", *common, "training.batch_size=2",
                              *TWO_PROCESSES, "multi_gpu.strategy=ddp")) == 0
         assert relative_l2(backup_weights(tmp_path / "two"), single) <= 1e-5
 

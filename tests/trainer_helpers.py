@@ -131,3 +131,34 @@ def launch_spec(world: int, device_type: str, backend: str, launcher: str, visib
     return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
                       visible_devices=visible_devices, backend=backend, per_gpu_batch=1, accumulation=1,
                       base_lr=1e-4, lr_scaling="none")
+
+
+def demo_data_subset(folder: Path, preset: str, count: int) -> list[str]:
+    """Overrides pointing each concept of a demo preset at a copy of its first items, `count` in all shared equally
+    among the concepts (captions and control images with them): a test that trains a few steps then scans and caches
+    those, not the whole demo dataset (64 images: most of a short run's start-up). The first items of each built-in
+    dataset share one size (one bucket)."""
+    import shutil
+
+    from modules.data.builtin_datasets import resolve_concept_path
+
+    overrides = []
+    concepts = load_config(preset).data.concepts
+    count //= len(concepts)
+    for i, concept in enumerate(concepts):
+        source = resolve_concept_path(concept.path)
+        target = Path(folder) / f"{source.name}-{count}"
+        if not target.exists():
+            items = sorted(p for p in source.iterdir() if p.suffix in (".png", ".mp4"))[:count]
+            assert len(items) == count, f"{source} holds fewer than {count} items"
+            staging = target.with_name(target.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            for item in items:
+                for extra in (item, item.with_suffix(".txt"), *([source / concept.control / item.name]
+                                                                  if concept.control else [])):
+                    if extra.exists():
+                        (staging / extra.parent.relative_to(source)).mkdir(parents=True, exist_ok=True)
+                        shutil.copy(extra, staging / extra.relative_to(source))
+            staging.rename(target)
+        overrides.append(f"data.concepts[{i}].path={target}")
+    return overrides
