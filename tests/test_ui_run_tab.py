@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 import pytest
 
-from tests.test_ui_widgets import _png, app_factory, pump  # noqa: F401 - a fixture
+from tests.test_ui_widgets import _png, pump, shared_window, window  # noqa: F401 - fixtures
 from tests.ui_players import PlayedController, make_backup, make_script
 
-__all__ = ["app_factory"]
+__all__ = ["shared_window", "window"]
 
 
 def _screenshot(app, path) -> None:
@@ -31,12 +31,12 @@ def _progress(step: int, total: int = 40) -> dict:
 
 
 @pytest.mark.slow
-def test_after_a_stop_continue_offers_the_backup_the_stop_wrote(app_factory, tmp_path):
+def test_after_a_stop_continue_offers_the_backup_the_stop_wrote(window, tmp_path):
     """A backup picked by hand stayed picked: "Stopped · step 23" beside "Continue from step 13", and pressing
     it threw steps 14-23 away."""
     controller = PlayedController()
     controller.stop_timeout_s = 0.5  # the played run ignores Stop: it is ended then, as a stuck one would be
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view, workspace = app.run_view, tmp_path / "ws"
     a13 = make_backup(workspace, "run-a", 13)
     make_backup(workspace, "run-b", 4)  # newer: what Continue offers by itself
@@ -61,11 +61,11 @@ def test_after_a_stop_continue_offers_the_backup_the_stop_wrote(app_factory, tmp
 
 
 @pytest.mark.slow
-def test_the_run_tab_follows_the_workspace(app_factory, tmp_path):
+def test_the_run_tab_follows_the_workspace(window, tmp_path):
     """After another workspace, a preset or an import, the Run tab still showed the previous workspace's run -
     its status, loss plot, error, log and samples - while Continue said "No backup in this workspace"."""
     controller = PlayedController()
-    app, dialogs = app_factory(controller=controller)
+    app, dialogs = window(controller=controller)
     dialogs.show_info = lambda title, text: None  # the import's summary
     view, fields = app.run_view, app.binder.fields
     samples = tmp_path / "ws" / "samples" / "run-x"
@@ -110,7 +110,7 @@ def test_the_run_tab_follows_the_workspace(app_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_could_not_open_line_wraps_and_goes_at_the_next_action(app_factory, tmp_path, monkeypatch):
+def test_the_could_not_open_line_wraps_and_goes_at_the_next_action(window, tmp_path, monkeypatch):
     """"Could not open a file manager (... gio failed: gi" was cut off at the entry's width, and stayed."""
     from ui import external
     reason = ("gio failed: giving up on the handler of the desktop for inode/directory after asking "
@@ -119,7 +119,7 @@ def test_the_could_not_open_line_wraps_and_goes_at_the_next_action(app_factory, 
     monkeypatch.setattr(external.sys, "platform", "linux")
     monkeypatch.setattr(external.shutil, "which", lambda name: str(opener) if name == "xdg-open" else None)
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     app.geometry("1024x768+0+0")
     app.tabs.set("Run")
     view = app.run_view
@@ -147,10 +147,10 @@ def test_the_could_not_open_line_wraps_and_goes_at_the_next_action(app_factory, 
 
 
 @pytest.mark.slow
-def test_sample_now_is_answered_at_once(app_factory):
+def test_sample_now_is_answered_at_once(window):
     """After "Sample now" nothing changed for a minute (the next step, then the rendering)."""
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view = app.run_view
     controller.runs = [([_progress(1), 60], 0)]
     view.start_button.invoke()
@@ -163,12 +163,12 @@ def test_sample_now_is_answered_at_once(app_factory):
 
 
 @pytest.mark.slow
-def test_the_remote_form_fits_at_1024x768(app_factory, tmp_path):
+def test_the_remote_form_fits_at_1024x768(window, tmp_path):
     """At 1024 x 768 the third column of the remote machine's fields ("Python there", "Environment") was cut off."""
     import customtkinter as ctk
 
     from ui.views.remote_frame import NEW_REMOTE
-    app, _ = app_factory()
+    app, _ = window()
     app.geometry("1024x768+0+0")
     app.tabs.set("Run")
     app.remote.menu.set(NEW_REMOTE)
