@@ -9,7 +9,7 @@ import pytest
 
 from tests.caption_model import build_tiny_blip
 from tests.test_caption_edit import make_folder
-from tests.test_ui_widgets import app_factory, pump  # noqa: F401 - the fixture
+from tests.test_ui_widgets import pump, shared_window, window  # noqa: F401 - the fixtures
 from ui.caption_controller import AutoCaptionRun, CaptionEditorState, CaptionSource
 
 
@@ -145,8 +145,8 @@ def _open_editor(app, folder):
 
 
 @pytest.mark.slow
-def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder):
-    app, dialogs = app_factory()
+def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(window, folder):
+    app, dialogs = window()
     editor = _open_editor(app, folder)
     assert editor.summary.cget("text").startswith("16 images · 1 without a caption")
     assert len(editor.tiles) == 12 and editor.page_label.cget("text") == "Page 1 of 2"
@@ -195,10 +195,10 @@ def test_editor_opens_from_the_data_tab_edits_and_bulk_adds(app_factory, folder)
 
 
 @pytest.mark.slow
-def test_editor_auto_captions_with_a_local_model(app_factory, tmp_path):
+def test_editor_auto_captions_with_a_local_model(window, tmp_path):
     model = build_tiny_blip(tmp_path / "tiny-blip")
     folder = make_folder(tmp_path / "c", {"a": "kept", "b": None, "c": None})
-    app, dialogs = app_factory()
+    app, dialogs = window()
     editor = _open_editor(app, folder)
     editor.auto_button.invoke()
     assert "Choose the captioning model's folder first" in editor.auto_text()

@@ -9,10 +9,10 @@ import pytest
 
 from ui.settings import RecentConfigs
 
-from tests.test_ui_widgets import _png, app_factory, pump  # noqa: F401 - a fixture
+from tests.test_ui_widgets import _png, app_factory, pump, shared_window, window  # noqa: F401 - fixtures
 from tests.ui_players import PlayedController, make_backup, make_samples
 
-__all__ = ["app_factory"]
+__all__ = ["app_factory", "shared_window", "window"]
 
 
 def test_sample_index_reads_runs_samplings_and_prompts(tmp_path):
@@ -31,12 +31,12 @@ def test_sample_index_reads_runs_samplings_and_prompts(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gallery_browses_every_sampling_of_every_run(app_factory, tmp_path):
+def test_the_gallery_browses_every_sampling_of_every_run(window, tmp_path):
     workspace = tmp_path / "gallery"
     make_samples(workspace, "run-20261201-100000", [2, 4, 6], ["a red circle", "a blue square"])
     make_samples(workspace, "run-20261202-090000", [1], ["a green dot"])
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     gallery = app.run_view.gallery
     app.binder.fields["general.workspace_dir"].var.set(str(workspace))
     assert gallery.showing() == ("run-20261202-090000", 1, ["a green dot"])
@@ -71,12 +71,12 @@ def test_the_gallery_browses_every_sampling_of_every_run(app_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_continue_from_a_backup_picked_in_the_list(app_factory, tmp_path):
+def test_continue_from_a_backup_picked_in_the_list(window, tmp_path):
     import time
 
     from modules.trainer.backup import mark_finished
     controller = PlayedController()
-    app, dialogs = app_factory(controller=controller)
+    app, dialogs = window(controller=controller)
     view, workspace = app.run_view, tmp_path / "picked"
     a50 = make_backup(workspace, "run-a", 50)
     make_backup(workspace, "run-a", 100)
@@ -104,10 +104,10 @@ def test_continue_from_a_backup_picked_in_the_list(app_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_model_preset_starts_with_the_model_picker(app_factory, tmp_path, monkeypatch):
+def test_a_real_model_preset_starts_with_the_model_picker(window, tmp_path, monkeypatch):
     """Real-model presets opened with a path to nowhere (`models/sdxl_base.safetensors`) in the model field."""
     monkeypatch.chdir(tmp_path)
-    app, dialogs = app_factory()
+    app, dialogs = window()
     assert app.load("sdxl_lora")
     assert app.tabs.get() == "Model" and app.model.cfg.model.base_model == ""
     picker = app.model_picker
@@ -119,8 +119,8 @@ def test_a_real_model_preset_starts_with_the_model_picker(app_factory, tmp_path,
     assert dialogs.file_dialogs[-1] == ("file", str(Path.home()))
     assert app.model.cfg.model.base_model == dialogs.chosen_path and picker.winfo_manager() == ""
     dialogs.chosen_path = str(tmp_path / "my images")
-    folder_button = app.concepts.rows[0][-2]
-    assert folder_button.cget("text") == "Folder..."
+    import customtkinter as ctk
+    folder_button = next(w for w in app.concepts.rows[0] if isinstance(w, ctk.CTkButton) and w.cget("text") == "Folder...")
     folder_button.invoke()
     assert app.model.cfg.data.concepts[0].path == dialogs.chosen_path
     # A preset's example path that does exist (files put where the docs say) is kept; built-in ones too.
@@ -150,11 +150,11 @@ def test_the_general_tab_says_what_to_do_first(app_factory, tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_a_first_time_user_trains_three_times_in_one_window(app_factory, tmp_path, tandem_home):
+def test_a_first_time_user_trains_three_times_in_one_window(window, tmp_path, tandem_home):
     """The demo on the CPU, three trainings in one window without restarting it: a full run, a run stopped
     early, and that run continued from its backup. Each start begins clean, each run keeps its samples, and
     nothing goes wrong inside the window. Tiny runs: a few steps, two prompts of two denoising steps."""
-    app, _ = app_factory()
+    app, _ = window()
     assert app.load("#demo")
     fields, view, gallery = app.binder.fields, app.run_view, app.run_view.gallery
     for path, value in (("general.workspace_dir", str(tmp_path / "ws")), ("general.device", "cpu"),
