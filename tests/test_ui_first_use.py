@@ -8,18 +8,19 @@ import pytest
 
 from ui.run_controller import RunController
 
-from tests.test_ui_widgets import ScriptedController, _png, app_factory, pump  # noqa: F401 - a fixture
+from tests.test_ui_widgets import (ScriptedController, _png, app_factory, pump,  # noqa: F401 - fixtures
+                                   shared_window, window)
 from tests.ui_players import PlayedController, make_backup, make_script, run_to_the_end
 from tests.patience import patience
 
-__all__ = ["app_factory"]
+__all__ = ["app_factory", "shared_window", "window"]
 
 
-def test_three_starts_in_one_window_each_show_their_sample(app_factory, tmp_path):
+def test_three_starts_in_one_window_each_show_their_sample(window, tmp_path):
     """Start did nothing from the third run on: the sample label kept the previous run's deleted image
     (`image "pyimage4" doesn't exist`), so clearing it for the next run raised before anything started."""
     controller = ScriptedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view = app.run_view
     for run in range(3):
         folder = tmp_path / "ws" / "samples" / f"run-{run}"
@@ -37,9 +38,9 @@ def test_three_starts_in_one_window_each_show_their_sample(app_factory, tmp_path
 
 
 @pytest.mark.slow
-def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
+def test_an_exception_in_a_tk_callback_reaches_the_window(window):
     """Tk prints a callback's exception on the terminal and goes on; a window user saw nothing happen."""
-    app, _ = app_factory()
+    app, _ = window()
 
     def broken() -> None:
         raise RuntimeError("something inside the window broke")
@@ -52,14 +53,14 @@ def test_an_exception_in_a_tk_callback_reaches_the_window(app_factory):
 
 
 @pytest.mark.slow
-def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, monkeypatch):
+def test_continue_follows_the_workspace_and_the_preset(window, tmp_path, monkeypatch):
     """Continue kept offering "Continue from step 100" after switching to an empty workspace or another
     preset, and clicking it failed with the command line's wording (`--resume latest: ...`)."""
     import shutil
 
     monkeypatch.chdir(tmp_path)  # the presets' relative workspaces are empty here
     controller = ScriptedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view, workspace = app.run_view, app.binder.fields["general.workspace_dir"]
     backup = make_backup(tmp_path / "ws2", "run-a", 100)
     workspace.var.set(str(tmp_path / "ws2"))
@@ -90,14 +91,14 @@ def test_continue_follows_the_workspace_and_the_preset(app_factory, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
+def test_continue_is_not_offered_for_a_finished_run(window, tmp_path):
     """After a finished run Continue was offered: it trained 0 images, wrote another copy of the model and
     cleared the plot. A stopped run's backup is offered; one written after its run finished and was resumed
     again (more epochs) too."""
     import time
 
     from modules.trainer.backup import mark_finished
-    app, _ = app_factory(controller=ScriptedController())
+    app, _ = window(controller=ScriptedController())
     view, workspace = app.run_view, app.binder.fields["general.workspace_dir"]
     backups = tmp_path / "finished" / "backups"
     make_backup(tmp_path / "finished", "run-a", 50)
@@ -113,10 +114,10 @@ def test_continue_is_not_offered_for_a_finished_run(app_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_status_line_drops_a_save_once_it_is_done(app_factory):
+def test_the_status_line_drops_a_save_once_it_is_done(window):
     """After "Save now" the status said "Running - saving demo-step0000029" for the rest of the run."""
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view = app.run_view
     progress = {"type": "progress", "epoch": 1, "epochs": 1, "step": 3, "total_steps": 9, "images_per_s": 2.0}
     controller.runs = [([{"type": "status", "text": "saving demo-step0000002.safetensors"},
@@ -139,7 +140,7 @@ def test_a_restart_note_outlasts_the_steps_after_it():
 
 
 @pytest.mark.slow
-def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch):
+def test_open_buttons_say_when_nothing_opened(window, tmp_path, monkeypatch):
     """"Open output folder" and "Open TensorBoard" said they had opened something when nothing had: the
     opener's exit status was not read, nor whether TensorBoard came up."""
     from modules.config.run_paths import RunPaths
@@ -147,7 +148,7 @@ def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch
     opener = make_script(tmp_path / "xdg-open", "#!/bin/sh\necho 'xdg-open: no method available for opening' >&2\nexit 3\n")
     monkeypatch.setattr(external.sys, "platform", "linux")
     monkeypatch.setattr(external.shutil, "which", lambda name: str(opener) if name == "xdg-open" else None)
-    app, _ = app_factory()
+    app, _ = window()
     view = app.run_view
     view.output_button.invoke()
     assert pump(app, lambda: "Could not open" in view.notice_text(), timeout=20), view.notice_text()
@@ -176,9 +177,9 @@ def test_open_buttons_say_when_nothing_opened(app_factory, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_a_concept_row_wider_than_the_window_scrolls_sideways(app_factory):
+def test_a_concept_row_wider_than_the_window_scrolls_sideways(window):
     """At 1024 px the Data tab's concept row was wider than the window and its Remove button out of reach."""
-    app, _ = app_factory()
+    app, _ = window()
     app.geometry("1024x600+0+0")
     app.tabs.set("Data")
     pump(app, timeout=0.8)
@@ -233,10 +234,10 @@ def test_quit_during_training_asks_first_and_never_freezes(app_factory):
 
 
 @pytest.mark.slow
-def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
+def test_an_ended_run_shows_the_rate_of_the_whole_run(window):
     """A run stopped at step 2 showed "797.55 images/s" (real rate 0.5): the last report's step rate."""
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     view = app.run_view
     controller.runs = [([{"type": "progress", "epoch": 1, "epochs": 1, "step": 2, "total_steps": 100,
                           "images_per_s": 797.55, "eta_s": 0.1},
@@ -250,11 +251,11 @@ def test_an_ended_run_shows_the_rate_of_the_whole_run(app_factory):
 
 
 @pytest.mark.slow
-def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory, tmp_path):
+def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(window, tmp_path):
     """Save wrote "batch_size": -2 without a word, and text that could not be read ("fast" as a learning
     rate) did not set the unsaved marker, so closing lost it silently."""
     from modules.config import read_json
-    app, dialogs = app_factory()
+    app, dialogs = window()
     target = tmp_path / "mine.json"
     assert app.save_as(str(target)) and not app.title().endswith("*")
     saved_lr = app.binder.fields["training.learning_rate"].var.get()
@@ -280,9 +281,9 @@ def test_save_warns_about_problems_and_unread_text_counts_as_unsaved(app_factory
 
 
 @pytest.mark.slow
-def test_finished_says_where_the_model_went(app_factory, tmp_path):
+def test_finished_says_where_the_model_went(window, tmp_path):
     controller = PlayedController()
-    app, _ = app_factory(controller=controller)
+    app, _ = window(controller=controller)
     model = str(tmp_path / "ws" / "output" / "demo.safetensors")
     controller.runs = [([{"type": "done", "output": model, "step": 9, "completed": True, "images": 9,
                           "train_s": 3.0, "images_per_s": 3.0}], 0)]
