@@ -70,6 +70,17 @@ def test_restart_line_names_the_dead_rank_the_step_and_the_backup():
     assert failures.restart_line(1, 3, cause, 431, 400) == \
         "restart 1 of 3: rank 1 died (SIGKILL) at step 431; resuming from the backup at step 400"
     assert "starting again from the beginning" in failures.restart_line(1, 3, cause, None, None)
+    # A rank that failed by itself (its DataLoader worker was killed) is named with its error, not its peer's
+    # complaint: the launched restart test below kills ranks, the loader worker's death is noted by its rank
+    # whichever launcher runs it (tests/test_faults.py).
+    loader = "DataLoader worker (pid 4242) is killed by signal: Killed. "
+    errors = {1: failures.WorkerError(1, 100.0, "RuntimeError", loader, False, 0, 7),
+              0: failures.WorkerError(0, 100.4, "RuntimeError", "Connection closed by peer", True, 0, 7)}
+    exits = [failures.WorkerExit(1, 1, 100.5), failures.WorkerExit(0, 1, 100.6)]
+    assert failures.round_cause(exits, errors, 2, 3) == f"rank 1 failed (RuntimeError: {loader})"
+    long = {1: failures.WorkerError(1, 100.0, "ValueError", "x" * 300, False, 0, 7)}
+    assert failures.round_cause([failures.WorkerExit(1, 1, 100.5)], long, 2, 3) == \
+        f"rank 1 failed (ValueError: {'x' * 188}...)"
 
 
 def test_a_hung_rank_is_named_when_the_others_timed_out():
@@ -241,17 +252,18 @@ def _rank_pids(launcher: int) -> list[int]:
 
 @pytest.mark.slow
 def test_killed_and_stuck_ranks_and_loader_workers_restart_resume_and_end_like_an_uninterrupted_run(tmp_path, cache_dir):
-    """One launched run, max_restarts=3: kill -9 of a random rank at a random step -> restart 1, every rank resumes
-    from the newest backup by itself; kill -9 of rank 1's DataLoader worker -> restart 2 naming rank 1; then rank 1
-    stops answering (SIGSTOP) -> the watchdogs name it after multi_gpu.stall_seconds -> restart 3. The job
-    finishes and its weights equal an uninterrupted run's (fp32)."""
-    from modules.benchmark.fault_trials import _descendants
+    """One launched run, max_restarts=2: kill -9 of a random rank at a random step -> restart 1, every rank resumes
+    from the newest backup by itself; then rank 1 stops answering (SIGSTOP) -> the watchdogs name it after
+    multi_gpu.stall_seconds -> restart 2. The job finishes and its weights equal an uninterrupted run's (fp32).
+    A round that ends because a rank failed by itself (a killed DataLoader worker) restarts the same way; what
+    differs is the cause its line names, test_restart_line_names_the_dead_rank_the_step_and_the_backup's, from
+    the error the rank notes itself (tests/test_faults.py, under torchrun)."""
     from tests.test_distributed import multi
     rng = random.Random()
     victim, at_step = rng.randrange(2), rng.choice((2, 4))
     ws = tmp_path / "restarted"
     proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
-                        "--max-restarts", "3", *overrides_for(ws, cache_dir, *RESTART_RUN), start_new_session=True)
+                        "--max-restarts", "2", *overrides_for(ws, cache_dir, *RESTART_RUN), start_new_session=True)
     lines: list[str] = []
     stopped: list[int] = []
     try:
@@ -260,14 +272,10 @@ def test_killed_and_stuck_ranks_and_loader_workers_restart_resume_and_end_like_a
         os.kill(_rank_pids(proc.pid)[victim], signal.SIGKILL)
         first = _read_until(proc, lambda e: e["type"] == "restart", lines, "the first restart")
         _read_until(proc, lambda e: e["type"] == "progress" and e["step"] > first["resumed_step"], lines, "a step")
-        (loader,) = _descendants(_rank_pids(proc.pid)[1])
-        os.kill(loader, signal.SIGKILL)
-        second = _read_until(proc, lambda e: e["type"] == "restart", lines, "the second restart")
-        _read_until(proc, lambda e: e["type"] == "progress" and e["step"] > second["resumed_step"], lines, "a step")
         stopped.append(_rank_pids(proc.pid)[1])
         os.kill(stopped[0], signal.SIGSTOP)
         stuck = time.monotonic()
-        third = _read_until(proc, lambda e: e["type"] == "restart", lines, "the third restart")
+        second = _read_until(proc, lambda e: e["type"] == "restart", lines, "the second restart")
         took = time.monotonic() - stuck
     finally:
         code = _finish(proc, lines, 300)
@@ -276,14 +284,12 @@ def test_killed_and_stuck_ranks_and_loader_workers_restart_resume_and_end_like_a
                 os.kill(pid, signal.SIGKILL)
     output = "".join(lines)
     assert code == 0, output[-4000:]
-    assert first["text"].startswith(f"restart 1 of 3: rank {victim} died (SIGKILL) at step "), first
+    assert first["text"].startswith(f"restart 1 of 2: rank {victim} died (SIGKILL) at step "), first
     assert f"resuming from the backup at step {first['resumed_step']}" in first["text"]
     assert first["resumed_step"] >= 2 and first["resumed_step"] % 2 == 0
-    assert second["text"].startswith(f"restart 2 of 3: rank 1 failed (RuntimeError: DataLoader worker (pid {loader})") \
-        or second["text"].startswith(f"restart 2 of 3: rank 1 failed (DataLoadingError: a data loading worker (pid "
-                                     f"{loader})"), second
-    assert third["text"].startswith(f"restart 3 of 3: rank 1 stopped answering (no sign of life for {STALL_S} s) at "
-                                    "step "), third
+    assert second["text"].startswith(f"restart 2 of 2: rank 1 stopped answering (no sign of life for {STALL_S} s) at "
+                                     "step "), second
+    assert f"resuming from the backup at step {second['resumed_step']}" in second["text"]
     # the stall time, the ranks' exit, the agent's 3 s for the rest, then starting the new round
     assert took < STALL_S + 10 + 45, f"restarted {took:.0f} s after the rank got stuck"
     assert [e for e in _events(lines) if e["type"] == "done"][-1]["completed"]
