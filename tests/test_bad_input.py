@@ -1,5 +1,15 @@
 """Bad input through the real scripts: one clear message (no traceback) before any worker starts, and
-warnings about the data once per run, whichever launcher."""
+warnings about the data once per run, whichever launcher.
+
+Both scripts refuse through the same checks (`modules/preflight.py`: `preflight` for folders and the model,
+`check_data` for the data), each script wrapping them once: train.py's `_run_single`, train_multi_gpu.py's
+`launch` (`LaunchError`). So each kind of bad input runs through one script, and each script meets both checks
+(every script run is a Python start and its imports: CI time):
+- `check_data`: an empty folder and a mask of another size through train.py, unreadable images only through
+  train_multi_gpu.py;
+- `preflight`: a read-only workspace through train_multi_gpu.py, an output folder that cannot be made through
+  train.py, a broken base model through each script and launcher (every kind of broken model in-process:
+  `test_every_broken_base_model_is_named_by_the_check_with_its_reason`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,11 +45,13 @@ def write_pictures(folder: Path, count: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [("train.py",), MULTI])
-def test_empty_dataset_is_one_line(tmp_path, cache_dir, script):
+def test_empty_dataset_is_one_line(tmp_path, cache_dir):
+    """Through train.py; train_multi_gpu.py's refusal of data without a usable image is
+    test_only_unreadable_images_one_warning_each_then_one_error's."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_script(*script, "--config-path", "#demo", *overrides_for(tmp_path / "ws", cache_dir, concept(empty)))
+    result = run_script("train.py", "--config-path", "#demo",
+                        *overrides_for(tmp_path / "ws", cache_dir, concept(empty)))
     assert result.returncode == 2
     output = result.stdout + result.stderr
     assert "Traceback" not in output
@@ -48,12 +60,13 @@ def test_empty_dataset_is_one_line(tmp_path, cache_dir, script):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [("train.py",), MULTI])
-def test_a_mask_of_another_size_is_one_line(tmp_path, cache_dir, script):
+def test_a_mask_of_another_size_is_one_line(tmp_path, cache_dir):
+    """Through train.py: the data check both scripts make (`preflight.check_data`), whose refusals
+    train_multi_gpu.py words alike (test_only_unreadable_images_one_warning_each_then_one_error)."""
     folder = tmp_path / "masked"
     write_pictures(folder, 2)
     Image.new("L", (32, 32), 255).save(folder / "picture1-masklabel.png")
-    result = run_script(*script, "--config-path", "#demo", *overrides_for(
+    result = run_script("train.py", "--config-path", "#demo", *overrides_for(
         tmp_path / "ws", cache_dir, f'data.concepts=[{{"path": "{folder}", "masks": true}}]'))
     assert result.returncode == 2
     output = result.stdout + result.stderr
@@ -147,9 +160,26 @@ BAD_MODELS = {
 }
 
 
-# The check runs before either launcher is chosen: every model through train_multi_gpu.py, one through each other path.
-CASES = [(name, MULTI) for name in sorted(BAD_MODELS)] + [("random.ckpt", ("train.py",)),
-                                                           ("truncated.safetensors", (*MULTI, "--spawn"))]
+def test_every_broken_base_model_is_named_by_the_check_with_its_reason(tmp_path):
+    """The check both scripts make before any worker starts (`preflight.check_model`), in this process: the
+    scripts' one line is its message (test_a_broken_base_model_fails_in_seconds_with_one_line)."""
+    from modules.config import TrainConfig
+    from modules.config.train_config import ModelConfig
+    from modules.preflight import PreflightError, check_model
+    for name, (make, reason) in BAD_MODELS.items():
+        model = tmp_path / name
+        make(model)
+        cfg = TrainConfig()
+        cfg.model = ModelConfig(base_model=str(model))
+        with pytest.raises(PreflightError) as refused:
+            check_model(cfg)
+        assert str(refused.value).startswith(str(model)) and reason in str(refused.value), str(refused.value)
+        assert not model.with_suffix(".ran").exists(), "the pickle's code ran"
+
+
+# The check runs before either launcher is chosen: one model through train.py and through each launcher of
+# train_multi_gpu.py (auto picks spawn here); every kind of broken model is named alike by the check itself.
+CASES = [("malicious.ckpt", MULTI), ("random.ckpt", ("train.py",)), ("folder", (*MULTI, "--torchrun"))]
 
 
 @pytest.mark.slow
@@ -230,15 +260,16 @@ def _read_only_command(folder: Path, command: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [("train.py",), MULTI])
-def test_read_only_workspace_is_one_line(tmp_path, cache_dir, script):
+def test_read_only_workspace_is_one_line(tmp_path, cache_dir):
+    """Through train_multi_gpu.py, whose launcher does the most before its checks (the workers' forkserver, the
+    launch plan); train.py's wrapping of the same check is test_an_output_folder_that_cannot_be_made_is_...'s."""
     import os
     import subprocess
     import sys
 
     from tests.trainer_helpers import REPO
     workspace = tmp_path / "ro-ws"
-    command = [sys.executable, str(REPO / "scripts" / script[0]), *script[1:], "--config-path", "#demo",
+    command = [sys.executable, str(REPO / "scripts" / MULTI[0]), *MULTI[1:], "--config-path", "#demo",
                *overrides_for(workspace, cache_dir)]
     result = subprocess.run(_read_only_command(workspace, command), capture_output=True, text=True, timeout=patience(300),
                             cwd=REPO, env=dict(os.environ, TANDEM_EVENTS="1"))
@@ -306,12 +337,13 @@ def test_a_doctored_backup_is_refused_before_any_worker_starts(tmp_path, cache_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [("train.py",), MULTI])
-def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, cache_dir, script):
-    """A file where the output folder should go: one line at the start, not a traceback after training."""
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, cache_dir):
+    """A file where the output folder should go: one line at the start, not a traceback after training. Through
+    train.py; train_multi_gpu.py's wrapping of the same check (`preflight.check_folders`) is
+    test_read_only_workspace_is_one_line's."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    result = run_script(*script, "--config-path", "#demo",
+    result = run_script("train.py", "--config-path", "#demo",
                         *overrides_for(tmp_path / "ws", cache_dir, f"save.output_dir={blocker / 'out'}"))
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
