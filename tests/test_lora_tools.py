@@ -19,7 +19,7 @@ from modules.model.lora_resize import resize
 from modules.model.lora_tools import ToolError, extract, merge
 from modules.util.tool_lines import parse_tool_line, tool_line
 from tests.patience import patience
-from tests.test_ui_widgets import app_factory  # noqa: F401 - a fixture
+from tests.test_ui_widgets import shared_window, window  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 CONV = "down_blocks.0.resnets.0.conv1"
@@ -402,17 +402,19 @@ def test_controller_follows_the_tool_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_tools_tab_shows_errors_as_a_line_and_runs_off_the_tk_thread(app_factory, tmp_path):
+def test_tools_tab_shows_errors_as_a_line_and_runs_off_the_tk_thread(window, tmp_path, monkeypatch):
     from tests.test_ui_widgets import pump
     from ui.lora_tools import LoraToolsController
 
-    app, _ = app_factory()
+    app, _ = window()
     app.tabs.set("Tools")
     view = app.lora_tools
+    view.select("merge")
+    view.values["merge"]["lora"].set("")  # as a new window has it (the window is the module's)
     view.run_button.invoke()  # no LoRA chosen
     assert view.result.text().startswith("LoRA: fill it in") and not app.crash_text()
 
-    view.controller = LoraToolsController(script=_fake_tool(tmp_path, pause=0.3))
+    monkeypatch.setattr(view, "controller", LoraToolsController(script=_fake_tool(tmp_path, pause=0.3)))
     view.values["merge"]["lora"].set("a.safetensors")
     view.values["merge"]["out"].set(str(tmp_path / "merged"))
     view.run_button.invoke()
@@ -426,14 +428,14 @@ def test_tools_tab_shows_errors_as_a_line_and_runs_off_the_tk_thread(app_factory
 
 
 @pytest.mark.slow
-def test_tools_tab_merges_the_demo_model(app_factory, tandem_home, tmp_path):
+def test_tools_tab_merges_the_demo_model(window, tandem_home, tmp_path):
     """The real script, started from the tab: the merged folder appears and the window never waited."""
     import time
 
     from tests.test_ui_widgets import pump
 
     lora = _random_lora(tmp_path, "kohya", text=False)
-    app, _ = app_factory()
+    app, _ = window()
     app.tabs.set("Tools")
     view = app.lora_tools
     view.select("merge")
@@ -471,14 +473,14 @@ def test_the_tab_imports_no_torch():
 
 
 @pytest.mark.slow
-def test_tools_tab_fits_the_smallest_window(app_factory):
+def test_tools_tab_fits_the_smallest_window(window):
     """Every picker fits the window's minimum width; Run is reached by scrolling, as on the other tabs."""
     import customtkinter as ctk
 
     from tests.test_ui_widgets import pump
     from ui.views.app import MIN_SIZE
 
-    app, _ = app_factory()
+    app, _ = window()
     app.geometry(f"{MIN_SIZE[0]}x{MIN_SIZE[1]}+0+0")
     app.tabs.set("Tools")
     view = app.lora_tools
