@@ -12,7 +12,7 @@ from modules.data import BucketBatchSampler
 from modules.model.objective import draw_noise
 from modules.util.batch_slice import (BatchSlice, RankCapacity, SplitDoesNotFit, choose_split, describe_split,
                                       parse_split)
-from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, relative_l2, run_script
+from tests.trainer_helpers import demo_config, latest_backup_weights, relative_l2
 
 
 @pytest.fixture(scope="module")
@@ -85,48 +85,46 @@ def single(workspace, cache, *overrides, resume=None):
 
 def two(workspace, cache, split, *overrides, resume=None):
     from modules.distributed.launch import launch
-    cfg = demo_config(workspace, cache, *overrides, "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
-                      "multi_gpu.launcher=spawn", "training.batch_size=2", f"multi_gpu.batch_split={split}")
+    cfg = demo_config(workspace, cache, "training.batch_size=2", *overrides, "multi_gpu.enabled=true",
+                      "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn", f"multi_gpu.batch_split={split}")
     assert launch(cfg, resume=resume) == 0
 
 
 @pytest.mark.slow
-def test_ranks_with_3_and_1_train_what_one_process_with_4_trains(tmp_path, cache_dir):
-    """With 2 micro-batches a step (the uneven parts' loss weights applied in every micro-batch, the gradient
-    synchronised only in the last). Without accumulation the 3 + 1 split is held to 1 process by
-    test_resume_with_another_split_continues_exactly (its first 2 steps run 3 + 1, accumulation 1)."""
-    common = ("training.max_steps=3", "save.backup_every_n_steps=3", "training.gradient_accumulation_steps=2",
+def test_ranks_with_3_and_1_then_1_and_3_train_what_one_process_with_4_trains(tmp_path, cache_dir):
+    """Ranks with 3 and 1 samples for 2 steps, resumed with the split turned round (1 and 3) for 2 more: the
+    weights of 1 process x 4 for 4 steps. With 2 micro-batches a step (the uneven parts' loss weights applied in
+    every micro-batch, the gradient synchronised only in the last). One launch per split serves what were two
+    tests (CI time); without accumulation an uneven split is held to 1 process by
+    test_auto_split_fits_each_ranks_room_and_speed (4 + 2, accumulation 1)."""
+    common = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.gradient_accumulation_steps=2",
               *EXACT)
-    single(tmp_path / "one", cache_dir, *common, "training.batch_size=4")
-    two(tmp_path / "two", cache_dir, "3,1", *common)
-    one, uneven = latest_backup_weights(tmp_path / "one"), latest_backup_weights(tmp_path / "two")
+    single(tmp_path / "ref", cache_dir, *common, "training.batch_size=4")
+    two(tmp_path / "run", cache_dir, "3,1", *common, "training.max_steps=2")
+    two(tmp_path / "run", cache_dir, "1,3", *common, resume="latest")
+    one, uneven = latest_backup_weights(tmp_path / "ref"), latest_backup_weights(tmp_path / "run")
     assert relative_l2(uneven, one) <= 1e-6
     assert any(v.abs().max() > 0 for k, v in one.items() if "lora_B" in k)  # the comparison is not of zeros
 
 
 @pytest.mark.slow
-def test_resume_with_another_split_continues_exactly(tmp_path, cache_dir):
-    common = ("training.max_steps=4", "save.backup_every_n_steps=2", *EXACT)
-    single(tmp_path / "ref", cache_dir, *common, "training.batch_size=4")
-    two(tmp_path / "run", cache_dir, "3,1", *common, "training.max_steps=2")
-    two(tmp_path / "run", cache_dir, "1,3", *common, resume="latest")
-    assert relative_l2(latest_backup_weights(tmp_path / "run"), latest_backup_weights(tmp_path / "ref")) <= 1e-6
-
-
-@pytest.mark.slow
-def test_auto_split_fits_each_ranks_room_and_speed(tmp_path, cache_dir):
+def test_auto_split_fits_each_ranks_room_and_speed(tmp_path, cache_dir, capfd, monkeypatch):
     """One launch, where both the room and the speeds decide: a global batch of 6 on a rank 3x as fast with
     room for 4 samples (the other for 8) is 4 + 2 - by speed alone 5 + 1, by room alone 3 + 3 (the choice
-    itself for every case: test_choose_split_follows_speed_and_memory)."""
+    itself for every case: test_choose_split_follows_speed_and_memory) - and the 4 + 2 parts train what 1
+    process with 6 trains. Launched in this process (as the GUI launches; the script adds nothing to the split)."""
     # the speeds are given too: two CPU processes on a loaded machine measure speeds that differ by chance
-    result = run_script("train_multi_gpu.py", "--config-path", "#demo", "--num-gpus", "2", "--device", "cpu", "--spawn",
-                        *overrides_for(tmp_path / "ws", cache_dir, "training.max_steps=2", "training.batch_size=3",
-                                       "multi_gpu.batch_split=auto"),
-                        env_extra={"TANDEM_SIMULATE_SAMPLE_ROOM": "4,8", "TANDEM_SIMULATE_SAMPLE_SECONDS": "0.01,0.03"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    found = re.search(r"Batch split \(auto, measured\): (global batch .*?) \(", result.stdout)
-    assert found and found.group(1) == describe_split([4, 2], ["CPU process 0", "CPU process 1"]), result.stdout[-3000:]
-    assert "per-GPU batch 4 + 2 x accumulation 1 = global batch 6" in result.stdout, "the split was not trained with"
+    monkeypatch.setenv("TANDEM_SIMULATE_SAMPLE_ROOM", "4,8")
+    monkeypatch.setenv("TANDEM_SIMULATE_SAMPLE_SECONDS", "0.01,0.03")
+    common = ("training.max_steps=2", "save.backup_every_n_steps=2", *EXACT)
+    capfd.readouterr()
+    two(tmp_path / "two", cache_dir, "auto", *common, "training.batch_size=3")
+    out = "\n".join(capfd.readouterr())
+    found = re.search(r"Batch split \(auto, measured\): (global batch .*?) \(", out)
+    assert found and found.group(1) == describe_split([4, 2], ["CPU process 0", "CPU process 1"]), out[-3000:]
+    assert "per-GPU batch 4 + 2 x accumulation 1 = global batch 6" in out, "the split was not trained with"
+    single(tmp_path / "one", cache_dir, *common, "training.batch_size=6")
+    assert relative_l2(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one")) <= 1e-6
 
 
 def test_probe_counts_a_memory_cap_as_the_cards_size():
