@@ -1,8 +1,10 @@
 """Sharded training (multi_gpu.strategy = fsdp, FSDP2) on 2 CPU processes over gloo, through the launcher.
 
-The property is the same as DDP's: 2 processes x batch 4 train what 1 process x batch 8 trains (fp32,
-relative L2 distance of all trained weights <= 1e-5). DDP == 1 process is tests/test_distributed.py's;
-here FSDP is held to the 1-process run. Three launched runs (CI time), each serving several assertions:
+The property is the same as DDP's: 2 processes x batch 2 train what 1 process x batch 4 trains (fp32,
+relative L2 distance of all trained weights <= 1e-5), on the first 16 items of the demo's data
+(`demo_data_subset`: 4 steps of 4; the whole dataset's scan and cache would cost more than the steps).
+DDP == 1 process is tests/test_distributed.py's; here FSDP is held to the 1-process run. Three launched runs
+(CI time), each serving several assertions:
 - the SD demo's full fine-tune with everything around it (text encoder trained, accumulation, per-block
   checkpointing, a sharded EMA, samples, CPU offload), continuing a 1-process backup (whole tensors into
   shards); its sharded backups, streamed final models (raw and EMA, folder and single file) and resumes;
@@ -26,17 +28,17 @@ from modules.distributed.launch import launch
 from modules.trainer.backup import latest_backup
 from modules.trainer.sharded_backup import SHARDS, read_trained_weights
 from modules.util.run_protocol import parse_event_line
-from tests.trainer_helpers import demo_config, relative_l2, train
+from tests.trainer_helpers import demo_config, demo_data_subset, relative_l2, train
 
 # Adam turns gradients that are pure rounding noise (biases before a GroupNorm) into full-size steps, so
 # the order of a sum alone moves those weights by ~lr (measured: rel. L2 7e-5 after 10 steps, all of it
 # in such biases); SGD with momentum (optimizer state that is sharded and resumed too) keeps it tight.
-COMMON = ("training.max_steps=6", "save.backup_every_n_steps=3", "training.precision=fp32",
+COMMON = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.precision=fp32",
           "save.full_format=both", "optimizer.name=sgd", "training.learning_rate=0.05")
 OFFLOAD = "multi_gpu.fsdp_cpu_offload=true"
 """FSDP2's CPUOffloadPolicy: on CPU processes nothing moves, but the offloading code paths run."""
 AROUND = ("training.train_text_encoder=true", "training.ema=true", "save.ema_weights=both",
-          "sampling.every_n_steps=3", "sampling.inference_steps=2")
+          "sampling.every_n_steps=2", "sampling.inference_steps=2")
 """What the SD full fine-tune trains with: the text encoder's layers sharded too, a sharded EMA, samples
 (3 prompts on 2 ranks, each rendering as often, the trained parts called through the sharded root).
 Accumulation and checkpointing are the Flux LoRA's."""
@@ -47,16 +49,21 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("latent_cache")
 
 
+def few_items(cache: Path, preset: str) -> list[str]:
+    """The first 16 items of the preset's data, copied beside the module's cache: 4 steps of 4."""
+    return demo_data_subset(cache.with_name(cache.name + "-data"), preset, 16)
+
+
 def one_process(workspace, cache, *overrides, method="full", resume=None, preset="#demo"):
     """Returns the trainer (its callbacks hold the events)."""
-    return train(demo_config(workspace, cache, *COMMON, "training.batch_size=8", *overrides, method=method,
-                             preset=preset), resume=resume)
+    return train(demo_config(workspace, cache, *COMMON, *few_items(cache, preset), "training.batch_size=4", *overrides,
+                             method=method, preset=preset), resume=resume)
 
 
 def sharded(workspace, cache, *overrides, method="full", resume=None, preset="#demo", launcher="spawn"):
-    cfg = demo_config(workspace, cache, *COMMON, "training.batch_size=4", "multi_gpu.enabled=true",
-                      "multi_gpu.num_gpus=2", f"multi_gpu.launcher={launcher}", "multi_gpu.strategy=fsdp", *overrides,
-                      method=method, preset=preset)
+    cfg = demo_config(workspace, cache, *COMMON, *few_items(cache, preset), "training.batch_size=2",
+                      "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", f"multi_gpu.launcher={launcher}",
+                      "multi_gpu.strategy=fsdp", *overrides, method=method, preset=preset)
     assert launch(cfg, resume=resume) == 0
 
 
@@ -82,11 +89,11 @@ def output(workspace: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def sd_runs(root: Path, cache_dir: Path) -> Path:
-    """The SD demo, full fine-tune, 6 steps of 8: 1 process (backups at 3 and 6), and FSDP 2 processes x 4
-    with CPU offload continuing the 1-process backup of step 3 (sharded backups at 4, 5 and 6)."""
+    """The SD demo, full fine-tune, 4 steps of 4: 1 process (backups at 2 and 4), and FSDP 2 processes x 2
+    with CPU offload continuing the 1-process backup of step 2 (sharded backups at 3 and 4)."""
     one_process(root / "one", cache_dir, *AROUND)
     sharded(root / "fsdp", cache_dir, *AROUND, OFFLOAD, "save.backup_every_n_steps=1",
-            resume=str(backup_path(root / "one", 3)))
+            resume=str(backup_path(root / "one", 2)))
     return root
 
 
@@ -94,11 +101,11 @@ def sd_runs(root: Path, cache_dir: Path) -> Path:
 def test_fsdp_full_fine_tune_equals_one_process_saves_streamed_and_resumes(tmp_path, cache_dir):
     """One test over the runs of sd_runs (a module fixture was re-run by every pytest-xdist worker that took
     one of its tests: CI time):
-    - whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 3 steps
+    - whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 2 steps
       under FSDP: as the 1 process trains them - the UNet and the text encoder, raw and EMA, and the samples;
     - the file FSDP's ranks wrote together (gathering one block at a time) is the file one process writes
       from the same weights;
-    - from the step-4 sharded backup, FSDP on 2 processes continues exactly as the uninterrupted run, and
+    - from the step-3 sharded backup, FSDP on 2 processes continues exactly as the uninterrupted run, and
       1 process (DCP reshards every tensor into a whole one) as the 1-process run."""
     runs = sd_runs(tmp_path / "runs", cache_dir)
     _check_fsdp_full_fine_tune_equals_one_process(runs)
@@ -107,12 +114,12 @@ def test_fsdp_full_fine_tune_equals_one_process_saves_streamed_and_resumes(tmp_p
 
 
 def _check_fsdp_full_fine_tune_equals_one_process(sd_runs):
-    """Whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 3 steps
+    """Whole tensors (weights.safetensors, the optimizer state by index, the EMA) resumed into shards, 2 steps
     under FSDP: as the 1 process trains them - the UNet and the text encoder, raw and EMA, and the samples."""
     one, fsdp = backup_weights(sd_runs / "one"), backup_weights(sd_runs / "fsdp")
     assert {k.split(".")[0] for k in fsdp} == {"unet", "text_encoder_0"}
     assert relative_l2(fsdp, one) <= 1e-5
-    start = backup_weights(sd_runs / "one", 3)
+    start = backup_weights(sd_runs / "one", 2)
     assert relative_l2(fsdp, start) > 1e-4, "the weights did not train (the comparison would be vacuous)"
     # The backups are DCP's: every rank wrote its own shards, rank 0 the plain state; no weights file.
     folder = latest_backup(sd_runs / "fsdp" / "backups").path
@@ -123,7 +130,7 @@ def _check_fsdp_full_fine_tune_equals_one_process(sd_runs):
         assert relative_l2(output(sd_runs / "fsdp", name), output(sd_runs / "one", name)) <= 1e-5, name
     ema, raw = output(sd_runs / "fsdp", "demo-ema.safetensors"), output(sd_runs / "fsdp", "demo.safetensors")
     assert relative_l2(ema, raw) > 1e-7, "the EMA file holds the EMA weights"
-    samples = {run: sorted((sd_runs / run / "samples").glob("*/step-0000006-*.png")) for run in ("one", "fsdp")}
+    samples = {run: sorted((sd_runs / run / "samples").glob("*/step-0000004-*.png")) for run in ("one", "fsdp")}
     assert [p.name for p in samples["fsdp"]] == [p.name for p in samples["one"]] and len(samples["one"]) == 3
     for mine, theirs in zip(samples["fsdp"], samples["one"]):
         difference = torch.from_numpy(numpy.asarray(Image.open(mine), dtype=numpy.float32) -
@@ -155,11 +162,11 @@ def _check_streamed_save_of_a_sharded_run_equals_the_whole_model_save(sd_runs, t
 
 
 def _check_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_path, cache_dir):
-    """From the step-4 sharded backup (weights, optimizer state, EMA): FSDP on 2 processes continues exactly
+    """From the step-3 sharded backup (weights, optimizer state, EMA): FSDP on 2 processes continues exactly
     as the uninterrupted run; 1 process (DCP reshards every tensor into a whole one) as the 1-process run."""
-    step4 = str(backup_path(sd_runs / "fsdp", 4))
+    step3 = str(backup_path(sd_runs / "fsdp", 3))
     fewer_outputs = ("sampling.every_n_steps=0", "save.full_format=single_file")  # nothing that trains
-    sharded(tmp_path / "two", cache_dir, *AROUND, OFFLOAD, *fewer_outputs, resume=step4)
+    sharded(tmp_path / "two", cache_dir, *AROUND, OFFLOAD, *fewer_outputs, resume=step3)
     uninterrupted = backup_weights(sd_runs / "fsdp")
     resumed = backup_weights(tmp_path / "two")
     assert resumed.keys() == uninterrupted.keys()
@@ -168,7 +175,7 @@ def _check_resume_from_a_sharded_backup_on_two_and_on_one_process(sd_runs, tmp_p
     ema = output(tmp_path / "two", "demo-ema.safetensors")
     assert all(torch.equal(v, output(sd_runs / "fsdp", "demo-ema.safetensors")[k]) for k, v in ema.items())
 
-    one_process(tmp_path / "one", cache_dir, *AROUND, *fewer_outputs, resume=step4)
+    one_process(tmp_path / "one", cache_dir, *AROUND, *fewer_outputs, resume=step3)
     assert relative_l2(backup_weights(tmp_path / "one"), backup_weights(sd_runs / "one")) <= 1e-5
 
 
