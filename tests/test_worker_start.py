@@ -70,14 +70,38 @@ def test_each_start_gives_its_workers_its_own_gpus_threads_environment_folder_um
     GPUs, threads, variables, working folder, umask and output, as spawned workers would have them. Killed
     meanwhile, the server is started again; a start under other variables read at import (another GPU set,
     thread count) gets a server of its own, whose workers get that start's values - a server kept from an
-    earlier start would give them its own. (Three servers for what two tests checked with five.)"""
+    earlier start would give them its own. (Three servers for what three tests checked with six.)
+
+    The first server is started as the launcher starts it, right after planning, so that its imports run beside
+    the launcher's checks: the workers' start must keep that server (started under the plan's variables), not
+    import again. A torchrun plan starts none (its agent starts the workers)."""
+    from multiprocessing import forkserver
+
+    from modules.util import launch_clock
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("TANDEM_EVENTS", "first")
-    two = LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)
+    monkeypatch.setattr(launch_clock, "_marks", {})
     processes.stop_forkserver()
+    torchrun = LaunchPlan(launch_spec(2, "cuda", "nccl", "torchrun", "0,1"), "127.0.0.1", 29500)
+    assert processes.start_forkserver_now(torchrun, report_environment) is False
+    assert forkserver._forkserver._forkserver_pid is None and launch_clock.marks() == {}
+    two = LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)
     try:
+        # started during the launcher's checks
+        assert processes.start_forkserver_now(two, report_environment) is True
+        early = forkserver._forkserver._forkserver_pid
+        started = launch_clock.process_start_time(str(early))
+        assert abs(started - launch_clock.marks()[launch_clock.FORKSERVER_STARTED]) <= 0.5, "noted for the report"
+        assert processes.start_forkserver_now(two, report_environment) is False, "the running one is kept"
+        server_environment = environment_of_server(early)
+        assert server_environment["CUDA_VISIBLE_DEVICES"] == "0,1", "the plan's GPUs, read at import"
+        assert server_environment["OMP_NUM_THREADS"] == str(threads_per_worker(2)), "the plan's threads"
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the launcher's own are left as they were"
+
         first = _start(tmp_path / "first", two, 2, stop=False)
+        assert {r["parent"] for r in first} == {early}, "forked from the server started early"
         assert [r["CUDA_VISIBLE_DEVICES"] for r in first] == ["0,1", "0,1"], "the plan's GPUs"
         assert {r["OMP_NUM_THREADS"] for r in first} == {str(threads_per_worker(2))}, "the plan's threads"
         assert {r["threads"] for r in first} == {threads_per_worker(2)}, "torch reads the plan's threads"
@@ -114,40 +138,6 @@ def test_each_start_gives_its_workers_its_own_gpus_threads_environment_folder_um
         assert fourth[0]["threads"] == 2 and fourth[0]["CUDA_VISIBLE_DEVICES"] is None, "this start's, not the server's"
         assert fourth[0]["events"] == "second"
         assert "rank 0 reporting" in capfd.readouterr().out, "the workers write where this start's output goes"
-    finally:
-        processes.stop_forkserver()
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is Linux's start method here")
-def test_a_server_started_during_the_checks_is_the_one_the_workers_come_from(tmp_path, monkeypatch):
-    """The launcher starts the server right after planning, so its imports run beside the launcher's checks;
-    the workers' start must keep that server (started under the plan's variables), not import again. A
-    torchrun plan starts none (its agent starts the workers)."""
-    from multiprocessing import forkserver
-
-    from modules.util import launch_clock
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(launch_clock, "_marks", {})
-    processes.stop_forkserver()
-    torchrun = LaunchPlan(launch_spec(2, "cuda", "nccl", "torchrun", "0,1"), "127.0.0.1", 29500)
-    assert processes.start_forkserver_now(torchrun, report_environment) is False
-    assert forkserver._forkserver._forkserver_pid is None and launch_clock.marks() == {}
-    two = LaunchPlan(launch_spec(2, "cuda", "nccl", "spawn", "0,1"), "127.0.0.1", 29500)
-    try:
-        assert processes.start_forkserver_now(two, report_environment) is True
-        early = forkserver._forkserver._forkserver_pid
-        started = launch_clock.process_start_time(str(early))
-        assert abs(started - launch_clock.marks()[launch_clock.FORKSERVER_STARTED]) <= 0.5, "noted for the report"
-        assert processes.start_forkserver_now(two, report_environment) is False, "the running one is kept"
-        server_environment = environment_of_server(early)
-        assert server_environment["CUDA_VISIBLE_DEVICES"] == "0,1", "the plan's GPUs, read at import"
-        assert server_environment["OMP_NUM_THREADS"] == str(threads_per_worker(2)), "the plan's threads"
-        assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the launcher's own are left as they were"
-        workers = _start(tmp_path / "workers", two, 2, stop=False)
-        assert {r["parent"] for r in workers} == {early}, "forked from the server started early"
-        assert {r["threads"] for r in workers} == {threads_per_worker(2)}
     finally:
         processes.stop_forkserver()
 
