@@ -26,7 +26,7 @@ from modules.trainer.generic_trainer import GenericTrainer
 from tests.test_lora_clients import tandem_log
 from tests.test_model_types_training import write_sources
 from tests.test_single_file import randomize, tiny_configs
-from tests.trainer_helpers import demo_config
+from tests.trainer_helpers import demo_config, demo_data_subset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -121,15 +121,25 @@ def _tandem_prediction(bundle):
                                                            added_cond_kwargs=added).sample
 
 
-def _diffusers_prediction(folder, lora_file):
-    pipeline = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
+@pytest.fixture(scope="module")
+def sdxl_pipeline(sdxl_source):
+    """The tiny SDXL base as diffusers loads it, shared: `_diffusers_prediction` takes each LoRA off again."""
+    return StableDiffusionXLPipeline.from_pretrained(sdxl_source, local_files_only=True)
+
+
+def _diffusers_prediction(pipeline, lora_file):
+    """The text embeddings and UNet output of the base pipeline with `lora_file` loaded by diffusers
+    (`load_lora_weights`); the pipeline is the base again afterwards."""
     pipeline.load_lora_weights(str(lora_file))
-    latents, timesteps = _inputs()
-    with torch.no_grad():
-        encoded = pipeline.encode_prompt(CAPTIONS, device="cpu", num_images_per_prompt=1,
-                                         do_classifier_free_guidance=False)
-        added = {"text_embeds": encoded[2], "time_ids": _time_ids()}
-        return encoded[0], pipeline.unet(latents, timesteps, encoded[0], added_cond_kwargs=added).sample
+    try:
+        latents, timesteps = _inputs()
+        with torch.no_grad():
+            encoded = pipeline.encode_prompt(CAPTIONS, device="cpu", num_images_per_prompt=1,
+                                             do_classifier_free_guidance=False)
+            added = {"text_embeds": encoded[2], "time_ids": _time_ids()}
+            return encoded[0], pipeline.unet(latents, timesteps, encoded[0], added_cond_kwargs=added).sample
+    finally:
+        pipeline.unload_lora_weights()
 
 
 def _perturb(params, seed=1):
@@ -140,6 +150,7 @@ def _perturb(params, seed=1):
 
 
 def _lora_bundle(source, targets=ATTENTION_TARGETS, seed=1):
+    """`source` with LoRA on `targets`, its adapters' weights drawn from `seed`."""
     bundle = load_model(ModelConfig(base_model=str(source)))
     params = add_lora(bundle, TrainingConfig(lora_rank=4, lora_alpha=8.0, lora_target_modules=targets,
                                              train_text_encoder=True, precision="fp32"))
@@ -149,14 +160,20 @@ def _lora_bundle(source, targets=ATTENTION_TARGETS, seed=1):
     return bundle
 
 
+@pytest.fixture(scope="module")
+def sdxl_lora(sdxl_source):
+    """The tiny SDXL with LoRA (seed 1), shared by the tests that only read or save it."""
+    return _lora_bundle(sdxl_source)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["kohya", "peft", "old-kohya"])
-def test_sdxl_lora_loads_in_diffusers_to_the_same_model(sdxl_source, tmp_path, fmt):
-    bundle = _lora_bundle(sdxl_source)
+def test_sdxl_lora_loads_in_diffusers_to_the_same_model(sdxl_lora, sdxl_pipeline, tmp_path, fmt):
+    bundle = sdxl_lora
     expected_hidden, expected_out = _tandem_prediction(bundle)
     if fmt == "old-kohya":  # what earlier Tandem versions wrote still loads
         path = _old_tandem_files(bundle, tmp_path)[fmt]
-        torch.testing.assert_close(_diffusers_prediction(sdxl_source, path)[1], expected_out, rtol=0, atol=1e-5)
+        torch.testing.assert_close(_diffusers_prediction(sdxl_pipeline, path)[1], expected_out, rtol=0, atol=1e-5)
         return
     path = save_lora(bundle, tmp_path / f"sdxl-{fmt}.safetensors", fmt, "fp32")
     with safe_open(str(path), "pt") as f:
@@ -173,7 +190,7 @@ def test_sdxl_lora_loads_in_diffusers_to_the_same_model(sdxl_source, tmp_path, f
     assert metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
     assert metadata["ss_base_model_version"] == "sdxl_base_v1-0"
 
-    hidden, out = _diffusers_prediction(sdxl_source, path)
+    hidden, out = _diffusers_prediction(sdxl_pipeline, path)
     torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=1e-5)
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-5)
 
@@ -217,15 +234,29 @@ def _same_lora(a, b) -> None:
             assert torch.equal(left[component][key], right[component][key]), (component, key)
 
 
+def _adapter_weights(bundle) -> dict[str, torch.Tensor]:
+    return {f"{part}.{name}": p for part, module in bundle.modules().items()
+            for name, p in module.named_parameters() if "lora_" in name}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["sd1", "sdxl"])
-def test_every_layout_tandem_writes_or_wrote_reads_back_exactly(sdxl_source, tandem_home, tmp_path, model_type):
+def test_every_layout_tandem_writes_or_wrote_reads_back_exactly(sdxl_source, sdxl_lora, tandem_home, tmp_path,
+                                                                model_type):
+    """Each file read into a model with the same adapters but other weights (seed 9, set again before each file)
+    gives the written adapters exactly."""
     source = sdxl_source if model_type == "sdxl" else "builtin:demo"
-    original = _lora_bundle(source)
+    original = sdxl_lora if model_type == "sdxl" else _lora_bundle(source)
     files = {fmt: save_lora(original, tmp_path / f"{fmt}.safetensors", fmt, "fp32") for fmt in ("kohya", "peft")}
     files.update(_old_tandem_files(original, tmp_path))
+    fresh = _lora_bundle(source, seed=9)  # same adapters, other weights
+    other_weights = {k: v.detach().clone() for k, v in _adapter_weights(fresh).items()}
+    written = _adapter_weights(original)
+    assert all(not torch.equal(v, written[k]) for k, v in other_weights.items()), "the comparison would be vacuous"
     for name, path in files.items():
-        fresh = _lora_bundle(source, seed=9)  # same adapters, other weights
+        with torch.no_grad():
+            for k, p in _adapter_weights(fresh).items():
+                p.copy_(other_weights[k])
         weights = read_lora(path, fresh)
         assert (weights.layout, weights.rank["unet"], weights.alpha["unet"]) == (name.split("-")[-1], 4, 8.0), name
         apply_lora(fresh, weights)
@@ -233,8 +264,8 @@ def test_every_layout_tandem_writes_or_wrote_reads_back_exactly(sdxl_source, tan
 
 @pytest.mark.slow
 
-def test_an_old_sdxl_kohya_file_converts_to_the_original_names(sdxl_source, tmp_path):
-    original = _lora_bundle(sdxl_source)
+def test_an_old_sdxl_kohya_file_converts_to_the_original_names(sdxl_source, sdxl_lora, tmp_path):
+    original = sdxl_lora
     old = _old_tandem_files(original, tmp_path)["old-kohya"]
     new = convert_lora_file(old, tmp_path / "new.safetensors", str(sdxl_source), "kohya", "fp32")
     with safe_open(str(new), "pt") as f:
@@ -247,8 +278,8 @@ def test_an_old_sdxl_kohya_file_converts_to_the_original_names(sdxl_source, tmp_
 
 @pytest.mark.slow
 
-def test_a_lora_for_another_model_is_refused_by_name(sdxl_source, tandem_home, tmp_path):
-    sdxl_file = save_lora(_lora_bundle(sdxl_source), tmp_path / "x.safetensors", "kohya", "fp32")
+def test_a_lora_for_another_model_is_refused_by_name(sdxl_lora, tandem_home, tmp_path):
+    sdxl_file = save_lora(sdxl_lora, tmp_path / "x.safetensors", "kohya", "fp32")
     demo = _lora_bundle("builtin:demo")
     with pytest.raises(ValueError, match="is the LoRA for another base model"):
         read_lora(sdxl_file, demo)
@@ -260,7 +291,9 @@ def test_a_lora_for_another_model_is_refused_by_name(sdxl_source, tandem_home, t
 
 def test_trained_lora_metadata_has_modelspec_and_kohya_settings_and_no_local_path(tmp_path, tandem_home):
     workspace, cache = tmp_path / "ws", tmp_path / "cache"
-    cfg = demo_config(workspace, cache, "training.max_steps=3", "training.batch_size=4",
+    # 3 steps of 8 on the demo's first 24 images: one epoch, without caching the other 40.
+    cfg = demo_config(workspace, cache, *demo_data_subset(tmp_path / "data", "#demo", 24),
+                      "training.max_steps=3", "training.batch_size=4",
                       "training.gradient_accumulation_steps=2", "save.lora_format=both", "save.output_name=shapes",
                       "training.lora_rank=4", "training.lora_alpha=2", f"model.base_model={tandem_home}/demo-model")
     callbacks = RecordingCallbacks()
