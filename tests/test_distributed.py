@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from modules.config import config_to_dict
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
@@ -56,7 +55,8 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, tandem_home, method
     One launch per case serves what were separate tests (CI time). LoRA without accumulation and a full
     fine-tune without checkpointing take the same DDP paths as these two cases, and are held to 1 process
     elsewhere: test_two_processes_equal_one_with_masks_regularisation_and_validation and
-    test_resume_with_other_world_size_equals_uninterrupted (LoRA, accumulation 1),
+    test_the_stop_command_stops_every_rank_at_one_step_and_one_process_continues_the_backup (LoRA,
+    accumulation 1),
     tests/test_family_training.py's full cases (a full fine-tune without checkpointing)."""
     common = (f"training.max_steps={STEPS}", f"save.backup_every_n_steps={STEPS}",
               f"training.gradient_checkpointing={str(checkpointing).lower()}",
@@ -104,58 +104,6 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, tandem_home, method
         assert [p.name for p in (tmp_path / run / "config").iterdir()] == [f"{run_dir.name}.json"]
 
 
-@pytest.mark.slow
-def test_resume_with_other_world_size_equals_uninterrupted(tmp_path, cache_dir):
-    """2 processes x 4 stop at step 2 (backup), 1 process x 8 continues to 4: same as 1 x 8 for 4 steps."""
-    common = ("training.max_steps=4", "save.backup_every_n_steps=2", "training.precision=fp32",
-              "optimizer.name=sgd", "training.learning_rate=0.05")
-    single(tmp_path / "ref", cache_dir, *common, "training.batch_size=8")
-    reference = latest_backup_weights(tmp_path / "ref")
-    multi(tmp_path / "run", cache_dir, *common, "training.max_steps=2", "training.batch_size=4")
-    single(tmp_path / "run", cache_dir, *common, "training.batch_size=8", resume="latest")
-    assert_weights_close(latest_backup_weights(tmp_path / "run"), reference, atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_no_sync_skips_allreduce_until_last_micro_batch(tmp_path, cache_dir):
-    """Inside no_sync the ranks' gradients differ; after the last micro-batch they are identical."""
-    cfg = demo_config(tmp_path / "ws", cache_dir, "training.batch_size=4", "multi_gpu.enabled=true")
-    import torch.multiprocessing as mp
-    from modules.util.ports import find_free_port
-    port = find_free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_no_sync_worker, args=(config_to_dict(cfg), port, queue), nprocs=2, join=True)
-    results = dict(queue.get() for _ in range(2))
-    assert results[0]["initial"] == results[1]["initial"], "initial LoRA weights differ between ranks"
-    assert results[0]["inside"] != results[1]["inside"], "gradients were synchronised inside no_sync"
-    assert results[0]["after"] == results[1]["after"], "gradients differ after the synchronising backward"
-
-
-def _no_sync_worker(rank, cfg_data, port, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    from modules.config import config_from_dict
-    from modules.util import dist_utils as du
-    from modules.distributed.distributed_trainer import DistributedTrainer
-
-    trainer = DistributedTrainer(config_from_dict(cfg_data), device_type="cpu")
-    trainer.start()
-    params = trainer.trainable_params()
-    checksum = lambda tensors: round(float(sum(t.double().sum() for t in tensors)), 10)  # noqa: E731
-    batches = iter(trainer.loader)
-    initial = checksum(p.detach() for p in params)
-    with trainer.gradient_sync(last_micro_batch=False):
-        trainer.compute_loss(next(batches), micro=0).backward()
-    inside = checksum(p.grad for p in params if p.grad is not None)
-    with trainer.gradient_sync(last_micro_batch=True):
-        trainer.compute_loss(next(batches), micro=1).backward()
-    after = checksum(p.grad for p in params if p.grad is not None)
-    queue.put((du.rank(), {"initial": initial, "inside": inside, "after": after}))
-    du.barrier()
-    trainer.teardown()
-
-
 @pytest.mark.parametrize("ended", [True, False])
 def test_teardown_runs_a_full_collection_only_where_the_interpreter_may_still_free_the_group(ended, monkeypatch):
     """After a cold torch.compile a full garbage collection keeps a finished multi-GPU run alive seconds after
@@ -177,42 +125,66 @@ def _events(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_torchrun_launcher_and_the_stop_command(tmp_path, cache_dir):
-    """scripts/train_multi_gpu.py --torchrun goes through torchrun and trains; `stop` in the commands file:
-    all ranks stop together and one backup is written. (One launch checks both; that a torchrun run
-    finishes and writes its model is test_users_own_torchrun_command's.)"""
-    ws = tmp_path / "ws"
-    proc = start_script("train_multi_gpu.py", "--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
-                        "--torchrun", *overrides_for(ws, cache_dir, "training.max_steps=500"))
-    try:
-        lines = read_until_step(proc, 2)
-        (ws / ".tandem").mkdir(parents=True, exist_ok=True)
-        with open(ws / ".tandem" / "commands", "a") as f:
+def test_the_stop_command_stops_every_rank_at_one_step_and_one_process_continues_the_backup(
+        tmp_path, cache_dir, capfd, monkeypatch):
+    """`stop` in the commands file (read by rank 0 only): all ranks stop together and one backup is written;
+    rank 0 reports every rank's own loss and images/s (the GUI's per-GPU view). That backup of 2 processes x 4,
+    continued on 1 process x 8, trains what 1 x 8 trains uninterrupted (resume with another world size).
+
+    Launched in this process (the spawn launcher, as the GUI's runs); the stop command is launcher-agnostic.
+    What is torchrun's own - train_multi_gpu.py --torchrun goes through torchrun and trains, stops on Ctrl-C,
+    ends when a worker dies - is test_ctrl_c_stops_cleanly_with_a_backup[torchrun]'s and
+    test_killed_worker_ends_the_whole_job[torchrun]'s; that a torchrun run finishes and writes its model is
+    test_users_own_torchrun_command's."""
+    import threading
+
+    from modules.distributed.job import job_path
+
+    exact = ("training.precision=fp32", "optimizer.name=sgd", "training.learning_rate=0.05")
+    two = demo_config(tmp_path / "two", cache_dir, *exact, "training.max_steps=500", "training.batch_size=4",
+                      "save.backup_every_n_steps=1000", "multi_gpu.enabled=true", "multi_gpu.num_gpus=2",
+                      "multi_gpu.launcher=spawn")
+    commands, job = tmp_path / "two" / ".tandem" / "commands", job_path(two, 0)
+    gave_up = time.monotonic() + patience(300)
+
+    def stop_once_launched():
+        # The launcher writes the job file after it took the commands file's end: a stop from then on is this
+        # run's, also one written before rank 0's first look (it then acts on an early step).
+        while not job.exists() and time.monotonic() < gave_up:
+            time.sleep(0.05)
+        with open(commands, "a") as f:
             f.write("stop\n")
-        lines += proc.stdout.readlines()
-        code = proc.wait(timeout=patience(300))
+
+    stopper = threading.Thread(target=stop_once_launched, daemon=True)
+    monkeypatch.setenv("TANDEM_EVENTS", "1")
+    capfd.readouterr()
+    stopper.start()
+    try:
+        assert launch(two) == 0
     finally:
-        proc.kill()
-    output = "".join(lines)
-    events = _events(output)
-    assert code == 0, output[-3000:]
-    assert "torch.distributed.run" in output, "the run did not go through torchrun"
+        stopper.join(timeout=patience(300))
+    events = _events(capfd.readouterr().out)
     config = next(e for e in events if e["type"] == "config")
-    assert config["world_size"] == 2 and config["global_batch"] == 16
-    # Rank 0 reports every rank's own loss and images/s (the GUI's per-GPU view).
+    assert config["world_size"] == 2 and config["global_batch"] == 8
     losses = [e for e in events if e["type"] == "loss"]
-    assert len(losses) >= 2 and all(len(e["rank_losses"]) == 2 for e in losses), "a loss without each rank's own"
+    assert losses and all(len(e["rank_losses"]) == 2 for e in losses), "a loss without each rank's own"
     assert all(e["loss"] == pytest.approx(sum(e["rank_losses"]) / 2) for e in losses)
     assert losses[0]["rank_losses"][0] != losses[0]["rank_losses"][1], "the ranks trained on the same data"
     last = [e for e in events if e["type"] == "progress"][-1]
     assert len(last["rank_images_per_s"]) == 2 and all(rate > 0 for rate in last["rank_images_per_s"])
-    # The stop command.
     done = [e for e in events if e["type"] == "done"]
     assert len(done) == 1, "exactly one rank reports"
-    assert not done[0]["completed"] and done[0]["step"] < 20, "the stop command did not stop the run"
+    stopped_at = done[0]["step"]
+    assert not done[0]["completed"] and stopped_at < 20, "the stop command did not stop the run"
     backups_written = [e for e in events if e["type"] == "backup"]
-    assert len(backups_written) == 1 and backups_written[0]["step"] == done[0]["step"], \
+    assert len(backups_written) == 1 and backups_written[0]["step"] == stopped_at, \
         "the ranks did not stop at one step with one backup"
+
+    until = (f"training.max_steps={stopped_at + 1}", f"save.backup_every_n_steps={stopped_at + 1}")
+    single(tmp_path / "one", cache_dir, *exact, *until, "training.batch_size=8")
+    single(tmp_path / "two", cache_dir, *exact, *until, "training.batch_size=8", resume="latest")
+    assert_weights_close(latest_backup_weights(tmp_path / "two"), latest_backup_weights(tmp_path / "one"),
+                         atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -361,12 +333,14 @@ def test_equivalence_checker_script(tmp_path, cache_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
-    """Ctrl-C (SIGINT to the terminal's process group): every rank stops at one step, backs up, exit 0."""
+    """Ctrl-C (SIGINT to the terminal's process group): every rank stops at one step, backs up, exit 0. The
+    torchrun case is also the test that train_multi_gpu.py --torchrun goes through torchrun and trains."""
     ws = tmp_path / "ws"
     args = ["--config-path", "#demo", "--device", "cpu", "--num-gpus", "2",
             *overrides_for(ws, cache_dir, "training.max_steps=100000")]
-    proc = start_script("train_multi_gpu.py", *args, *launcher_flag(launcher),
-                        start_new_session=True)
+    # --torchrun: the flag's spelling of --launcher torchrun (which test_killed_worker_ends_the_whole_job uses)
+    flag = ["--torchrun"] if launcher == "torchrun" else launcher_flag(launcher)
+    proc = start_script("train_multi_gpu.py", *args, *flag, start_new_session=True)
     try:
         lines = read_until_step(proc, 2)
         os.killpg(proc.pid, signal.SIGINT)
@@ -377,8 +351,11 @@ def test_ctrl_c_stops_cleanly_with_a_backup(tmp_path, cache_dir, launcher):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    events = _events("".join(lines))
-    assert code == 0, "".join(lines)[-3000:]
+    output = "".join(lines)
+    events = _events(output)
+    assert code == 0, output[-3000:]
+    if launcher == "torchrun":
+        assert "torch.distributed.run" in output, "the run did not go through torchrun"
     done = next(e for e in events if e["type"] == "done")
     backup = [e for e in events if e["type"] == "backup"]
     assert not done["completed"] and len(backup) == 1 and backup[0]["step"] == done["step"]
@@ -445,16 +422,24 @@ def test_each_gpu_worker_sees_only_its_own_gpu_before_cuda_starts(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_dir, monkeypatch):
-    """The trainer's reference cycles (frozen from collection during the run) kept the DDP wrapper, and
-    with it gloo's process group, alive until interpreter exit, where freeing them aborted finished
-    workers now and then. A finished worker must have freed both itself. One rank, in this process."""
+def test_a_worker_all_reduces_only_after_the_last_micro_batch_and_frees_ddp_before_exit(tmp_path, cache_dir,
+                                                                                        monkeypatch):
+    """One rank of the real DistributedTrainer, in this process, with 2 micro-batches a step:
+
+    - every micro-batch but the last runs inside DDP's no_sync: its backward all-reduces nothing, and the last
+      one's does (counted by a comm hook on the real DDP wrapper; that the synchronised sum then trains what
+      1 process trains is test_two_processes_equal_one_with_double_batch's accumulation case);
+    - the trainer's reference cycles (frozen from collection during the run) kept the DDP wrapper, and with it
+      gloo's process group, alive until interpreter exit, where freeing them aborted finished workers now and
+      then. A finished worker must have freed both itself."""
+    import contextlib
     import gc
     import socket
     import weakref
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from modules.distributed.distributed_trainer import DistributedTrainer
     from modules.trainer.callbacks import RecordingCallbacks
@@ -465,17 +450,38 @@ def test_a_finished_worker_frees_ddp_and_its_group_before_exit(tmp_path, cache_d
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(port), OMP_NUM_THREADS="1").items():
         monkeypatch.setenv(k, v)
-    cfg = demo_config(tmp_path, cache_dir, "training.max_steps=2", "multi_gpu.enabled=true", "multi_gpu.backend=gloo")
+    cfg = demo_config(tmp_path, cache_dir, "training.max_steps=2", "training.batch_size=2",
+                      "training.gradient_accumulation_steps=2", "multi_gpu.enabled=true", "multi_gpu.backend=gloo")
     trainer = DistributedTrainer(cfg, RecordingCallbacks(), device_type="cpu")
-    wrappers = []
-    wrap = trainer.wrap_model
-    monkeypatch.setattr(trainer, "wrap_model", lambda model: wrappers.append(wrap(model)) or wrappers[-1])
+    all_reduces, backwards, wrappers = [], [], []
+
+    def counted_all_reduce(state, bucket):
+        all_reduces.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def wrap_and_count(model, wrap=trainer.wrap_model):
+        wrappers.append(wrap(model))
+        wrappers[-1].register_comm_hook(None, counted_all_reduce)
+        return wrappers[-1]
+
+    @contextlib.contextmanager
+    def noted_sync(last_micro_batch, sync=trainer.gradient_sync):
+        before = len(all_reduces)
+        with sync(last_micro_batch):
+            yield
+        backwards.append((last_micro_batch, len(all_reduces) - before))
+
+    monkeypatch.setattr(trainer, "wrap_model", wrap_and_count)
+    monkeypatch.setattr(trainer, "gradient_sync", noted_sync)
     threads = torch.get_num_threads()
     try:
         trainer.run()
     finally:
         torch.set_num_threads(threads)
     assert trainer.completed and isinstance(wrappers[0], torch.nn.parallel.DistributedDataParallel)
+    assert [last for last, _ in backwards] == [False, True, False, True]
+    assert all(count == 0 for last, count in backwards if not last), f"all-reduced inside no_sync: {backwards}"
+    assert all(count > 0 for last, count in backwards if last), f"the last micro-batch did not all-reduce: {backwards}"
     ddp = weakref.ref(wrappers.pop())
     assert ddp() is None, "the DDP wrapper outlived the run"
     assert not dist.is_initialized()
