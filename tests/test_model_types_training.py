@@ -11,7 +11,9 @@ every output it writes then loads back where other tools load it:
 The tiny models use the structure of the real ones (tests/test_single_file.py: SD2's OpenCLIP-style
 encoder and linear projections, SDXL's two encoders and size/crop "time ids"), so each family takes its
 own path through loading, conditioning and saving. The full fine-tune runs from both sources, LoRA from the
-folder (the LoRA outputs depend on the modules, which both sources give alike): 9 runs of 2 steps.
+folder (the LoRA outputs depend on the modules, which both sources give alike): 9 runs of 2 steps, on the demo's
+first 4 images (`demo_data_subset`: each run caches its data anew, and the whole demo dataset's cache would cost
+more than the steps).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from modules.model.tokenizer import EOS_TOKEN, OPEN_CLIP_PAD_TOKEN, clip_tokeniz
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from tests.test_single_file import tiny_configs
-from tests.trainer_helpers import demo_config
+from tests.trainer_helpers import demo_config, demo_data_subset
 
 MODEL_TYPES = ("sd1", "sd2", "sdxl")
 SOURCES = ("folder", "single_file")
@@ -110,7 +112,8 @@ def cache_dir(tandem_home, tmp_path_factory) -> Path:
 def train(model_type: str, base_model: Path, workspace: Path, cache: Path, method: str) -> tuple[GenericTrainer, Path]:
     """2 steps of `method` on the demo shapes (UNet and text encoders); the finished trainer and its output path."""
     cfg = demo_config(
-        workspace, cache, f"model.base_model={base_model}", "training.max_steps=2", "training.batch_size=2",
+        workspace, cache, *demo_data_subset(cache.with_name(cache.name + "-data"), "#demo", 4),
+        f"model.base_model={base_model}", "training.max_steps=2", "training.batch_size=2",
         "training.precision=fp32", "data.resolution=64", f"training.lora_rank={LORA_RANK}",
         f"training.lora_alpha={LORA_ALPHA}", "training.train_text_encoder=true", "training.learning_rate=0.01",
         "save.lora_format=both", "save.full_format=both", "save.output_name=tiny", method=method)
@@ -203,13 +206,8 @@ def _trainer_prediction(trainer: GenericTrainer) -> tuple[torch.Tensor, torch.Te
     return text["encoder_hidden_states"], out
 
 
-def _diffusers_prediction(
-    model_type: str, base_folder: Path, lora_file: Path | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same through diffusers alone: pipeline from the base folder, `load_lora_weights`, `encode_prompt`."""
-    pipeline = PIPELINES[model_type].from_pretrained(base_folder, local_files_only=True)
-    if lora_file is not None:
-        pipeline.load_lora_weights(str(lora_file))
+def _diffusers_prediction(model_type: str, pipeline) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same through diffusers alone (`encode_prompt`, the pipeline's UNet)."""
     latents, timesteps = _unet_inputs()
     with torch.no_grad():
         encoded = pipeline.encode_prompt(CAPTIONS, device="cpu", num_images_per_prompt=1,
@@ -233,13 +231,16 @@ def test_lora_outputs_load_in_diffusers_and_kohya_names_every_module(tmp_path, s
     peft_file = kohya_file.with_name(kohya_file.name.replace(".safetensors", ".peft.safetensors"))
     assert kohya_file.is_file() and peft_file.is_file()
 
-    # peft file -> diffusers: same text embeddings and UNet output as the trainer's model.
+    # peft file -> diffusers (pipeline from the base folder, `load_lora_weights`): same text embeddings and UNet
+    # output as the trainer's model.
     expected_hidden, expected_out = _trainer_prediction(trainer)
-    hidden, out = _diffusers_prediction(model_type, sources[model_type]["folder"], peft_file)
+    pipeline = PIPELINES[model_type].from_pretrained(sources[model_type]["folder"], local_files_only=True)
+    base_hidden, base_out = _diffusers_prediction(model_type, pipeline)
+    pipeline.load_lora_weights(str(peft_file))
+    hidden, out = _diffusers_prediction(model_type, pipeline)
     torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=1e-5)
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-5)
     # ... and the LoRA is not a no-op: the base model's output differs.
-    base_hidden, base_out = _diffusers_prediction(model_type, sources[model_type]["folder"], None)
     assert not torch.allclose(base_out, expected_out, atol=1e-4)
     assert not torch.allclose(base_hidden, expected_hidden, atol=1e-4)
 
