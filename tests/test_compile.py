@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from modules.trainer import compiled_unet
 from modules.trainer.callbacks import RecordingCallbacks
@@ -90,33 +91,34 @@ def demo_images_subset(folder: Path, square: int, tall: int) -> Path:
 
 
 @pytest.mark.slow
-def test_every_batch_shape_is_checked_once_also_with_dropout(tandem_home, tmp_path, caplog):
-    """Each aspect bucket compiles its own kernels, so each is checked; dropout draws random masks, and
-    the check compares like with like only if both passes draw the same ones. Two buckets (the first
-    batch's shape and a later one) over three steps (one shape twice) are enough to tell 'every shape once'
-    from 'the first only' or 'every step'; each bucket costs a compile (~10 s on a free core), so the wide
-    one is left out, and 8 square images fill the square bucket's two batches."""
+def test_the_check_compares_like_with_like_with_dropout(tandem_home, tmp_path, caplog):
+    """Dropout draws random masks, and the check compares like with like only if both passes draw the same
+    ones: a LoRA with dropout compiles, passes its check and trains. One batch of one shape is enough (each
+    shape's compile costs ~10 s on a free core); that every shape is checked once, not the first only nor
+    each step, is checked under DDP (`test_checks_of_later_shapes_leave_ddp_training_unchanged`)."""
     caplog.set_level("INFO")
-    images = demo_images_subset(tmp_path / "images", square=8, tall=4)
+    images = demo_images_subset(tmp_path / "images", square=4, tall=0)
     cfg = demo_config(tmp_path / "ws", tmp_path / "cache", COMPILE, "training.lora_dropout=0.3",
-                      f'data.concepts=[{{"path": "{images}"}}]', "data.bucket_step=16", "training.batch_size=4",
-                      "training.epochs=1")
+                      f'data.concepts=[{{"path": "{images}"}}]', "training.batch_size=4", "training.epochs=1")
     trainer = GenericTrainer(cfg, RecordingCallbacks())
     trainer.run()
-    assert trainer.completed and trainer.global_step == 3
-    # 8 images in the 64x64 px bucket and 4 in the 48x80 px one (width x height): 2 + 1 batches of 4.
-    assert set(trainer.compile_check.checked) == {(4, 4, 8, 8), (4, 4, 10, 6)}, "every batch shape checked"
-    assert caplog.text.count("checked against the uncompiled one") == 2, "each shape checked once, not each step"
+    assert trainer.completed and trainer.global_step == 1
+    assert list(trainer.compile_check.checked) == [(4, 4, 8, 8)]
+    assert caplog.text.count("checked against the uncompiled one") == 1
+    up = [p for n, p in trainer.bundle.unet.named_parameters() if "lora_B" in n]  # zero until trained
+    assert up and all(p.abs().max() > 0 for p in up)
 
 
 @pytest.mark.slow
 def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_path):
     """SD3 and Flux compile their transformer the same way (the SD3.5 Medium GPU runs take this path),
-    with the blocks' gradient checkpointing inside the compiled graph."""
+    with the blocks' gradient checkpointing inside the compiled graph. Two steps: the second starts from
+    weights the first trained through the compiled graph."""
     cache = tmp_path / "cache"
     runs = {}
     for name, extra in (("eager", ()), ("compiled", (COMPILE,))):
-        trainer = GenericTrainer(demo_config(tmp_path / name, cache, *STEPS, *extra, "training.gradient_checkpointing=true",
+        trainer = GenericTrainer(demo_config(tmp_path / name, cache, "training.max_steps=2", "save.backup_every_n_steps=2",
+                                             *EXACT, *extra, "training.gradient_checkpointing=true",
                                              preset="#demo_sd3"), RecordingCallbacks())
         trainer.run()
         assert trainer.completed
@@ -129,36 +131,52 @@ def test_a_compiled_transformer_with_checkpointing_trains_the_eager_weights(tmp_
 
 
 # 64x64 and 48x80 px buckets of 8 and 4 images (`demo_images_subset`): one epoch at a global batch of 4 is
-# 3 steps, two of the first bucket and one of the other, in the order the sampler draws them.
-BUCKETS = ("data.bucket_step=16", "training.max_steps=3", "save.backup_every_n_steps=3", *EXACT)
+# 3 steps, in the order the sampler draws them: the 48x80 px batch first, then the two 64x64 px ones.
+BUCKETS = ("data.bucket_step=16", "training.max_steps=3", "save.backup_every_n_steps=1", *EXACT)
+
+
+def backup_weights_at(workspace: Path, step: int) -> dict[str, torch.Tensor]:
+    from modules.trainer.backup import list_backups
+    (found,) = [b for b in list_backups(workspace / "backups") if b.step == step]
+    return load_file(str(found.path / "weights.safetensors"))
 
 
 @pytest.mark.slow
 def test_checks_of_later_shapes_leave_ddp_training_unchanged(tandem_home, tmp_path, tmp_path_factory, capfd):
     """The compiled UNet inside DDP gives N x B == 1 x NB, split at DDP's buckets by the compiler (the
     demo UNet's 3 MiB of gradients in 1 MiB buckets) or as one graph (the gradients fit in one bucket,
-    like a LoRA's on GPUs), and a new aspect bucket mid-run is checked (an unsynchronised backward beside
-    DDP, after a synchronised step): 2 compiled processes x 2 end where 1 uncompiled process x 4 ends,
-    over two aspect buckets (a full fine-tune: every UNet weight is compared). Both bucket sizes in one
-    test: they compare with one uncompiled run. The one-graph run (a LoRA's case on GPUs) also sets
-    training.cuda_graphs: no graph on CPU, but DDP's gradient buckets then meet the gradient buffers kept
-    between steps (zeroed in place), through the later shape's check that sets them aside."""
+    like a LoRA's on GPUs); both compare with one uncompiled process x 4 (a full fine-tune: every UNet
+    weight is compared), which backs up every step.
+
+    The split run trains all three steps over two aspect buckets: the later shape is checked mid-run (an
+    unsynchronised backward beside DDP, after a synchronised step), each shape once, not each step. It also
+    sets training.cuda_graphs: no graph on CPU, but DDP's gradient buckets then meet the gradient buffers kept
+    between steps (zeroed in place), through the later shape's check that sets them aside. The one-graph run
+    needs no second shape for what it adds (DDP over one compiled graph): it trains the first step only and
+    compares with the uncompiled run's step-1 backup (a constant learning rate, so the later steps do not
+    change it)."""
     from modules.distributed.launch import launch
 
     images = demo_images_subset(tmp_path / "images", square=8, tall=4)
     data = (f'data.concepts=[{{"path": "{images}"}}]', *BUCKETS)
     cache = tmp_path / "cache"
-    one_process = one_process_weights(tmp_path_factory, cache, *data, "training.batch_size=4")
-    for buckets_mb, graphs, cuda_graphs in ((1, "one graph per DDP gradient bucket", "off"),
-                                            (100, "the denoiser compiles as one graph", "on")):
+    reference = tmp_path_factory.mktemp("one_process")
+    GenericTrainer(demo_config(reference, cache, *data, "training.batch_size=4", method="full"),
+                   RecordingCallbacks()).run()
+    for buckets_mb, graphs, cuda_graphs, steps in ((1, "one graph per DDP gradient bucket", "on", 3),
+                                                   (100, "the denoiser compiles as one graph", "off", 1)):
         workspace = tmp_path / f"ddp-{buckets_mb}mb"
         assert launch(demo_config(workspace, cache, *data, COMPILE, "training.batch_size=2",
                                   "multi_gpu.enabled=true", "multi_gpu.num_gpus=2", "multi_gpu.launcher=spawn",
                                   f"multi_gpu.bucket_cap_mb={buckets_mb}", f"training.cuda_graphs={cuda_graphs}",
-                                  method="full")) == 0, buckets_mb
+                                  f"training.max_steps={steps}", method="full")) == 0, buckets_mb
+        out = capfd.readouterr().out
         assert re.search(rf"training\.compile: {graphs}[^\n]* \(3 MiB of gradients, multi_gpu\.bucket_cap_mb {buckets_mb}\)",
-                         capfd.readouterr().out), f"bucket_cap_mb={buckets_mb}: {graphs}"
-        assert_weights_close(latest_backup_weights(workspace), one_process, atol=2e-5, rtol=1e-4)
+                         out), f"bucket_cap_mb={buckets_mb}: {graphs}"
+        # Each rank's batch of 2: the first step's shape, and for the split run the later one, each checked once.
+        checked = re.findall(r"compiled and checked for batch shape \[([\d, ]+)\]", out)
+        assert checked == ["2, 4, 10, 6", "2, 4, 8, 8"][:2 if steps == 3 else 1], checked
+        assert_weights_close(latest_backup_weights(workspace), backup_weights_at(reference, steps), atol=2e-5, rtol=1e-4)
 
 
 class _HalfGradient(torch.autograd.Function):
