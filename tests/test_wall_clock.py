@@ -333,17 +333,21 @@ def test_ranks_load_the_model_at_once_after_rank_0_built_a_builtin_ones_files(mo
 def test_cached_text_with_caption_dropout_trains_as_the_text_encoder_does(tmp_path, cache_dir):
     """The demo preset has caption dropout (as the SD presets do): its text is now cached, with the empty
     caption beside the captions, so no step runs the text encoder - and the run trains as one that encodes
-    every caption in its step (the same captions drawn, the same embeddings, the same losses)."""
+    every caption in its step (the same captions drawn, the same embeddings, the same losses). Both runs share
+    one cache folder (the image latents encoded once): the run that encodes its captions goes first and must
+    leave no text there."""
     losses = {}
-    for cached in (True, False):
+    cache = tmp_path / "cache"
+    for cached in (False, True):
         callbacks = RecordingCallbacks()
-        cfg = demo_config(tmp_path / f"ws-{cached}", tmp_path / f"cache-{cached}", "training.max_steps=4",
+        cfg = demo_config(tmp_path / f"ws-{cached}", cache, "training.max_steps=4",
                           "data.caption_dropout=0.5", f"data.cache_text_embeddings={str(cached).lower()}")
         GenericTrainer(cfg, callbacks).run()
         losses[cached] = [event["loss"] for event in callbacks.of_type("loss")]
-    texts = list((tmp_path / "cache-True" / "text").glob("*.safetensors"))
+        if not cached:
+            assert not list(cache.glob("text/*.safetensors")), "text cached by a run that encodes its captions"
+    texts = list((cache / "text").glob("*.safetensors"))
     assert len(texts) == 65, "64 demo captions and the empty one"
-    assert not list((tmp_path / "cache-False").glob("text/*.safetensors"))
     assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-5, abs=0)
 
 
