@@ -577,6 +577,11 @@ def test_tooltips_read_as_text_and_fields_that_do_not_apply_are_disabled(window,
     assert fields["sampling.prompts[0].control"].widget.cget("state") == "normal"
     fields["model.model_type"].var.set("flux")
     assert fields["sampling.prompts[0].control"].widget.cget("state") == "disabled"  # Flux.1 takes none
+    # ... and its concept rows leave the Control column out (the row fits the window: test_ui_first_use).
+    headers = [label.cget("text") for label in app.concepts.header_labels]
+    assert "data.concepts[0].control" not in fields and "Control" not in headers
+    fields["model.model_type"].var.set("qwen_edit")
+    assert "data.concepts[0].control" in fields
     method, optimizer = fields["training.method"], fields["optimizer.name"]
     method.var.set("lora")
     assert fields["training.lora_rank"].widget.cget("state") == "normal"

@@ -19,12 +19,16 @@ class ListEditor(ctk.CTkFrame):
 
     def __init__(self, master, binder: Binder, list_path: str, tab: str, row_name: str,
                  columns: list[tuple[str, str, int]], new_item: Callable[[], Any | None], add_text: str,
-                 pickers: dict[str, tuple[str, str]] | None = None):
+                 pickers: dict[str, tuple[str, str]] | None = None,
+                 shown_when: dict[str, Callable[[Any], bool]] | None = None):
         """`pickers`: field name -> (button text, `folder` or `image`): a button on each row that fills that
-        column from a folder or image dialog."""
+        column from a folder or image dialog. `shown_when`: field name -> whether the config uses that column
+        (a column most configs do not use stays out of the row, which then fits the window)."""
         super().__init__(master, fg_color="transparent")
-        self.binder, self.list_path, self.columns, self.new_item = binder, list_path, columns, new_item
-        self.pickers = pickers or {}
+        self.binder, self.all_columns, self.new_item = binder, columns, new_item
+        self.list_path = list_path
+        self.all_pickers, self.shown_when = pickers or {}, shown_when or {}
+        self.columns, self.pickers = self._shown_columns()
         # Messages name a row's field as "Data › Concepts, row 2 › Repeats".
         binder.places.add(list_path, tab, row_name)
         for name, header, _ in columns:
@@ -42,11 +46,7 @@ class ListEditor(ctk.CTkFrame):
         self.message.grid(row=1, column=0, sticky="w", padx=4)
         self.add_button = ctk.CTkButton(self, text=add_text, width=160, command=self.add)
         self.add_button.grid(row=2, column=0, sticky="w", padx=4, pady=6)
-        item_prefix = f"{list_path}[0]"
-        for col, (name, header, width) in enumerate(columns):
-            label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
-            label.grid(row=0, column=col, padx=4, sticky="w")
-            Tooltip(label, lambda path=f"{item_prefix}.{name}": binder.places.describe_doc(field_doc(path), path))
+        self.header_labels: list[ctk.CTkLabel] = []
         self._count = -1
         binder.on_change.append(self._changed)
         self.rebuild()
@@ -54,12 +54,31 @@ class ListEditor(ctk.CTkFrame):
     def items(self) -> list:
         return get_value(self.binder.model.cfg, self.list_path)
 
+    def _shown_columns(self) -> tuple[list[tuple[str, str, int]], dict[str, tuple[str, str]]]:
+        cfg = self.binder.model.cfg
+        columns = [c for c in self.all_columns if c[0] not in self.shown_when or self.shown_when[c[0]](cfg)]
+        names = {name for name, _, _ in columns}
+        return columns, {name: picker for name, picker in self.all_pickers.items() if name in names}
+
     def _changed(self, path: str | None) -> None:
-        if path is None and len(self.items()) != self._count:
+        if (path is None and len(self.items()) != self._count) or self._shown_columns()[0] != self.columns:
             self.rebuild()
         self.message.configure(text="\n".join(self.binder.problems.get(self.list_path, [])))
 
+    def _build_header(self) -> None:
+        for label in self.header_labels:
+            label.destroy()
+        self.header_labels = []
+        for col, (name, header, width) in enumerate(self.columns):
+            label = ctk.CTkLabel(self.header, text=header, width=width, anchor="w")
+            label.grid(row=0, column=col, padx=4, sticky="w")
+            path = f"{self.list_path}[0].{name}"
+            Tooltip(label, lambda path=path: self.binder.places.describe_doc(field_doc(path), path))
+            self.header_labels.append(label)
+
     def rebuild(self) -> None:
+        self.columns, self.pickers = self._shown_columns()
+        self._build_header()
         self.binder.forget(self.list_path + "[")
         for row in self.rows:
             for widget in row:
