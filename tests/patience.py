@@ -18,15 +18,23 @@ MOST = 20.0
 
 def slowness() -> float:
     """How many times slower than an idle machine this one runs now: the runnable processes per core over the
-    last minute (at least 1), or `TANDEM_TEST_SLOWNESS`."""
+    last minute, at least what the suite's own workers will add (`suite_load`), or `TANDEM_TEST_SLOWNESS`."""
     chosen = os.environ.get("TANDEM_TEST_SLOWNESS")
     if chosen:
         return max(1.0, float(chosen))
     try:
         per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
     except OSError:  # no load average (Windows): only the hand-set factor scales
-        return 1.0
-    return min(MOST, max(1.0, per_core))
+        per_core = 1.0
+    return min(MOST, max(1.0, per_core, suite_load()))
+
+
+def suite_load() -> float:
+    """The load the suite itself puts on the cores while it runs in pytest-xdist workers: each worker's test
+    and the two or three processes it often launches. A minute's load average lags behind it: the first tests
+    of a run start on a quiet machine and are the heaviest (slowest first)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return 2.0 * workers / (os.cpu_count() or 1) if workers > 1 else 1.0
 
 
 def patience(seconds: float) -> float:
