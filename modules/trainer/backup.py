@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modules.util.atomic import atomic_directory, delete_directory, write_text_atomically
+from modules.util.exit import orphaned
 
 WEIGHTS = "weights.safetensors"
 STATE = "state.pt"
@@ -77,8 +78,19 @@ def write_backup(backups_dir: Path, run_id: str, step: int, weights: dict[str, t
     with atomic_directory(target) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
         write_state_and_manifest(tmp, run_id, step, state, manifest)
+        refuse_if_orphaned(target)
     rotate(run_dir, keep)
     return target
+
+
+class OrphanedWorkerError(RuntimeError):
+    """A worker whose launcher has ended, about to publish a backup: it is being killed, and a backup written
+    after the launcher died would appear in a workspace a new run may already hold."""
+
+
+def refuse_if_orphaned(target: Path) -> None:
+    if orphaned():
+        raise OrphanedWorkerError(f"Not publishing {target}: this worker's launcher has ended.")
 
 
 def write_state_and_manifest(folder: Path, run_id: str, step: int, state: dict, manifest: dict) -> None:

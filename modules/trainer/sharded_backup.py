@@ -92,6 +92,7 @@ def write_sharded_backup(backups_dir: Path, run_id: str, step: int, tensors: dic
 
         def finish() -> None:
             backups.write_state_and_manifest(tmp, run_id, step, state, {**manifest, "format": FORMAT})
+            backups.refuse_if_orphaned(target)
             commit_directory(tmp, target)
             backups.rotate(target.parent, keep)
         du.on_main(finish)

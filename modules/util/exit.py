@@ -9,6 +9,8 @@ from typing import NoReturn
 
 _started_by: int | None = None
 """This process's parent when `die_with_parent` was asked for (POSIX): `parent_gone` compares with it."""
+_must_outlive: set[int] = set()
+"""The processes named to `die_with_parent` that this one must not outlive (`orphaned`)."""
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
@@ -18,6 +20,8 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     global _started_by
     if os.name == "posix":
         _started_by = os.getppid()
+    if parent_pid is not None:
+        _must_outlive.add(parent_pid)
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -36,6 +40,27 @@ def parent_gone() -> bool:
     was handed to another parent). False where nothing was noted, and on Windows, whose parent pid never
     changes. Where the parent-death signal exists this is a second look only; elsewhere (macOS) the only one."""
     return _started_by is not None and os.getppid() != _started_by
+
+
+def orphaned() -> bool:
+    """Whether a process this one must die with has ended (or is a zombie), though the system may not have
+    killed this one yet: the parent-death signal travels down a chain (the launcher, its forkserver, the
+    worker) and a busy machine took 70 ms for it, time enough for a backup to be published by a worker whose
+    launcher was gone. Checked right before something is made visible to a later run."""
+    return parent_gone() or any(not process_running(pid) for pid in _must_outlive)
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` exists and has not ended: a zombie (ended, not yet reaped) counts as ended (Linux reads its
+    state; elsewhere any existing process counts as running)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (name) S ...": the state follows the last ')' (a name may hold parentheses).
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self") and pid_exists(pid)
+    except (OSError, IndexError):
+        return pid_exists(pid)
 
 
 def pid_exists(pid: int) -> bool:
