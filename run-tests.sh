@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: pytest 38:03 for 1,426 tests on 2 otherwise idle cores,
-#                            2026-12-02, commit 62fd68c, a clean clone; README.md too)
+#   ./run-tests.sh           everything (what CI runs: 18:53 from a clean clone with the install, pytest 18:23 for
+#                            1,681 tests on 2 otherwise idle cores, 2026-12-02; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
 #                            window tests (63 s on 2 idle cores, 2026-11-28; 10:09 at load 9-10, 2026-12-02)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
