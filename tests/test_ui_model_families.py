@@ -82,3 +82,18 @@ def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
         assert guess_family(str(path)) == family
     (tmp_path / "junk.safetensors").write_bytes(b"not a header at all")
     assert guess_family(str(tmp_path / "junk.safetensors")) is None
+
+
+def test_a_weights_files_header_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """The GUI asks for the family on every edit; a large model's header is read again only once the file
+    changes."""
+    from modules.config import model_families
+
+    reads = []
+    real = model_families._safetensors_keys
+    monkeypatch.setattr(model_families, "_safetensors_keys", lambda path: reads.append(path) or real(path))
+    path = tmp_path / "model.safetensors"
+    save_file({"txt_norm.weight": torch.zeros(1), "transformer_blocks.0.attn.to_q.weight": torch.zeros(1)}, str(path))
+    assert [guess_family(str(path)) for _ in range(3)] == ["qwen"] * 3 and len(reads) == 1
+    save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(1)}, str(path))
+    assert guess_family(str(path)) == "sd3" and len(reads) == 2

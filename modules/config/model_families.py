@@ -14,6 +14,7 @@ SD's pipeline pieces), never the other way round.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,10 +283,19 @@ def guess_family(base_model: str, model_type: str = "auto") -> str | None:
         if (path / "model_index.json").is_file():
             return family_of_pipeline(json.loads((path / "model_index.json").read_text()).get("_class_name"))
         if path.suffix.lower() == ".safetensors" and path.is_file():
-            return family_of_keys(_safetensors_keys(path))
+            stat = path.stat()
+            return _family_of_weights(str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
     except (OSError, ValueError):
         return None
     return None
+
+
+@functools.lru_cache(maxsize=32)
+def _family_of_weights(path: str, inode: int, mtime_ns: int, size: int) -> str | None:
+    """The family a `.safetensors` file's tensor names say, read once per version of the file: the GUI asks on
+    every edit (which fields show, which apply, which list columns), and a large model's header is hundreds of
+    kilobytes of JSON."""
+    return family_of_keys(_safetensors_keys(Path(path)))
 
 
 def families_of_pipeline(pipeline: str | None) -> tuple[str, ...]:
