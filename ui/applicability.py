@@ -141,6 +141,11 @@ RULES: dict[str, Rule] = {
 }
 
 
+def takes_controls(cfg: TrainConfig) -> bool:
+    """Whether control images mean something to the config's model (the concept rows show their column then)."""
+    return _controls(cfg) is None
+
+
 def _controls(cfg: TrainConfig) -> str | None:
     """Control images mean something to edit models only; while the family is not known, they may."""
     family = guess_family(cfg.model.base_model, cfg.model.model_type)

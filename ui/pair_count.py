@@ -8,8 +8,7 @@ from pathlib import Path
 
 from modules.config import TrainConfig
 from modules.config.control_setting import is_manifest, manifest_path, setting_problem
-from modules.data.concepts import IMAGE_EXTENSIONS
-from modules.data.masks import is_mask_file
+from modules.data.concepts import IMAGE_EXTENSIONS, media_files
 from modules.data.controls import PairingError, folder_pairs, inside_control_folders, manifest_pairs
 
 
@@ -38,7 +37,8 @@ def _count(path: str, setting: str, recursive: bool) -> str:
             found = [p for p in pairs if p.target.is_file() and all(c.is_file() for c in p.controls)]
             missing = len(pairs) - len(found)
         else:
-            targets = [f for f in _images(folder, recursive) if not inside_control_folders(f, folder, setting)]
+            targets = [f for f in media_files(folder, recursive, report_links=False)
+                       if f.suffix.lower() in IMAGE_EXTENSIONS and not inside_control_folders(f, folder, setting)]
             found, unpaired = folder_pairs(folder, targets, setting, IMAGE_EXTENSIONS)
             missing = len(unpaired)
     except (OSError, PairingError) as err:
@@ -46,8 +46,3 @@ def _count(path: str, setting: str, recursive: bool) -> str:
     text = f"{len(found)} pair{'s' if len(found) != 1 else ''}"
     return text + (f", {missing} without a control image (skipped)" if missing else "")
 
-
-def _images(folder: Path, recursive: bool) -> list[Path]:
-    """The images the scan reads (`concepts.media_files`), listed without its log lines: this runs on every edit."""
-    entries = folder.rglob("*") if recursive else folder.glob("*")
-    return sorted(p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file() and not is_mask_file(p))

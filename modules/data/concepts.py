@@ -168,21 +168,23 @@ def with_prefix_and_suffix(caption: str, prefix: str, suffix: str, separator: st
     return f"{separator} ".join(part for part in (prefix.strip(), caption, suffix.strip()) if part)
 
 
-def _image_files(folder: Path, recursive: bool) -> list[Path]:
+def _image_files(folder: Path, recursive: bool, report_links: bool = True) -> list[Path]:
     """The images and video clips of a concept folder."""
     entries = list(folder.rglob("*") if recursive else folder.glob("*"))
     kinds = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
     files = [p for p in entries if p.is_file() and p.suffix.lower() in kinds and not is_mask_file(p)]
-    _report_links(folder, entries, recursive)
+    if report_links:
+        _report_links(folder, entries, recursive)
     # Sorted so that item indexes (and with them sampler order and RNG streams) are the same on
     # every rank and every run, whatever order the file system lists entries in.
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def media_files(folder: Path, recursive: bool) -> list[Path]:
+def media_files(folder: Path, recursive: bool, report_links: bool = True) -> list[Path]:
     """The images and video clips of a concept folder in the scan's order (the caption editor and
-    auto-captioning list what training reads)."""
-    return _image_files(folder, recursive)
+    auto-captioning list what training reads). `report_links=False`: without the line about skipped links, for
+    what lists a folder on every edit (the GUI's pair count)."""
+    return _image_files(folder, recursive, report_links)
 
 
 def clip_files(concept: ConceptConfig) -> list[Path]:

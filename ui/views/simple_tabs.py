@@ -7,6 +7,7 @@ import customtkinter as ctk
 
 from modules.config import ConceptConfig, SamplePromptConfig
 
+from ..applicability import takes_controls
 from .caption_editor import CaptionsRow
 from .dialogs import start_folder
 from .fields import Binder
@@ -88,7 +89,7 @@ def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda
                           lambda: _ask_concept(binder), "Add concept folder",
                           pickers={"path": ("Folder...", "folder"), "control": ("Control...", "folder")},
                           # Control images: edit models only (and while the model is not known yet).
-                          shown_when={"control": _takes_controls})
+                          shown_when={"control": takes_controls})
     concepts.grid(row=form.row, column=0, columnspan=4, sticky="we", padx=6)
     form.row += 1
     concepts.pairs_line = _pairs_line(frame, binder, form.row)
@@ -110,13 +111,6 @@ def build_data_tab(parent, binder: Binder, gpu_count: Callable[[], int] = lambda
     form.fields("data.cache_latents", "data.cache_text_embeddings", "data.num_workers",
                 "data.pin_memory", "data.prefetch_factor")
     return concepts
-
-
-def _takes_controls(cfg) -> bool:
-    from modules.config.model_families import FAMILIES, guess_family
-
-    family = guess_family(cfg.model.base_model, cfg.model.model_type)
-    return family is None or bool(FAMILIES[family].controls)
 
 
 def _pairs_line(frame, binder: Binder, row: int) -> ctk.CTkLabel:
