@@ -71,17 +71,27 @@ class LaunchSpec:
     """Samples per optimizer step over all processes: per-GPU batch x accumulation x data slices of the launch
     (0 when made: computed). A round on fewer processes (a lost machine) keeps it by accumulating more."""
     lr: float | None = None
-    """The trainer's learning rate: the base LR scaled for the launch's world size (None when made:
+    """The denoiser's learning rate: the base LR scaled for the launch's world size (None when made:
     computed). It stays the launch's when a round runs on fewer processes: the global batch is kept, so
     is the result; the base LR while the scaling mode is unknown (mid-edit in the GUI)."""
+    text_encoder_base_lr: float | None = None
+    """`training.text_encoder_learning_rate` where set; None: the text encoders train at `base_lr`."""
+    text_encoder_lr: float | None = None
+    """The text encoders' learning rate, scaled as `lr` is (None when made: computed)."""
+    lr_factor: float | None = None
+    """What the LR scaling multiplies each learning rate by (None when made: computed)."""
 
     def __post_init__(self) -> None:
-        # The one place the global batch and the scaled LR are computed; every later copy (a smaller round,
-        # the job file) carries them as they were.
+        # The one place the global batch and the scaled LRs are computed; every later copy (a smaller round,
+        # the job file, the run numbers, the optimizer's groups, a LoRA's metadata) carries them as they were.
         if not self.global_batch:
             object.__setattr__(self, "global_batch", self.per_gpu_batch * self.accumulation * self.data_world)
+        if self.lr_factor is None:
+            object.__setattr__(self, "lr_factor", lr_factor(self.lr_scaling, self.data_world))
         if self.lr is None:
-            object.__setattr__(self, "lr", scaled_lr(self.base_lr, self.lr_scaling, self.data_world))
+            object.__setattr__(self, "lr", self.base_lr * self.lr_factor)
+        if self.text_encoder_lr is None:
+            object.__setattr__(self, "text_encoder_lr", (self.text_encoder_base_lr or self.base_lr) * self.lr_factor)
 
     @property
     def data_world(self) -> int:
@@ -105,12 +115,13 @@ class LaunchSpec:
         return cls(**{**data, "gpus": tuple(data["gpus"])})
 
 
-def scaled_lr(base_lr: float, mode: str, world_size: int) -> float:
-    """`base_lr` scaled for `world_size` processes; unscaled while the mode is unknown (mid-edit in the GUI)."""
+def lr_factor(mode: str, world_size: int) -> float:
+    """What the LR scaling `mode` multiplies the learning rates by for `world_size` data slices; 1 while the mode
+    is unknown (mid-edit in the GUI: validation names it)."""
     try:
-        return base_lr * lr_scale_factor(mode, max(world_size, 1))
+        return lr_scale_factor(mode, max(world_size, 1))
     except ValueError:
-        return base_lr
+        return 1.0
 
 
 def lr_scale_factor(mode: str, world_size: int) -> float:
@@ -171,6 +182,7 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
     return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
                       visible_devices=visible_devices, backend=backend, per_gpu_batch=t.batch_size,
                       accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
+                      text_encoder_base_lr=t.text_encoder_learning_rate or None,
                       lr_scaling=m.lr_scaling if launcher != SINGLE else "none", problem=problem,
                       nnodes=nodes, node_rank=m.node_rank if nodes > 1 else 0, local_world_size=local_world,
                       max_restarts=m.max_restarts if launcher == TORCHRUN else 0,

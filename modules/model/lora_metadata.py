@@ -105,7 +105,6 @@ def training_metadata(cfg, numbers, dataset, step: int, started_at: float,
     t, d = cfg.training, cfg.data
     per_concept_items = Counter(dataset.images[i].concept for i in dataset.item_images)
     per_concept_images = Counter(image.concept for image in dataset.images)
-    text_lr = (t.text_encoder_learning_rate or t.learning_rate) * numbers.lr_factor()
     values: dict[str, Any] = {
         "modelspec.title": cfg.save.output_name,
         "modelspec.resolution": f"{d.resolution}x{d.resolution}",
@@ -116,7 +115,7 @@ def training_metadata(cfg, numbers, dataset, step: int, started_at: float,
         "ss_epoch": math.ceil(step / numbers.steps_per_epoch),  # the epoch the step belongs to, from 1
         "ss_learning_rate": numbers.lr,
         "ss_unet_lr": numbers.lr,
-        "ss_text_encoder_lr": text_lr if t.train_text_encoder else None,
+        "ss_text_encoder_lr": numbers.group_lrs(text_encoders=True)[1] if t.train_text_encoder else None,
         "ss_num_train_images": len(dataset),
         "ss_num_reg_images": 0,
         "ss_num_batches_per_epoch": numbers.micro_batches_per_epoch,

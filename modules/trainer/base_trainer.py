@@ -502,13 +502,12 @@ class BaseTrainer(ABC):
 
     def create_optimizer(self):
         t = self.cfg.training
-        factor = self.numbers.lr_factor()
         unet_ids = {id(p) for p in self.bundle.denoiser.parameters()}
         unet_params = [p for p in self.trainable_params() if id(p) in unet_ids]
         te_params = [p for p in self.trainable_params() if id(p) not in unet_ids]
-        groups = [{"params": unet_params, "lr": t.learning_rate * factor}]
-        if te_params:
-            groups.append({"params": te_params, "lr": (t.text_encoder_learning_rate or t.learning_rate) * factor})
+        # The learning rates as the launch scaled them, once (`RunNumbers.group_lrs`).
+        groups = [{"params": params, "lr": lr} for params, lr in
+                  zip([unet_params, te_params], self.numbers.group_lrs(text_encoders=bool(te_params)))]
         optimizer = build_optimizer(groups, self.cfg.optimizer, self.device)
         return optimizer, build_scheduler(optimizer, t, self.numbers.total_steps)
 

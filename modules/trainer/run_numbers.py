@@ -1,4 +1,4 @@
-"""The derived numbers of a run (global batch, steps, scaled LR), computed once and printed at start."""
+"""The derived numbers of a run (global batch, steps, scaled LRs), computed once and printed at start."""
 from __future__ import annotations
 
 import math
@@ -22,6 +22,7 @@ class RunNumbers:
     base_lr: float
     lr_scaling: str
     lr: float
+    """The denoiser's learning rate as the optimizer starts it: the launch's, scaled once (`LaunchSpec`)."""
     split: tuple[int, ...] = ()
     """Samples each rank trains per micro-batch when they differ (`multi_gpu.batch_split`); empty when equal."""
     items_per_epoch: int | None = None
@@ -31,15 +32,20 @@ class RunNumbers:
     accumulation); other items each epoch, as the sampler reshuffles."""
     processes: int = 0
     """Processes that train: `world_size` x the context-parallel group size (0: `world_size`)."""
+    text_encoder_lr: float | None = None
+    """The text encoders' learning rate as the optimizer starts it (scaled as `lr`); None: `lr`."""
+    lr_factor: float = 1.0
+    """What the LR scaling multiplied each learning rate by (the launch's)."""
 
-    def lr_factor(self) -> float:
-        return self.lr / self.base_lr
+    def group_lrs(self, text_encoders: bool) -> list[float]:
+        """The learning rate of each optimizer group: the denoiser's, and the text encoders' when they train."""
+        return [self.lr, self.text_encoder_lr or self.lr] if text_encoders else [self.lr]
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        scale = "" if self.lr_scaling == "none" else f" ({self.lr_scaling} scaling x{self.lr_factor():.3g})"
+        scale = "" if self.lr_scaling == "none" else f" ({self.lr_scaling} scaling x{self.lr_factor:.3g})"
         per_gpu = (f"per-GPU batch {' + '.join(map(str, self.split))} x accumulation {self.accumulation}"
                    if self.split else
                    f"per-{self._unit()} batch {self.per_gpu_batch} x accumulation {self.accumulation} x "
@@ -80,6 +86,7 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
         launch = LaunchSpec(launcher="single" if world_size == 1 else "external", world_size=world_size,
                             device_type="cpu", gpus=(), visible_devices=None, backend="", per_gpu_batch=t.batch_size,
                             accumulation=t.gradient_accumulation_steps, base_lr=t.learning_rate,
+                            text_encoder_base_lr=t.text_encoder_learning_rate or None,
                             lr_scaling=cfg.multi_gpu.lr_scaling)
     accumulation = t.gradient_accumulation_steps
     global_batch = launch.global_batch
@@ -104,7 +111,7 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
                       global_batch=global_batch,
                       micro_batches_per_epoch=micro_batches_per_epoch, steps_per_epoch=steps_per_epoch,
                       epochs=epochs, total_steps=total, base_lr=launch.base_lr, lr_scaling=launch.lr_scaling,
-                      lr=launch.lr,
+                      lr=launch.lr, text_encoder_lr=launch.text_encoder_lr, lr_factor=launch.lr_factor,
                       split=tuple(split) if split and len(set(split)) > 1 else (),
                       items_per_epoch=items_per_epoch, items_left_out=left_out,
                       processes=world_size * max(1, launch.context_parallel))
