@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ui.run_controller import RunController
 
-from tests.test_ui_widgets import _png, pump
+from tests.gui.test_ui_widgets import _png, pump
 
 EVENT_PLAYER = """
 import json, sys, time

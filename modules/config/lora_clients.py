@@ -1,7 +1,7 @@
 """Which program applies which LoRA file exactly: diffusers 0.42.1 and ComfyUI, by family, adapter type and layout.
 
 What is said here was found by loading Tandem's files into diffusers' pipelines and comparing the weights
-(`tests/test_lora_clients.py`), and by applying them with ComfyUI's loader as its source has it
+(`tests/integration/test_lora_clients.py`), and by applying them with ComfyUI's loader as its source has it
 (`tests/comfy_lora_rules.py`). In short:
 
 - ComfyUI applies the `kohya` layout exactly for every family and adapter type (LoRA's `lora_down` /

@@ -14,7 +14,7 @@ The gradient exchange of the strategy (DDP's all-reduce, FSDP's reduce-scatter) 
 `world` processes, i.e. (1/C) x the average over the groups of each group's summed gradient. The loss
 of every process is therefore scaled by C (`loss_scale`): the exchange then yields exactly the average
 over the groups, as N / C processes without context parallelism would - the same training (CPU tests:
-tests/test_context_parallel.py). C must divide the attention heads and each sample's tokens (`indivisible`).
+tests/unit/test_context_parallel.py). C must divide the attention heads and each sample's tokens (`indivisible`).
 
 Why diffusers' and not PyTorch's `context_parallel`: PyTorch's experimental API shards the buffers of
 `scaled_dot_product_attention` calls inside a context manager and needs every sequence-shaped tensor

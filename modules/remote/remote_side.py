@@ -296,7 +296,7 @@ def backups(root: Path, workspace: str) -> list[dict]:
     {step, run_id, written, path, finished_step}, `finished_step` set when the backup's run finished after it
     was written. Read without importing torch, as modules.trainer.backup reads them (newest by the time it was
     written; `backups/<run>/step-N/backup.json` marks a complete one; `backups/<run>/finished.json` a finished
-    run): the Run tab asks after every run (tests/test_remote.py checks both agree)."""
+    run): the Run tab asks after every run (tests/unit/test_remote.py checks both agree)."""
     folder = root / workspace / "backups"
     found = []
     for manifest in [*folder.glob("step-*/backup.json"), *folder.glob("*/step-*/backup.json")]:

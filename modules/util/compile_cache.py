@@ -5,7 +5,7 @@ systems empty at every boot, so a compile that took minutes would be paid again 
 choice has to be made before diffusers is imported: importing it imports `torch._dynamo`, which fixes the
 folder for the process (it writes PyTorch's default into TORCHINDUCTOR_CACHE_DIR), and every process it
 starts inherits that. Hence every script that may import diffusers before starting training calls this
-first (tests/test_compile_cache.py checks them all), and the worker processes inherit Tandem's folder.
+first (tests/unit/test_compile_cache.py checks them all), and the worker processes inherit Tandem's folder.
 
     TORCHINDUCTOR_CACHE_DIR=DIR   the user's own folder, always kept
 """

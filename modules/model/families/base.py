@@ -192,7 +192,7 @@ class ModelFamily(ABC):
     def unused_denoiser_parts(self, bundle: "ModelBundle") -> list[nn.Module | nn.Parameter]:
         """Modules (or parameters) of the denoiser whose output never reaches its prediction, at every step or at
         some: a last block's outputs that only a next block would read (Qwen-Image's text stream), padding
-        embeddings some image sizes never use (Z-Image's). tests/test_family_training.py finds any a family
+        embeddings some image sizes never use (Z-Image's). tests/integration/test_family_training.py finds any a family
         leaves out here."""
         return []
 

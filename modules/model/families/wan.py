@@ -98,7 +98,7 @@ class WanObjective(FlowMatching):
     def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
         # TI2V 5B's pipeline (`expand_timesteps`) gives each latent token its own timestep, all the same t in
         # text-to-video: the transformer computes the same from the one t, without a [B, tokens, 6 x width]
-        # modulation tensor per sample (tests/test_wan22.py compares the two).
+        # modulation tensor per sample (tests/unit/test_wan22.py compares the two).
         return denoiser(hidden_states=noisy, timestep=timesteps * 1000,
                         encoder_hidden_states=text["encoder_hidden_states"], return_dict=False)[0]
 
