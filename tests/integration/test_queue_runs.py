@@ -2,7 +2,8 @@
 for GPUs (`--slots 2`): 1- and 2-process jobs on the right slots and never two on one slot, a failing job that
 stops no other, a job larger than the machine refused, the machine "restarting" mid-job (the runner and the
 job's processes killed) and the queue reopened: the job interrupted, to continue from its backup, and the
-queued ones still queued; resumed, it continues from that backup, and paused, it stops with a backup. One run of the queue covers it all; the scheduling rules themselves are
+queued ones still queued; resumed, it continues from that backup; paused, it stops with a backup; cancelled
+while it runs, its processes end and the job says so. One run of the queue covers it all; the scheduling rules themselves are
 tests/unit/test_queue.py's."""
 from __future__ import annotations
 
@@ -128,7 +129,15 @@ def test_a_queue_of_one_and_two_process_jobs_survives_a_restart_and_a_failing_jo
     assert queue(folder, home, "pause", "long").stdout.strip() == "#1 long: pausing - it stops with a backup at its next step"
     paused = wait_for("long to pause", lambda: (j := jobs(folder)["long"])["state"] == "paused" and j, 300)
     assert paused["resume"] and paused["resume"] == paused["train_run_id"] and paused["exit_code"] == 0
-    assert queue(folder, home, "cancel", "long").stdout.strip() == "#1 long: cancelled"
+    queue(folder, home, "resume", "long")  # running again, then cancelled while it runs
+    running = wait_for("long to run a third time", lambda: len((j := jobs(folder)["long"])["runs"]) == 3
+                       and j["state"] == "running" and "Continuing" in log_of(folder, j) and j, 600)
+    training = json.loads((run_dir(folder, running) / "run.json").read_text())["training_pid"]
+    assert queue(folder, home, "cancel", "long").stdout.strip() == "#1 long: cancelling - it stops at its next step"
+    cancelled = wait_for("long to be cancelled", lambda: (j := jobs(folder)["long"])["state"] == "cancelled" and j, 300)
+    assert cancelled["message"] == "cancelled while it ran", cancelled
+    wait_for("the cancelled run's processes to end", lambda: not Path(f"/proc/{training}").exists(), 60)
+    assert "Traceback" not in log_of(folder, cancelled), log_of(folder, cancelled)[-3000:]
     pair = wait_for("pair to finish", lambda: (j := jobs(folder)["pair"])["state"] in ("done", "failed") and j, 600)
     assert pair["state"] == "done" and pair["devices"] == [0, 1], pair["message"] + log_of(folder, pair)[-3000:]
     assert '"world_size": 2' in log_of(folder, pair)  # two CPU processes
@@ -137,7 +146,7 @@ def test_a_queue_of_one_and_two_process_jobs_survives_a_restart_and_a_failing_jo
 
     # Never two runs on one slot at once, each on as many slots as it asked for.
     runs = [(name, entry) for name, job in jobs(folder).items() for entry in job["history"]]
-    assert sorted(len(entry["devices"]) for _, entry in runs) == [1, 1, 1, 1, 2]
+    assert sorted(len(entry["devices"]) for _, entry in runs) == [1, 1, 1, 1, 1, 2]
     for i, (name, one) in enumerate(runs):
         for other_name, other in runs[i + 1:]:
             overlap = one["started"] < (other["ended"] or 1e12) and other["started"] < (one["ended"] or 1e12)
