@@ -46,9 +46,24 @@ class SyntheticCachedLatents(Dataset):
     """
 
     def __init__(self, model_type: str, resolution: int, length: int, pool: int = 16, variant: str = "",
-                 frames: int = 1) -> None:
-        """`frames`: video frames per item (`data.video_frames`), for a family whose latents have a frame axis."""
+                 frames: int = 1, controls: int | None = None) -> None:
+        """`frames`: video frames per item (`data.video_frames`), for a family whose latents have a frame axis.
+        `controls`: control images per item, each of the target's size (their latents join its tokens, so the
+        sequence grows by a target's tokens for each); None: one for an edit model that needs them, none
+        otherwise (Flux.2's reference images are optional)."""
+        from modules.config.model_families import FAMILIES
+
         gen = torch.Generator().manual_seed(0)
+        info = FAMILIES.get(model_type)
+        if controls is None:
+            controls = 1 if info is not None and info.controls and not info.controls_optional else 0
+        if controls and (info is None or not info.controls):
+            raise ValueError(f"--controls {controls}: {model_type} trains on plain images, not on control images; "
+                             "leave --controls out or pick an edit model (the families whose controls are named in "
+                             "docs/Models.md)")
+        if controls and info.max_controls and controls > info.max_controls:
+            raise ValueError(f"--controls {controls}: {model_type} takes at most {info.max_controls} control "
+                             f"image(s) an item")
         if variant == DEMO:
             channels, text_shapes, scale = _demo_shapes(model_type)
         else:
@@ -60,6 +75,7 @@ class SyntheticCachedLatents(Dataset):
         self.resolution = resolution
         shape = (channels, lat, lat) if latent_frames is None else (channels, latent_frames, lat, lat)
         self.latents = torch.randn(pool, *shape, generator=gen)
+        self.controls = torch.randn(pool, controls, *shape, generator=gen) if controls else None
         # A token mask (`..._mask`: the families whose captions keep their own length) is all ones: every
         # synthetic caption has the full length.
         self.text = {name: torch.ones(pool, *shape) if name.endswith("_mask") else torch.randn(pool, *shape, generator=gen)
@@ -86,8 +102,11 @@ class SyntheticCachedLatents(Dataset):
         index = key[1] if isinstance(key, tuple) else key
         i = index % self.latents.shape[0]
         size = (self.resolution, self.resolution)
-        return {"index": index, "latents": self.latents[i], "text": {k: v[i] for k, v in self.text.items()},
+        item = {"index": index, "latents": self.latents[i], "text": {k: v[i] for k, v in self.text.items()},
                 "caption": "", "original_size": size, "crop_coords": (0, 0), "target_size": size}
+        if self.controls is not None:
+            item["control_latents"] = self.controls[i]
+        return item
 
 
 def write_random_model(model_type: str, folder, dtype: torch.dtype | None = None, device: str = "cpu",

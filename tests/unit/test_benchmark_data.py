@@ -1,0 +1,23 @@
+"""The benchmark's synthetic items are shaped like the trainer's cached ones, controls included: an edit model's
+items carry the control latents that double its token sequence, as its real cache does."""
+from __future__ import annotations
+
+import pytest
+
+from modules.benchmark.synthetic import SyntheticCachedLatents
+from modules.data.dataset import collate
+
+
+def test_an_edit_models_items_carry_one_control_of_the_targets_size():
+    data = SyntheticCachedLatents("qwen_edit", 256, 4, pool=2)
+    batch = collate([data[0], data[1]])
+    assert batch["control_latents"].shape == (2, 1, *batch["latents"].shape[1:])
+    assert not (batch["control_latents"][:, 0] == batch["latents"]).all()  # a control is not its target
+
+
+def test_optional_references_only_when_asked_and_plain_families_refuse_them():
+    assert "control_latents" not in SyntheticCachedLatents("flux2", 256, 2, pool=1)[0]
+    with_reference = SyntheticCachedLatents("flux2", 256, 2, pool=1, controls=2)[0]
+    assert with_reference["control_latents"].shape == (2, *with_reference["latents"].shape)
+    with pytest.raises(ValueError, match=r"--controls 1: sd1 trains on plain images"):
+        SyntheticCachedLatents("sd1", 256, 2, pool=1, controls=1)
