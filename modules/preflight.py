@@ -73,7 +73,7 @@ def check_folders(cfg: TrainConfig) -> None:
 def check_model(cfg: TrainConfig) -> tuple[str, ...]:
     """The base model is readable; returns the families it may be (one, or SD 1.x and 2.x, whose folders
     look alike: only loading tells them apart)."""
-    from modules.config.model_families import BUILTIN_MODELS
+    from modules.families.registry import BUILTIN_MODELS
     requested = cfg.model.model_type
     if cfg.model.base_model.strip() in BUILTIN_MODELS and not cfg.model.vae_path.strip():
         if cfg.multi_gpu.enabled and cfg.multi_gpu.nnodes > 1 and cfg.multi_gpu.node_rank > 0:
@@ -118,7 +118,7 @@ def check_no_clips(cfg: TrainConfig, families: tuple[str, ...]) -> None:
     """Clips in the concepts of an image family are refused (as the loaded family would, `check_clips`), each
     concept named: the scan would otherwise judge them by `data.video_frames`, a setting such a model never
     uses, and skip the short ones with a warning about it."""
-    from modules.config.model_families import FAMILIES
+    from modules.families.registry import FAMILIES
     if any(FAMILIES[family].video for family in families if family in FAMILIES):
         return
     from modules.data.concepts import clip_files
@@ -207,7 +207,7 @@ def build_builtin_model(name: str) -> None:
     """Build a built-in model on this machine now, in the launcher. Rank 0 builds it for the workers of its own
     machine; every other machine needs its own copy on its own disk, and a worker there cannot write it:
     transformers saves a text encoder only on rank 0 of a process group."""
-    from modules.config.model_families import family_of_builtin
+    from modules.families.registry import family_of_builtin
     from modules.model.families import family
     family(family_of_builtin(name)).build_demo()
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from modules.config.model_families import FAMILIES, MODEL_TYPES
+    from modules.families.registry import FAMILIES, MODEL_TYPES
     p.add_argument("--type", choices=MODEL_TYPES, default="sd1")
     sizes = "; ".join(f"{name}: {', '.join(info.variants)}" for name, info in FAMILIES.items() if info.variants)
     p.add_argument("--variant", default="", help=f"a published size of the family ({sizes})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from modules.config import TrainConfig
-from modules.config.model_families import FAMILIES, guess_family
+from modules.families.registry import FAMILIES, guess_family
 
 Rule = Callable[[TrainConfig], "str | None"]
 

@@ -3,12 +3,12 @@
 Tk-free, so the rule is tested without a display. Today the rule is the model family's: SD-only
 settings (prediction type, min-SNR) disappear for SD3 and Flux, their settings (T5 length, timestep
 distribution, Flux guidance, the components folder) for the SD families. The family comes from the
-config without loading anything (`model_families.guess_family`); while it is unknown, every field shows.
+config without loading anything (`families.registry.guess_family`); while it is unknown, every field shows.
 """
 from __future__ import annotations
 
 from modules.config import TrainConfig
-from modules.config.model_families import family_fields, field_applies, guess_family
+from modules.families.registry import family_fields, field_applies, guess_family
 
 
 def hidden_fields(cfg: TrainConfig) -> set[str]:

@@ -2,13 +2,13 @@
 to do for one that does not (`modules/model/lora_clients.py` decides; the trainer logs the same per file).
 
 Tk-free, so it is tested without a display. The family comes from the config without loading anything
-(`model_families.guess_family`); while it is unknown the line says so.
+(`families.registry.guess_family`); while it is unknown the line says so.
 """
 from __future__ import annotations
 
 from modules.config import TrainConfig
-from modules.config.model_families import guess_family
-from modules.config.lora_clients import CLIENTS, EXACT, layout_for, readings
+from modules.families.registry import guess_family
+from modules.families.lora_clients import CLIENTS, EXACT, layout_for, readings
 
 
 def lora_readers_text(cfg: TrainConfig) -> str:

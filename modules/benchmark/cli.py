@@ -8,7 +8,7 @@ from pathlib import Path
 
 from modules.benchmark import DEMO
 from modules.config.memory_plan import NoPlanFits
-from modules.config.model_families import FAMILIES, MODEL_TYPES
+from modules.families.registry import FAMILIES, MODEL_TYPES
 
 MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3", DEMO: "sd1",
                  **{f"{name}-{variant}": name for name, info in FAMILIES.items() for variant in info.variants}}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.benchmark.gpu_monitor import GpuMonitor
-from modules.config.model_families import MODEL_TYPES
+from modules.families.registry import MODEL_TYPES
 
 PROMPTS = ("a red circle on a blue background", "a green square in a field", "a yellow triangle at night",
            "two shapes on a white table")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 
 PLACEMENTS = ("gpu", "fp8", "offload", "sharded", "cpu")
 

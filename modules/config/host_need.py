@@ -25,7 +25,7 @@ from pathlib import Path
 
 from modules.config.memory_need import (DTYPE_BYTES, GIB, Facts, Need, Setup, frozen_expert_bytes,
                                         offloaded_activation_bytes, optimizer_state_bytes, swapped_bytes, text_cached)
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 
 PROCESS_HOST_GIB = 2.0
 """Host memory of one training process beside the model: the interpreter and PyTorch, the CUDA runtime's host

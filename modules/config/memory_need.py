@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from modules.config.control_setting import controls_per_image
-from modules.config.model_families import FAMILIES, Activations
+from modules.families.registry import FAMILIES, Activations
 from modules.config.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
 
 GIB = 1024 ** 3
@@ -36,7 +36,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 """What `modules.model.lora` adapts in a CLIP text encoder that trains."""
 
-# Each family's measured activations are registry data (`FamilyInfo.activations`, modules/config/model_families.py):
+# Each family's measured activations are registry data (`FamilyInfo.activations`, modules/families/registry.py):
 # a UNet's GiB per sample at a reference resolution (bf16 autocast, SDPA; raw numbers in docs/MultiGPUTraining.md),
 # scaled linearly with the pixel count and x2 for fp32; a transformer's bytes per block, token and channel.
 DEFAULT_BLOCK_BYTES = 56.3

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from modules.config.host_need import HOST_SAFETY_FRACTION, HostNeed, HostRoom, host_need
 from modules.config.host_need import fits as host_fits
 from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.model_sizes import ModelSizes
 from modules.config.plan_speed import step_seconds
 from modules.config.validation import parse_layer_offload, parse_memory_limits, validate

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from modules.config.model_families import FAMILIES, family_of_keys, guess_family
+from modules.families.registry import FAMILIES, family_of_keys, guess_family
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "modules" / "model" / "configs"

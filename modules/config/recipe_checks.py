@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .model_families import FAMILIES, field_applies
+from modules.families.registry import FAMILIES, field_applies
 from .train_config import TrainConfig
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .field_rules import rule
-from .model_families import MODEL_TYPES
+from modules.families.registry import MODEL_TYPES
 
 DTYPES = ("fp32", "bf16", "fp16")
 """Storage and saving dtypes."""

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from .model_families import FAMILIES, field_applies, family_of_builtin
+from modules.families.registry import FAMILIES, field_applies, family_of_builtin
 from modules.util.batch_slice import parse_split
 
 from .docs import section_classes
@@ -434,7 +434,7 @@ def layer_offload_problems(cfg: TrainConfig) -> list[str]:
 
 def context_parallel_family_problem(degree: int, family: str) -> str | None:
     """Why `family` cannot split a sample over `degree` GPUs (None: it can, or the family is not known yet)."""
-    from modules.config.model_families import FAMILIES
+    from modules.families.registry import FAMILIES
 
     info = FAMILIES.get(family)
     if degree <= 1 or info is None or info.context_parallel:

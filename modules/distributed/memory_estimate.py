@@ -19,7 +19,7 @@ import torch
 
 from modules.config import memory_need
 from modules.config.memory_need import GIB, EstimateError, Setup, facts, need  # noqa: F401 - EstimateError re-exported
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.model_sizes import (CONFIGS_DIR, SHIPPED_SIZES_DIR, Component, ModelSizes, SizesUnavailable,
                                         counted_parts, model_sizes, store_component)
 

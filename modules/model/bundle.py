@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from modules.config.model_families import FAMILIES, MODEL_TYPES
+from modules.families.registry import FAMILIES, MODEL_TYPES
 
 # The parts of a diffusers folder whose weights shape the cached latents and text embeddings.
 _CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
@@ -27,7 +27,7 @@ _CACHE_INPUT_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3
 @dataclass
 class ModelBundle:
     model_type: str
-    """The family: `sd1`, `sd2`, `sdxl`, `sd3`, `flux`, `qwen` or `zimage` (see `modules/config/model_families.py`)."""
+    """The family: `sd1`, `sd2`, `sdxl`, `sd3`, `flux`, `qwen` or `zimage` (see `modules/families/registry.py`)."""
     denoiser: Any
     """The trained network: `UNet2DConditionModel` (SD families) or the family's transformer (SD3, Flux)."""
     vae: Any

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from modules.config.model_families import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin, guess_family
+from modules.families.registry import BUILTIN_MODELS, FAMILIES, MODEL_TYPES, family_of_builtin, guess_family
 
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.config.validation import parse_config_overrides

@@ -12,7 +12,7 @@ from modules.config.train_config import ModelConfig, TrainingConfig
 
 from .loading import load_model
 from .lora import add_lora, lora_alpha_and_rank, save_lora
-from modules.config.lora_clients import layout_for, save_note
+from modules.families.lora_clients import layout_for, save_note
 from .lora_metadata import file_metadata
 from .lora_reading import adapter_settings, apply_lora, read_lora
 

@@ -4,7 +4,7 @@ Reads only what tells a usable model from a broken one: a diffusers folder's `mo
 weight file for each of its model parts and the headers of its `.safetensors` files; a single file's
 key names - a `.safetensors` header (which also shows a truncated file) or a `.ckpt` through the
 weights-only unpickler, memory-mapped, so no code in a pickle ever runs. The family is told by the
-same facts the loaders use (`modules/config/model_families.py`, `detect.py`), without importing the
+same facts the loaders use (`modules/families/registry.py`, `detect.py`), without importing the
 model libraries, so the launcher stays fast. What passes here can still fail to load (a damaged
 tensor inside an intact file, a part whose sizes do not fit its config); that shows when it is read.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from modules.config.model_families import (BUILTIN_MODELS, FAMILIES, families_of_pipeline, family_of_keys,
+from modules.families.registry import (BUILTIN_MODELS, FAMILIES, families_of_pipeline, family_of_keys,
                                            known_pipelines)
 from modules.config.train_config import ModelConfig
 

@@ -2,7 +2,7 @@
 
 Qwen-Image's text encoder is Qwen2.5-VL 7B (16.6 GB in bf16), Z-Image's Qwen3 4B (8 GB). They never train,
 and in training their one use is to turn captions into embeddings, which the text cache keeps. So the
-families marked `text_apart` (modules/config/model_families.py) load no text encoder with the model: the
+families marked `text_apart` (modules/families/registry.py) load no text encoder with the model: the
 bundle holds a `TextSide` instead - where the encoder's weights are, in which dtype it runs, the tokenizer,
 and how the family encodes with it - and
 
@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from modules.config.text_encoders import kept_weight
+from modules.families.text_encoders import kept_weight
 
 log = logging.getLogger("tandem")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 
 
 @dataclass(frozen=True)

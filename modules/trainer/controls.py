@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.config.model_families import FAMILIES, guess_family
+from modules.families.registry import FAMILIES, guess_family
 
 
 def text_sees_controls(model_cfg) -> bool:

@@ -324,7 +324,7 @@ class OutputWriter:
         """One log line per LoRA file: which programs apply it exactly, and for those that do not, the other
         file of the run or the conversion to use (`lora_clients.save_note`)."""
         from modules.model.lora import lora_alpha_and_rank, lora_type
-        from modules.config.lora_clients import save_note
+        from modules.families.lora_clients import save_note
 
         bundle = self.parts.bundle
         alpha, rank = lora_alpha_and_rank(bundle)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from modules.config import load_config
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.train_config import ModelConfig
 from modules.data.demo_dataset import COLOURS, ensure_demo_dataset
 from modules.model import load_model

@@ -1,5 +1,5 @@
 """Every registered family with a built-in model, through the real trainer on CPU (gloo): parametrised over the
-registry (`modules/config/model_families.py`), so a family gets these checks by being registered.
+registry (`modules/families/registry.py`), so a family gets these checks by being registered.
 
 For each family, on its demo preset (`#demo_<family>`) with the first 8 items of its data (`demo_data_subset`:
 the whole demo dataset's scan and cache would be most of each run), tiny and few steps:
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from modules.config.model_families import FAMILIES, field_applies
-from modules.config.text_encoders import TEXT_ENCODER_KINDS
+from modules.families.registry import FAMILIES, field_applies
+from modules.families.text_encoders import TEXT_ENCODER_KINDS
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.distributed.launch import launch
 from modules.model import load_model

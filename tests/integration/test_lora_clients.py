@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.model import add_lora, load_model, save_lora
 from modules.model.lora import lora_modules
-from modules.config.lora_clients import EXACT, NOTHING, WRONG, comfyui_reading, diffusers_reading, layout_for, save_note
+from modules.families.lora_clients import EXACT, NOTHING, WRONG, comfyui_reading, diffusers_reading, layout_for, save_note
 from modules.model.lora_convert import convert_lora_file
 from modules.model.lora_reading import apply_lora, read_lora
 from tests import comfy_lora_rules as comfy

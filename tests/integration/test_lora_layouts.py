@@ -301,7 +301,7 @@ def test_trained_lora_metadata_has_modelspec_and_kohya_settings_and_no_local_pat
     trainer = GenericTrainer(cfg, callbacks)
     with tandem_log() as log_lines:
         trainer.run()
-    # Each saved file's line says who applies it (modules/config/lora_clients.py), naming the run's other file.
+    # Each saved file's line says who applies it (modules/families/lora_clients.py), naming the run's other file.
     assert [line for line in log_lines if "layout, LoRA)" in line] == [
         "shapes.safetensors (kohya layout, LoRA): ComfyUI applies it exactly; diffusers applies it exactly",
         "shapes.peft.safetensors (peft layout, LoRA): ComfyUI skips its UNet attention layers (it knows them by the "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modules.config.model_families import family_of_keys
+from modules.families.registry import family_of_keys
 from modules.config.train_config import ModelConfig, SamplePromptConfig, TrainingConfig
 from modules.model import add_lora, load_model, save_lora
 from modules.model import text_apart
@@ -178,7 +178,7 @@ def test_comfyui_applies_lycoris_adapters_but_those_of_q_k_v(tandem_home, tmp_pa
     """Adapters of the layers the release keeps whole are applied exactly under their original names
     (`lora_unet_layers_0_attention_out`); those of q, k and v, fused there in one weight of unequal parts, not at
     all - what `lora_clients` says."""
-    from modules.config.lora_clients import WRONG, comfyui_reading
+    from modules.families.lora_clients import WRONG, comfyui_reading
     from tests.integration.test_lora_clients import comfy_verdict
 
     bundle = demo()

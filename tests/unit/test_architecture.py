@@ -8,8 +8,12 @@ from modules.trainer.callbacks import RecordingCallbacks, TrainingCallbacks
 from modules.trainer.rank_duties import rank_duties
 
 MODULES = Path(__file__).resolve().parents[2] / "modules"
-LAYERS = ["util", "config", "data", "model", "trainer", "distributed", "remote", "queue"]
+LAYERS = ["util", "families", "config", "data", "model", "trainer", "distributed", "remote", "queue"]
 """Each package may import those before it, never one after it."""
+TORCH_FREE = ["families", "config"]
+"""The packages the GUI and the launcher's checks import before (or without) PyTorch: no module of theirs imports
+torch or a library built on it, not even inside a function."""
+TORCH_LIBRARIES = {"torch", "diffusers", "transformers", "peft", "safetensors", "accelerate", "torchvision"}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -28,6 +32,18 @@ def test_no_import_runs_back_up_the_layers():
             for imported in _imported_packages(path) & set(LAYERS[layer + 1:]):
                 upward.append(f"{path.relative_to(MODULES.parent)} imports modules.{imported}")
     assert not upward, "\n".join(upward)
+
+
+def test_the_torch_free_packages_import_no_torch():
+    found = []
+    for package in TORCH_FREE:
+        for path in sorted((MODULES / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                found += [f"{path.relative_to(MODULES.parent)} imports {name}" for name in names
+                          if name.split(".")[0] in TORCH_LIBRARIES]
+    assert not found, "\n".join(found)
 
 
 def _module_imports() -> dict[str, set[str]]:

@@ -1,4 +1,4 @@
-"""The family registry (`modules/config/model_families.py`) is the one list of families: what names a family
+"""The family registry (`modules/families/registry.py`) is the one list of families: what names a family
 anywhere else - presets, shipped configs, text-encoder kinds, the config docs, docs/Models.md's tables - is
 checked against it here, so a registered family cannot be left out and nothing can drift. Torch-free, quick."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from modules.config import field_docs, list_presets, read_config
-from modules.config.model_families import FAMILIES, MODEL_TYPES, guess_family
-from modules.config.text_encoders import TEXT_ENCODER_KINDS, kept_weight, kind_of_class
+from modules.families.registry import FAMILIES, MODEL_TYPES, guess_family
+from modules.families.text_encoders import TEXT_ENCODER_KINDS, kept_weight, kind_of_class
 from modules.config.train_config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.train_config import ModelConfig, SamplePromptConfig, TrainingConfig
 from modules.model import load_model, render_samples, save_full_diffusers, save_full_single_file
 from modules.model.families import detect_checkpoint, detect_folder, family

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 from modules.config.train_config import ModelConfig, TrainingConfig
 from modules.model import add_lora, load_model, save_lora
 from modules.model.families import family

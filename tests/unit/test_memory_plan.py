@@ -256,7 +256,7 @@ def test_fsdp_units_told_by_names_are_the_families_repeated_blocks():
     family whose blocks are named otherwise fails here (and its gathered-block estimate would be wrong)."""
     from types import SimpleNamespace
 
-    from modules.config.model_families import FAMILIES
+    from modules.families.registry import FAMILIES
     from modules.config.model_sizes import shipped_configs, units
     from modules.distributed.memory_estimate import build_meta_model, component_of
     from modules.model.families import family
@@ -279,7 +279,7 @@ def test_every_family_is_planned_from_its_published_sizes_without_torch():
     file and nothing built on `meta`. A text encoder loaded apart (Qwen-Image's, Z-Image's) is freed before
     the denoiser loads and is not counted."""
     from modules.config.memory_need import facts
-    from modules.config.model_families import FAMILIES
+    from modules.families.registry import FAMILIES
     for name, info in FAMILIES.items():
         targets = json.dumps(list(info.lora_targets or ("to_q", "to_k", "to_v", "to_out.0")))
         cfg = config(name, "lora", f"training.lora_target_modules={targets}", "training.gradient_checkpointing=true")

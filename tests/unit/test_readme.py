@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from modules.config.model_families import BUILTIN_MODELS
+from modules.families.registry import BUILTIN_MODELS
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")

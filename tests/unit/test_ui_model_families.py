@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from modules.config import TrainConfig, load_preset
-from modules.config.model_families import guess_family
+from modules.families.registry import guess_family
 from ui.field_visibility import hidden_fields
 
 FLOW_ONLY = {"model.t5_max_length", "model.components_folder", "training.timestep_logit_mean",
@@ -87,11 +87,11 @@ def test_the_family_is_guessed_from_folders_and_file_headers(tmp_path):
 def test_a_weights_files_header_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
     """The GUI asks for the family on every edit; a large model's header is read again only once the file
     changes."""
-    from modules.config import model_families
+    from modules.families import registry
 
     reads = []
-    real = model_families._safetensors_keys
-    monkeypatch.setattr(model_families, "_safetensors_keys", lambda path: reads.append(path) or real(path))
+    real = registry._safetensors_keys
+    monkeypatch.setattr(registry, "_safetensors_keys", lambda path: reads.append(path) or real(path))
     path = tmp_path / "model.safetensors"
     save_file({"txt_norm.weight": torch.zeros(1), "transformer_blocks.0.attn.to_q.weight": torch.zeros(1)}, str(path))
     assert [guess_family(str(path)) for _ in range(3)] == ["qwen"] * 3 and len(reads) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import customtkinter as ctk
 
-from modules.config.model_families import FAMILIES
+from modules.families.registry import FAMILIES
 
 from .dialogs import start_folder
 from .fields import Binder

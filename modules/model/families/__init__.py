@@ -14,7 +14,7 @@ import importlib
 import json
 from pathlib import Path
 
-from modules.config.model_families import DETECTION_ORDER, FAMILIES, MODEL_TYPES, known_pipelines
+from modules.families.registry import DETECTION_ORDER, FAMILIES, MODEL_TYPES, known_pipelines
 
 
 @functools.cache

@@ -13,7 +13,7 @@ call the bundle's family (`bundle.family`), which knows how its models are
 One module per family implements it: `sd.py` (SD 1.x/2.x), `sdxl.py`, `sd3.py`, `flux.py`, `chroma.py`,
 `flux2.py`. Their static
 facts (name, pipeline class, image-size step, the config fields they use) are in
-`modules/config/model_families.py`, where code that must not import torch reads them.
+`modules/families/registry.py`, where code that must not import torch reads them.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from modules.config.model_families import FAMILIES, FamilyInfo
+from modules.families.registry import FAMILIES, FamilyInfo
 from modules.model.objective import weighted_mean
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -101,7 +101,7 @@ class LLMFlowFamily(FlowFamily):
 
     def text_encoder_kind(self):
         """The kind of its text encoder (`FamilyInfo.text_encoders`: one language model, loaded apart)."""
-        from modules.config.text_encoders import TEXT_ENCODER_KINDS
+        from modules.families.text_encoders import TEXT_ENCODER_KINDS
 
         return TEXT_ENCODER_KINDS[self.info.text_encoders[0]]
 

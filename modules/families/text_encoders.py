@@ -11,7 +11,7 @@ What a kind decides:
 - `tiny`: `module:function` of a builder of a tiny random encoder of this kind (benchmarks and built-in demos
   build one instead of reading weights).
 
-Torch-free, like `model_families.py`: validation, the GUI, the docs and the memory plan read it.
+Torch-free, like the registry (`registry.py`): validation, the GUI, the docs and the memory plan read it.
 """
 from __future__ import annotations
 
