@@ -51,7 +51,7 @@ class SyntheticCachedLatents(Dataset):
         `controls`: control images per item, each of the target's size (their latents join its tokens, so the
         sequence grows by a target's tokens for each); None: one for an edit model that needs them, none
         otherwise (Flux.2's reference images are optional)."""
-        from modules.config.model_families import FAMILIES
+        from modules.families.registry import FAMILIES
 
         gen = torch.Generator().manual_seed(0)
         info = FAMILIES.get(model_type)
