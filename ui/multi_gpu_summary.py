@@ -132,8 +132,8 @@ def one_gpu_memory_line(cfg: TrainConfig, card: float) -> str:
 
 
 def _plan_line(cfg: TrainConfig, world: int, cards: list[float] | None) -> str:
-    from modules.config.memory_report import memory_line as plan_line
-    from modules.config.model_sizes import SizesUnavailable, model_sizes
+    from modules.planning.memory_report import memory_line as plan_line
+    from modules.planning.model_sizes import SizesUnavailable, model_sizes
 
     try:
         try:

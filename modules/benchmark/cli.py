@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from modules.benchmark import DEMO
-from modules.config.memory_plan import NoPlanFits
+from modules.planning.memory_plan import NoPlanFits
 from modules.families.registry import FAMILIES, MODEL_TYPES
 
 MODEL_ALIASES = {**{name: name for name in MODEL_TYPES}, "sd15": "sd1", "sd35m": "sd3", DEMO: "sd1",

@@ -29,7 +29,7 @@ input (see docs/MultiGPUTraining.md)."""
 
 def _cards(text: str) -> str:
     """`--plan-for` as written, once it reads as cards: a typo is refused before anything heavy is imported."""
-    from modules.config.memory_plan import parse_plan_for
+    from modules.planning.memory_plan import parse_plan_for
 
     try:
         parse_plan_for(text)
@@ -77,7 +77,7 @@ def plan_for(config_path: str | None, cards: str, as_json: bool, overrides: list
     paths are not checked); 0 when a plan fits, 1 when none does, 2 for bad input. Without a config, the
     plan for `DEFAULT_PLAN_CONFIG`, saying so. PyTorch is imported only if the model must be built to be sized."""
     from modules.config import load_config
-    from modules.config.memory_report import plan_report, report_json
+    from modules.planning.memory_report import plan_report, report_json
 
     if not config_path:
         config_path = DEFAULT_PLAN_CONFIG

@@ -31,8 +31,8 @@ import torch
 from modules.config import load_config
 from modules.config.backends import backend_problem
 
-from modules.config.memory_need import facts, largest_batch
-from modules.config.memory_plan import SAFETY_FRACTION
+from modules.planning.memory_need import facts, largest_batch
+from modules.planning.memory_plan import SAFETY_FRACTION
 
 from . import memory_estimate, rendezvous
 from .check_cli import GPU_ALLREDUCE_MIB, parse_args, plan_for  # the command line, torch-free
@@ -262,7 +262,7 @@ def _memory_findings(cfg, model, cards: list[dict], assume_free_gib: float | Non
                      advice: list) -> dict | None:
     """The memory plan for this machine's GPUs (their free memory, `--assume-free-gib`, or
     `multi_gpu.memory_limit_gib`): a problem when nothing fits, advice when it is tight."""
-    from modules.config.memory_plan import NoPlanFits, plan_for_cards
+    from modules.planning.memory_plan import NoPlanFits, plan_for_cards
     from modules.distributed.strategy import planned_world_size
 
     world = planned_world_size(cfg, len(cards)) if cfg.multi_gpu.enabled else 1

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from modules.config.memory_need import GIB
-from modules.config.memory_plan import own_limit
+from modules.planning.memory_need import GIB
+from modules.planning.memory_plan import own_limit
 from modules.config.validation import context_parallel_problems, fsdp_blockers
 from modules.distributed import failures
 from modules.distributed.ddp import DDPParallelism
@@ -105,7 +105,7 @@ class DistributedTrainer(BaseTrainer):
     def host_room():
         """The host memory rank 0's plan may use (`host_need.py`): its machine's available memory and what the
         machine's ranks hold already, which the plan counts again (`PROCESS_HOST_GIB` each)."""
-        from modules.config.host_need import HostRoom, available_gib
+        from modules.planning.host_need import HostRoom, available_gib
         from modules.model.shared_host_copy import machine
         from modules.util.host_memory import process_usage
 

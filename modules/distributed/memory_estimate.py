@@ -1,6 +1,6 @@
 """The memory estimate's torch side: sizing what no file describes, and the report `check_multi_gpu` prints.
 
-The estimate itself is torch-free (`modules/config/model_sizes.py` reads a model's sizes from its files or
+The estimate itself is torch-free (`modules/planning/model_sizes.py` reads a model's sizes from its files or
 the published sizes Tandem ships; `memory_need.py` adds up what a GPU holds; `memory_plan.py` chooses the
 plan). What needs torch lives here: building a component on PyTorch's `meta` device (shapes only, no
 memory, no download) when neither its files nor a stored size describe it - the result is kept in
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from modules.config import memory_need
-from modules.config.memory_need import GIB, EstimateError, Setup, facts, need  # noqa: F401 - EstimateError re-exported
+from modules.planning import memory_need
+from modules.planning.memory_need import GIB, EstimateError, Setup, facts, need  # noqa: F401 - EstimateError re-exported
 from modules.families.registry import FAMILIES
-from modules.config.model_sizes import (CONFIGS_DIR, SHIPPED_SIZES_DIR, Component, ModelSizes, SizesUnavailable,
+from modules.planning.model_sizes import (CONFIGS_DIR, SHIPPED_SIZES_DIR, Component, ModelSizes, SizesUnavailable,
                                         counted_parts, model_sizes, store_component)
 
 # The published parameter counts of the Stable Diffusion architectures Tandem ships configs for

@@ -2,7 +2,7 @@
 
 DDP keeps a whole copy of the model, its gradients and optimizer state on every GPU and is the fastest
 way to train anything that fits (PyTorch's FSDP2 was 3-6x slower than DDP for a small-batch LoRA in
-SimpleTuner's measurements). With `auto`, the memory plan (`modules/config/memory_plan.py`) takes DDP
+SimpleTuner's measurements). With `auto`, the memory plan (`modules/planning/memory_plan.py`) takes DDP
 whenever it fits every GPU and otherwise the fastest plan that does: an fp8 base, FSDP, activation
 checkpointing and offloading, CPU offload of the shards. `ddp` or `fsdp` set explicitly is used as
 configured (its estimate is still reported).
@@ -15,9 +15,9 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from modules.config.host_need import HostRoom
+from modules.planning.host_need import HostRoom
 from modules.config.launch_spec import resolve_launch
-from modules.config.memory_plan import SAFETY_FRACTION, NoPlanFits, Plan, choose_plan  # noqa: F401 - re-exported
+from modules.planning.memory_plan import SAFETY_FRACTION, NoPlanFits, Plan, choose_plan  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def check_cards(cfg, spec) -> StrategyChoice | None:
         return None
     import torch
 
-    from modules.config.host_need import this_machine
-    from modules.config.memory_need import GIB
-    from modules.config.memory_plan import memory_limits
+    from modules.planning.host_need import this_machine
+    from modules.planning.memory_need import GIB
+    from modules.planning.memory_plan import memory_limits
 
     here = [torch.cuda.get_device_properties(i).total_memory / GIB for i in spec.gpus]
     limits = memory_limits(cfg.multi_gpu.memory_limit_gib, len(here))

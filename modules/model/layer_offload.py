@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules.config.memory_need import swapped_positions
+from modules.planning.memory_need import swapped_positions
 from modules.model.shared_host_copy import MachineShare
 from modules.util.host_memory import mapping_usage
 

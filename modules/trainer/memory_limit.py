@@ -18,8 +18,8 @@ import re
 
 import torch
 
-from modules.config.memory_need import GIB
-from modules.config.memory_plan import own_limit
+from modules.planning.memory_need import GIB
+from modules.planning.memory_plan import own_limit
 from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")

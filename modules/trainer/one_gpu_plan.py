@@ -2,7 +2,7 @@
 model loads.
 
 On one GPU there is nothing to shard, so the plan chooses among holding the model plainly, an fp8 base,
-activation checkpointing, activation offloading and layer offload of as few blocks as fit (`modules/config/memory_plan.py`), for
+activation checkpointing, activation offloading and layer offload of as few blocks as fit (`modules/planning/memory_plan.py`), for
 `multi_gpu.memory_limit_gib` or the card's free memory, and the machine's available host memory
 (`host_need.py`). A config that fits nothing is refused here - before
 anything loads - naming the smallest change that fits (`NoPlanFits`); `TANDEM_SKIP_MEMORY_CHECK=1` starts it
@@ -16,10 +16,10 @@ import os
 
 import torch
 
-from modules.config.host_need import this_machine
-from modules.config.memory_need import GIB
-from modules.config.memory_plan import Plan, choose_plan, own_limit
-from modules.config.model_sizes import SizesUnavailable, model_sizes
+from modules.planning.host_need import this_machine
+from modules.planning.memory_need import GIB
+from modules.planning.memory_plan import Plan, choose_plan, own_limit
+from modules.planning.model_sizes import SizesUnavailable, model_sizes
 from modules.config.validation import parse_layer_offload
 
 log = logging.getLogger("tandem")

@@ -21,7 +21,7 @@ The collectives every strategy needs alike (barriers, the step's report, broadca
 states) stay in `modules.util.dist_utils`, no-ops in one process; the parallelism owns those that differ
 between strategies: DDP's gradient all-reduce, FSDP's gathers in every forward and for a save, equal
 forward calls on every rank. This class is the one-process parallelism, and its defaults are the
-whole-model behaviour one process and DDP share. Memory pooling (`modules/config/memory_plan.py`)
+whole-model behaviour one process and DDP share. Memory pooling (`modules/planning/memory_plan.py`)
 chooses among them and sets what they read: FSDP over a LoRA's frozen base, an fp8 base sharded in
 float8 (`wrap`), activation checkpointing, activation offloading (saved-tensor hooks in
 `gradient_sync`'s context, for every strategy: `offload_activations`) and CPU offload of the shards, and for unequal GPUs under FSDP the split of

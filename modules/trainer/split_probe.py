@@ -57,7 +57,7 @@ def decide_split(setting: str, batch: int, world: int, holds_whole_model: bool, 
     cannot be probed with it: `auto` then takes the memory plan's split by the cards' room (`planned_split`),
     or gives equal batches."""
     if not holds_whole_model and setting.strip().lower() == "auto":
-        if planned_split:  # the memory plan split it by the cards' room (`modules/config/memory_plan.py`)
+        if planned_split:  # the memory plan split it by the cards' room (`modules/planning/memory_plan.py`)
             log.info("Batch split (auto, from the memory plan): %s.", describe_split(planned_split, device_names()))
             return list(planned_split)
         # The probe trains the whole model on each GPU, which a sharded run may not fit on one.

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from modules.config import TrainConfig
-from modules.config.memory_need import EstimateError, facts, frozen_base_bytes, optimizer_state_bytes
-from modules.config.model_sizes import lora_shapes, numel, shipped_configs
+from modules.planning.memory_need import EstimateError, facts, frozen_base_bytes, optimizer_state_bytes
+from modules.planning.model_sizes import lora_shapes, numel, shipped_configs
 from modules.distributed import diagnostics, memory_estimate
 from tests.patience import patience
 
@@ -118,7 +118,7 @@ def test_fp8_lora_base_counts_one_byte_per_linear_weight():
 def test_shipped_architectures_match_published_parameter_counts_and_their_stored_sizes():
     """The published sizes Tandem ships (modules/model/configs/sizes/) are the shipped configs built on `meta`:
     each component's every name and shape; the SD families' counts are the published ones."""
-    from modules.config.model_sizes import CONFIGS_DIR, stored_component
+    from modules.planning.model_sizes import CONFIGS_DIR, stored_component
     for family in sorted(p.name for p in CONFIGS_DIR.iterdir() if (p / "vae.json").is_file()):
         configs = shipped_configs(family)
         built = memory_estimate.measure(configs)
@@ -282,7 +282,7 @@ def test_parse_real_topology_with_underlined_header():
 
 
 def test_largest_batch_that_fits():
-    from modules.config.memory_need import Setup, largest_batch, need
+    from modules.planning.memory_need import Setup, largest_batch, need
     cfg = _sd1()
     cfg.training.method = "full"
     f = facts(memory_estimate.sizes(cfg), cfg)
@@ -307,7 +307,7 @@ def test_unequal_gpus_get_the_batch_split_advice():
 
 def test_an_explicit_split_is_estimated_per_gpu(tmp_path):
     from modules.config import load_config
-    from modules.config.memory_plan import choose_plan
+    from modules.planning.memory_plan import choose_plan
 
     config = write_config(tmp_path, training={"method": "full", "batch_size": 4},
                           multi_gpu={"enabled": True, "batch_split": "6,2", "strategy": "ddp"})

@@ -142,8 +142,8 @@ def test_the_start_up_line_counts_processes_and_their_groups():
 def test_each_process_of_a_group_is_planned_for_its_part_of_the_clip():
     """The memory estimate: a process of a group of 2 keeps the activations of half the clip's tokens (the
     text's whole)."""
-    from modules.config.memory_need import Setup, activation_bytes_per_sample, facts
-    from modules.config.model_sizes import model_sizes
+    from modules.planning.memory_need import Setup, activation_bytes_per_sample, facts
+    from modules.planning.model_sizes import model_sizes
     per = {}
     for degree in (1, 2):
         cfg = multi("model.model_type=wan", "training.method=lora", "training.precision=bf16",

@@ -6,7 +6,7 @@ import pytest
 
 from modules.config import TrainConfig
 from modules.config.validation import fsdp_blockers, validate
-from modules.config.memory_need import Setup, facts, need
+from modules.planning.memory_need import Setup, facts, need
 from modules.distributed import memory_estimate
 from modules.distributed.strategy import choose_strategy
 

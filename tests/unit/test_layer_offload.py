@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from modules.config.memory_need import swapped_positions as spread
+from modules.planning.memory_need import swapped_positions as spread
 from modules.model.layer_offload import LayerOffload
 
 

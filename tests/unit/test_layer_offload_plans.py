@@ -10,8 +10,8 @@ import re
 import pytest
 
 from modules.config import TrainConfig, apply_overrides, validate
-from modules.config.memory_plan import NoPlanFits, choose_plan, with_changes
-from modules.config.model_sizes import model_sizes
+from modules.planning.memory_plan import NoPlanFits, choose_plan, with_changes
+from modules.planning.model_sizes import model_sizes
 from modules.distributed.diagnostics import main
 from tests.unit.test_memory_plan import config
 
@@ -120,7 +120,7 @@ def test_every_candidate_passes_the_config_check(preset):
     """The planner's candidates, for one GPU and two, each a config the config check lets through: the planner asks
     the check itself (`plan_problems`), so a rule the check gains is one no plan breaks."""
     from modules.config import load_config
-    from modules.config.memory_plan import FEWEST, candidates, changes_of
+    from modules.planning.memory_plan import FEWEST, candidates, changes_of
 
     for variant in VARIANTS:
         cfg = load_config(preset, variant, check_paths=False)
@@ -147,7 +147,7 @@ def test_every_candidate_passes_the_config_check(preset):
 
 def test_plan_problems_are_the_config_checks_sentences():
     """What keeps a saver out of every plan is the config check's own sentence for it."""
-    from modules.config.memory_plan import plan_problems
+    from modules.planning.memory_plan import plan_problems
 
     loha = config("flux", "lora", "training.lora_type=loha")
     assert any("'fsdp' shards the adapters of plain LoRA only" in p
@@ -178,7 +178,7 @@ def test_layer_offload_refuses_what_it_cannot_train_naming_the_field():
 
 
 def test_plan_for_takes_the_machines_host_memory_after_a_colon():
-    from modules.config.memory_plan import parse_plan_for
+    from modules.planning.memory_plan import parse_plan_for
 
     assert parse_plan_for("1x24:64") == ([24.0], 64.0) and parse_plan_for("2x24") == ([24.0, 24.0], None)
     for bad in ("1x24:", "1x24:lots", "1x24:0"):
@@ -187,8 +187,8 @@ def test_plan_for_takes_the_machines_host_memory_after_a_colon():
 
 
 def test_the_layer_offload_copy_is_counted_once_per_machine():
-    from modules.config.host_need import PROCESS_HOST_GIB, host_need
-    from modules.config.memory_need import Setup, facts, need
+    from modules.planning.host_need import PROCESS_HOST_GIB, host_need
+    from modules.planning.memory_need import Setup, facts, need
 
     cfg = config("qwen", "lora", "training.gradient_checkpointing=true")
     f = facts(model_sizes(cfg), cfg)
@@ -204,7 +204,7 @@ def test_the_layer_offload_copy_is_counted_once_per_machine():
 
 
 def test_a_plan_the_host_memory_cannot_hold_gives_way_to_one_it_can_or_is_refused_with_the_figure():
-    from modules.config.host_need import HostRoom
+    from modules.planning.host_need import HostRoom
 
     cfg = config("qwen", "lora", "training.gradient_checkpointing=true", "multi_gpu.layer_offload=auto")
     roomy = plan(cfg, 24, 24, host=HostRoom(128, "test", 2))

@@ -34,8 +34,8 @@ def test_each_gpu_is_held_to_its_limit(monkeypatch):
 
 
 def fake_trainer(step: int, limit: str = "24,16"):
-    from modules.config.memory_plan import Candidate, Plan
-    from modules.config.memory_need import Need, Setup
+    from modules.planning.memory_plan import Candidate, Plan
+    from modules.planning.memory_need import Need, Setup
 
     cfg = TrainConfig()
     cfg.multi_gpu.memory_limit_gib = limit

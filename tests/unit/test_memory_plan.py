@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from modules.config import TrainConfig, apply_overrides, validate
-from modules.config.memory_plan import (NoPlanFits, capacities, choose_plan, memory_limits, own_limit, parse_cards,
+from modules.planning.memory_plan import (NoPlanFits, capacities, choose_plan, memory_limits, own_limit, parse_cards,
                                         with_changes)
-from modules.config.model_sizes import model_sizes
+from modules.planning.model_sizes import model_sizes
 from tests.patience import patience
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,8 +173,8 @@ def test_sizes_come_from_a_folders_files_without_torch(tandem_home, tmp_path):
     assert builtin.source == f"built-in model ({folder})" and builtin.components["unet"].tensors == read.components["unet"].tensors
     script = ("import sys, time; t = time.perf_counter()\n"
               "from modules.config import TrainConfig, apply_overrides\n"
-              "from modules.config.model_sizes import model_sizes\n"
-              "from modules.config.memory_plan import choose_plan\n"
+              "from modules.planning.model_sizes import model_sizes\n"
+              "from modules.planning.memory_plan import choose_plan\n"
               "cfg = apply_overrides(TrainConfig(), ['model.base_model=x.safetensors', 'model.model_type=flux', "
               "'training.method=lora', 'multi_gpu.enabled=true', 'multi_gpu.memory_limit_gib=24'])\n"
               "p = choose_plan(cfg, model_sizes(cfg), [24.0, 24.0])\n"
@@ -257,7 +257,7 @@ def test_fsdp_units_told_by_names_are_the_families_repeated_blocks():
     from types import SimpleNamespace
 
     from modules.families.registry import FAMILIES
-    from modules.config.model_sizes import shipped_configs, units
+    from modules.planning.model_sizes import shipped_configs, units
     from modules.distributed.memory_estimate import build_meta_model, component_of
     from modules.model.families import family
 
@@ -278,7 +278,7 @@ def test_every_family_is_planned_from_its_published_sizes_without_torch():
     real-size configs and named FSDP units: a LoRA of it is sized and planned for 2 x 24 GiB with no weights
     file and nothing built on `meta`. A text encoder loaded apart (Qwen-Image's, Z-Image's) is freed before
     the denoiser loads and is not counted."""
-    from modules.config.memory_need import facts
+    from modules.planning.memory_need import facts
     from modules.families.registry import FAMILIES
     for name, info in FAMILIES.items():
         targets = json.dumps(list(info.lora_targets or ("to_q", "to_k", "to_v", "to_out.0")))
@@ -298,7 +298,7 @@ def test_a_single_file_of_a_family_with_several_sizes_is_sized_as_the_size_it_is
     whose transformer has its parameter count, not always as dev."""
     import struct
 
-    from modules.config.model_sizes import shipped_configs, stored_component
+    from modules.planning.model_sizes import shipped_configs, stored_component
     klein = stored_component(shipped_configs("flux2", "klein-4b")["transformer"])
     # A header naming the Klein transformer's tensors (in any layout: only the count decides) and a marker.
     header = {"double_stream_modulation_img.lin.weight": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 0]}}
@@ -317,7 +317,7 @@ def test_a_single_file_of_a_family_with_several_sizes_is_sized_as_the_size_it_is
 def test_a_clip_needs_the_activations_of_all_its_latent_frames():
     """Wan at 81 frames: 21 latent frames (its VAE keeps one in four after the first), each as many tokens as
     an image, so a clip's activations are ~21 times an image's (the text's 512 tokens counted once)."""
-    from modules.config.memory_need import Setup, activation_bytes_per_sample, facts
+    from modules.planning.memory_need import Setup, activation_bytes_per_sample, facts
     per_frame_count = {}
     for frames in (1, 81):
         cfg = config("wan", "lora", "data.resolution=512", f"data.video_frames={frames}",
@@ -333,7 +333,7 @@ def test_the_checkpointed_peak_is_taken_where_the_backward_holds_the_most():
     48 single blocks, so the backward's largest moment is the last single block - every block's input kept,
     a single block gathered - not the sum of the largest of each (a double block gathered while every input is
     kept), which overstated the measured peak by a quarter (docs/MultiGPUTraining.md)."""
-    from modules.config.memory_need import Setup, backward_activations, facts, need
+    from modules.planning.memory_need import Setup, backward_activations, facts, need
     cfg = config("flux2", "lora", "model.unet_dtype=fp8", "training.gradient_checkpointing=true", "training.batch_size=1")
     f = facts(model_sizes(cfg), cfg)
     assert list(f.block_kinds) == ["transformer_blocks", "single_transformer_blocks"]  # the order they run
@@ -355,7 +355,7 @@ def test_activation_offloading_is_planned_on_one_gpu_and_with_ddp_where_the_acti
     """Wan 2.1 14B LoRA, 81 frames at 640 px: the checkpointed blocks' inputs (40 x 33,600 tokens x 5,120 channels
     in bf16, 13.8 GB) fit no 24 GiB card, even with every block swapped; in host memory they do, counted there for
     every process. Where they fit the card, nothing is offloaded."""
-    from modules.config.model_sizes import shipped_configs, stored_component
+    from modules.planning.model_sizes import shipped_configs, stored_component
     params = stored_component(shipped_configs("wan", "14b")["transformer"]).params
     header = json.dumps({"denoiser": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}).encode()
     path = tmp_path / "wan-14b.safetensors"  # a header of the 14B's parameter count: sized as the 14B

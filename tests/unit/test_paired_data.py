@@ -213,7 +213,7 @@ def test_an_edit_model_trains_on_pairs_only_and_other_models_on_none(pairs):
 
 
 def test_the_memory_plan_counts_the_tokens_each_control_adds():
-    from modules.config.memory_need import Setup, facts, sequence_tokens
+    from modules.planning.memory_need import Setup, facts, sequence_tokens
     from tests.unit.test_memory_plan import config, model_sizes
 
     def tokens(*overrides):

@@ -184,8 +184,8 @@ def test_ti2v_trains_on_48_channels_with_the_timestep_its_pipeline_gives_every_t
 
 
 def test_the_memory_plan_counts_the_frozen_expert_and_ti2v_tokens(folders):
-    from modules.config.memory_need import Setup, activation_bytes_per_sample, facts, frozen_expert_bytes, need
-    from modules.config.model_sizes import model_sizes
+    from modules.planning.memory_need import Setup, activation_bytes_per_sample, facts, frozen_expert_bytes, need
+    from modules.planning.model_sizes import model_sizes
 
     def planned(folder, *overrides):
         cfg = apply_overrides(TrainConfig(), [f"model.base_model={folder}", "training.method=lora",

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from modules.config.memory_need import (DTYPE_BYTES, GIB, Facts, Need, Setup, frozen_expert_bytes,
+from modules.planning.memory_need import (DTYPE_BYTES, GIB, Facts, Need, Setup, frozen_expert_bytes,
                                         offloaded_activation_bytes, optimizer_state_bytes, swapped_bytes, text_cached)
 from modules.families.registry import FAMILIES
 

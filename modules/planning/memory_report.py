@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import time
 
-from modules.config.host_need import HostRoom
-from modules.config.memory_plan import NoPlanFits, Plan, capacities, choose_plan, parse_plan_for
-from modules.config.model_sizes import ModelSizes, model_sizes
+from modules.planning.host_need import HostRoom
+from modules.planning.memory_plan import NoPlanFits, Plan, capacities, choose_plan, parse_plan_for
+from modules.planning.model_sizes import ModelSizes, model_sizes
 
 
 def plan_table(plan: Plan) -> list[str]:

@@ -14,7 +14,7 @@ Torch-free, like the rest of the plan.
 """
 from __future__ import annotations
 
-from modules.config.memory_need import Facts, Setup, offloaded_activation_bytes, sequence_tokens, swapped_bytes
+from modules.planning.memory_need import Facts, Setup, offloaded_activation_bytes, sequence_tokens, swapped_bytes
 
 REFERENCE_FLOPS = 400e12
 """Floating-point operations per second a step's matrix products reach (bf16, a large current GPU)."""

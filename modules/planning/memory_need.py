@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from modules.config.control_setting import controls_per_image
 from modules.families.registry import FAMILIES, Activations
-from modules.config.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
+from modules.planning.model_sizes import ModelSizes, Shape, linear_weights, lora_shapes, numel, unit_kinds, units
 
 GIB = 1024 ** 3
 RUNTIME_OVERHEAD_GIB = 1.0
@@ -181,7 +181,7 @@ def facts(sizes: ModelSizes, cfg) -> Facts:
 
 def _adapted(tensors: dict[str, Shape], targets, rank: int) -> dict[str, int]:
     """LoRA parameters of each adapted layer, by the layer's path."""
-    from modules.config.model_sizes import layers
+    from modules.planning.model_sizes import layers
     return {path: rank * (shape[0] + numel(shape[1:])) for path, shape in layers(tensors).items()
             if any(path == t or path.endswith("." + t) for t in targets)}
 

@@ -33,12 +33,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from modules.config.host_need import HOST_SAFETY_FRACTION, HostNeed, HostRoom, host_need
-from modules.config.host_need import fits as host_fits
-from modules.config.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
+from modules.planning.host_need import HOST_SAFETY_FRACTION, HostNeed, HostRoom, host_need
+from modules.planning.host_need import fits as host_fits
+from modules.planning.memory_need import RUNTIME_OVERHEAD_GIB, Facts, Need, Setup, facts, need
 from modules.families.registry import FAMILIES
-from modules.config.model_sizes import ModelSizes
-from modules.config.plan_speed import step_seconds
+from modules.planning.model_sizes import ModelSizes
+from modules.planning.plan_speed import step_seconds
 from modules.config.validation import parse_layer_offload, parse_memory_limits, validate
 from modules.util.batch_slice import RankCapacity, SplitDoesNotFit, choose_split, parse_split
 
