@@ -2,7 +2,7 @@
 
     python scripts/import_config.py IN --out OUT.json [--force] [--config-value FIELD=VALUE ...]
 
-Prints what was mapped and lists every setting that has no Tandem counterpart (modules/config/config_import.py).
+Prints what was mapped and lists every setting that has no Tandem counterpart (modules/importing/config_import.py).
 """
 import os
 import sys
@@ -10,5 +10,5 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
-    from modules.config.import_cli import main
+    from modules.importing.cli import main
     sys.exit(main())

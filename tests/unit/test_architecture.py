@@ -8,9 +8,9 @@ from modules.trainer.callbacks import RecordingCallbacks, TrainingCallbacks
 from modules.trainer.rank_duties import rank_duties
 
 MODULES = Path(__file__).resolve().parents[2] / "modules"
-LAYERS = ["util", "families", "config", "planning", "data", "model", "trainer", "distributed", "remote", "queue"]
+LAYERS = ["util", "families", "config", "importing", "planning", "data", "model", "trainer", "distributed", "remote", "queue"]
 """Each package may import those before it, never one after it."""
-TORCH_FREE = ["families", "config", "planning"]
+TORCH_FREE = ["families", "config", "importing", "planning"]
 """The packages the GUI and the launcher's checks import before (or without) PyTorch: no module of theirs imports
 torch or a library built on it, not even inside a function."""
 TORCH_LIBRARIES = {"torch", "diffusers", "transformers", "peft", "safetensors", "accelerate", "torchvision"}

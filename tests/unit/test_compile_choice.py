@@ -172,7 +172,7 @@ def test_a_run_weighs_its_own_steps_shapes_and_cache(tandem_home, tmp_path, monk
 def test_a_onetrainer_compile_switch_reads_as_on_or_off(tmp_path, value, setting):
     import json
 
-    from modules.config.config_import import import_config
+    from modules.importing.config_import import import_config
     config = tmp_path / "ot.json"
     config.write_text(json.dumps({"__version": 10, "training_method": "LORA", "model_type": "STABLE_DIFFUSION_15",
                                   "base_model_name": "/models/sd15.safetensors", "compile": value}))

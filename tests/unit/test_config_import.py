@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from modules.config import ConfigError, load_config, validate
-from modules.config.config_import import import_config
-from modules.config.import_cli import main as import_main
+from modules.importing.config_import import import_config
+from modules.importing.cli import main as import_main
 from tests.patience import patience
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "imports"

@@ -10,7 +10,7 @@ from typing import Callable
 import customtkinter as ctk
 
 from modules.config import ConfigError
-from modules.config.config_import import import_config, import_error_line
+from modules.importing.config_import import import_config, import_error_line
 from modules.config.presets import list_presets
 from modules.queue.store import QueueStore
 

@@ -1,7 +1,7 @@
 """What importing another trainer's config yields (`ImportResult`: the mapped settings, what was not
 mapped, what changed meaning) and the readers of config values the mappings share (`number`, `whole`,
-`resolution`, `is_off`). Below `config_import.py` and the mappings (`import_kohya.py`,
-`import_onetrainer.py`), which all use it.
+`resolution`, `is_off`). Below `config_import.py` and the mappings (`kohya.py`,
+`onetrainer.py`), which all use it.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .field_labels import labelled_paths
-from .presets import config_from_overlay
-from .train_config import TrainConfig
+from modules.config.errors import ConfigError
+from modules.config.field_labels import labelled_paths
+from modules.config.presets import config_from_overlay
+from modules.config.train_config import TrainConfig
 
 
 @dataclass
@@ -101,7 +101,7 @@ def is_off(value: Any) -> bool:
 
 def number(value: Any) -> float | None:
     """A number from a config value (the kohya GUI writes many as strings: "1", "0.0001"); None if empty or
-    no finite number (`"inf"`, `"nan"`: `import_files.check_values` refused such numbers already)."""
+    no finite number (`"inf"`, `"nan"`: `files.check_values` refused such numbers already)."""
     if value is None or value == "" or isinstance(value, bool):
         return None
     try:

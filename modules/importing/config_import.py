@@ -7,8 +7,8 @@ Tandem counterpart is listed in one message (`ImportResult.report`), so nothing 
 settings left at an off value (false, 0, empty) are only counted. Approximations (a warm-up given as a
 share of the steps, a scheduler Tandem has in another form) are said in `notes`.
 
-The mappings themselves are in `import_kohya.py` and `import_onetrainer.py`, what they fill and the
-value readers they share in `import_result.py`, the reading of files in `import_files.py`. Torch-free: the
+The mappings themselves are in `kohya.py` and `onetrainer.py`, what they fill and the
+value readers they share in `result.py`, the reading of files in `files.py`. Torch-free: the
 GUI and `scripts/import_config.py` use it without loading any model code.
 
 An import reads the config and the files the user names with it - `concepts` (OneTrainer's concepts file),
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import import_kohya, import_onetrainer
-from .import_files import read_file
-from .import_result import ImportResult
-from .serialization import ConfigError
+from modules.config.serialization import ConfigError
+
+from . import kohya, onetrainer
+from .files import read_file
+from .result import ImportResult
 
 UNEXPECTED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError, OSError)
 """What a mapping raises on a value of a kind no trainer writes (a list where a table goes), or a folder it
@@ -62,16 +63,16 @@ def import_error_line(error: ConfigError) -> str:
 def _tool(path: Path, data: dict) -> str:
     if path.suffix.lower() == ".toml":
         return "kohya sd-scripts"
-    return "OneTrainer" if import_onetrainer.looks_like(data) else "kohya_ss GUI"
+    return "OneTrainer" if onetrainer.looks_like(data) else "kohya_ss GUI"
 
 
 def _mapped(path: Path, data: dict, named: dict[str, Path]) -> ImportResult:
     if path.suffix.lower() == ".toml":
-        return import_kohya.from_sd_scripts(path, data, named)
-    if import_onetrainer.looks_like(data):
-        return import_onetrainer.from_onetrainer(path, data, named)
-    if import_kohya.looks_like_gui(data):
-        return import_kohya.from_gui(path, data, named)
+        return kohya.from_sd_scripts(path, data, named)
+    if onetrainer.looks_like(data):
+        return onetrainer.from_onetrainer(path, data, named)
+    if kohya.looks_like_gui(data):
+        return kohya.from_gui(path, data, named)
     if "general" in data and "training" in data:
         raise ConfigError(["this is a Tandem config already; open it with Load (or --config-path)."], str(path))
     raise ConfigError(["not a config Tandem can import: neither OneTrainer's (training_method, model_type, "

@@ -14,11 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from modules.config.field_labels import labelled_paths
+from modules.config.overrides import apply_overrides
+from modules.config.serialization import ConfigError, save_config
+from modules.config.validation import validate
+
 from .config_import import import_config, import_error_line
-from .field_labels import labelled_paths
-from .overrides import apply_overrides
-from .serialization import ConfigError, save_config
-from .validation import validate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .import_files import read_file
-from .import_result import ImportResult, number, resolution, whole
+from modules.config.errors import ConfigError
+
+from .files import read_file
+from .result import ImportResult, number, resolution, whole
 
 MARKERS = ("training_method", "base_model_name", "output_model_destination", "concept_file_name")
 FAMILIES = {"STABLE_DIFFUSION_15": "sd1", "STABLE_DIFFUSION_20": "sd2", "STABLE_DIFFUSION_20_BASE": "sd2",

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from modules.config.errors import ConfigError
 
 MAX_BYTES = 16 * 1024 * 1024
 """A config or concepts file is a few kilobytes; a bigger one is not one (and is not read into memory)."""

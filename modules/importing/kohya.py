@@ -16,9 +16,10 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError
-from .import_files import read_lines
-from .import_result import ImportResult, is_off, number, resolution, whole
+from modules.config.errors import ConfigError
+
+from .files import read_lines
+from .result import ImportResult, is_off, number, resolution, whole
 
 GUI_MARKERS = ("LoRA_type", "pretrained_model_name_or_path", "train_data_dir", "max_resolution")
 
