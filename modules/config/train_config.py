@@ -50,9 +50,9 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     base_model: str = rule("builtin:demo", label="Base model")
-    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`, `builtin:demo-qwen`, `builtin:demo-lumina2`, `builtin:demo-zimage`, `builtin:demo-wan`, `builtin:demo-qwen_image21`, `builtin:demo-flux3`, `builtin:demo-qwen_edit`)."""
+    """Model to train: a diffusers folder, a single-file `.safetensors`/`.ckpt`, or a built-in tiny model (`builtin:demo` SD1-shaped, `builtin:demo-sd3`, `builtin:demo-flux`, `builtin:demo-flux2`, `builtin:demo-chroma`, `builtin:demo-qwen`, `builtin:demo-lumina2`, `builtin:demo-zimage`, `builtin:demo-wan`, `builtin:demo-qwen_image21`, `builtin:demo-flux3`, `builtin:demo-qwen_edit`, `builtin:demo-flux_kontext`)."""
     model_type: str = rule("auto", choices=("auto", *MODEL_TYPES))
-    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein), `chroma` (Chroma), `qwen` (Qwen-Image), `lumina2` (Lumina 2), `zimage` (Z-Image base and Turbo), `wan` (Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V A14B and TI2V 5B, video) `qwen_image21` (Qwen-Image 2.1), `flux3` (Flux.3 Klein base and distilled) or `qwen_edit` (Qwen-Image-Edit and its 2509 and 2511 releases, trained on pairs: `data.concepts[].control`)."""
+    """Model family: `auto` (detect from the weights), `sd1`, `sd2`, `sdxl`, `sd3` (SD3/3.5), `flux` (Flux.1 dev/schnell), `flux2` (Flux.2 dev and Klein, on plain images or on pairs with reference images), `chroma` (Chroma), `qwen` (Qwen-Image), `lumina2` (Lumina 2), `zimage` (Z-Image base and Turbo), `wan` (Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V A14B and TI2V 5B, video) `qwen_image21` (Qwen-Image 2.1), `flux3` (Flux.3 Klein base and distilled), `qwen_edit` (Qwen-Image-Edit and its 2509 and 2511 releases, trained on pairs: `data.concepts[].control`) or `flux_kontext` (Flux.1 Kontext dev, trained on pairs; its single files have Flux.1's names, so name it here for one)."""
     prediction_type: str = rule("auto", choices=("auto", "epsilon", "v_prediction"))
     """SD 1.x/2.x/SDXL training target: `auto` (from the model's scheduler), `epsilon` or `v_prediction`. SD3 and Flux always train rectified flow."""
     vae_path: str = rule("", label="VAE (optional)")
@@ -101,7 +101,7 @@ class ConceptConfig:
     unmasked_weight: float = 0.0
     """With masks: the loss weight of the black (masked-out) areas, 0 to 1. 0 leaves them out; 0.1 still trains the background a little."""
     control: str = rule("", label="Control images")
-    """Edit models (Qwen-Image-Edit): where each image's control images are - the "before" pictures the caption's instruction edits into the image. A folder beside the images with the same file names (`control`), several separated by commas for models that take several (`control_1, control_2`), relative to the concept folder or absolute; or a JSON Lines manifest (`pairs.jsonl`), one `{"target": ..., "control": [...], "caption": ...}` per line, paths relative to the manifest. An image whose control is missing or unreadable is skipped, named in the log. Empty: no control images."""
+    """Edit models (Qwen-Image-Edit, Flux.1 Kontext; Flux.2 takes them as reference images): where each image's control images are - the "before" pictures the caption's instruction edits into the image. A folder beside the images with the same file names (`control`), several separated by commas for models that take several (`control_1, control_2`), relative to the concept folder or absolute; or a JSON Lines manifest (`pairs.jsonl`), one `{"target": ..., "control": [...], "caption": ...}` per line, paths relative to the manifest. An image whose control is missing or unreadable is skipped, named in the log. Empty: no control images."""
 
 
 @dataclass
@@ -279,7 +279,7 @@ class SamplePromptConfig:
     height: int = 0
     """Height in pixels. 0: the training resolution."""
     control: str = rule("", label="Control images")
-    """Edit models: the image(s) the prompt's instruction edits, separated by commas where the model takes several. A path, or one inside a built-in dataset (`builtin:demo-shapes-edit/control/000.png`). Resized to the sample's size, as training resizes a control to its image's."""
+    """Edit models: the image(s) the prompt's instruction edits, separated by commas where the model takes several (Flux.2: its reference images, or empty for a picture from the text alone). A path, or one inside a built-in dataset (`builtin:demo-shapes-edit/control/000.png`). Resized to the sample's size, as training resizes a control to its image's."""
 
 
 @dataclass

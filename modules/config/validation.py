@@ -21,7 +21,7 @@ from modules.util.batch_slice import parse_split
 
 from .docs import section_classes
 from .field_paths import walk_types
-from .control_setting import setting_problem
+from .control_setting import is_manifest, setting_problem
 from .field_rules import FieldRule, rules_of
 from .serialization import ConfigError
 from .train_config import TrainConfig
@@ -582,16 +582,31 @@ _INERT_VALUES = {"model.prediction_type": "auto", "training.min_snr_gamma": 0.0}
 
 
 def _control_checks(cfg: TrainConfig, info) -> list[str]:
-    """An edit model trains on pairs only, and a model that takes no control image on none."""
+    """An edit model trains on pairs only (a model whose controls are optional on pairs or plain images, not both),
+    with no more controls than it takes, and a model that takes no control image on none."""
     concepts = [(i, c) for i, c in enumerate(cfg.data.concepts) if c.enabled]
     if not info.controls:
         return [f"data.concepts[{i}].control: {c.control!r} names control images, but {info.title} (model.model_type "
                 f"{info.name}) is no edit model; leave it empty, or train an edit model "
                 f"({', '.join(f.name for f in FAMILIES.values() if f.controls)})." for i, c in concepts if c.control.strip()]
-    problems = [f"data.concepts[{i}].control: empty, but {info.title} learns edits from pairs; name the folder of "
-                f"each image's control image (`control`), or a manifest." for i, c in concepts if not c.control.strip()]
-    problems += [f"sampling.prompts[{i}].control: empty, but {info.title} edits an image; give the path of the image "
-                 "the prompt edits." for i, prompt in enumerate(cfg.sampling.prompts) if not prompt.control.strip()]
+    paired = [i for i, c in concepts if c.control.strip()]
+    if info.controls_optional:  # pairs or plain images, not both: a step's items carry controls or none
+        problems = [f"data.concepts[{i}].control: empty, but data.concepts[{paired[0]}] names control images; "
+                    f"{info.title} trains on pairs or on plain images in one run, not both: name this concept's "
+                    "controls too, or disable it." for i, c in concepts if paired and not c.control.strip()]
+    else:
+        problems = [f"data.concepts[{i}].control: empty, but {info.title} learns edits from pairs; name the folder "
+                    f"of each image's control image (`control`), or a manifest." for i, c in concepts
+                    if not c.control.strip()]
+        problems += [f"sampling.prompts[{i}].control: empty, but {info.title} edits an image; give the path of the "
+                     "image the prompt edits." for i, prompt in enumerate(cfg.sampling.prompts)
+                     if not prompt.control.strip()]
+    if info.max_controls:
+        named = [(f"data.concepts[{i}].control", c.control) for i, c in concepts if not is_manifest(c.control)]
+        named += [(f"sampling.prompts[{i}].control", p.control) for i, p in enumerate(cfg.sampling.prompts)]
+        problems += [f"{field}: {value!r} names {count} control images, but {info.title} takes at most "
+                     f"{info.max_controls}; name at most {info.max_controls}." for field, value in named
+                     if (count := len([p for p in value.split(",") if p.strip()])) > info.max_controls]
     if info.controls == "latents+text" and cfg.data.caption_dropout > 0:
         problems.append(f"data.caption_dropout: {cfg.data.caption_dropout!r}, but {info.title}'s text encoder reads "
                         "each caption with its control images, which a dropped caption would lose; set it to 0.")

@@ -186,3 +186,15 @@ def sample_controls(setting: str) -> tuple[ControlImage, ...]:
                              "of an image.") from err
         controls.append(ControlImage(path, width, height, hashlib.sha256(data).hexdigest()))
     return tuple(controls)
+
+
+def control_picture(path: Path, width: int, height: int):
+    """The control image at `path` as an RGB picture of `width` x `height`, scaled to cover it and cropped at the
+    centre: how training crops a control to its image's bucket (`dataset.py`), for a sample of that size."""
+    from PIL import Image
+
+    from .buckets import apply_plan, plan_crop
+
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+    return apply_plan(img, plan_crop(img.width, img.height, (width, height)))

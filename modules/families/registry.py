@@ -108,6 +108,11 @@ class FamilyInfo:
     """An edit model's control images (`data.concepts[].control`): `latents` - their latents join the image's tokens
     with positions of their own -, `latents+text` - and its text encoder reads them with the caption
     (Qwen-Image-Edit's Qwen2.5-VL); empty: it trains on plain images."""
+    controls_optional: bool = False
+    """It trains on plain images too, and on pairs when the concepts name controls (Flux.2's reference images); its
+    sample prompts may leave `control` empty. False: an edit model needs a control everywhere."""
+    max_controls: int = 0
+    """The most control images an image may have (Flux.1 Kontext: 1); 0: any number."""
     activations: Activations = Activations()
     """What the memory plan counts of its activations."""
 
@@ -183,6 +188,7 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                # `attn.to_out` is the single blocks' fused output (the double blocks' is `to_out.0`).
                lora_targets=_DOUBLE_STREAM_ATTENTION + ("to_qkv_mlp_proj", "attn.to_out"),
                text_encoders=("mistral-small-3.1", "qwen3"), presets="flux2",
+               controls="latents", controls_optional=True,
                activations=Activations(_blocks(transformer_blocks=56.3, single_transformer_blocks=50.2),
                                        t5_offset=None)),
     # Qwen-Image and Z-Image: their text encoder is loaded apart (`text_apart`); their markers are names no
@@ -241,6 +247,12 @@ FAMILIES: dict[str, FamilyInfo] = {info.name: info for info in (
                _TEXT_APART_FIELDS, other_pipelines=("QwenImageEditPipeline",), lora_targets=_DOUBLE_STREAM_ATTENTION,
                text_apart=True, text_encoders=("qwen2.5-vl-vision",), presets="qwen_edit", controls="latents+text",
                activations=Activations(_blocks(transformer_blocks=52.6), text_tokens=256, t5_offset=None)),
+    # Flux.1 Kontext: Flux.1-dev's transformer, trained on pairs; its files are Flux.1's (no marker of its own: a
+    # single file needs model.model_type), its folders name FluxKontextPipeline.
+    FamilyInfo("flux_kontext", "Flux.1 Kontext (dev)", "transformer", "FluxKontextPipeline", 16, True,
+               "builtin:demo-flux_kontext", "flux_kontext:FluxKontextFamily", "FluxTransformer2DModel",
+               _FLOW_FIELDS + ("training.flux_guidance",), text_encoders=("clip-l", "t5-xxl"), presets="flux_kontext",
+               controls="latents", max_controls=1, activations=Activations(_FLUX_BLOCK_BYTES)),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 """Every family Tandem trains, in the order the GUI lists them."""

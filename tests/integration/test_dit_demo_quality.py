@@ -20,9 +20,12 @@ from modules.trainer.generic_trainer import GenericTrainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 IMAGE_DEMOS = [name for name, info in FAMILIES.items()
-               if info.demo and info.flow_matching and not info.video and not info.controls]
+               if info.demo and info.flow_matching and not info.video
+               and (info.controls_optional or not info.controls)]
 """Every image family since SD's, from the registry: a new one is held to learning its demo too (Wan's clips:
-tests/integration/test_wan_training.py; the edit models' pairs, whose samples need a control image: tests/integration/test_qwen_edit.py)."""
+tests/integration/test_wan_training.py; the edit models' pairs, whose samples need a control image:
+tests/integration/test_qwen_edit.py and test_flux_edit.py; Flux.2, whose controls are optional, learns its plain
+demo here)."""
 
 STEPS = {"sd3": 400, "zimage": 240, "qwen": 240, "chroma": 400, "flux2": 560, "flux": 800, "lumina2": 240,
          "qwen_image21": 320, "flux3": 240}

@@ -83,14 +83,19 @@ def backup_weights(workspace: Path) -> dict[str, torch.Tensor]:
 
 
 def prediction(bundle, denoiser) -> torch.Tensor:
-    """The denoiser's output for fixed latents, timesteps and captions, through the family's objective."""
+    """The denoiser's output for fixed latents, timesteps and captions, through the family's objective; an edit
+    model's (`FamilyInfo.controls`, not optional) with a control image each, as it trained."""
     objective = bundle.family.objective(bundle, TrainingConfig())
     with torch.no_grad():
-        pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
-        latents = bundle.encode_images(pixels, generator=torch.Generator().manual_seed(4))
+        pixels = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
+        latents = bundle.encode_images(pixels[:2], generator=torch.Generator().manual_seed(4))
         draw = objective.draw(tuple(latents.shape), 5, 0, 0, BatchSlice(0, 2, 2), torch.device("cpu"))
         text = bundle.encode_text(CAPTIONS)
-        return objective.predict(denoiser, objective.noisy(latents, draw), draw.timesteps, text)
+        edits = {}
+        info = FAMILIES[bundle.model_type]
+        if info.controls and not info.controls_optional:
+            edits["controls"] = bundle.encode_latent_distribution(pixels[1:])[0][:, None]
+        return objective.predict(denoiser, objective.noisy(latents, draw), draw.timesteps, text, **edits)
 
 
 @pytest.mark.parametrize("name", DEMO_FAMILIES)

@@ -16,6 +16,7 @@ from modules.data import EmptyDatasetError, build_dataset, collate, scan_concept
 from modules.data.concepts import ScanResult
 from modules.data.controls import PairingError, split_text
 from modules.data.demo_pairs import CONTROL_FOLDER, DEMO_PAIRS_SCHEME, ensure_demo_pairs
+from modules.families.registry import FAMILIES
 
 
 def picture(path: Path, colour, size=(64, 64), caption: str | None = None) -> None:
@@ -255,7 +256,10 @@ def test_control_images_are_unused_by_models_that_take_none():
     cfg.sampling.prompts = [SamplePromptConfig(prompt="p", control="c.png")]
     cfg.model.model_type = "flux"
     unused = unused_fields(cfg)
-    assert "used only by edit models (Qwen-Image-Edit" in unused["data.concepts[0].control"]
+    reason = unused["data.concepts[0].control"]
+    assert reason.startswith("used only by edit models (")
+    assert all(FAMILIES[name].title in reason for name in ("qwen_edit", "flux_kontext", "flux2"))
     assert "this model is Flux.1" in unused["sampling.prompts[0].control"]
-    cfg.model.model_type = "qwen_edit"
-    assert not {"data.concepts[0].control", "sampling.prompts[0].control"} & set(unused_fields(cfg))
+    for edit_model in ("qwen_edit", "flux_kontext", "flux2"):
+        cfg.model.model_type = edit_model
+        assert not {"data.concepts[0].control", "sampling.prompts[0].control"} & set(unused_fields(cfg))

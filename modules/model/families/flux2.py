@@ -26,12 +26,14 @@ model and diffusers reads; see docs/Models.md.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from modules.data.controls import sample_controls
 from modules.model.files import SAVE_DTYPES
 from modules.model.lora_metadata import IMPLEMENTATION_FLUX2
 from modules.model.variants import component_variant
@@ -48,6 +50,9 @@ VARIANTS = ("dev", "klein-4b", "klein-9b")
 """The published sizes (`--variant` of the benchmark and make_random_model.py); dev first, the default."""
 TEXT_WIDTH = {"dev": 15360, "klein-4b": 7680, "klein-9b": 12288}
 """Values per text token: three hidden layers of Mistral-Small-3.1 (5120), Qwen3-4B (2560), Qwen3-8B (4096)."""
+REFERENCE_TIME = 10
+"""The time coordinate step between reference images (`_prepare_image_ids`' `scale`): the image is at 0, its first
+reference at 10, the next at 20."""
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -94,17 +99,37 @@ def is_dev(transformer) -> bool:
     return bool(transformer.config.get("guidance_embeds"))
 
 
-class Flux2Objective(FluxObjective):
-    """Flux's objective (dev's guidance input, `is_dev`) with Flux.2's packing and position ids."""
+def reference_ids(references: list[torch.Tensor], device) -> torch.Tensor:
+    """[N, 4] position ids of reference latents (each [B, C, h, w]) packed one after the other: each at
+    (REFERENCE_TIME * (1 + i), row, column, 0), as `Flux2Pipeline._prepare_image_ids` makes them."""
+    parts = []
+    for index, latents in enumerate(references):
+        ids = image_ids(latents.shape[-2], latents.shape[-1], device)
+        ids[:, 0] = REFERENCE_TIME * (1 + index)
+        parts.append(ids)
+    return torch.cat(parts)
 
-    def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None):
+
+class Flux2Objective(FluxObjective):
+    """Flux's objective (dev's guidance input, `is_dev`) with Flux.2's packing and position ids; reference images
+    (`controls`) join the image's tokens as the pipelines' `image=` does."""
+
+    def predict(self, denoiser, noisy, timesteps, text, original_sizes=None, crop_coords=None, target_sizes=None,
+                controls=None):
+        """The image's prediction; with controls [B, K, C, h, w], their tokens after its own, each reference at its
+        own time offset, and the prediction its tokens only."""
         _, _, height, width = noisy.shape
         hidden = text["encoder_hidden_states"]
-        out = denoiser(hidden_states=pack(noisy), encoder_hidden_states=hidden, timestep=timesteps,
-                       guidance=self.guidance_input(noisy),
-                       img_ids=image_ids(height, width, noisy.device), txt_ids=text_ids(hidden.shape[1], noisy.device),
-                       return_dict=False)[0]
-        return unpack(out, height, width)
+        tokens, ids = pack(noisy), image_ids(height, width, noisy.device)
+        count = tokens.shape[1]
+        if controls is not None:
+            references = list(controls.to(noisy.dtype).unbind(1))
+            tokens = torch.cat([tokens, *(pack(r) for r in references)], dim=1)
+            ids = torch.cat([ids, reference_ids(references, noisy.device)])
+        out = denoiser(hidden_states=tokens, encoder_hidden_states=hidden, timestep=timesteps,
+                       guidance=self.guidance_input(noisy), img_ids=ids,
+                       txt_ids=text_ids(hidden.shape[1], noisy.device), return_dict=False)[0]
+        return unpack(out[:, :count], height, width)
 
 
 class PatchBatchNormLatents:
@@ -213,19 +238,21 @@ class Flux2Family(PatchBatchNormLatents, FlowFamily):
         return Flux2Objective(bundle, training_cfg)
 
     def pipeline(self, bundle):
-        from diffusers import Flux2KleinPipeline, Flux2Pipeline
-
         parts = {"scheduler": self.sampling_scheduler(bundle), "vae": bundle.vae, "text_encoder": bundle.text_encoders[0],
                  "tokenizer": bundle.tokenizers[0], "transformer": bundle.denoiser}
         if is_dev(bundle.denoiser):
-            return Flux2Pipeline(**parts)
-        return Flux2KleinPipeline(**parts, is_distilled=bool(bundle.extra.get("is_distilled")))
+            return _sized_pipeline_class("Flux2Pipeline")(**parts)
+        return _sized_pipeline_class(KLEIN)(**parts, is_distilled=bool(bundle.extra.get("is_distilled")))
 
     def pipeline_arguments(self, bundle, prompt, guidance_scale):
         # dev: the guidance value is an input of the model, no negative prompt. Klein: classifier-free guidance
-        # against the negative prompt (the pipeline's own is empty).
+        # against the negative prompt (the pipeline's own is empty). The prompt's reference images, if any, are
+        # cropped to the sample's size by the pipeline (`_sized_pipeline_class`).
         arguments = {"prompt": prompt.prompt, "guidance_scale": guidance_scale,
                      "max_sequence_length": bundle.text_lengths()[0]}
+        references = sample_controls(prompt.control)
+        if references:
+            arguments["image"] = [reference.path for reference in references]
         if not is_dev(bundle.denoiser) and prompt.negative_prompt:
             arguments["negative_prompt_embeds"] = self.encode_text(bundle, [prompt.negative_prompt])["encoder_hidden_states"]
         return arguments
@@ -338,6 +365,25 @@ class Flux2Family(PatchBatchNormLatents, FlowFamily):
                               {**components, "scheduler": scheduler, "tokenizer": tokenizer},
                               {} if dev else {"is_distilled": False})
         return folder
+
+
+@functools.cache
+def _sized_pipeline_class(name: str):
+    """Diffusers' Flux.2 pipeline `name` taking reference images as paths (`image=`), each cropped to the sample's
+    size, as training crops a control to its image's bucket (the stock pipelines keep a reference's own size, shrunk
+    to 1 megapixel when larger)."""
+    import diffusers
+
+    from modules.data.controls import control_picture
+
+    class SizedFlux2Pipeline(getattr(diffusers, name)):
+        def __call__(self, *args, image=None, height=None, width=None, **kwargs):
+            if image is not None:
+                image = [control_picture(path, width, height) for path in image]
+            return super().__call__(*args, image=image, height=height, width=width, **kwargs)
+
+    SizedFlux2Pipeline.__name__ = SizedFlux2Pipeline.__qualname__ = f"Sized{name}"
+    return SizedFlux2Pipeline
 
 
 def _with_chat_template(tokenizer, folder: Path) -> None:
