@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from modules.config import TrainConfig
 from modules.config.launch_spec import resolve_launch
+from modules.launch.layout import ParallelLayout
 from modules.util.batch_slice import describe_split, parse_split
 
 
@@ -30,8 +31,8 @@ class MultiGPUSummary:
     """multi_gpu.batch_split as set: equal, auto, or a list such as 6,2."""
     processes_here: int = 0
     """Processes on this machine (several machines: fewer than world_size); 0: all of them."""
-    context_parallel: int = 1
-    """Processes per sample (`multi_gpu.context_parallel`): the batch is cut into world_size / this slices."""
+    layout: ParallelLayout = ParallelLayout()
+    """How the processes split the batch: one slice per data-parallel group of `multi_gpu.context_parallel`."""
 
     def line(self) -> str:
         if self.world_size < 1:
@@ -44,10 +45,9 @@ class MultiGPUSummary:
 
     def batch_text(self) -> str:
         """How the global batch is made: `global batch 16 (8 x 1 x 2)`, or its split over unequal GPUs."""
-        if self.context_parallel > 1:
-            groups = self.world_size // self.context_parallel
-            return (f"global batch {self.global_batch} ({self.per_gpu_batch} x {self.accumulation} x {groups} "
-                    f"group(s) of {self.context_parallel}, each sample split over its group)")
+        if self.layout.context > 1:
+            return (f"global batch {self.global_batch} ({self.per_gpu_batch} x {self.accumulation} x "
+                    f"{self.layout.data} group(s) of {self.layout.context}, each sample split over its group)")
         equal = f"global batch {self.global_batch} ({self.per_gpu_batch} x {self.accumulation} x {self.world_size})"
         if self.world_size < 2 or self.split.strip().lower() in ("", "equal"):
             return equal
@@ -83,7 +83,7 @@ def summarize(cfg: TrainConfig, visible_gpus: int) -> MultiGPUSummary:
                            accumulation=launch.accumulation, base_lr=launch.base_lr, lr=launch.lr,
                            scaling=launch.lr_scaling, cpu=launch.multi_process and launch.device_type == "cpu",
                            split=cfg.multi_gpu.batch_split, processes_here=launch.processes_here,
-                           global_batch=launch.global_batch, context_parallel=launch.context_parallel)
+                           global_batch=launch.global_batch, layout=launch.layout)
 
 
 LOOPBACK = ("127.", "localhost", "::1")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from modules.launch.layout import ParallelLayout
+
 from .backends import resolve_backend
 from .train_config import TrainConfig
 from .validation import context_parallel_problems, parse_device_indexes
@@ -64,9 +66,10 @@ class LaunchSpec:
     """How often torchrun's agent restarts every worker after a failure (`multi_gpu.max_restarts`)."""
     min_nodes: int = 0
     """The fewest machines the run continues on after losing some (`multi_gpu.min_gpus`); 0: all of them."""
-    context_parallel: int = 1
-    """Processes that run each sample together (`multi_gpu.context_parallel`); the batch is cut into world size /
-    this many slices."""
+    layout: ParallelLayout | None = None
+    """How the processes split the training: data-parallel groups of `multi_gpu.context_parallel` processes each
+    (None when made: `world_size` processes, each its own group). Whether the weights are sharded is the
+    worker's decision (`multi_gpu.strategy`, with `auto` from each card's memory): not yet here."""
     global_batch: int = 0
     """Samples per optimizer step over all processes: per-GPU batch x accumulation x data slices of the launch
     (0 when made: computed). A round on fewer processes (a lost machine) keeps it by accumulating more."""
@@ -84,6 +87,10 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         # The one place the global batch and the scaled LRs are computed; every later copy (a smaller round,
         # the job file, the run numbers, the optimizer's groups, a LoRA's metadata) carries them as they were.
+        if self.layout is None:
+            object.__setattr__(self, "layout", ParallelLayout.of(max(1, self.world_size)))
+        elif self.layout.processes != max(1, self.world_size):
+            raise ValueError(f"launch: a layout of {self.layout.describe()} for {self.world_size} processes")
         if not self.global_batch:
             object.__setattr__(self, "global_batch", self.per_gpu_batch * self.accumulation * self.data_world)
         if self.lr_factor is None:
@@ -96,7 +103,7 @@ class LaunchSpec:
     @property
     def data_world(self) -> int:
         """Slices of each global batch: the processes, or their context-parallel groups."""
-        return max(1, self.world_size // max(1, self.context_parallel))
+        return self.layout.data
 
     @property
     def processes_here(self) -> int:
@@ -112,7 +119,7 @@ class LaunchSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchSpec:
-        return cls(**{**data, "gpus": tuple(data["gpus"])})
+        return cls(**{**data, "gpus": tuple(data["gpus"]), "layout": ParallelLayout(**data["layout"])})
 
 
 def lr_factor(mode: str, world_size: int) -> float:
@@ -187,7 +194,14 @@ def resolve_launch(cfg: TrainConfig, visible_gpus: int, *, cuda_visible: str | N
                       nnodes=nodes, node_rank=m.node_rank if nodes > 1 else 0, local_world_size=local_world,
                       max_restarts=m.max_restarts if launcher == TORCHRUN else 0,
                       min_nodes=min_nodes(m.min_gpus, local_world, nodes) if launcher == TORCHRUN else 0,
-                      context_parallel=context if world % context == 0 else 1)
+                      layout=_layout(world, context))
+
+
+def _layout(world: int, context: int) -> ParallelLayout:
+    """`world` processes in groups of `context`; one group per process where `context` does not divide them (the
+    launch's `problem` says so) or none is visible (the GUI: no launch)."""
+    processes = max(1, world)
+    return ParallelLayout.of(processes, context if context >= 1 and processes % context == 0 else 1)
 
 
 def chosen_launcher(cfg: TrainConfig) -> str:

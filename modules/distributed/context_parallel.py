@@ -1,10 +1,11 @@
 """Context parallelism (`multi_gpu.context_parallel = C`): each sample's token sequence split over C processes.
 
 The processes form groups of C consecutive ranks (ranks 0..C-1 the first group, C..2C-1 the next); a
-group trains one slice of each global batch together, so the data-parallel rank of a process is
-`rank // C` and there are `world // C` slices (`data_rank`, `data_world`: the sampler, the batch slice
-and the noise draw read those). Inside a group the denoiser runs with diffusers' own context
-parallelism: its `_cp_plan` splits the token sequence after the patch embedding, self-attention runs as
+group trains one slice of each global batch together: the run's layout (`ParallelLayout`) says which
+slice a process trains and how many there are (the sampler, the batch slice and the noise draw read
+those through the parallelism's `data_rank` and `data_world`). Inside a group the denoiser runs with
+diffusers' own context parallelism: its `_cp_plan` splits the token sequence after the patch
+embedding, self-attention runs as
 Ulysses attention (an all-to-all swaps the sequence split for a split of the heads, so each process
 attends over the whole sequence for its heads), cross-attention to the text stays local, and the output
 is gathered before the loss. Every process of a group so computes the same loss, and the gradient each
@@ -12,9 +13,9 @@ process gets covers its part of the sequence only: their sum over the group is t
 
 The gradient exchange of the strategy (DDP's all-reduce, FSDP's reduce-scatter) averages over all
 `world` processes, i.e. (1/C) x the average over the groups of each group's summed gradient. The loss
-of every process is therefore scaled by C (`loss_scale`): the exchange then yields exactly the average
-over the groups, as N / C processes without context parallelism would - the same training (CPU tests:
-tests/unit/test_context_parallel.py). C must divide the attention heads and each sample's tokens (`indivisible`).
+of every process is therefore scaled by C (`ParallelLayout.loss_scale`): the exchange then yields
+exactly the average over the groups, as N / C processes without context parallelism would - the same
+training (CPU tests: tests/unit/test_context_parallel.py). C must divide the attention heads and each sample's tokens (`indivisible`).
 
 Why diffusers' and not PyTorch's `context_parallel`: PyTorch's experimental API shards the buffers of
 `scaled_dot_product_attention` calls inside a context manager and needs every sequence-shaped tensor
@@ -29,57 +30,33 @@ import logging
 import torch
 
 from modules.config.validation import context_parallel_family_problem
-from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")
 
 
-class ContextGroups:
-    """What context parallelism changes in a multi-process parallelism (mixed into DDP's and FSDP's)."""
-    context = 1
-    """Processes per sample (`multi_gpu.context_parallel`)."""
+class ContextParallel:
+    """Each sample's sequence split over the processes of its group: what a parallelism whose layout has groups of
+    several processes holds (`Parallelism.sequences`). The rest of what groups change - which slice of the batch a
+    process trains, the loss scale, who keeps a group's results - the layout says (`ParallelLayout`)."""
 
-    def use_context_parallel(self, degree: int) -> None:
-        """`degree` processes per sample; the caller has checked it against the number of processes
-        (`validation.context_parallel_problems`)."""
-        self.context = degree
+    def __init__(self, mesh) -> None:
+        """`mesh`: the run's `LayoutMesh` (`mesh.py`), whose layout has groups of more than one process."""
+        self.mesh = mesh
+        self.layout = mesh.layout
 
-    @property
-    def data_rank(self) -> int:
-        return du.rank() // self.context
-
-    @property
-    def data_world(self) -> int:
-        return du.world_size() // self.context
-
-    @property
-    def context_rank(self) -> int:
-        return du.rank() % self.context
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self.context)
-
-    @property
-    def sampling_replays_graphs(self) -> bool:
-        """Not in a group: its processes' attention exchanges sequence parts inside every denoiser call."""
-        return self.context == 1 and super().sampling_replays_graphs
-
-    def split_sequences(self, bundle, device: torch.device, sizes: list[tuple[int, int]]) -> None:
+    def split(self, bundle, device: torch.device, sizes: list[tuple[int, int]]) -> None:
         """Turn on the denoiser's context parallelism over this process's group (collective: every rank);
         `sizes`: the (width, height) of every bucket the run trains or scores."""
-        if self.context <= 1:
-            return
-        family = bundle.family
+        degree, family = self.layout.context, bundle.family
         # A model found by `auto`: validation could not know its family.
-        problem = context_parallel_family_problem(self.context, family.name) or indivisible(
-            self.context, bundle.denoiser.config.get("num_attention_heads", 0), sizes,
+        problem = context_parallel_family_problem(degree, family.name) or indivisible(
+            degree, bundle.denoiser.config.get("num_attention_heads", 0), sizes,
             family.sample_size_multiple(bundle))  # pixels per token side (Wan 2.2 TI2V 5B: 32)
         if problem:
             raise ValueError(problem)
-        split_over_groups(bundle.denoiser, self.context, device)
+        split_over_groups(bundle.denoiser, self.mesh, device)
         log.info("Context parallelism: each sample's sequence split over %d processes (Ulysses attention); "
-                 "%d group(s) train their share of each batch.", self.context, self.data_world)
+                 "%d group(s) train their share of each batch.", degree, self.layout.data)
 
 
 def indivisible(degree: int, heads: int, sizes: list[tuple[int, int]], pixels_per_token: int) -> str | None:
@@ -103,17 +80,14 @@ def indivisible(degree: int, heads: int, sizes: list[tuple[int, int]], pixels_pe
     return None
 
 
-def split_over_groups(denoiser: torch.nn.Module, degree: int, device: torch.device) -> None:
-    """diffusers' context parallelism on `denoiser`, over groups of `degree` consecutive ranks."""
+def split_over_groups(denoiser: torch.nn.Module, mesh, device: torch.device) -> None:
+    """diffusers' context parallelism on `denoiser`, over the groups of consecutive ranks of `mesh` (`LayoutMesh`)."""
     from diffusers import ContextParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
     if getattr(type(denoiser), "_cp_plan", None) is None:
         raise ValueError(f"multi_gpu.context_parallel: {type(denoiser).__name__} has no context-parallel plan in "
                          "diffusers; set multi_gpu.context_parallel to 1.")
-    world = du.world_size()
-    mesh = init_device_mesh(device.type, (world // degree, 1, degree), mesh_dim_names=("data", "ring", "ulysses"))
-    config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"])
+    config = ContextParallelConfig(ulysses_degree=mesh.layout.context, mesh=mesh.context_groups())
     with _quiet_experimental_warning(), _cpu_counts_as_one_device(device):
         denoiser.enable_parallelism(config=config)
 

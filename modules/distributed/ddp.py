@@ -14,7 +14,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from modules.distributed.context_parallel import ContextGroups
+from modules.launch.layout import ParallelLayout
 from modules.trainer.parallelism import Parallelism, prepare_allocator_for_layer_offload
 from modules.util import dist_utils as du
 
@@ -38,16 +38,28 @@ def _no_buffer_sync_per_forward() -> dict:
     return {"broadcast_buffers": False}
 
 
-class DDPParallelism(ContextGroups, Parallelism):
+class DDPParallelism(Parallelism):
     name = "ddp"
 
-    def __init__(self, multi_gpu, device: torch.device, layer_offload_blocks: int = 0) -> None:
-        """`multi_gpu`: the run's `MultiGPUConfig` (bucket size, graph and compression settings);
-        `layer_offload_blocks`: how many blocks every rank swaps (`Parallelism.place`), from one host copy per machine."""
+    def __init__(self, multi_gpu, device: torch.device, layout: ParallelLayout, layer_offload_blocks: int = 0) -> None:
+        """`multi_gpu`: the run's `MultiGPUConfig` (bucket size, graph and compression settings); `layout`: the
+        run's, weights whole on every process; `layer_offload_blocks`: how many blocks every rank swaps
+        (`Parallelism.place`), from one host copy per machine."""
+        if layout.shard != 1:
+            raise ValueError(f"multi_gpu.strategy ddp keeps the whole model on every process: a layout of "
+                             f"{layout.describe()} with shard {layout.shard}")
         self.settings = multi_gpu
         self.device = device
+        self.layout = layout
         self.layer_offload_blocks = layer_offload_blocks
         prepare_allocator_for_layer_offload(layer_offload_blocks)
+
+    @classmethod
+    def for_run(cls, cfg, device: torch.device, mesh, plan) -> DDPParallelism:
+        """The parallelism of a run of `cfg` (as its memory plan `plan` set it, None: as configured); DDP uses the
+        default process group, not the mesh."""
+        from modules.trainer.one_gpu_plan import layer_offload_blocks
+        return cls(cfg.multi_gpu, device, mesh.layout, layer_offload_blocks(cfg))
 
     def compile_splits_at_buckets(self, trainable: list[torch.nn.Parameter]) -> bool:
         """Split the compiled denoiser at DDP's buckets only where there is an all-reduce worth overlapping.

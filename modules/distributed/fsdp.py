@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modules.distributed.context_parallel import ContextGroups
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
 
@@ -81,18 +80,15 @@ def offload_policy(cpu_offload: bool, device: torch.device):
     return OffloadPolicy()
 
 
-def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, precision: str, checkpointing: bool,
+def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, mesh, precision: str, checkpointing: bool,
           cpu_offload: bool) -> nn.Module:
-    """Shard `model` in place: each block a unit (checkpointed first when `checkpointing`), `model` the root.
+    """Shard `model` in place over `mesh` (one dimension: every process): each block a unit (checkpointed first
+    when `checkpointing`), `model` the root.
 
     `model` may still be on the CPU: each unit's shard moves to `device` as it is sharded, so no GPU
     ever holds more than one whole block. Returns `model` (now also an `FSDPModule`).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    import torch.distributed as dist
-
     fully_shard, register_method = _api()[4:]
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options = dict(mesh=mesh, mp_policy=mixed_precision(precision), offload_policy=offload_policy(cpu_offload, device))
     if checkpointing:
         from torch.distributed._composable import checkpoint
@@ -143,21 +139,38 @@ def _trained_parts(model: nn.Module) -> list[str]:
     return ["unet"] + [f"text_encoders.{i}" for i in range(len(encoders) if encoders is not None else 0)]
 
 
-class FSDPParallelism(ContextGroups, Parallelism):
+class FSDPParallelism(Parallelism):
     """Every process holds 1/N of the trained module (`multi_gpu.strategy = fsdp`): see the module's doc."""
     name = "fsdp"
     holds_whole_model = False
     forward_is_collective = True
 
-    def __init__(self, training, cpu_offload: bool, device: torch.device,
+    def __init__(self, training, cpu_offload: bool, device: torch.device, mesh,
                  planned_split: list[int] | None = None) -> None:
         """`training`: the run's `TrainingConfig` (precision, gradient checkpointing, method);
-        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`; `planned_split`: the memory plan's split of each global
+        `cpu_offload`: `multi_gpu.fsdp_cpu_offload`; `mesh`: the run's `LayoutMesh` (`mesh.py`), whose layout
+        shards the weights over every process; `planned_split`: the memory plan's split of each global
         batch over unequal GPUs (`multi_gpu.batch_split = auto`). Activation offloading: `offload_activations`."""
+        if mesh.layout.shard != mesh.layout.processes:
+            raise ValueError(f"multi_gpu.strategy fsdp shards the weights over every process: a layout of "
+                             f"{mesh.layout.describe()} with shard {mesh.layout.shard}")
         self.training = training
         self.cpu_offload = cpu_offload
         self.device = device
+        self.mesh = mesh
+        self.layout = mesh.layout
         self.planned_split = planned_split
+
+    @classmethod
+    def for_run(cls, cfg, device: torch.device, mesh, plan) -> FSDPParallelism:
+        """The parallelism of a run of `cfg` (as its memory plan `plan` set it, None: as configured)."""
+        from modules.config.validation import fsdp_blockers
+
+        blockers = fsdp_blockers(cfg)
+        if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
+            raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
+        return cls(cfg.training, cfg.multi_gpu.fsdp_cpu_offload, device, mesh,
+                   plan.planned_split if plan is not None else None)
 
     def load_device(self, device: torch.device) -> torch.device:
         """Host memory: sharding moves each rank's part of the trained module to its GPU, so no GPU ever holds
@@ -193,7 +206,7 @@ class FSDPParallelism(ContextGroups, Parallelism):
         blocks = bundle.family.repeated_blocks(bundle)
         for part in _trained_parts(model)[1:]:
             blocks += bundle.family.text_encoder_blocks(model.get_submodule(part))
-        shard(model, blocks, self.device, t.precision, t.gradient_checkpointing, self.cpu_offload)
+        shard(model, blocks, self.device, self.mesh.shards(), t.precision, t.gradient_checkpointing, self.cpu_offload)
         params = dict(model.named_parameters())
         return model, [params[name] for name in trained]
 

@@ -57,7 +57,7 @@ def launch(cfg: TrainConfig, check_data: bool = True, resume: str | None = None)
     except ValueError as reason:
         raise LaunchError(f"multi_gpu.batch_split: {reason}.") from None
     try:
-        preflight(cfg, plan.spec.context_parallel)
+        preflight(cfg, plan.spec.layout.context)
     except PreflightError as e:
         raise LaunchError(str(e), e.in_window) from None
     try:

@@ -22,6 +22,7 @@ from modules.config.launch_spec import EXTERNAL, resolve_launch
 from modules.distributed import failures
 from modules.distributed.job import WorkerJob
 from modules.distributed.plan import LaunchError
+from modules.launch.layout import ParallelLayout
 from modules.util import launch_clock
 from modules.util.logs import setup_logging
 from modules.util.workspace_lock import WorkerLock, WorkspaceLock
@@ -131,16 +132,22 @@ def keep_global_batch(job: WorkerJob, world_size: int) -> WorkerJob:
     spec = job.spec
     if world_size >= spec.world_size:
         return job
-    launched = spec.accumulation * spec.world_size
-    if launched % world_size:
+    launched = spec.accumulation * spec.layout.data
+    try:
+        layout = ParallelLayout.of(world_size, spec.layout.context)
+    except ValueError as reason:
+        raise LaunchError(f"continuing on {world_size} of {spec.world_size} processes: {reason} Set "
+                          "multi_gpu.min_gpus to a GPU count that it divides.") from None
+    if launched % layout.data:
         raise LaunchError(f"continuing on {world_size} of {spec.world_size} processes cannot keep the global batch "
                           f"of {spec.global_batch} (training.batch_size {spec.per_gpu_batch} x accumulation "
-                          f"{spec.accumulation} x {spec.world_size} processes): {launched} micro-batches per step do "
-                          f"not divide by {world_size}. Set multi_gpu.min_gpus to a GPU count that divides it.")
-    accumulation = launched // world_size
+                          f"{spec.accumulation} x {spec.layout.data} data slices): {launched} micro-batches per step "
+                          f"do not divide by {layout.data}. Set multi_gpu.min_gpus to a GPU count that divides it.")
+    accumulation = launched // layout.data
     training = dataclasses.replace(job.cfg.training, gradient_accumulation_steps=accumulation)
     return dataclasses.replace(job, cfg=dataclasses.replace(job.cfg, training=training),
-                               spec=dataclasses.replace(spec, accumulation=accumulation, world_size=world_size))
+                               spec=dataclasses.replace(spec, accumulation=accumulation, world_size=world_size,
+                                                        layout=layout))
 
 
 def announce_restart(job: WorkerJob, backup, callbacks, world_before: int) -> None:

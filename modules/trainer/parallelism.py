@@ -10,7 +10,7 @@ The loop never asks which strategy trains. It holds one `Parallelism`, chosen wh
 | placement (`place`) | the whole model on the device | the same | frozen parts on the device; the trained module's shards move there as it is sharded |
 | activation checkpointing | diffusers' own | the same | PyTorch's composable checkpoint on each block, before sharding it |
 | wrapping (`wrap`, `unwrap`) | none | DDP around the trained module, rank 0's weights broadcast first | `fully_shard` per block and the root: trained parameters become sharded ones |
-| gradient sync and accumulation | nothing to sync | `no_sync` on all micro-batches but the last | gradient sync off until the last |
+| a step's micro-batches (`forward_backward`) | forward, backward, add up | the same, `no_sync` on all but the last | the same, gradient sync off until the last |
 | forward calls outside a step | as they come; a sampling's replayed from CUDA graphs (`sampling_replays_graphs`) | the same | collective: every rank calls as often (`extra_calls`), through the root (`sampling_calls`), no graphs |
 | writing a model | rank 0 alone | the same | every rank gathers one block at a time, rank 0 writes |
 | backups (`backups`) | rank 0, in the background, whole tensors | the same | every rank its shards (DCP), synchronously |
@@ -25,12 +25,17 @@ whole-model behaviour one process and DDP share. Memory pooling (`modules/planni
 chooses among them and sets what they read: FSDP over a LoRA's frozen base, an fp8 base sharded in
 float8 (`wrap`), activation checkpointing, activation offloading (saved-tensor hooks in
 `gradient_sync`'s context, for every strategy: `offload_activations`) and CPU offload of the shards, and for unequal GPUs under FSDP the split of
-each batch (`planned_split`). Context parallelism (`multi_gpu.context_parallel`: N processes = N / C
-groups of C, `modules/distributed/context_parallel.py`) is mixed into DDP and FSDP: `split_sequences`
-splits each sample's sequence over its group, `data_rank` / `data_world` say which slice of the global
-batch the process's group trains, `loss_scale` makes the gradient exchange's average the groups' average,
-and only a group's first process (`context_rank` 0) keeps what the group computed together (samples,
-validation losses). Here they are the process's own rank, the number of processes, 1 and 0.
+each batch (`planned_split`).
+
+How the processes split the work is the run's `layout` (`modules/launch/layout.py`: data-parallel
+groups x processes per group, and over how many processes the weights are sharded), which the launch
+resolved and the strategy completed. With context parallelism (`multi_gpu.context_parallel`: groups of
+several processes) the parallelism holds a `ContextParallel` (`sequences`,
+`modules/distributed/context_parallel.py`) that splits each sample's sequence over its group;
+`data_rank` / `data_world` say which slice of the global batch the process's group trains, the loss is
+scaled so that the gradient exchange's average is the groups' average, and only a group's first
+process (`context_rank` 0) keeps what the group computed together (samples, validation losses). In one
+process they are 0, 1 and 0.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from typing import Callable, ContextManager, TypeVar
 import torch
 from torch import nn
 
+from modules.launch.layout import ParallelLayout
 from modules.model.streamed_save import LOCAL, TensorSource
 from modules.trainer.backup_writer import BackgroundBackups
 from modules.util import dist_utils as du
@@ -71,31 +77,33 @@ class Parallelism:
     activations = None
     """The `ActivationOffload` (`modules/model/activation_offload.py`) whose saved-tensor hooks keep what each
     micro-batch's forward saves for its backward in host memory (`offload_activations`), else None."""
+    layout = ParallelLayout()
+    """How the processes split the training (one process: one group of one, nothing sharded)."""
+    sequences = None
+    """The `ContextParallel` that splits each sample's sequence over its group where the layout's groups have
+    several processes (`modules/distributed/context_parallel.py`), else None."""
 
     # ---------------------------------------------------------------- which part of the global batch
     @property
     def data_rank(self) -> int:
         """Which slice of each global micro-batch this process trains."""
-        return du.rank()
+        return self.layout.data_rank(du.rank())
 
     @property
     def data_world(self) -> int:
         """Into how many slices each global micro-batch is cut."""
-        return du.world_size()
+        return self.layout.data
 
     @property
     def context_rank(self) -> int:
         """This process's place in its context-parallel group (0: the one whose results are kept)."""
-        return 0
-
-    @property
-    def loss_scale(self) -> float:
-        """Factor on each process's loss so that the gradient exchange's average over all processes is the
-        average over the data slices (context parallelism: a process's gradient covers its part of a sequence)."""
-        return 1.0
+        return self.layout.context_rank(du.rank())
 
     def split_sequences(self, bundle, device: torch.device, sizes: list[tuple[int, int]]) -> None:
-        """Split each sample's sequence over the processes of a group (context parallelism); here: nothing."""
+        """Split each sample's sequence over the processes of its group (context parallelism; a collective),
+        `sizes`: the (width, height) of every bucket the run trains or scores."""
+        if self.sequences is not None:
+            self.sequences.split(bundle, device, sizes)
 
     # ---------------------------------------------------------------- before wrapping
     def load_device(self, device: torch.device) -> torch.device:
@@ -134,6 +142,25 @@ class Parallelism:
         validation loss)."""
         return model
 
+    def forward_backward(self, model: nn.Module, micro_batches: list[dict],
+                         loss_of: Callable[[dict, int], torch.Tensor], scaler, share: float = 1.0) -> torch.Tensor:
+        """One optimizer step's forward and backward passes (the micro-batch schedule): every micro-batch's loss
+        (`loss_of(batch, index)`) backward through `scaler` (`GradScaler`), its gradients added up on each
+        process and exchanged after the last (`gradient_sync`); the mean loss of the micro-batches.
+
+        Each loss is weighted so that the exchange's average over the processes is the mean over the global batch:
+        `share` is this process's part of it against an equal one (unequal GPUs: `BatchSlice.loss_weight`), times
+        the layout's loss scale (context parallelism), over the micro-batches accumulated."""
+        weight = share * self.layout.loss_scale / len(micro_batches)
+        total = None
+        for i, batch in enumerate(micro_batches):
+            with self.gradient_sync(model, i == len(micro_batches) - 1):
+                loss = loss_of(batch, i)
+                scaler.scale(loss * weight).backward()
+            total = torch.zeros((), device=loss.device) if total is None else total
+            total += loss.detach()
+        return total / len(micro_batches)
+
     def gradient_sync(self, model: nn.Module, last_micro_batch: bool) -> ContextManager:
         """Context for one micro-batch's forward and backward: gradients are exchanged after the last one
         (nothing to exchange here), and with activation offloading what the forward saves waits in host memory."""
@@ -166,7 +193,8 @@ class Parallelism:
     def sampling_replays_graphs(self) -> bool:
         """Whether a sampling's denoiser calls may replay from CUDA graphs (`modules/model/sample_graphs.py`):
         where each call is this process's alone, not a collective."""
-        return not self.forward_is_collective and self.offload is None  # swapped weights move every call
+        # Swapped weights move at every call; a group's processes exchange sequence parts inside each call.
+        return not self.forward_is_collective and self.offload is None and self.layout.context == 1
 
     # ---------------------------------------------------------------- outputs
     def write_model(self, work: Callable[[], T]) -> T | None:

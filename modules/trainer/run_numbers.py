@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from modules.config import TrainConfig
 from modules.config.launch_spec import LaunchSpec
+from modules.launch.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class RunNumbers:
     accumulation); other items each epoch, as the sampler reshuffles."""
     processes: int = 0
     """Processes that train: `world_size` x the context-parallel group size (0: `world_size`)."""
+    context: int = 1
+    """Processes per group, which run each sample together (`multi_gpu.context_parallel`)."""
     text_encoder_lr: float | None = None
     """The text encoders' learning rate as the optimizer starts it (scaled as `lr`); None: `lr`."""
     lr_factor: float = 1.0
@@ -57,15 +60,10 @@ class RunNumbers:
     def _processes(self) -> str:
         """How many processes train and, with context parallelism, in how many groups: the global batch is cut
         into one slice per group, so "world size" alone would read 1 for 4 processes in one group."""
-        processes = self.processes or self.world_size
-        said = f"{processes} process{'es' if processes != 1 else ''}"
-        if processes == self.world_size:
-            return said
-        groups = f"{self.world_size} group{'s' if self.world_size != 1 else ''}"
-        return f"{said} in {groups} of {processes // self.world_size} (context parallel)"
+        return ParallelLayout(self.world_size, self.context).describe()
 
     def _unit(self) -> str:
-        return "GPU" if (self.processes or self.world_size) == self.world_size else "group"
+        return "GPU" if self.context == 1 else "group"
 
     def _items(self) -> str:
         if self.items_per_epoch is None:
@@ -114,4 +112,4 @@ def derive_run_numbers(cfg: TrainConfig, world_size: int, micro_batches_per_epoc
                       lr=launch.lr, text_encoder_lr=launch.text_encoder_lr, lr_factor=launch.lr_factor,
                       split=tuple(split) if split and len(set(split)) > 1 else (),
                       items_per_epoch=items_per_epoch, items_left_out=left_out,
-                      processes=world_size * max(1, launch.context_parallel))
+                      processes=launch.layout.processes, context=launch.layout.context)

@@ -35,7 +35,7 @@ class EventType:
 EVENTS: dict[str, EventType] = {
     "config": EventType(("world_size", "per_gpu_batch", "accumulation", "global_batch", "micro_batches_per_epoch",
                          "steps_per_epoch", "epochs", "total_steps", "base_lr", "lr_scaling", "lr", "split",
-                         "items_per_epoch", "items_left_out"), ("run_id", "processes", "text_encoder_lr", "lr_factor")),
+                         "items_per_epoch", "items_left_out"), ("run_id", "processes", "context", "text_encoder_lr", "lr_factor")),
     "status": EventType(("text",)),
     "cache": EventType(("seconds", "world_size", "shared")),
     "progress": EventType(("epoch", "epochs", "step", "total_steps", "images_per_s", "eta_s"),

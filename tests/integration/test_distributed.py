@@ -441,6 +441,7 @@ def test_a_worker_all_reduces_only_after_the_last_micro_batch_and_frees_ddp_befo
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    from modules.distributed.ddp import DDPParallelism
     from modules.distributed.distributed_trainer import DistributedTrainer
     from modules.trainer.callbacks import RecordingCallbacks
 
@@ -465,14 +466,14 @@ def test_a_worker_all_reduces_only_after_the_last_micro_batch_and_frees_ddp_befo
         return wrappers[-1]
 
     @contextlib.contextmanager
-    def noted_sync(last_micro_batch, sync=trainer.gradient_sync):
+    def noted_sync(parallel, model, last_micro_batch, sync=DDPParallelism.gradient_sync):
         before = len(all_reduces)
-        with sync(last_micro_batch):
+        with sync(parallel, model, last_micro_batch):
             yield
         backwards.append((last_micro_batch, len(all_reduces) - before))
 
     monkeypatch.setattr(trainer, "wrap_model", wrap_and_count)
-    monkeypatch.setattr(trainer, "gradient_sync", noted_sync)
+    monkeypatch.setattr(DDPParallelism, "gradient_sync", noted_sync)  # the step's micro-batch schedule asks it
     threads = torch.get_num_threads()
     try:
         trainer.run()

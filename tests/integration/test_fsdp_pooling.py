@@ -98,12 +98,15 @@ def test_fsdp_takes_the_plans_split_of_each_batch_over_unequal_cards(tmp_path, c
     """`batch_split auto` under FSDP: the start-up probe needs the whole model on each GPU, so the split the memory
     plan made from the cards' room (`planned_split`) is the one the run trains; without one, equal batches."""
     from modules.distributed.fsdp import FSDPParallelism
+    from modules.distributed.mesh import LayoutMesh
+    from modules.launch.layout import ParallelLayout
     from modules.trainer.generic_trainer import GenericTrainer
 
     cfg = demo_config(tmp_path, cache_dir, "multi_gpu.batch_split=auto", "training.batch_size=2")
     trainer = GenericTrainer(cfg)
     trainer.device = torch.device("cpu")
-    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device, planned_split=[3, 1])
+    mesh = LayoutMesh(ParallelLayout().sharded(True), "cpu")
+    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device, mesh, planned_split=[3, 1])
     assert trainer.decide_split() == [3, 1]
-    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device)
+    trainer.parallel = FSDPParallelism(cfg.training, False, trainer.device, mesh)
     assert trainer.decide_split() == [2]  # one process here: equal

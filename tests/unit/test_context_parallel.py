@@ -160,16 +160,17 @@ def test_a_family_split_is_checked_with_the_loaded_models_pixels_per_token():
     per frame, which 2 does not divide) though 16 px would make it 34."""
     from types import SimpleNamespace
 
-    from modules.distributed.context_parallel import ContextGroups
+    from modules.distributed.context_parallel import ContextParallel
+    from modules.distributed.mesh import LayoutMesh
+    from modules.launch.layout import ParallelLayout
     from modules.model.families import family
 
-    groups = ContextGroups()
-    groups.use_context_parallel(2)
+    groups = ContextParallel(LayoutMesh(ParallelLayout.of(2, 2), "cpu"))  # refused before its mesh is built
     denoiser = SimpleNamespace(config={"num_attention_heads": 24})
     ti2v = SimpleNamespace(family=family("wan"), denoiser=denoiser,
                            vae=SimpleNamespace(config=SimpleNamespace(scale_factor_spatial=16)))
     with pytest.raises(ValueError, match=r"544x544 bucket has 289 per frame \(17 x 17: a token per 32 px\)"):
-        groups.split_sequences(ti2v, torch.device("cpu"), [(544, 544)])
+        groups.split(ti2v, torch.device("cpu"), [(544, 544)])
     flux = SimpleNamespace(family=family("flux"), denoiser=denoiser, vae=None)
     with pytest.raises(ValueError, match=r"which Flux.1 \(dev, schnell\) cannot.*Set it to 1"):
-        groups.split_sequences(flux, torch.device("cpu"), [(512, 512)])
+        groups.split(flux, torch.device("cpu"), [(512, 512)])

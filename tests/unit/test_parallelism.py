@@ -15,11 +15,18 @@ from torch import nn
 from modules.config import TrainConfig
 from modules.distributed.ddp import DDPParallelism
 from modules.distributed.fsdp import FSDPParallelism, ShardedBackups
+from modules.distributed.mesh import LayoutMesh
+from modules.launch.layout import ParallelLayout
 from modules.model.streamed_save import LOCAL
 from modules.trainer.backup_writer import BackgroundBackups
 from modules.trainer.parallelism import SingleProcess
 from modules.trainer.split_probe import decide_split
 from modules.util import dist_utils as du
+
+
+def fsdp(layout: ParallelLayout) -> FSDPParallelism:
+    """FSDP over `layout`'s processes (its mesh is built only when a model is sharded: never here)."""
+    return FSDPParallelism(TrainConfig().training, False, torch.device("cpu"), LayoutMesh(layout.sharded(True), "cpu"))
 
 
 def test_one_process_wraps_nothing_syncs_nothing_and_writes_on_rank_0_in_the_background(tmp_path):
@@ -57,9 +64,8 @@ def test_a_backup_of_whole_tensors_is_copied_into_the_trained_weights():
 @pytest.mark.parametrize("world, rank, mine, total, extra", [(3, 0, 2, 5, 0), (3, 2, 1, 5, 1), (2, 1, 0, 1, 1)])
 def test_where_each_forward_is_collective_every_rank_calls_the_model_as_often(monkeypatch, world, rank, mine,
                                                                               total, extra):
-    monkeypatch.setattr(du, "world_size", lambda: world)
     monkeypatch.setattr(du, "rank", lambda: rank)
-    sharded = FSDPParallelism(TrainConfig().training, cpu_offload=False, device=torch.device("cpu"))
+    sharded = fsdp(ParallelLayout.of(world))
     assert sharded.forward_is_collective and not sharded.holds_whole_model
     assert sharded.extra_calls(mine, total) == extra
     assert SingleProcess().extra_calls(mine, total) == 0
@@ -68,13 +74,13 @@ def test_where_each_forward_is_collective_every_rank_calls_the_model_as_often(mo
 def test_samples_replay_graphs_only_where_each_call_is_one_processs_own(monkeypatch):
     """`sampling.cuda_graphs` applies in one process and under DDP; not where a forward gathers weights from every
     rank (FSDP) or a context-parallel group splits each call's sequence over its processes."""
-    monkeypatch.setattr(du, "world_size", lambda: 4)
     monkeypatch.setattr(du, "rank", lambda: 1)
-    ddp = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"))
+    ddp = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"), ParallelLayout.of(4))
     assert SingleProcess().sampling_replays_graphs and ddp.sampling_replays_graphs
-    ddp.use_context_parallel(2)
-    assert not ddp.sampling_replays_graphs
-    assert not FSDPParallelism(TrainConfig().training, cpu_offload=False, device=torch.device("cpu")).sampling_replays_graphs
+    in_groups = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"), ParallelLayout.of(4, 2))
+    assert not in_groups.sampling_replays_graphs
+    assert (in_groups.data_rank, in_groups.data_world, in_groups.context_rank) == (0, 2, 1)
+    assert not fsdp(ParallelLayout.of(4)).sampling_replays_graphs
 
 
 def test_fsdp_places_only_the_frozen_parts_and_checkpoints_when_it_shards():
@@ -84,7 +90,7 @@ def test_fsdp_places_only_the_frozen_parts_and_checkpoints_when_it_shards():
         module.to = lambda device, m=module: moved.append(m) or m
     bundle = types.SimpleNamespace(modules=lambda: {"vae": frozen, "unet": trained},
                                    denoiser=types.SimpleNamespace(enable_gradient_checkpointing=lambda: moved.append("ckpt")))
-    sharded = FSDPParallelism(TrainConfig().training, cpu_offload=False, device=torch.device("cpu"))
+    sharded = fsdp(ParallelLayout.of(2))
     sharded.place(bundle, [trained], torch.device("cpu"))
     sharded.checkpoint_activations(bundle)  # done per block when sharding, not by diffusers
     assert moved == [frozen]
@@ -94,7 +100,7 @@ def test_fsdp_places_only_the_frozen_parts_and_checkpoints_when_it_shards():
 
 
 def test_ddp_splits_the_compiled_graph_only_where_gradients_fill_more_than_two_buckets():
-    ddp = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"))
+    ddp = DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"), ParallelLayout.of(2))
     bucket = TrainConfig().multi_gpu.bucket_cap_mb * 2 ** 20
     lora = [nn.Parameter(torch.zeros(bucket // 4))]  # fp32: one bucket of gradients
     full = [nn.Parameter(torch.zeros(3 * bucket // 4))]
@@ -111,3 +117,49 @@ def test_batch_split_auto_gives_equal_batches_where_no_rank_holds_the_whole_mode
                          measure=lambda: measured.append(1))
     assert split == [4, 4] and not measured
     assert decide_split("6,2", 4, 2, True, lambda: ["GPU 0", "GPU 1"], lambda: None) == [6, 2]
+
+
+@pytest.mark.parametrize("strategy, groups_of, loss_scale", [("single", 1, 1.0), ("ddp", 2, 2.0)])
+def test_a_steps_micro_batches_add_up_and_exchange_gradients_once_at_the_last(strategy, groups_of, loss_scale):
+    """`forward_backward`, the micro-batch schedule: every micro-batch's loss backward with its weight (this rank's
+    share x the layout's loss scale / the micro-batches), DDP's `no_sync` on all but the last, the mean loss."""
+    entered = []
+
+    class Wrapped:  # DDP's wrapper, as the schedule sees it
+        @contextlib.contextmanager
+        def no_sync(self):
+            entered.append("no_sync")
+            yield
+
+    parallel = SingleProcess() if strategy == "single" else \
+        DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"), ParallelLayout.of(2, groups_of))
+    weight, seen = nn.Parameter(torch.tensor(1.0)), []
+
+    def loss_of(batch, index):
+        seen.append(index)
+        return weight * batch["x"]
+
+    loss = parallel.forward_backward(Wrapped(), [{"x": 1.0}, {"x": 2.0}, {"x": 3.0}], loss_of,
+                                     torch.amp.GradScaler("cpu", enabled=False), share=0.5)
+    assert seen == [0, 1, 2] and float(loss) == 2.0
+    assert float(weight.grad) == pytest.approx((1 + 2 + 3) * 0.5 * loss_scale / 3)
+    assert entered == ([] if strategy == "single" else ["no_sync", "no_sync"])
+
+
+def test_the_strategies_are_found_by_name_and_take_the_layout_they_need():
+    from modules.config.validation import CHOICES
+    from modules.distributed.distributed_trainer import STRATEGIES
+    from modules.distributed.mesh import LayoutMesh
+
+    assert set(STRATEGIES) == set(CHOICES["multi_gpu", "strategy"]) - {"auto"}
+    layout = ParallelLayout.of(2)
+    for name, strategy in STRATEGIES.items():
+        mesh = LayoutMesh(layout.sharded(not strategy.holds_whole_model), "cpu")
+        parallel = strategy.for_run(TrainConfig(), torch.device("cpu"), mesh, None)
+        assert parallel.name == name and parallel.layout is mesh.layout
+    with pytest.raises(ValueError, match="ddp keeps the whole model on every process: a layout of 2 processes with "
+                                         "shard 2"):
+        DDPParallelism(TrainConfig().multi_gpu, torch.device("cpu"), layout.sharded(True))
+    with pytest.raises(ValueError, match="fsdp shards the weights over every process: a layout of 2 processes with "
+                                         "shard 1"):
+        FSDPParallelism(TrainConfig().training, False, torch.device("cpu"), LayoutMesh(layout, "cpu"))
