@@ -1,5 +1,5 @@
 """Flux.1 Kontext (`flux_kontext`) and Flux.2 with reference images (`flux2` on pairs), without a model: which folders
-are Kontext, what each accepts of control images, Flux.2's reference position
+are Kontext, what each accepts of control images, the sequence the memory plan counts, Flux.2's reference position
 ids as diffusers makes them, and a sample's control cropped as training crops it. The pipelines themselves:
 tests/integration/test_flux_edit.py."""
 from __future__ import annotations
@@ -60,6 +60,22 @@ def test_flux2_trains_on_plain_images_or_on_pairs_with_any_sample_prompts_but_no
         "pairs or on plain images in one run, not both: name this concept's controls too, or disable it."]
     cfg.data.concepts[1].enabled = False
     assert control_problems(cfg) == []
+
+
+def test_the_memory_plan_counts_the_tokens_each_control_adds():
+    from modules.planning.memory_need import Setup, facts, sequence_tokens
+    from tests.unit.test_memory_plan import config, model_sizes
+
+    def tokens(family, *overrides):
+        cfg = config(family, "lora", *overrides)
+        return sequence_tokens(facts(model_sizes(cfg), cfg), cfg, Setup())
+
+    image, text = (1024 // 16) ** 2, 512
+    paired = 'data.concepts=[{"path": "pairs", "control": "control"}]'
+    assert tokens("flux_kontext", paired) == 2 * image + text
+    assert tokens("flux2") == image + text
+    assert tokens("flux2", paired) == 2 * image + text
+    assert tokens("flux2", 'data.concepts=[{"path": "pairs", "control": "control_1, control_2"}]') == 3 * image + text
 
 
 def test_flux2_reference_ids_are_the_pipelines():
