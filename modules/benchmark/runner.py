@@ -2,7 +2,8 @@
 
 Each case runs in fresh worker processes (1 GPU: `GenericTrainer`, N GPUs: `DistributedTrainer`
 under the same spawn launcher users get), with only the model source and the data replaced by
-`synthetic`. The loop does not wait for the GPU each step (see trainer.step_exchange): the CPU queues
+`synthetic` and the steps timed - parts handed to the real trainer (`trainer/hand_ins.py`), whose own
+code runs every step. The loop does not wait for the GPU each step (see trainer.step_exchange): the CPU queues
 step k+1 while the GPU runs step k and waits only for step k-1, so in steady state the wall time
 between consecutive steps on rank 0 is the GPU's step time. Reported: the median of those intervals
 (the reference's statistic) and the mean over the whole measured window, which is bracketed by two
@@ -25,7 +26,7 @@ import torch
 
 from modules.benchmark import DEMO
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
-from modules.planning.memory_plan import NoPlanFits
+from modules.config.memory_plan import NoPlanFits
 from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
@@ -33,6 +34,7 @@ from modules.distributed.plan import LaunchPlan, plan_launch
 from modules.distributed.processes import start_workers, stop_forkserver, worker_variables
 from modules.util.logs import setup_logging
 from modules.trainer.generic_trainer import GenericTrainer
+from modules.trainer.hand_ins import HandIns, RunSource, StepObserver
 from modules.util.atomic import unique_path
 from modules.util.exit import exit_now
 
@@ -75,7 +77,7 @@ def write_placeholder(path: Path, family: str, variant: str) -> None:
     if not variant:
         path.write_bytes(b"")
         return
-    from modules.planning.model_sizes import shipped_configs, stored_component
+    from modules.config.model_sizes import shipped_configs, stored_component
     configs = shipped_configs(family, variant)
     params = stored_component(configs.get("transformer") or configs["unet"]).params
     header = json.dumps({"denoiser": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}).encode()
@@ -86,7 +88,7 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     """The config a user would write for this case (bf16 autocast, fused AdamW, caching on).
 
     `model.base_model` is an empty placeholder file in the workspace and `model.model_type` the case's
-    family: the model itself is built in memory (`BenchmarkMixin.create_model`), but whatever sizes the
+    family: the model itself is built in memory (`SyntheticSource.model`), but whatever sizes the
     model from the config - `multi_gpu.strategy = auto`'s memory estimate - must see the real-size
     architecture (Tandem's shipped configs), not the built-in demo model a default config names."""
     if case.variant == DEMO:
@@ -113,84 +115,95 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     return apply_overrides(TrainConfig(), overrides)
 
 
-class BenchmarkMixin:
-    """Replaces the model source and data with synthetic ones and times every optimizer step."""
+class SyntheticSource(RunSource):
+    """The case's data and model: synthetic items that carry their latents and text embeddings (nothing to cache
+    or encode first), and a random real-size model built in memory - or, for `--model demo`, the built-in
+    model loaded as a user's run loads it."""
 
-    case: Case
-    result_file: Path
+    ready_made = True
 
-    def create_dataset(self):
+    def __init__(self, case: Case):
+        self.case = case
+
+    def dataset(self, trainer):
         from modules.benchmark.synthetic import SyntheticCachedLatents
         c = self.case
         length = c.batch * c.world * (c.total_steps() + 1)
-        return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant, frames=self.cfg.data.video_frames)
+        return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant,
+                                      frames=trainer.cfg.data.video_frames)
 
-    def create_model(self):
+    def model(self, trainer):
         from modules.benchmark.synthetic import random_bundle
         from modules.model.loading import frozen_dtypes, store_base_in_float8
         if self.case.variant == DEMO:
-            return super().create_model()
-        if self.device.type == "cuda" and self.cfg.multi_gpu.memory_limit_gib.strip():
+            return None
+        cfg, device = trainer.cfg, trainer.device
+        if device.type == "cuda" and cfg.multi_gpu.memory_limit_gib.strip():
             # Built whole on the GPU (a user's run loads on the CPU): the GPU's limit holds from the sharded
-            # state on (`start`), as it would for the user.
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        bundle = random_bundle(self.case.model, self.device, frozen_dtypes(self.cfg.model, self.cfg.training)["unet"],
+            # state on (`StepTimer.started`), as it would for the user.
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        bundle = random_bundle(self.case.model, device, frozen_dtypes(cfg.model, cfg.training)["unet"],
                                self.case.variant)
-        store_base_in_float8(bundle, self.cfg.model)  # model.unet_dtype=fp8 (float8.py)
-        if self.device.type == "cuda" and self.cfg.model.unet_dtype == "fp8":
+        store_base_in_float8(bundle, cfg.model)  # model.unet_dtype=fp8 (float8.py)
+        if device.type == "cuda" and cfg.model.unet_dtype == "fp8":
             # The random model is built on the GPU in bf16 (building 12 B weights on the CPU takes minutes);
             # load_model quantizes on the CPU, so a user's GPU never holds the bf16 copy: leave it out of the peak.
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(device)
         return bundle
 
-    def fill_cache(self):
-        """Already cached: the synthetic items carry latents and text embeddings."""
 
-    def encode_text_first(self):
-        """Nothing to encode: the synthetic items carry text embeddings (the encoder's own cost is measured
-        apart, `scripts/gpu/families_b.sh`)."""
+class StepTimer(StepObserver):
+    """Times every optimizer step of the real loop and writes the case's result at the run's end."""
 
-    def start(self):
+    def __init__(self, case: Case, result_file: Path, process_start: float):
+        self.case = case
+        self.result_file = result_file
+        self.process_start = process_start
+        """When the parent started the workers (wall clock): the time to the first step counts from there."""
         self.step_times: list[float] = []
         self.phase_times: dict[str, list[float]] = {"data": [], "launch": [], "after": []}
-        super().start()
-        if self.device.type == "cuda" and (not self.parallel.holds_whole_model or self.parallel.offload is not None):
-            # The random model was built whole on every GPU (`create_model`); a user's sharded run loads it on
-            # the CPU and moves only each rank's shard to the GPU: count the peak from the sharded state on.
+        self.setup_peak_gib: float | None = None
+        self.profile_summary = None
+
+    def started(self, trainer) -> None:
+        device, cfg = trainer.device, trainer.cfg
+        if device.type == "cuda" and (not trainer.parallel.holds_whole_model or trainer.parallel.offload is not None):
+            # The random model was built whole on every GPU (`SyntheticSource.model`); a user's sharded run loads
+            # it on the CPU and moves only each rank's shard to the GPU: count the peak from the sharded state on.
             # The whole-run peak (what the raw reference reports: it also builds whole) is kept apart.
-            self.setup_peak_gib = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            self.setup_peak_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if self.device.type == "cuda" and self.cfg.multi_gpu.memory_limit_gib.strip():
+            torch.cuda.reset_peak_memory_stats(device)
+        if device.type == "cuda" and cfg.multi_gpu.memory_limit_gib.strip():
             from modules.trainer.memory_limit import hold_to_memory_limit
             torch.cuda.empty_cache()  # what the whole model's build left reserved counts against the limit
-            hold_to_memory_limit(self.cfg, self.device)
-        self.synchronize()
+            hold_to_memory_limit(cfg, device)
+        self.synchronize(trainer)
         self.last_step_end = time.perf_counter()
 
-    def synchronize(self):
-        if self.device.type == "cuda":
+    @staticmethod
+    def synchronize(trainer) -> None:
+        if trainer.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def optimizer_step(self, micro_batches):
-        # Where the host's time goes, to tell a GPU-bound loop from a host-bound one: waiting for the
-        # loader (data), queueing the step's GPU work (launch; no waits unless something syncs) and
-        # after_step (waiting for the previous step, reporting).
-        started = time.perf_counter()
-        self.phase_times["data"].append(started - self.last_step_end)
-        loss = super().optimizer_step(micro_batches)
-        self.launch_end = time.perf_counter()
-        self.phase_times["launch"].append(self.launch_end - started)
-        return loss
+    # Where the host's time goes, to tell a GPU-bound loop from a host-bound one: waiting for the loader
+    # (data), queueing the step's GPU work (launch; no waits unless something syncs) and the after-step work
+    # (waiting for the previous step, reporting).
+    def step_begins(self, trainer) -> None:
+        self.launch_start = time.perf_counter()
+        self.phase_times["data"].append(self.launch_start - self.last_step_end)
 
-    def after_step(self, loss):
-        super().after_step(loss)
+    def step_queued(self, trainer) -> None:
+        self.launch_end = time.perf_counter()
+        self.phase_times["launch"].append(self.launch_end - self.launch_start)
+
+    def step_ended(self, trainer) -> None:
         self.phase_times["after"].append(time.perf_counter() - self.launch_end)
-        c, step = self.case, self.global_step
+        c, step = self.case, trainer.global_step
         first, warm, measured_end = step == 1, step == c.warmup, step == c.warmup + c.steps
         if first or warm or measured_end:
-            self.synchronize()  # only here: the GPU has really finished this step
+            self.synchronize(trainer)  # only here: the GPU has really finished this step
         now = time.perf_counter()
         if first:
             self.first_step_s = time.time() - self.process_start  # wall clock: started in the parent
@@ -202,7 +215,7 @@ class BenchmarkMixin:
             self.step_times.append(now - self.last_step_end)
         if c.profile_dir and measured_end:
             from modules.trainer.step_profile import StepProfiler
-            self.profiler = StepProfiler(self.device)
+            self.profiler = StepProfiler(trainer.device)
             self.profiler.start()
         if c.profile_dir and step == c.total_steps():
             slug = re.sub(r"[^A-Za-z0-9._-]+", "-", c.name()).strip("-")
@@ -212,52 +225,58 @@ class BenchmarkMixin:
             self.profile_summary = self.profiler.stop(c.profile_steps, report)
         self.last_step_end = time.perf_counter()
 
-    def end(self):
-        """No model save: the benchmark measures training steps only."""
-        self.progress.close()
-        c = self.case
+    def ended(self, trainer) -> None:
+        """The case's result, gathered from every rank and written by rank 0 (the run itself wrote nothing:
+        `HandIns.final_outputs` is off)."""
+        c, cfg, parallel, device = self.case, trainer.cfg, trainer.parallel, trainer.device
         measured = self.step_times[c.warmup:]
         step_s = statistics.median(measured)
         mean_step_s = self.window_s / len(measured)
-        cuda = self.device.type == "cuda"
+        cuda = device.type == "cuda"
         from modules.util.host_memory import rank_figures
-        memories = du.gather_objects({"rank": du.rank(), "device": str(self.device),
+        memories = du.gather_objects({"rank": du.rank(), "device": str(device),
                                       "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                                      **rank_figures(self.parallel.offload)})  # host memory: PSS, RSS, peak
+                                      **rank_figures(parallel.offload)})  # host memory: PSS, RSS, peak
         profiles = du.gather_objects(self.profile_summary if c.profile_dir else None)
-        if du.is_main():
-            trainable = sum(p.numel() for p in self.trainable_params())
-            # A step trains batch x accumulation images on each data-parallel rank.
-            images_per_step = c.batch * self.cfg.training.gradient_accumulation_steps * self.parallel.data_world
-            result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
-                          batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
-                          strategy=self.parallel.name,  # what multi_gpu.strategy gave (single: one process)
-                          layer_offload_blocks=self.parallel.layer_offload_blocks,  # swapped (multi_gpu.layer_offload)
-                          **plan_figures(getattr(self, "strategy", None) or self, self.cfg),
-                          extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
-                          step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
-                          # A context-parallel group trains one slice of the batch: samples are per slice.
-                          context_parallel=self.cfg.multi_gpu.context_parallel if du.world_size() > 1 else 1,
-                          samples_per_s=round(images_per_step / step_s, 2),
-                          mean_step_s=round(mean_step_s, 4),
-                          host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
-                                         for k, v in self.phase_times.items()},
-                          samples_per_s_mean=round(images_per_step / mean_step_s, 2),
-                          max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
-                          setup_peak_gib=getattr(self, "setup_peak_gib", None),  # sharded: before the reset
-                          denoiser_gib=round(sum(t.numel() * t.element_size() for t in
-                                                 [*self.bundle.denoiser.parameters(), *self.bundle.denoiser.buffers()])
-                                             / 2**30, 3),
-                          per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
-                          start_phases_s={k: round(v, 2) for k, v in self.startup.seconds.items()},
-                          compile_gradient_difference=max(self.compile_check.checked.values(), default=None)
-                          if self.compile_check is not None else None,
-                          gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
-            if c.profile_dir:
-                result["profile"] = profiles[0]
-                result["profile_per_rank"] = profiles
-            self.result_file.write_text(json.dumps(result))
-        du.barrier()
+        if not du.is_main():
+            return
+        trainable = sum(p.numel() for p in trainer.trainable_params())
+        # A step trains batch x accumulation images on each data-parallel rank.
+        images_per_step = c.batch * cfg.training.gradient_accumulation_steps * parallel.data_world
+        denoiser = trainer.bundle.denoiser
+        result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
+                      batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
+                      strategy=parallel.name,  # what multi_gpu.strategy gave (single: one process)
+                      layer_offload_blocks=parallel.layer_offload_blocks,  # swapped (multi_gpu.layer_offload)
+                      **plan_figures(getattr(trainer, "strategy", None) or trainer, cfg),
+                      extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
+                      step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
+                      # A context-parallel group trains one slice of the batch: samples are per slice.
+                      context_parallel=trainer.cfg.multi_gpu.context_parallel if du.world_size() > 1 else 1,
+                      samples_per_s=round(images_per_step / step_s, 2),
+                      mean_step_s=round(mean_step_s, 4),
+                      host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
+                                     for k, v in self.phase_times.items()},
+                      samples_per_s_mean=round(images_per_step / mean_step_s, 2),
+                      max_mem_gib=round(max(m["max_mem_gib"] for m in memories), 2),
+                      setup_peak_gib=self.setup_peak_gib,  # sharded: before the reset
+                      denoiser_gib=round(sum(t.numel() * t.element_size() for t in
+                                             [*denoiser.parameters(), *denoiser.buffers()]) / 2**30, 3),
+                      per_rank=memories, time_to_first_step_s=round(self.first_step_s, 1),
+                      start_phases_s={k: round(v, 2) for k, v in trainer.startup.seconds.items()},
+                      compile_gradient_difference=max(trainer.compile_check.checked.values(), default=None)
+                      if trainer.compile_check is not None else None,
+                      gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+        if c.profile_dir:
+            result["profile"] = profiles[0]
+            result["profile_per_rank"] = profiles
+        self.result_file.write_text(json.dumps(result))
+
+
+def case_hand_ins(case: Case, result_file: Path, process_start: float) -> HandIns:
+    """What the case hands the real trainer: its data and model, the step timer, and no outputs at the end (the
+    benchmark measures training steps only)."""
+    return HandIns(SyntheticSource(case), StepTimer(case, result_file, process_start), final_outputs=False)
 
 
 def plan_figures(strategy, cfg) -> dict:
@@ -271,24 +290,16 @@ def plan_figures(strategy, cfg) -> dict:
     return figures
 
 
-class BenchmarkGeneric(BenchmarkMixin, GenericTrainer):
-    pass
-
-
-class BenchmarkDistributed(BenchmarkMixin, DistributedTrainer):
-    pass
-
-
 def _entry(local_rank: int, case: Case, cfg_data: dict, plan: LaunchPlan | None, result_file: str,
            process_start: float, rendezvous_at: str | None) -> None:
     setup_logging()
     cfg = config_from_dict(cfg_data)
+    hand_ins = case_hand_ins(case, Path(result_file), process_start)
     if plan is None:
-        trainer = BenchmarkGeneric(cfg)
+        trainer = GenericTrainer(cfg, hand_ins=hand_ins)
     else:
         os.environ.update(worker_variables(plan, local_rank))
-        trainer = BenchmarkDistributed(cfg, device_type=case.device, rendezvous=rendezvous_at)
-    trainer.case, trainer.result_file, trainer.process_start = case, Path(result_file), process_start
+        trainer = DistributedTrainer(cfg, device_type=case.device, rendezvous=rendezvous_at, hand_ins=hand_ins)
     run_reporting_refusal(trainer, Path(result_file))
     # Finished, result written: leave as the product's spawned workers do. Under spawn the interpreter's
     # own exit runs, and there the trainer's reference cycles (DistributedTrainer.teardown) still held

@@ -41,6 +41,7 @@ from modules.trainer.compiled_unet import CompileCheck, keep_gradient_buffers
 from modules.trainer.controls import control_latents, text_sees_controls
 from modules.trainer.ema import EMA
 from modules.trainer.finite import FiniteGuard
+from modules.trainer.hand_ins import HandIns
 from modules.trainer.optim import build_optimizer, build_scheduler, effective_lr
 from modules.trainer.outputs import OutputWriter, RunParts
 from modules.trainer.parallelism import Parallelism, SingleProcess
@@ -71,11 +72,13 @@ class BaseTrainer(ABC):
 
     def __init__(self, cfg: TrainConfig, callbacks: TrainingCallbacks | None = None,
                  inbox: CommandInbox | None = None, resume: str | None = None, run_id: str | None = None,
-                 launch: LaunchSpec | None = None, scan=None) -> None:
+                 launch: LaunchSpec | None = None, scan=None, hand_ins: HandIns | None = None) -> None:
         """`resume`: None (a new run), `latest` (the newest backup in the workspace), a run id or a backup path;
         `run_id`: the id of a new run when its launcher decided it (restarted workers find its backups by it);
         `launch`: the launch as its launcher resolved it (its global batch and scaled LR are the run's);
-        `scan`: the launcher's scan of the data (`modules.data.ScanResult`; None: scan here)."""
+        `scan`: the launcher's scan of the data (`modules.data.ScanResult`; None: scan here);
+        `hand_ins`: what a caller varies without subclassing (`hand_ins.py`: data and model source, step
+        observer, final outputs); None: a user's run."""
         self.cfg = cfg
         self.paths = RunPaths(cfg)
         self.callbacks = callbacks or TrainingCallbacks()
@@ -88,6 +91,7 @@ class BaseTrainer(ABC):
         self.given_run_id = run_id
         self.launch = launch
         self.scan = scan
+        self.hand_ins = hand_ins or HandIns()
         self.outputs: OutputWriter | None = None
         self.finite = FiniteGuard(cfg.training.precision, cfg.training.learning_rate)
         self.first_step_done = False
@@ -176,6 +180,7 @@ class BaseTrainer(ABC):
         # would otherwise rescan all of them at random steps (a pause the other ranks wait for).
         gc.collect()
         gc.freeze()
+        self.hand_ins.observer.started(self)
 
     def train(self) -> None:
         trace = os.environ.get("TANDEM_TRACE_FIRST_STEP")
@@ -196,6 +201,22 @@ class BaseTrainer(ABC):
     def end(self) -> None:
         self.heartbeat.at("ending", long=True)
         self.finite.check_weights(self.trainable_params(), self.global_step)
+        if self.hand_ins.final_outputs:
+            self.write_final_outputs()
+        self.progress.close()
+        trained = self.progress.summary()
+        log.info("Trained %d images in %.1f s: %.1f images/s over the whole run (start-up before it: %.1f s).",
+                 trained["images"], trained["train_s"], trained["images_per_s"], sum(self.startup.seconds.values()))
+        written = self.completed and self.hand_ins.final_outputs
+        self.emit("done", output=str(self.outputs.final_path) if written else None,
+                  step=self.global_step, completed=self.completed, **trained)
+        self.hand_ins.observer.ended(self)
+        du.barrier()
+        self.heartbeat.finished()
+        self.ended = True
+
+    def write_final_outputs(self) -> None:
+        """What the end leaves: a finished run's model and last samples, a stopped run's backup."""
         if self.completed:
             self.outputs.no_more_backups()
         if self.completed and self.outputs.last_sample_step != self.global_step and self.sampling_scheduled():
@@ -219,15 +240,6 @@ class BaseTrainer(ABC):
         if self.completed:  # its backups hold nothing left to train: Continue does not offer them
             du.on_main(lambda: backups.mark_finished(self.paths.backups, self.run_id, self.global_step,
                                                      self.outputs.final_path))
-        self.progress.close()
-        trained = self.progress.summary()
-        log.info("Trained %d images in %.1f s: %.1f images/s over the whole run (start-up before it: %.1f s).",
-                 trained["images"], trained["train_s"], trained["images_per_s"], sum(self.startup.seconds.values()))
-        self.emit("done", output=str(self.outputs.final_path) if self.completed else None,
-                  step=self.global_step, completed=self.completed, **trained)
-        du.barrier()
-        self.heartbeat.finished()
-        self.ended = True
 
     def run(self) -> None:
         """start, train, end - with the environment torn down whatever happens."""
@@ -288,6 +300,9 @@ class BaseTrainer(ABC):
         decide_cudnn_autotuning(self.device, self.cfg.training.cudnn_benchmark, self.bundle.modules().values())
 
     def create_dataset(self):
+        handed = self.hand_ins.source.dataset(self)
+        if handed is not None:
+            return handed
         from modules.data import build_dataset
         dataset = build_dataset(self.cfg.data, self.paths.cache, self.cfg.general.seed, scan=self.scan)
         dataset.text_sees_controls = text_sees_controls(self.cfg.model)
@@ -295,6 +310,9 @@ class BaseTrainer(ABC):
         return dataset
 
     def create_model(self):
+        handed = self.hand_ins.source.model(self)
+        if handed is not None:
+            return handed
         from modules.model.loading import build_builtin_first, load_model
         # Every rank loads at once (in turn, N ranks took N loads' time: ~10 s more per start on 4 GPUs with an
         # SD1.5 folder, 4-5 s of a 2-process demo start on 2 CPU cores).
@@ -319,6 +337,8 @@ class BaseTrainer(ABC):
         """A family whose text encoder is loaded apart (Qwen-Image, Z-Image) fills the text cache now, before
         its transformer loads, and frees the encoder (modules/trainer/text_encoding.py); the others cache text
         with the latents (`fill_cache`)."""
+        if self.hand_ins.source.ready_made:
+            return
         from modules.trainer.text_encoding import encode_text_apart
         started = time.perf_counter()
         datasets = [d for d in (self.dataset, self.validation_set) if d is not None]
@@ -349,6 +369,8 @@ class BaseTrainer(ABC):
 
     def fill_cache(self) -> None:
         """Encode latents (and text) once. Each rank encodes its share, then all read the whole cache."""
+        if self.hand_ins.source.ready_made:
+            return
         from modules.data import text_cache_refusal
         refusal = text_cache_refusal(self.cfg.data, self.cfg.training.train_text_encoder)
         if refusal:
@@ -459,7 +481,7 @@ class BaseTrainer(ABC):
             return "FSDP shards the denoiser's weights, and the compiled denoiser is checked on whole ones"
         if self.parallel.layer_offload_blocks:
             return "layer offload moves the denoiser's weights at every call"
-        if self.parallel.layout.context > 1:
+        if du.world_size() > 1 and m.context_parallel > 1:
             return "context parallelism splits each sample, and the compiled denoiser is checked on whole ones"
         if du.world_size() > 1 and m.static_graph:
             return "PyTorch's DDP fails on a static graph's unsynchronised first backward (multi_gpu.static_graph)"
@@ -541,7 +563,9 @@ class BaseTrainer(ABC):
             micro_batches = self.take_batches(batches, accumulation)
             loaded = time.perf_counter()
             self.heartbeat.at("training step", long=first)  # the first: kernels chosen, memory allocated
+            self.hand_ins.observer.step_begins(self)
             loss = self.optimizer_step(micro_batches)
+            self.hand_ins.observer.step_queued(self)
             if first:
                 self.report_first_step(started, loaded, workers_s)
             # Told after training, not when handed out: prefetching workers run ahead of the trained position.
@@ -549,6 +573,7 @@ class BaseTrainer(ABC):
             self.global_step += 1
             self.step_in_epoch += 1
             self.after_step(loss)
+            self.hand_ins.observer.step_ended(self)
             if self.stop_requested or self.global_step >= self.numbers.total_steps:
                 return
         self.epoch += 1
@@ -575,11 +600,18 @@ class BaseTrainer(ABC):
             self.check_compiled_unet(micro_batches[0])
         if self.gradient_buffers:
             keep_gradient_buffers(self.trainable_params())
-        # With unequal GPUs each rank's mean loss is weighted by its share (1.0 with equal GPUs).
-        loss = self.parallel.forward_backward(self.model, micro_batches, self.compute_loss, self.scaler,
-                                              share=self.batch_part.loss_weight(self.parallel.data_world))
+        total = torch.zeros((), device=self.device)
+        # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
+        # ranks is the mean over the global batch (1.0 with equal GPUs).
+        # Context parallelism scales it by the group size (`Parallelism.loss_scale`).
+        weight = self.batch_part.loss_weight(self.parallel.data_world) * self.parallel.loss_scale / len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            with self.gradient_sync(i == len(micro_batches) - 1):
+                loss = self.compute_loss(batch, micro=i)
+                self.scaler.scale(loss * weight).backward()
+            total += loss.detach()
         self.apply_gradients()
-        return loss
+        return total / len(micro_batches)
 
     def check_compiled_unet(self, batch: dict) -> None:
         """Compile for this batch's shape and compare the gradients with the uncompiled UNet's
@@ -596,10 +628,14 @@ class BaseTrainer(ABC):
 
         # The compiled pass goes through the wrapper (where the compiler may split the backward at DDP's
         # buckets), without synchronising, so no rank's gradients leave it yet.
-        unsynchronised = self.parallel.gradient_sync(self.model, last_micro_batch=False)
         with self.heartbeat.during("compiling"):
             self.compile_check.check(batch, backward_pass(inner.eager_unet(), inner),
-                                     backward_pass(unsynchronised, None), self.trainable_params())
+                                     backward_pass(self.gradient_sync(last_micro_batch=False), None),
+                                     self.trainable_params())
+
+    def gradient_sync(self, last_micro_batch: bool):
+        """Context for one micro-batch's backward: gradients are exchanged after the last (`Parallelism`)."""
+        return self.parallel.gradient_sync(self.model, last_micro_batch)
 
     def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None,
                      part: BatchSlice | None = None) -> torch.Tensor:

@@ -64,14 +64,14 @@ def test_the_fp8_case_builds_a_real_size_unet_with_its_linear_weights_in_float8(
     reads them; the two-process case above checks they reach the JSON line."""
     import torch
 
-    from modules.benchmark.runner import BenchmarkGeneric, Case, case_config, case_problems
+    from modules.benchmark.runner import Case, case_config, case_hand_ins, case_problems
     from modules.model.float8 import float8_layers
+    from modules.trainer.generic_trainer import GenericTrainer
 
     case = Case("sd1", "lora", batch=1, resolution=64, world=1, steps=1, warmup=1, extra=("model.unet_dtype=fp8",),
                 device="cpu")
     assert case_problems(case) == []
-    trainer = BenchmarkGeneric(case_config(case, tmp_path / "ws"))
-    trainer.case = case
+    trainer = GenericTrainer(case_config(case, tmp_path / "ws"), hand_ins=case_hand_ins(case, tmp_path / "r", 0.0))
     trainer.start()
     denoiser = trainer.bundle.denoiser
     frozen_linears = [n for n, m in denoiser.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n]
@@ -81,6 +81,35 @@ def test_the_fp8_case_builds_a_real_size_unet_with_its_linear_weights_in_float8(
     # 3.19 M LoRA weights in fp32: 1.361 GiB (1.613 GiB with a bf16 base).
     stored = sum(t.numel() * t.element_size() for t in [*denoiser.parameters(), *denoiser.buffers()])
     assert round(stored / 2**30, 3) == pytest.approx(1.361, abs=0.002)
+
+
+def test_the_trainer_asks_a_handed_in_source_for_its_data_and_leaves_the_cache_to_it(tmp_path):
+    """The benchmark varies the real trainer only through what it hands in (`trainer/hand_ins.py`): the data
+    comes from its source (before any model loads), and ready-made items skip the latent and text caches."""
+    from modules.benchmark.runner import Case, case_config
+    from modules.trainer.generic_trainer import GenericTrainer
+    from modules.trainer.hand_ins import HandIns, RunSource
+
+    class Handed(Exception):
+        pass
+
+    class Source(RunSource):
+        ready_made = True
+
+        def dataset(self, trainer):
+            raise Handed(trainer.device.type)
+
+        def model(self, trainer):
+            raise AssertionError("the model was asked for before the data")
+
+    case = Case("sd1", "lora", batch=1, resolution=64, world=1, device="cpu")
+    trainer = GenericTrainer(case_config(case, tmp_path / "ws"), hand_ins=HandIns(Source()))
+    with pytest.raises(Handed, match="cpu"):
+        trainer.start()
+    trainer.dataset = trainer.validation_set = None  # what a ready-made source's items already carry
+    trainer.fill_cache()
+    trainer.encode_text_first()
+    assert trainer.text_apart is None and "cache" not in trainer.startup.parts
 
 
 def test_benchmark_refuses_zero_warmup(capsys):
@@ -111,7 +140,7 @@ def test_a_case_the_memory_plan_refuses_ends_in_one_line_not_a_worker_traceback(
     """The one-GPU plan refuses a case inside the worker (it needs the card's free memory); the refusal reaches
     the parent as the plan's own message, which the benchmark prints as one error line."""
     from modules.benchmark.runner import read_result, run_reporting_refusal
-    from modules.planning.memory_plan import NoPlanFits
+    from modules.config.memory_plan import NoPlanFits
 
     class Refused:
         def run(self):
@@ -167,15 +196,15 @@ def test_a_finished_case_worker_leaves_without_the_interpreters_clean_up(monkeyp
     ended = []
 
     class Trainer:
-        def __init__(self, cfg, **_):
-            pass
+        def __init__(self, cfg, hand_ins, **_):
+            self.case = hand_ins.observer.case
 
         def run(self):
             ended.append("ran")
             if self.case.steps == 0:
                 raise RuntimeError("the case failed")
 
-    monkeypatch.setattr(runner, "BenchmarkGeneric", Trainer)
+    monkeypatch.setattr(runner, "GenericTrainer", Trainer)
     monkeypatch.setattr(runner, "setup_logging", lambda: None)  # a worker's logging, not this test process's
     monkeypatch.setattr(runner, "exit_now", lambda code: ended.append(f"exit {code}"))
     case = runner.Case("sd1", "lora", 1, 64, world=1, device="cpu")
@@ -401,7 +430,7 @@ def test_a_published_size_other_than_the_default_is_planned_as_that_size(tmp_pat
     """The benchmark's placeholder model file tells the memory estimate which size it stands for: Wan 14B is
     sized as the 14B (an empty file would be the family's default, the 1.3B)."""
     from modules.benchmark.runner import Case, case_config
-    from modules.planning.model_sizes import model_sizes
+    from modules.config.model_sizes import model_sizes
     params = {}
     for variant in ("14b", ""):
         cfg = case_config(Case(model="wan", variant=variant, mode="lora", batch=1, resolution=512, world=2,
