@@ -26,7 +26,7 @@ import torch
 
 from modules.benchmark import DEMO
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
-from modules.config.memory_plan import NoPlanFits
+from modules.planning.memory_plan import NoPlanFits
 from modules.util import dist_utils as du
 from modules.distributed import rendezvous
 from modules.distributed.distributed_trainer import DistributedTrainer
@@ -77,7 +77,7 @@ def write_placeholder(path: Path, family: str, variant: str) -> None:
     if not variant:
         path.write_bytes(b"")
         return
-    from modules.config.model_sizes import shipped_configs, stored_component
+    from modules.planning.model_sizes import shipped_configs, stored_component
     configs = shipped_configs(family, variant)
     params = stored_component(configs.get("transformer") or configs["unet"]).params
     header = json.dumps({"denoiser": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}).encode()

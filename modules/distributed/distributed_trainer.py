@@ -3,8 +3,11 @@
 What changes with N processes lives here and in the parallelism it chooses: this class joins the
 process group, chooses the strategy once (`multi_gpu.strategy`, `strategy.py`: with `auto` the memory
 plan for every rank's card; every rank takes rank 0's decision, and trains the config as the plan sets
-it) and builds its parallelism - `ddp.DDPParallelism` or `fsdp.FSDPParallelism` - which the
-loop asks for placement, wrapping, gradient sync, and how outputs are written (`trainer/parallelism.py`).
+it) and builds its parallelism - the strategy found by name in `STRATEGIES` (`ddp.DDPParallelism`,
+`fsdp.FSDPParallelism`), over the run's layout (`ParallelLayout`, as the launch resolved it, with the
+weights sharded or not) and its device mesh (`mesh.py`), with context parallelism composed in where
+groups have several processes - which the loop asks for placement, wrapping, each step's forward and
+backward passes, and how outputs are written (`trainer/parallelism.py`).
 The sampler, rank-0-only writing, LR scaling and the loss/command exchange use the rank/world helpers
 in `dist_utils`, which the base loop already calls and which are no-ops in one process.
 """
@@ -16,21 +19,27 @@ import time
 
 import torch
 
-from modules.config.memory_need import GIB
-from modules.config.memory_plan import own_limit
-from modules.config.validation import context_parallel_problems, fsdp_blockers
+from modules.planning.memory_need import GIB
+from modules.planning.memory_plan import own_limit
+from modules.config.validation import context_parallel_problems
 from modules.distributed import failures
 from modules.distributed.ddp import DDPParallelism
+from modules.distributed.context_parallel import ContextParallel
 from modules.distributed.fsdp import FSDPParallelism
+from modules.distributed.mesh import LayoutMesh
 from modules.distributed.process_group import destroy, init_worker
 from modules.distributed.strategy import StrategyChoice, choose_strategy
 from modules.distributed.watchdog import Watchdog
+from modules.launch.layout import ParallelLayout
 from modules.trainer.base_trainer import BaseTrainer
-from modules.trainer.one_gpu_plan import layer_offload_blocks
 from modules.trainer.parallelism import Parallelism
 from modules.util import dist_utils as du
 
 log = logging.getLogger("tandem")
+
+STRATEGIES: dict[str, type[Parallelism]] = {strategy.name: strategy for strategy in (DDPParallelism, FSDPParallelism)}
+"""The multi-process parallelisms by the name `multi_gpu.strategy` (or the memory plan) gives them; each builds itself
+for a run (`for_run`)."""
 
 
 class DistributedTrainer(BaseTrainer):
@@ -90,24 +99,28 @@ class DistributedTrainer(BaseTrainer):
         problems = context_parallel_problems(self.cfg, du.world_size())
         if problems:  # validation could not know the number of processes (torchrun, all visible GPUs)
             raise ValueError(" ".join(problems))
-        m = self.cfg.multi_gpu
-        if choice.strategy == "ddp":
-            parallel = DDPParallelism(m, self.device, layer_offload_blocks(self.cfg))
-        else:
-            blockers = fsdp_blockers(self.cfg)
-            if blockers:  # validation refuses them with strategy fsdp; a config edited since cannot slip through
-                raise ValueError(f"multi_gpu.strategy fsdp: {'; '.join(blockers)}.")
-            parallel = FSDPParallelism(self.cfg.training, m.fsdp_cpu_offload, self.device,
-                                       choice.plan.planned_split if choice.plan is not None else None)
-        parallel.offload_activations(self.cfg.training, m.activation_offload, self.device)
-        parallel.use_context_parallel(m.context_parallel)
+        strategy = STRATEGIES[choice.strategy]
+        mesh = LayoutMesh(self.round_layout().sharded(not strategy.holds_whole_model), self.device.type)
+        parallel = strategy.for_run(self.cfg, self.device, mesh, choice.plan)
+        parallel.offload_activations(self.cfg.training, self.cfg.multi_gpu.activation_offload, self.device)
+        if mesh.layout.context > 1:
+            parallel.sequences = ContextParallel(mesh)
         return parallel
+
+    def round_layout(self) -> ParallelLayout:
+        """How this round's processes split the training, as the launch resolved it (a user's own torchrun
+        without Tandem's launch: its processes in groups of `multi_gpu.context_parallel`)."""
+        layout = (self.launch.layout if self.launch is not None else
+                  ParallelLayout.of(du.world_size(), self.cfg.multi_gpu.context_parallel))
+        if layout.processes != du.world_size():
+            raise ValueError(f"the launch planned {layout.describe()}, but {du.world_size()} processes joined")
+        return layout
 
     @staticmethod
     def host_room():
         """The host memory rank 0's plan may use (`host_need.py`): its machine's available memory and what the
         machine's ranks hold already, which the plan counts again (`PROCESS_HOST_GIB` each)."""
-        from modules.config.host_need import HostRoom, available_gib
+        from modules.planning.host_need import HostRoom, available_gib
         from modules.model.shared_host_copy import machine
         from modules.util.host_memory import process_usage
 

@@ -481,7 +481,7 @@ class BaseTrainer(ABC):
             return "FSDP shards the denoiser's weights, and the compiled denoiser is checked on whole ones"
         if self.parallel.layer_offload_blocks:
             return "layer offload moves the denoiser's weights at every call"
-        if du.world_size() > 1 and m.context_parallel > 1:
+        if self.parallel.layout.context > 1:
             return "context parallelism splits each sample, and the compiled denoiser is checked on whole ones"
         if du.world_size() > 1 and m.static_graph:
             return "PyTorch's DDP fails on a static graph's unsynchronised first backward (multi_gpu.static_graph)"
@@ -600,18 +600,11 @@ class BaseTrainer(ABC):
             self.check_compiled_unet(micro_batches[0])
         if self.gradient_buffers:
             keep_gradient_buffers(self.trainable_params())
-        total = torch.zeros((), device=self.device)
-        # With unequal GPUs each rank's mean loss is weighted by its share, so that DDP's average over the
-        # ranks is the mean over the global batch (1.0 with equal GPUs).
-        # Context parallelism scales it by the group size (`Parallelism.loss_scale`).
-        weight = self.batch_part.loss_weight(self.parallel.data_world) * self.parallel.loss_scale / len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            with self.gradient_sync(i == len(micro_batches) - 1):
-                loss = self.compute_loss(batch, micro=i)
-                self.scaler.scale(loss * weight).backward()
-            total += loss.detach()
+        # With unequal GPUs each rank's mean loss is weighted by its share (1.0 with equal GPUs).
+        loss = self.parallel.forward_backward(self.model, micro_batches, self.compute_loss, self.scaler,
+                                              share=self.batch_part.loss_weight(self.parallel.data_world))
         self.apply_gradients()
-        return total / len(micro_batches)
+        return loss
 
     def check_compiled_unet(self, batch: dict) -> None:
         """Compile for this batch's shape and compare the gradients with the uncompiled UNet's
@@ -628,14 +621,10 @@ class BaseTrainer(ABC):
 
         # The compiled pass goes through the wrapper (where the compiler may split the backward at DDP's
         # buckets), without synchronising, so no rank's gradients leave it yet.
+        unsynchronised = self.parallel.gradient_sync(self.model, last_micro_batch=False)
         with self.heartbeat.during("compiling"):
             self.compile_check.check(batch, backward_pass(inner.eager_unet(), inner),
-                                     backward_pass(self.gradient_sync(last_micro_batch=False), None),
-                                     self.trainable_params())
-
-    def gradient_sync(self, last_micro_batch: bool):
-        """Context for one micro-batch's backward: gradients are exchanged after the last (`Parallelism`)."""
-        return self.parallel.gradient_sync(self.model, last_micro_batch)
+                                     backward_pass(unsynchronised, None), self.trainable_params())
 
     def compute_loss(self, batch: dict, micro: int, model: torch.nn.Module | None = None,
                      part: BatchSlice | None = None) -> torch.Tensor:
