@@ -140,7 +140,7 @@ def test_a_case_the_memory_plan_refuses_ends_in_one_line_not_a_worker_traceback(
     """The one-GPU plan refuses a case inside the worker (it needs the card's free memory); the refusal reaches
     the parent as the plan's own message, which the benchmark prints as one error line."""
     from modules.benchmark.runner import read_result, run_reporting_refusal
-    from modules.config.memory_plan import NoPlanFits
+    from modules.planning.memory_plan import NoPlanFits
 
     class Refused:
         def run(self):
@@ -430,7 +430,7 @@ def test_a_published_size_other_than_the_default_is_planned_as_that_size(tmp_pat
     """The benchmark's placeholder model file tells the memory estimate which size it stands for: Wan 14B is
     sized as the 14B (an empty file would be the family's default, the 1.3B)."""
     from modules.benchmark.runner import Case, case_config
-    from modules.config.model_sizes import model_sizes
+    from modules.planning.model_sizes import model_sizes
     params = {}
     for variant in ("14b", ""):
         cfg = case_config(Case(model="wan", variant=variant, mode="lora", batch=1, resolution=512, world=2,
