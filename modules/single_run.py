@@ -23,7 +23,7 @@ def use_cpu_threads(device_setting: str) -> None:
 
     import torch
 
-    from modules.config.launch_spec import resolve_device
+    from modules.launch.spec import resolve_device
     from modules.util.cpu_threads import THREADS_VARIABLE, one_process_cpu_threads
     kind, _ = resolve_device(device_setting, torch.cuda.device_count())
     if kind != "cpu":

@@ -126,7 +126,7 @@ def hold_lock(workspace: Path) -> subprocess.Popen:
 
 def launch_spec(world: int, device_type: str, backend: str, launcher: str, visible_devices: str | None):
     """A resolved launch for tests that plan one by hand (batch 1, LR 1e-4)."""
-    from modules.config.launch_spec import LaunchSpec
+    from modules.launch.spec import LaunchSpec
     gpus = tuple(range(world)) if device_type == "cuda" else ()
     return LaunchSpec(launcher=launcher, world_size=world, device_type=device_type, gpus=gpus,
                       visible_devices=visible_devices, backend=backend, per_gpu_batch=1, accumulation=1,

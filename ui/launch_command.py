@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config import TrainConfig
-from modules.config.launch_spec import resolve_launch
+from modules.launch.spec import resolve_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SINGLE_SCRIPT = REPO_ROOT / "scripts" / "train.py"

@@ -1,7 +1,7 @@
 """The numbers behind the multi-GPU frame's live line.
 
 "World size 2 · global batch 16 (8 x 1 x 2) · LR 1e-4 -> 2e-4 (linear)": the config and the GPUs the
-GUI can see, resolved by `modules.config.launch_spec.resolve_launch` as the launcher resolves them, so
+GUI can see, resolved by `modules.launch.spec.resolve_launch` as the launcher resolves them, so
 the user sees the effect of batch, accumulation, GPU selection and LR scaling before starting. Below it
 the memory line (`memory_line`): the memory plan for the chosen GPUs (or `multi_gpu.memory_limit_gib`)
 and its estimate per GPU, or the smallest changes that would fit.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modules.config import TrainConfig
-from modules.config.launch_spec import resolve_launch
 from modules.launch.layout import ParallelLayout
+from modules.launch.spec import resolve_launch
 from modules.util.batch_slice import describe_split, parse_split
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from modules.config import load_config
-from modules.config.backends import backend_problem
+from modules.launch.backends import backend_problem
 
 from modules.planning.memory_need import facts, largest_batch
 from modules.planning.memory_plan import SAFETY_FRACTION

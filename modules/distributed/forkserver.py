@@ -18,8 +18,8 @@ import sys
 import time
 
 from modules.config import TrainConfig
-from modules.config.launch_spec import SPAWN, resolve_launch
 from modules.distributed.worker_environment import environment, start_variables
+from modules.launch.spec import SPAWN, resolve_launch
 from modules.util import launch_clock
 from modules.util.exit import stop_multiprocessing_forkserver
 

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from modules.config import RunPaths, TrainConfig, config_from_dict, config_to_dict
-from modules.config.launch_spec import LaunchSpec
+from modules.launch.spec import LaunchSpec
 from modules.util.atomic import write_text_atomically
 
 JOB_FILE = "launch.json"

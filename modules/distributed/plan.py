@@ -15,8 +15,8 @@ import os
 import torch
 
 from modules.config import RunPaths, TrainConfig
-from modules.config.launch_spec import LaunchSpec, resolve_launch
 from modules.config.train_config import MultiGPUConfig
+from modules.launch.spec import LaunchSpec, resolve_launch
 from modules.preflight import PreflightError
 from modules.util.ports import find_free_port, port_is_free
 

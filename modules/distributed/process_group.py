@@ -8,9 +8,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from modules.config.backends import resolve_backend
 from modules.distributed.rendezvous import connect
 from modules.distributed.worker_environment import store_environment, threads_per_worker
+from modules.launch.backends import resolve_backend
 from modules.util.dist_utils import GPU_NUMBER
 
 log = logging.getLogger("tandem")

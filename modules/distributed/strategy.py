@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from modules.planning.host_need import HostRoom
-from modules.config.launch_spec import resolve_launch
+from modules.launch.spec import resolve_launch
 from modules.planning.memory_plan import SAFETY_FRACTION, NoPlanFits, Plan, choose_plan  # noqa: F401 - re-exported
 
 

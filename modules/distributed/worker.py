@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from modules.config import RunPaths, TrainConfig
-from modules.config.launch_spec import EXTERNAL, resolve_launch
 from modules.distributed import failures
 from modules.distributed.job import WorkerJob
 from modules.distributed.plan import LaunchError
 from modules.launch.layout import ParallelLayout
+from modules.launch.spec import EXTERNAL, resolve_launch
 from modules.util import launch_clock
 from modules.util.logs import setup_logging
 from modules.util.workspace_lock import WorkerLock, WorkspaceLock

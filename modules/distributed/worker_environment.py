@@ -7,7 +7,7 @@ import contextlib
 import os
 import platform
 
-from modules.config.launch_spec import LaunchSpec
+from modules.launch.spec import LaunchSpec
 from modules.util.cpu_threads import threads_per_worker  # noqa: F401 - the workers' share, also asked for here
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"

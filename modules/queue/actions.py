@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from modules.config import RunPaths, TrainConfig, save_config
-from modules.config.launch_spec import DEFAULT_CPU_PROCESSES
+from modules.launch.spec import DEFAULT_CPU_PROCESSES
 
 from .jobs import CANCELLED, ENDED, INTERRUPTED, ON_GPUS, PAUSED, QUEUED, GpuNeed, Job, NeedError
 from .scheduler import move as reorder

@@ -11,7 +11,7 @@ import copy
 from pathlib import Path
 
 from modules.config import TrainConfig, config_to_dict, read_config
-from modules.config.launch_spec import resolve_launch
+from modules.launch.spec import resolve_launch
 from modules.remote.remote_side import backups
 
 from .jobs import Job

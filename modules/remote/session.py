@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from modules.config import TrainConfig, config_to_dict, validate
-from modules.config.launch_spec import resolve_launch
+from modules.launch.spec import resolve_launch
 
 from .host import RemoteHost, environment_pairs
 from .known_hosts import KnownHosts, ScannedKey, scan

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from modules.config import RunPaths, TrainConfig, save_config
-from modules.config.launch_spec import LaunchSpec
+from modules.launch.spec import LaunchSpec
 from modules.trainer import backup as backups
 from modules.trainer import resume as resuming
 from modules.trainer.caching import fill_caches, offload_cached_encoders

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.config.launch_spec import resolve_device
+from modules.launch.spec import resolve_device
 from modules.trainer.base_trainer import BaseTrainer
 from modules.trainer.one_gpu_plan import layer_offload_blocks, plan_one_gpu
 from modules.trainer.parallelism import SingleProcess

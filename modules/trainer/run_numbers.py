@@ -5,8 +5,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from modules.config import TrainConfig
-from modules.config.launch_spec import LaunchSpec
 from modules.launch.layout import ParallelLayout
+from modules.launch.spec import LaunchSpec
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,8 @@ def test_only_a_users_own_torchrun_has_its_workers_send_their_error_events():
     another rank."""
     from types import SimpleNamespace
 
-    from modules.config.launch_spec import EXTERNAL, SPAWN
     from modules.distributed.worker import sends_error_event
+    from modules.launch.spec import EXTERNAL, SPAWN
     ours, theirs = (SimpleNamespace(spec=SimpleNamespace(launcher=name)) for name in ("torchrun", EXTERNAL))
     own, peer = ("OSError", "[Errno 28] No space left on device"), ("RuntimeError", "Connection closed by peer")
     assert not sends_error_event(ours, *own) and not sends_error_event(ours, *peer)

@@ -3,8 +3,8 @@ import pytest
 
 from modules.config import TrainConfig, config_from_dict, load_config, migrate
 from modules.config.overrides import apply_overrides
-from modules.config.launch_spec import chosen_launcher, resolve_launch
 from modules.config.validation import validate
+from modules.launch.spec import chosen_launcher, resolve_launch
 
 
 def config(*values: str):

@@ -8,9 +8,10 @@ from modules.trainer.callbacks import RecordingCallbacks, TrainingCallbacks
 from modules.trainer.rank_duties import rank_duties
 
 MODULES = Path(__file__).resolve().parents[2] / "modules"
-LAYERS = ["util", "families", "config", "importing", "planning", "data", "model", "trainer", "distributed", "remote", "queue"]
+LAYERS = ["util", "families", "config", "importing", "planning", "launch", "data", "model", "trainer", "distributed",
+          "remote", "queue"]
 """Each package may import those before it, never one after it."""
-TORCH_FREE = ["families", "config", "importing", "planning"]
+TORCH_FREE = ["families", "config", "importing", "planning", "launch"]
 """The packages the GUI and the launcher's checks import before (or without) PyTorch: no module of theirs imports
 torch or a library built on it, not even inside a function."""
 TORCH_LIBRARIES = {"torch", "diffusers", "transformers", "peft", "safetensors", "accelerate", "torchvision"}
@@ -143,8 +144,8 @@ def test_every_declared_choice_has_an_implementation():
     import torch
 
     from modules.config import OptimizerConfig, TrainingConfig
-    from modules.config.launch_spec import lr_scale_factor
     from modules.config.validation import CHOICES
+    from modules.launch.spec import lr_scale_factor
     from modules.trainer.optim import build_optimizer, lr_lambda
 
     for mode in CHOICES[("multi_gpu", "lr_scaling")]:

@@ -236,7 +236,7 @@ def test_nccl_without_a_gpu_is_a_problem(tmp_path, device, monkeypatch, capsys):
 
 
 def test_backend_problem_rules(monkeypatch):
-    from modules.config import backends
+    from modules.launch import backends
     cfg = TrainConfig()
     cfg.multi_gpu.backend = "nccl"
     assert backends.backend_problem(cfg, 0) is None  # multi-GPU off: one process, no backend

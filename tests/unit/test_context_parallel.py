@@ -108,7 +108,7 @@ def test_heads_and_every_buckets_tokens_must_divide_among_the_group():
 
 
 def test_the_global_batch_and_lr_count_groups_not_processes():
-    from modules.config.launch_spec import resolve_launch
+    from modules.launch.spec import resolve_launch
     spec = resolve_launch(multi("model.model_type=wan", "general.device=cpu", "multi_gpu.num_gpus=4",
                                 "multi_gpu.context_parallel=2", "training.batch_size=3", "multi_gpu.lr_scaling=linear",
                                 "training.learning_rate=0.001"), 0)
@@ -122,7 +122,7 @@ def test_the_global_batch_and_lr_count_groups_not_processes():
 def test_the_start_up_line_counts_processes_and_their_groups():
     """4 processes in 1 group of 4 train one slice of each global batch: the log says 4 processes and 1 group,
     not "world size 1"; without context parallelism it says the processes alone."""
-    from modules.config.launch_spec import resolve_launch
+    from modules.launch.spec import resolve_launch
     from modules.trainer.run_numbers import derive_run_numbers
     cfg = multi("model.model_type=wan", "general.device=cpu", "multi_gpu.num_gpus=4", "multi_gpu.context_parallel=4",
                 "training.batch_size=1")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from modules.config import TrainConfig, apply_overrides, validate
-from modules.config.launch_spec import resolve_launch
 from modules.distributed import failures, nodes
 from modules.distributed.job import WorkerJob, read_job, write_job
 from modules.distributed.plan import LaunchPlan
 from modules.distributed.processes import agent_arguments
 from modules.distributed.worker import reads_commands, restart_point
+from modules.launch.spec import resolve_launch
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import demo_config, latest_backup_weights, overrides_for, relative_l2, start_script
 from ui.events import parse_line

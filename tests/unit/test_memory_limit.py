@@ -68,10 +68,10 @@ def test_a_worker_that_runs_out_of_memory_ends_with_the_figure_not_a_traceback(t
     """The trainer's run turns PyTorch's error into the figures before its clean-up; run_worker records that
     for the launcher (whose last line names the first rank that failed) and logs one line, no traceback."""
     from modules.config import RunPaths
-    from modules.config.launch_spec import resolve_launch
     from modules.distributed import failures, worker
     from modules.distributed.distributed_trainer import DistributedTrainer
     from modules.distributed.job import WorkerJob
+    from modules.launch.spec import resolve_launch
 
     cfg = TrainConfig()
     cfg.general.workspace_dir = str(tmp_path / "ws")

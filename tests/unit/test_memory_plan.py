@@ -219,9 +219,9 @@ def test_the_launcher_refuses_a_config_that_fits_no_card_before_any_worker_start
 
     import torch
 
-    from modules.config.launch_spec import resolve_launch
     from modules.distributed import launch
     from modules.distributed.strategy import check_cards
+    from modules.launch.spec import resolve_launch
 
     cfg = config("flux", "lora", "training.batch_size=8", "training.gradient_checkpointing=true",
                  "multi_gpu.memory_limit_gib=6", f"general.workspace_dir={tmp_path / 'ws'}")

@@ -9,7 +9,7 @@ import pytest
 
 from modules.config import TrainConfig, apply_overrides, load_config
 from modules.launch.layout import ParallelLayout
-from modules.config.launch_spec import LaunchSpec, resolve_launch
+from modules.launch.spec import LaunchSpec, resolve_launch
 from modules.trainer.run_numbers import derive_run_numbers
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from modules.config import TrainConfig, config_to_dict, read_json
-from modules.config.launch_spec import resolve_launch
 from modules.config.field_paths import leaf_paths
+from modules.launch.spec import resolve_launch
 from ui.binding import FieldError, field_doc, field_type, get_value, set_value
 from ui.config_model import ConfigModel, problem_field, problems_by_field
 from ui.events import LogLine, TrainingEvent, format_duration, parse_line

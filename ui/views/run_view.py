@@ -13,7 +13,7 @@ import customtkinter as ctk
 
 from modules.config import TrainConfig
 from modules.config.run_paths import RunPaths
-from modules.config.backends import backend_problem
+from modules.launch.backends import backend_problem
 
 from ..backup_choices import backup_the_run_wrote
 from ..events import format_duration

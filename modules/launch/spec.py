@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from modules.config.train_config import TrainConfig
+from modules.config.validation import context_parallel_problems, parse_device_indexes
+from modules.launch.backends import resolve_backend
 from modules.launch.layout import ParallelLayout
-
-from .backends import resolve_backend
-from .train_config import TrainConfig
-from .validation import context_parallel_problems, parse_device_indexes
 
 SINGLE = "single"
 """One process, no process group."""
