@@ -252,7 +252,7 @@ class StepTimer(StepObserver):
                       extra=list(c.extra), trainable=trainable, step_s=round(step_s, 4),
                       step_s_spread=[round(min(measured), 4), round(max(measured), 4)],
                       # A context-parallel group trains one slice of the batch: samples are per slice.
-                      context_parallel=trainer.cfg.multi_gpu.context_parallel if du.world_size() > 1 else 1,
+                      context_parallel=trainer.parallel.layout.context,
                       samples_per_s=round(images_per_step / step_s, 2),
                       mean_step_s=round(mean_step_s, 4),
                       host_median_s={k: round(statistics.median(v[c.warmup:c.warmup + c.steps]), 4)
