@@ -5,6 +5,8 @@ trained edit prediction).
 
 - the training prediction with a control image is one step of diffusers' pipeline given that image (`image=`):
   Kontext's, Flux.2-dev's and Klein's (their ids, packing, normalisation and the target-only output);
+- samples render at the prompt's size from its control cropped as training crops it (the stock pipelines size both
+  their own way);
 - one short LoRA run of `#demo_flux2_edit` on the first pairs (module-scoped, shared by the checks): samples render
   with a prompt's reference image and without one, and the saved LoRA, loaded by diffusers' `Flux2Pipeline`,
   changes the edit it renders from the reference."""
@@ -17,13 +19,14 @@ import pytest
 import torch
 from PIL import Image
 
-from modules.config.train_config import ModelConfig, TrainingConfig
-from modules.data.controls import sample_controls
+from modules.config.train_config import ModelConfig, SamplePromptConfig, TrainingConfig
+from modules.data.controls import control_picture, sample_controls
 from modules.model import load_model
 from modules.model.families import family
 from modules.model.families.dit_demo import ensure_dit_demo
 from modules.model.families.flux import pack_latents, unpack_latents
 from modules.model.families.flux2 import patchify, unpack
+from modules.model.sampling import render_one, sampling_pipeline
 from tests.trainer_helpers import demo_config, demo_data_subset, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -34,9 +37,21 @@ def demo_folder(name: str) -> Path:
     return family(name).build_demo() if name == "flux_kontext" else ensure_dit_demo(name)
 
 
+@pytest.fixture(scope="module")
+def demos(tandem_home):
+    """name -> its built-in model, loaded once for the module's tests."""
+    loaded = {}
+
+    def demo(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(ModelConfig(base_model=str(demo_folder(name))))
+        return loaded[name]
+    return demo
+
+
 @pytest.mark.parametrize("name", ["flux_kontext", "flux2", "flux2-klein"])
-def test_the_prediction_with_a_control_is_one_step_of_the_pipeline_given_the_image(tandem_home, name):
-    bundle = load_model(ModelConfig(base_model=str(demo_folder(name))))
+def test_the_prediction_with_a_control_is_one_step_of_the_pipeline_given_the_image(demos, name):
+    bundle = demos(name)
     objective = bundle.family.objective(bundle, TrainingConfig(flux_guidance=2.5))
     control = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
     pixels = torch.from_numpy(np.array(control)).permute(2, 0, 1)[None].float() / 127.5 - 1
@@ -58,6 +73,27 @@ def test_the_prediction_with_a_control_is_one_step_of_the_pipeline_given_the_ima
                                    guidance_scale=2.5, **common).images, 8, 8)
     torch.testing.assert_close(stepped, noise - velocity, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(stepped, noise - plain, atol=1e-3), "the control changed nothing: the check is vacuous"
+
+
+def test_samples_render_at_their_size_from_the_control_cropped_to_it(demos, tmp_path):
+    """Kontext's stock pipeline renders about a megapixel and Flux.2's keeps a reference's own size: samples render
+    at the prompt's size, from its control cropped as training crops a control to its image's bucket."""
+    Image.fromarray((np.random.default_rng(1).random((96, 192, 3)) * 255).astype(np.uint8)).save(tmp_path / "c.png")
+    prompt = SamplePromptConfig(prompt="make the circle red", control=str(tmp_path / "c.png"), seed=1, width=96,
+                                height=64)
+    kontext = demos("flux_kontext")
+    assert render_one(kontext, sampling_pipeline(kontext), prompt, 64, 1, 2.5).size == (96, 64)
+    flux2 = demos("flux2")
+    ours = render_one(flux2, sampling_pipeline(flux2), prompt, 64, 1, 1.0)
+    stock = flux2.family.stock_pipeline(demo_folder("flux2"))
+
+    def stock_render(image):
+        return np.asarray(stock(image=[image], prompt=prompt.prompt, width=96, height=64, num_inference_steps=1,
+                                guidance_scale=1.0, generator=torch.Generator().manual_seed(1)).images[0])
+
+    assert np.array_equal(np.asarray(ours), stock_render(control_picture(tmp_path / "c.png", 96, 64)))
+    with Image.open(tmp_path / "c.png") as whole:  # the stock pipeline's own size for it: another picture
+        assert not np.array_equal(np.asarray(ours), stock_render(whole.convert("RGB")))
 
 
 @pytest.fixture(scope="module")
