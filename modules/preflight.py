@@ -152,7 +152,22 @@ def check_data(cfg: TrainConfig, data_world: int = 1, scan=None):
     problem = batch_shortfall(cfg, dataset.buckets, dataset.bucket_sizes, data_world)
     if problem:
         raise PreflightError.in_config_words(problem)
+    too_many = controls_beyond_the_model(cfg, dataset.control_count)
+    if too_many:
+        raise PreflightError(too_many)
     return dataset
+
+
+def controls_beyond_the_model(cfg: TrainConfig, control_count: int) -> str | None:
+    """Why the pairs have more control images per image than the model takes (Flux.1 Kontext: one), or None. A
+    manifest's lines say how many it has, which validation does not read."""
+    from modules.families.registry import FAMILIES, guess_family
+
+    info = FAMILIES.get(guess_family(cfg.model.base_model, cfg.model.model_type))
+    if info is None or not info.max_controls or control_count <= info.max_controls:
+        return None
+    return (f"data.concepts[].control: each image has {control_count} control images, but {info.title} takes at most "
+            f"{info.max_controls}; give each image {info.max_controls} (in a manifest, one path as its \"control\").")
 
 
 def batch_shortfall(cfg: TrainConfig, buckets: list[int], bucket_sizes: list[tuple[int, int]],

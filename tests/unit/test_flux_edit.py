@@ -99,3 +99,27 @@ def test_a_samples_control_is_cropped_as_training_crops_it(tmp_path):
     trained = load_pixels(tmp_path / "before.png", plan_crop(96, 48, (64, 32)))
     assert picture.size == (64, 32)
     assert torch.equal(torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 127.5 - 1.0, trained)
+
+
+def test_a_manifest_with_two_controls_per_image_is_refused_for_kontext_before_the_model_loads(tmp_path):
+    import pytest
+
+    from modules.preflight import PreflightError, check_data
+
+    lines = []
+    for name in ("a", "b"):
+        for part in ("after", "before", "style"):
+            (tmp_path / part).mkdir(exist_ok=True)
+            Image.new("RGB", (64, 64), (200, 0, 0)).save(tmp_path / part / f"{name}.png")
+        lines.append(json.dumps({"target": f"after/{name}.png", "control": [f"before/{name}.png", f"style/{name}.png"],
+                                 "caption": "make it red"}))
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = edit_config("flux_kontext", "pairs.jsonl", prompts=())
+    cfg.data.concepts[0].path = str(tmp_path)
+    cfg.data.resolution, cfg.training.batch_size, cfg.general.workspace_dir = 64, 1, str(tmp_path / "ws")
+    assert control_problems(cfg) == []  # validation cannot count a manifest's controls
+    with pytest.raises(PreflightError, match=r"each image has 2 control images, but Flux.1 Kontext \(dev\) takes at "
+                                             r"most 1; give each image 1 \(in a manifest"):
+        check_data(cfg)
+    cfg.model.model_type = "flux2"  # any number of references
+    assert check_data(cfg).control_count == 2
