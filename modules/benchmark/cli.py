@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra config override for every case, e.g. multi_gpu.bucket_cap_mb=100")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: smoke-test the benchmark with CPU processes (numbers mean nothing)")
+    p.add_argument("--controls", type=int, default=None, metavar="N",
+                   help="an edit model's control (reference) images per item, each of the target's size: their tokens "
+                        "join the target's (default: 1 where the family needs controls, else none; Flux.2's "
+                        "reference images are optional: --controls 1)")
     p.add_argument("--json", type=Path, help="append one JSON line per case to this file")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="after the measured steps, profile a few more on every rank and write the op tables "
@@ -49,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=3, help="steps --profile records (default 3)")
     args = p.parse_args(argv)
 
+    from modules.benchmark.synthetic import control_count
+    try:
+        control_count(MODEL_ALIASES[args.model], args.controls)
+    except ValueError as e:
+        p.error(str(e))
     if args.warmup < 1 or args.steps < 1 or args.profile_steps < 1:
         p.error("--warmup, --steps and --profile-steps must be at least 1 (the first step includes one-off set-up work)")
     import torch
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cases = [Case(MODEL_ALIASES[args.model], args.mode, args.batch, args.res, world, args.gc, args.steps,
                   args.warmup, tuple(args.config_value), args.device, str(args.profile or ""), args.profile_steps,
-                  model_variant(args.model)) for world in worlds]
+                  model_variant(args.model), args.controls) for world in worlds]
     for case in cases:
         problems = case_problems(case)
         if problems:

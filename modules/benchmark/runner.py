@@ -59,12 +59,14 @@ class Case:
     profile_dir: str = ""  # non-empty: profile `profile_steps` extra steps after the measured ones
     profile_steps: int = PROFILE_STEPS
     variant: str = ""  # one of the family's published sizes (FamilyInfo.variants); '' for its default
+    controls: int | None = None  # control images per item of an edit model; None: what the family needs (synthetic.py)
 
     def name(self) -> str:
         extra = f" {' '.join(self.extra)}" if self.extra else ""
         gc = " gc" if self.gradient_checkpointing else ""
         model = f"{self.model}-{self.variant}" if self.variant else self.model
-        return f"{model} {self.mode} {self.resolution}px b{self.batch}{gc}{extra}"
+        controls = f" {self.controls} control(s)" if self.controls else ""
+        return f"{model} {self.mode} {self.resolution}px b{self.batch}{gc}{controls}{extra}"
 
     def total_steps(self) -> int:
         return self.warmup + self.steps + (self.profile_steps if self.profile_dir else 0)
@@ -130,7 +132,7 @@ class SyntheticSource(RunSource):
         c = self.case
         length = c.batch * c.world * (c.total_steps() + 1)
         return SyntheticCachedLatents(c.model, c.resolution, length, variant=c.variant,
-                                      frames=trainer.cfg.data.video_frames)
+                                      frames=trainer.cfg.data.video_frames, controls=c.controls)
 
     def model(self, trainer):
         from modules.benchmark.synthetic import random_bundle
@@ -245,6 +247,8 @@ class StepTimer(StepObserver):
         images_per_step = c.batch * cfg.training.gradient_accumulation_steps * parallel.data_world
         denoiser = trainer.bundle.denoiser
         result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
+                      controls=(trainer.dataset.controls.shape[1] if getattr(trainer.dataset, "controls", None) is not None
+                                else 0),
                       batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
                       strategy=parallel.name,  # what multi_gpu.strategy gave (single: one process)
                       layer_offload_blocks=parallel.layer_offload_blocks,  # swapped (multi_gpu.layer_offload)

@@ -39,6 +39,27 @@ def random_bundle(model_type: str, device: torch.device, unet_dtype: torch.dtype
     return family(model_type).random_bundle(device, unet_dtype, **_variant(variant))
 
 
+def control_count(model_type: str, asked: int | None) -> int:
+    """Control images per item: `asked`, checked against the family (ValueError naming --controls and the fix),
+    or by default one where the family needs controls and none where they are optional or not taken."""
+    from modules.families.registry import FAMILIES
+
+    info = FAMILIES.get(model_type)
+    takes = info is not None and bool(info.controls)
+    if asked is None:
+        return 1 if takes and not info.controls_optional else 0
+    if asked < 0:
+        raise ValueError(f"--controls {asked}: give a count of control images, 0 or more")
+    if asked and not takes:
+        raise ValueError(f"--controls {asked}: {model_type} trains on plain images, not on control images; leave "
+                         "--controls out or pick an edit model (the families whose controls are named in "
+                         "docs/Models.md)")
+    if asked and info.max_controls and asked > info.max_controls:
+        raise ValueError(f"--controls {asked}: {model_type} takes at most {info.max_controls} control image(s) an "
+                         "item")
+    return asked
+
+
 class SyntheticCachedLatents(Dataset):
     """Items shaped like the trainer's cached items of `model_type`: latents, text embeddings, sizes.
 
@@ -51,19 +72,8 @@ class SyntheticCachedLatents(Dataset):
         `controls`: control images per item, each of the target's size (their latents join its tokens, so the
         sequence grows by a target's tokens for each); None: one for an edit model that needs them, none
         otherwise (Flux.2's reference images are optional)."""
-        from modules.families.registry import FAMILIES
-
         gen = torch.Generator().manual_seed(0)
-        info = FAMILIES.get(model_type)
-        if controls is None:
-            controls = 1 if info is not None and info.controls and not info.controls_optional else 0
-        if controls and (info is None or not info.controls):
-            raise ValueError(f"--controls {controls}: {model_type} trains on plain images, not on control images; "
-                             "leave --controls out or pick an edit model (the families whose controls are named in "
-                             "docs/Models.md)")
-        if controls and info.max_controls and controls > info.max_controls:
-            raise ValueError(f"--controls {controls}: {model_type} takes at most {info.max_controls} control "
-                             f"image(s) an item")
+        controls = control_count(model_type, controls)
         if variant == DEMO:
             channels, text_shapes, scale = _demo_shapes(model_type)
         else:

@@ -21,3 +21,12 @@ def test_optional_references_only_when_asked_and_plain_families_refuse_them():
     assert with_reference["control_latents"].shape == (2, *with_reference["latents"].shape)
     with pytest.raises(ValueError, match=r"--controls 1: sd1 trains on plain images"):
         SyntheticCachedLatents("sd1", 256, 2, pool=1, controls=1)
+
+
+def test_the_benchmark_refuses_controls_for_a_plain_family_before_any_worker(capsys):
+    from modules.benchmark.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "sd15", "--controls", "1", "--device", "cpu", "--gpus", "1"])
+    assert exit_.value.code == 2
+    assert "--controls 1: sd1 trains on plain images" in capsys.readouterr().err
