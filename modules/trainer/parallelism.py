@@ -1,8 +1,9 @@
 """How the trained model is spread over the processes: one object, chosen once at start.
 
 The loop never asks which strategy trains. It holds one `Parallelism`, chosen where the run starts
-(`GenericTrainer`: `SingleProcess`; `DistributedTrainer`: DDP or FSDP by `multi_gpu.strategy`, from
-`modules/distributed/ddp.py` and `fsdp.py`), and asks it for everything that differs between them:
+(`GenericTrainer`: `SingleProcess`; `DistributedTrainer`: DDP or FSDP, found by the name `multi_gpu.strategy`
+or the memory plan gives, in `STRATEGIES`: `modules/distributed/ddp.py` and `fsdp.py`), and asks it for
+everything that differs between them:
 
 | concern | one process | DDP | FSDP |
 | --- | --- | --- | --- |
