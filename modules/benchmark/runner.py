@@ -93,6 +93,8 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     family: the model itself is built in memory (`SyntheticSource.model`), but whatever sizes the
     model from the config - `multi_gpu.strategy = auto`'s memory estimate - must see the real-size
     architecture (Tandem's shipped configs), not the built-in demo model a default config names."""
+    from modules.benchmark.synthetic import control_count
+
     if case.variant == DEMO:
         base_model = "builtin:demo"  # loaded as a user's run loads it (`create_model`)
     else:
@@ -112,6 +114,9 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
         "multi_gpu.launcher=spawn",
         # LoRA keeps its frozen base in bf16 like the reference; full fine-tune keeps fp32 master weights.
         f"model.unet_dtype={'bf16' if case.mode == 'lora' else 'fp32'}",
+        # An edit model's concept names its controls, as a user's must; the synthetic items carry their latents.
+        *([f"data.concepts[0].control={Path(workspace) / 'control'}"]
+          if control_count(case.model, case.controls) else []),
         *case.extra,
     ]
     return apply_overrides(TrainConfig(), overrides)

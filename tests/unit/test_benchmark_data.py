@@ -30,3 +30,10 @@ def test_the_benchmark_refuses_controls_for_a_plain_family_before_any_worker(cap
         main(["--model", "sd15", "--controls", "1", "--device", "cpu", "--gpus", "1"])
     assert exit_.value.code == 2
     assert "--controls 1: sd1 trains on plain images" in capsys.readouterr().err
+
+
+def test_an_edit_models_case_names_its_controls_as_a_users_config_must():
+    from modules.benchmark.runner import Case, case_problems
+
+    assert case_problems(Case("qwen_edit", "lora", 1, 1024, 1, True, 8, 3)) == []
+    assert case_problems(Case("flux2", "lora", 1, 1024, 1, True, 8, 3, variant="klein-4b", controls=1)) == []
