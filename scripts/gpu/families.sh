@@ -11,13 +11,18 @@
 #   klein2      Flux.2 Klein 4B full fine-tune, FSDP2 on 2 GPUs (fp32 master weights, AdamW); the reference
 #               runs at Klein's size through scripts/gpu/reference_variant.py
 #   chroma      Chroma (8.9 B) LoRA r16 on the attention projections, 1 and 2 GPUs (DDP)
+#   edit1       Qwen-Image-Edit(-Plus) LoRA r16 on 1 GPU with one control image of the target's size (the token
+#               sequence doubles; the reference's qwen --control 1)
+#   edit2       the same, FSDP2 on 2 GPUs
+#   kleinref1   Flux.2 Klein 4B LoRA r16 on 1 GPU with one reference image (the reference's flux2 --control 1 at
+#               Klein's size)
 #   smoke       CPU only: the reference (tiny, 2 processes) and the variant wrapper, and the table - the
 #               plumbing of this script, no measurement
 # Each part ends with a table: img/s and peak GiB per GPU of the reference and of Tandem.
 # Results: one JSON line per measurement in $OUT/results.jsonl (or ./gpu-results.jsonl).
 #   run on a 4-GPU machine, e.g.:  bash scripts/gpu/families.sh flux2dev2   (carry .bench)
 set -u
-PART="${1:?usage: families.sh flux2dev1|flux2dev2|flux2dev4|klein2|chroma|smoke}"
+PART="${1:?usage: families.sh flux2dev1|flux2dev2|flux2dev4|klein2|chroma|edit1|edit2|kleinref1|smoke}"
 source "$(dirname "$0")/common.sh"
 touch "$RES"; START=$(wc -l < "$RES")
 COMMON="--res 1024 --batch 1 --gc --steps 8 --warmup 3"
@@ -65,6 +70,21 @@ chroma)
     reference 100 1 -- --model chroma --mode lora $COMMON
     reference 100 2 -- --model chroma --mode lora $COMMON
     tandem 260 -- --model chroma --mode lora --gpus 1,2 $COMMON $DDP
+    ;;
+edit1)
+    log "Qwen-Image-Edit LoRA r16 1024 b1 gc, one control image, on 1 GPU: reference, Tandem"
+    reference 200 1 -- --model qwen --mode lora --control 1 $COMMON
+    tandem 250 -- --model qwen_edit --mode lora --controls 1 --gpus 1 $COMMON
+    ;;
+kleinref1)
+    log "Flux.2 Klein 4B LoRA r16 1024 b1 gc, one reference image, on 1 GPU: reference, Tandem"
+    reference 120 1 klein-4b -- --model flux2 --mode lora --control 1 $COMMON
+    tandem 200 -- --model flux2-klein-4b --mode lora --controls 1 --gpus 1 $COMMON --config-value "$FLUX2_TARGETS"
+    ;;
+edit2)
+    log "Qwen-Image-Edit LoRA r16 1024 b1 gc, one control image, FSDP2 on 2 GPUs: reference, Tandem"
+    reference 200 2 -- --model qwen --mode lora --control 1 --fsdp $COMMON
+    tandem 250 -- --model qwen_edit --mode lora --controls 1 --gpus 2 $COMMON $FSDP
     ;;
 smoke)
     log "CPU: the reference at tiny size on 2 processes, and through the variant wrapper"
