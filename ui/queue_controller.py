@@ -18,7 +18,7 @@ from modules.queue import actions
 from modules.queue.jobs import Job
 from modules.queue.runner import ensure_runner, refresh
 from modules.queue.store import QueueState, QueueStore
-from modules.queue.view import JobRow, describe_queue, rows
+from modules.queue.view import JobRow, describe_queue, log_tail, rows
 
 
 @dataclass
@@ -32,7 +32,19 @@ class QueueSnapshot:
     """Jobs are queued (the runner starts them)."""
 
 
+THIS_COMPUTER = "This computer"
+
+
 class QueueController:
+    """This machine's queue. A remote machine's has the same methods: ui/remote_queue_controller.py."""
+
+    machine_name = THIS_COMPUTER
+    """Whose queue it is, as the Queue tab's header names it."""
+    on_this_machine = True
+    """Its jobs' models and logs are files here."""
+    refresh_ms = 1000
+    """How often the Queue tab reads it again."""
+
     def __init__(self, store: QueueStore | None = None, start_runner: Callable[[QueueStore], bool] = ensure_runner,
                  cwd: str | Path | None = None):
         self.store = store or QueueStore()
@@ -62,7 +74,8 @@ class QueueController:
         if not alive and self.store.file.exists():
             refresh(self.store)
         state: QueueState = self.store.read()
-        return QueueSnapshot(header=describe_queue(self.store, state, alive), rows=rows(self.store, state),
+        return QueueSnapshot(header=f"{self.machine_name} · {describe_queue(self.store, state, alive)}",
+                             rows=rows(self.store, state),
                              paused=state.paused, runner_alive=alive,
                              waiting=any(job.state == "queued" for job in state.jobs))
 
@@ -92,9 +105,6 @@ class QueueController:
         if not row.log:
             return f"#{row.id} {row.name} has not run yet."
         try:
-            with open(row.log, "rb") as f:
-                size = f.seek(0, 2)
-                f.seek(max(size - limit, 0))
-                return f.read().decode("utf-8", errors="replace")
+            return log_tail(row.log, limit)
         except OSError as e:
             return f"The log {row.log} cannot be read ({e.strerror})."

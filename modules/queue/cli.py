@@ -6,7 +6,7 @@
     python scripts/train_queue.py move 3 top | up | down | bottom | 2
     python scripts/train_queue.py cancel 3 | pause 3 | resume 3   one job (resume continues from its backup)
     python scripts/train_queue.py pause | resume                  the whole queue: nothing new starts / starts again
-    python scripts/train_queue.py log 3                           the job's log
+    python scripts/train_queue.py log 3 [--tail BYTES]            the job's log (or its end)
     python scripts/train_queue.py run                             start the runner (add and resume start it too)
     python scripts/train_queue.py --host user@box add my.json     the same on a remote machine: its jobs run there
 
@@ -30,7 +30,7 @@ from .jobs import GpuNeed, NeedError
 from .log_summary import summarize
 from .runner import Runner, ensure_runner, refresh
 from .store import QueueFileError, QueueStore
-from .view import describe_queue, rows, table
+from .view import describe_queue, log_tail, rows, table
 
 EXIT_USAGE = 2
 VERBS = ("add", "list", "cancel", "move", "pause", "resume", "log", "run")
@@ -66,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     for verb, what in (("cancel", "end a job (a running one stops at its next step)"),
                        ("log", "print a job's log")):
         sub.add_parser(verb, help=what).add_argument("job", help="its number (#3 or 3) or name")
+    sub.choices["log"].add_argument("--tail", type=int, metavar="BYTES", help="only the log's last BYTES")
     mv = sub.add_parser("move", help="change a job's place in the queue")
     mv.add_argument("job")
     mv.add_argument("where", help="up, down, top, bottom or a position (1 is the top)")
@@ -118,8 +119,10 @@ def _local(store: QueueStore, args) -> int:
         state = store.read()
         found = rows(store, state)
         if args.json:
+            alive = store.runner_alive()
             print(json.dumps({"queue": str(store.folder), "paused": state.paused, "runner": state.runner,
-                              "runner_alive": store.runner_alive(), "jobs": [r.to_dict() for r in found]}))
+                              "runner_alive": alive, "header": describe_queue(store, state, alive),
+                              "jobs": [r.to_dict() for r in found]}))
         else:
             print(describe_queue(store, state, store.runner_alive()))
             print(table(found))
@@ -150,7 +153,7 @@ def _local(store: QueueStore, args) -> int:
             print(f"{job.label()} has not run yet.", file=sys.stderr)
             return 1
         log = store.runs_root / "runs" / job.run_id / "output.log"
-        sys.stdout.write(log.read_text(encoding="utf-8", errors="replace") if log.exists() else "")
+        sys.stdout.write(log_tail(log, args.tail) if log.exists() else "")
         summary = summarize(log)
         if job.state == "failed":
             print(f"\n{job.label()} failed: {job.message or summary.failure()}", file=sys.stderr)

@@ -6,6 +6,8 @@ jobs go on starting overnight with the desktop switched off; its jobs are ordina
 `add` does on the desktop what a remote start does (`RemoteSession.prepare_job`: Tandem installed there at
 this version, the config made the remote's, its data and models uploaded), then hands the remote config to the
 queue there; every other verb runs `scripts/train_queue.py` there, through ssh, and prints its answer.
+The GUI's Queue tab (ui/remote_queue_controller.py) goes through the same functions: `words`, `add_job`, `call`
+and `answer`.
 """
 from __future__ import annotations
 
@@ -36,9 +38,38 @@ def queue_script(machine: RemoteMachine, *args: str) -> str:
             + " ".join(shlex.quote(a) for a in args))
 
 
-def call(machine: RemoteMachine, *args: str, input: object = None, timeout: float = 300) -> Result:
+def call(machine: RemoteMachine, *args: str, input: object = None, timeout: float | None = 300) -> Result:
     data = json.dumps(input).encode() if input is not None else None
     return machine.run(queue_script(machine, *args), input=data, timeout=timeout, check=False)
+
+
+def words(verb: str, *args: str, slots: int | None = None, as_json: bool = False) -> list[str]:
+    """A verb as the remote's train_queue.py takes it: its options first, then the verb and its arguments."""
+    return (["--slots", str(slots)] if slots is not None else []) + (["--json"] if as_json else []) + [verb, *args]
+
+
+class RemoteQueueError(RuntimeError):
+    """The remote queue answered with an error (its own `error: ...` line), or Tandem is not installed there."""
+
+
+def answer(machine: RemoteMachine, done: Result) -> str:
+    """The remote's answer, or RemoteQueueError with the line it gave as its error."""
+    if done.returncode == 0:
+        return done.text
+    lines = [line.strip() for line in done.stderr.strip().splitlines() if line.strip()]
+    text = (lines[-1] if lines else f"exit code {done.returncode}").removeprefix("error: ")
+    raise RemoteQueueError(text if machine.label in text else f"{machine.label}: {text}")
+
+
+def add_job(machine: RemoteMachine, session: RemoteSession, cfg, need: GpuNeed | None, name: str, source: str,
+            slots: int | None = None, as_json: bool = False) -> Result:
+    """`add` on the machine's queue: prepared as a remote start is (`session.prepare_job`: installs Tandem there at
+    this version, makes the config the remote's, uploads what it lacks - a large upload asks `session.confirm`),
+    then handed to the queue there (`add-spec`), which checks the job against its GPUs."""
+    plan, _report = session.prepare_job(cfg)
+    payload = job_payload(config_to_dict(plan.config), need, name, source, machine.host.environment,
+                          machine.host.folder)
+    return call(machine, *words("add-spec", slots=slots, as_json=as_json), input=payload)
 
 
 def job_payload(plan_config: dict, need: GpuNeed | None, name: str, source: str, environment: str,
@@ -70,16 +101,16 @@ def main_remote(args) -> int:
 
 def _passed_on(args) -> list[str]:
     """The verb and its words as the remote's train_queue.py takes them."""
-    words = ["--slots", str(args.slots)] if args.slots is not None else []
-    words += ["--json"] if args.json else []
-    words.append(args.verb)
+    rest = []
     if args.verb in ("cancel", "log") or (args.verb in ("pause", "resume") and args.job):
-        words.append(args.job)
+        rest.append(args.job)
+    if args.verb == "log" and args.tail is not None:
+        rest += ["--tail", str(args.tail)]
     if args.verb == "move":
-        words += [args.job, args.where]
+        rest += [args.job, args.where]
     if args.verb == "run" and args.here:
-        words.append("--here")
-    return words
+        rest.append("--here")
+    return words(args.verb, *rest, slots=args.slots, as_json=args.json)
 
 
 def _act(args, machine: RemoteMachine, known: KnownHosts, need: GpuNeed | None) -> int:
@@ -91,12 +122,8 @@ def _act(args, machine: RemoteMachine, known: KnownHosts, need: GpuNeed | None) 
             return bool(args.yes) or (sys.stdin.isatty() and input("[y/N] ").strip().lower() in ("y", "yes"))
         session = RemoteSession([machine.host], known, progress=lambda text: print(text, file=sys.stderr),
                                 confirm=confirm)
-        plan, _report = session.prepare_job(cfg)
-        payload = job_payload(config_to_dict(plan.config), need, args.name or Path(args.config).stem.lstrip("#"),
-                              args.config + "".join(f" + {o}" for o in args.config_value), machine.host.environment,
-                              machine.host.folder)
-        words = (["--slots", str(args.slots)] if args.slots is not None else []) + (["--json"] if args.json else [])
-        done = call(machine, *words, "add-spec", input=payload)
+        done = add_job(machine, session, cfg, need, args.name or Path(args.config).stem.lstrip("#"),
+                       args.config + "".join(f" + {o}" for o in args.config_value), args.slots, args.json)
     else:
         done = call(machine, *_passed_on(args), timeout=None if args.verb == "run" and args.here else 300)
     if done.returncode == NOT_INSTALLED:

@@ -75,6 +75,15 @@ def rows(store: QueueStore, state: QueueState | None = None) -> list[JobRow]:
     return [job_row(job, runs_root, unit) for job in state.jobs]
 
 
+def log_tail(path: str | Path, limit: int | None = None) -> str:
+    """A job's log, or its last `limit` bytes (a long run's log is large; the GUI shows its end). OSError when
+    it cannot be read."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(size - limit, 0) if limit is not None else 0)
+        return f.read().decode("utf-8", errors="replace")
+
+
 def describe_queue(store: QueueStore, state: QueueState, runner_alive: bool) -> str:
     """The line above the table: where it is, what it runs on, whether it runs."""
     runner = state.runner

@@ -1,21 +1,28 @@
 """The GUI's queue: "Add to queue" on the Run tab (the job the config's Multi-GPU settings ask for, or why it is
 refused) and the Queue tab (each job's status, GPUs, progress and ETA, its model and log one click away, and the
 buttons that move, pause and cancel jobs). The runner is replaced by a recorder here: the jobs running for
-real are tests/integration/test_queue_runs.py's."""
+real are tests/integration/test_queue_runs.py's. The Queue tab follows the Run tab's "Run on": a remote machine's
+queue through a stand-in for ssh here (the rest of the path is the real one), through a real sshd in
+tests/integration/test_queue_remote.py."""
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from modules.queue.store import QueueStore
+from modules.remote.host import RemoteHost
 from tests.patience import patience
 from tests.gui.test_ui_widgets import make_app, pump
 from ui.queue_controller import QueueController
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +86,9 @@ def test_add_to_queue_and_the_queue_tab(display, tmp_path, tandem_home):
         lines = view.lines
         assert lines[1].model.cget("state") == "normal" and lines[2].model.cget("state") == "disabled"
         assert lines[3].pause.cget("state") == "disabled" and lines[3].cancel.cget("state") == "disabled"
-        lines[2].log.invoke()  # the log one click away
-        assert "training dogs" in view.log.get("1.0", "end") and "#2 dogs" in view.log_title.cget("text")
+        lines[2].log.invoke()  # the log one click away (read off the Tk thread)
+        assert pump(app, lambda: "training dogs" in view.log.get("1.0", "end"), timeout=10)
+        assert "#2 dogs" in view.log_title.cget("text")
 
         # Add to queue: what the Training tab's CPU processes ask for; three are more than the queue's 2 slots.
         for path, value in (("training.max_steps", "3"), ("general.workspace_dir", str(tmp_path / "new"))):
@@ -138,3 +146,77 @@ def test_reopening_shows_a_job_whose_run_vanished_as_interrupted(tmp_path):
     assert dogs.status == "interrupted - continue from backup" and dogs.step == 4
     assert QueueStore(folder).read().find("dogs").resume == "r-dogs"
     assert not snapshot.runner_alive
+
+
+@pytest.fixture
+def stand_in_remote(tmp_path, monkeypatch, tandem_home) -> RemoteHost:
+    """A remote machine standing in on this one: an `ssh` first on PATH runs the remote command in a local sh - the
+    transport is the only part that is not the real one - and a remote folder where this checkout is installed
+    (`source/current`) at the desktop's version (taken once: other files of the tree may change meanwhile)."""
+    from modules.remote import session
+    from modules.remote.prepare import INSTALLED_MARK
+    from modules.remote.source import local_source
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    ssh = tools / "ssh"
+    ssh.write_text('#!/bin/sh\n# ssh OPTIONS... DESTINATION "sh -c SCRIPT": run the last word here\n'
+                   'for last; do :; done\nexec sh -c "$last"\n')
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    source = local_source()
+    monkeypatch.setattr(session, "local_source", lambda: source)
+    folder = tmp_path / "remote"
+    (folder / "source" / source.version).mkdir(parents=True)
+    (folder / "source" / source.version / INSTALLED_MARK).touch()
+    (folder / "source" / "current").symlink_to(REPO)
+    return RemoteHost(host="127.0.0.1", user=getpass.getuser(), folder=str(folder), python=sys.executable)
+
+
+def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, tmp_path, stand_in_remote):
+    from ui.remote_queue_controller import RemoteQueueController
+    from ui.settings import SavedRemotes
+    from ui.views.remote_frame import NEW_REMOTE, THIS_MACHINE
+    host = stand_in_remote
+    saved = SavedRemotes(tmp_path / "home")
+    saved.save(host)
+    saved.choose("")  # the window opens on this machine
+    remote_queue = QueueStore(Path(host.folder) / "queue")
+    app, dialogs = make_app(tmp_path)
+    try:
+        view = app.queue_view
+        header = lambda: view.header.cget("text")  # noqa: E731
+        assert pump(app, lambda: header().startswith("This computer · Queue "), timeout=10), header()
+        local = view.controller
+        app.remote.choose(app.remote.menu.cget("values")[1])  # Run on: the remote machine
+        assert isinstance(view.controller, RemoteQueueController) and view.controller.host == host
+        assert pump(app, lambda: header().startswith(f"{host.label} · Queue {host.folder}/queue"), timeout=30), \
+            (header(), view.notice_text())
+        view.pause_queue_button.invoke()  # the remote queue's own words, there: nothing it holds starts
+        assert pump(app, lambda: view.pause_queue_button.cget("text") == "Resume queue", timeout=30), view.notice_text()
+        assert remote_queue.read().paused
+
+        # Add to queue with the remote chosen: prepared as a remote start is (its uploads), queued there.
+        checked = app.remote.current
+        assert pump(app, lambda: checked.report is not None, timeout=60), checked.notice  # what Start checks too
+        app.binder.fields["training.max_steps"].var.set("3")
+        app.tabs.set("Run")
+        app.run_view.queue_button.invoke()
+        assert pump(app, lambda: app.run_view.notice_text() or app.run_view.error_text(), timeout=120)
+        assert app.run_view.notice_text().startswith(f"Queued #1 demo on {host.label}"), app.run_view.error_text()
+        job = remote_queue.read().find(1)
+        assert (job.state, job.cwd) == ("queued", host.folder)  # it runs in the remote folder, on the uploads
+        queued = json.loads(Path(job.config).read_text())
+        assert queued["training"]["max_steps"] == 3 and queued["general"]["workspace_dir"].startswith("work/")  # the remote's
+        app.tabs.set("Queue")
+        assert pump(app, lambda: [row[:3] for row in view.table_text()] == [["1", "demo", "queued"]], timeout=30)
+
+        app.remote.choose(NEW_REMOTE)  # no machine yet: one line says so, no traceback
+        assert pump(app, lambda: "No machine to ask yet" in view.notice_text(), timeout=10)
+        assert view.table_text() == []
+        app.remote.choose(THIS_MACHINE)
+        assert view.controller is local
+        assert pump(app, lambda: header().startswith("This computer · Queue ") and not view.notice_text(), timeout=10)
+        assert view.table_text() == []  # this machine's queue is empty: the job went to the remote's
+    finally:
+        app.remote.detach_all()
+        app.destroy()

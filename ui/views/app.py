@@ -16,6 +16,7 @@ from modules.queue.store import QueueStore
 
 from ..config_model import ConfigModel
 from ..queue_controller import QueueController
+from ..remote_queue_controller import RemoteQueueController
 from ..gpu_info import GpuInfo, detect_gpus
 from ..run_controller import RunController
 from ..settings import RecentConfigs, SavedRemotes
@@ -72,14 +73,15 @@ class TandemApp(ctk.CTk):
         build_save_tab(self.tabs.tab("Backup & Save"), self.binder)
         self.run_view = RunView(self.tabs.tab("Run"), self.binder, self.controller, lambda: len(self.gpus),
                                 ask=self.dialogs.ask_yes_no,
-                                queue_add=lambda cfg: self.queue.add(cfg, self.model.source_name.lstrip("#"),
-                                                                     len(self.gpus)))
+                                queue_add=lambda cfg: self.queue_view.controller.add(
+                                    cfg, self.model.source_name.lstrip("#"), len(self.gpus)))
+        self.queue_view = QueueView(self.tabs.tab("Queue"), self.queue)  # the queue of the machine "Run on" chooses
+        self.queue_view.pack(fill="both", expand=True)
         self.remote = RemoteFrame(self.tabs.tab("Run"), self.run_view, self.binder, self.dialogs,
-                                  SavedRemotes(self.recent.file.parent), self.controller, lambda: len(self.gpus))
+                                  SavedRemotes(self.recent.file.parent), self.controller, lambda: len(self.gpus),
+                                  on_machine=self._show_queue_of)
         self.remote.pack(fill="x", padx=4, pady=(0, 4))
         self.run_view.pack(fill="both", expand=True)
-        self.queue_view = QueueView(self.tabs.tab("Queue"), self.queue)
-        self.queue_view.pack(fill="both", expand=True)
         self.lora_tools = LoraToolsView(self.tabs.tab("Tools"), self.dialogs)
         self.lora_tools.pack(fill="both", expand=True)
         self.crash_bar = CrashBar(self, below=self.tabs)
@@ -89,6 +91,15 @@ class TandemApp(ctk.CTk):
         self._bind_select_all()
         self._restore()
         self._detect_gpus(gpu_probe or (lambda: detect_gpus(python)))
+
+    def _show_queue_of(self, remote) -> None:
+        """The Run tab's "Run on" chose this machine (None) or a remote (its run controller, whose large-upload
+        question the Run tab asks): the Queue tab and "Add to queue" work on that machine's queue."""
+        shown = self.queue_view.controller
+        if remote is None:
+            self.queue_view.use(self.queue)
+        elif not (isinstance(shown, RemoteQueueController) and shown.confirm == remote.confirm):  # not this one's
+            self.queue_view.use(RemoteQueueController(remote.host, remote.known, confirm=remote.confirm))
 
     # --- config bar ---------------------------------------------------------------------------
     def _build_top_bar(self) -> None:

@@ -2,8 +2,11 @@
 progress and ETA - with buttons to reorder, pause, resume and cancel them, open a finished job's model and
 read any job's log.
 
-What it shows is read off the Tk thread (`QueueController.snapshot`) once a second; every button's change
-runs off it too: the window never waits on the queue.
+It shows the queue of the machine the Run tab's "Run on" chooses (`use`): this computer's
+(ui/queue_controller.py) or a remote machine's (ui/remote_queue_controller.py), whose header names it. What it
+shows is read off the Tk thread (`snapshot`) every second or few, and so are the logs; every button's change runs
+off it too: the window never waits on the queue, and a remote machine that does not answer is one line in the
+notice.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import customtkinter as ctk
 
 from ..external import open_folder
 from ..queue_controller import QueueController, QueueSnapshot
+from ..remote_queue_controller import RemoteQueueController
 from .background import in_background
 from .buttons import Button
 from .fields import ERROR_COLOR
@@ -96,14 +100,17 @@ class JobLine:
 
 
 class QueueView(ctk.CTkFrame):
-    def __init__(self, master, controller: QueueController, refresh_ms: int = REFRESH_MS):
+    def __init__(self, master, controller: QueueController | RemoteQueueController, refresh_ms: int | None = None):
         super().__init__(master, fg_color="transparent")
         self.controller = controller
         self.refresh_ms = refresh_ms
+        """None: as often as the controller asks (a remote one less often)."""
+        self._reading_log = False
         self.snapshot = QueueSnapshot()
         self.lines: dict[int, JobLine] = {}
         self._reading = False
         self._log_job: int | None = None
+        self._read_problem = ""
 
         top = ctk.CTkFrame(self, fg_color="transparent")
         top.pack(fill="x", padx=8, pady=(8, 2))
@@ -135,18 +142,48 @@ class QueueView(ctk.CTkFrame):
     # --- reading the queue ------------------------------------------------------------------------------------
     def _tick(self) -> None:
         self.refresh()
-        self.after(self.refresh_ms, self._tick)
+        self.after(self.refresh_ms or getattr(self.controller, "refresh_ms", REFRESH_MS), self._tick)
+
+    def use(self, controller: QueueController | RemoteQueueController) -> None:
+        """Show another machine's queue (the Run tab's "Run on" changed); nothing of the one before stays."""
+        if controller is self.controller:
+            return
+        self.controller = controller
+        self._log_job = None
+        self.show(QueueSnapshot(header=f"{controller.machine_name} · reading its queue..."))
+        self.log_title.configure(text="Log")
+        self.log.delete("1.0", "end")
+        self.notice.pack_forget()
+        self._reading = self._reading_log = False  # a read of the machine before is dropped when it answers
+        self.refresh()
 
     def refresh(self) -> None:
-        """Read the queue off the Tk thread and show it (one read at a time)."""
+        """Read the queue off the Tk thread and show it (one read at a time); a read that fails is one line in
+        the notice."""
         if self._reading:
             return
         self._reading = True
+        controller = self.controller
 
-        def shown(snapshot: QueueSnapshot) -> None:
+        def read():
+            try:
+                return controller.snapshot(), None
+            except (KeyError, ValueError, RuntimeError, OSError) as e:
+                return None, str(e)
+
+        def shown(result) -> None:
+            if controller is not self.controller:
+                return  # the machine was switched meanwhile
             self._reading = False
+            snapshot, problem = result
+            if problem:
+                self._read_problem = problem
+                self.say(problem, error=True)
+                return
+            if self._read_problem and self.notice_text() == self._read_problem:
+                self.notice.pack_forget()  # it answers again
             self.show(snapshot)
-        in_background(self, self.controller.snapshot, shown, name="tandem-queue-read")
+        in_background(self, read, shown, name="tandem-queue-read")
 
     def show(self, snapshot: QueueSnapshot) -> None:
         self.snapshot = snapshot
@@ -214,6 +251,10 @@ class QueueView(ctk.CTkFrame):
         row = self.row(job_id)
         if row is None or not row.output:
             return
+        if not self.controller.on_this_machine:
+            self.say(f"The model is on {self.controller.machine_name}: {row.output}. To copy it here, choose its run "
+                     "under \"Runs there\" on the Run tab, Show, then Fetch outputs.")
+            return
         self.say(f"Opening {row.output} ...")
         in_background(self, lambda: open_folder(row.output), lambda opened: self.say(opened.message, not opened.ok),
                       name="tandem-open-folder")
@@ -223,11 +264,32 @@ class QueueView(ctk.CTkFrame):
         self._fill_log(job_id, keep_place=False)
 
     def _fill_log(self, job_id: int, keep_place: bool) -> None:
+        """Read the job's log off the Tk thread (a remote one's through ssh) and show it (one read at a time)."""
         row = self.row(job_id)
-        if row is None:
+        if row is None or self._reading_log:
             return
-        text = self.controller.log_text(row)
-        self.log_title.configure(text=f"Log of #{row.id} {row.name}" + (f" - {row.log}" if row.log else ""))
+        self._reading_log = True
+        controller = self.controller
+
+        def read() -> str:
+            try:
+                return controller.log_text(row)
+            except (ValueError, RuntimeError, OSError) as e:
+                return f"The log of #{row.id} {row.name} cannot be read: {e}"
+
+        def shown(text: str) -> None:
+            self._reading_log = False
+            if controller is not self.controller or self._log_job is None:
+                return
+            if self._log_job == job_id:
+                self._show_log_text(row, text, keep_place)
+            else:
+                self._fill_log(self._log_job, keep_place=False)  # another job's Log was clicked meanwhile
+        in_background(self, read, shown, name="tandem-queue-log")
+
+    def _show_log_text(self, row, text: str, keep_place: bool) -> None:
+        where = "" if self.controller.on_this_machine else f" on {self.controller.machine_name}"
+        self.log_title.configure(text=f"Log of #{row.id} {row.name}" + (f" - {row.log}{where}" if row.log else ""))
         if self.log.get("1.0", "end-1c") == text:
             return
         at_end = self.log.yview()[1] >= 0.999

@@ -3,7 +3,8 @@
 
 Choosing a remote hands the Run tab a `RemoteRunController` for it (`RunView.use`); Start, Stop, the
 commands, Continue, the plot and the log then work as for a local run. Choosing one (or reopening Tandem
-with one chosen) looks up its runs and follows the newest still going from its first line.
+with one chosen) looks up its runs and follows the newest still going from its first line. `on_machine` hears of
+every choice (the chosen remote's controller, or None for this machine): the Queue tab shows that machine's queue.
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ TIPS = {
 class RemoteFrame(ctk.CTkFrame):
     def __init__(self, master, run_view: RunView, binder: Binder, dialogs: Dialogs, saved: SavedRemotes,
                  local: RunController, local_gpus: Callable[[], int],
-                 controller_factory: Callable[..., RemoteRunController] = RemoteRunController):
+                 controller_factory: Callable[..., RemoteRunController] = RemoteRunController,
+                 on_machine: Callable[[RemoteRunController | None], None] = lambda controller: None):
         super().__init__(master)
+        self.on_machine = on_machine
         self.run_view, self.binder, self.dialogs, self.saved = run_view, binder, dialogs, saved
         self.local, self.local_gpus, self.local_tensorboard = local, local_gpus, run_view.tensorboard
         self.factory = controller_factory
@@ -170,6 +173,7 @@ class RemoteFrame(ctk.CTkFrame):
             # Start refuses (no machine yet) instead of training here or on the machine shown before.
             placeholder = self.factory(blank, self.saved.known_hosts(), python=self.local.python)
             self.run_view.use(placeholder, RemoteTensorBoard(placeholder), placeholder.visible_gpus)
+            self.on_machine(placeholder)
             self._say("Fill in the machine, then Check connection (which saves it).")
             return
         host = next(h for h in self.saved.hosts if self._label(h) == choice)
@@ -180,6 +184,7 @@ class RemoteFrame(ctk.CTkFrame):
         self.current = None
         self._show_fields(False)
         self.run_view.use(self.local, self.local_tensorboard, self.local_gpus)
+        self.on_machine(None)
 
     def _show_fields(self, shown: bool) -> None:
         for widget in (self.fields, self.runs_row, self.notice):
@@ -198,6 +203,7 @@ class RemoteFrame(ctk.CTkFrame):
             self.controllers[host.key] = controller
         self.current = controller
         self.run_view.use(controller, RemoteTensorBoard(controller), controller.visible_gpus)
+        self.on_machine(controller)
         if look:
             self._attach_after = controller.listed if not controller.state.active else None
             controller.refresh()

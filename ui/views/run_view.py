@@ -42,8 +42,9 @@ BUTTON_TIPS = {
     "start": "Check the config (every field, and that its files and folders exist), save it to "
              "<workspace>/.tandem/gui-config.json and start training in a separate process - one per GPU with "
              "Multi-GPU on. The exact command is the first line of the log.",
-    "queue": "Check the config as Start does and add it to the queue (the Queue tab) with the GPUs its Multi-GPU "
-             "settings ask for: it starts when they are free, in its own process, whether this window is open or not.",
+    "queue": "Check the config as Start does and add it to the queue of the machine chosen in Run on (the Queue tab) "
+             "with the GPUs its Multi-GPU settings ask for: it starts there when they are free, in its own process, "
+             "whether this window is open or not.",
     "continue": "Start as Start does, but continue from the backup picked below (its step is on the button): "
                 "weights, optimizer, position in the data and random state as they were, and the loss plot goes "
                 "on from there.",
@@ -69,7 +70,8 @@ class RunView(ctk.CTkScrollableFrame):
         self.binder, self.controller, self.visible_gpus = binder, controller, visible_gpus
         self.ask = ask or (lambda title, text: True)
         self.queue_add = queue_add
-        """Queues a config (ui/queue_controller.py) and says so; raises `Refused` when the machine is too small."""
+        """Queues a config on the chosen machine's queue (ui/queue_controller.py, remote_queue_controller.py) and
+        says so; raises `Refused` when the machine is too small, RemoteQueueError when a remote one says no."""
         self.tensorboard = tensorboard or TensorBoard(controller.python)
         self._shown_lines = 0
         self._shown_samples = 0
@@ -197,11 +199,8 @@ class RunView(ctk.CTkScrollableFrame):
         self._hide_notice()
         if self.queue_add is None:
             return False
-        if not self.controller.uses_local_gpus:
-            self._show_error("Add to queue queues jobs on this machine. A remote machine has a queue of its own: "
-                             "scripts/train_queue.py --host USER@HOST add CONFIG (see docs/Queue.md).")
-            return False
-        problems = self.binder.all_problems(check_paths=True)
+        # The checks of a start on the machine "Run on" chose: a remote one queues on its own queue.
+        problems = self.controller.start_problems(self.binder.all_problems(check_paths=True), self.binder.model.cfg)
         machine = backend_problem(self.binder.model.cfg, self.visible_gpus())
         if machine:
             problems.append(machine)
@@ -214,7 +213,7 @@ class RunView(ctk.CTkScrollableFrame):
         def work() -> tuple[bool, str]:
             try:
                 return True, queue_add(cfg)
-            except (OSError, ValueError) as e:  # Refused is a ValueError: too many GPUs, with the fix
+            except (OSError, ValueError, RuntimeError) as e:  # Refused: too many GPUs, with the fix; a remote's error
                 return False, str(e)
 
         def done(result: tuple[bool, str]) -> None:
