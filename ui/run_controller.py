@@ -1,37 +1,30 @@
-"""Starts training as a subprocess, follows its output and sends it commands. No Tk in here.
+"""Starts a training run, follows its output and sends it commands - on this machine or, with another
+`RunHost` handed in, on a remote one (ui/run_host.py). No Tk in here.
 
-A reader thread turns each output line into an event or a log line and puts it on a queue; the
+The host's reader thread turns each output line into an event or a log line and puts it on a queue; the
 GUI calls `poll()` from `after(...)` on its own thread, which applies the queued items to
 `RunState`. Tests call `poll()` the same way, so the whole run cycle is tested without a display.
 """
 from __future__ import annotations
 
-import os
 import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, Callable
 
-from modules.config import TrainConfig, save_config
-from modules.config.run_paths import RunPaths
-from modules.util.no_follow import open_text_no_follow
-from modules.util.run_protocol import EVENTS_VARIABLE, command_problem, write_command
-from modules.util.workspace_lock import workspace_in_use
+from modules.config import TrainConfig
+from modules.util.run_protocol import command_problem
 
-from .backup_choices import BackupChoice, backup_choices, default_choice
-from .events import LogLine, TrainingEvent, parse_line
-from .launch_command import build_command, is_multi_process, run_config
+from .backup_choices import BackupChoice, default_choice
+from .events import LogLine, TrainingEvent
 from .loss_history import LossHistory, run_histories
-from .multi_gpu_settings import selected_gpus
+from .run_host import Begun, Detached, Exited, Failed, LocalHost, RunHost, Started
 
 ERROR_TAIL_LINES = 25
-STARTING = "starting the training processes"
 ASKED = {"sample": "sampling at the next step", "backup": "writing a backup at the next step",
          "save": "saving the model at the next step"}
 """What the status says from the click until the run says it began (a sampling may come a minute later)."""
@@ -79,6 +72,8 @@ class RunState:
     """The run's id as the trainer said it (its `config` event): its backups, samples and loss curve go by it."""
     asked: str = ""
     """The status of a command sent and not yet begun (`ASKED`); steps trained meanwhile do not clear it."""
+    completed: bool | None = None
+    """Whether the run trained all its steps, as its `done` event said (None: it said nothing yet)."""
 
     @property
     def active(self) -> bool:
@@ -96,20 +91,6 @@ class RunState:
         return f"{status} - {message}" if message and message.lower() != self.status else status
 
 
-@dataclass(frozen=True)
-class _Exited:
-    returncode: int
-
-
-def rank_gpus(cfg: TrainConfig, visible_gpus: int) -> list[int] | None:
-    """The GPU of each rank a start with `cfg` runs: the chosen GPUs in order, or GPU 0 for one process."""
-    if cfg.general.device == "cpu" or visible_gpus == 0:
-        return None
-    if not is_multi_process(cfg, visible_gpus):
-        return [0]
-    return selected_gpus(cfg, list(range(visible_gpus)))
-
-
 def _exit_reason(returncode: int, log_tail: list[str]) -> str:
     text = "\n".join(log_tail)
     if "OutOfMemoryError" in text or "out of memory" in text.lower():
@@ -123,19 +104,23 @@ def _exit_reason(returncode: int, log_tail: list[str]) -> str:
 
 
 class RunController:
+    """One run shown in the Run tab, wherever it runs: `run_host` says how it starts, how its lines arrive, how
+    commands and an end reach it and where its files are (default: this machine, `LocalHost`)."""
+
     def __init__(self, python: str = sys.executable, cwd: str | Path | None = None,
-                 env: dict[str, str] | None = None, stop_timeout_s: float = 120.0, log_limit: int = 5000):
+                 env: dict[str, str] | None = None, stop_timeout_s: float = 120.0, log_limit: int = 5000,
+                 run_host: RunHost | None = None):
         self.python = python
-        self.cwd = cwd
-        self.env = env
+        """The Python the GUI's own helpers run with (TensorBoard, checks)."""
+        self.run_host: RunHost = run_host or LocalHost(python, cwd, env)
         self.stop_timeout_s = stop_timeout_s
         self.state = RunState()
         self.log: deque[str] = deque(maxlen=log_limit)
         self.log_count = 0
         """Lines ever logged in this run; a view compares it with what it has shown."""
-        self.commands_file: Path | None = None
-        self._process: subprocess.Popen | None = None
         self._queue: queue.Queue = queue.Queue()
+        self._soon: queue.Queue = queue.Queue()
+        """Work handed to the GUI's thread from others (`call_soon`), done first at the next `poll()`."""
         self._stop_deadline: float | None = None
         self._terminated = False
         self.history: LossHistory | None = None
@@ -147,41 +132,21 @@ class RunController:
         """The workspace of the run shown (None: none, or one this machine does not know)."""
 
     # --- starting --------------------------------------------------------------------------
-    def prepare(self, cfg: TrainConfig) -> Path:
-        """Write the config the run uses and clear stale commands; returns the config's path.
-
-        A `stop` left in the commands file by an earlier run would stop the new one at its first
-        step, so the file is emptied before every start.
-        """
-        commands = self.absolute(RunPaths(cfg).commands_file)
-        open_text_no_follow(commands, "w").close()  # emptied; a link there is refused (OSError), not emptied
-        self.commands_file = commands
-        config_path = commands.parent / "gui-config.json"
-        save_config(cfg, config_path)
-        for history in (self.history, self.validation_history):
-            if history is not None:
-                history.close()
-        # Until the trainer says its run id (an older trainer never does): the workspace's one file of before.
-        self.history = LossHistory(commands.parent / "gui-losses.csv")
-        self.validation_history = LossHistory(commands.parent / "gui-validation-losses.csv")
-        self.losses_folder = commands.parent / "losses"
-        return config_path
-
     def absolute(self, path: Path) -> Path:
-        """`path` as the training process (started in `cwd`) sees it."""
-        return path if path.is_absolute() else (Path(self.cwd) if self.cwd else Path.cwd()) / path
+        """`path` as the training process sees it."""
+        return self.run_host.absolute(path)
 
-    def backups_folder(self, cfg: TrainConfig) -> Path:
+    def backups_folder(self, cfg: TrainConfig) -> Path | str:
         """The folder of the workspace's backups, as the training process sees it."""
-        return self.absolute(RunPaths(cfg).backups)
+        return self.run_host.backups_folder(cfg)
 
     def backup_choices(self, cfg: TrainConfig) -> list[BackupChoice]:
         """The workspace's backups, newest first, each marked when its run finished after it."""
-        return backup_choices(self.backups_folder(cfg))
+        return self.run_host.backup_choices(cfg)
 
     def backup_present(self, choice: BackupChoice) -> bool:
         """Whether the backup `choice` names is still there to continue from."""
-        return Path(choice.path).is_dir()
+        return self.run_host.backup_present(choice)
 
     def newest_backup(self, cfg: TrainConfig) -> BackupChoice | None:
         """The backup Continue resumes unless another is picked: the newest of a run that has not finished."""
@@ -193,46 +158,30 @@ class RunController:
         replaces the built command line (tests use a fake trainer). Returns the command line started."""
         if self.state.active:
             raise RuntimeError("a training run is already active; stop it first")
-        holder = workspace_in_use(self.absolute(RunPaths(cfg).workspace))
-        if holder:
-            raise RuntimeError(f"the workspace {cfg.general.workspace_dir} is in use by another run ({holder}). "
-                               "Wait for it to finish or stop it, or choose another workspace folder.")
-        cfg = run_config(cfg, visible_gpus)
-        config_path = self.prepare(cfg)
-        command = command or build_command(cfg, config_path, visible_gpus, self.python, resume)
-        env = dict(self.env if self.env is not None else os.environ)
-        env["PYTHONUNBUFFERED"] = "1"  # event lines must arrive as they are printed
-        env[EVENTS_VARIABLE] = "1"  # the run reports through event lines only when asked to
-        # CUDA numbers GPUs fastest first, NVML (the GPU list, the usage view) by PCI bus: make CUDA
-        # follow the bus too, so that "GPU 1" is the same card in the GUI and in training.
-        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        kwargs: dict[str, Any] = {}
-        if os.name == "nt":
-            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
-        else:
-            kwargs["start_new_session"] = True  # its own process group: Stop can end all ranks
-        self.state = RunState(status="running", message=STARTING, command=list(command),
-                              rank_gpus=rank_gpus(cfg, visible_gpus), multi_process=is_multi_process(cfg, visible_gpus))
-        self.run_workspace = self.absolute(RunPaths(cfg).workspace)
+        feed: queue.Queue = queue.Queue()
+        begun = self.run_host.start(cfg, visible_gpus, command, resume, feed)
+        self.begin(begun, feed)
+        return begun.started
+
+    def begin(self, begun: Begun, feed: queue.Queue) -> None:
+        """Show the run the host began: a fresh state and log, its lines from `feed`, its loss curves' files."""
+        self.state = RunState(status="running", message=begun.message, command=list(begun.command),
+                              rank_gpus=begun.rank_gpus, multi_process=begun.multi_process)
+        self.run_workspace = begun.workspace
         self.log.clear()
         self.log_count = 0
-        self._log("$ " + subprocess.list2cmdline(command))
+        if begun.first_line:
+            self._log(begun.first_line)
         self._stop_deadline = None
         self._terminated = False
-        self._queue = queue.Queue()
-        self._process = subprocess.Popen(command, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                         encoding="utf-8", errors="replace", bufsize=1, **kwargs)
-        threading.Thread(target=self._read, args=(self._process, self._queue), daemon=True,
-                         name="tandem-run-reader").start()
-        return command
-
-    @staticmethod
-    def _read(process: subprocess.Popen, out: queue.Queue) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            out.put(parse_line(line))
-        out.put(_Exited(process.wait()))
+        self._queue = feed
+        for history in (self.history, self.validation_history):
+            if history is not None:
+                history.close()
+        # Until the trainer says its run id (an older trainer never does): the files of before.
+        self.history = LossHistory(begun.losses.losses)
+        self.validation_history = LossHistory(begun.losses.validation)
+        self.losses_folder = begun.losses.folder
 
     def _log(self, text: str) -> None:
         self.log.append(text)
@@ -245,13 +194,15 @@ class RunController:
 
     # --- commands --------------------------------------------------------------------------
     def send(self, command: str) -> None:
-        """Append a command line for rank 0, which reads the file every step."""
+        """Hand a command to the run (rank 0 reads it at its next step)."""
         problem = command_problem(command)
         if problem:
             raise ValueError(problem)
-        if not self.state.active or self.commands_file is None:
+        if not self.state.active:
             raise RuntimeError(f"no training is running to {command}")
-        write_command(self.commands_file, command)
+        line = self.run_host.send(command)
+        if line:
+            self._log(line)
         self.asked(command)
 
     def asked(self, command: str) -> None:
@@ -288,35 +239,24 @@ class RunController:
         self._stop_deadline = time.monotonic() + self.stop_timeout_s
 
     def terminate(self) -> None:
-        """End the training process group now (all ranks, launcher included). Returns at once: a group
-        still there 10 s after SIGTERM gets SIGKILL from a helper thread (the GUI's thread never waits)."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        self._terminated = True
-        if os.name == "nt":
-            subprocess.Popen(["taskkill", "/T", "/F", "/PID", str(process.pid)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-
-        def kill_if_still_there() -> None:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-        threading.Thread(target=kill_if_still_there, daemon=True, name="tandem-run-kill").start()
+        """End the run's processes now (all ranks, launcher included). Returns at once: the GUI's thread never
+        waits (`RunHost.terminate`)."""
+        if self.run_host.terminate():
+            self._terminated = True
 
     # --- following the run -----------------------------------------------------------------
+    def call_soon(self, work: Callable[[], None]) -> None:
+        """Have the GUI's thread do `work` at its next `poll()` (from any thread)."""
+        self._soon.put(work)
+
     def poll(self, limit: int = 2000) -> list[TrainingEvent | LogLine]:
-        """Apply what the reader thread queued (at most `limit` items) and return it."""
+        """Do what other threads handed over (`call_soon`), then apply what the reader thread queued (at most
+        `limit` items) and return it."""
+        while True:
+            try:
+                self._soon.get_nowait()()
+            except queue.Empty:
+                break
         items = []
         for _ in range(limit):
             try:
@@ -338,16 +278,27 @@ class RunController:
         return items
 
     def _control(self, item) -> bool:
-        """Act on a queued message about the run rather than from it (True when `item` was one):
-        here the process's exit."""
-        if isinstance(item, _Exited):
+        """Act on a queued message about the run rather than from it (True when `item` was one): a start made
+        in the background that took or failed, the run no longer followed, its processes' exit."""
+        s = self.state
+        if isinstance(item, Exited):
             self._finish(item.returncode)
-            return True
-        return False
+            self.run_host.exited()
+        elif isinstance(item, Started):
+            s.message = item.message
+            self._log(item.line)
+            self.run_host.shown(item)
+        elif isinstance(item, Failed):
+            s.status, s.message, s.error = "failed", "", item.text
+        elif isinstance(item, Detached):
+            s.status, s.message = "idle", item.text
+        else:
+            return False
+        return True
 
     def _where(self) -> str:
         """Where the run is, for log lines ("" on this machine)."""
-        return ""
+        return self.run_host.where
 
     def _apply(self, event: TrainingEvent) -> None:
         s = self.state
@@ -416,6 +367,7 @@ class RunController:
             s.error = None
         elif event.type == "done":
             s.output = event.get("output")
+            s.completed = bool(event.get("completed", True))
             if isinstance(event.get("images_per_s"), (int, float)) and event.get("images"):
                 s.run_images_per_s = float(event.get("images_per_s"))
 
@@ -451,6 +403,8 @@ class RunController:
         if returncode == 0 and s.error is None:
             s.status = "stopped" if stopping else "finished"
             s.message = f"model saved to {s.output}" if s.output and not stopping else ""
+            if s.status == "finished" and s.completed is False and self.run_host.others_may_stop:
+                s.status = "stopped"  # stopped from elsewhere: another desktop, train_remote.py --stop
             return
         if stopping and self._terminated:
             s.status = "stopped"
@@ -464,21 +418,22 @@ class RunController:
         s.message = ""  # the error box below says what happened
         s.error = reason + "\n\nLast log lines:\n" + "\n".join(tail)
 
-    # --- what the run view asks (a remote run answers for its machine: ui/remote_controller.py) ----------
-    uses_local_gpus = True
-    """Whether this machine's GPU readings belong in the per-GPU view."""
+    # --- what the run view asks (the host answers for the machine the run is on) ------------------------
+    @property
+    def uses_local_gpus(self) -> bool:
+        """Whether this machine's GPU readings belong in the per-GPU view."""
+        return self.run_host.uses_local_gpus
 
     def sample_folders(self, cfg: TrainConfig) -> tuple[Path, Path]:
         """The workspace's samples folder and the workspace, where the Run tab's gallery reads them."""
-        paths = RunPaths(cfg)
-        return self.absolute(paths.samples), self.absolute(paths.workspace)
+        return self.run_host.sample_folders(cfg)
 
     def output_folder(self, cfg: TrainConfig) -> Path:
-        return self.absolute(RunPaths(cfg).output_dir)
+        return self.run_host.output_folder(cfg)
 
     def start_problems(self, problems: list[str], cfg: TrainConfig) -> list[str]:
-        """The config problems that stop a start here (all of them: the files must exist on this machine)."""
-        return problems
+        """The config problems that stop a start there."""
+        return self.run_host.start_problems(problems, cfg)
 
     def wait(self, timeout: float) -> bool:
         """Poll until the run ends or `timeout` seconds pass (for scripts and tests)."""

@@ -657,7 +657,7 @@ def test_multi_gpu_start_without_gpus_is_refused_and_with_one_gpu_asked(window):
     assert app.run_view.start() is True
     assert controller.started[-1][1].endswith("train.py")
     assert pump(app, lambda: not controller.state.active, timeout=20)
-    written = json.loads((controller.commands_file.parent / "gui-config.json").read_text(encoding="utf-8"))
+    written = json.loads((controller.run_host.commands_file.parent / "gui-config.json").read_text(encoding="utf-8"))
     assert written["multi_gpu"]["enabled"] is False  # the run's config says what ran
     assert app.model.cfg.multi_gpu.enabled  # and the edited one is as the user left it
 

@@ -201,7 +201,7 @@ def test_killed_rank_is_the_headline_of_the_log_and_the_gui_and_its_only_error_e
             poll()
             time.sleep(0.05)
         assert controller.state.step >= 2, "\n".join(controller.log)[-3000:]
-        launcher_pid = controller._process.pid
+        launcher_pid = controller.run_host.process.pid
         if Path("/proc/net/tcp").exists():  # read from Linux's /proc
             sockets = listening_sockets(process_tree(launcher_pid))
         os.kill(_worker_pids(launcher_pid)[-1], signal.SIGKILL)  # the worker started last: rank 1

@@ -443,7 +443,7 @@ def test_start_refuses_multi_gpu_without_gpus_and_asks_with_one():
 
 
 def test_rank_gpus_follow_the_selection():
-    from ui.run_controller import rank_gpus
+    from ui.run_host import rank_gpus
     cfg = TrainConfig()
     assert rank_gpus(cfg, 0) is None and rank_gpus(cfg, 4) == [0]
     cfg.multi_gpu.enabled = True
@@ -705,9 +705,10 @@ def test_continuing_an_older_run_plots_its_own_losses(tmp_path):
 def test_a_restarted_round_of_the_same_run_keeps_its_curve(tmp_path):
     """An automatic restart says the run's id again: the curve goes on in the same file, nothing is lost."""
     from ui.loss_history import run_histories
+    from ui.run_host import Begun
     controller = RunController()
-    controller.prepare(_workspace_config(tmp_path))
-    controller.state.status = "running"
+    config_path, losses = controller.run_host.prepare(_workspace_config(tmp_path))
+    controller.begin(Begun("starting", "", losses), controller._queue)
     for event in (TrainingEvent("config", {"run_id": "run-r"}), TrainingEvent("loss", {"step": 1, "loss": 1.0}),
                   TrainingEvent("config", {"run_id": "run-r"}), TrainingEvent("loss", {"step": 2, "loss": 0.5}),
                   TrainingEvent("config", {"run_id": "../elsewhere"})):  # not a name: ignored
@@ -742,7 +743,7 @@ def test_sample_now_says_so_at_once_and_then_which_prompt(tmp_path):
     sampling begins keep the note, and the sampling then says which prompt it renders."""
     controller = RunController()
     controller.state.status = "running"
-    controller.commands_file = tmp_path / "commands"
+    controller.run_host.commands_file = tmp_path / "commands"
     controller.send("sample")
     assert controller.state.headline == "Running - sampling at the next step"
     controller._apply(TrainingEvent("progress", {"step": 2, "total_steps": 9}))
@@ -759,3 +760,63 @@ def test_sample_now_says_so_at_once_and_then_which_prompt(tmp_path):
     controller._apply(TrainingEvent("progress", {"step": 6, "total_steps": 9}))
     assert controller.state.headline == "Running"
     assert tmp_path.joinpath("commands").read_text() == "sample\nsample\n"
+
+
+def test_a_handed_in_host_runs_the_run_and_the_controller_keeps_its_state(tmp_path):
+    """`RunController` shows a run wherever its `RunHost` runs it: the host starts it, says in the run's queue
+    that a background start took (or failed, or stopped being followed), and answers where its files are; an
+    uncompleted end shows as stopped only where others may stop the run (a remote machine)."""
+    from ui.run_host import Begun, Detached, Exited, Failed, LossFiles, Started
+
+    class Elsewhere:
+        uses_local_gpus, where, others_may_stop = False, " on box", True
+
+        def __init__(self):
+            self.told: list = []
+
+        def start(self, cfg, visible_gpus, command, resume, feed):
+            self.feed = feed
+            return Begun("connecting to box", "$ train on box", LossFiles(tmp_path / "l.csv", tmp_path / "v.csv",
+                                                                           tmp_path / "losses"), started=["remote"])
+
+        def send(self, command):
+            self.told.append(command)
+            return f"{command} -> box"
+
+        def shown(self, item):
+            self.told.append(("shown", item.run))
+
+        def exited(self):
+            self.told.append("exited")
+
+        def terminate(self):
+            return True
+
+        def output_folder(self, cfg):
+            return tmp_path / "mirror" / "output"
+
+    host = Elsewhere()
+    controller = RunController(run_host=host)
+    assert controller.start(TrainConfig(), 0) == ["remote"] and not controller.uses_local_gpus
+    assert controller.state.headline == "Running - connecting to box" and list(controller.log) == ["$ train on box"]
+    assert controller.output_folder(TrainConfig()) == tmp_path / "mirror" / "output"
+    host.feed.put(Started("started r1 on box", "[remote] started r1", run="r1"))
+    host.feed.put(TrainingEvent("done", {"output": None, "step": 2, "completed": False}))
+    controller.poll()
+    assert controller.state.message == "started r1 on box" and host.told == [("shown", "r1")]
+    controller.send("backup")
+    assert host.told[-1] == "backup" and controller.log[-1] == "backup -> box"
+    host.feed.put(Exited(0))
+    controller.poll()
+    assert controller.state.status == "stopped" and host.told[-1] == "exited"  # stopped from elsewhere
+    for note, status in ((Failed("no route to box"), "failed"), (Detached("detached: it goes on"), "idle")):
+        controller.start(TrainConfig(), 0)
+        host.feed.put(note)
+        controller.poll()
+        assert controller.state.status == status
+    assert controller.state.message == "detached: it goes on"
+    local = RunController()
+    local.state.status = "running"
+    local._apply(TrainingEvent("done", {"output": None, "step": 2, "completed": False}))
+    local._finish(0)
+    assert local.state.status == "finished"  # only this window stops a local run

@@ -70,12 +70,12 @@ def test_a_linked_commands_file_gets_no_stop_appended(tmp_path, victim):
 
 def test_the_gui_start_does_not_empty_a_linked_commands_file(tmp_path, victim):
     from modules.config import load_config
-    from ui.run_controller import RunController
+    from ui.run_host import LocalHost
 
     cfg = load_config("#demo", [f"general.workspace_dir={tmp_path / 'ws'}"])
     link = plant_link(tmp_path / "ws" / ".tandem" / "commands", victim)
     with pytest.raises(OSError, match=str(link)):  # the Run tab shows it: "Could not start training: ..."
-        RunController().prepare(cfg)
+        LocalHost().prepare(cfg)  # what a local start writes first
     assert victim.read_text() == VICTIM_TEXT
 
 
