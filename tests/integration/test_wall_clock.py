@@ -304,6 +304,7 @@ def test_ranks_load_the_model_at_once_after_rank_0_built_a_builtin_ones_files(mo
 
     from modules.config import TrainConfig
     from modules.trainer.base_trainer import BaseTrainer
+    from modules.trainer.hand_ins import HandIns
     from modules.util import dist_utils as du
 
     turns = []
@@ -323,7 +324,7 @@ def test_ranks_load_the_model_at_once_after_rank_0_built_a_builtin_ones_files(mo
     cfg.model.base_model = base.format(folder=tmp_path)
     trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dataset=SimpleNamespace(bucket_sizes=[], clip_paths=list),
                               load_device=lambda: torch.device("cpu"), text_apart=None, parts_waiting_on_host=frozenset,
-                              startup=SimpleNamespace(parts={}))
+                              startup=SimpleNamespace(parts={}), hand_ins=HandIns())
     assert BaseTrainer.create_model(trainer) is bundle
     assert turns == (["rank 0 first: begins", "build", "rank 0 first: the others follow", "load"] if builtin
                      else ["load"])
