@@ -1,6 +1,8 @@
 """Helpers for tests that run the real trainer on the demo model."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +26,31 @@ def demo_config(workspace: Path, cache: Path, *overrides: str, method: str = "lo
         "general.device=cpu", "sampling.every_n_epochs=0", "save.backup_every_n_epochs=0",
         "save.save_dtype=fp32", f"training.method={method}", "training.learning_rate=0.001",
         "training.lr_warmup_steps=0", "data.num_workers=0", *overrides])
+
+
+def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2):
+    cfg = demo_config(workspace, cache, *overrides, "multi_gpu.enabled=true", f"multi_gpu.num_gpus={world}",
+                      f"multi_gpu.launcher={launcher}", method=method)
+    from modules.distributed.launch import launch
+    assert launch(cfg) == 0
+
+
+@contextlib.contextmanager
+def tandem_log():
+    """The messages logged to "tandem" inside the block. A handler of its own: `setup_logging` (run by any
+    earlier test in this process) stops "tandem" records from reaching the root logger, where caplog listens."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("tandem")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def overrides_for(workspace: Path, cache: Path, *extra: str, method: str = "lora") -> list[str]:

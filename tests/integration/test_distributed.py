@@ -17,7 +17,7 @@ import pytest
 from modules.distributed.launch import LaunchError, launch, plan_launch
 from modules.util.run_protocol import parse_event_line
 from tests.trainer_helpers import (REPO, assert_weights_close, demo_config, files_under, latest_backup_weights,
-                                   launch_spec, launcher_flag, overrides_for, relative_l2, run_script,
+                                   launch_spec, launcher_flag, multi, overrides_for, relative_l2, run_script,
                                    start_script)
 from tests.patience import patience
 
@@ -33,12 +33,6 @@ def single(workspace, cache, *overrides, method="lora", resume=None):
     from modules.trainer.generic_trainer import GenericTrainer
     cfg = demo_config(workspace, cache, *overrides, method=method)
     GenericTrainer(cfg, resume=resume).run()
-
-
-def multi(workspace, cache, *overrides, method="lora", launcher="spawn", world=2):
-    cfg = demo_config(workspace, cache, *overrides, "multi_gpu.enabled=true", f"multi_gpu.num_gpus={world}",
-                      f"multi_gpu.launcher={launcher}", method=method)
-    assert launch(cfg) == 0
 
 
 @pytest.mark.parametrize("method,accumulation,checkpointing,split_caching", [("lora", 2, False, True),

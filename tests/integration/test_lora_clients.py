@@ -4,8 +4,6 @@ loading the files into the family's pipeline. `scripts/convert_lora.py --for com
 the chosen program applies exactly, and every saved file's log line says who reads it."""
 from __future__ import annotations
 
-import contextlib
-import logging
 import runpy
 import sys
 
@@ -21,6 +19,7 @@ from modules.families.lora_clients import EXACT, NOTHING, WRONG, comfyui_reading
 from modules.model.lora_convert import convert_lora_file
 from modules.model.lora_reading import apply_lora, read_lora
 from tests import comfy_lora_rules as comfy
+from tests.trainer_helpers import tandem_log
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RANK, ALPHA = 4, 8.0
@@ -261,23 +260,6 @@ def test_variant_files_of_earlier_versions_still_read(tandem_home, tmp_path):
     for key, value in lora_modules(bundle)["transformer"].items():
         torch.testing.assert_close(lora_modules(fresh)["transformer"][key], value, rtol=0, atol=0)
 
-
-@contextlib.contextmanager
-def tandem_log():
-    """The messages logged to "tandem" inside the block. A handler of its own: `setup_logging` (run by any
-    earlier test in this process) stops "tandem" records from reaching the root logger, where caplog listens."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("tandem")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def test_the_trainer_logs_who_reads_each_file(tmp_path):

@@ -23,7 +23,7 @@ from modules.model.lora_reading import apply_lora, read_lora
 from modules.model.single_file import shipped_config, unet_to_ldm
 from modules.trainer.callbacks import RecordingCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
-from tests.integration.test_lora_clients import tandem_log
+from tests.trainer_helpers import tandem_log
 from tests.integration.test_model_types_training import write_sources
 from tests.unit.test_single_file import randomize, tiny_configs
 from tests.trainer_helpers import demo_config, demo_data_subset

@@ -258,7 +258,7 @@ def test_killed_and_stuck_ranks_and_loader_workers_restart_resume_and_end_like_a
     A round that ends because a rank failed by itself (a killed DataLoader worker) restarts the same way; what
     differs is the cause its line names, test_restart_line_names_the_dead_rank_the_step_and_the_backup's, from
     the error the rank notes itself (tests/integration/test_faults.py, under torchrun)."""
-    from tests.integration.test_distributed import multi
+    from tests.trainer_helpers import multi
     rng = random.Random()
     victim, at_step = rng.randrange(2), rng.choice((2, 4))
     ws = tmp_path / "restarted"
@@ -314,7 +314,7 @@ def test_two_machines_of_two_processes_train_like_one_of_four_and_ctrl_c_on_eith
     reads - node 1's first worker does, and the step exchange stops all at one step, with a backup on node 0.
     That backup is what is compared with one machine of 4 processes trained as many steps (the demo's
     learning-rate schedule, a warm-up and then constant, does not depend on the steps a run was set to do)."""
-    from tests.integration.test_distributed import multi
+    from tests.trainer_helpers import multi
     common = ("training.batch_size=4", "multi_gpu.timeout_minutes=2",
               "data.validation_fraction=0.1")  # held-out images are cached (and scored) on every machine too
     port = find_free_port()

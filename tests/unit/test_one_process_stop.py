@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from modules.util import cpu_threads
-from tests.integration.test_lora_clients import tandem_log
+from tests.trainer_helpers import tandem_log
 from tests.patience import patience
 from tests.trainer_helpers import REPO
 

@@ -20,7 +20,7 @@ from modules import start_multi_gpu
 from modules.distributed import job as jobs, process_group, processes
 from modules.distributed.plan import LaunchPlan
 from modules.distributed.processes import _worker_env, start_variables
-from tests.integration.test_launcher_scripts import BAT, PY, REPO, launcher_env, printed_command, run_sh
+from tests.launcher_helpers import BAT, PY, REPO, launcher_env, printed_command, run_sh
 from modules.util.ports import find_free_port
 from tests.trainer_helpers import launch_spec
 from tests.patience import patience
