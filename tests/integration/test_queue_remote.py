@@ -1,6 +1,7 @@
 """A remote machine's queue through a real OpenSSH server on 127.0.0.1 (tests/integration/test_remote_ssh.py's): jobs added
 from the desktop run there, side by side on the machine's two CPU slots, as ordinary remote runs; a job larger
-than the machine is refused there with the same words as here; list, and log, answer from the machine."""
+than the machine is refused there with the same words as here; list, and log, answer from the machine - and the
+GUI's Queue tab (ui/remote_queue_controller.py) reads and changes that same queue through the same calls."""
 from __future__ import annotations
 
 import getpass
@@ -72,3 +73,28 @@ def test_a_remote_queue_runs_its_jobs_there_side_by_side(server, installed_remot
     assert all(registry[run]["state"] == "ended" and registry[run]["exit_code"] == 0 for run in runs)
     log = queue("log", "left")
     assert log.returncode == 0 and "Model saved" in log.stdout
+
+    # The Queue tab with this machine chosen in "Run on": the same queue, the same calls (one ssh login each).
+    from modules.config import load_config
+    from modules.queue.remote import RemoteQueueError
+    from ui.remote_queue_controller import RemoteQueueController
+    server.trust()
+    remote = server.remote(installed_remote, environment=f"TANDEM_HOME={tandem_home} OMP_NUM_THREADS=1")
+    gui = RemoteQueueController(remote, server.known())
+    shown = gui.snapshot()
+    assert shown.header.startswith(f"{remote.label} · Queue {installed_remote / 'queue'}"), shown.header
+    assert [(row.name, row.state) for row in shown.rows] == [("left", "done"), ("right", "done")]
+    assert "Model saved" in gui.log_text(shown.rows[0])  # the end of a finished job's log, read there
+    gui.pause()  # the job added next stays queued: it is moved and cancelled, never run
+    cfg = load_config("#demo", [*quick[1::2], f"general.workspace_dir={tmp_path / 'third'}"])
+    assert gui.add(cfg, "third").startswith(f"Queued #3 third on {remote.label}")  # prepared as the CLI's add is
+    gui.move(3, "top")
+    shown = gui.snapshot()
+    assert [(row.name, row.state) for row in shown.rows] == [("third", "queued"), ("left", "done"), ("right", "done")]
+    assert shown.paused and shown.waiting
+    gui.cancel(3)
+    with pytest.raises(RemoteQueueError, match=r"127\.0\.0\.1.*#3 third has already ended \(cancelled\)"):
+        gui.cancel(3)  # the remote's refusal: one line naming the machine
+    gui.resume()
+    shown = gui.snapshot()
+    assert not shown.paused and [row.state for row in shown.rows] == ["cancelled", "done", "done"]
