@@ -172,7 +172,12 @@ def stand_in_remote(tmp_path, monkeypatch, tandem_home) -> RemoteHost:
     return RemoteHost(host="127.0.0.1", user=getpass.getuser(), folder=str(folder), python=sys.executable)
 
 
-def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, tmp_path, stand_in_remote):
+def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, tmp_path, stand_in_remote,
+                                                                        monkeypatch):
+    from PIL import Image
+
+    from modules.queue import actions
+    from modules.remote import uploads
     from ui.remote_queue_controller import RemoteQueueController
     from ui.settings import SavedRemotes
     from ui.views.remote_frame import NEW_REMOTE, THIS_MACHINE
@@ -181,6 +186,7 @@ def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, 
     saved.save(host)
     saved.choose("")  # the window opens on this machine
     remote_queue = QueueStore(Path(host.folder) / "queue")
+    actions.set_slots(remote_queue, 1)  # its CPU slot is not counted with torch there at each add: quicker
     app, dialogs = make_app(tmp_path)
     try:
         view = app.queue_view
@@ -195,18 +201,34 @@ def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, 
         assert pump(app, lambda: view.pause_queue_button.cget("text") == "Resume queue", timeout=30), view.notice_text()
         assert remote_queue.read().paused
 
-        # Add to queue with the remote chosen: prepared as a remote start is (its uploads), queued there.
+        # Add to queue with the remote chosen: prepared as a remote start is - its data uploaded, a large upload
+        # asked about as a remote start asks (here every upload is "large") - and queued there.
         checked = app.remote.current
         assert pump(app, lambda: checked.report is not None, timeout=60), checked.notice  # what Start checks too
+        data = tmp_path / "cats"
+        data.mkdir()
+        for i in range(2):
+            Image.new("RGB", (32, 32), (i * 90, 0, 0)).save(data / f"{i}.png")
+            (data / f"{i}.txt").write_text(f"a cat {i}")
+        app.binder.fields["data.concepts[0].path"].var.set(str(data))
         app.binder.fields["training.max_steps"].var.set("3")
+        monkeypatch.setattr(uploads, "LARGE_UPLOAD_BYTES", 100)
         app.tabs.set("Run")
+        dialogs.yes_no_answer = False
         app.run_view.queue_button.invoke()
-        assert pump(app, lambda: app.run_view.notice_text() or app.run_view.error_text(), timeout=120)
+        assert pump(app, lambda: app.run_view.error_text(), timeout=120), app.run_view.notice_text()
+        assert app.run_view.error_text() == f"Not queued: {host.label}: the upload was declined; nothing was queued"
+        assert "Upload now?" in dialogs.questions[-1] and not remote_queue.read().jobs
+        dialogs.yes_no_answer = True
+        app.run_view.queue_button.invoke()
+        assert pump(app, lambda: app.run_view.notice_text(), timeout=120), app.run_view.error_text()
         assert app.run_view.notice_text().startswith(f"Queued #1 demo on {host.label}"), app.run_view.error_text()
+        assert len(list((Path(host.folder) / "files" / "data").glob("cats-*/0.png"))) == 1  # uploaded
         job = remote_queue.read().find(1)
         assert (job.state, job.cwd) == ("queued", host.folder)  # it runs in the remote folder, on the uploads
         queued = json.loads(Path(job.config).read_text())
-        assert queued["training"]["max_steps"] == 3 and queued["general"]["workspace_dir"].startswith("work/")  # the remote's
+        assert queued["training"]["max_steps"] == 3
+        assert queued["general"]["workspace_dir"].startswith("work/")  # the config as the remote runs it
         app.tabs.set("Queue")
         assert pump(app, lambda: [row[:3] for row in view.table_text()] == [["1", "demo", "queued"]], timeout=30)
 
