@@ -191,6 +191,9 @@ def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, 
     try:
         view = app.queue_view
         header = lambda: view.header.cget("text")  # noqa: E731
+        pump(app, timeout=0.5)  # more than a tick
+        assert header() == ""  # the Queue tab not shown: no queue is read
+        app.tabs.set("Queue")
         assert pump(app, lambda: header().startswith("This computer · Queue "), timeout=10), header()
         local = view.controller
         app.remote.choose(app.remote.menu.cget("values")[1])  # Run on: the remote machine

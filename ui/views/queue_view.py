@@ -3,8 +3,8 @@ progress and ETA - with buttons to reorder, pause, resume and cancel them, open 
 read any job's log.
 
 It shows the queue of the machine the Run tab's "Run on" chooses (`use`): this computer's
-(ui/queue_controller.py) or a remote machine's (ui/remote_queue_controller.py), whose header names it. What it
-shows is read off the Tk thread (`snapshot`) every second or few, and so are the logs; every button's change runs
+(ui/queue_controller.py) or a remote machine's (ui/remote_queue_controller.py), whose header names it. While the
+tab is shown, what it shows is read off the Tk thread (`snapshot`) every second or few, and so are the logs; every button's change runs
 off it too: the window never waits on the queue, and a remote machine that does not answer is one line in the
 notice.
 """
@@ -137,11 +137,13 @@ class QueueView(ctk.CTkFrame):
         self.log_title.pack(fill="x", padx=10)
         self.log = ctk.CTkTextbox(self, height=180, wrap="none", font=ctk.CTkFont(family="monospace", size=12))
         self.log.pack(fill="both", expand=True, padx=8, pady=(0, 8))
+        master.bind("<Map>", lambda _event: self.refresh(), add="+")  # the tab is shown: read it now
         self.after(10, self._tick)
 
     # --- reading the queue ------------------------------------------------------------------------------------
     def _tick(self) -> None:
-        self.refresh()
+        if self.winfo_viewable():  # another tab shown: nothing is read (a remote queue's read is an ssh login)
+            self.refresh()
         self.after(self.refresh_ms or getattr(self.controller, "refresh_ms", REFRESH_MS), self._tick)
 
     def use(self, controller: QueueController | RemoteQueueController) -> None:
