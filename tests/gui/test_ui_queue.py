@@ -103,7 +103,8 @@ def test_add_to_queue_and_the_queue_tab(display, tmp_path, tandem_home):
         assert len(QueueStore(folder).read().jobs) == 3 and not started
         app.multi_gpu._cpu_chosen("2")
         app.run_view.queue_button.invoke()
-        assert pump(app, lambda: app.run_view.notice_text(), timeout=10)
+        assert app.run_view.notice_text() == "Adding to the queue..."  # at once; the queue answers in the background
+        assert pump(app, lambda: app.run_view.notice_text().startswith("Queued"), timeout=10)
         assert app.run_view.notice_text().startswith("Queued #4 demo (2 CPU slots of 2 CPU slots)")
         assert started == [folder]  # the runner is asked to start; the window does not run the job
         queued = QueueStore(folder).read().find(4)
@@ -221,11 +222,13 @@ def test_the_queue_tab_shows_the_machine_run_on_chooses_and_adds_there(display, 
         app.run_view.queue_button.invoke()
         assert pump(app, lambda: app.run_view.error_text(), timeout=120), app.run_view.notice_text()
         assert app.run_view.error_text() == f"Not queued: {host.label}: the upload was declined; nothing was queued"
+        assert app.run_view.notice_text() == ""
         assert "Upload now?" in dialogs.questions[-1] and not remote_queue.read().jobs
         dialogs.yes_no_answer = True
         app.run_view.queue_button.invoke()
-        assert pump(app, lambda: app.run_view.notice_text(), timeout=120), app.run_view.error_text()
-        assert app.run_view.notice_text().startswith(f"Queued #1 demo on {host.label}"), app.run_view.error_text()
+        assert pump(app, lambda: app.run_view.notice_text().startswith("Queued"), timeout=120), \
+            (app.run_view.notice_text(), app.run_view.error_text())
+        assert app.run_view.notice_text().startswith(f"Queued #1 demo on {host.label}")
         assert len(list((Path(host.folder) / "files" / "data").glob("cats-*/0.png"))) == 1  # uploaded
         job = remote_queue.read().find(1)
         assert (job.state, job.cwd) == ("queued", host.folder)  # it runs in the remote folder, on the uploads

@@ -208,6 +208,7 @@ class RunView(ctk.CTkScrollableFrame):
             self._show_cannot_start(problems)
             return False
         self._hide_error()
+        self._show_notice(Opened(True, "Adding to the queue..."))  # a remote one's first checks and uploads
         cfg, queue_add = copy.deepcopy(self.binder.model.cfg), self.queue_add
 
         def work() -> tuple[bool, str]:
@@ -221,6 +222,7 @@ class RunView(ctk.CTkScrollableFrame):
             if ok:
                 self._show_notice(Opened(True, text))
             else:
+                self._hide_notice()
                 self._show_error(f"Not queued: {text}")
         in_background(self, work, done, name="tandem-queue-add")
         return True
