@@ -252,3 +252,27 @@ def test_list_shows_each_jobs_status_gpus_progress_eta_and_model_or_reason():
     assert lines[1].split() == ["1", "cats", "done", "0", "step", "10/10", "model:", "/ws/cats"]
     assert lines[2].split() == ["2", "dogs", "running", "1", "step", "4/10", "1m15s"]
     assert lines[3].split() == ["3", "big", "failed", "0,1", "PreflightError:", "no", "images"]
+
+
+def test_log_tail_gives_the_end_of_a_jobs_log_and_a_remote_error_comes_back_as_one_line(tmp_path, capsys):
+    """The Queue tab reads a remote job's log as `log N --tail BYTES` (a long run's log is large), and what a
+    remote queue refuses comes back as its own error line, naming the machine."""
+    from modules.queue import cli
+    from modules.queue.remote import RemoteQueueError, answer
+    from modules.remote.ssh import Result
+    folder = tmp_path / "q"
+    folder.mkdir()
+    (folder / "queue.json").write_text(json.dumps({"next_id": 2, "jobs": [
+        {"id": 1, "name": "cats", "need": "1", "config": "", "cwd": str(tmp_path), "workspace": str(tmp_path / "ws"),
+         "state": "done", "runs": ["run-1"]}]}))
+    log = folder / "runs" / "run-1" / "output.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(1000)))
+    assert cli.main(["--folder", str(folder), "log", "cats", "--tail", "18"]) == 0
+    assert capsys.readouterr().out == "line 998\nline 999\n"
+    assert cli.main(["--folder", str(folder), "log", "1"]) == 0
+    assert capsys.readouterr().out == log.read_text()
+    machine = type("Machine", (), {"label": "me@box"})()
+    with pytest.raises(RemoteQueueError, match=r"^me@box: #1 cats has already ended \(done\)$"):
+        answer(machine, Result(2, b"", "a warning first\nerror: #1 cats has already ended (done)\n"))
+    assert answer(machine, Result(0, b"The queue starts jobs again.\n", "")) == "The queue starts jobs again.\n"

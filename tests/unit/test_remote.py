@@ -514,9 +514,9 @@ def test_the_launcher_script_starts_on_a_remote_with_remote(monkeypatch):
 
 
 def test_the_remote_package_and_the_gui_parts_import_no_torch():
-    """The GUI and scripts/train_remote.py drive remote runs without PyTorch on the desktop."""
+    """The GUI and scripts/train_remote.py drive remote runs (and queues) without PyTorch on the desktop."""
     code = ("import sys; import modules.remote.cli, modules.remote.session, modules.remote.remote_side, "
-            "ui.remote_controller, ui.settings; print(sorted(k for k in ('torch', 'diffusers', 'transformers') "
+            "ui.remote_controller, ui.remote_queue_controller, ui.settings; print(sorted(k for k in ('torch', 'diffusers', 'transformers') "
             "if k in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
