@@ -12,7 +12,6 @@ import json
 from typing import Callable
 
 from modules.config import ConfigError, TrainConfig
-from modules.queue.jobs import Job
 from modules.queue.remote import RemoteQueueError, add_job, answer, call, words
 from modules.queue.view import JobRow
 from modules.remote.host import RemoteHost
@@ -51,8 +50,6 @@ class RemoteQueueController:
         self.machine = RemoteMachine(host, self.known)
         self.confirm = confirm
         self.session_factory = session_factory
-        self.progress: list[str] = []
-        """What the last add did (checking, uploading), line by line."""
 
     @property
     def machine_name(self) -> str:
@@ -76,7 +73,10 @@ class RemoteQueueController:
 
     def _json(self, text: str) -> dict:
         try:
-            return json.loads(text)
+            found = json.loads(text)
+            if not isinstance(found, dict):
+                raise ValueError(text)
+            return found
         except ValueError:
             raise RemoteQueueError(f"{self.host.label}: unexpected answer from its queue: {text[:200]!r}") from None
 
@@ -85,17 +85,20 @@ class RemoteQueueController:
         """Queue `cfg` there with the GPUs its Multi-GPU settings ask for (the machine's own GPUs decide whether
         it fits: `visible_gpus` is this machine's, not used). Prepared as a remote start is: Tandem installed there
         at this version, the data and models it lacks uploaded."""
-        self.progress = []
-        session = self.session_factory([self.host], self.known, progress=self.progress.append, confirm=self.confirm)
+        session = self.session_factory([self.host], self.known, progress=lambda line: None, confirm=self.confirm)
         done = self._run(lambda: answer(self.machine, add_job(self.machine, session, cfg, None, name, name,
                                                               as_json=True)))
-        job = Job.from_dict(self._json(done))
-        return (f"Queued {job.label()} on {self.host.label}: the Queue tab shows it; it starts there when its GPUs "
-                "are free, whether this window (or this computer) is on or not.")
+        job = self._json(done)
+        return (f"Queued #{job.get('id')} {job.get('name')} on {self.host.label}: the Queue tab shows it; it starts "
+                "there when its GPUs are free, whether this window (or this computer) is on or not.")
 
     def snapshot(self) -> QueueSnapshot:
         listed = self._json(self._ask("list", as_json=True))
-        found = [JobRow.from_dict(job) for job in listed.get("jobs", [])]
+        try:
+            found = [JobRow.from_dict(job) for job in listed.get("jobs", [])]
+        except (TypeError, AttributeError):  # rows of another Tandem version there
+            raise RemoteQueueError(f"{self.host.label}: its queue answered in another form (another Tandem "
+                                   "version there?): add a job from here to install this one") from None
         return QueueSnapshot(header=f"{self.host.label} · {listed.get('header') or listed.get('queue', '')}",
                              rows=found, paused=bool(listed.get("paused")),
                              runner_alive=bool(listed.get("runner_alive")),
