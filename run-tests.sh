@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs (first use) and runs the whole test suite on CPU. Extra arguments go to pytest.
-#   ./run-tests.sh           everything (what CI runs: 18:53 from a clean clone with the install, pytest 18:23 for
-#                            1,681 tests on 2 otherwise idle cores, 2026-12-02; README.md too)
+#   ./run-tests.sh           everything (what CI runs: 20:15 on CI's 2 cores with the install, 2026-12-02; on this
+#                            project's 2-core development machine 18:53 that morning for 1,681 tests and 31:03
+#                            that afternoon for 1,727, when the same machine ran the quick set 1.7x slower; README.md too)
 #   ./run-tests.sh --fast    the quick set: no training runs, launched processes, compiles or real-size models, two
-#                            window tests (63 s on 2 idle cores, 2026-11-28; 10:09 at load 9-10, 2026-12-02)
+#                            window tests (1:43 for 1,270 tests and 2:57 for 1,308 on 2 cores, 2026-12-02)
 # Tests run in TANDEM_TEST_WORKERS pytest processes (default: one more than the cores, at most 6 - many
 # tests wait on the processes they launch, and with one worker a core the cores idled a quarter of the run;
 # with two more than the cores they were 96% busy and the run took 23:31 instead of 21:33, 2026-11-29;
