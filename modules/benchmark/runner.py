@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from modules.benchmark import DEMO
+from modules.benchmark.synthetic import control_count
 from modules.config import TrainConfig, apply_overrides, config_from_dict, config_to_dict
 from modules.planning.memory_plan import NoPlanFits
 from modules.util import dist_utils as du
@@ -93,8 +94,6 @@ def case_config(case: Case, workspace: Path) -> TrainConfig:
     family: the model itself is built in memory (`SyntheticSource.model`), but whatever sizes the
     model from the config - `multi_gpu.strategy = auto`'s memory estimate - must see the real-size
     architecture (Tandem's shipped configs), not the built-in demo model a default config names."""
-    from modules.benchmark.synthetic import control_count
-
     if case.variant == DEMO:
         base_model = "builtin:demo"  # loaded as a user's run loads it (`create_model`)
     else:
@@ -252,8 +251,7 @@ class StepTimer(StepObserver):
         images_per_step = c.batch * cfg.training.gradient_accumulation_steps * parallel.data_world
         denoiser = trainer.bundle.denoiser
         result = dict(case=c.name(), model=c.model, mode=c.mode, resolution=c.resolution,
-                      controls=(trainer.dataset.controls.shape[1] if getattr(trainer.dataset, "controls", None) is not None
-                                else 0),
+                      controls=control_count(c.model, c.controls),
                       batch_per_gpu=c.batch, world=du.world_size(), gc=c.gradient_checkpointing,
                       strategy=parallel.name,  # what multi_gpu.strategy gave (single: one process)
                       layer_offload_blocks=parallel.layer_offload_blocks,  # swapped (multi_gpu.layer_offload)
