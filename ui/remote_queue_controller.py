@@ -12,7 +12,7 @@ import json
 from typing import Callable
 
 from modules.config import ConfigError, TrainConfig
-from modules.queue.remote import RemoteQueueError, add_job, answer, call, words
+from modules.queue.remote import RemoteQueueError, add_job, answer, call, naming, words
 from modules.queue.view import JobRow
 from modules.remote.host import RemoteHost
 from modules.remote.known_hosts import KnownHosts, ScanError
@@ -65,8 +65,8 @@ class RemoteQueueController:
         except RemoteQueueError:
             raise
         except FAILURES as e:
-            text = " ".join(str(e).split())  # one line in the Queue tab's notice
-            raise RemoteQueueError(text if self.host.label in text else f"{self.host.label}: {text}") from None
+            # One line in the Queue tab's notice.
+            raise RemoteQueueError(naming(self.host.label, " ".join(str(e).split()))) from None
 
     def _ask(self, verb: str, *args: str, as_json: bool = False) -> str:
         return self._run(lambda: answer(self.machine, call(self.machine, *words(verb, *args, as_json=as_json))))

@@ -52,13 +52,18 @@ class RemoteQueueError(RuntimeError):
     """The remote queue answered with an error (its own `error: ...` line), or Tandem is not installed there."""
 
 
+def naming(label: str, text: str) -> str:
+    """`text` naming the machine: prefixed with `label` unless it names it already."""
+    return text if label in text else f"{label}: {text}"
+
+
 def answer(machine: RemoteMachine, done: Result) -> str:
     """The remote's answer, or RemoteQueueError with the line it gave as its error."""
     if done.returncode == 0:
         return done.text
     lines = [line.strip() for line in done.stderr.strip().splitlines() if line.strip()]
-    text = (lines[-1] if lines else f"exit code {done.returncode}").removeprefix("error: ")
-    raise RemoteQueueError(text if machine.label in text else f"{machine.label}: {text}")
+    raise RemoteQueueError(naming(machine.label, (lines[-1] if lines else f"exit code {done.returncode}")
+                                  .removeprefix("error: ")))
 
 
 def add_job(machine: RemoteMachine, session: RemoteSession, cfg, need: GpuNeed | None, name: str, source: str,
